@@ -1,0 +1,144 @@
+package blockhash
+
+import (
+	"bytes"
+	"encoding/binary"
+	"fmt"
+
+	"github.com/cespare/xxhash/v2"
+)
+
+// Block is one cut of the prompt.
+type Block struct {
+	// Hash is the chained key: it names this block and everything before it.
+	Hash uint64
+	// Tokens is the block's estimated token count, at least 1.
+	Tokens int32
+	// Kind is the block's semantic type; not part of Hash.
+	Kind Kind
+}
+
+// Options configure a Splitter. The zero value means the defaults.
+type Options struct {
+	// BlockTokens is the block size in estimated tokens. Default 64.
+	BlockTokens int
+	// BytesPerToken is the token estimate: one token per this many bytes of
+	// text. Default 4.
+	BytesPerToken int
+}
+
+// Splitter cuts requests into blocks. It is immutable and safe for concurrent use.
+type Splitter struct {
+	blockTokens   int
+	bytesPerToken int
+}
+
+// Defaults for Options.
+const (
+	DefaultBlockTokens   = 64
+	DefaultBytesPerToken = 4
+)
+
+// NewSplitter validates o and returns a Splitter.
+func NewSplitter(o Options) (*Splitter, error) {
+	if o.BlockTokens == 0 {
+		o.BlockTokens = DefaultBlockTokens
+	}
+	if o.BytesPerToken == 0 {
+		o.BytesPerToken = DefaultBytesPerToken
+	}
+	if o.BlockTokens < 1 || o.BlockTokens > 1<<20 {
+		return nil, fmt.Errorf("block tokens %d out of range [1, 1048576]", o.BlockTokens)
+	}
+	if o.BytesPerToken < 1 || o.BytesPerToken > 64 {
+		return nil, fmt.Errorf("bytes per token %d out of range [1, 64]", o.BytesPerToken)
+	}
+	return &Splitter{blockTokens: o.BlockTokens, bytesPerToken: o.BytesPerToken}, nil
+}
+
+// BlockTokens returns the block size in estimated tokens.
+func (s *Splitter) BlockTokens() int { return s.blockTokens }
+
+// Seed returns the hash that chains before a model's first block.
+func Seed(model string) uint64 { return xxhash.Sum64String(model) }
+
+// ChainHash returns xxhash(parent ‖ role ‖ b), the key of a block whose
+// prefix has key parent. It does not allocate.
+func ChainHash(parent uint64, role byte, b []byte) uint64 {
+	var hdr [9]byte
+	binary.LittleEndian.PutUint64(hdr[:8], parent)
+	hdr[8] = role
+	var d xxhash.Digest
+	d.Reset()
+	_, _ = d.Write(hdr[:])
+	_, _ = d.Write(b)
+	return d.Sum64()
+}
+
+// Split appends r's blocks to dst and returns the extended slice. With a dst of
+// enough capacity it does not allocate.
+func (s *Splitter) Split(dst []Block, r *Request) []Block {
+	h := Seed(r.Model)
+	for i := range r.Parts {
+		dst = s.AppendPart(dst, h, &r.Parts[i])
+		if n := len(dst); n > 0 {
+			h = dst[n-1].Hash
+		}
+	}
+	return dst
+}
+
+// Estimate returns the estimated token count of r's prompt, the sum of its
+// blocks' Tokens.
+func (s *Splitter) Estimate(r *Request) int {
+	n := 0
+	for i := range r.Parts {
+		n += s.partTokens(&r.Parts[i])
+	}
+	return n
+}
+
+func (s *Splitter) partTokens(p *Part) int {
+	if p.Role == RoleTokens {
+		return max(p.Tokens, 1)
+	}
+	return max((len(p.Text)+s.bytesPerToken-1)/s.bytesPerToken, 1)
+}
+
+// AppendPart appends the blocks of one part, chained after parent, to dst.
+// An empty part is one block of one token: templates render a few tokens of
+// framing for every message.
+func (s *Splitter) AppendPart(dst []Block, parent uint64, p *Part) []Block {
+	text := p.Text
+	step := s.blockTokens * s.bytesPerToken
+	perToken := s.bytesPerToken
+	if p.Role == RoleTokens {
+		step, perToken = 4*s.blockTokens, 4
+	}
+	if len(text) == 0 {
+		return append(dst, Block{Hash: ChainHash(parent, p.Role, nil), Tokens: 1, Kind: p.Base})
+	}
+	refine := p.Role == RoleUser || p.Role == RolePrompt
+	doc := refine && p.Role == RoleUser && looksLikeDocument(text, s.partTokens(p))
+	inFence := false
+	h := parent
+	for off := 0; off < len(text); off += step {
+		end := min(off+step, len(text))
+		b := text[off:end]
+		h = ChainHash(h, p.Role, b)
+		k := p.Base
+		if refine {
+			switch {
+			case looksLikeCode(b, inFence):
+				k = KindCode
+			case doc && end < len(text):
+				k = KindRetrievedContext
+			}
+			if bytes.Count(b, fence)%2 == 1 {
+				inFence = !inFence
+			}
+		}
+		dst = append(dst, Block{Hash: h, Tokens: int32((len(b) + perToken - 1) / perToken), Kind: k})
+	}
+	return dst
+}
