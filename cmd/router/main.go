@@ -1,0 +1,165 @@
+// Command router is semroute: a KV-cache-aware load-balancing router for
+// OpenAI-compatible inference replicas.
+//
+//	router serve --config router.yaml   run in front of real replicas
+//	router demo                         run in front of built-in simulated replicas
+//	router sim --listen ADDR            run one simulated replica
+//	router version                      print version, commit and Go version
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/signal"
+	"runtime"
+	"runtime/debug"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/semroute/semroute/configs"
+	"github.com/semroute/semroute/simreplica"
+)
+
+// version is set at build time with -ldflags "-X main.version=v1.2.3".
+var version = "dev"
+
+func main() {
+	if err := newRoot().Execute(); err != nil {
+		fmt.Fprintln(os.Stderr, "router:", err)
+		os.Exit(1)
+	}
+}
+
+func newRoot() *cobra.Command {
+	root := &cobra.Command{
+		Use:           "router",
+		Short:         "semroute: a KV-cache-aware router for OpenAI-compatible inference replicas",
+		SilenceUsage:  true,
+		SilenceErrors: true,
+	}
+	root.AddCommand(newServe(), newDemo(), newSim(), newVersion())
+	return root
+}
+
+// signalContext is cancelled by SIGINT or SIGTERM.
+func signalContext() (context.Context, context.CancelFunc) {
+	return signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+}
+
+func newServe() *cobra.Command {
+	var path string
+	cmd := &cobra.Command{
+		Use:   "serve",
+		Short: "Route requests to the replicas in the config",
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			v := configs.NewViper()
+			if err := v.BindPFlag("listen", cmd.Flags().Lookup("listen")); err != nil {
+				return err
+			}
+			cfg, err := configs.Load(v, path)
+			if err != nil {
+				return err
+			}
+			log := newLogger(cfg.Log, os.Stderr)
+			a, err := build(cfg, log)
+			if err != nil {
+				return err
+			}
+			l, err := serve(cfg.Listen, a.server, log)
+			if err != nil {
+				return err
+			}
+			log.Info("semroute listening", "addr", l.addr, "replicas", len(cfg.Replicas), "policy", cfg.Routing.Policy)
+			ctx, stop := signalContext()
+			defer stop()
+			<-ctx.Done()
+			log.Info("shutting down")
+			return l.stop(30 * time.Second)
+		},
+	}
+	cmd.Flags().StringVar(&path, "config", "", "YAML config file")
+	cmd.Flags().String("listen", "127.0.0.1:8080", "address to serve the OpenAI API on")
+	return cmd
+}
+
+func newDemo() *cobra.Command {
+	var o demoOptions
+	cmd := &cobra.Command{
+		Use:   "demo",
+		Short: "Run the router in front of built-in simulated replicas",
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			d, err := startDemo(o, os.Stderr)
+			if err != nil {
+				return err
+			}
+			printExample(cmd.OutOrStdout(), d)
+			ctx, stop := signalContext()
+			defer stop()
+			<-ctx.Done()
+			return d.close()
+		},
+	}
+	cmd.Flags().StringVar(&o.listen, "listen", "127.0.0.1:8080", "address to serve the OpenAI API on")
+	cmd.Flags().IntVar(&o.replicas, "replicas", 4, "number of simulated replicas")
+	cmd.Flags().StringVar(&o.config, "config", "", "YAML config overriding the embedded demo config")
+	cmd.Flags().StringVar(&o.policy, "policy", "", "routing policy (default: the config's)")
+	return cmd
+}
+
+func newSim() *cobra.Command {
+	var (
+		o      simreplica.Options
+		listen string
+	)
+	cmd := &cobra.Command{
+		Use:   "sim",
+		Short: "Run one simulated OpenAI-compatible replica with a prefix cache",
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			r, err := simreplica.Start(o, listen)
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "simulated replica serving %s at %s\n", r.Options().Model, r.URL)
+			ctx, stop := signalContext()
+			defer stop()
+			<-ctx.Done()
+			sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			return r.Shutdown(sctx)
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&listen, "listen", "127.0.0.1:8000", "address to listen on")
+	f.StringVar(&o.Model, "model", "sim-model", "served model name")
+	f.IntVar(&o.BlockSize, "block-size", 16, "tokens per cache block")
+	f.IntVar(&o.NumBlocks, "num-blocks", 16384, "cache capacity in blocks")
+	f.IntVar(&o.BytesPerToken, "bytes-per-token", 4, "tokenizer estimate")
+	f.IntVar(&o.MaxRunning, "max-running", 64, "maximum running sequences; more wait")
+	f.DurationVar(&o.Overhead, "overhead", 2*time.Millisecond, "fixed part of time to first token")
+	f.DurationVar(&o.PrefillPerToken, "prefill-per-token", 20*time.Microsecond, "time per uncached prompt token")
+	f.DurationVar(&o.InterToken, "inter-token", 2*time.Millisecond, "time per output token after the first")
+	f.IntVar(&o.OutputTokens, "output-tokens", 16, "output length when max_tokens is absent")
+	f.IntVar(&o.MaxOutputTokens, "max-output-tokens", 4096, "largest max_tokens accepted")
+	return cmd
+}
+
+func newVersion() *cobra.Command {
+	return &cobra.Command{
+		Use:   "version",
+		Short: "Print the version, commit and Go version",
+		Run: func(cmd *cobra.Command, _ []string) {
+			commit := "unknown"
+			if bi, ok := debug.ReadBuildInfo(); ok {
+				for _, s := range bi.Settings {
+					if s.Key == "vcs.revision" {
+						commit = s.Value
+					}
+				}
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "semroute %s commit %s %s\n", version, commit, runtime.Version())
+		},
+	}
+}

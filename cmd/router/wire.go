@@ -1,0 +1,144 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/cachemodel"
+	"github.com/semroute/semroute/configs"
+	"github.com/semroute/semroute/policies"
+	"github.com/semroute/semroute/replica"
+	"github.com/semroute/semroute/router"
+)
+
+// app is a router built from a Config.
+type app struct {
+	cfg    *configs.Config
+	log    *slog.Logger
+	cache  *cachemodel.Model
+	pool   *replica.Pool
+	engine *router.Engine
+	server *router.Server
+}
+
+// newLogger builds the logger the config asks for, writing to w.
+func newLogger(c configs.LogConfig, w io.Writer) *slog.Logger {
+	var lvl slog.Level
+	_ = lvl.UnmarshalText([]byte(c.Level)) // validated by configs
+	o := &slog.HandlerOptions{Level: lvl}
+	if c.Format == "json" {
+		return slog.New(slog.NewJSONHandler(w, o))
+	}
+	return slog.New(slog.NewTextHandler(w, o))
+}
+
+// build turns a validated config into the router's parts.
+func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
+	if len(cfg.Replicas) == 0 {
+		return nil, errors.New("config: replicas: at least one replica is required")
+	}
+	split, err := blockhash.NewSplitter(blockhash.Options{BlockTokens: cfg.Blocks.BlockTokens, BytesPerToken: cfg.Blocks.BytesPerToken})
+	if err != nil {
+		return nil, fmt.Errorf("config: blocks: %w", err)
+	}
+	evict, err := policies.Lookup(cfg.Cache.Eviction)
+	if err != nil {
+		return nil, fmt.Errorf("config: cache.eviction: %w", err)
+	}
+	cache := cachemodel.New(cachemodel.Options{Policy: evict})
+	specs := make([]replica.Spec, len(cfg.Replicas))
+	for i, r := range cfg.Replicas {
+		specs[i] = replica.Spec{Name: r.Name, URL: r.URL, BudgetTokens: r.BudgetTokens, Weight: r.Weight}
+		if specs[i].BudgetTokens == 0 {
+			specs[i].BudgetTokens = cfg.Cache.DefaultBudgetTokens
+		}
+	}
+	pool, err := replica.NewPool(specs, replica.Options{HalfLife: cfg.Routing.LoadHalfLife},
+		func(s replica.Spec) (int, error) { return cache.AddReplica(s.Name, s.BudgetTokens) })
+	if err != nil {
+		return nil, fmt.Errorf("config: %w", err)
+	}
+	weights := router.DefaultWeights()
+	for name, w := range cfg.Routing.KindWeights {
+		k, err := blockhash.ParseKind(name)
+		if err != nil {
+			return nil, fmt.Errorf("config: routing.kind_weights: %w", err)
+		}
+		weights[k] = w
+	}
+	pol, err := router.NewPolicy(cfg.Routing.Policy, router.PolicyConfig{
+		LoadWeight: cfg.Routing.LoadWeight, SpillFactor: cfg.Routing.SpillFactor, SpillMarginTokens: cfg.Routing.SpillMarginTokens,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("config: routing: %w", err)
+	}
+	eng, err := router.NewEngine(router.EngineOptions{
+		Splitter: split, Cache: cache, Pool: pool, Policy: pol, Weights: weights, Attempts: cfg.Routing.Attempts,
+	})
+	if err != nil {
+		return nil, err
+	}
+	srv, err := router.NewServer(router.ServerOptions{
+		Engine: eng, MaxBodyBytes: cfg.Limits.MaxBodyBytes, Limits: blockhash.Limits{MaxMessages: cfg.Limits.MaxMessages},
+		RecordReplies: cfg.Routing.RecordReplies, DownCooldown: cfg.Routing.DownCooldown, Logger: log,
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &app{cfg: cfg, log: log, cache: cache, pool: pool, engine: eng, server: srv}, nil
+}
+
+// listening is an HTTP server on a socket.
+type listening struct {
+	srv  *http.Server
+	addr string // host:port actually bound
+	done chan error
+}
+
+// serve starts h on addr ("127.0.0.1:0" picks a port).
+func serve(addr string, h http.Handler, log *slog.Logger) (*listening, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("listen %s: %w", addr, err)
+	}
+	l := &listening{
+		srv: &http.Server{
+			Handler:           h,
+			ReadHeaderTimeout: 10 * time.Second,
+			MaxHeaderBytes:    64 << 10,
+			ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+		},
+		addr: ln.Addr().String(),
+		done: make(chan error, 1),
+	}
+	go func() {
+		err := l.srv.Serve(ln)
+		if errors.Is(err, http.ErrServerClosed) {
+			err = nil
+		}
+		l.done <- err
+	}()
+	return l, nil
+}
+
+// stop shuts the server down gracefully, waiting up to grace for requests in
+// flight, then closes what is left.
+func (l *listening) stop(grace time.Duration) error {
+	ctx, cancel := context.WithTimeout(context.Background(), grace)
+	defer cancel()
+	if err := l.srv.Shutdown(ctx); err != nil {
+		_ = l.srv.Close()
+	}
+	return <-l.done
+}
+
+// url returns the server's base URL.
+func (l *listening) url() string { return "http://" + strings.Replace(l.addr, "[::]", "127.0.0.1", 1) }

@@ -1,0 +1,252 @@
+// Package configs holds the example configurations and the loader: a YAML
+// file, then SEMROUTE_* environment variables, then flags, each overriding
+// the one before, with defaults and validation whose errors name the field.
+//
+// Only this package and cmd/router know about viper; the domain packages take
+// plain options built from a Config.
+package configs
+
+import (
+	_ "embed"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/spf13/viper"
+
+	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/policies"
+)
+
+// DemoYAML is the embedded configuration of `router demo`.
+//
+//go:embed demo.yaml
+var DemoYAML []byte
+
+// ExampleYAML is the documented example configuration, router.yaml.
+//
+//go:embed router.yaml
+var ExampleYAML []byte
+
+// Config is the router's whole configuration.
+type Config struct {
+	Listen   string        `mapstructure:"listen"`
+	Log      LogConfig     `mapstructure:"log"`
+	Routing  RoutingConfig `mapstructure:"routing"`
+	Blocks   BlocksConfig  `mapstructure:"blocks"`
+	Cache    CacheConfig   `mapstructure:"cache"`
+	Limits   LimitsConfig  `mapstructure:"limits"`
+	Replicas []Replica     `mapstructure:"replicas"`
+}
+
+// LogConfig selects the log format and level.
+type LogConfig struct {
+	Level  string `mapstructure:"level"`  // debug, info, warn, error
+	Format string `mapstructure:"format"` // text or json
+}
+
+// RoutingConfig selects and tunes the routing policy.
+type RoutingConfig struct {
+	Policy            string             `mapstructure:"policy"`
+	LoadWeight        float64            `mapstructure:"load_weight"`
+	SpillFactor       float64            `mapstructure:"spill_factor"`
+	SpillMarginTokens float64            `mapstructure:"spill_margin_tokens"`
+	LoadHalfLife      time.Duration      `mapstructure:"load_half_life"`
+	Attempts          int                `mapstructure:"attempts"`
+	RecordReplies     bool               `mapstructure:"record_replies"`
+	DownCooldown      time.Duration      `mapstructure:"down_cooldown"`
+	KindWeights       map[string]float64 `mapstructure:"kind_weights"`
+}
+
+// BlocksConfig sets how prompts are cut.
+type BlocksConfig struct {
+	BlockTokens   int `mapstructure:"block_tokens"`
+	BytesPerToken int `mapstructure:"bytes_per_token"`
+}
+
+// CacheConfig sets the cache picture.
+type CacheConfig struct {
+	Eviction            string `mapstructure:"eviction"`
+	DefaultBudgetTokens int64  `mapstructure:"default_budget_tokens"`
+}
+
+// LimitsConfig bounds request input.
+type LimitsConfig struct {
+	MaxBodyBytes int64 `mapstructure:"max_body_bytes"`
+	MaxMessages  int   `mapstructure:"max_messages"`
+}
+
+// Replica is one static replica.
+type Replica struct {
+	Name         string  `mapstructure:"name"`
+	URL          string  `mapstructure:"url"`
+	BudgetTokens int64   `mapstructure:"budget_tokens"`
+	Weight       float64 `mapstructure:"weight"`
+}
+
+// SetDefaults registers every key's default on v, which also makes every key
+// settable from the environment.
+func SetDefaults(v *viper.Viper) {
+	v.SetDefault("listen", "127.0.0.1:8080")
+	v.SetDefault("log.level", "info")
+	v.SetDefault("log.format", "text")
+	v.SetDefault("routing.policy", "semantic")
+	v.SetDefault("routing.load_weight", 1.0)
+	v.SetDefault("routing.spill_factor", 2.0)
+	v.SetDefault("routing.spill_margin_tokens", 2048.0)
+	v.SetDefault("routing.load_half_life", "10s")
+	v.SetDefault("routing.attempts", 3)
+	v.SetDefault("routing.record_replies", true)
+	v.SetDefault("routing.down_cooldown", "5s")
+	v.SetDefault("routing.kind_weights", map[string]float64{})
+	v.SetDefault("blocks.block_tokens", blockhash.DefaultBlockTokens)
+	v.SetDefault("blocks.bytes_per_token", blockhash.DefaultBytesPerToken)
+	v.SetDefault("cache.eviction", "lru")
+	v.SetDefault("cache.default_budget_tokens", 0)
+	v.SetDefault("limits.max_body_bytes", 16<<20)
+	v.SetDefault("limits.max_messages", 4096)
+	v.SetDefault("replicas", []Replica{})
+}
+
+// NewViper returns a viper with the defaults, reading SEMROUTE_* variables
+// (SEMROUTE_ROUTING_POLICY sets routing.policy).
+func NewViper() *viper.Viper {
+	v := viper.New()
+	SetDefaults(v)
+	v.SetEnvPrefix("SEMROUTE")
+	v.SetEnvKeyReplacer(strings.NewReplacer(".", "_"))
+	v.AutomaticEnv()
+	v.SetConfigType("yaml")
+	return v
+}
+
+// Load reads the YAML file at path (none if path is empty) into v, then
+// unmarshals and validates the result. Unknown keys are errors.
+func Load(v *viper.Viper, path string) (*Config, error) {
+	if path != "" {
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return nil, fmt.Errorf("read config: %w", err)
+		}
+		if err := v.MergeConfig(strings.NewReader(string(b))); err != nil {
+			return nil, fmt.Errorf("parse config %s: %w", path, err)
+		}
+	}
+	return Decode(v)
+}
+
+// LoadBytes is Load for a YAML document in memory.
+func LoadBytes(v *viper.Viper, yaml []byte) (*Config, error) {
+	if err := v.MergeConfig(strings.NewReader(string(yaml))); err != nil {
+		return nil, fmt.Errorf("parse config: %w", err)
+	}
+	return Decode(v)
+}
+
+// Decode unmarshals v and validates it.
+func Decode(v *viper.Viper) (*Config, error) {
+	var c Config
+	if err := v.UnmarshalExact(&c); err != nil {
+		return nil, fmt.Errorf("config: %w", err)
+	}
+	if err := c.Validate(); err != nil {
+		return nil, err
+	}
+	return &c, nil
+}
+
+// FieldError is a validation error naming the offending field.
+type FieldError struct {
+	Field string
+	Msg   string
+}
+
+func (e *FieldError) Error() string { return "config: " + e.Field + ": " + e.Msg }
+
+// Validate checks every field, returning all the errors joined.
+func (c *Config) Validate() error {
+	var errs []error
+	bad := func(field, format string, args ...any) {
+		errs = append(errs, &FieldError{Field: field, Msg: fmt.Sprintf(format, args...)})
+	}
+	if _, _, err := net.SplitHostPort(c.Listen); err != nil {
+		bad("listen", "%q is not host:port", c.Listen)
+	}
+	switch c.Log.Level {
+	case "debug", "info", "warn", "error":
+	default:
+		bad("log.level", "%q is not one of debug, info, warn, error", c.Log.Level)
+	}
+	if c.Log.Format != "text" && c.Log.Format != "json" {
+		bad("log.format", "%q is not text or json", c.Log.Format)
+	}
+	r := &c.Routing
+	switch r.Policy {
+	case "semantic", "round_robin", "random", "least_load":
+	default:
+		bad("routing.policy", "unknown policy %q", r.Policy)
+	}
+	if r.LoadWeight < 0 {
+		bad("routing.load_weight", "must not be negative")
+	}
+	if r.SpillFactor < 1 {
+		bad("routing.spill_factor", "must be at least 1")
+	}
+	if r.SpillMarginTokens < 0 {
+		bad("routing.spill_margin_tokens", "must not be negative")
+	}
+	if r.LoadHalfLife < 0 {
+		bad("routing.load_half_life", "must not be negative")
+	}
+	if r.Attempts < 1 || r.Attempts > 16 {
+		bad("routing.attempts", "%d is not in [1, 16]", r.Attempts)
+	}
+	if r.DownCooldown <= 0 {
+		bad("routing.down_cooldown", "must be positive")
+	}
+	for k, w := range r.KindWeights {
+		if _, err := blockhash.ParseKind(k); err != nil {
+			bad("routing.kind_weights."+k, "unknown kind")
+		} else if w < 0 {
+			bad("routing.kind_weights."+k, "must not be negative")
+		}
+	}
+	if _, err := blockhash.NewSplitter(blockhash.Options{BlockTokens: c.Blocks.BlockTokens, BytesPerToken: c.Blocks.BytesPerToken}); err != nil || c.Blocks.BlockTokens == 0 || c.Blocks.BytesPerToken == 0 {
+		bad("blocks", "block_tokens must be in [1, 1048576] and bytes_per_token in [1, 64]")
+	}
+	if _, err := policies.Lookup(c.Cache.Eviction); err != nil {
+		bad("cache.eviction", "%v", err)
+	}
+	if c.Cache.DefaultBudgetTokens < 0 {
+		bad("cache.default_budget_tokens", "must not be negative")
+	}
+	if c.Limits.MaxBodyBytes < 1024 {
+		bad("limits.max_body_bytes", "must be at least 1024")
+	}
+	if c.Limits.MaxMessages < 1 {
+		bad("limits.max_messages", "must be at least 1")
+	}
+	names := map[string]bool{}
+	for i, rep := range c.Replicas {
+		f := fmt.Sprintf("replicas[%d]", i)
+		if rep.Name == "" {
+			bad(f+".name", "is required")
+		} else if names[rep.Name] {
+			bad(f+".name", "duplicate name %q", rep.Name)
+		}
+		names[rep.Name] = true
+		if !strings.HasPrefix(rep.URL, "http://") && !strings.HasPrefix(rep.URL, "https://") {
+			bad(f+".url", "%q must start with http:// or https://", rep.URL)
+		}
+		if rep.BudgetTokens < 0 {
+			bad(f+".budget_tokens", "must not be negative")
+		}
+		if rep.Weight < 0 {
+			bad(f+".weight", "must not be negative")
+		}
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,187 @@
+// Package replica is the pool of inference replicas the router sends to: their
+// membership, availability and load signals.
+//
+// A Replica's counters are atomics and its methods are safe for concurrent
+// use. A Pool publishes its membership as an immutable snapshot, so readers
+// never lock; changes build a new snapshot (copy-on-write).
+package replica
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"net/url"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Spec is one replica's static configuration.
+type Spec struct {
+	Name string
+	URL  string // base URL, e.g. http://10.0.0.5:8000
+	// BudgetTokens is the replica's KV cache size in tokens; 0 means unknown
+	// (the cache model then treats it as unlimited).
+	BudgetTokens int64
+	// Weight scales the replica's share of load: a replica of weight 2 is
+	// considered half as loaded by the same work. Zero means 1.
+	Weight float64
+}
+
+// Load is a replica's queued work, the load term of routing scores.
+type Load struct {
+	InFlight int64 // requests sent and not finished
+	// PendingTokens is the estimated prefill tokens (uncached prompt tokens)
+	// of requests sent and not finished, divided by the weight.
+	PendingTokens float64
+	// RecentTokens is the prefill tokens sent recently, decayed with the
+	// pool's half-life, divided by the weight: it keeps load meaningful when
+	// requests are short and rarely overlap.
+	RecentTokens float64
+}
+
+// Tokens is the queued work in prefill tokens: pending plus recent.
+func (l Load) Tokens() float64 { return l.PendingTokens + l.RecentTokens }
+
+// Replica is one inference server.
+type Replica struct {
+	Name   string
+	URL    *url.URL
+	Budget int64
+	Weight float64
+	// ID is the replica's id in the cache model, set once when it joins a
+	// pool and never changed.
+	ID int
+
+	halfLife  time.Duration
+	inFlight  atomic.Int64
+	pending   atomic.Int64 // tokens
+	downUntil atomic.Int64 // unix nanoseconds; 0 when up
+
+	mu       sync.Mutex
+	recent   float64 // tokens, as of recentAt
+	recentAt int64   // unix nanoseconds
+}
+
+// Begin counts a request of tokens estimated prefill tokens sent at now.
+func (r *Replica) Begin(tokens int64, now time.Time) {
+	r.inFlight.Add(1)
+	r.pending.Add(tokens)
+	r.mu.Lock()
+	r.recent = r.decayed(now.UnixNano()) + float64(tokens)
+	r.recentAt = now.UnixNano()
+	r.mu.Unlock()
+}
+
+// End counts the end of a request begun with the same tokens.
+func (r *Replica) End(tokens int64) {
+	r.inFlight.Add(-1)
+	r.pending.Add(-tokens)
+}
+
+// decayed returns the recent-work counter at now; r.mu must be held.
+func (r *Replica) decayed(now int64) float64 {
+	if r.halfLife <= 0 {
+		return 0
+	}
+	dt := now - r.recentAt
+	if dt <= 0 {
+		return r.recent
+	}
+	return r.recent * math.Exp2(-float64(dt)/float64(r.halfLife))
+}
+
+// Load returns the replica's load at now.
+func (r *Replica) Load(now time.Time) Load {
+	r.mu.Lock()
+	recent := r.decayed(now.UnixNano())
+	r.mu.Unlock()
+	return Load{
+		InFlight:      r.inFlight.Load(),
+		PendingTokens: float64(r.pending.Load()) / r.Weight,
+		RecentTokens:  recent / r.Weight,
+	}
+}
+
+// Available reports whether the replica may take traffic at now.
+func (r *Replica) Available(now time.Time) bool { return now.UnixNano() >= r.downUntil.Load() }
+
+// MarkDown takes the replica out of rotation until now+cooldown.
+func (r *Replica) MarkDown(now time.Time, cooldown time.Duration) {
+	r.downUntil.Store(now.Add(cooldown).UnixNano())
+}
+
+// Options configure a Pool. The zero value is usable.
+type Options struct {
+	// HalfLife of the recent-work load signal. Zero disables it, leaving
+	// only in-flight work.
+	HalfLife time.Duration
+}
+
+// Pool is a set of replicas.
+type Pool struct {
+	opts Options
+	snap atomic.Pointer[[]*Replica]
+	mu   sync.Mutex // serialises writers
+}
+
+// NewPool returns a pool of the given replicas. join is called with each
+// replica before it is published and returns its cache-model id.
+func NewPool(specs []Spec, o Options, join func(Spec) (int, error)) (*Pool, error) {
+	p := &Pool{opts: o}
+	var rs []*Replica
+	seen := map[string]bool{}
+	for i, s := range specs {
+		r, err := p.build(s)
+		if err != nil {
+			return nil, fmt.Errorf("replicas[%d]: %w", i, err)
+		}
+		if seen[r.Name] {
+			return nil, fmt.Errorf("replicas[%d]: duplicate name %q", i, r.Name)
+		}
+		seen[r.Name] = true
+		if r.ID, err = join(s); err != nil {
+			return nil, fmt.Errorf("replicas[%d]: %w", i, err)
+		}
+		rs = append(rs, r)
+	}
+	p.snap.Store(&rs)
+	return p, nil
+}
+
+func (p *Pool) build(s Spec) (*Replica, error) {
+	if s.Name == "" {
+		return nil, errors.New("name is required")
+	}
+	u, err := url.Parse(s.URL)
+	if err != nil {
+		return nil, fmt.Errorf("url: %w", err)
+	}
+	if (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return nil, fmt.Errorf("url %q: want http(s)://host[:port]", s.URL)
+	}
+	if s.BudgetTokens < 0 {
+		return nil, fmt.Errorf("budget_tokens %d must not be negative", s.BudgetTokens)
+	}
+	if s.Weight < 0 || math.IsNaN(s.Weight) || math.IsInf(s.Weight, 0) {
+		return nil, fmt.Errorf("weight %v must be a positive number", s.Weight)
+	}
+	if s.Weight == 0 {
+		s.Weight = 1
+	}
+	return &Replica{Name: s.Name, URL: u, Budget: s.BudgetTokens, Weight: s.Weight, halfLife: p.opts.HalfLife}, nil
+}
+
+// Replicas returns the current members. The slice is shared and must not be
+// modified.
+func (p *Pool) Replicas() []*Replica { return *p.snap.Load() }
+
+// Get returns the member named name.
+func (p *Pool) Get(name string) (*Replica, bool) {
+	for _, r := range p.Replicas() {
+		if r.Name == name {
+			return r, true
+		}
+	}
+	return nil, false
+}

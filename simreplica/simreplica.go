@@ -1,0 +1,460 @@
+// Package simreplica is a simulated OpenAI-compatible inference replica: it
+// speaks /v1/chat/completions and /v1/completions (streaming or not),
+// /v1/models, /health and /metrics with vLLM's metric names, and behaves like
+// an engine with automatic prefix caching.
+//
+// The prompt is rendered (role markers, then each message's text), cut into
+// approximate tokens of BytesPerToken bytes, and into cache blocks of
+// BlockSize tokens keyed by a chained hash. Blocks live in an LRU of
+// NumBlocks entries; when a request finishes its blocks are refreshed tail
+// first, so the head of a prompt outlives its tail as in vLLM. Time to first
+// token is Overhead + PrefillPerToken × uncached prompt tokens; every further
+// token takes InterToken. At most MaxRunning requests run; the rest wait.
+//
+// A Server is safe for concurrent use.
+package simreplica
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	lru "github.com/hashicorp/golang-lru/v2/simplelru"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/semroute/semroute/blockhash"
+)
+
+// Options configure a simulated replica. Zero fields take the defaults.
+type Options struct {
+	Model           string        // served model name; default "sim-model"
+	BlockSize       int           // tokens per cache block; default 16
+	NumBlocks       int           // cache capacity in blocks; default 16384 (262,144 tokens)
+	BytesPerToken   int           // tokenizer estimate; default 4
+	MaxRunning      int           // running sequences; default 64
+	Overhead        time.Duration // fixed part of time to first token; default 2ms
+	PrefillPerToken time.Duration // per uncached prompt token; default 20µs
+	InterToken      time.Duration // per output token after the first; default 2ms
+	OutputTokens    int           // output length when max_tokens is absent; default 16
+	MaxOutputTokens int           // cap on max_tokens; default 4096
+	MaxBodyBytes    int64         // request body limit; default 32 MiB
+}
+
+func (o *Options) defaults() {
+	def := func(v *int, d int) {
+		if *v <= 0 {
+			*v = d
+		}
+	}
+	def(&o.BlockSize, 16)
+	def(&o.NumBlocks, 16384)
+	def(&o.BytesPerToken, 4)
+	def(&o.MaxRunning, 64)
+	def(&o.OutputTokens, 16)
+	def(&o.MaxOutputTokens, 4096)
+	if o.Model == "" {
+		o.Model = "sim-model"
+	}
+	if o.Overhead == 0 {
+		o.Overhead = 2 * time.Millisecond
+	}
+	if o.PrefillPerToken == 0 {
+		o.PrefillPerToken = 20 * time.Microsecond
+	}
+	if o.InterToken == 0 {
+		o.InterToken = 2 * time.Millisecond
+	}
+	if o.MaxBodyBytes == 0 {
+		o.MaxBodyBytes = 32 << 20
+	}
+}
+
+// Stats are a replica's counters since it started.
+type Stats struct {
+	Requests     int64 // requests admitted (valid bodies)
+	Completed    int64 // finished normally
+	Cancelled    int64 // ended because the client went away
+	PromptTokens int64
+	CachedTokens int64
+}
+
+// Server is one simulated replica.
+type Server struct {
+	o   Options
+	mux *http.ServeMux
+	sem chan struct{}
+
+	mu    sync.Mutex
+	cache *lru.LRU[uint64, struct{}]
+
+	requests, completed, cancelled, promptTokens, cachedTokens atomic.Int64
+
+	running, waiting, usage              prometheus.Gauge
+	queries, hits, promptTotal, genTotal prometheus.Counter
+}
+
+// New returns a simulated replica.
+func New(o Options) (*Server, error) {
+	o.defaults()
+	c, err := lru.NewLRU[uint64, struct{}](o.NumBlocks, nil)
+	if err != nil {
+		return nil, err
+	}
+	s := &Server{o: o, cache: c, sem: make(chan struct{}, o.MaxRunning), mux: http.NewServeMux()}
+	reg := prometheus.NewRegistry()
+	lbl := prometheus.Labels{"model_name": o.Model}
+	g := func(name, help string) prometheus.Gauge {
+		m := prometheus.NewGauge(prometheus.GaugeOpts{Name: name, Help: help, ConstLabels: lbl})
+		reg.MustRegister(m)
+		return m
+	}
+	ctr := func(name, help string) prometheus.Counter {
+		m := prometheus.NewCounter(prometheus.CounterOpts{Name: name, Help: help, ConstLabels: lbl})
+		reg.MustRegister(m)
+		return m
+	}
+	s.running = g("vllm:num_requests_running", "Number of requests in model execution batches.")
+	s.waiting = g("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+	s.usage = g("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+	s.queries = ctr("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens.")
+	s.hits = ctr("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.")
+	s.promptTotal = ctr("vllm:prompt_tokens_total", "Number of prefill tokens processed.")
+	s.genTotal = ctr("vllm:generation_tokens_total", "Number of generation tokens processed.")
+	info := prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "vllm:cache_config_info", Help: "Information of the LLMEngine CacheConfig."},
+		[]string{"block_size", "num_gpu_blocks"})
+	info.WithLabelValues(fmt.Sprint(o.BlockSize), fmt.Sprint(o.NumBlocks)).Set(1)
+	reg.MustRegister(info)
+
+	s.mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	s.mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
+	s.mux.HandleFunc("GET /v1/models", s.models)
+	s.mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { s.complete(w, r, blockhash.Chat) })
+	s.mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { s.complete(w, r, blockhash.Completion) })
+	return s, nil
+}
+
+// ServeHTTP implements http.Handler.
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) { s.mux.ServeHTTP(w, r) }
+
+// Stats returns the replica's counters.
+func (s *Server) Stats() Stats {
+	return Stats{
+		Requests: s.requests.Load(), Completed: s.completed.Load(), Cancelled: s.cancelled.Load(),
+		PromptTokens: s.promptTokens.Load(), CachedTokens: s.cachedTokens.Load(),
+	}
+}
+
+// Options returns the replica's options with defaults filled in.
+func (s *Server) Options() Options { return s.o }
+
+// DropCache empties the prefix cache, as a restart would.
+func (s *Server) DropCache() {
+	s.mu.Lock()
+	s.cache.Purge()
+	s.usage.Set(0)
+	s.mu.Unlock()
+}
+
+func (s *Server) models(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": []map[string]any{
+		{"id": s.o.Model, "object": "model", "created": 0, "owned_by": "semroute-sim", "max_model_len": 1 << 20},
+	}})
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+func writeError(w http.ResponseWriter, status int, typ, msg string) {
+	writeJSON(w, status, map[string]any{"error": map[string]any{"message": msg, "type": typ, "code": status}})
+}
+
+// render returns the prompt as the engine would see it: each part behind a
+// role marker.
+func render(req *blockhash.Request) []byte {
+	var out []byte
+	for _, p := range req.Parts {
+		out = append(out, "<|"...)
+		out = append(out, p.Role)
+		out = append(out, "|>"...)
+		out = append(out, p.Text...)
+	}
+	return out
+}
+
+// lookup returns the prompt's block keys, its token count, and how many
+// leading tokens are cached.
+func (s *Server) lookup(prompt []byte) (keys []uint64, tokens, cached int) {
+	tokens = max((len(prompt)+s.o.BytesPerToken-1)/s.o.BytesPerToken, 1)
+	step := s.o.BlockSize * s.o.BytesPerToken
+	h := uint64(0)
+	for off := 0; off+step <= len(prompt); off += step { // full blocks only
+		h = blockhash.ChainHash(h, 0, prompt[off:off+step])
+		keys = append(keys, h)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, k := range keys {
+		if !s.cache.Contains(k) {
+			break
+		}
+		cached += s.o.BlockSize
+	}
+	// An engine always computes at least the last prompt token.
+	if cached >= tokens {
+		cached = (tokens - 1) / s.o.BlockSize * s.o.BlockSize
+	}
+	return keys, tokens, cached
+}
+
+// store caches keys, refreshing them tail first so the head is the most
+// recently used.
+func (s *Server) store(keys []uint64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i := len(keys) - 1; i >= 0; i-- {
+		s.cache.Add(keys[i], struct{}{})
+	}
+	s.usage.Set(float64(s.cache.Len()) / float64(s.o.NumBlocks))
+}
+
+type options struct {
+	StreamOptions *struct {
+		IncludeUsage bool `json:"include_usage"`
+	} `json:"stream_options"`
+}
+
+func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.Endpoint) {
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.o.MaxBodyBytes))
+	if err != nil {
+		writeError(w, http.StatusRequestEntityTooLarge, "BadRequestError", "request body too large")
+		return
+	}
+	req, err := blockhash.Parse(ep, body, blockhash.Limits{})
+	if err != nil {
+		writeError(w, http.StatusBadRequest, "BadRequestError", err.Error())
+		return
+	}
+	if req.Model != s.o.Model {
+		writeError(w, http.StatusNotFound, "NotFoundError", fmt.Sprintf("The model `%s` does not exist.", req.Model))
+		return
+	}
+	var opt options
+	_ = json.Unmarshal(body, &opt) // the body already parsed as JSON
+	outTokens := s.o.OutputTokens
+	if req.MaxTokens > 0 {
+		outTokens = req.MaxTokens
+	}
+	if outTokens > s.o.MaxOutputTokens {
+		writeError(w, http.StatusBadRequest, "BadRequestError",
+			fmt.Sprintf("max_tokens %d is more than this model allows (%d)", outTokens, s.o.MaxOutputTokens))
+		return
+	}
+	s.requests.Add(1)
+	ctx := r.Context()
+
+	// Wait for a running slot.
+	s.waiting.Inc()
+	select {
+	case s.sem <- struct{}{}:
+		s.waiting.Dec()
+	case <-ctx.Done():
+		s.waiting.Dec()
+		s.cancelled.Add(1)
+		return
+	}
+	s.running.Inc()
+	defer func() { <-s.sem; s.running.Dec() }()
+
+	keys, tokens, cached := s.lookup(render(req))
+	s.promptTokens.Add(int64(tokens))
+	s.cachedTokens.Add(int64(cached))
+	s.queries.Add(float64(tokens))
+	s.hits.Add(float64(cached))
+	s.promptTotal.Add(float64(tokens - cached))
+	if !sleep(ctx, s.o.Overhead+time.Duration(tokens-cached)*s.o.PrefillPerToken) {
+		s.cancelled.Add(1)
+		return
+	}
+	s.store(keys)
+
+	g := &generation{
+		s: s, ep: ep, req: req, tokens: tokens, cached: cached, out: outTokens,
+		id: fmt.Sprintf("cmpl-%016x", keys0(keys)^uint64(time.Now().UnixNano())), seed: keys0(keys),
+		usage: opt.StreamOptions != nil && opt.StreamOptions.IncludeUsage,
+	}
+	var ok bool
+	if req.Stream {
+		ok = g.stream(ctx, w)
+	} else {
+		ok = g.whole(ctx, w)
+	}
+	if !ok {
+		s.cancelled.Add(1)
+		return
+	}
+	s.genTotal.Add(float64(outTokens))
+	s.completed.Add(1)
+}
+
+func keys0(keys []uint64) uint64 {
+	if len(keys) == 0 {
+		return 0
+	}
+	return keys[len(keys)-1]
+}
+
+// sleep waits d or until ctx ends; it reports whether d passed.
+func sleep(ctx context.Context, d time.Duration) bool {
+	if d <= 0 {
+		return ctx.Err() == nil
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+type generation struct {
+	s              *Server
+	ep             blockhash.Endpoint
+	req            *blockhash.Request
+	tokens, cached int
+	out            int
+	id             string
+	seed           uint64
+	usage          bool
+}
+
+// word returns output token i: deterministic in the prompt, so a replayed
+// conversation gets the same replies.
+func (g *generation) word(i int) string {
+	return fmt.Sprintf(" w%d", (g.seed+uint64(i)*2654435761)%997)
+}
+
+func (g *generation) usageJSON() map[string]any {
+	return map[string]any{
+		"prompt_tokens": g.tokens, "completion_tokens": g.out, "total_tokens": g.tokens + g.out,
+		"prompt_tokens_details": map[string]any{"cached_tokens": g.cached},
+	}
+}
+
+func (g *generation) object(stream bool) string {
+	switch {
+	case g.ep == blockhash.Completion:
+		return "text_completion"
+	case stream:
+		return "chat.completion.chunk"
+	}
+	return "chat.completion"
+}
+
+func (g *generation) choice(text string, finish any, stream bool) map[string]any {
+	c := map[string]any{"index": 0, "finish_reason": finish}
+	switch {
+	case g.ep == blockhash.Completion:
+		c["text"] = text
+	case stream:
+		c["delta"] = map[string]any{"role": "assistant", "content": text}
+	default:
+		c["message"] = map[string]any{"role": "assistant", "content": text}
+	}
+	return c
+}
+
+func (g *generation) whole(ctx context.Context, w http.ResponseWriter) bool {
+	if !sleep(ctx, time.Duration(g.out-1)*g.s.o.InterToken) {
+		return false
+	}
+	var sb strings.Builder
+	for i := 0; i < g.out; i++ {
+		sb.WriteString(g.word(i))
+	}
+	writeJSON(w, http.StatusOK, map[string]any{
+		"id": g.id, "object": g.object(false), "created": time.Now().Unix(), "model": g.s.o.Model,
+		"choices": []any{g.choice(sb.String(), "length", false)}, "usage": g.usageJSON(),
+	})
+	return true
+}
+
+func (g *generation) stream(ctx context.Context, w http.ResponseWriter) bool {
+	w.Header().Set("Content-Type", "text/event-stream")
+	w.Header().Set("Cache-Control", "no-cache")
+	w.WriteHeader(http.StatusOK)
+	rc := http.NewResponseController(w)
+	send := func(v any) bool {
+		b, _ := json.Marshal(v)
+		if _, err := fmt.Fprintf(w, "data: %s\n\n", b); err != nil {
+			return false
+		}
+		return rc.Flush() == nil
+	}
+	chunk := func(choices []any) map[string]any {
+		return map[string]any{"id": g.id, "object": g.object(true), "created": time.Now().Unix(), "model": g.s.o.Model, "choices": choices}
+	}
+	for i := 0; i < g.out; i++ {
+		if i > 0 && !sleep(ctx, g.s.o.InterToken) {
+			return false
+		}
+		var finish any
+		if i == g.out-1 {
+			finish = "length"
+		}
+		if !send(chunk([]any{g.choice(g.word(i), finish, true)})) {
+			return false
+		}
+	}
+	if g.usage {
+		c := chunk([]any{})
+		c["usage"] = g.usageJSON()
+		if !send(c) {
+			return false
+		}
+	}
+	if _, err := io.WriteString(w, "data: [DONE]\n\n"); err != nil {
+		return false
+	}
+	return rc.Flush() == nil
+}
+
+// Running is a simulated replica serving on a socket.
+type Running struct {
+	*Server
+	URL string // http://host:port
+	srv *http.Server
+}
+
+// Start serves a new simulated replica on addr ("127.0.0.1:0" picks a port).
+func Start(o Options, addr string) (*Running, error) {
+	s, err := New(o)
+	if err != nil {
+		return nil, err
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("listen %s: %w", addr, err)
+	}
+	srv := &http.Server{Handler: s, ReadHeaderTimeout: 10 * time.Second}
+	go func() { _ = srv.Serve(ln) }()
+	return &Running{Server: s, URL: "http://" + ln.Addr().String(), srv: srv}, nil
+}
+
+// Close stops serving at once, cutting open connections.
+func (r *Running) Close() error { return r.srv.Close() }
+
+// Shutdown stops accepting and waits for requests in flight until ctx ends.
+func (r *Running) Shutdown(ctx context.Context) error { return r.srv.Shutdown(ctx) }
