@@ -52,6 +52,7 @@ type LogConfig struct {
 type RoutingConfig struct {
 	Policy            string             `mapstructure:"policy"`
 	LoadWeight        float64            `mapstructure:"load_weight"`
+	RecentWeight      float64            `mapstructure:"recent_weight"`
 	SpillFactor       float64            `mapstructure:"spill_factor"`
 	SpillMarginTokens float64            `mapstructure:"spill_margin_tokens"`
 	LoadHalfLife      time.Duration      `mapstructure:"load_half_life"`
@@ -95,6 +96,7 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("log.format", "text")
 	v.SetDefault("routing.policy", "semantic")
 	v.SetDefault("routing.load_weight", 1.0)
+	v.SetDefault("routing.recent_weight", 0.5)
 	v.SetDefault("routing.spill_factor", 2.0)
 	v.SetDefault("routing.spill_margin_tokens", 2048.0)
 	v.SetDefault("routing.load_half_life", "10s")
@@ -191,6 +193,9 @@ func (c *Config) Validate() error {
 	}
 	if r.LoadWeight < 0 {
 		bad("routing.load_weight", "must not be negative")
+	}
+	if r.RecentWeight < 0 {
+		bad("routing.recent_weight", "must not be negative")
 	}
 	if r.SpillFactor < 1 {
 		bad("routing.spill_factor", "must be at least 1")

@@ -34,14 +34,13 @@ type Load struct {
 	// PendingTokens is the estimated prefill tokens (uncached prompt tokens)
 	// of requests sent and not finished, divided by the weight.
 	PendingTokens float64
-	// RecentTokens is the prefill tokens sent recently, decayed with the
-	// pool's half-life, divided by the weight: it keeps load meaningful when
-	// requests are short and rarely overlap.
+	// RecentTokens is the prefill tokens of requests that finished
+	// recently, decayed with the pool's half-life, divided by the weight: it
+	// keeps load meaningful when requests are short and rarely overlap. A
+	// request's tokens count in PendingTokens while it runs and here after,
+	// never in both.
 	RecentTokens float64
 }
-
-// Tokens is the queued work in prefill tokens: pending plus recent.
-func (l Load) Tokens() float64 { return l.PendingTokens + l.RecentTokens }
 
 // Replica is one inference server.
 type Replica struct {
@@ -63,20 +62,21 @@ type Replica struct {
 	recentAt int64   // unix nanoseconds
 }
 
-// Begin counts a request of tokens estimated prefill tokens sent at now.
-func (r *Replica) Begin(tokens int64, now time.Time) {
+// Begin counts a request of tokens estimated prefill tokens sent.
+func (r *Replica) Begin(tokens int64) {
 	r.inFlight.Add(1)
 	r.pending.Add(tokens)
+}
+
+// End counts the end at now of a request begun with the same tokens: they
+// move from pending to recent work.
+func (r *Replica) End(tokens int64, now time.Time) {
+	r.inFlight.Add(-1)
+	r.pending.Add(-tokens)
 	r.mu.Lock()
 	r.recent = r.decayed(now.UnixNano()) + float64(tokens)
 	r.recentAt = now.UnixNano()
 	r.mu.Unlock()
-}
-
-// End counts the end of a request begun with the same tokens.
-func (r *Replica) End(tokens int64) {
-	r.inFlight.Add(-1)
-	r.pending.Add(-tokens)
 }
 
 // decayed returns the recent-work counter at now; r.mu must be held.

@@ -75,7 +75,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		weights[k] = w
 	}
 	pol, err := router.NewPolicy(cfg.Routing.Policy, router.PolicyConfig{
-		LoadWeight: cfg.Routing.LoadWeight, SpillFactor: cfg.Routing.SpillFactor, SpillMarginTokens: cfg.Routing.SpillMarginTokens,
+		LoadWeight: cfg.Routing.LoadWeight, RecentWeight: cfg.Routing.RecentWeight, SpillFactor: cfg.Routing.SpillFactor, SpillMarginTokens: cfg.Routing.SpillMarginTokens,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("config: routing: %w", err)

@@ -1,0 +1,472 @@
+package main
+
+// End-to-end tests: the router as `router demo` builds it, over real sockets
+// on 127.0.0.1, in front of simulated replicas.
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/semroute/semroute/simreplica"
+)
+
+// fastSim answers quickly so that tests of routing spend little time waiting.
+var fastSim = simreplica.Options{Overhead: 100 * time.Microsecond, PrefillPerToken: 100 * time.Nanosecond, InterToken: 100 * time.Microsecond, OutputTokens: 4}
+
+func startTestDemo(t *testing.T, o demoOptions) *demo {
+	t.Helper()
+	if o.replicas == 0 {
+		o.replicas = 4
+	}
+	o.listen = "127.0.0.1:0"
+	d, err := startDemo(o, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.close() })
+	return d
+}
+
+type result struct {
+	status  int
+	replica string
+	matched int
+	cached  int
+	body    []byte
+}
+
+func post(t *testing.T, d *demo, path string, body any, hdr map[string]string) result {
+	t.Helper()
+	var b []byte
+	switch v := body.(type) {
+	case []byte:
+		b = v
+	case string:
+		b = []byte(v)
+	default:
+		var err error
+		if b, err = json.Marshal(v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	req, err := http.NewRequest(http.MethodPost, d.router.url()+path, bytes.NewReader(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	for k, v := range hdr {
+		req.Header.Set(k, v)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	r := result{status: resp.StatusCode, replica: resp.Header.Get("X-Semroute-Replica")}
+	r.body, _ = io.ReadAll(resp.Body)
+	if m := resp.Header.Get("X-Semroute-Matched-Tokens"); m != "" {
+		r.matched, _ = strconv.Atoi(m)
+	}
+	var u struct {
+		Usage struct {
+			Details struct {
+				Cached int `json:"cached_tokens"`
+			} `json:"prompt_tokens_details"`
+		} `json:"usage"`
+	}
+	if json.Unmarshal(r.body, &u) == nil {
+		r.cached = u.Usage.Details.Cached
+	}
+	return r
+}
+
+// text returns about tokens×4 bytes of prose that differs with seed.
+func text(seed string, tokens int) string {
+	var sb strings.Builder
+	for i := 0; sb.Len() < tokens*4; i++ {
+		fmt.Fprintf(&sb, "%s sentence %d of the document. ", seed, i)
+	}
+	return sb.String()[:tokens*4]
+}
+
+func chat(msgs ...[2]string) map[string]any {
+	m := make([]map[string]string, len(msgs))
+	for i, x := range msgs {
+		m[i] = map[string]string{"role": x[0], "content": x[1]}
+	}
+	return map[string]any{"model": "sim-model", "messages": m, "max_tokens": 4}
+}
+
+func mustOK(t *testing.T, r result) {
+	t.Helper()
+	if r.status != http.StatusOK {
+		t.Fatalf("status %d: %s", r.status, r.body)
+	}
+	if r.replica == "" {
+		t.Fatal("no X-Semroute-Replica header")
+	}
+}
+
+func TestE2EGroupsStayTogetherAndSpread(t *testing.T) {
+	d := startTestDemo(t, demoOptions{sim: fastSim})
+	const groups, perGroup = 4, 10
+	where := make([]map[string]int, groups)
+	for g := range where {
+		where[g] = map[string]int{}
+	}
+	for q := 0; q < perGroup; q++ {
+		for g := 0; g < groups; g++ { // interleaved
+			sys := text(fmt.Sprintf("system-%d", g), 300)
+			doc := text(fmt.Sprintf("doc-%d", g), 1700)
+			r := post(t, d, "/v1/chat/completions", chat(
+				[2]string{"system", sys},
+				[2]string{"user", doc + "\n\nQuestion: " + text(fmt.Sprintf("q%d-%d", g, q), 10)},
+			), nil)
+			mustOK(t, r)
+			where[g][r.replica]++
+		}
+	}
+	modal := map[string]bool{}
+	for g, counts := range where {
+		best, bestN := "", 0
+		for rep, n := range counts {
+			if n > bestN {
+				best, bestN = rep, n
+			}
+		}
+		if bestN*10 < perGroup*9 {
+			t.Errorf("group %d: only %d of %d on %s: %v", g, bestN, perGroup, best, counts)
+		}
+		modal[best] = true
+	}
+	t.Logf("placement per group: %v", where)
+	if len(modal) < 3 {
+		t.Errorf("groups use %d replicas, want ≥3: %v", len(modal), where)
+	}
+}
+
+func TestE2EGlobalSystemPromptDoesNotPile(t *testing.T) {
+	d := startTestDemo(t, demoOptions{sim: fastSim})
+	sys := text("global system prompt", 1000)
+	counts := map[string]int{}
+	for i := 0; i < 40; i++ {
+		r := post(t, d, "/v1/chat/completions", chat(
+			[2]string{"system", sys},
+			[2]string{"user", text(fmt.Sprintf("unique request %d", i), 200)},
+		), nil)
+		mustOK(t, r)
+		counts[r.replica]++
+	}
+	t.Logf("placement: %v", counts)
+	for rep, n := range counts {
+		if n > 16 {
+			t.Errorf("%s got %d of 40 (> 40%%): %v", rep, n, counts)
+		}
+	}
+}
+
+// repeatedPrefixTraffic sends 7 groups × 6 requests sharing a 1,000-token
+// prefix each, and returns the cached tokens the replicas reported.
+func repeatedPrefixTraffic(t *testing.T, d *demo) int {
+	total := 0
+	for q := 0; q < 6; q++ {
+		for g := 0; g < 7; g++ { // 7 is prime to 4: round robin does not pin groups by chance
+			r := post(t, d, "/v1/chat/completions", chat(
+				[2]string{"system", text(fmt.Sprintf("tenant %d", g), 1000)},
+				[2]string{"user", text(fmt.Sprintf("question %d %d", g, q), 30)},
+			), nil)
+			mustOK(t, r)
+			total += r.cached
+		}
+	}
+	var fromSims int64
+	for _, s := range d.sims {
+		fromSims += s.Stats().CachedTokens
+	}
+	if int64(total) != fromSims {
+		t.Fatalf("responses report %d cached tokens, replicas counted %d", total, fromSims)
+	}
+	return total
+}
+
+func TestE2ECacheAwareBeatsRoundRobin(t *testing.T) {
+	semantic := repeatedPrefixTraffic(t, startTestDemo(t, demoOptions{sim: fastSim}))
+	rr := repeatedPrefixTraffic(t, startTestDemo(t, demoOptions{sim: fastSim, policy: "round_robin"}))
+	t.Logf("cached tokens: semantic %d, round_robin %d", semantic, rr)
+	if semantic*2 < rr*3 {
+		t.Errorf("semantic %d cached tokens, round_robin %d: want at least 1.5×", semantic, rr)
+	}
+}
+
+func totalStats(d *demo) (s simreplica.Stats) {
+	for _, r := range d.sims {
+		x := r.Stats()
+		s.Requests += x.Requests
+		s.Completed += x.Completed
+		s.Cancelled += x.Cancelled
+	}
+	return s
+}
+
+func streamRequest(t *testing.T, ctx context.Context, d *demo, maxTokens int) (*http.Response, *bufio.Reader) {
+	t.Helper()
+	b, _ := json.Marshal(map[string]any{"model": "sim-model", "stream": true, "max_tokens": maxTokens,
+		"messages": []map[string]string{{"role": "user", "content": "stream to me"}}})
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, d.router.url()+"/v1/chat/completions", bytes.NewReader(b))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.StatusCode != http.StatusOK || !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
+		t.Fatalf("status %d, content type %q", resp.StatusCode, resp.Header.Get("Content-Type"))
+	}
+	return resp, bufio.NewReader(resp.Body)
+}
+
+func readEvent(t *testing.T, br *bufio.Reader) string {
+	t.Helper()
+	for {
+		line, err := br.ReadString('\n')
+		if err != nil {
+			t.Fatalf("stream ended: %v", err)
+		}
+		if strings.HasPrefix(line, "data: ") {
+			return strings.TrimSpace(strings.TrimPrefix(line, "data: "))
+		}
+	}
+}
+
+func TestE2EStreamingFlushesChunks(t *testing.T) {
+	sim := fastSim
+	sim.InterToken = 20 * time.Millisecond // 40 tokens: about 0.8 s of generation
+	d := startTestDemo(t, demoOptions{sim: sim})
+	resp, br := streamRequest(t, context.Background(), d, 40)
+	defer resp.Body.Close()
+	if first := readEvent(t, br); !strings.Contains(first, "chat.completion.chunk") {
+		t.Fatalf("first event %q", first)
+	}
+	if s := totalStats(d); s.Completed != 0 {
+		t.Fatalf("first chunk arrived after the replica finished: %+v", s)
+	}
+	events := 1
+	for {
+		ev := readEvent(t, br)
+		if ev == "[DONE]" {
+			break
+		}
+		events++
+	}
+	if events != 40 {
+		t.Errorf("got %d chunks, want 40", events)
+	}
+}
+
+func TestE2EClientDisconnectCancelsUpstream(t *testing.T) {
+	sim := fastSim
+	sim.InterToken = 10 * time.Millisecond // 2,000 tokens: 20 s if never cancelled
+	d := startTestDemo(t, demoOptions{sim: sim})
+	ctx, cancel := context.WithCancel(context.Background())
+	resp, br := streamRequest(t, ctx, d, 2000)
+	readEvent(t, br)
+	cancel()
+	resp.Body.Close()
+	deadline := time.Now().Add(10 * time.Second)
+	for totalStats(d).Cancelled == 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("replica never saw the request cancelled: %+v", totalStats(d))
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if s := totalStats(d); s.Completed != 0 {
+		t.Fatalf("the request completed: %+v", s)
+	}
+}
+
+func TestE2EBadInput(t *testing.T) {
+	cfg := filepath.Join(t.TempDir(), "small.yaml")
+	if err := os.WriteFile(cfg, []byte("limits:\n  max_body_bytes: 4096\n  max_messages: 8\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	d := startTestDemo(t, demoOptions{sim: fastSim, config: cfg})
+	many := make([][2]string, 9)
+	for i := range many {
+		many[i] = [2]string{"user", "x"}
+	}
+	cases := []struct {
+		name   string
+		path   string
+		body   any
+		status int
+		code   string
+	}{
+		{"malformed json", "/v1/chat/completions", `{"model":"sim-model","messages":[`, 400, "invalid_request"},
+		{"not an object", "/v1/chat/completions", `[1,2]`, 400, "invalid_request"},
+		{"no messages", "/v1/chat/completions", `{"model":"sim-model"}`, 400, "invalid_request"},
+		{"empty messages", "/v1/chat/completions", `{"model":"sim-model","messages":[]}`, 400, "invalid_request"},
+		{"no prompt", "/v1/completions", `{"model":"sim-model"}`, 400, "invalid_request"},
+		{"bad role", "/v1/chat/completions", `{"model":"sim-model","messages":[{"role":"root","content":"x"}]}`, 400, "invalid_request"},
+		{"too many messages", "/v1/chat/completions", chat(many...), 400, "invalid_request"},
+		{"over limit", "/v1/chat/completions", chat([2]string{"user", strings.Repeat("x", 5000)}), 413, "body_too_large"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			r := post(t, d, tc.path, tc.body, nil)
+			if r.status != tc.status {
+				t.Fatalf("status %d, want %d: %s", r.status, tc.status, r.body)
+			}
+			var e struct {
+				Error struct {
+					Message, Type, Code string
+				} `json:"error"`
+			}
+			if err := json.Unmarshal(r.body, &e); err != nil || e.Error.Message == "" || e.Error.Type == "" || e.Error.Code != tc.code {
+				t.Fatalf("error body %s (code want %q)", r.body, tc.code)
+			}
+		})
+	}
+	if s := totalStats(d); s.Requests != 0 {
+		t.Fatalf("bad input reached a replica: %+v", s)
+	}
+	// A good request still works after all that.
+	mustOK(t, post(t, d, "/v1/completions", `{"model":"sim-model","prompt":"hello","max_tokens":2}`, nil))
+}
+
+func TestE2ENoReplicaAvailable(t *testing.T) {
+	d := startTestDemo(t, demoOptions{sim: fastSim, replicas: 2})
+	good := chat([2]string{"user", "hello"})
+	mustOK(t, post(t, d, "/v1/chat/completions", good, nil))
+	for _, s := range d.sims {
+		s.Close()
+	}
+	// Each request marks the replicas it could not reach down; once all are
+	// down the router answers 503 without trying.
+	var last result
+	for i := 0; i < 3 && last.status != http.StatusServiceUnavailable; i++ {
+		last = post(t, d, "/v1/chat/completions", good, nil)
+		if last.status != http.StatusBadGateway && last.status != http.StatusServiceUnavailable {
+			t.Fatalf("status %d: %s", last.status, last.body)
+		}
+	}
+	if last.status != http.StatusServiceUnavailable || !bytes.Contains(last.body, []byte(`"code":"no_replica"`)) {
+		t.Fatalf("want 503 no_replica, got %d %s", last.status, last.body)
+	}
+	resp, err := http.Get(d.router.url() + "/readyz")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusServiceUnavailable {
+		t.Fatalf("/readyz = %d with every replica down", resp.StatusCode)
+	}
+}
+
+func TestE2EFailoverOnRefusedConnection(t *testing.T) {
+	d := startTestDemo(t, demoOptions{sim: fastSim})
+	body := chat([2]string{"system", text("failover", 500)}, [2]string{"user", "q"})
+	first := post(t, d, "/v1/chat/completions", body, nil)
+	mustOK(t, first)
+	var victim int
+	fmt.Sscanf(first.replica, "sim-%d", &victim)
+	d.sims[victim].Close()
+	second := post(t, d, "/v1/chat/completions", body, nil)
+	mustOK(t, second)
+	if second.replica == first.replica {
+		t.Fatalf("served by the closed replica %s", second.replica)
+	}
+}
+
+func TestE2EModelsAndPassthrough(t *testing.T) {
+	d := startTestDemo(t, demoOptions{sim: fastSim})
+	resp, err := http.Get(d.router.url() + "/v1/models")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var list struct {
+		Data []struct{ ID string } `json:"data"`
+	}
+	err = json.NewDecoder(resp.Body).Decode(&list)
+	resp.Body.Close()
+	if err != nil || len(list.Data) != 1 || list.Data[0].ID != "sim-model" {
+		t.Fatalf("models: %+v, %v", list, err)
+	}
+	// An unknown /v1 path reaches a replica (which answers 404) with the
+	// replica header set.
+	resp, err = http.Get(d.router.url() + "/v1/files")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusNotFound || resp.Header.Get("X-Semroute-Replica") == "" {
+		t.Fatalf("passthrough: %d %v", resp.StatusCode, resp.Header)
+	}
+}
+
+func TestE2EConversationLearnsReplies(t *testing.T) {
+	d := startTestDemo(t, demoOptions{sim: fastSim})
+	msgs := [][2]string{{"system", text("assistant persona", 200)}, {"user", text("turn 0", 100)}}
+	var prev result
+	for turn := 0; turn < 4; turn++ {
+		r := post(t, d, "/v1/chat/completions", chat(msgs...), map[string]string{"X-Session-ID": "conv"})
+		mustOK(t, r)
+		if turn > 0 {
+			if r.replica != prev.replica {
+				t.Fatalf("turn %d moved from %s to %s", turn, prev.replica, r.replica)
+			}
+			// The router predicts the whole history, reply included, as cached.
+			hist, _ := json.Marshal(chat(msgs[:len(msgs)-1]...))
+			if r.matched*4 < len(hist)*3/4-200 {
+				t.Errorf("turn %d: predicted %d matched tokens for ~%d bytes of history", turn, r.matched, len(hist))
+			}
+		}
+		var out struct {
+			Choices []struct {
+				Message struct{ Content string } `json:"message"`
+			} `json:"choices"`
+		}
+		if err := json.Unmarshal(r.body, &out); err != nil || len(out.Choices) == 0 {
+			t.Fatalf("response %s", r.body)
+		}
+		msgs = append(msgs, [2]string{"assistant", out.Choices[0].Message.Content}, [2]string{"user", text(fmt.Sprint("turn ", turn+1), 100)})
+		prev = r
+	}
+}
+
+func TestE2EConcurrentRequests(t *testing.T) {
+	d := startTestDemo(t, demoOptions{sim: fastSim})
+	var wg sync.WaitGroup
+	errs := make(chan string, 64)
+	for i := 0; i < 64; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			b, _ := json.Marshal(chat([2]string{"system", text(fmt.Sprint("c", i%5), 300)}, [2]string{"user", fmt.Sprint("q", i)}))
+			resp, err := http.Post(d.router.url()+"/v1/chat/completions", "application/json", bytes.NewReader(b))
+			if err != nil {
+				errs <- err.Error()
+				return
+			}
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != 200 {
+				errs <- resp.Status
+			}
+		}(i)
+	}
+	wg.Wait()
+	close(errs)
+	for e := range errs {
+		t.Error(e)
+	}
+}

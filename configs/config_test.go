@@ -1,0 +1,105 @@
+package configs
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestGoodConfigs(t *testing.T) {
+	files, _ := filepath.Glob("testdata/*.good.yaml")
+	if len(files) == 0 {
+		t.Fatal("no good configs")
+	}
+	for _, f := range files {
+		t.Run(filepath.Base(f), func(t *testing.T) {
+			if _, err := Load(NewViper(), f); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+	c, err := Load(NewViper(), "testdata/full.good.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Routing.Policy != "least_load" || c.Routing.LoadHalfLife != 0 || c.Routing.DownCooldown != time.Second ||
+		c.Routing.RecordReplies || c.Routing.KindWeights["user_query"] != 0 || c.Replicas[0].Weight != 2 || c.Blocks.BytesPerToken != 3 {
+		t.Fatalf("decoded %+v", c)
+	}
+}
+
+func TestBadConfigs(t *testing.T) {
+	want := map[string][]string{
+		"unknown-key.bad.yaml": {"polcy"},
+		"bad-values.bad.yaml": {
+			"listen:", "log.level:", "log.format:", "routing.policy:", "routing.load_weight:", "routing.spill_factor:",
+			"routing.attempts:", "routing.kind_weights.sytem:", "blocks:", "cache.eviction:", "limits.max_body_bytes:",
+			"limits.max_messages:", "replicas[0].url:", "replicas[1].name:", "replicas[1].weight:",
+		},
+		"bad-duration.bad.yaml": {"load_half_life"},
+		"bad-yaml.bad.yaml":     {"parse config"},
+	}
+	files, _ := filepath.Glob("testdata/*.bad.yaml")
+	if len(files) != len(want) {
+		t.Fatalf("%d bad configs, %d expectations", len(files), len(want))
+	}
+	for _, f := range files {
+		t.Run(filepath.Base(f), func(t *testing.T) {
+			_, err := Load(NewViper(), f)
+			if err == nil {
+				t.Fatal("accepted")
+			}
+			for _, w := range want[filepath.Base(f)] {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("error does not name %q:\n%v", w, err)
+				}
+			}
+		})
+	}
+}
+
+func TestDefaultsAndEmbeddedConfigsValidate(t *testing.T) {
+	c, err := Decode(NewViper())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Routing.Policy != "semantic" || c.Blocks.BlockTokens != 64 || !c.Routing.RecordReplies || c.Routing.RecentWeight != 0.5 {
+		t.Fatalf("defaults %+v", c)
+	}
+	for name, b := range map[string][]byte{"demo.yaml": DemoYAML, "router.yaml": ExampleYAML} {
+		if _, err := LoadBytes(NewViper(), b); err != nil {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+	// The files on disk are the embedded ones.
+	for name, b := range map[string][]byte{"demo.yaml": DemoYAML, "router.yaml": ExampleYAML} {
+		disk, err := os.ReadFile(name)
+		if err != nil || string(disk) != string(b) {
+			t.Errorf("%s differs from its embedded copy (%v)", name, err)
+		}
+	}
+}
+
+func TestEnvironmentOverridesFile(t *testing.T) {
+	t.Setenv("SEMROUTE_ROUTING_POLICY", "round_robin")
+	t.Setenv("SEMROUTE_LIMITS_MAX_MESSAGES", "7")
+	c, err := Load(NewViper(), "testdata/full.good.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Routing.Policy != "round_robin" || c.Limits.MaxMessages != 7 {
+		t.Fatalf("env not applied: policy %q, max_messages %d", c.Routing.Policy, c.Limits.MaxMessages)
+	}
+	t.Setenv("SEMROUTE_ROUTING_ATTEMPTS", "99")
+	if _, err := Load(NewViper(), "testdata/full.good.yaml"); err == nil || !strings.Contains(err.Error(), "routing.attempts") {
+		t.Fatalf("invalid env value: %v", err)
+	}
+}
+
+func TestMissingFile(t *testing.T) {
+	if _, err := Load(NewViper(), "testdata/nope.yaml"); err == nil || !strings.Contains(err.Error(), "read config") {
+		t.Fatalf("err = %v", err)
+	}
+}

@@ -1,0 +1,85 @@
+package replica
+
+import (
+	"math"
+	"strings"
+	"testing"
+	"time"
+)
+
+func ids() func(Spec) (int, error) {
+	n := 0
+	return func(Spec) (int, error) { n++; return n - 1, nil }
+}
+
+func TestNewPoolValidates(t *testing.T) {
+	cases := []struct {
+		name  string
+		specs []Spec
+		err   string
+	}{
+		{"no name", []Spec{{URL: "http://a"}}, "replicas[0]: name is required"},
+		{"bad scheme", []Spec{{Name: "a", URL: "ftp://a"}}, "replicas[0]: url"},
+		{"no host", []Spec{{Name: "a", URL: "http://"}}, "replicas[0]: url"},
+		{"duplicate", []Spec{{Name: "a", URL: "http://a"}, {Name: "a", URL: "http://b"}}, "replicas[1]: duplicate name"},
+		{"negative budget", []Spec{{Name: "a", URL: "http://a", BudgetTokens: -1}}, "budget_tokens"},
+		{"nan weight", []Spec{{Name: "a", URL: "http://a", Weight: math.NaN()}}, "weight"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := NewPool(tc.specs, Options{}, ids())
+			if err == nil || !strings.Contains(err.Error(), tc.err) {
+				t.Fatalf("err = %v, want it to contain %q", err, tc.err)
+			}
+		})
+	}
+	p, err := NewPool([]Spec{{Name: "a", URL: "http://a:1"}, {Name: "b", URL: "https://b", Weight: 2}}, Options{}, ids())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, ok := p.Get("b"); !ok || b.ID != 1 || b.Weight != 2 {
+		t.Fatalf("Get(b) = %+v, %v", b, ok)
+	}
+	if a, _ := p.Get("a"); a.Weight != 1 {
+		t.Fatalf("default weight %v, want 1", a.Weight)
+	}
+	if _, ok := p.Get("c"); ok {
+		t.Fatal("Get found a stranger")
+	}
+}
+
+func TestLoadAccounting(t *testing.T) {
+	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a", Weight: 2}}, Options{HalfLife: time.Second}, ids())
+	r := p.Replicas()[0]
+	t0 := time.Unix(100, 0)
+	r.Begin(400)
+	r.Begin(200)
+	if l := r.Load(t0); l.InFlight != 2 || l.PendingTokens != 300 || l.RecentTokens != 0 {
+		t.Fatalf("in flight: %+v (weight 2 halves tokens)", l)
+	}
+	r.End(400, t0)
+	r.End(200, t0.Add(time.Second))
+	// 400 decayed one half-life, plus 200: 400; halved by the weight: 200.
+	if l := r.Load(t0.Add(time.Second)); l.InFlight != 0 || l.PendingTokens != 0 || math.Abs(l.RecentTokens-200) > 1e-9 {
+		t.Fatalf("after: %+v", l)
+	}
+	if l := r.Load(t0.Add(3 * time.Second)); math.Abs(l.RecentTokens-50) > 1e-9 {
+		t.Fatalf("two half-lives later: %+v", l)
+	}
+}
+
+func TestMarkDown(t *testing.T) {
+	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a"}}, Options{}, ids())
+	r := p.Replicas()[0]
+	now := time.Unix(100, 0)
+	if !r.Available(now) {
+		t.Fatal("new replica unavailable")
+	}
+	r.MarkDown(now, 5*time.Second)
+	if r.Available(now.Add(4 * time.Second)) {
+		t.Fatal("available during the cool-down")
+	}
+	if !r.Available(now.Add(5 * time.Second)) {
+		t.Fatal("still down after the cool-down")
+	}
+}
