@@ -1,0 +1,219 @@
+package simreplica
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+var fast = Options{Overhead: time.Microsecond, PrefillPerToken: time.Nanosecond, InterToken: time.Microsecond, OutputTokens: 3}
+
+func start(t *testing.T, o Options) *Running {
+	t.Helper()
+	r, err := Start(o, "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.Close() })
+	return r
+}
+
+type usage struct {
+	Prompt  int `json:"prompt_tokens"`
+	Output  int `json:"completion_tokens"`
+	Details struct {
+		Cached int `json:"cached_tokens"`
+	} `json:"prompt_tokens_details"`
+}
+
+func call(t *testing.T, r *Running, path, body string) (int, usage, []byte) {
+	t.Helper()
+	resp, err := http.Post(r.URL+path, "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	var out struct {
+		Usage usage `json:"usage"`
+	}
+	_ = json.Unmarshal(b, &out)
+	return resp.StatusCode, out.Usage, b
+}
+
+func chatBody(system, user string) string {
+	b, _ := json.Marshal(map[string]any{"model": "sim-model", "messages": []map[string]string{
+		{"role": "system", "content": system}, {"role": "user", "content": user}}})
+	return string(b)
+}
+
+func TestPrefixCacheReportsCachedTokens(t *testing.T) {
+	r := start(t, fast)
+	sys := strings.Repeat("a", 4000) // 1,000 tokens
+	code, u1, body := call(t, r, "/v1/chat/completions", chatBody(sys, "one"))
+	if code != 200 || u1.Details.Cached != 0 || u1.Output != 3 {
+		t.Fatalf("first: %d %+v %s", code, u1, body)
+	}
+	_, u2, _ := call(t, r, "/v1/chat/completions", chatBody(sys, "two"))
+	// The rendered prompt is "<|s|>" + 4,000 bytes + "<|u|>two": the first
+	// 4,005 bytes are shared, 62 full 64-byte blocks = 992 tokens.
+	if u2.Details.Cached != 992 || u2.Prompt != u1.Prompt {
+		t.Fatalf("second: %+v (first %+v)", u2, u1)
+	}
+	// The same prompt again: all full blocks cached, but never the last token.
+	_, u3, _ := call(t, r, "/v1/chat/completions", chatBody(sys, "two"))
+	if u3.Details.Cached != (u3.Prompt-1)/16*16 {
+		t.Fatalf("repeat: %+v", u3)
+	}
+	if s := r.Stats(); s.Completed != 3 || s.CachedTokens != int64(u2.Details.Cached+u3.Details.Cached) {
+		t.Fatalf("stats %+v", s)
+	}
+}
+
+func TestLRUEvictionUnderBudget(t *testing.T) {
+	o := fast
+	o.NumBlocks = 80 // 1,280 tokens: room for one 1,000-token prompt
+	r := start(t, o)
+	a, b := strings.Repeat("a", 4000), strings.Repeat("b", 4000)
+	call(t, r, "/v1/chat/completions", chatBody(a, "x"))
+	call(t, r, "/v1/chat/completions", chatBody(b, "x"))
+	// b's 62 blocks evicted 44 of a's 62, tail first: a's first 18 blocks
+	// (288 tokens) are left.
+	if _, u, _ := call(t, r, "/v1/chat/completions", chatBody(a, "y")); u.Details.Cached != 18*16 {
+		t.Fatalf("a after b: %+v, want its first 288 tokens cached", u)
+	}
+	r.DropCache()
+	if _, u, _ := call(t, r, "/v1/chat/completions", chatBody(a, "z")); u.Details.Cached != 0 {
+		t.Fatalf("cached after DropCache: %+v", u)
+	}
+}
+
+func TestErrors(t *testing.T) {
+	r := start(t, fast)
+	cases := []struct {
+		body   string
+		status int
+	}{
+		{`{"model":"other","prompt":"x"}`, 404},
+		{`{"model":"sim-model","prompt":"x","max_tokens":100000}`, 400},
+		{`{"model":"sim-model"}`, 400},
+		{`nope`, 400},
+	}
+	for _, tc := range cases {
+		if code, _, body := call(t, r, "/v1/completions", tc.body); code != tc.status || !bytes.Contains(body, []byte(`"error"`)) {
+			t.Errorf("%s: %d %s", tc.body, code, body)
+		}
+	}
+}
+
+func TestStreamFormat(t *testing.T) {
+	r := start(t, fast)
+	resp, err := http.Post(r.URL+"/v1/completions", "application/json",
+		strings.NewReader(`{"model":"sim-model","prompt":"hello","stream":true,"max_tokens":2,"stream_options":{"include_usage":true}}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if ct := resp.Header.Get("Content-Type"); ct != "text/event-stream" {
+		t.Fatalf("content type %q", ct)
+	}
+	var events []string
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		if d, ok := strings.CutPrefix(sc.Text(), "data: "); ok {
+			events = append(events, d)
+		}
+	}
+	if len(events) != 4 || events[3] != "[DONE]" || !strings.Contains(events[2], `"cached_tokens"`) ||
+		!strings.Contains(events[0], `"text_completion"`) || !strings.Contains(events[1], `"finish_reason":"length"`) {
+		t.Fatalf("events %q", events)
+	}
+}
+
+func TestWaitingQueueAndCancel(t *testing.T) {
+	o := fast
+	o.MaxRunning = 1
+	o.InterToken = 50 * time.Millisecond
+	r := start(t, o)
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	for i := 0; i < 2; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, r.URL+"/v1/completions",
+				strings.NewReader(`{"model":"sim-model","prompt":"p","max_tokens":200}`))
+			if resp, err := http.DefaultClient.Do(req); err == nil {
+				resp.Body.Close()
+			}
+		}()
+	}
+	metric := func(name string) string {
+		resp, err := http.Get(r.URL + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		sc := bufio.NewScanner(resp.Body)
+		for sc.Scan() {
+			if strings.HasPrefix(sc.Text(), name+"{") {
+				return sc.Text()[strings.LastIndex(sc.Text(), " ")+1:]
+			}
+		}
+		return ""
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for metric("vllm:num_requests_running") != "1" || metric("vllm:num_requests_waiting") != "1" {
+		if time.Now().After(deadline) {
+			t.Fatalf("running %s waiting %s", metric("vllm:num_requests_running"), metric("vllm:num_requests_waiting"))
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	cancel()
+	wg.Wait()
+	for r.Stats().Cancelled != 2 {
+		if time.Now().After(deadline) {
+			t.Fatalf("stats %+v", r.Stats())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func TestMetricsAndModels(t *testing.T) {
+	r := start(t, fast)
+	call(t, r, "/v1/completions", `{"model":"sim-model","prompt":"hello there"}`)
+	resp, err := http.Get(r.URL + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	for _, name := range []string{
+		"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+		"vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+		`vllm:cache_config_info{block_size="16",num_gpu_blocks="16384"} 1`,
+	} {
+		if !bytes.Contains(b, []byte(name)) {
+			t.Errorf("/metrics lacks %s", name)
+		}
+	}
+	resp, err = http.Get(r.URL + "/v1/models")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ = io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !bytes.Contains(b, []byte(`"id":"sim-model"`)) {
+		t.Errorf("models: %s", b)
+	}
+	if resp, err := http.Get(r.URL + "/health"); err != nil || resp.StatusCode != 200 {
+		t.Errorf("health: %v", err)
+	}
+}
