@@ -53,11 +53,15 @@ type Stats struct {
 type Options struct {
 	// Policy makes each replica's eviction policy. Nil means LRU.
 	Policy policies.Factory
+	// OnEvict, if set, is called with every block evicted from a replica,
+	// after the model's lock is released, in eviction order.
+	OnEvict func(replica int, key uint64)
 }
 
 // Model is the picture of every replica's cache.
 type Model struct {
-	policy policies.Factory
+	policy  policies.Factory
+	onEvict func(replica int, key uint64)
 
 	mu       sync.RWMutex
 	nodes    map[uint64]*node
@@ -84,6 +88,7 @@ type slot struct {
 	hits     int32
 	lastUsed int64
 	inserted int64
+	freed    int64
 }
 
 // New returns an empty model with no replicas.
@@ -91,7 +96,7 @@ func New(o Options) *Model {
 	if o.Policy == nil {
 		o.Policy = func() policies.Policy { return policies.NewLRU() }
 	}
-	return &Model{policy: o.Policy, nodes: make(map[uint64]*node)}
+	return &Model{policy: o.Policy, onEvict: o.OnEvict, nodes: make(map[uint64]*node)}
 }
 
 // AddReplica adds a replica with an empty picture and the given token budget
@@ -236,34 +241,55 @@ func settleLeavers(out []Match, before, after []slot, i, tokens int, weighted fl
 
 // Record caches blocks, a whole chain from block 0, on replica id at time now
 // (nanoseconds on the caller's clock), refreshing the recency of blocks it
-// already holds, then evicts down to the replica's budget. It returns the
-// number of blocks evicted. Unknown ids are ignored.
+// already holds, then evicts down to the replica's budget. A policy that is a
+// policies.Admitter may refuse a new block; it and the rest of the chain are
+// then not cached. Record returns the number of blocks evicted. Unknown ids
+// are ignored.
 func (m *Model) Record(id int, blocks []blockhash.Block, now int64) int {
 	m.mu.Lock()
-	defer m.mu.Unlock()
+	evicted := m.record(id, blocks, now)
+	m.mu.Unlock()
+	if m.onEvict != nil {
+		for _, k := range evicted {
+			m.onEvict(id, k)
+		}
+	}
+	return len(evicted)
+}
+
+func (m *Model) record(id int, blocks []blockhash.Block, now int64) []uint64 {
 	if !m.valid(id) || len(blocks) == 0 {
-		return 0
+		return nil
 	}
 	st := m.replicas[id]
 	rid := int32(id)
+	admit, _ := st.policy.(policies.Admitter)
 	var parent *node
 	parentFresh := false // parent was added by this call and never made evictable
 	last := len(blocks) - 1
 	for i, b := range blocks {
 		n := m.nodes[b.Hash]
+		if n != nil {
+			if si, ok := n.find(rid); ok {
+				s := &n.slots[si]
+				s.lastUsed = now
+				s.hits++
+				st.policy.Touched(n.hash, n.info(s))
+				parent, parentFresh = n, false
+				continue
+			}
+		}
+		tokens := max(b.Tokens, 1)
+		if admit != nil && st.Budget > 0 &&
+			!admit.Admit(policies.Info{Kind: b.Kind, Tokens: tokens, Depth: int32(i), LastUsed: now, Inserted: now}, st.Tokens, st.Budget) {
+			last = i - 1
+			break
+		}
 		if n == nil {
-			n = &node{hash: b.Hash, parent: parent, tokens: max(b.Tokens, 1), depth: int32(i), kind: b.Kind}
+			n = &node{hash: b.Hash, parent: parent, tokens: tokens, depth: int32(i), kind: b.Kind}
 			m.nodes[b.Hash] = n
 		}
-		si, ok := n.find(rid)
-		if ok {
-			s := &n.slots[si]
-			s.lastUsed = now
-			s.hits++
-			st.policy.Touched(n.hash, n.info(s))
-			parent, parentFresh = n, false
-			continue
-		}
+		si, _ := n.find(rid)
 		n.slots = append(n.slots, slot{})
 		copy(n.slots[si+1:], n.slots[si:])
 		n.slots[si] = slot{replica: rid, lastUsed: now, inserted: now}
@@ -277,33 +303,85 @@ func (m *Model) Record(id int, blocks []blockhash.Block, now int64) int {
 				st.policy.Removed(parent.hash)
 			}
 		}
-		if i == last {
-			st.policy.Evictable(n.hash, n.info(&n.slots[si]))
-		}
 		parent, parentFresh = n, true
 	}
-	evicted := 0
+	if parentFresh && last >= 0 { // the deepest new block is a leaf
+		pi, _ := parent.find(rid)
+		st.policy.Evictable(parent.hash, parent.info(&parent.slots[pi]))
+	}
+	var evicted []uint64
 	for st.Budget > 0 && st.Tokens > st.Budget {
 		k, ok := st.policy.Victim()
 		if !ok {
 			break
 		}
-		m.evict(st, rid, k)
-		evicted++
+		if m.evict(st, rid, k) {
+			evicted = append(evicted, k)
+		}
 	}
-	st.Evictions += int64(evicted)
+	st.Evictions += int64(len(evicted))
 	return evicted
 }
 
-// evict drops replica rid's slot of block k, which the policy chose as a leaf.
-func (m *Model) evict(st *replicaState, rid int32, k uint64) {
+// Release records that a request using blocks on replica id finished at now,
+// for policies that order blocks by when they were freed
+// (policies.FreeObserver). Blocks the replica no longer holds are skipped.
+func (m *Model) Release(id int, blocks []blockhash.Block, now int64) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if !m.valid(id) {
+		return
+	}
+	st := m.replicas[id]
+	fo, _ := st.policy.(policies.FreeObserver)
+	for _, b := range blocks {
+		n := m.nodes[b.Hash]
+		if n == nil {
+			return
+		}
+		si, ok := n.find(int32(id))
+		if !ok {
+			return
+		}
+		s := &n.slots[si]
+		s.freed = max(s.freed, now)
+		if fo != nil {
+			fo.Freed(n.hash, n.info(s))
+		}
+	}
+}
+
+// Sizes writes every replica's tracked tokens into out[id], growing out as
+// Match does, and returns it.
+func (m *Model) Sizes(out []int64) []int64 {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	if cap(out) < len(m.replicas) {
+		out = make([]int64, len(m.replicas))
+	}
+	out = out[:len(m.replicas)]
+	for id, r := range m.replicas {
+		out[id] = 0
+		if r != nil {
+			out[id] = r.Tokens
+		}
+	}
+	return out
+}
+
+// evict drops replica rid's slot of block k, which the policy chose as a
+// leaf, and reports whether it was there.
+func (m *Model) evict(st *replicaState, rid int32, k uint64) bool {
 	n := m.nodes[k]
 	if n == nil {
-		return
+		return false
 	}
 	i, ok := n.find(rid)
 	if !ok {
-		return
+		return false
+	}
+	if e, ok := st.policy.(policies.Evicted); ok {
+		e.Evicted(k, n.info(&n.slots[i]))
 	}
 	n.slots = append(n.slots[:i], n.slots[i+1:]...)
 	st.Blocks--
@@ -320,6 +398,7 @@ func (m *Model) evict(st *replicaState, rid int32, k uint64) {
 			}
 		}
 	}
+	return true
 }
 
 // find returns the index of rid's slot, or where it would be inserted.
@@ -337,5 +416,5 @@ func (n *node) find(rid int32) (int, bool) {
 }
 
 func (n *node) info(s *slot) policies.Info {
-	return policies.Info{Kind: n.kind, Tokens: n.tokens, Depth: n.depth, LastUsed: s.lastUsed, Inserted: s.inserted, Hits: s.hits}
+	return policies.Info{Kind: n.kind, Tokens: n.tokens, Depth: n.depth, LastUsed: s.lastUsed, Inserted: s.inserted, Freed: s.freed, Hits: s.hits}
 }

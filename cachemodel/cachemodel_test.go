@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/policies"
 )
 
 // chain makes n blocks of one token each, chained from seed, all of kind k.
@@ -336,5 +337,56 @@ func BenchmarkRecord(b *testing.B) {
 				m.Record(0, chains[i%len(chains)], int64(i))
 			}
 		})
+	}
+}
+
+func TestReleaseOrdersVLLMEviction(t *testing.T) {
+	var evicted []uint64
+	m := New(Options{Policy: policies.NewVLLM, OnEvict: func(_ int, k uint64) { evicted = append(evicted, k) }})
+	m.AddReplica("r", 6)
+	a, b := chain("a", 3, 0), chain("b", 3, 0)
+	m.Record(0, a, 1)
+	m.Record(0, b, 2)
+	// a's request finished after b's: under vLLM's order b goes first.
+	m.Release(0, b, 3)
+	m.Release(0, a, 4)
+	m.Record(0, chain("c", 3, 0), 5)
+	if got := m.Match(b, nil, nil)[0].Blocks; got != 0 {
+		t.Fatalf("b holds %d blocks, want 0", got)
+	}
+	if got := m.Match(a, nil, nil)[0].Blocks; got != 3 {
+		t.Fatalf("a holds %d blocks, want 3", got)
+	}
+	want := []uint64{b[2].Hash, b[1].Hash, b[0].Hash} // tail first
+	if fmt.Sprint(evicted) != fmt.Sprint(want) {
+		t.Fatalf("OnEvict saw %v, want %v", evicted, want)
+	}
+	if sz := m.Sizes(nil); len(sz) != 1 || sz[0] != 6 {
+		t.Fatalf("Sizes = %v", sz)
+	}
+}
+
+// refuseKind admits nothing of one kind.
+type refuseKind struct {
+	policies.Policy
+	k blockhash.Kind
+}
+
+func (r refuseKind) Admit(i policies.Info, _, _ int64) bool { return i.Kind != r.k }
+
+func TestAdmissionStopsTheChain(t *testing.T) {
+	m := New(Options{Policy: func() policies.Policy { return refuseKind{policies.NewLRU(), blockhash.KindUserQuery} }})
+	m.AddReplica("r", 100)
+	c := chain("a", 5, blockhash.KindSystem)
+	c[3].Kind = blockhash.KindUserQuery
+	m.Record(0, c, 1)
+	if got := m.Match(c, nil, nil)[0].Blocks; got != 3 {
+		t.Fatalf("holds %d blocks, want the 3 before the refused one", got)
+	}
+	// The last admitted block is a leaf and can be evicted.
+	m.SetBudget(0, 1)
+	m.Record(0, c[:1], 2)
+	if st, _ := m.Stats(0); st.Blocks != 1 {
+		t.Fatalf("stats %+v", st)
 	}
 }

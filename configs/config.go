@@ -106,7 +106,7 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("routing.kind_weights", map[string]float64{})
 	v.SetDefault("blocks.block_tokens", blockhash.DefaultBlockTokens)
 	v.SetDefault("blocks.bytes_per_token", blockhash.DefaultBytesPerToken)
-	v.SetDefault("cache.eviction", "lru")
+	v.SetDefault("cache.eviction", policies.Default)
 	v.SetDefault("cache.default_budget_tokens", 0)
 	v.SetDefault("limits.max_body_bytes", 16<<20)
 	v.SetDefault("limits.max_messages", 4096)

@@ -13,20 +13,28 @@ package policies
 import (
 	"container/heap"
 	"fmt"
+	"math"
 	"sort"
+	"time"
+
+	lru "github.com/hashicorp/golang-lru/v2/simplelru"
 
 	"github.com/semroute/semroute/blockhash"
 )
 
-// Info describes one cached block on one replica.
+// Info describes one cached block on one replica. Times are nanoseconds on
+// the caller's clock.
 type Info struct {
 	Kind   blockhash.Kind
 	Tokens int32 // estimated tokens, ≥ 1
 	Depth  int32 // position in its chain; 0 is the first block
-	// LastUsed is when the block was last inserted or hit, in nanoseconds.
+	// LastUsed is when the block was last inserted or hit.
 	LastUsed int64
 	// Inserted is when the block was first cached on this replica.
 	Inserted int64
+	// Freed is when a request that used the block last finished (0 if none
+	// has): the moment an engine puts the block on its free queue.
+	Freed int64
 	// Hits counts the lookups that reused the block after its insertion.
 	Hits int32
 }
@@ -36,8 +44,8 @@ type Policy interface {
 	// Evictable adds key, which has just become a leaf (no cached child on
 	// this replica), to the candidates for eviction.
 	Evictable(key uint64, info Info)
-	// Touched reports that key was used (inserted again or hit) at
-	// info.LastUsed. It is called whether or not key is evictable; a policy
+	// Touched reports that key was hit at info.LastUsed (info.Hits has been
+	// counted). It is called whether or not key is evictable; a policy
 	// ignores keys it does not hold unless it keeps history.
 	Touched(key uint64, info Info)
 	// Removed drops key from the candidates: it gained a child or left the
@@ -50,12 +58,43 @@ type Policy interface {
 	Len() int
 }
 
+// FreeObserver is implemented by policies that order blocks by when the
+// requests using them finished (vLLM's free queue).
+type FreeObserver interface {
+	// Freed reports that a request using key finished at info.Freed.
+	Freed(key uint64, info Info)
+}
+
+// Admitter is implemented by policies that may refuse to cache a new block.
+type Admitter interface {
+	// Admit reports whether a new block may be cached on a replica that
+	// holds used of budget tokens (budget > 0). A refused block is not
+	// cached, nor is anything after it in its chain.
+	Admit(info Info, used, budget int64) bool
+}
+
+// Evicted is implemented by policies that remember what they evicted.
+type Evicted interface {
+	// Evicted reports that key, last described by info, left the cache.
+	Evicted(key uint64, info Info)
+}
+
 // Factory makes a fresh policy for one replica.
 type Factory func() Policy
 
+// registry maps names to factories; see New for the parameters used.
 var registry = map[string]Factory{
-	"lru": func() Policy { return NewLRU() },
+	"fifo":              func() Policy { return NewFIFO() },
+	"lru":               func() Policy { return NewLRU() },
+	"lfu":               func() Policy { return NewLFU() },
+	"size_lru":          func() Policy { return NewSizeLRU() },
+	"vllm":              func() Policy { return NewVLLM() },
+	"static_semantic":   func() Policy { return NewStaticSemantic(SemanticParams{}) },
+	"adaptive_semantic": func() Policy { return NewAdaptiveSemantic(AdaptiveParams{}) },
 }
+
+// Default is the eviction policy of the live router's picture.
+const Default = "vllm"
 
 // Names returns the registered policy names, sorted.
 func Names() []string {
@@ -67,7 +106,7 @@ func Names() []string {
 	return out
 }
 
-// Lookup returns the factory registered under name.
+// Lookup returns the factory registered under name, with default parameters.
 func Lookup(name string) (Factory, error) {
 	f, ok := registry[name]
 	if !ok {
@@ -76,30 +115,265 @@ func Lookup(name string) (Factory, error) {
 	return f, nil
 }
 
-// LRU evicts the least recently used leaf; among leaves used at the same
+// ordered is a Policy whose order is a function of each block's Info: the
+// candidate with the lowest prio is the victim.
+type ordered struct {
+	h    prioHeap
+	prio func(Info) prio
+}
+
+func newOrdered(f func(Info) prio) *ordered { return &ordered{h: newPrioHeap(), prio: f} }
+
+func (p *ordered) Evictable(key uint64, info Info) { p.h.set(key, p.prio(info)) }
+func (p *ordered) Touched(key uint64, info Info)   { p.h.update(key, p.prio(info)) }
+func (p *ordered) Removed(key uint64)              { p.h.remove(key) }
+func (p *ordered) Victim() (uint64, bool)          { return p.h.pop() }
+func (p *ordered) Len() int                        { return p.h.Len() }
+
+// NewFIFO evicts the leaf inserted first; among leaves inserted at one
+// instant, the deepest first. Hits do not matter.
+func NewFIFO() Policy {
+	return newOrdered(func(i Info) prio { return prio{b: i.Inserted, c: -int64(i.Depth)} })
+}
+
+// NewLRU evicts the least recently used leaf; among leaves used at the same
 // instant, the deepest first, so a request's tail goes before its head.
-// Evictable, Touched, Removed and Victim are O(log n).
-type LRU struct{ h prioHeap }
+// Every operation is O(log n).
+func NewLRU() Policy {
+	return newOrdered(func(i Info) prio { return prio{b: i.LastUsed, c: -int64(i.Depth)} })
+}
 
-var _ Policy = (*LRU)(nil)
+// NewLFU evicts the leaf with the fewest hits; ties go to the least recently
+// used, then the deepest.
+func NewLFU() Policy {
+	return newOrdered(func(i Info) prio { return prio{a: float64(i.Hits), b: i.LastUsed, c: -int64(i.Depth)} })
+}
 
-// NewLRU returns an empty LRU policy.
-func NewLRU() *LRU { return &LRU{h: newPrioHeap()} }
+// NewVLLM evicts in vLLM's order: the block least recently freed first (a
+// block goes on vLLM's free queue when the last request using it finishes,
+// and a request's blocks are freed tail first). A block in use by a request
+// that has not finished counts as freed when it was last used, since vLLM
+// would not evict it at all. Ref: vLLM v1 KVCacheManager / FreeKVCacheBlockQueue.
+func NewVLLM() Policy {
+	return &vllm{newOrdered(func(i Info) prio { return prio{b: max(i.LastUsed, i.Freed), c: -int64(i.Depth)} })}
+}
 
-// Evictable implements Policy.
-func (p *LRU) Evictable(key uint64, info Info) { p.h.set(key, info.LastUsed, -int64(info.Depth)) }
+type vllm struct{ *ordered }
 
-// Touched implements Policy.
-func (p *LRU) Touched(key uint64, info Info) { p.h.update(key, info.LastUsed, -int64(info.Depth)) }
+func (p *vllm) Freed(key uint64, info Info) { p.h.update(key, p.prio(info)) }
 
-// Removed implements Policy.
-func (p *LRU) Removed(key uint64) { p.h.remove(key) }
+// NewSizeLRU is size-aware LRU as GreedyDual-Size (Cao and Irani, 1997) with
+// unit cost: a block's credit is H = L + 1/tokens, set when it is inserted or
+// hit; the victim has the lowest H and L becomes its H. A block of many
+// tokens holds little credit per token and goes sooner; L inflates so old
+// credit loses to new, as recency does in LRU.
+func NewSizeLRU() Policy { return &sizeLRU{h: newPrioHeap()} }
 
-// Victim implements Policy.
-func (p *LRU) Victim() (uint64, bool) { return p.h.pop() }
+type sizeLRU struct {
+	h prioHeap
+	l float64
+}
 
-// Len implements Policy.
-func (p *LRU) Len() int { return p.h.Len() }
+func (p *sizeLRU) prio(i Info) prio {
+	return prio{a: p.l + 1/float64(max(i.Tokens, 1)), b: i.LastUsed, c: -int64(i.Depth)}
+}
+func (p *sizeLRU) Evictable(key uint64, info Info) { p.h.set(key, p.prio(info)) }
+func (p *sizeLRU) Touched(key uint64, info Info)   { p.h.update(key, p.prio(info)) }
+func (p *sizeLRU) Removed(key uint64)              { p.h.remove(key) }
+func (p *sizeLRU) Len() int                        { return p.h.Len() }
+func (p *sizeLRU) Victim() (uint64, bool) {
+	if p.h.Len() == 0 {
+		return 0, false
+	}
+	p.l = p.h.items[0].p.a
+	return p.h.pop()
+}
+
+// SemanticParams tune the semantic policies. Zero fields take the defaults.
+type SemanticParams struct {
+	// Weights is the value of a block per kind. Default: system and tools
+	// 2, retrieved_context 1.5, code and tool_output 1.2, assistant and user
+	// history 1, user_query 0.5, other 1.
+	Weights *[blockhash.NumKinds]float64
+	// SizeExponent α: value is divided by tokens^α. Default 1 (value per
+	// token, with prefill time saved proportional to tokens).
+	SizeExponent float64
+}
+
+// DefaultKindValues are the default per-kind block values of the semantic
+// eviction policies.
+func DefaultKindValues() *[blockhash.NumKinds]float64 {
+	var w [blockhash.NumKinds]float64
+	for k := range w {
+		w[k] = 1
+	}
+	w[blockhash.KindSystem], w[blockhash.KindTools] = 2, 2
+	w[blockhash.KindRetrievedContext] = 1.5
+	w[blockhash.KindCode], w[blockhash.KindToolOutput] = 1.2, 1.2
+	w[blockhash.KindUserQuery] = 0.5
+	return &w
+}
+
+func (sp *SemanticParams) defaults() {
+	if sp.Weights == nil {
+		sp.Weights = DefaultKindValues()
+	}
+	if sp.SizeExponent == 0 {
+		sp.SizeExponent = 1
+	}
+}
+
+// staticValue is kind weight × ln(1 + hits) × prefill time saved ÷ tokens^α,
+// with the time saved proportional to tokens.
+func staticValue(w float64, i Info, alpha float64) float64 {
+	t := float64(max(i.Tokens, 1))
+	return w * math.Log1p(float64(i.Hits)) * t / math.Pow(t, alpha)
+}
+
+// NewStaticSemantic evicts the leaf of lowest fixed value
+//
+//	value = weight[kind] × ln(1 + hits) × tokens ÷ tokens^α
+//
+// (prefill time saved is proportional to tokens); among equal values (for
+// example every block never hit) the least recently used, then the deepest.
+// The value never decays: a block once popular stays.
+func NewStaticSemantic(sp SemanticParams) Policy {
+	sp.defaults()
+	return newOrdered(func(i Info) prio {
+		return prio{a: staticValue(sp.Weights[i.Kind], i, sp.SizeExponent), b: i.LastUsed, c: -int64(i.Depth)}
+	})
+}
+
+// AdaptiveParams tune the adaptive semantic policy. Zero fields take the
+// defaults.
+type AdaptiveParams struct {
+	SemanticParams
+	// HitGain and RegretGain are added to a kind's weight on a hit and on a
+	// regret (a block of that kind inserted again soon after it was
+	// evicted). Defaults 0.01 and 0.05.
+	HitGain, RegretGain float64
+	// WeightHalfLife is how fast a learned weight decays back to its base
+	// when its kind is idle; it is also the half-life of a block's value
+	// while the block is idle. Default 60s.
+	WeightHalfLife time.Duration
+	// MinWeight and MaxWeight clamp learned weights. Defaults 0.1 and 10.
+	MinWeight, MaxWeight float64
+	// Ghosts is how many evicted keys are remembered to detect regret.
+	// Default 65536.
+	Ghosts int
+	// AdmitBelow: when the replica is full, a new block whose kind weight is
+	// below AdmitBelow × the mean weight is not admitted. Default 0.25; a
+	// negative value admits everything.
+	AdmitBelow float64
+}
+
+func (ap *AdaptiveParams) defaults() {
+	ap.SemanticParams.defaults()
+	def := func(v *float64, d float64) {
+		if *v == 0 {
+			*v = d
+		}
+	}
+	def(&ap.HitGain, 0.01)
+	def(&ap.RegretGain, 0.05)
+	def(&ap.MinWeight, 0.1)
+	def(&ap.MaxWeight, 10)
+	def(&ap.AdmitBelow, 0.25)
+	if ap.WeightHalfLife == 0 {
+		ap.WeightHalfLife = time.Minute
+	}
+	if ap.Ghosts == 0 {
+		ap.Ghosts = 65536
+	}
+}
+
+// NewAdaptiveSemantic is the static semantic value with per-kind weights that
+// learn online:
+//
+//   - a hit raises its kind's weight by HitGain, a regret (inserting a block
+//     evicted recently) by RegretGain;
+//   - an idle kind's weight decays back to its base with WeightHalfLife;
+//   - weights are clamped to [MinWeight, MaxWeight];
+//   - a block's value, (1 + ln(1 + hits)) × weight × tokens^(1−α), halves for
+//     every WeightHalfLife it stays idle, so a once-popular block does not
+//     stay forever. The order key LastUsed + (half-life / ln 2) × ln(value)
+//     is that decayed value's order at any one instant, so the heap stays
+//     valid as time passes;
+//   - when the replica is full, blocks of kinds weighted below AdmitBelow ×
+//     the mean weight are not admitted.
+//
+// A weight learned after a block was queued is used from its next touch.
+func NewAdaptiveSemantic(ap AdaptiveParams) Policy {
+	ap.defaults()
+	p := &adaptive{ap: ap, h: newPrioHeap(), w: *ap.Weights}
+	p.ghosts, _ = lru.NewLRU[uint64, blockhash.Kind](ap.Ghosts, nil) // Ghosts > 0
+	return p
+}
+
+type adaptive struct {
+	ap     AdaptiveParams
+	h      prioHeap
+	w      [blockhash.NumKinds]float64 // learned weights
+	wAt    [blockhash.NumKinds]int64   // when each weight was last updated
+	ghosts *lru.LRU[uint64, blockhash.Kind]
+}
+
+var _ interface {
+	Policy
+	Admitter
+	Evicted
+} = (*adaptive)(nil)
+
+// weight returns kind k's weight decayed to now and records it.
+func (p *adaptive) weight(k blockhash.Kind, now int64) float64 {
+	base := p.ap.Weights[k]
+	if dt := now - p.wAt[k]; dt > 0 && p.wAt[k] != 0 {
+		p.w[k] = base + (p.w[k]-base)*math.Exp2(-float64(dt)/float64(p.ap.WeightHalfLife))
+	}
+	p.wAt[k] = max(p.wAt[k], now)
+	return p.w[k]
+}
+
+func (p *adaptive) learn(k blockhash.Kind, gain float64, now int64) {
+	p.w[k] = min(max(p.weight(k, now)+gain, p.ap.MinWeight), p.ap.MaxWeight)
+}
+
+func (p *adaptive) prio(i Info) prio {
+	t := float64(max(i.Tokens, 1))
+	v := (1 + math.Log1p(float64(i.Hits))) * p.weight(i.Kind, i.LastUsed) * t / math.Pow(t, p.ap.SizeExponent)
+	tau := float64(p.ap.WeightHalfLife) / math.Ln2
+	return prio{a: float64(i.LastUsed) + tau*math.Log(v), c: -int64(i.Depth)}
+}
+
+func (p *adaptive) Evictable(key uint64, info Info) {
+	if k, ok := p.ghosts.Peek(key); ok {
+		p.ghosts.Remove(key)
+		p.learn(k, p.ap.RegretGain, info.LastUsed)
+	}
+	p.h.set(key, p.prio(info))
+}
+
+func (p *adaptive) Touched(key uint64, info Info) {
+	p.learn(info.Kind, p.ap.HitGain, info.LastUsed)
+	p.h.update(key, p.prio(info))
+}
+
+func (p *adaptive) Evicted(key uint64, info Info) { p.ghosts.Add(key, info.Kind) }
+func (p *adaptive) Removed(key uint64)            { p.h.remove(key) }
+func (p *adaptive) Victim() (uint64, bool)        { return p.h.pop() }
+func (p *adaptive) Len() int                      { return p.h.Len() }
+
+func (p *adaptive) Admit(info Info, used, budget int64) bool {
+	if p.ap.AdmitBelow < 0 || used+int64(info.Tokens) <= budget {
+		return true
+	}
+	mean := 0.0
+	for k := range p.w {
+		mean += p.weight(blockhash.Kind(k), info.LastUsed)
+	}
+	mean /= float64(len(p.w))
+	return p.weight(info.Kind, info.LastUsed) >= p.ap.AdmitBelow*mean
+}
 
 // prioHeap is a min-heap of keys ordered by (a, b), with an index for
 // updates and removals by key.
@@ -108,10 +382,17 @@ type prioHeap struct {
 	index map[uint64]*item
 }
 
+// prio orders candidates: lowest a, then lowest b, then lowest c, then
+// lowest key.
+type prio struct {
+	a    float64
+	b, c int64
+}
+
 type item struct {
-	key  uint64
-	a, b int64
-	pos  int
+	key uint64
+	p   prio
+	pos int
 }
 
 func newPrioHeap() prioHeap { return prioHeap{index: make(map[uint64]*item)} }
@@ -119,11 +400,13 @@ func newPrioHeap() prioHeap { return prioHeap{index: make(map[uint64]*item)} }
 func (h *prioHeap) Len() int { return len(h.items) }
 func (h *prioHeap) Less(i, j int) bool {
 	x, y := h.items[i], h.items[j]
-	if x.a != y.a {
-		return x.a < y.a
-	}
-	if x.b != y.b {
-		return x.b < y.b
+	switch {
+	case x.p.a != y.p.a:
+		return x.p.a < y.p.a
+	case x.p.b != y.p.b:
+		return x.p.b < y.p.b
+	case x.p.c != y.p.c:
+		return x.p.c < y.p.c
 	}
 	return x.key < y.key
 }
@@ -145,21 +428,21 @@ func (h *prioHeap) Pop() any {
 }
 
 // set inserts key or moves it to the new priority.
-func (h *prioHeap) set(key uint64, a, b int64) {
+func (h *prioHeap) set(key uint64, p prio) {
 	if it, ok := h.index[key]; ok {
-		it.a, it.b = a, b
+		it.p = p
 		heap.Fix(h, it.pos)
 		return
 	}
-	it := &item{key: key, a: a, b: b}
+	it := &item{key: key, p: p}
 	h.index[key] = it
 	heap.Push(h, it)
 }
 
 // update moves key to the new priority if it is present.
-func (h *prioHeap) update(key uint64, a, b int64) {
+func (h *prioHeap) update(key uint64, p prio) {
 	if it, ok := h.index[key]; ok {
-		it.a, it.b = a, b
+		it.p = p
 		heap.Fix(h, it.pos)
 	}
 }

@@ -28,18 +28,39 @@ type Spec struct {
 	Weight float64
 }
 
-// Load is a replica's queued work, the load term of routing scores.
+// Load is a replica's queued work, the load term of routing scores. Token
+// fields are divided by the replica's weight.
 type Load struct {
 	InFlight int64 // requests sent and not finished
 	// PendingTokens is the estimated prefill tokens (uncached prompt tokens)
-	// of requests sent and not finished, divided by the weight.
+	// of requests sent whose prefill has not finished.
 	PendingTokens float64
-	// RecentTokens is the prefill tokens of requests that finished
-	// recently, decayed with the pool's half-life, divided by the weight: it
-	// keeps load meaningful when requests are short and rarely overlap. A
-	// request's tokens count in PendingTokens while it runs and here after,
-	// never in both.
+	// ActiveTokens is the prompt tokens of requests in flight: the KV cache
+	// their sequences hold while they decode.
+	ActiveTokens float64
+	// RecentTokens is the prefill tokens of requests whose prefill finished
+	// recently, decayed with the pool's half-life: it keeps load meaningful
+	// when requests are short and rarely overlap. A request's tokens count in
+	// PendingTokens until its prefill is done and here after, never in both.
 	RecentTokens float64
+	// Observed are the replica's own gauges (scraped, or set by a simulator).
+	Observed
+}
+
+// Observed are load gauges the replica reports about itself. The zero value
+// means nothing was reported.
+type Observed struct {
+	Running int64   // sequences running (vllm:num_requests_running)
+	Waiting int64   // requests queued (vllm:num_requests_waiting)
+	KVUsage float64 // fraction of the KV cache in use, 0..1 (vllm:kv_cache_usage_perc)
+}
+
+// Work is one request's load on a replica. The caller owns it and passes the
+// same Work to Begin, PrefillDone and End.
+type Work struct {
+	Prefill int64 // estimated uncached prompt tokens
+	Tokens  int64 // prompt tokens
+	done    bool  // prefill finished
 }
 
 // Replica is one inference server.
@@ -52,32 +73,52 @@ type Replica struct {
 	// pool and never changed.
 	ID int
 
-	halfLife  time.Duration
-	inFlight  atomic.Int64
-	pending   atomic.Int64 // tokens
-	downUntil atomic.Int64 // unix nanoseconds; 0 when up
+	halfLife time.Duration
+	inFlight atomic.Int64
+	pending  atomic.Int64 // tokens
+	active   atomic.Int64 // tokens
+	// downUntil is when the replica may take traffic again, in unix
+	// nanoseconds; 0 when up.
+	downUntil atomic.Int64
+	observed  atomic.Pointer[Observed]
 
 	mu       sync.Mutex
 	recent   float64 // tokens, as of recentAt
 	recentAt int64   // unix nanoseconds
 }
 
-// Begin counts a request of tokens estimated prefill tokens sent.
-func (r *Replica) Begin(tokens int64) {
+// Begin counts w as sent to the replica.
+func (r *Replica) Begin(w *Work) {
+	w.done = false
 	r.inFlight.Add(1)
-	r.pending.Add(tokens)
+	r.pending.Add(w.Prefill)
+	r.active.Add(w.Tokens)
 }
 
-// End counts the end at now of a request begun with the same tokens: they
-// move from pending to recent work.
-func (r *Replica) End(tokens int64, now time.Time) {
-	r.inFlight.Add(-1)
-	r.pending.Add(-tokens)
+// PrefillDone counts w's prefill as finished at now: its tokens move from
+// pending to recent work. Calling it again, or after End, does nothing.
+func (r *Replica) PrefillDone(w *Work, now time.Time) {
+	if w.done {
+		return
+	}
+	w.done = true
+	r.pending.Add(-w.Prefill)
 	r.mu.Lock()
-	r.recent = r.decayed(now.UnixNano()) + float64(tokens)
+	r.recent = r.decayed(now.UnixNano()) + float64(w.Prefill)
 	r.recentAt = now.UnixNano()
 	r.mu.Unlock()
 }
+
+// End counts the end of w at now, finishing its prefill if that was not
+// reported.
+func (r *Replica) End(w *Work, now time.Time) {
+	r.PrefillDone(w, now)
+	r.inFlight.Add(-1)
+	r.active.Add(-w.Tokens)
+}
+
+// Observe records the replica's own load gauges.
+func (r *Replica) Observe(o Observed) { r.observed.Store(&o) }
 
 // decayed returns the recent-work counter at now; r.mu must be held.
 func (r *Replica) decayed(now int64) float64 {
@@ -96,11 +137,16 @@ func (r *Replica) Load(now time.Time) Load {
 	r.mu.Lock()
 	recent := r.decayed(now.UnixNano())
 	r.mu.Unlock()
-	return Load{
+	l := Load{
 		InFlight:      r.inFlight.Load(),
 		PendingTokens: float64(r.pending.Load()) / r.Weight,
+		ActiveTokens:  float64(r.active.Load()) / r.Weight,
 		RecentTokens:  recent / r.Weight,
 	}
+	if o := r.observed.Load(); o != nil {
+		l.Observed = *o
+	}
+	return l
 }
 
 // Available reports whether the replica may take traffic at now.

@@ -52,19 +52,36 @@ func TestLoadAccounting(t *testing.T) {
 	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a", Weight: 2}}, Options{HalfLife: time.Second}, ids())
 	r := p.Replicas()[0]
 	t0 := time.Unix(100, 0)
-	r.Begin(400)
-	r.Begin(200)
-	if l := r.Load(t0); l.InFlight != 2 || l.PendingTokens != 300 || l.RecentTokens != 0 {
+	a, b := &Work{Prefill: 400, Tokens: 1000}, &Work{Prefill: 200, Tokens: 200}
+	r.Begin(a)
+	r.Begin(b)
+	if l := r.Load(t0); l.InFlight != 2 || l.PendingTokens != 300 || l.ActiveTokens != 600 || l.RecentTokens != 0 {
 		t.Fatalf("in flight: %+v (weight 2 halves tokens)", l)
 	}
-	r.End(400, t0)
-	r.End(200, t0.Add(time.Second))
+	r.PrefillDone(a, t0)
+	if l := r.Load(t0); l.InFlight != 2 || l.PendingTokens != 100 || l.RecentTokens != 200 {
+		t.Fatalf("after a's prefill: %+v", l)
+	}
+	r.End(a, t0)
+	r.End(b, t0.Add(time.Second))
 	// 400 decayed one half-life, plus 200: 400; halved by the weight: 200.
-	if l := r.Load(t0.Add(time.Second)); l.InFlight != 0 || l.PendingTokens != 0 || math.Abs(l.RecentTokens-200) > 1e-9 {
+	if l := r.Load(t0.Add(time.Second)); l.InFlight != 0 || l.PendingTokens != 0 || l.ActiveTokens != 0 || math.Abs(l.RecentTokens-200) > 1e-9 {
 		t.Fatalf("after: %+v", l)
 	}
 	if l := r.Load(t0.Add(3 * time.Second)); math.Abs(l.RecentTokens-50) > 1e-9 {
 		t.Fatalf("two half-lives later: %+v", l)
+	}
+}
+
+func TestObserved(t *testing.T) {
+	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a"}}, Options{}, ids())
+	r := p.Replicas()[0]
+	if l := r.Load(time.Now()); l.Observed != (Observed{}) {
+		t.Fatalf("unobserved replica reports %+v", l.Observed)
+	}
+	r.Observe(Observed{Running: 3, Waiting: 2, KVUsage: 0.5})
+	if l := r.Load(time.Now()); l.Running != 3 || l.Waiting != 2 || l.KVUsage != 0.5 {
+		t.Fatalf("observed %+v", l.Observed)
 	}
 }
 
