@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -19,6 +20,7 @@ import (
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/policies"
+	"github.com/semroute/semroute/router"
 )
 
 // DemoYAML is the embedded configuration of `router demo`.
@@ -186,10 +188,8 @@ func (c *Config) Validate() error {
 		bad("log.format", "%q is not text or json", c.Log.Format)
 	}
 	r := &c.Routing
-	switch r.Policy {
-	case "semantic", "round_robin", "random", "least_load":
-	default:
-		bad("routing.policy", "unknown policy %q", r.Policy)
+	if !slices.Contains(router.PolicyNames, r.Policy) {
+		bad("routing.policy", "unknown policy %q (have %v)", r.Policy, router.PolicyNames)
 	}
 	if r.LoadWeight < 0 {
 		bad("routing.load_weight", "must not be negative")
