@@ -15,7 +15,9 @@ package cachemodel
 
 import (
 	"fmt"
+	"math"
 	"sync"
+	"time"
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/policies"
@@ -56,12 +58,19 @@ type Options struct {
 	// OnEvict, if set, is called with every block evicted from a replica,
 	// after the model's lock is released, in eviction order.
 	OnEvict func(replica int, key uint64)
+	// HotHalfLife is the half-life of each block's request rate, counted on
+	// every Record across all replicas (see Hot). Default 10s.
+	HotHalfLife time.Duration
 }
 
 // Model is the picture of every replica's cache.
 type Model struct {
 	policy  policies.Factory
 	onEvict func(replica int, key uint64)
+	hotHalf float64 // nanoseconds
+
+	// fleet counts every Record (one request) like a block's heat.
+	fleet node
 
 	mu       sync.RWMutex
 	nodes    map[uint64]*node
@@ -79,7 +88,48 @@ type node struct {
 	tokens int32
 	depth  int32
 	kind   blockhash.Kind
+	heat   float32 // requests that used the block, decayed by HotHalfLife, as of heatAt
+	heatAt int64
 	slots  []slot // one per replica holding the block, sorted by replica
+}
+
+// warm counts one more request using n at now.
+func (m *Model) warm(n *node, now int64) {
+	n.heat = float32(m.heatAt(n, now)) + 1
+	n.heatAt = max(n.heatAt, now)
+}
+
+func (m *Model) heatAt(n *node, now int64) float64 {
+	if dt := now - n.heatAt; dt > 0 {
+		return float64(n.heat) * math.Exp2(-float64(dt)/m.hotHalf)
+	}
+	return float64(n.heat)
+}
+
+// Hot returns the longest prefix of blocks whose every block is hot: used,
+// over all replicas, by at least minUses requests per HotHalfLife and by
+// more than minShare of all requests recorded (both decayed counts at now).
+// Such a prefix carries more traffic than one replica should take and will
+// soon be on several. w weights tokens by kind (nil: unit weights).
+// O(hot blocks).
+func (m *Model) Hot(blocks []blockhash.Block, w *Weights, minUses, minShare float64, now int64) Match {
+	if w == nil {
+		w = UnitWeights()
+	}
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	threshold := max(minUses, minShare*m.heatAt(&m.fleet, now))
+	var out Match
+	for _, b := range blocks {
+		n := m.nodes[b.Hash]
+		if n == nil || m.heatAt(n, now) < threshold {
+			break
+		}
+		out.Blocks++
+		out.Tokens += int(n.tokens)
+		out.Weighted += w[n.kind] * float64(n.tokens)
+	}
+	return out
 }
 
 type slot struct {
@@ -96,7 +146,10 @@ func New(o Options) *Model {
 	if o.Policy == nil {
 		o.Policy = func() policies.Policy { return policies.NewLRU() }
 	}
-	return &Model{policy: o.Policy, onEvict: o.OnEvict, nodes: make(map[uint64]*node)}
+	if o.HotHalfLife <= 0 {
+		o.HotHalfLife = 10 * time.Second
+	}
+	return &Model{policy: o.Policy, onEvict: o.OnEvict, hotHalf: float64(o.HotHalfLife), nodes: make(map[uint64]*node)}
 }
 
 // AddReplica adds a replica with an empty picture and the given token budget
@@ -263,6 +316,7 @@ func (m *Model) record(id int, blocks []blockhash.Block, now int64) []uint64 {
 	}
 	st := m.replicas[id]
 	rid := int32(id)
+	m.warm(&m.fleet, now)
 	admit, _ := st.policy.(policies.Admitter)
 	var parent *node
 	parentFresh := false // parent was added by this call and never made evictable
@@ -270,6 +324,7 @@ func (m *Model) record(id int, blocks []blockhash.Block, now int64) []uint64 {
 	for i, b := range blocks {
 		n := m.nodes[b.Hash]
 		if n != nil {
+			m.warm(n, now)
 			if si, ok := n.find(rid); ok {
 				s := &n.slots[si]
 				s.lastUsed = now
@@ -288,6 +343,7 @@ func (m *Model) record(id int, blocks []blockhash.Block, now int64) []uint64 {
 		if n == nil {
 			n = &node{hash: b.Hash, parent: parent, tokens: tokens, depth: int32(i), kind: b.Kind}
 			m.nodes[b.Hash] = n
+			m.warm(n, now)
 		}
 		si, _ := n.find(rid)
 		n.slots = append(n.slots, slot{})

@@ -40,7 +40,7 @@ func newRoot() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newServe(), newDemo(), newSim(), newVersion())
+	root.AddCommand(newServe(), newDemo(), newSim(), newReplay(), newVersion())
 	return root
 }
 

@@ -1,0 +1,109 @@
+package main
+
+import (
+	"fmt"
+	"os"
+	"strings"
+
+	"github.com/spf13/cobra"
+
+	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/replay"
+	"github.com/semroute/semroute/router"
+)
+
+func newReplay() *cobra.Command {
+	var (
+		trace, format, out, pols string
+		blockTokens              int
+		m                        replay.Model
+		seed                     uint64
+		ablate                   bool
+	)
+	cmd := &cobra.Command{
+		Use:   "replay",
+		Short: "Replay a trace through simulated replicas under several routing policies",
+		Long: `Replay a trace through simulated replicas, in virtual time, under every listed
+routing policy side by side, with the pooled (one cache of replicas × budget) and
+infinite-cache references, and write summary.json, summary.md, a CSV per run and
+report.html to --out.`,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if _, err := replay.ParseFormat(format); err != nil {
+				return err
+			}
+			f, err := os.Open(trace)
+			if err != nil {
+				return err
+			}
+			defer f.Close()
+			var reqs []replay.Request
+			switch format {
+			case "mooncake":
+				if blockTokens == 0 {
+					blockTokens = 512
+				}
+				reqs, err = replay.ReadMooncake(f, blockTokens)
+			case "openai":
+				if blockTokens == 0 {
+					blockTokens = blockhash.DefaultBlockTokens
+				}
+				var s *blockhash.Splitter
+				if s, err = blockhash.NewSplitter(blockhash.Options{BlockTokens: blockTokens}); err == nil {
+					reqs, err = replay.ReadOpenAI(f, s)
+				}
+			}
+			if err != nil {
+				return err
+			}
+			m.BlockTokens = blockTokens
+			m.Policy.Seed = seed
+			var runs []replay.Run
+			for _, p := range strings.Split(pols, ",") {
+				if p = strings.TrimSpace(p); p != "" {
+					runs = append(runs, replay.Run{Policy: p})
+				}
+			}
+			if ablate {
+				runs = append(runs, replay.Ablations(m.Policy)...)
+			}
+			sum, err := replay.Replay(reqs, m, runs)
+			if err != nil {
+				return err
+			}
+			sum.Trace, sum.Format = trace, format
+			if err := sum.Write(out); err != nil {
+				return err
+			}
+			if err := sum.Markdown(cmd.OutOrStdout()); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "\nwrote %s/summary.json, summary.md, report.html and runs/*.csv\n", out)
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&trace, "trace", "", "trace file (JSONL)")
+	f.StringVar(&format, "format", "mooncake", "trace format: mooncake or openai")
+	f.StringVar(&out, "out", "replay-out", "directory for the report")
+	f.StringVar(&pols, "policies", strings.Join(router.PolicyNames, ","), "routing policies to compare, comma-separated")
+	f.IntVar(&blockTokens, "block-tokens", 0, "tokens per block (default 512 for mooncake, 64 for openai)")
+	f.IntVar(&m.Replicas, "replicas", 8, "replicas")
+	f.Int64Var(&m.BudgetTokens, "budget-tokens", 1_000_000, "KV cache per replica, tokens")
+	f.IntVar(&m.MaxRunning, "max-running", 256, "running sequences per replica; more wait")
+	f.DurationVar(&m.PrefillOverhead, "prefill-overhead", 0, "fixed prefill time per request (default 5ms)")
+	f.DurationVar(&m.PrefillPerToken, "prefill-per-token", 0, "prefill time per uncached token (default 100µs)")
+	f.DurationVar(&m.InterToken, "inter-token", 0, "decode time per output token (default 20ms)")
+	f.StringVar(&m.Eviction, "eviction", "", "replicas' eviction policy (default vllm)")
+	f.Float64Var(&m.Speedup, "speedup", 1, "divide arrival times by this")
+	f.BoolVar(&m.RecordReplies, "record-replies", true, "cache a reply's blocks when its request finishes (openai traces)")
+	f.BoolVar(&m.SharedActive, "shared-active", false, "count blocks shared by running requests once in KV load (cascade attention)")
+	f.Uint64Var(&seed, "seed", 1, "seed of the randomised policies")
+	f.Float64Var(&m.Policy.LoadWeight, "load-weight", 0, "semantic: weight of queued tokens (default 1)")
+	f.Float64Var(&m.Policy.RecentWeight, "recent-weight", 0, "semantic: share of recently finished prefill counted as load (default 0.5; negative for none)")
+	f.Float64Var(&m.Policy.SpillFactor, "spill-factor", 0, "semantic: skip replicas above this × mean load + margin (default 2)")
+	f.Float64Var(&m.Policy.SpillMarginTokens, "spill-margin-tokens", 0, "semantic: see --spill-factor (default 2048)")
+	f.DurationVar(&m.LoadHalfLife, "load-half-life", 0, "half-life of the recent-work signal (default 10s)")
+	f.BoolVar(&ablate, "ablations", false, "also run the semantic policy with unit kind weights and with load ignored")
+	_ = cmd.MarkFlagRequired("trace")
+	return cmd
+}

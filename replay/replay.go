@@ -1,0 +1,292 @@
+package replay
+
+import (
+	"fmt"
+	"runtime"
+	"sync"
+	"time"
+
+	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/cachemodel"
+	"github.com/semroute/semroute/policies"
+	"github.com/semroute/semroute/replica"
+	"github.com/semroute/semroute/router"
+)
+
+// Result is what one policy (or reference) did with the trace.
+type Result struct {
+	Name               string  `json:"name"`
+	Requests           int     `json:"requests"`
+	PromptTokens       int64   `json:"prompt_tokens"`
+	CachedTokens       int64   `json:"cached_tokens"`
+	Blocks             int64   `json:"blocks"`
+	HitBlocks          int64   `json:"hit_blocks"`
+	TokenHitRate       float64 `json:"token_hit_rate"` // cached prompt tokens ÷ prompt tokens
+	BlockHitRate       float64 `json:"block_hit_rate"`
+	PrefillTokensSaved int64   `json:"prefill_tokens_saved"`
+	TTFTMeanMS         float64 `json:"ttft_ms_mean"`
+	TTFTP50MS          float64 `json:"ttft_ms_p50"`
+	TTFTP90MS          float64 `json:"ttft_ms_p90"`
+	TTFTP99MS          float64 `json:"ttft_ms_p99"`
+	// LoadImbalance is the most-loaded replica's prefill tokens computed ÷
+	// the mean over replicas (1 is perfect balance).
+	LoadImbalance float64 `json:"load_imbalance"`
+	// PrefillComputed is each replica's prefill tokens computed.
+	PrefillComputed []int64 `json:"prefill_computed_per_replica"`
+	WallSeconds     float64 `json:"wall_seconds"`
+
+	// LoadOverTime[b][r] is the prefill tokens replica r started computing
+	// in time slice b of the trace.
+	LoadOverTime [][]float64 `json:"-"`
+	// TTFTQuantiles holds the TTFT (ms) at each percentile 0..100.
+	TTFTQuantiles []float64 `json:"-"`
+	rows          []row
+}
+
+type row struct {
+	arrivalMS    float64
+	replica      int
+	promptTokens int
+	cachedTokens int
+	ttftMS       float64
+}
+
+func (r *Result) finish(ttft []float64, reps []simReplica, rep, cached []int, reqs []Request) {
+	if r.PromptTokens > 0 {
+		r.TokenHitRate = float64(r.CachedTokens) / float64(r.PromptTokens)
+	}
+	if r.Blocks > 0 {
+		r.BlockHitRate = float64(r.HitBlocks) / float64(r.Blocks)
+	}
+	r.PrefillTokensSaved = r.CachedTokens
+	sorted := sortedCopy(ttft)
+	sum := 0.0
+	for _, x := range ttft {
+		sum += x
+	}
+	if len(ttft) > 0 {
+		r.TTFTMeanMS = sum / float64(len(ttft))
+	}
+	r.TTFTP50MS, r.TTFTP90MS, r.TTFTP99MS = percentile(sorted, 0.5), percentile(sorted, 0.9), percentile(sorted, 0.99)
+	r.TTFTQuantiles = make([]float64, 101)
+	for p := range r.TTFTQuantiles {
+		r.TTFTQuantiles[p] = percentile(sorted, float64(p)/100)
+	}
+	var total, most int64
+	for _, st := range reps {
+		r.PrefillComputed = append(r.PrefillComputed, st.computed)
+		total += st.computed
+		most = max(most, st.computed)
+	}
+	if total > 0 {
+		r.LoadImbalance = float64(most) / (float64(total) / float64(len(reps)))
+	}
+	r.rows = make([]row, len(reqs))
+	for i := range reqs {
+		r.rows[i] = row{float64(reqs[i].Arrival) / 1e6, rep[i], reqs[i].Tokens, cached[i], ttft[i]}
+	}
+}
+
+// Summary is a whole replay: the trace, the model, every policy's result and
+// the two references.
+type Summary struct {
+	Trace        string        `json:"trace"`
+	Format       string        `json:"format"`
+	Requests     int           `json:"requests"`
+	Replicas     int           `json:"replicas"`
+	BudgetTokens int64         `json:"budget_tokens"`
+	Model        ModelSummary  `json:"model"`
+	Policies     []*Result     `json:"policies"`
+	Pooled       *Result       `json:"pooled"`
+	Infinite     *Result       `json:"infinite"`
+	WallSeconds  float64       `json:"wall_seconds"`
+	Extra        []*Result     `json:"extra,omitempty"` // ablations and variants
+	Started      time.Time     `json:"-"`
+	Elapsed      time.Duration `json:"-"`
+}
+
+// ModelSummary records the replica model's parameters.
+type ModelSummary struct {
+	BlockTokens       int     `json:"block_tokens"`
+	MaxRunning        int     `json:"max_running"`
+	PrefillOverheadMS float64 `json:"prefill_overhead_ms"`
+	PrefillPerTokenUS float64 `json:"prefill_per_token_us"`
+	InterTokenMS      float64 `json:"inter_token_ms"`
+	Eviction          string  `json:"eviction"`
+	Speedup           float64 `json:"speedup"`
+	RecordReplies     bool    `json:"record_replies"`
+	SharedActive      bool    `json:"shared_active"`
+	Seed              uint64  `json:"seed"`
+	Matcher           bool    `json:"semantic_matcher"`
+}
+
+// Run is one policy to replay: a routing policy by name, with the model's
+// policy parameters unless Config is set, and kind weights unless Weights
+// is set. Label names it in the report (default: Policy).
+type Run struct {
+	Label   string
+	Policy  string
+	Config  *router.PolicyConfig
+	Weights *cachemodel.Weights
+	Matcher bool
+}
+
+// Replay runs every run over reqs under model m, in parallel, plus the
+// pooled and infinite references, and returns the summary. Runs are
+// independent and deterministic.
+func Replay(reqs []Request, m Model, runs []Run) (*Summary, error) {
+	if err := m.defaults(); err != nil {
+		return nil, err
+	}
+	start := time.Now()
+	sum := &Summary{
+		Requests: len(reqs), Replicas: m.Replicas, BudgetTokens: m.BudgetTokens, Started: start,
+		Model: ModelSummary{
+			BlockTokens: m.BlockTokens, MaxRunning: m.MaxRunning,
+			PrefillOverheadMS: float64(m.PrefillOverhead) / 1e6, PrefillPerTokenUS: float64(m.PrefillPerToken) / 1e3,
+			InterTokenMS: float64(m.InterToken) / 1e6, Eviction: m.Eviction, Speedup: m.Speedup,
+			RecordReplies: m.RecordReplies, SharedActive: m.SharedActive, Seed: m.Policy.Seed, Matcher: m.Matcher != nil,
+		},
+	}
+	type job struct {
+		i   int
+		run func() (*Result, error)
+	}
+	var jobs []job
+	results := make([]*Result, len(runs)+2)
+	for i, r := range runs {
+		jobs = append(jobs, job{i, func() (*Result, error) { return runPolicy(reqs, &m, r) }})
+	}
+	jobs = append(jobs,
+		job{len(runs), func() (*Result, error) { return runReference(reqs, &m, "pooled", int64(m.Replicas)*m.BudgetTokens) }},
+		job{len(runs) + 1, func() (*Result, error) { return runReference(reqs, &m, "infinite", 0) }})
+	var (
+		wg    sync.WaitGroup
+		mu    sync.Mutex
+		first error
+		work  = make(chan job)
+	)
+	for w := 0; w < runtime.GOMAXPROCS(0); w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for j := range work {
+				t0 := time.Now()
+				res, err := j.run()
+				if err != nil {
+					mu.Lock()
+					if first == nil {
+						first = err
+					}
+					mu.Unlock()
+					continue
+				}
+				res.WallSeconds = time.Since(t0).Seconds()
+				results[j.i] = res
+			}
+		}()
+	}
+	for _, j := range jobs {
+		work <- j
+	}
+	close(work)
+	wg.Wait()
+	if first != nil {
+		return nil, first
+	}
+	sum.Policies = results[:len(runs)]
+	sum.Pooled, sum.Infinite = results[len(runs)], results[len(runs)+1]
+	sum.Elapsed = time.Since(start)
+	sum.WallSeconds = sum.Elapsed.Seconds()
+	return sum, nil
+}
+
+func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
+	label := run.Label
+	if label == "" {
+		label = run.Policy
+	}
+	cfg := m.Policy
+	if run.Config != nil {
+		cfg = *run.Config
+	}
+	pol, err := router.NewPolicy(run.Policy, cfg)
+	if err != nil {
+		return nil, err
+	}
+	evict, err := policies.Lookup(m.Eviction)
+	if err != nil {
+		return nil, err
+	}
+	var matcher router.Matcher
+	if run.Matcher && m.Matcher != nil {
+		matcher = m.Matcher()
+	}
+	co := cachemodel.Options{Policy: evict}
+	if matcher != nil {
+		co.OnEvict = matcher.Forget
+	}
+	cache := cachemodel.New(co)
+	specs := make([]replica.Spec, m.Replicas)
+	for i := range specs {
+		specs[i] = replica.Spec{Name: fmt.Sprintf("replica-%d", i), URL: fmt.Sprintf("http://replica-%d.sim", i), BudgetTokens: m.BudgetTokens}
+	}
+	pool, err := replica.NewPool(specs, replica.Options{HalfLife: m.LoadHalfLife},
+		func(s replica.Spec) (int, error) { return cache.AddReplica(s.Name, s.BudgetTokens) })
+	if err != nil {
+		return nil, err
+	}
+	split, err := blockhash.NewSplitter(blockhash.Options{BlockTokens: m.BlockTokens})
+	if err != nil {
+		return nil, err
+	}
+	var clock int64
+	weights := m.Weights
+	if run.Weights != nil {
+		weights = run.Weights
+	}
+	eng, err := router.NewEngine(router.EngineOptions{
+		Splitter: split, Cache: cache, Pool: pool, Policy: pol, Weights: weights, Attempts: 1,
+		Now: func() time.Time { return time.Unix(0, clock) }, SharedActive: m.SharedActive,
+		Matcher: matcher, MatcherThreshold: m.MatcherThreshold,
+	})
+	if err != nil {
+		return nil, err
+	}
+	d := &engineDecider{m: m, reqs: reqs, eng: eng, cache: cache, pool: pool, clock: &clock,
+		ds: make([]*router.Decision, len(reqs)), served: make([]*router.Candidate, len(reqs))}
+	s := &sim{m: m, reqs: reqs, d: d, res: &Result{Name: label}}
+	if err := s.run(pool); err != nil {
+		return nil, fmt.Errorf("%s: %w", label, err)
+	}
+	return s.res, nil
+}
+
+func runReference(reqs []Request, m *Model, name string, budget int64) (*Result, error) {
+	evict, err := policies.Lookup(m.Eviction)
+	if err != nil {
+		return nil, err
+	}
+	cache := cachemodel.New(cachemodel.Options{Policy: evict})
+	if _, err := cache.AddReplica(name, budget); err != nil {
+		return nil, err
+	}
+	s := &sim{m: m, reqs: reqs, res: &Result{Name: name}}
+	s.d = &pooledDecider{m: m, reqs: reqs, cache: cache, s: s}
+	if err := s.run(nil); err != nil {
+		return nil, err
+	}
+	return s.res, nil
+}
+
+// Ablations are the semantic policy with every kind weight 1, and with
+// load ignored (load and recent weights near zero, no spill), to show what
+// each part contributes.
+func Ablations(base router.PolicyConfig) []Run {
+	noLoad := base
+	noLoad.LoadWeight, noLoad.RecentWeight, noLoad.SpillFactor, noLoad.SpillMarginTokens = 1e-12, -1, 1e12, 1e18
+	return []Run{
+		{Label: "semantic-unit-weights", Policy: "semantic", Weights: cachemodel.UnitWeights()},
+		{Label: "semantic-no-load", Policy: "semantic", Config: &noLoad},
+	}
+}

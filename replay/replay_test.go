@@ -1,0 +1,200 @@
+package replay
+
+import (
+	"container/list"
+	"fmt"
+	"os"
+	"strings"
+	"testing"
+
+	"github.com/semroute/semroute/blockhash"
+)
+
+func mooncake(t testing.TB, blockTokens int, lines ...string) []Request {
+	t.Helper()
+	reqs, err := ReadMooncake(strings.NewReader(strings.Join(lines, "\n")), blockTokens)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return reqs
+}
+
+func TestReadMooncake(t *testing.T) {
+	reqs := mooncake(t, 4,
+		`{"timestamp": 5, "input_length": 10, "output_length": 3, "hash_ids": [1, 2, 3]}`,
+		`{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [1]}`,
+		`{"timestamp": 5, "input_length": 5, "output_length": 1, "hash_ids": [1, 9]}`)
+	if len(reqs) != 3 || reqs[0].Tokens != 4 || reqs[1].Tokens != 10 || reqs[2].Tokens != 5 {
+		t.Fatalf("order or tokens wrong: %+v", reqs)
+	}
+	if b := reqs[1].Blocks; len(b) != 3 || b[0].Tokens != 4 || b[2].Tokens != 2 {
+		t.Fatalf("blocks %+v: the last holds what is left", b)
+	}
+	if reqs[0].Blocks[0].Hash != reqs[1].Blocks[0].Hash || reqs[1].Blocks[1].Hash == reqs[2].Blocks[1].Hash {
+		t.Fatal("equal id prefixes must be equal block prefixes, and only those")
+	}
+	if reqs[1].Arrival >= reqs[2].Arrival || reqs[1].Arrival/1e6 != 5 {
+		t.Fatalf("equal timestamps keep line order: %d, %d", reqs[1].Arrival, reqs[2].Arrival)
+	}
+	for _, bad := range []string{
+		`{"input_length": 4, "output_length": 1, "hash_ids": [1]}`,
+		`{"timestamp": 0, "input_length": 9, "output_length": 1, "hash_ids": [1, 2]}`,
+		`{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [1, 2]}`,
+		`{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": []}`,
+		`not json`,
+	} {
+		if _, err := ReadMooncake(strings.NewReader(bad), 4); err == nil || !strings.Contains(err.Error(), "line 1") {
+			t.Errorf("%s: err = %v", bad, err)
+		}
+	}
+}
+
+// plainLRU is the reference: one LRU list of blocks per replica under a
+// token budget, each request's blocks touched tail first so its head is the
+// most recent, and a request's cached tokens are its leading blocks present.
+type plainLRU struct {
+	budget int64
+	used   int64
+	order  *list.List // front: most recent
+	index  map[uint64]*list.Element
+}
+
+type lruEntry struct {
+	key    uint64
+	tokens int64
+}
+
+func newPlainLRU(budget int64) *plainLRU {
+	return &plainLRU{budget: budget, order: list.New(), index: map[uint64]*list.Element{}}
+}
+
+func (c *plainLRU) serve(blocks []blockhash.Block) (cached int) {
+	for _, b := range blocks {
+		if _, ok := c.index[b.Hash]; !ok {
+			break
+		}
+		cached += int(b.Tokens)
+	}
+	for i := len(blocks) - 1; i >= 0; i-- {
+		b := blocks[i]
+		if e, ok := c.index[b.Hash]; ok {
+			c.order.MoveToFront(e)
+			continue
+		}
+		c.index[b.Hash] = c.order.PushFront(lruEntry{b.Hash, int64(b.Tokens)})
+		c.used += int64(b.Tokens)
+		for c.used > c.budget {
+			e := c.order.Back()
+			c.order.Remove(e)
+			delete(c.index, e.Value.(lruEntry).key)
+			c.used -= e.Value.(lruEntry).tokens
+		}
+	}
+	return cached
+}
+
+func lruReference(reqs []Request, replicas int, budget int64) (cached []int, total int64) {
+	caches := make([]*plainLRU, replicas)
+	for i := range caches {
+		caches[i] = newPlainLRU(budget)
+	}
+	for i := range reqs {
+		c := caches[i%replicas].serve(reqs[i].Blocks)
+		cached = append(cached, c)
+		total += int64(c)
+	}
+	return cached, total
+}
+
+func TestRoundRobinIsPlainLRUByHand(t *testing.T) {
+	// Two replicas of 3 blocks (6 tokens), blocks of 2 tokens. Worked by
+	// hand (replica: cache after the request, cached tokens):
+	//  0 r0 [1 2 3]   miss            {1 2 3}          0
+	//  1 r1 [1 2 4]   miss            {1 2 4}          0
+	//  2 r0 [1 2 5]   hits 1 2        evict 3: {1 2 5}  4
+	//  3 r1 [1 2 4 6] hits 1 2 4      evict 6 itself    6
+	//  4 r0 [1 2 3]   hits 1 2        evict 5           4
+	//  5 r1 [7 8]     miss            evict 4, 2        0
+	//  6 r0 [1 2 4]   hits 1 2        evict 3           4
+	//  7 r1 [1 2 4]   hits 1          evict 8, 7        2
+	reqs := mooncake(t, 2,
+		`{"timestamp": 0, "input_length": 6, "output_length": 1, "hash_ids": [1, 2, 3]}`,
+		`{"timestamp": 1, "input_length": 6, "output_length": 1, "hash_ids": [1, 2, 4]}`,
+		`{"timestamp": 2, "input_length": 6, "output_length": 1, "hash_ids": [1, 2, 5]}`,
+		`{"timestamp": 3, "input_length": 8, "output_length": 1, "hash_ids": [1, 2, 4, 6]}`,
+		`{"timestamp": 4, "input_length": 6, "output_length": 1, "hash_ids": [1, 2, 3]}`,
+		`{"timestamp": 5, "input_length": 4, "output_length": 1, "hash_ids": [7, 8]}`,
+		`{"timestamp": 6, "input_length": 6, "output_length": 1, "hash_ids": [1, 2, 4]}`,
+		`{"timestamp": 7, "input_length": 6, "output_length": 1, "hash_ids": [1, 2, 4]}`)
+	want := []int{0, 0, 4, 6, 4, 0, 4, 2}
+	sum, err := Replay(reqs, Model{Replicas: 2, BudgetTokens: 6, BlockTokens: 2, Eviction: "lru"}, []Run{{Policy: "round_robin"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rr := sum.Policies[0]
+	var got []int
+	for _, r := range rr.rows {
+		got = append(got, r.cachedTokens)
+	}
+	if fmt.Sprint(got) != fmt.Sprint(want) || rr.CachedTokens != 20 || rr.PromptTokens != 48 {
+		t.Fatalf("cached %v (total %d of %d), want %v (20 of 48)", got, rr.CachedTokens, rr.PromptTokens, want)
+	}
+	if ref, _ := lruReference(reqs, 2, 6); fmt.Sprint(ref) != fmt.Sprint(want) {
+		t.Fatalf("the reference itself gives %v", ref)
+	}
+}
+
+func traceFile(t testing.TB, name string) *os.File {
+	t.Helper()
+	f, err := os.Open("../../shared/traces/" + name)
+	if err != nil {
+		t.Fatalf("the public traces are expected in ../shared/traces beside the repository: %v", err)
+	}
+	t.Cleanup(func() { f.Close() })
+	return f
+}
+
+func TestRoundRobinIsPlainLRUOnConversationTrace(t *testing.T) {
+	reqs, err := ReadMooncake(traceFile(t, "conversation_trace.jsonl"), 512)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const replicas, budget = 8, 1_000_000
+	sum, err := Replay(reqs, Model{Replicas: replicas, BudgetTokens: budget, BlockTokens: 512, Eviction: "lru"}, []Run{{Policy: "round_robin"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, want := lruReference(reqs, replicas, budget)
+	got := sum.Policies[0].CachedTokens
+	t.Logf("round_robin cached %d tokens (hit rate %.4f); plain per-replica LRU: %d", got, sum.Policies[0].TokenHitRate, want)
+	if got != want {
+		t.Fatalf("round_robin cached %d tokens, a plain LRU per replica %d", got, want)
+	}
+}
+
+func TestReplayIsDeterministic(t *testing.T) {
+	reqs, err := ReadMooncake(traceFile(t, "synthetic_trace.jsonl"), 512)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var runs []Run
+	for _, p := range []string{"semantic", "random", "power_of_two", "dynamo", "semantickv"} {
+		runs = append(runs, Run{Policy: p})
+	}
+	m := Model{BlockTokens: 512}
+	m.Policy.Seed = 9
+	a, err := Replay(reqs, m, runs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := Replay(reqs, m, runs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range a.Policies {
+		x, y := a.Policies[i], b.Policies[i]
+		if x.CachedTokens != y.CachedTokens || x.TTFTP99MS != y.TTFTP99MS || x.LoadImbalance != y.LoadImbalance {
+			t.Errorf("%s differs between two runs: %+v vs %+v", x.Name, x, y)
+		}
+	}
+}

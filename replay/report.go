@@ -1,0 +1,108 @@
+package replay
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+)
+
+// Write writes summary.json, summary.md, one CSV per run and report.html to
+// dir, creating it.
+func (s *Summary) Write(dir string) error {
+	if err := os.MkdirAll(filepath.Join(dir, "runs"), 0o755); err != nil {
+		return err
+	}
+	b, err := json.MarshalIndent(s, "", "  ")
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(dir, "summary.json"), append(b, '\n'), 0o644); err != nil {
+		return err
+	}
+	if err := writeFile(filepath.Join(dir, "summary.md"), s.Markdown); err != nil {
+		return err
+	}
+	for _, r := range s.all() {
+		if err := writeFile(filepath.Join(dir, "runs", r.Name+".csv"), r.CSV); err != nil {
+			return err
+		}
+	}
+	return writeFile(filepath.Join(dir, "report.html"), s.HTML)
+}
+
+func writeFile(path string, f func(io.Writer) error) error {
+	out, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	w := bufio.NewWriter(out)
+	if err := f(w); err != nil {
+		out.Close()
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	if err := w.Flush(); err != nil {
+		out.Close()
+		return err
+	}
+	return out.Close()
+}
+
+func (s *Summary) all() []*Result {
+	out := append([]*Result{}, s.Policies...)
+	out = append(out, s.Extra...)
+	return append(out, s.Pooled, s.Infinite)
+}
+
+// CSV writes one line per request: arrival, replica, prompt and cached
+// tokens, time to first token.
+func (r *Result) CSV(w io.Writer) error {
+	if _, err := fmt.Fprintln(w, "arrival_ms,replica,prompt_tokens,cached_tokens,ttft_ms"); err != nil {
+		return err
+	}
+	for _, x := range r.rows {
+		if _, err := fmt.Fprintf(w, "%.0f,%d,%d,%d,%.3f\n", x.arrivalMS, x.replica, x.promptTokens, x.cachedTokens, x.ttftMS); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// TableRow formats a result as a Markdown table row.
+func (r *Result) TableRow(pooled *Result) string {
+	rel := ""
+	if pooled != nil && pooled.TokenHitRate > 0 {
+		rel = fmt.Sprintf("%.3f", r.TokenHitRate/pooled.TokenHitRate)
+	}
+	return fmt.Sprintf("| %s | %.4f | %s | %.4f | %d | %.0f | %.0f | %.0f | %.3f |",
+		r.Name, r.TokenHitRate, rel, r.BlockHitRate, r.PrefillTokensSaved, r.TTFTMeanMS, r.TTFTP50MS, r.TTFTP99MS, r.LoadImbalance)
+}
+
+// TableHeader is the header of TableRow's table.
+const TableHeader = "| policy | token hit rate | ÷ pooled | block hit rate | prefill tokens saved | TTFT mean ms | TTFT p50 ms | TTFT p99 ms | load imbalance |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+
+// Markdown writes the summary as a Markdown document.
+func (s *Summary) Markdown(w io.Writer) error {
+	var b strings.Builder
+	fmt.Fprintf(&b, "# Replay of %s\n\n", s.Trace)
+	fmt.Fprintf(&b, "%d requests (%s format), %d replicas of %d tokens, eviction %s; prefill %.1f ms + %.0f µs/token, %.0f ms/output token, %d running max; speed-up %g; seed %d; replay took %.1f s.\n\n",
+		s.Requests, s.Format, s.Replicas, s.BudgetTokens, s.Model.Eviction, s.Model.PrefillOverheadMS, s.Model.PrefillPerTokenUS,
+		s.Model.InterTokenMS, s.Model.MaxRunning, s.Model.Speedup, s.Model.Seed, s.WallSeconds)
+	b.WriteString(TableHeader + "\n")
+	for _, r := range s.Policies {
+		b.WriteString(r.TableRow(s.Pooled) + "\n")
+	}
+	for _, r := range s.Extra {
+		b.WriteString(r.TableRow(s.Pooled) + "\n")
+	}
+	b.WriteString(s.Pooled.TableRow(s.Pooled) + "\n")
+	b.WriteString(s.Infinite.TableRow(s.Pooled) + "\n")
+	_, err := io.WriteString(w, b.String())
+	return err
+}
+
+// HTML writes the report page (filled in below).
+func (s *Summary) HTML(w io.Writer) error { return s.html(w) }

@@ -1,0 +1,392 @@
+package replay
+
+import (
+	"container/heap"
+	"errors"
+	"fmt"
+	"math"
+	"sort"
+	"time"
+
+	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/cachemodel"
+	"github.com/semroute/semroute/policies"
+	"github.com/semroute/semroute/replica"
+	"github.com/semroute/semroute/router"
+)
+
+// Model is the simulated fleet. Zero fields take the defaults.
+type Model struct {
+	Replicas     int   // default 8
+	BudgetTokens int64 // KV cache per replica in tokens; default 1,000,000
+	// BlockTokens is the block size policies are told (Dynamo counts
+	// blocks) and, for openai traces, the splitter's block size. Default 64;
+	// the mooncake reader's blocks are 512 tokens.
+	BlockTokens int
+	// MaxRunning sequences per replica; more wait for a slot. Default 256
+	// (vLLM's max_num_seqs).
+	MaxRunning int
+	// Prefill on a replica is one request at a time, first come first served:
+	// PrefillOverhead + PrefillPerToken × uncached tokens. Defaults 5ms and
+	// 100µs (about 10,000 prefill tokens/s, an 8B model on one A100).
+	PrefillOverhead time.Duration
+	PrefillPerToken time.Duration
+	// InterToken: decode takes output tokens × InterToken after the first
+	// token, alongside other requests' prefill. Default 20ms.
+	InterToken time.Duration
+	// Eviction is the replicas' eviction policy (policies.Lookup). Default
+	// policies.Default (vLLM's order).
+	Eviction string
+	// Speedup divides every arrival time. Default 1.
+	Speedup float64
+	// RecordReplies caches a reply's blocks on its replica when the request
+	// finishes, where the trace shows the reply (openai traces).
+	RecordReplies bool
+	// SharedActive counts blocks shared by requests running at once on a
+	// replica once in its KV load (engines with cascade attention).
+	SharedActive bool
+	// LoadHalfLife of the replicas' recent-work signal. Default 10s.
+	LoadHalfLife time.Duration
+	// Policy holds the routing policies' parameters; its Seed seeds them.
+	Policy router.PolicyConfig
+	// Weights are the kind weights; nil means router.DefaultWeights.
+	Weights *cachemodel.Weights
+	// Matcher, when not nil, makes a semantic matcher for each run.
+	Matcher func() router.Matcher
+	// MatcherThreshold: see router.EngineOptions. Default 0.5.
+	MatcherThreshold float64
+}
+
+func (m *Model) defaults() error {
+	dflt := func(v *int, d int) {
+		if *v == 0 {
+			*v = d
+		}
+	}
+	dflt(&m.Replicas, 8)
+	dflt(&m.BlockTokens, 64)
+	dflt(&m.MaxRunning, 256)
+	if m.BudgetTokens == 0 {
+		m.BudgetTokens = 1_000_000
+	}
+	if m.PrefillOverhead == 0 {
+		m.PrefillOverhead = 5 * time.Millisecond
+	}
+	if m.PrefillPerToken == 0 {
+		m.PrefillPerToken = 100 * time.Microsecond
+	}
+	if m.InterToken == 0 {
+		m.InterToken = 20 * time.Millisecond
+	}
+	if m.Eviction == "" {
+		m.Eviction = policies.Default
+	}
+	if m.Speedup == 0 {
+		m.Speedup = 1
+	}
+	if m.LoadHalfLife == 0 {
+		m.LoadHalfLife = 10 * time.Second
+	}
+	switch {
+	case m.Replicas < 1 || m.Replicas > 4096:
+		return fmt.Errorf("replicas %d not in [1, 4096]", m.Replicas)
+	case m.BudgetTokens < 0:
+		return errors.New("budget tokens must not be negative")
+	case m.MaxRunning < 1:
+		return errors.New("max running must be positive")
+	case m.PrefillOverhead < 0 || m.PrefillPerToken < 0 || m.InterToken < 0:
+		return errors.New("model times must not be negative")
+	case m.Speedup <= 0 || math.IsInf(m.Speedup, 0) || math.IsNaN(m.Speedup):
+		return errors.New("speedup must be a positive number")
+	}
+	if _, err := policies.Lookup(m.Eviction); err != nil {
+		return err
+	}
+	return nil
+}
+
+// decider routes for a run: the engine for a policy, a shared cache for the
+// references.
+type decider interface {
+	// decide routes request i arriving at now and returns the replica and
+	// the tokens and blocks it had cached.
+	decide(i int, now int64) (rep, cached, cachedBlocks int, err error)
+	prefillDone(i int, now int64)
+	done(i int, now int64)
+	// kvTokens returns the KV tokens replica rep holds for running requests.
+	kvTokens(rep int, now int64) float64
+}
+
+// simReplica is one replica's queues.
+type simReplica struct {
+	running    int   // admitted: prefilling, waiting for prefill, or decoding
+	admitQ     []int // waiting for a running slot
+	prefillQ   []int // admitted, waiting for the prefill server
+	prefilling int   // request in prefill, or -1
+	decoding   int
+	computed   int64 // prefill tokens computed
+}
+
+type event struct {
+	t    int64
+	seq  int64
+	kind int // evArrive, evPrefillDone, evFinish
+	req  int
+}
+
+const (
+	evArrive = iota
+	evPrefillDone
+	evFinish
+)
+
+type events []event
+
+func (e events) Len() int { return len(e) }
+func (e events) Less(i, j int) bool {
+	if e[i].t != e[j].t {
+		return e[i].t < e[j].t
+	}
+	return e[i].seq < e[j].seq
+}
+func (e events) Swap(i, j int) { e[i], e[j] = e[j], e[i] }
+func (e *events) Push(x any)   { *e = append(*e, x.(event)) }
+func (e *events) Pop() any {
+	old := *e
+	x := old[len(old)-1]
+	*e = old[:len(old)-1]
+	return x
+}
+
+// buckets is how many time slices the load-over-time series has.
+const buckets = 60
+
+// sim is one run's discrete-event model.
+type sim struct {
+	m     *Model
+	reqs  []Request
+	d     decider
+	reps  []simReplica
+	q     events
+	seq   int64
+	span  int64 // last arrival, for bucketing
+	res   *Result
+	rep   []int // request → replica
+	cache []int // request → cached tokens
+}
+
+func (s *sim) push(t int64, kind, req int) {
+	s.seq++
+	heap.Push(&s.q, event{t: t, seq: s.seq, kind: kind, req: req})
+}
+
+func (s *sim) observe(r int, now int64, pool *replica.Pool) {
+	if pool == nil {
+		return
+	}
+	st := &s.reps[r]
+	running := int64(st.decoding)
+	if st.prefilling >= 0 {
+		running++
+	}
+	kv := 0.0
+	if s.m.BudgetTokens > 0 {
+		kv = s.d.kvTokens(r, now) / float64(s.m.BudgetTokens)
+	}
+	pool.Replicas()[r].Observe(replica.Observed{Running: running, Waiting: int64(len(st.admitQ) + len(st.prefillQ)), KVUsage: kv})
+}
+
+func (s *sim) startPrefill(r int, now int64) {
+	st := &s.reps[r]
+	if st.prefilling >= 0 || len(st.prefillQ) == 0 {
+		return
+	}
+	i := st.prefillQ[0]
+	st.prefillQ = st.prefillQ[1:]
+	st.prefilling = i
+	uncached := int64(s.reqs[i].Tokens - s.cache[i])
+	st.computed += uncached
+	b := 0
+	if s.span > 0 {
+		b = min(int(now*buckets/(s.span+1)), buckets-1)
+	}
+	s.res.LoadOverTime[b][r] += float64(uncached)
+	dur := int64(s.m.PrefillOverhead) + uncached*int64(s.m.PrefillPerToken)
+	s.push(now+dur, evPrefillDone, i)
+}
+
+func (s *sim) admit(r, i int, now int64) {
+	st := &s.reps[r]
+	if st.running >= s.m.MaxRunning {
+		st.admitQ = append(st.admitQ, i)
+		return
+	}
+	st.running++
+	st.prefillQ = append(st.prefillQ, i)
+	s.startPrefill(r, now)
+}
+
+// run replays s.reqs and fills s.res.
+func (s *sim) run(pool *replica.Pool) error {
+	s.reps = make([]simReplica, s.m.Replicas)
+	for r := range s.reps {
+		s.reps[r].prefilling = -1
+	}
+	s.rep = make([]int, len(s.reqs))
+	s.cache = make([]int, len(s.reqs))
+	ttft := make([]float64, len(s.reqs))
+	s.res.LoadOverTime = make([][]float64, buckets)
+	for b := range s.res.LoadOverTime {
+		s.res.LoadOverTime[b] = make([]float64, s.m.Replicas)
+	}
+	for i := range s.reqs {
+		t := int64(float64(s.reqs[i].Arrival) / s.m.Speedup)
+		s.span = max(s.span, t)
+		s.push(t, evArrive, i)
+	}
+	for s.q.Len() > 0 {
+		ev := heap.Pop(&s.q).(event)
+		i, now := ev.req, ev.t
+		switch ev.kind {
+		case evArrive:
+			r, cached, cachedBlocks, err := s.d.decide(i, now)
+			if err != nil {
+				return fmt.Errorf("request %d: %w", i, err)
+			}
+			s.rep[i], s.cache[i] = r, cached
+			s.res.Requests++
+			s.res.PromptTokens += int64(s.reqs[i].Tokens)
+			s.res.CachedTokens += int64(cached)
+			s.res.Blocks += int64(len(s.reqs[i].Blocks))
+			s.res.HitBlocks += int64(cachedBlocks)
+			s.admit(r, i, now)
+			s.observe(r, now, pool)
+			ttft[i] = float64(-now) // completed at prefill done
+		case evPrefillDone:
+			r := s.rep[i]
+			ttft[i] += float64(now)
+			s.d.prefillDone(i, now)
+			st := &s.reps[r]
+			st.prefilling = -1
+			st.decoding++
+			s.push(now+int64(s.reqs[i].Output)*int64(s.m.InterToken), evFinish, i)
+			s.startPrefill(r, now)
+			s.observe(r, now, pool)
+		case evFinish:
+			r := s.rep[i]
+			s.d.done(i, now)
+			st := &s.reps[r]
+			st.decoding--
+			st.running--
+			if len(st.admitQ) > 0 {
+				j := st.admitQ[0]
+				st.admitQ = st.admitQ[1:]
+				st.running++
+				st.prefillQ = append(st.prefillQ, j)
+				s.startPrefill(r, now)
+			}
+			s.observe(r, now, pool)
+		}
+	}
+	for i := range ttft {
+		ttft[i] /= 1e6 // ms
+	}
+	s.res.finish(ttft, s.reps, s.rep, s.cache, s.reqs)
+	return nil
+}
+
+// engineDecider routes through the live router's engine.
+type engineDecider struct {
+	m      *Model
+	reqs   []Request
+	eng    *router.Engine
+	cache  *cachemodel.Model
+	pool   *replica.Pool
+	clock  *int64
+	ds     []*router.Decision
+	served []*router.Candidate
+}
+
+func (e *engineDecider) decide(i int, now int64) (int, int, int, error) {
+	*e.clock = now
+	req := &e.reqs[i]
+	d, err := e.eng.DecideRequest(router.RouteInput{Blocks: req.Blocks, Key: req.Key, Text: req.Text}, true)
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	c := d.Chosen()
+	e.ds[i], e.served[i] = d, c
+	return c.Replica.ID, c.Match.Tokens, c.Match.Blocks, nil
+}
+
+func (e *engineDecider) prefillDone(i int, now int64) {
+	*e.clock = now
+	e.eng.PrefillDone(e.ds[i], e.served[i])
+}
+
+func (e *engineDecider) done(i int, now int64) {
+	*e.clock = now
+	e.eng.Done(e.ds[i], e.served[i])
+	if e.m.RecordReplies && e.reqs[i].Reply != nil {
+		all := append(append([]blockhash.Block(nil), e.reqs[i].Blocks...), e.reqs[i].Reply...)
+		e.cache.Record(e.served[i].Replica.ID, all, now)
+	}
+	e.ds[i], e.served[i] = nil, nil
+}
+
+func (e *engineDecider) kvTokens(rep int, now int64) float64 {
+	return e.pool.Replicas()[rep].Load(time.Unix(0, now)).ActiveTokens
+}
+
+// pooledDecider is a reference: one cache shared by every replica, each
+// request sent to the replica whose prefill queue is shortest.
+type pooledDecider struct {
+	m     *Model
+	reqs  []Request
+	cache *cachemodel.Model
+	s     *sim
+}
+
+func (p *pooledDecider) decide(i int, now int64) (int, int, int, error) {
+	req := &p.reqs[i]
+	m := p.cache.Match(req.Blocks, nil, nil)[0]
+	p.cache.Record(0, req.Blocks, now)
+	best, bestWork := 0, int64(math.MaxInt64)
+	for r := range p.s.reps {
+		st := &p.s.reps[r]
+		work := int64(len(st.admitQ) + len(st.prefillQ))
+		if st.prefilling >= 0 {
+			work++
+		}
+		if work < bestWork {
+			best, bestWork = r, work
+		}
+	}
+	return best, m.Tokens, m.Blocks, nil
+}
+
+func (p *pooledDecider) prefillDone(int, int64) {}
+
+func (p *pooledDecider) done(i int, now int64) {
+	p.cache.Release(0, p.reqs[i].Blocks, now)
+	if p.m.RecordReplies && p.reqs[i].Reply != nil {
+		p.cache.Record(0, append(append([]blockhash.Block(nil), p.reqs[i].Blocks...), p.reqs[i].Reply...), now)
+	}
+}
+
+func (p *pooledDecider) kvTokens(int, int64) float64 { return 0 }
+
+// percentile returns the q-quantile (0..1) of sorted xs, nearest rank.
+func percentile(sorted []float64, q float64) float64 {
+	if len(sorted) == 0 {
+		return 0
+	}
+	i := int(math.Ceil(q*float64(len(sorted)))) - 1
+	return sorted[min(max(i, 0), len(sorted)-1)]
+}
+
+func sortedCopy(xs []float64) []float64 {
+	out := append([]float64(nil), xs...)
+	sort.Float64s(out)
+	return out
+}

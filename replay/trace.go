@@ -1,0 +1,232 @@
+// Package replay judges routing policies before they take traffic: it
+// replays a trace through simulated replicas in virtual time, under every
+// policy side by side, and reports what each would have done.
+//
+// Each policy runs through the live router's own engine (router.Engine), its
+// own cache model (the replicas' caches, each under a token budget and an
+// eviction policy) and its own replica model; nothing is shared between
+// runs, so runs are independent and execute in parallel. Everything is
+// deterministic for a given trace, model and seed.
+package replay
+
+import (
+	"bufio"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"sort"
+
+	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/router"
+)
+
+// Request is one request of a trace, split into blocks.
+type Request struct {
+	// Arrival is nanoseconds since the trace's start. Readers add the
+	// line's index in nanoseconds, so requests with equal timestamps keep
+	// their order in every cache's recency.
+	Arrival int64
+	Session string
+	Tenant  string
+	Key     uint64 // routing session key (router.SessionKey)
+	Blocks  []blockhash.Block
+	Tokens  int // prompt tokens, the sum of the blocks' tokens
+	Output  int // output tokens
+	// Reply holds the blocks of the assistant's reply, chained after Blocks,
+	// when the trace shows them (the session's next request repeats this one
+	// and adds the reply); nil otherwise.
+	Reply []blockhash.Block
+	// Text holds the request's text parts, for the semantic matcher (openai
+	// traces only).
+	Text [][]byte
+}
+
+// maxLine bounds one trace line.
+const maxLine = 64 << 20
+
+func lines(r io.Reader, each func(n int, line []byte) error) error {
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 0, 1<<20), maxLine)
+	n := 0
+	for sc.Scan() {
+		n++
+		if len(sc.Bytes()) == 0 {
+			continue
+		}
+		if err := each(n, sc.Bytes()); err != nil {
+			return fmt.Errorf("line %d: %w", n, err)
+		}
+	}
+	return sc.Err()
+}
+
+type mooncakeLine struct {
+	Timestamp    *int64   `json:"timestamp"`
+	InputLength  int      `json:"input_length"`
+	OutputLength int      `json:"output_length"`
+	HashIDs      []uint64 `json:"hash_ids"`
+}
+
+// ReadMooncake reads the Mooncake (FAST'25) JSONL trace format: timestamp in
+// ms, input_length and output_length in tokens, and hash_ids, one id per
+// blockTokens-token block chained by prefix; the last block holds what is
+// left of input_length. Ids become chained block hashes, so equal id
+// prefixes are equal block prefixes. The trace has no session ids: the
+// session key is the first block's hash.
+func ReadMooncake(r io.Reader, blockTokens int) ([]Request, error) {
+	if blockTokens < 1 {
+		return nil, errors.New("block tokens must be positive")
+	}
+	var out []Request
+	seed := blockhash.Seed("mooncake")
+	var id [8]byte
+	err := lines(r, func(_ int, line []byte) error {
+		var m mooncakeLine
+		if err := json.Unmarshal(line, &m); err != nil {
+			return err
+		}
+		switch {
+		case m.Timestamp == nil:
+			return errors.New("timestamp is required")
+		case len(m.HashIDs) == 0:
+			return errors.New("hash_ids is empty")
+		case m.InputLength < 1 || m.OutputLength < 0:
+			return fmt.Errorf("input_length %d, output_length %d", m.InputLength, m.OutputLength)
+		case m.InputLength > len(m.HashIDs)*blockTokens || m.InputLength <= (len(m.HashIDs)-1)*blockTokens:
+			return fmt.Errorf("input_length %d does not fit %d blocks of %d tokens", m.InputLength, len(m.HashIDs), blockTokens)
+		}
+		req := Request{Arrival: *m.Timestamp*1e6 + int64(len(out)), Tokens: m.InputLength, Output: m.OutputLength}
+		h := seed
+		for i, hid := range m.HashIDs {
+			binary.LittleEndian.PutUint64(id[:], hid)
+			h = blockhash.ChainHash(h, blockhash.RoleTokens, id[:])
+			tokens := blockTokens
+			if i == len(m.HashIDs)-1 {
+				tokens = m.InputLength - i*blockTokens
+			}
+			req.Blocks = append(req.Blocks, blockhash.Block{Hash: h, Tokens: int32(tokens), Kind: blockhash.KindOther})
+		}
+		req.Key = router.SessionKey("", "", req.Blocks)
+		out = append(out, req)
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("mooncake trace: %w", err)
+	}
+	sortByArrival(out)
+	return out, nil
+}
+
+type openaiLine struct {
+	TimestampMS  *int64          `json:"timestamp_ms"`
+	SessionID    string          `json:"session_id"`
+	TenantID     string          `json:"tenant_id"`
+	Request      json.RawMessage `json:"request"`
+	OutputTokens int             `json:"output_tokens"`
+}
+
+// ReadOpenAI reads the openai trace format: one JSON object a line,
+// {"timestamp_ms", "session_id", "tenant_id", "request": an OpenAI chat or
+// completions body, "output_tokens"}. Bodies go through the same parser and
+// splitter as live requests. When a session's next request repeats a
+// request's messages and adds an assistant message, that message's blocks
+// become the request's Reply.
+func ReadOpenAI(r io.Reader, s *blockhash.Splitter) ([]Request, error) {
+	var out []Request
+	var partStarts [][]int // per request: block index where each part starts
+	var roles [][]byte
+	err := lines(r, func(_ int, line []byte) error {
+		var l openaiLine
+		if err := json.Unmarshal(line, &l); err != nil {
+			return err
+		}
+		if l.TimestampMS == nil {
+			return errors.New("timestamp_ms is required")
+		}
+		if l.OutputTokens < 0 {
+			return errors.New("output_tokens is negative")
+		}
+		var probe struct {
+			Messages json.RawMessage `json:"messages"`
+		}
+		_ = json.Unmarshal(l.Request, &probe)
+		ep := blockhash.Completion
+		if probe.Messages != nil {
+			ep = blockhash.Chat
+		}
+		body, err := blockhash.Parse(ep, l.Request, blockhash.Limits{})
+		if err != nil {
+			return fmt.Errorf("request: %w", err)
+		}
+		req := Request{Arrival: *l.TimestampMS*1e6 + int64(len(out)), Session: l.SessionID, Tenant: l.TenantID, Output: l.OutputTokens}
+		h := blockhash.Seed(body.Model)
+		starts := make([]int, 0, len(body.Parts))
+		rs := make([]byte, 0, len(body.Parts))
+		for i := range body.Parts {
+			starts = append(starts, len(req.Blocks))
+			rs = append(rs, body.Parts[i].Role)
+			req.Blocks = s.AppendPart(req.Blocks, h, &body.Parts[i])
+			h = req.Blocks[len(req.Blocks)-1].Hash
+			req.Text = append(req.Text, body.Parts[i].Text)
+		}
+		for _, b := range req.Blocks {
+			req.Tokens += int(b.Tokens)
+		}
+		req.Key = router.SessionKey(l.SessionID, body.User, req.Blocks)
+		out = append(out, req)
+		partStarts = append(partStarts, starts)
+		roles = append(roles, rs)
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("openai trace: %w", err)
+	}
+	linkReplies(out, partStarts, roles)
+	sortByArrival(out)
+	return out, nil
+}
+
+// linkReplies sets each request's Reply from its session's next request.
+func linkReplies(reqs []Request, starts [][]int, roles [][]byte) {
+	order := make([]int, len(reqs))
+	for i := range order {
+		order[i] = i
+	}
+	sort.SliceStable(order, func(a, b int) bool { return reqs[order[a]].Arrival < reqs[order[b]].Arrival })
+	next := map[string]int{} // session → index of its latest request seen walking backwards
+	for k := len(order) - 1; k >= 0; k-- {
+		i := order[k]
+		cur := &reqs[i]
+		if cur.Session == "" {
+			continue
+		}
+		if j, ok := next[cur.Session]; ok {
+			n := &reqs[j]
+			p := len(starts[i]) // index of the part after cur's parts in n
+			if p < len(starts[j]) && roles[j][p] == blockhash.RoleAssistant && len(n.Blocks) > len(cur.Blocks) &&
+				n.Blocks[len(cur.Blocks)-1].Hash == cur.Blocks[len(cur.Blocks)-1].Hash {
+				end := len(n.Blocks)
+				if p+1 < len(starts[j]) {
+					end = starts[j][p+1]
+				}
+				cur.Reply = n.Blocks[len(cur.Blocks):end]
+			}
+		}
+		next[cur.Session] = i
+	}
+}
+
+func sortByArrival(reqs []Request) {
+	sort.SliceStable(reqs, func(i, j int) bool { return reqs[i].Arrival < reqs[j].Arrival })
+}
+
+// ParseFormat checks a --format value.
+func ParseFormat(f string) (string, error) {
+	switch f {
+	case "mooncake", "openai":
+		return f, nil
+	}
+	return "", fmt.Errorf("unknown trace format %q (have mooncake, openai)", f)
+}
