@@ -1,5 +1,181 @@
 package replay
 
-import "io"
+import (
+	"fmt"
+	"html"
+	"io"
+	"math"
+	"strings"
+)
 
-func (s *Summary) html(w io.Writer) error { _, err := io.WriteString(w, "<html></html>"); return err }
+// palette holds distinguishable colours for series.
+var palette = []string{
+	"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+	"#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39",
+}
+
+func color(i int) string { return palette[i%len(palette)] }
+
+// svgDoc accumulates one SVG chart.
+type svgDoc struct {
+	b    strings.Builder
+	w, h int
+}
+
+func newSVG(w, h int) *svgDoc {
+	s := &svgDoc{w: w, h: h}
+	fmt.Fprintf(&s.b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" viewBox="0 0 %d %d" font-family="sans-serif" font-size="11">`, w, h, w, h)
+	return s
+}
+
+func (s *svgDoc) text(x, y float64, anchor, txt string) {
+	fmt.Fprintf(&s.b, `<text x="%.1f" y="%.1f" text-anchor="%s">%s</text>`, x, y, anchor, html.EscapeString(txt))
+}
+
+func (s *svgDoc) line(x1, y1, x2, y2 float64, stroke string, width float64, dash string) {
+	fmt.Fprintf(&s.b, `<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="%s" stroke-width="%.1f"`, x1, y1, x2, y2, stroke, width)
+	if dash != "" {
+		fmt.Fprintf(&s.b, ` stroke-dasharray="%s"`, dash)
+	}
+	s.b.WriteString("/>")
+}
+
+func (s *svgDoc) rect(x, y, w, h float64, fill string) {
+	fmt.Fprintf(&s.b, `<rect x="%.1f" y="%.1f" width="%.1f" height="%.1f" fill="%s"/>`, x, y, w, h, fill)
+}
+
+func (s *svgDoc) polyline(pts [][2]float64, stroke string) {
+	s.b.WriteString(`<polyline fill="none" stroke="` + stroke + `" stroke-width="1.5" points="`)
+	for _, p := range pts {
+		fmt.Fprintf(&s.b, "%.1f,%.1f ", p[0], p[1])
+	}
+	s.b.WriteString(`"/>`)
+}
+
+func (s *svgDoc) String() string { return s.b.String() + "</svg>" }
+
+// hitRateChart is a horizontal bar per policy with the references as lines.
+func hitRateChart(s *Summary) string {
+	rows := append(append([]*Result{}, s.Policies...), s.Extra...)
+	const left, right, top, barH = 170.0, 60.0, 20.0, 18.0
+	h := int(top + float64(len(rows))*(barH+6) + 40)
+	c := newSVG(760, h)
+	scale := func(v float64) float64 { return left + v*(760-left-right) }
+	maxV := max(s.Infinite.TokenHitRate, 0.01)
+	for i, r := range rows {
+		y := top + float64(i)*(barH+6)
+		c.text(left-6, y+barH-5, "end", r.Name)
+		c.rect(left, y, scale(r.TokenHitRate/maxV)-left, barH, color(i))
+		c.text(scale(r.TokenHitRate/maxV)+4, y+barH-5, "start", fmt.Sprintf("%.3f", r.TokenHitRate))
+	}
+	bottom := top + float64(len(rows))*(barH+6)
+	for _, ref := range []*Result{s.Pooled, s.Infinite} {
+		x := scale(ref.TokenHitRate / maxV)
+		c.line(x, top-6, x, bottom, "#000", 1, "4,3")
+		c.text(x, bottom+14, "middle", fmt.Sprintf("%s %.3f", ref.Name, ref.TokenHitRate))
+	}
+	return c.String()
+}
+
+// ttftChart draws each policy's TTFT distribution as a CDF on a log axis.
+func ttftChart(s *Summary) string {
+	rows := append(append(append([]*Result{}, s.Policies...), s.Extra...), s.Pooled)
+	const left, right, top, bottom, w, h = 50.0, 170.0, 15.0, 40.0, 760.0, 360.0
+	lo, hi := math.Inf(1), 1.0
+	for _, r := range rows {
+		for _, q := range r.TTFTQuantiles {
+			if q > 0 {
+				lo = min(lo, q)
+			}
+			hi = max(hi, q)
+		}
+	}
+	lo = math.Max(math.Pow(10, math.Floor(math.Log10(math.Max(lo, 0.1)))), 0.1)
+	hi = math.Pow(10, math.Ceil(math.Log10(hi)))
+	x := func(v float64) float64 {
+		return left + (math.Log10(math.Max(v, lo))-math.Log10(lo))/(math.Log10(hi)-math.Log10(lo))*(w-left-right)
+	}
+	y := func(p float64) float64 { return top + (1-p)*(h-top-bottom) }
+	c := newSVG(int(w), int(h))
+	for d := lo; d <= hi*1.0001; d *= 10 {
+		c.line(x(d), top, x(d), h-bottom, "#ddd", 1, "")
+		c.text(x(d), h-bottom+14, "middle", fmt.Sprintf("%g", d))
+	}
+	for _, p := range []float64{0, 0.5, 0.9, 0.99} {
+		c.line(left, y(p), w-right, y(p), "#eee", 1, "")
+		c.text(left-4, y(p)+4, "end", fmt.Sprintf("p%g", p*100))
+	}
+	c.text((left+w-right)/2, h-8, "middle", "time to first token, ms (log scale)")
+	for i, r := range rows {
+		var pts [][2]float64
+		for p, q := range r.TTFTQuantiles {
+			pts = append(pts, [2]float64{x(q), y(float64(p) / 100)})
+		}
+		c.polyline(pts, color(i))
+		c.line(w-right+10, top+float64(i)*15+4, w-right+28, top+float64(i)*15+4, color(i), 3, "")
+		c.text(w-right+32, top+float64(i)*15+8, "start", r.Name)
+	}
+	return c.String()
+}
+
+// loadChart draws one policy's prefill tokens per replica over time.
+func loadChart(r *Result) string {
+	const left, top, bottom, w, h = 60.0, 22.0, 20.0, 360.0, 170.0
+	peak := 1.0
+	for _, b := range r.LoadOverTime {
+		for _, v := range b {
+			peak = max(peak, v)
+		}
+	}
+	c := newSVG(int(w), int(h))
+	c.text(w/2, 14, "middle", fmt.Sprintf("%s (imbalance %.2f)", r.Name, r.LoadImbalance))
+	c.line(left, h-bottom, w-10, h-bottom, "#999", 1, "")
+	c.line(left, top, left, h-bottom, "#999", 1, "")
+	c.text(left-4, top+8, "end", fmt.Sprintf("%.0fk", peak/1000))
+	c.text(left-4, h-bottom, "end", "0")
+	c.text((left+w)/2, h-4, "middle", "trace time →")
+	if len(r.LoadOverTime) == 0 {
+		return c.String()
+	}
+	n := len(r.LoadOverTime)
+	for rep := range r.LoadOverTime[0] {
+		var pts [][2]float64
+		for b := range r.LoadOverTime {
+			pts = append(pts, [2]float64{
+				left + float64(b)/float64(max(n-1, 1))*(w-10-left),
+				h - bottom - r.LoadOverTime[b][rep]/peak*(h-bottom-top),
+			})
+		}
+		c.polyline(pts, color(rep))
+	}
+	return c.String()
+}
+
+func (s *Summary) html(w io.Writer) error {
+	var b strings.Builder
+	b.WriteString(`<!doctype html><html><head><meta charset="utf-8"><title>semroute replay</title><style>
+body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;font-size:13px}
+td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child,th:first-child{text-align:left}
+.grid{display:flex;flex-wrap:wrap;gap:8px}</style></head><body>`)
+	fmt.Fprintf(&b, "<h1>Replay of %s</h1>", html.EscapeString(s.Trace))
+	fmt.Fprintf(&b, "<p>%d requests (%s), %d replicas of %d tokens, eviction %s; prefill %.1f ms + %.0f µs per uncached token; %.0f ms per output token; %d running sequences at most; speed-up %g; seed %d.</p>",
+		s.Requests, html.EscapeString(s.Format), s.Replicas, s.BudgetTokens, html.EscapeString(s.Model.Eviction),
+		s.Model.PrefillOverheadMS, s.Model.PrefillPerTokenUS, s.Model.InterTokenMS, s.Model.MaxRunning, s.Model.Speedup, s.Model.Seed)
+	b.WriteString("<table><tr><th>policy</th><th>token hit rate</th><th>÷ pooled</th><th>block hit rate</th><th>prefill tokens saved</th><th>TTFT mean ms</th><th>p50</th><th>p99</th><th>load imbalance</th></tr>")
+	for _, r := range s.all() {
+		fmt.Fprintf(&b, "<tr><td>%s</td><td>%.4f</td><td>%.3f</td><td>%.4f</td><td>%d</td><td>%.0f</td><td>%.0f</td><td>%.0f</td><td>%.3f</td></tr>",
+			html.EscapeString(r.Name), r.TokenHitRate, r.TokenHitRate/math.Max(s.Pooled.TokenHitRate, 1e-12), r.BlockHitRate,
+			r.PrefillTokensSaved, r.TTFTMeanMS, r.TTFTP50MS, r.TTFTP99MS, r.LoadImbalance)
+	}
+	b.WriteString("</table><h2>Token hit rate</h2>")
+	b.WriteString(hitRateChart(s))
+	b.WriteString("<h2>Time to first token</h2>")
+	b.WriteString(ttftChart(s))
+	b.WriteString("<h2>Prefill tokens computed per replica over time</h2><div class=grid>")
+	for _, r := range append(append([]*Result{}, s.Policies...), s.Extra...) {
+		b.WriteString(loadChart(r))
+	}
+	b.WriteString("</div></body></html>\n")
+	_, err := io.WriteString(w, b.String())
+	return err
+}

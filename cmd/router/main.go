@@ -40,7 +40,7 @@ func newRoot() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newServe(), newDemo(), newSim(), newReplay(), newVersion())
+	root.AddCommand(newServe(), newDemo(), newSim(), newReplay(), newGenTrace(), newVersion())
 	return root
 }
 

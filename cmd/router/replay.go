@@ -8,6 +8,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/matcher"
 	"github.com/semroute/semroute/replay"
 	"github.com/semroute/semroute/router"
 )
@@ -18,7 +19,7 @@ func newReplay() *cobra.Command {
 		blockTokens              int
 		m                        replay.Model
 		seed                     uint64
-		ablate                   bool
+		ablate, withMatcher      bool
 	)
 	cmd := &cobra.Command{
 		Use:   "replay",
@@ -66,6 +67,16 @@ report.html to --out.`,
 			if ablate {
 				runs = append(runs, replay.Ablations(m.Policy)...)
 			}
+			if withMatcher {
+				m.Matcher = func() router.Matcher {
+					mm, err := matcher.New(matcher.Options{})
+					if err != nil {
+						panic(err) // default options are valid
+					}
+					return mm
+				}
+				runs = append(runs, replay.Run{Label: "semantic+matcher", Policy: "semantic", Matcher: true})
+			}
 			sum, err := replay.Replay(reqs, m, runs)
 			if err != nil {
 				return err
@@ -103,7 +114,43 @@ report.html to --out.`,
 	f.Float64Var(&m.Policy.SpillFactor, "spill-factor", 0, "semantic: skip replicas above this × mean load + margin (default 2)")
 	f.Float64Var(&m.Policy.SpillMarginTokens, "spill-margin-tokens", 0, "semantic: see --spill-factor (default 2048)")
 	f.DurationVar(&m.LoadHalfLife, "load-half-life", 0, "half-life of the recent-work signal (default 10s)")
+	f.BoolVar(&withMatcher, "matcher", false, "also run the semantic policy with the MinHash semantic matcher (useful on openai traces)")
 	f.BoolVar(&ablate, "ablations", false, "also run the semantic policy with unit kind weights and with load ignored")
 	_ = cmd.MarkFlagRequired("trace")
+	return cmd
+}
+
+func newGenTrace() *cobra.Command {
+	var (
+		o   replay.GenOptions
+		out string
+	)
+	cmd := &cobra.Command{
+		Use:   "gentrace",
+		Short: "Write a synthetic openai-format trace (RAG, chat and agent sessions)",
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			f, err := os.Create(out)
+			if err != nil {
+				return err
+			}
+			if err := replay.GenerateOpenAI(f, o); err != nil {
+				f.Close()
+				return err
+			}
+			if err := f.Close(); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "wrote %s\n", out)
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&out, "out", "openai_trace.jsonl", "file to write")
+	f.Uint64Var(&o.Seed, "seed", 1, "random seed")
+	f.IntVar(&o.Sessions, "sessions", 2000, "sessions")
+	f.Float64Var(&o.Rate, "rate", 2, "new sessions per second")
+	f.IntVar(&o.Tenants, "tenants", 8, "tenants, each with its own system prompt and tools")
+	f.IntVar(&o.Docs, "docs", 300, "documents in the retrieval corpus")
+	f.Float64Var(&o.ThinkSeconds, "think-seconds", 20, "mean time between a session's turns")
 	return cmd
 }

@@ -1,0 +1,77 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+func runCLI(t *testing.T, args ...string) string {
+	t.Helper()
+	root := newRoot()
+	var out bytes.Buffer
+	root.SetOut(&out)
+	root.SetArgs(args)
+	if err := root.Execute(); err != nil {
+		t.Fatalf("router %s: %v", strings.Join(args, " "), err)
+	}
+	return out.String()
+}
+
+func TestCLIGentraceAndReplay(t *testing.T) {
+	dir := t.TempDir()
+	trace := filepath.Join(dir, "t.jsonl")
+	runCLI(t, "gentrace", "--out", trace, "--sessions", "40", "--docs", "20")
+	out := runCLI(t, "replay", "--format", "openai", "--trace", trace, "--replicas", "4", "--budget-tokens", "50000",
+		"--policies", "semantic,round_robin,sglang", "--ablations", "--matcher", "--out", filepath.Join(dir, "rep"))
+	for _, name := range []string{"| semantic |", "| round_robin |", "| sglang |", "| semantic-unit-weights |", "| semantic-no-load |", "| semantic+matcher |", "| pooled |", "| infinite |"} {
+		if !strings.Contains(out, name) {
+			t.Errorf("output lacks %s:\n%s", name, out)
+		}
+	}
+	var sum struct {
+		Replicas     int   `json:"replicas"`
+		BudgetTokens int64 `json:"budget_tokens"`
+		Policies     []struct {
+			Name         string  `json:"name"`
+			Requests     int     `json:"requests"`
+			TokenHitRate float64 `json:"token_hit_rate"`
+		} `json:"policies"`
+	}
+	b, err := os.ReadFile(filepath.Join(dir, "rep", "summary.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(b, &sum); err != nil || sum.Replicas != 4 || sum.BudgetTokens != 50000 || len(sum.Policies) != 6 || sum.Policies[0].Requests == 0 {
+		t.Fatalf("summary %+v, %v", sum, err)
+	}
+}
+
+func TestCLIReplayMooncakeAndErrors(t *testing.T) {
+	dir := t.TempDir()
+	trace := filepath.Join(dir, "m.jsonl")
+	os.WriteFile(trace, []byte(`{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0, 1]}
+{"timestamp": 10, "input_length": 700, "output_length": 5, "hash_ids": [0, 1]}
+`), 0o600)
+	out := runCLI(t, "replay", "--trace", trace, "--policies", "dynamo,llmd,aibrix", "--out", filepath.Join(dir, "r"))
+	if !strings.Contains(out, "| dynamo |") || !strings.Contains(out, "2 requests (mooncake format)") {
+		t.Fatalf("output:\n%s", out)
+	}
+	for _, args := range [][]string{
+		{"replay", "--trace", trace, "--format", "csv"},
+		{"replay", "--trace", filepath.Join(dir, "missing")},
+		{"replay", "--trace", trace, "--policies", "nope"},
+		{"replay", "--trace", trace, "--eviction", "nope"},
+		{"replay", "--trace", trace, "--replicas", "-1"},
+	} {
+		root := newRoot()
+		root.SetArgs(append(args, "--out", filepath.Join(dir, "x")))
+		root.SetOut(new(bytes.Buffer))
+		if err := root.Execute(); err == nil {
+			t.Errorf("router %v succeeded", args)
+		}
+	}
+}

@@ -1,0 +1,236 @@
+// Package matcher is the reference semantic matcher (router.Matcher): it
+// finds a donor request whose text is similar to a new one, by the Jaccard
+// similarity of their sets of word shingles, estimated with bottom-k MinHash
+// sketches (Broder, 1997; Cohen and Kaplan, 2007).
+//
+// A request's sketch is the K smallest distinct hashes of its Shingle-word
+// windows, over at most MaxWords words, so sketching is O(words × log K)
+// and a donor costs O(K) memory. Donors live in an LRU of MaxDonors; an
+// inverted index from sketch value to donors finds candidates in O(K)
+// lookups. A MinHash is safe for concurrent use.
+package matcher
+
+import (
+	"container/heap"
+	"errors"
+	"sort"
+	"sync"
+
+	"github.com/cespare/xxhash/v2"
+	lru "github.com/hashicorp/golang-lru/v2/simplelru"
+)
+
+// Options configure a MinHash. Zero fields take the defaults.
+type Options struct {
+	Shingle       int     // words per shingle; default 5
+	K             int     // sketch size; default 64
+	MinSimilarity float64 // least estimated Jaccard similarity of a donor; default 0.5
+	MaxDonors     int     // donors remembered; default 10,000
+	MaxWords      int     // words read per request; default 20,000
+}
+
+// MinHash is a bounded donor index.
+type MinHash struct {
+	o Options
+
+	mu     sync.Mutex
+	donors *lru.LRU[donorKey, []uint64]
+	index  map[uint64]map[donorKey]struct{}
+}
+
+type donorKey struct {
+	replica int
+	key     uint64
+}
+
+// New returns an empty MinHash matcher.
+func New(o Options) (*MinHash, error) {
+	if o.Shingle == 0 {
+		o.Shingle = 5
+	}
+	if o.K == 0 {
+		o.K = 64
+	}
+	if o.MinSimilarity == 0 {
+		o.MinSimilarity = 0.5
+	}
+	if o.MaxDonors == 0 {
+		o.MaxDonors = 10000
+	}
+	if o.MaxWords == 0 {
+		o.MaxWords = 20000
+	}
+	if o.Shingle < 1 || o.K < 1 || o.MaxDonors < 1 || o.MaxWords < 1 || o.MinSimilarity < 0 || o.MinSimilarity > 1 {
+		return nil, errors.New("matcher: shingle, k, max donors and max words must be positive and min similarity in [0, 1]")
+	}
+	m := &MinHash{o: o, index: map[uint64]map[donorKey]struct{}{}}
+	m.donors, _ = lru.NewLRU[donorKey, []uint64](o.MaxDonors, m.unindex) // MaxDonors > 0
+	return m, nil
+}
+
+// maxHeap keeps the K smallest values seen: its root is the largest kept.
+type maxHeap []uint64
+
+func (h maxHeap) Len() int           { return len(h) }
+func (h maxHeap) Less(i, j int) bool { return h[i] > h[j] }
+func (h maxHeap) Swap(i, j int)      { h[i], h[j] = h[j], h[i] }
+func (h *maxHeap) Push(x any)        { *h = append(*h, x.(uint64)) }
+func (h *maxHeap) Pop() any {
+	old := *h
+	x := old[len(old)-1]
+	*h = old[:len(old)-1]
+	return x
+}
+
+func isSpace(c byte) bool { return c == ' ' || c == '\n' || c == '\t' || c == '\r' }
+
+// Sketch returns text's bottom-k sketch, sorted ascending.
+func (m *MinHash) Sketch(text [][]byte) []uint64 {
+	var words [][2]int // per part: word start and end offsets
+	h := make(maxHeap, 0, m.o.K+1)
+	seen := make(map[uint64]struct{}, m.o.K*2)
+	total := 0
+	for _, t := range text {
+		words = words[:0]
+		for i := 0; i < len(t) && total < m.o.MaxWords; {
+			for i < len(t) && isSpace(t[i]) {
+				i++
+			}
+			start := i
+			for i < len(t) && !isSpace(t[i]) {
+				i++
+			}
+			if i > start {
+				words = append(words, [2]int{start, i})
+				total++
+			}
+		}
+		n := m.o.Shingle
+		if len(words) < n {
+			n = len(words)
+		}
+		for w := 0; w+n <= len(words) && n > 0; w++ {
+			v := xxhash.Sum64(t[words[w][0]:words[w+n-1][1]])
+			if _, dup := seen[v]; dup {
+				continue
+			}
+			if len(h) < m.o.K {
+				seen[v] = struct{}{}
+				heap.Push(&h, v)
+			} else if v < h[0] {
+				delete(seen, h[0])
+				seen[v] = struct{}{}
+				h[0] = v
+				heap.Fix(&h, 0)
+			}
+		}
+	}
+	out := []uint64(h)
+	sort.Slice(out, func(i, j int) bool { return out[i] < out[j] })
+	return out
+}
+
+// Similarity estimates the Jaccard similarity of the sets two sorted
+// sketches summarise: among the K smallest values of their union, the share
+// present in both.
+func (m *MinHash) Similarity(a, b []uint64) float64 {
+	i, j, taken, both := 0, 0, 0, 0
+	for taken < m.o.K && (i < len(a) || j < len(b)) {
+		switch {
+		case j >= len(b) || (i < len(a) && a[i] < b[j]):
+			i++
+		case i >= len(a) || b[j] < a[i]:
+			j++
+		default:
+			both++
+			i++
+			j++
+		}
+		taken++
+	}
+	if taken == 0 {
+		return 0
+	}
+	return float64(both) / float64(taken)
+}
+
+// Find implements router.Matcher.
+func (m *MinHash) Find(text [][]byte) (int, bool) {
+	sk := m.Sketch(text)
+	if len(sk) == 0 {
+		return 0, false
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	votes := map[donorKey]int{}
+	for _, v := range sk {
+		for d := range m.index[v] {
+			votes[d]++
+		}
+	}
+	best, bestSim := donorKey{}, -1.0
+	for d := range votes {
+		dsk, ok := m.donors.Peek(d)
+		if !ok {
+			continue
+		}
+		s := m.Similarity(sk, dsk)
+		if s > bestSim || (s == bestSim && (d.replica < best.replica || (d.replica == best.replica && d.key < best.key))) {
+			best, bestSim = d, s
+		}
+	}
+	if bestSim < m.o.MinSimilarity {
+		return 0, false
+	}
+	m.donors.Get(best) // a donor that helped is kept longer
+	return best.replica, true
+}
+
+// Register implements router.Matcher.
+func (m *MinHash) Register(key uint64, replica int, text [][]byte) {
+	sk := m.Sketch(text)
+	if len(sk) == 0 {
+		return
+	}
+	d := donorKey{replica, key}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if old, ok := m.donors.Peek(d); ok {
+		m.unindex(d, old)
+	}
+	m.donors.Add(d, sk)
+	for _, v := range sk {
+		set := m.index[v]
+		if set == nil {
+			set = map[donorKey]struct{}{}
+			m.index[v] = set
+		}
+		set[d] = struct{}{}
+	}
+}
+
+// Forget implements router.Matcher.
+func (m *MinHash) Forget(replica int, key uint64) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.donors.Remove(donorKey{replica, key}) // unindex runs as the eviction callback
+}
+
+// Len returns the number of donors held.
+func (m *MinHash) Len() int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.donors.Len()
+}
+
+// unindex removes a donor's sketch from the index; m.mu is held.
+func (m *MinHash) unindex(d donorKey, sk []uint64) {
+	for _, v := range sk {
+		if set := m.index[v]; set != nil {
+			delete(set, d)
+			if len(set) == 0 {
+				delete(m.index, v)
+			}
+		}
+	}
+}

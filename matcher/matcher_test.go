@@ -1,0 +1,111 @@
+package matcher
+
+import (
+	"fmt"
+	"math/rand"
+	"strings"
+	"testing"
+)
+
+func doc(seed int, words int) string {
+	rng := rand.New(rand.NewSource(int64(seed)))
+	var sb strings.Builder
+	for i := 0; i < words; i++ {
+		fmt.Fprintf(&sb, "w%d ", rng.Intn(5000))
+	}
+	return sb.String()
+}
+
+func parts(s ...string) [][]byte {
+	out := make([][]byte, len(s))
+	for i, x := range s {
+		out[i] = []byte(x)
+	}
+	return out
+}
+
+func TestFindsSameDocumentUnderOtherInstruction(t *testing.T) {
+	m, err := New(Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 50; i++ {
+		m.Register(uint64(i), i%4, parts("Summarise this.", doc(i, 800)))
+	}
+	// The same document under another instruction: found on its replica.
+	if r, ok := m.Find(parts("Translate the following into French, keeping names.", doc(17, 800))); !ok || r != 17%4 {
+		t.Fatalf("Find = %d, %v; want replica %d", r, ok, 17%4)
+	}
+	// Sections reordered: still found.
+	d := doc(23, 800)
+	half := strings.Index(d[len(d)/2:], " ") + len(d)/2
+	if r, ok := m.Find(parts("Question about it.", d[half:]+" "+d[:half])); !ok || r != 23%4 {
+		t.Fatalf("reordered: Find = %d, %v; want replica %d", r, ok, 23%4)
+	}
+	// An unrelated document: nothing.
+	if r, ok := m.Find(parts("Summarise this.", doc(999, 800))); ok {
+		t.Fatalf("unrelated text matched replica %d", r)
+	}
+}
+
+func TestForgetAndBound(t *testing.T) {
+	m, _ := New(Options{MaxDonors: 10})
+	m.Register(1, 2, parts(doc(1, 300)))
+	if _, ok := m.Find(parts(doc(1, 300))); !ok {
+		t.Fatal("registered donor not found")
+	}
+	m.Forget(2, 1)
+	if _, ok := m.Find(parts(doc(1, 300))); ok {
+		t.Fatal("forgotten donor found")
+	}
+	for i := 0; i < 100; i++ {
+		m.Register(uint64(i), 0, parts(doc(i, 300)))
+	}
+	if m.Len() != 10 {
+		t.Fatalf("holds %d donors, want the bound 10", m.Len())
+	}
+	m.mu.Lock()
+	entries := 0
+	for _, set := range m.index {
+		entries += len(set)
+	}
+	m.mu.Unlock()
+	if entries > 10*64 {
+		t.Fatalf("index holds %d entries for 10 donors of 64 values", entries)
+	}
+}
+
+func TestSimilarityEstimate(t *testing.T) {
+	m, _ := New(Options{K: 256, Shingle: 1})
+	// Two sets of 2,000 words sharing 1,000: Jaccard 1000/3000 = 1/3.
+	var a, b strings.Builder
+	for i := 0; i < 2000; i++ {
+		fmt.Fprintf(&a, "x%d ", i)
+		fmt.Fprintf(&b, "x%d ", i+1000)
+	}
+	s := m.Similarity(m.Sketch(parts(a.String())), m.Sketch(parts(b.String())))
+	if s < 0.25 || s > 0.42 {
+		t.Fatalf("estimated %.3f, want about 0.333", s)
+	}
+	if _, err := New(Options{MinSimilarity: 2}); err == nil {
+		t.Fatal("min similarity 2 accepted")
+	}
+	if len(m.Sketch(nil)) != 0 || m.Similarity(nil, nil) != 0 {
+		t.Fatal("empty text must give an empty sketch")
+	}
+}
+
+func FuzzSketch(f *testing.F) {
+	f.Add([]byte("the quick brown fox jumps over the lazy dog"), []byte("  \n\t x"))
+	f.Fuzz(func(t *testing.T, a, b []byte) {
+		m, _ := New(Options{K: 16, Shingle: 2, MaxWords: 200})
+		s1 := m.Sketch([][]byte{a, b})
+		s2 := m.Sketch([][]byte{a, b})
+		if len(s1) > 16 || fmt.Sprint(s1) != fmt.Sprint(s2) {
+			t.Fatalf("sketch not deterministic or too long: %v %v", s1, s2)
+		}
+		if len(s1) > 0 && m.Similarity(s1, s1) != 1 {
+			t.Fatal("a sketch is not similar to itself")
+		}
+	})
+}

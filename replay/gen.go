@@ -1,0 +1,153 @@
+package replay
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"sort"
+	"strings"
+)
+
+// GenOptions shape a synthetic openai-format trace. Zero fields take the
+// defaults.
+type GenOptions struct {
+	Seed     uint64
+	Sessions int     // default 2,000
+	Rate     float64 // new sessions per second; default 2
+	Tenants  int     // default 8
+	Docs     int     // documents in the retrieval corpus; default 300
+	// ThinkSeconds is the mean time between a session's turns. Default 20.
+	ThinkSeconds float64
+}
+
+// GenerateOpenAI writes a synthetic trace in the openai format: a mix of
+// retrieval (RAG) sessions, multi-turn chats and tool-using agents over
+// tenants with their own system prompts (and tool schemas for agents).
+//
+//   - RAG: one user message holding an instruction, then a retrieved
+//     document (Zipf-popular over the corpus, sometimes with its sections
+//     reordered), then a question; instructions vary, so the same document
+//     often follows a different prefix.
+//   - Chat: the history grows by the assistant's reply and a new question.
+//   - Agent: tool schemas, then tool calls and tool outputs in the history.
+//
+// Arrivals are Poisson; a session's turns are separated by exponential think
+// times. Replies are deterministic text of output_tokens words, repeated in
+// the next turn's history, so replies can be linked. The output depends only
+// on o.
+func GenerateOpenAI(w io.Writer, o GenOptions) error {
+	if o.Sessions == 0 {
+		o.Sessions = 2000
+	}
+	if o.Rate == 0 {
+		o.Rate = 2
+	}
+	if o.Tenants == 0 {
+		o.Tenants = 8
+	}
+	if o.Docs == 0 {
+		o.Docs = 300
+	}
+	if o.ThinkSeconds == 0 {
+		o.ThinkSeconds = 20
+	}
+	if o.Sessions < 0 || o.Rate <= 0 || o.Tenants < 1 || o.Docs < 1 || o.ThinkSeconds < 0 {
+		return fmt.Errorf("gen: sessions, rate, tenants, docs and think time must be positive")
+	}
+	rng := rand.New(rand.NewPCG(o.Seed, o.Seed^0x5eed))
+	words := func(tag string, n int, r *rand.Rand) string {
+		var sb strings.Builder
+		for i := 0; i < n; i++ {
+			fmt.Fprintf(&sb, "%s%d ", tag, r.IntN(4000))
+			if i%17 == 16 {
+				sb.WriteString(".\n")
+			}
+		}
+		return sb.String()
+	}
+	fixed := func(seed uint64) *rand.Rand { return rand.New(rand.NewPCG(seed, 77)) }
+	systems := make([]string, o.Tenants)
+	tools := make([]json.RawMessage, o.Tenants)
+	for t := range systems {
+		systems[t] = fmt.Sprintf("You are the assistant of tenant %d. ", t) + words("s", 150+fixed(uint64(t)).IntN(300), fixed(uint64(t)))
+		var schema []map[string]any
+		for k := 0; k < 6; k++ {
+			schema = append(schema, map[string]any{"type": "function", "function": map[string]any{
+				"name": fmt.Sprintf("tool_%d_%d", t, k), "description": words("d", 40, fixed(uint64(t*100+k))),
+				"parameters": map[string]any{"type": "object", "properties": map[string]any{"q": map[string]string{"type": "string"}}},
+			}})
+		}
+		tools[t], _ = json.Marshal(schema)
+	}
+	docs := make([][]string, o.Docs) // sections
+	for d := range docs {
+		r := fixed(uint64(1000 + d))
+		for s := 0; s < 3+r.IntN(5); s++ {
+			docs[d] = append(docs[d], fmt.Sprintf("Section %d of document %d. ", s, d)+words("c", 120+r.IntN(300), r))
+		}
+	}
+	instructions := []string{
+		"Summarise the document below.", "Answer from the document below only.",
+		"List the key facts in the document below.", "Translate the document below into plain English.",
+		"Find contradictions in the document below.", "Extract every date in the document below.",
+	}
+	zipf := rand.NewZipf(rng, 1.2, 2, uint64(o.Docs-1))
+	type line struct {
+		TimestampMS  int64          `json:"timestamp_ms"`
+		SessionID    string         `json:"session_id"`
+		TenantID     string         `json:"tenant_id"`
+		Request      map[string]any `json:"request"`
+		OutputTokens int            `json:"output_tokens"`
+	}
+	var out []line
+	t := 0.0
+	for s := 0; s < o.Sessions; s++ {
+		t += rng.ExpFloat64() / o.Rate
+		tenant := rng.IntN(o.Tenants)
+		kind := rng.IntN(10) // 0-4 RAG, 5-7 chat, 8-9 agent
+		turns := 1 + rng.IntN(6)
+		msgs := []map[string]any{{"role": "system", "content": systems[tenant]}}
+		at := t
+		for turn := 0; turn < turns; turn++ {
+			var user string
+			switch {
+			case kind < 5:
+				d := docs[zipf.Uint64()]
+				sections := append([]string(nil), d...)
+				if rng.IntN(4) == 0 {
+					rng.Shuffle(len(sections), func(i, j int) { sections[i], sections[j] = sections[j], sections[i] })
+				}
+				user = instructions[rng.IntN(len(instructions))] + "\n<document>\n" + strings.Join(sections, "\n") + "\n</document>\nQuestion: " + words("q", 10+rng.IntN(20), rng)
+			default:
+				user = words("u", 15+rng.IntN(60), rng)
+			}
+			msgs = append(msgs, map[string]any{"role": "user", "content": user})
+			body := map[string]any{"model": "sim-model", "messages": append([]map[string]any(nil), msgs...), "stream": true}
+			if kind >= 8 {
+				body["tools"] = tools[tenant]
+			}
+			outTokens := 30 + rng.IntN(300)
+			out = append(out, line{int64(at * 1000), fmt.Sprintf("s%d", s), fmt.Sprintf("t%d", tenant), body, outTokens})
+			reply := map[string]any{"role": "assistant", "content": words("a", outTokens*2/3, fixed(uint64(s*100+turn)))}
+			if kind >= 8 {
+				call := fmt.Sprintf("call_%d_%d", s, turn)
+				reply["content"] = nil
+				reply["tool_calls"] = []map[string]any{{"id": call, "type": "function",
+					"function": map[string]any{"name": fmt.Sprintf("tool_%d_%d", tenant, turn%6), "arguments": `{"q":"x"}`}}}
+				msgs = append(msgs, reply, map[string]any{"role": "tool", "tool_call_id": call, "content": words("o", 80+rng.IntN(200), rng)})
+			} else {
+				msgs = append(msgs, reply)
+			}
+			at += rng.ExpFloat64()*o.ThinkSeconds + float64(outTokens)*0.02
+		}
+	}
+	sort.SliceStable(out, func(i, j int) bool { return out[i].TimestampMS < out[j].TimestampMS })
+	enc := json.NewEncoder(w)
+	for i := range out {
+		if err := enc.Encode(&out[i]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
