@@ -62,6 +62,21 @@ type RoutingConfig struct {
 	RecordReplies     bool               `mapstructure:"record_replies"`
 	DownCooldown      time.Duration      `mapstructure:"down_cooldown"`
 	KindWeights       map[string]float64 `mapstructure:"kind_weights"`
+	// SharedActive counts blocks shared by running requests once in a
+	// replica's KV load (engines with cascade attention).
+	SharedActive bool          `mapstructure:"shared_active"`
+	Seed         uint64        `mapstructure:"seed"`
+	Matcher      MatcherConfig `mapstructure:"semantic_matcher"`
+}
+
+// MatcherConfig turns on the semantic fallback.
+type MatcherConfig struct {
+	Enabled bool `mapstructure:"enabled"`
+	// Threshold: ask the matcher when the best exact match covers less than
+	// this share of the prompt.
+	Threshold     float64 `mapstructure:"threshold"`
+	MinSimilarity float64 `mapstructure:"min_similarity"`
+	MaxDonors     int     `mapstructure:"max_donors"`
 }
 
 // BlocksConfig sets how prompts are cut.
@@ -106,6 +121,12 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("routing.record_replies", true)
 	v.SetDefault("routing.down_cooldown", "5s")
 	v.SetDefault("routing.kind_weights", map[string]float64{})
+	v.SetDefault("routing.shared_active", false)
+	v.SetDefault("routing.seed", 0)
+	v.SetDefault("routing.semantic_matcher.enabled", false)
+	v.SetDefault("routing.semantic_matcher.threshold", 0.5)
+	v.SetDefault("routing.semantic_matcher.min_similarity", 0.5)
+	v.SetDefault("routing.semantic_matcher.max_donors", 10000)
 	v.SetDefault("blocks.block_tokens", blockhash.DefaultBlockTokens)
 	v.SetDefault("blocks.bytes_per_token", blockhash.DefaultBytesPerToken)
 	v.SetDefault("cache.eviction", policies.Default)
@@ -211,6 +232,9 @@ func (c *Config) Validate() error {
 	}
 	if r.DownCooldown <= 0 {
 		bad("routing.down_cooldown", "must be positive")
+	}
+	if mc := r.Matcher; mc.Threshold < 0 || mc.Threshold > 1 || mc.MinSimilarity < 0 || mc.MinSimilarity > 1 || mc.MaxDonors < 1 {
+		bad("routing.semantic_matcher", "threshold and min_similarity must be in [0, 1] and max_donors positive")
 	}
 	for k, w := range r.KindWeights {
 		if _, err := blockhash.ParseKind(k); err != nil {

@@ -336,3 +336,179 @@ func BenchmarkPolicyChurn(b *testing.B) {
 		})
 	}
 }
+
+// refGDS is GreedyDual-Size written the obvious way: credits in a map,
+// linear scan for the victim.
+type refGDS struct {
+	l float64
+	h map[uint64]float64
+	i map[uint64]Info
+}
+
+func (r *refGDS) set(k uint64, info Info) {
+	r.h[k], r.i[k] = r.l+1/float64(max(info.Tokens, 1)), info
+}
+
+func (r *refGDS) victim() (uint64, bool) {
+	best, found := uint64(0), false
+	for k := range r.h {
+		if !found {
+			best, found = k, true
+			continue
+		}
+		a, b := r.h[k], r.h[best]
+		ia, ib := r.i[k], r.i[best]
+		if a < b || (a == b && (ia.LastUsed < ib.LastUsed || (ia.LastUsed == ib.LastUsed && (ia.Depth > ib.Depth || (ia.Depth == ib.Depth && k < best))))) {
+			best = k
+		}
+	}
+	if found {
+		r.l = r.h[best]
+		delete(r.h, best)
+		delete(r.i, best)
+	}
+	return best, found
+}
+
+// refAdaptive re-implements the adaptive policy's rules directly: learned
+// weights per kind, ghosts as a plain map (no bound), and a linear scan over
+// decayed values.
+type refAdaptive struct {
+	ap     AdaptiveParams
+	w      [blockhash.NumKinds]float64
+	at     [blockhash.NumKinds]int64
+	ghosts map[uint64]blockhash.Kind
+	cands  map[uint64]Info
+	keys   map[uint64]float64 // order key computed when the block was last queued or touched
+}
+
+func (r *refAdaptive) victim() (uint64, bool) {
+	best, found := uint64(0), false
+	for k := range r.cands {
+		if !found {
+			best, found = k, true
+			continue
+		}
+		a, b := r.keys[k], r.keys[best]
+		da, db := r.cands[k].Depth, r.cands[best].Depth
+		if a < b || (a == b && (da > db || (da == db && k < best))) {
+			best = k
+		}
+	}
+	return best, found
+}
+
+func (r *refAdaptive) weight(k blockhash.Kind, now int64) float64 {
+	if r.at[k] != 0 && now > r.at[k] {
+		base := r.ap.Weights[k]
+		r.w[k] = base + (r.w[k]-base)*math.Pow(2, -float64(now-r.at[k])/float64(r.ap.WeightHalfLife))
+	}
+	if now > r.at[k] {
+		r.at[k] = now
+	}
+	return r.w[k]
+}
+
+func (r *refAdaptive) learn(k blockhash.Kind, g float64, now int64) {
+	r.w[k] = math.Min(math.Max(r.weight(k, now)+g, r.ap.MinWeight), r.ap.MaxWeight)
+}
+
+func (r *refAdaptive) key(i Info) float64 {
+	t := float64(max(i.Tokens, 1))
+	v := (1 + math.Log(1+float64(i.Hits))) * r.weight(i.Kind, i.LastUsed) * t / math.Pow(t, r.ap.SizeExponent)
+	return float64(i.LastUsed) + float64(r.ap.WeightHalfLife)/math.Ln2*math.Log(v)
+}
+
+// FuzzStatefulAgainstReference compares size_lru and adaptive_semantic with
+// their references, each over the same operations.
+func FuzzStatefulAgainstReference(f *testing.F) {
+	f.Add([]byte{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14})
+	f.Add([]byte{0, 5, 9, 3, 0, 0, 0, 5, 200, 1, 5, 7, 3, 1, 1})
+	f.Add([]byte("00020001B0X0700100700"))
+	type op struct {
+		kind int // 0 insert, 1 hit (if a candidate, else insert), 2 remove, 3 victim
+		key  uint64
+		info Info
+	}
+	decode := func(ops []byte) []op {
+		var out []op
+		for i := 0; i+2 < len(ops); i += 3 {
+			out = append(out, op{int(ops[i] % 4), uint64(ops[i+1] % 8), Info{
+				Kind: blockhash.Kind(ops[i+2] % uint8(blockhash.NumKinds)), Tokens: int32(1 + ops[i+2]%64),
+				LastUsed: int64(i) * 1e9, Depth: int32(ops[i] / 64), Hits: int32(ops[i+1] / 32),
+			}})
+		}
+		return out
+	}
+	f.Fuzz(func(t *testing.T, raw []byte) {
+		ops := decode(raw)
+		// GreedyDual-Size.
+		gds, gref := NewSizeLRU(), &refGDS{h: map[uint64]float64{}, i: map[uint64]Info{}}
+		for n, o := range ops {
+			switch o.kind {
+			case 0, 1:
+				if old, ok := gref.i[o.key]; ok && o.kind == 1 {
+					o.info.Kind, o.info.Tokens, o.info.Depth, o.info.Hits = old.Kind, old.Tokens, old.Depth, old.Hits+1
+					gds.Touched(o.key, o.info)
+				} else {
+					gds.Evictable(o.key, o.info)
+				}
+				gref.set(o.key, o.info)
+			case 2:
+				gds.Removed(o.key)
+				delete(gref.h, o.key)
+				delete(gref.i, o.key)
+			case 3:
+				k1, ok1 := gds.Victim()
+				k2, ok2 := gref.victim()
+				if k1 != k2 || ok1 != ok2 {
+					t.Fatalf("size_lru op %d: victim %d,%v want %d,%v", n, k1, ok1, k2, ok2)
+				}
+			}
+		}
+		// Adaptive semantic.
+		ap := AdaptiveParams{}
+		ap.defaults()
+		ad := NewAdaptiveSemantic(ap).(*adaptive)
+		aref := &refAdaptive{ap: ap, w: *ap.Weights, ghosts: map[uint64]blockhash.Kind{}, cands: map[uint64]Info{}, keys: map[uint64]float64{}}
+		for n, o := range ops {
+			switch o.kind {
+			case 0, 1:
+				if old, ok := aref.cands[o.key]; ok && o.kind == 1 {
+					o.info.Kind, o.info.Tokens, o.info.Depth, o.info.Hits = old.Kind, old.Tokens, old.Depth, old.Hits+1
+					ad.Touched(o.key, o.info)
+					aref.learn(o.info.Kind, ap.HitGain, o.info.LastUsed)
+				} else {
+					ad.Evictable(o.key, o.info)
+					if k, ok := aref.ghosts[o.key]; ok {
+						delete(aref.ghosts, o.key)
+						aref.learn(k, ap.RegretGain, o.info.LastUsed)
+					}
+				}
+				aref.cands[o.key], aref.keys[o.key] = o.info, aref.key(o.info)
+			case 2:
+				ad.Removed(o.key)
+				delete(aref.cands, o.key)
+				delete(aref.keys, o.key)
+			case 3:
+				a1, ok1 := ad.Victim()
+				a2, ok2 := aref.victim()
+				if a1 != a2 || ok1 != ok2 {
+					t.Fatalf("adaptive op %d: victim %d,%v want %d,%v", n, a1, ok1, a2, ok2)
+				}
+				if ok1 {
+					ad.Evicted(a1, aref.cands[a1])
+					aref.ghosts[a1] = aref.cands[a1].Kind
+					delete(aref.cands, a1)
+					delete(aref.keys, a1)
+				}
+			}
+			for k := range ad.w {
+				now := o.info.LastUsed
+				if got, want := ad.weight(blockhash.Kind(k), now), aref.weight(blockhash.Kind(k), now); math.Abs(got-want) > 1e-9 {
+					t.Fatalf("op %d: learned weight of %s %v, reference %v", n, blockhash.Kind(k), got, want)
+				}
+			}
+		}
+	})
+}

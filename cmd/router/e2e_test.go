@@ -470,3 +470,25 @@ func TestE2EConcurrentRequests(t *testing.T) {
 		t.Error(e)
 	}
 }
+
+func TestE2ESemanticMatcherPrefersDonor(t *testing.T) {
+	doc := text("a long shared report about quarterly revenue", 1500)
+	body := func(instruction string) map[string]any {
+		return chat([2]string{"user", instruction + "\n<document>\n" + doc + "\n</document>"})
+	}
+	for _, enabled := range []bool{false, true} {
+		cfg := filepath.Join(t.TempDir(), "m.yaml")
+		os.WriteFile(cfg, []byte(fmt.Sprintf("routing:\n  shared_active: true\n  semantic_matcher:\n    enabled: %v\n", enabled)), 0o600)
+		d := startTestDemo(t, demoOptions{sim: fastSim, config: cfg})
+		a := post(t, d, "/v1/chat/completions", body("Summarise the document."), nil)
+		mustOK(t, a)
+		b := post(t, d, "/v1/chat/completions", body("List every number in the document, one per line."), nil)
+		mustOK(t, b)
+		if b.matched != 0 {
+			t.Fatalf("the second prompt differs from its first block: matched %d", b.matched)
+		}
+		if same := a.replica == b.replica; same != enabled {
+			t.Errorf("matcher %v: first on %s, second on %s", enabled, a.replica, b.replica)
+		}
+	}
+}

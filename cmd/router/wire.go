@@ -14,6 +14,7 @@ import (
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
 	"github.com/semroute/semroute/configs"
+	"github.com/semroute/semroute/matcher"
 	"github.com/semroute/semroute/policies"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/router"
@@ -53,7 +54,16 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	if err != nil {
 		return nil, fmt.Errorf("config: cache.eviction: %w", err)
 	}
-	cache := cachemodel.New(cachemodel.Options{Policy: evict})
+	var mt router.Matcher
+	co := cachemodel.Options{Policy: evict}
+	if mc := cfg.Routing.Matcher; mc.Enabled {
+		m, err := matcher.New(matcher.Options{MinSimilarity: mc.MinSimilarity, MaxDonors: mc.MaxDonors})
+		if err != nil {
+			return nil, fmt.Errorf("config: routing.semantic_matcher: %w", err)
+		}
+		mt, co.OnEvict = m, m.Forget
+	}
+	cache := cachemodel.New(co)
 	specs := make([]replica.Spec, len(cfg.Replicas))
 	for i, r := range cfg.Replicas {
 		specs[i] = replica.Spec{Name: r.Name, URL: r.URL, BudgetTokens: r.BudgetTokens, Weight: r.Weight}
@@ -75,13 +85,14 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		weights[k] = w
 	}
 	pol, err := router.NewPolicy(cfg.Routing.Policy, router.PolicyConfig{
-		LoadWeight: cfg.Routing.LoadWeight, RecentWeight: cfg.Routing.RecentWeight, SpillFactor: cfg.Routing.SpillFactor, SpillMarginTokens: cfg.Routing.SpillMarginTokens,
+		Seed: cfg.Routing.Seed, LoadWeight: cfg.Routing.LoadWeight, RecentWeight: cfg.Routing.RecentWeight, SpillFactor: cfg.Routing.SpillFactor, SpillMarginTokens: cfg.Routing.SpillMarginTokens,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("config: routing: %w", err)
 	}
 	eng, err := router.NewEngine(router.EngineOptions{
 		Splitter: split, Cache: cache, Pool: pool, Policy: pol, Weights: weights, Attempts: cfg.Routing.Attempts,
+		SharedActive: cfg.Routing.SharedActive, Matcher: mt, MatcherThreshold: cfg.Routing.Matcher.Threshold,
 	})
 	if err != nil {
 		return nil, err
