@@ -14,3 +14,17 @@ bench:
 
 ci:
 	bash .ci/run
+
+# Regenerate the gRPC code (committed; building needs no protoc). Needs
+# protoc (Debian: protobuf-compiler); the Go plugins are installed here.
+PROTOC_GEN_GO_VERSION := v1.36.12
+PROTOC_GEN_GO_GRPC_VERSION := v1.6.2
+GOBIN := $(shell go env GOPATH)/bin
+
+.PHONY: proto
+proto:
+	go install google.golang.org/protobuf/cmd/protoc-gen-go@$(PROTOC_GEN_GO_VERSION)
+	go install google.golang.org/grpc/cmd/protoc-gen-go-grpc@$(PROTOC_GEN_GO_GRPC_VERSION)
+	PATH="$(GOBIN):$$PATH" protoc --go_out=. --go_opt=paths=source_relative \
+		--go-grpc_out=. --go-grpc_opt=paths=source_relative \
+		api/proto/semroute/v1/router.proto

@@ -35,13 +35,16 @@ var ExampleYAML []byte
 
 // Config is the router's whole configuration.
 type Config struct {
-	Listen   string        `mapstructure:"listen"`
-	Log      LogConfig     `mapstructure:"log"`
-	Routing  RoutingConfig `mapstructure:"routing"`
-	Blocks   BlocksConfig  `mapstructure:"blocks"`
-	Cache    CacheConfig   `mapstructure:"cache"`
-	Limits   LimitsConfig  `mapstructure:"limits"`
-	Replicas []Replica     `mapstructure:"replicas"`
+	Listen string `mapstructure:"listen"`
+	// GRPCListen serves the gRPC Route API; empty means off.
+	GRPCListen  string            `mapstructure:"grpc_listen"`
+	DecisionLog DecisionLogConfig `mapstructure:"decision_log"`
+	Log         LogConfig         `mapstructure:"log"`
+	Routing     RoutingConfig     `mapstructure:"routing"`
+	Blocks      BlocksConfig      `mapstructure:"blocks"`
+	Cache       CacheConfig       `mapstructure:"cache"`
+	Limits      LimitsConfig      `mapstructure:"limits"`
+	Replicas    []Replica         `mapstructure:"replicas"`
 }
 
 // LogConfig selects the log format and level.
@@ -67,6 +70,37 @@ type RoutingConfig struct {
 	SharedActive bool          `mapstructure:"shared_active"`
 	Seed         uint64        `mapstructure:"seed"`
 	Matcher      MatcherConfig `mapstructure:"semantic_matcher"`
+	// Arms split traffic between policies (A/B); empty means one arm with
+	// Policy. Assignment is sticky per session, salted with ArmSalt.
+	Arms    []ArmConfig `mapstructure:"arms"`
+	ArmSalt string      `mapstructure:"arm_salt"`
+	// ReleaseAfter ends a gRPC decision never released.
+	ReleaseAfter time.Duration `mapstructure:"release_after"`
+}
+
+// ArmConfig is one A/B arm: a routing policy and its share of sessions. The
+// semantic policy's parameters default to the routing section's.
+type ArmConfig struct {
+	Name              string   `mapstructure:"name"`
+	Policy            string   `mapstructure:"policy"`
+	Weight            float64  `mapstructure:"weight"`
+	LoadWeight        *float64 `mapstructure:"load_weight"`
+	RecentWeight      *float64 `mapstructure:"recent_weight"`
+	SpillFactor       *float64 `mapstructure:"spill_factor"`
+	SpillMarginTokens *float64 `mapstructure:"spill_margin_tokens"`
+}
+
+// DecisionLogConfig configures the JSONL decision log.
+type DecisionLogConfig struct {
+	Path          string        `mapstructure:"path"` // empty: no log
+	MaxBytes      int64         `mapstructure:"max_bytes"`
+	MaxFiles      int           `mapstructure:"max_files"`
+	Buffer        int           `mapstructure:"buffer"`
+	FsyncInterval time.Duration `mapstructure:"fsync_interval"`
+	// RawIDs logs session and tenant ids as given, not hashed.
+	RawIDs bool `mapstructure:"raw_ids"`
+	// LogPrompts logs prompt text with each decision.
+	LogPrompts bool `mapstructure:"log_prompts"`
 }
 
 // MatcherConfig turns on the semantic fallback.
@@ -127,6 +161,17 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("routing.semantic_matcher.threshold", 0.5)
 	v.SetDefault("routing.semantic_matcher.min_similarity", 0.5)
 	v.SetDefault("routing.semantic_matcher.max_donors", 10000)
+	v.SetDefault("routing.arms", []ArmConfig{})
+	v.SetDefault("routing.arm_salt", "")
+	v.SetDefault("routing.release_after", "10m")
+	v.SetDefault("grpc_listen", "")
+	v.SetDefault("decision_log.path", "")
+	v.SetDefault("decision_log.max_bytes", 256<<20)
+	v.SetDefault("decision_log.max_files", 5)
+	v.SetDefault("decision_log.buffer", 4096)
+	v.SetDefault("decision_log.fsync_interval", "1s")
+	v.SetDefault("decision_log.raw_ids", false)
+	v.SetDefault("decision_log.log_prompts", false)
 	v.SetDefault("blocks.block_tokens", blockhash.DefaultBlockTokens)
 	v.SetDefault("blocks.bytes_per_token", blockhash.DefaultBytesPerToken)
 	v.SetDefault("cache.eviction", policies.Default)
@@ -200,6 +245,14 @@ func (c *Config) Validate() error {
 	if _, _, err := net.SplitHostPort(c.Listen); err != nil {
 		bad("listen", "%q is not host:port", c.Listen)
 	}
+	if c.GRPCListen != "" {
+		if _, _, err := net.SplitHostPort(c.GRPCListen); err != nil {
+			bad("grpc_listen", "%q is not host:port", c.GRPCListen)
+		}
+	}
+	if dl := c.DecisionLog; dl.MaxBytes < 1024 || dl.MaxFiles < 1 || dl.Buffer < 1 || dl.FsyncInterval <= 0 {
+		bad("decision_log", "max_bytes must be at least 1024, max_files and buffer positive, fsync_interval positive")
+	}
 	switch c.Log.Level {
 	case "debug", "info", "warn", "error":
 	default:
@@ -235,6 +288,25 @@ func (c *Config) Validate() error {
 	}
 	if mc := r.Matcher; mc.Threshold < 0 || mc.Threshold > 1 || mc.MinSimilarity < 0 || mc.MinSimilarity > 1 || mc.MaxDonors < 1 {
 		bad("routing.semantic_matcher", "threshold and min_similarity must be in [0, 1] and max_donors positive")
+	}
+	if r.ReleaseAfter <= 0 {
+		bad("routing.release_after", "must be positive")
+	}
+	arms := map[string]bool{}
+	for i, a := range r.Arms {
+		f := fmt.Sprintf("routing.arms[%d]", i)
+		if a.Name == "" {
+			bad(f+".name", "is required")
+		} else if arms[a.Name] {
+			bad(f+".name", "duplicate arm %q", a.Name)
+		}
+		arms[a.Name] = true
+		if !slices.Contains(router.PolicyNames, a.Policy) {
+			bad(f+".policy", "unknown policy %q (have %v)", a.Policy, router.PolicyNames)
+		}
+		if a.Weight <= 0 {
+			bad(f+".weight", "must be positive")
+		}
 	}
 	for k, w := range r.KindWeights {
 		if _, err := blockhash.ParseKind(k); err != nil {

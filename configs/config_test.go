@@ -25,7 +25,9 @@ func TestGoodConfigs(t *testing.T) {
 		t.Fatal(err)
 	}
 	if c.Routing.Policy != "least_load" || c.Routing.LoadHalfLife != 0 || c.Routing.DownCooldown != time.Second ||
-		c.Routing.RecordReplies || c.Routing.KindWeights["user_query"] != 0 || c.Replicas[0].Weight != 2 || c.Blocks.BytesPerToken != 3 {
+		c.Routing.RecordReplies || c.Routing.KindWeights["user_query"] != 0 ||
+		len(c.Routing.Arms) != 2 || *c.Routing.Arms[0].LoadWeight != 0.5 || c.Routing.Arms[1].LoadWeight != nil ||
+		c.GRPCListen != "127.0.0.1:9001" || !c.DecisionLog.RawIDs || c.Replicas[0].Weight != 2 || c.Blocks.BytesPerToken != 3 {
 		t.Fatalf("decoded %+v", c)
 	}
 }
@@ -37,6 +39,7 @@ func TestBadConfigs(t *testing.T) {
 			"listen:", "log.level:", "log.format:", "routing.policy:", "routing.load_weight:", "routing.spill_factor:",
 			"routing.attempts:", "routing.kind_weights.sytem:", "blocks:", "cache.eviction:", "limits.max_body_bytes:",
 			"limits.max_messages:", "replicas[0].url:", "replicas[1].name:", "replicas[1].weight:",
+			"routing.arms[0].policy:", "routing.arms[0].weight:", "routing.arms[1].name:",
 		},
 		"bad-duration.bad.yaml": {"load_half_life"},
 		"bad-yaml.bad.yaml":     {"parse config"},

@@ -34,6 +34,11 @@ type Result struct {
 	// PrefillComputed is each replica's prefill tokens computed.
 	PrefillComputed []int64 `json:"prefill_computed_per_replica"`
 	WallSeconds     float64 `json:"wall_seconds"`
+	// Changed counts, for a decision log, the requests this policy would
+	// send to another replica than the live router did; ChangedShare is
+	// their share.
+	Changed      int     `json:"changed,omitempty"`
+	ChangedShare float64 `json:"changed_share,omitempty"`
 
 	// LoadOverTime[b][r] is the prefill tokens replica r started computing
 	// in time slice b of the trace.
@@ -54,6 +59,9 @@ type row struct {
 func (r *Result) finish(ttft []float64, reps []simReplica, rep, cached []int, reqs []Request) {
 	if r.PromptTokens > 0 {
 		r.TokenHitRate = float64(r.CachedTokens) / float64(r.PromptTokens)
+	}
+	if r.Requests > 0 {
+		r.ChangedShare = float64(r.Changed) / float64(r.Requests)
 	}
 	if r.Blocks > 0 {
 		r.BlockHitRate = float64(r.HitBlocks) / float64(r.Blocks)
@@ -90,19 +98,21 @@ func (r *Result) finish(ttft []float64, reps []simReplica, rep, cached []int, re
 // Summary is a whole replay: the trace, the model, every policy's result and
 // the two references.
 type Summary struct {
-	Trace        string        `json:"trace"`
-	Format       string        `json:"format"`
-	Requests     int           `json:"requests"`
-	Replicas     int           `json:"replicas"`
-	BudgetTokens int64         `json:"budget_tokens"`
-	Model        ModelSummary  `json:"model"`
-	Policies     []*Result     `json:"policies"`
-	Pooled       *Result       `json:"pooled"`
-	Infinite     *Result       `json:"infinite"`
-	WallSeconds  float64       `json:"wall_seconds"`
-	Extra        []*Result     `json:"extra,omitempty"` // ablations and variants
-	Started      time.Time     `json:"-"`
-	Elapsed      time.Duration `json:"-"`
+	Trace        string       `json:"trace"`
+	Format       string       `json:"format"`
+	Requests     int          `json:"requests"`
+	Replicas     int          `json:"replicas"`
+	BudgetTokens int64        `json:"budget_tokens"`
+	Model        ModelSummary `json:"model"`
+	Policies     []*Result    `json:"policies"`
+	Pooled       *Result      `json:"pooled"`
+	Infinite     *Result      `json:"infinite"`
+	WallSeconds  float64      `json:"wall_seconds"`
+	Extra        []*Result    `json:"extra,omitempty"` // ablations and variants
+	// Arms holds, for a decision log, what each live arm observed.
+	Arms    []ArmStats    `json:"arms,omitempty"`
+	Started time.Time     `json:"-"`
+	Elapsed time.Duration `json:"-"`
 }
 
 // ModelSummary records the replica model's parameters.
@@ -230,6 +240,12 @@ func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
 	specs := make([]replica.Spec, m.Replicas)
 	for i := range specs {
 		specs[i] = replica.Spec{Name: fmt.Sprintf("replica-%d", i), URL: fmt.Sprintf("http://replica-%d.sim", i), BudgetTokens: m.BudgetTokens}
+		if len(m.ReplicaNames) > 0 {
+			specs[i].Name = m.ReplicaNames[i]
+		}
+		if len(m.Budgets) > 0 {
+			specs[i].BudgetTokens = m.Budgets[i]
+		}
 	}
 	pool, err := replica.NewPool(specs, replica.Options{HalfLife: m.LoadHalfLife},
 		func(s replica.Spec) (int, error) { return cache.AddReplica(s.Name, s.BudgetTokens) })

@@ -100,6 +100,16 @@ func (s *Summary) Markdown(w io.Writer) error {
 	}
 	b.WriteString(s.Pooled.TableRow(s.Pooled) + "\n")
 	b.WriteString(s.Infinite.TableRow(s.Pooled) + "\n")
+	if len(s.Arms) > 0 {
+		b.WriteString("\n## Arms observed in the decision log\n\n| arm | policy | requests | TTFT p50 ms | TTFT p99 ms | cached token rate |\n|---|---|---:|---:|---:|---:|\n")
+		for _, a := range s.Arms {
+			fmt.Fprintf(&b, "| %s | %s | %d | %.1f | %.1f | %.4f |\n", a.Name, a.Policy, a.Requests, a.TTFTP50MS, a.TTFTP99MS, a.CachedRate)
+		}
+		b.WriteString("\n## Decisions each policy would change\n\n| policy | changed | share | predicted token hit rate |\n|---|---:|---:|---:|\n")
+		for _, r := range append(append([]*Result{}, s.Policies...), s.Extra...) {
+			fmt.Fprintf(&b, "| %s | %d | %.4f | %.4f |\n", r.Name, r.Changed, r.ChangedShare, r.TokenHitRate)
+		}
+	}
 	_, err := io.WriteString(w, b.String())
 	return err
 }

@@ -55,9 +55,20 @@ type Model struct {
 	Matcher func() router.Matcher
 	// MatcherThreshold: see router.EngineOptions. Default 0.5.
 	MatcherThreshold float64
+	// ReplicaNames and Budgets, when set, name the replicas and give each
+	// its own budget (decision logs carry both); Replicas is then their
+	// number.
+	ReplicaNames []string
+	Budgets      []int64
 }
 
 func (m *Model) defaults() error {
+	if len(m.ReplicaNames) > 0 {
+		m.Replicas = len(m.ReplicaNames)
+		if len(m.Budgets) != 0 && len(m.Budgets) != len(m.ReplicaNames) {
+			return errors.New("replica budgets and names differ in number")
+		}
+	}
 	dflt := func(v *int, d int) {
 		if *v == 0 {
 			*v = d
@@ -259,13 +270,28 @@ func (s *sim) run(pool *replica.Pool) error {
 			s.res.CachedTokens += int64(cached)
 			s.res.Blocks += int64(len(s.reqs[i].Blocks))
 			s.res.HitBlocks += int64(cachedBlocks)
+			ttft[i] = float64(-now) // completed at prefill done
+			if lg := s.reqs[i].Logged; lg != nil {
+				// A logged request keeps its live timing: first byte and end.
+				if pool != nil && lg.Chosen != pool.Replicas()[r].Name {
+					s.res.Changed++
+				}
+				s.reps[r].computed += int64(s.reqs[i].Tokens - cached)
+				s.reps[r].decoding++
+				s.observe(r, now, pool)
+				s.push(now+lg.TTFTNs, evPrefillDone, i)
+				continue
+			}
 			s.admit(r, i, now)
 			s.observe(r, now, pool)
-			ttft[i] = float64(-now) // completed at prefill done
 		case evPrefillDone:
 			r := s.rep[i]
 			ttft[i] += float64(now)
 			s.d.prefillDone(i, now)
+			if lg := s.reqs[i].Logged; lg != nil {
+				s.push(now-lg.TTFTNs+max(lg.DurationNs, lg.TTFTNs), evFinish, i)
+				continue
+			}
 			st := &s.reps[r]
 			st.prefilling = -1
 			st.decoding++
@@ -276,6 +302,11 @@ func (s *sim) run(pool *replica.Pool) error {
 			r := s.rep[i]
 			s.d.done(i, now)
 			st := &s.reps[r]
+			if s.reqs[i].Logged != nil {
+				st.decoding--
+				s.observe(r, now, pool)
+				continue
+			}
 			st.decoding--
 			st.running--
 			if len(st.admitQ) > 0 {

@@ -41,6 +41,18 @@ type Request struct {
 	// Text holds the request's text parts, for the semantic matcher (openai
 	// traces only).
 	Text [][]byte
+	// Logged is what the live router did, for requests read from a decision
+	// log; its timings replace the replica model's.
+	Logged *Logged
+}
+
+// Logged is a decision and its outcome as a decision log recorded them.
+type Logged struct {
+	Arm, Policy, Chosen string
+	Status              int
+	TTFTNs, DurationNs  int64 // from the decision
+	PromptTokens        int64 // reported by the replica
+	CachedTokens        int64 // reported by the replica
 }
 
 // maxLine bounds one trace line.
@@ -225,8 +237,8 @@ func sortByArrival(reqs []Request) {
 // ParseFormat checks a --format value.
 func ParseFormat(f string) (string, error) {
 	switch f {
-	case "mooncake", "openai":
+	case "mooncake", "openai", "decisions":
 		return f, nil
 	}
-	return "", fmt.Errorf("unknown trace format %q (have mooncake, openai)", f)
+	return "", fmt.Errorf("unknown trace format %q (have mooncake, openai, decisions)", f)
 }

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"sync"
 	"time"
 
 	"github.com/semroute/semroute/configs"
@@ -16,13 +17,19 @@ type demoOptions struct {
 	config   string // optional YAML merged over the embedded demo config
 	policy   string // optional routing policy override
 	sim      simreplica.Options
+	// grpcListen and decisionLog override the config's when set.
+	grpcListen  string
+	decisionLog string
 }
 
 // demo is the router in front of simulated replicas, all in one process.
 type demo struct {
-	app    *app
-	router *listening
-	sims   []*simreplica.Running
+	app      *app
+	run      *running
+	router   *listening
+	sims     []*simreplica.Running
+	once     sync.Once
+	closeErr error
 }
 
 // startDemo starts o.replicas simulated replicas on 127.0.0.1 and the router
@@ -45,6 +52,12 @@ func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
 	}
 	if o.policy != "" {
 		v.Set("routing.policy", o.policy)
+	}
+	if o.grpcListen != "" {
+		v.Set("grpc_listen", o.grpcListen)
+	}
+	if o.decisionLog != "" {
+		v.Set("decision_log.path", o.decisionLog)
 	}
 	d := &demo{}
 	var reps []configs.Replica
@@ -71,18 +84,27 @@ func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
 		d.close()
 		return nil, err
 	}
-	if d.router, err = serve(cfg.Listen, d.app.server, log); err != nil {
+	if d.run, err = d.app.start(); err != nil {
 		d.close()
 		return nil, err
 	}
-	log.Info("semroute demo listening", "addr", d.router.addr, "replicas", len(reps), "policy", cfg.Routing.Policy)
+	d.router = d.run.http
+	log.Info("semroute demo listening", "addr", d.router.addr, "grpc", d.run.grpcAddr(), "replicas", len(reps), "policy", cfg.Routing.Policy)
 	return d, nil
 }
 
+// close stops the router and the replicas; it is safe to call more than once.
 func (d *demo) close() error {
+	d.once.Do(func() { d.closeErr = d.shutdown() })
+	return d.closeErr
+}
+
+func (d *demo) shutdown() error {
 	var errs []error
-	if d.router != nil {
-		errs = append(errs, d.router.stop(5*time.Second))
+	if d.run != nil {
+		errs = append(errs, d.run.stop(5*time.Second))
+	} else if d.app != nil && d.app.decisions != nil {
+		errs = append(errs, d.app.decisions.Close())
 	}
 	for _, s := range d.sims {
 		errs = append(errs, s.Close())
@@ -101,4 +123,7 @@ Try:
 Send it twice: the second answer comes from the same replica (X-Semroute-Replica)
 with X-Semroute-Matched-Tokens > 0. Add "stream": true to stream. Ctrl-C stops.
 `, len(d.sims), d.router.url(), d.router.url(), model)
+	if g := d.run.grpcAddr(); g != "" {
+		fmt.Fprintf(w, "\ngRPC Route API on %s (grpcurl -plaintext %s list)\n", g, g)
+	}
 }

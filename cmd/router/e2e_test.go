@@ -41,6 +41,7 @@ func startTestDemo(t *testing.T, o demoOptions) *demo {
 
 type result struct {
 	status  int
+	arm     string
 	replica string
 	matched int
 	cached  int
@@ -74,7 +75,7 @@ func post(t *testing.T, d *demo, path string, body any, hdr map[string]string) r
 		t.Fatal(err)
 	}
 	defer resp.Body.Close()
-	r := result{status: resp.StatusCode, replica: resp.Header.Get("X-Semroute-Replica")}
+	r := result{status: resp.StatusCode, replica: resp.Header.Get("X-Semroute-Replica"), arm: resp.Header.Get("X-Semroute-Arm")}
 	r.body, _ = io.ReadAll(resp.Body)
 	if m := resp.Header.Get("X-Semroute-Matched-Tokens"); m != "" {
 		r.matched, _ = strconv.Atoi(m)

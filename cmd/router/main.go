@@ -14,6 +14,7 @@ import (
 	"os/signal"
 	"runtime"
 	"runtime/debug"
+	"strings"
 	"syscall"
 	"time"
 
@@ -56,8 +57,10 @@ func newServe() *cobra.Command {
 		Short: "Route requests to the replicas in the config",
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			v := configs.NewViper()
-			if err := v.BindPFlag("listen", cmd.Flags().Lookup("listen")); err != nil {
-				return err
+			for _, k := range []string{"listen", "grpc-listen"} {
+				if err := v.BindPFlag(strings.ReplaceAll(k, "-", "_"), cmd.Flags().Lookup(k)); err != nil {
+					return err
+				}
 			}
 			cfg, err := configs.Load(v, path)
 			if err != nil {
@@ -68,20 +71,21 @@ func newServe() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			l, err := serve(cfg.Listen, a.server, log)
+			r, err := a.start()
 			if err != nil {
 				return err
 			}
-			log.Info("semroute listening", "addr", l.addr, "replicas", len(cfg.Replicas), "policy", cfg.Routing.Policy)
+			log.Info("semroute listening", "addr", r.http.addr, "grpc", r.grpcAddr(), "replicas", len(cfg.Replicas), "policy", cfg.Routing.Policy)
 			ctx, stop := signalContext()
 			defer stop()
 			<-ctx.Done()
 			log.Info("shutting down")
-			return l.stop(30 * time.Second)
+			return r.stop(30 * time.Second)
 		},
 	}
 	cmd.Flags().StringVar(&path, "config", "", "YAML config file")
 	cmd.Flags().String("listen", "127.0.0.1:8080", "address to serve the OpenAI API on")
+	cmd.Flags().String("grpc-listen", "", "address to serve the gRPC Route API on (default: the config's; empty: off)")
 	return cmd
 }
 
@@ -106,6 +110,8 @@ func newDemo() *cobra.Command {
 	cmd.Flags().IntVar(&o.replicas, "replicas", 4, "number of simulated replicas")
 	cmd.Flags().StringVar(&o.config, "config", "", "YAML config overriding the embedded demo config")
 	cmd.Flags().StringVar(&o.policy, "policy", "", "routing policy (default: the config's)")
+	cmd.Flags().StringVar(&o.grpcListen, "grpc-listen", "", "address to serve the gRPC Route API on (empty: off)")
+	cmd.Flags().StringVar(&o.decisionLog, "decision-log", "", "write the decision log to this file")
 	return cmd
 }
 

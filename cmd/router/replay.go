@@ -37,8 +37,20 @@ report.html to --out.`,
 				return err
 			}
 			defer f.Close()
-			var reqs []replay.Request
+			var (
+				reqs []replay.Request
+				arms []replay.ArmStats
+			)
 			switch format {
+			case "decisions":
+				var t *replay.DecisionTrace
+				if t, err = replay.ReadDecisions(f); err == nil {
+					reqs, arms = t.Requests, t.Arms
+					m.ReplicaNames = t.Replicas
+					if !cmd.Flags().Changed("budget-tokens") {
+						m.Budgets = t.Budgets
+					}
+				}
 			case "mooncake":
 				if blockTokens == 0 {
 					blockTokens = 512
@@ -55,6 +67,9 @@ report.html to --out.`,
 			}
 			if err != nil {
 				return err
+			}
+			if blockTokens == 0 {
+				blockTokens = blockhash.DefaultBlockTokens
 			}
 			m.BlockTokens = blockTokens
 			m.Policy.Seed = seed
@@ -81,7 +96,7 @@ report.html to --out.`,
 			if err != nil {
 				return err
 			}
-			sum.Trace, sum.Format = trace, format
+			sum.Trace, sum.Format, sum.Arms = trace, format, arms
 			if err := sum.Write(out); err != nil {
 				return err
 			}
@@ -94,7 +109,7 @@ report.html to --out.`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&trace, "trace", "", "trace file (JSONL)")
-	f.StringVar(&format, "format", "mooncake", "trace format: mooncake or openai")
+	f.StringVar(&format, "format", "mooncake", "trace format: mooncake, openai, or decisions (a router decision log)")
 	f.StringVar(&out, "out", "replay-out", "directory for the report")
 	f.StringVar(&pols, "policies", strings.Join(router.PolicyNames, ","), "routing policies to compare, comma-separated")
 	f.IntVar(&blockTokens, "block-tokens", 0, "tokens per block (default 512 for mooncake, 64 for openai)")

@@ -9,11 +9,15 @@ import (
 	"net"
 	"net/http"
 	"strings"
+	"sync"
 	"time"
+
+	"google.golang.org/grpc"
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
 	"github.com/semroute/semroute/configs"
+	"github.com/semroute/semroute/decisionlog"
 	"github.com/semroute/semroute/matcher"
 	"github.com/semroute/semroute/policies"
 	"github.com/semroute/semroute/replica"
@@ -22,12 +26,14 @@ import (
 
 // app is a router built from a Config.
 type app struct {
-	cfg    *configs.Config
-	log    *slog.Logger
-	cache  *cachemodel.Model
-	pool   *replica.Pool
-	engine *router.Engine
-	server *router.Server
+	cfg       *configs.Config
+	log       *slog.Logger
+	cache     *cachemodel.Model
+	pool      *replica.Pool
+	engine    *router.Engine
+	core      *router.Core
+	server    *router.Server
+	decisions *decisionlog.Writer // nil when off
 }
 
 // newLogger builds the logger the config asks for, writing to w.
@@ -84,11 +90,31 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		}
 		weights[k] = w
 	}
-	pol, err := router.NewPolicy(cfg.Routing.Policy, router.PolicyConfig{
-		Seed: cfg.Routing.Seed, LoadWeight: cfg.Routing.LoadWeight, RecentWeight: cfg.Routing.RecentWeight, SpillFactor: cfg.Routing.SpillFactor, SpillMarginTokens: cfg.Routing.SpillMarginTokens,
-	})
+	pc := router.PolicyConfig{
+		Seed: cfg.Routing.Seed, LoadWeight: cfg.Routing.LoadWeight, RecentWeight: cfg.Routing.RecentWeight,
+		SpillFactor: cfg.Routing.SpillFactor, SpillMarginTokens: cfg.Routing.SpillMarginTokens,
+	}
+	pol, err := router.NewPolicy(cfg.Routing.Policy, pc)
 	if err != nil {
 		return nil, fmt.Errorf("config: routing: %w", err)
+	}
+	var arms []router.Arm
+	for i, a := range cfg.Routing.Arms {
+		apc := pc
+		set := func(dst *float64, v *float64) {
+			if v != nil {
+				*dst = *v
+			}
+		}
+		set(&apc.LoadWeight, a.LoadWeight)
+		set(&apc.RecentWeight, a.RecentWeight)
+		set(&apc.SpillFactor, a.SpillFactor)
+		set(&apc.SpillMarginTokens, a.SpillMarginTokens)
+		ap, err := router.NewPolicy(a.Policy, apc)
+		if err != nil {
+			return nil, fmt.Errorf("config: routing.arms[%d]: %w", i, err)
+		}
+		arms = append(arms, router.Arm{Name: a.Name, Policy: ap, Weight: a.Weight})
 	}
 	eng, err := router.NewEngine(router.EngineOptions{
 		Splitter: split, Cache: cache, Pool: pool, Policy: pol, Weights: weights, Attempts: cfg.Routing.Attempts,
@@ -97,21 +123,105 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	if err != nil {
 		return nil, err
 	}
+	var dl *decisionlog.Writer
+	copts := router.CoreOptions{Engine: eng, Arms: arms, Salt: cfg.Routing.ArmSalt, ReleaseAfter: cfg.Routing.ReleaseAfter,
+		RawIDs: cfg.DecisionLog.RawIDs, LogPrompts: cfg.DecisionLog.LogPrompts}
+	if d := cfg.DecisionLog; d.Path != "" {
+		dl, err = decisionlog.Open(decisionlog.Options{Path: d.Path, MaxBytes: d.MaxBytes, MaxFiles: d.MaxFiles, Buffer: d.Buffer, FsyncInterval: d.FsyncInterval})
+		if err != nil {
+			return nil, fmt.Errorf("config: decision_log: %w", err)
+		}
+		copts.Log = dl
+	}
+	core, err := router.NewCore(copts)
+	if err != nil {
+		return nil, err
+	}
 	srv, err := router.NewServer(router.ServerOptions{
-		Engine: eng, MaxBodyBytes: cfg.Limits.MaxBodyBytes, Limits: blockhash.Limits{MaxMessages: cfg.Limits.MaxMessages},
+		Core: core, MaxBodyBytes: cfg.Limits.MaxBodyBytes, Limits: blockhash.Limits{MaxMessages: cfg.Limits.MaxMessages},
 		RecordReplies: cfg.Routing.RecordReplies, DownCooldown: cfg.Routing.DownCooldown, Logger: log,
 	})
 	if err != nil {
 		return nil, err
 	}
-	return &app{cfg: cfg, log: log, cache: cache, pool: pool, engine: eng, server: srv}, nil
+	return &app{cfg: cfg, log: log, cache: cache, pool: pool, engine: eng, core: core, server: srv, decisions: dl}, nil
+}
+
+// running is an app serving HTTP, and gRPC when configured.
+type running struct {
+	app     *app
+	http    *listening
+	grpc    *grpc.Server
+	grpcLn  net.Listener
+	cancel  context.CancelFunc
+	once    sync.Once
+	stopErr error
+}
+
+// start serves the app on its configured addresses.
+func (a *app) start() (*running, error) {
+	r := &running{app: a}
+	var err error
+	if r.http, err = serve(a.cfg.Listen, a.server, a.log); err != nil {
+		return nil, err
+	}
+	if a.cfg.GRPCListen != "" {
+		if r.grpcLn, err = net.Listen("tcp", a.cfg.GRPCListen); err != nil {
+			_ = r.http.stop(time.Second)
+			return nil, fmt.Errorf("listen %s: %w", a.cfg.GRPCListen, err)
+		}
+		r.grpc = router.NewGRPCServer(a.core, blockhash.Limits{MaxMessages: a.cfg.Limits.MaxMessages},
+			grpc.MaxRecvMsgSize(int(a.cfg.Limits.MaxBodyBytes)))
+		go func() { _ = r.grpc.Serve(r.grpcLn) }()
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	r.cancel = cancel
+	go a.core.Run(ctx, time.Second)
+	return r, nil
+}
+
+// grpcAddr returns the gRPC listener's address, or "".
+func (r *running) grpcAddr() string {
+	if r.grpcLn == nil {
+		return ""
+	}
+	return r.grpcLn.Addr().String()
+}
+
+// stop shuts down gracefully: HTTP and gRPC stop accepting and finish what
+// is in flight (up to grace), then the decision log is flushed and closed.
+// It is safe to call more than once.
+func (r *running) stop(grace time.Duration) error {
+	r.once.Do(func() { r.stopErr = r.shutdown(grace) })
+	return r.stopErr
+}
+
+func (r *running) shutdown(grace time.Duration) error {
+	var errs []error
+	errs = append(errs, r.http.stop(grace))
+	if r.grpc != nil {
+		done := make(chan struct{})
+		go func() { r.grpc.GracefulStop(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(grace):
+			r.grpc.Stop()
+		}
+	}
+	r.cancel()
+	if r.app.decisions != nil {
+		errs = append(errs, r.app.decisions.Close())
+	}
+	return errors.Join(errs...)
 }
 
 // listening is an HTTP server on a socket.
 type listening struct {
-	srv  *http.Server
-	addr string // host:port actually bound
-	done chan error
+	srv     *http.Server
+	addr    string // host:port actually bound
+	done    chan error
+	once    sync.Once
+	stopErr error
 }
 
 // serve starts h on addr ("127.0.0.1:0" picks a port).
@@ -142,13 +252,17 @@ func serve(addr string, h http.Handler, log *slog.Logger) (*listening, error) {
 
 // stop shuts the server down gracefully, waiting up to grace for requests in
 // flight, then closes what is left.
+// It is safe to call more than once.
 func (l *listening) stop(grace time.Duration) error {
-	ctx, cancel := context.WithTimeout(context.Background(), grace)
-	defer cancel()
-	if err := l.srv.Shutdown(ctx); err != nil {
-		_ = l.srv.Close()
-	}
-	return <-l.done
+	l.once.Do(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), grace)
+		defer cancel()
+		if err := l.srv.Shutdown(ctx); err != nil {
+			_ = l.srv.Close()
+		}
+		l.stopErr = <-l.done
+	})
+	return l.stopErr
 }
 
 // url returns the server's base URL.

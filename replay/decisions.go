@@ -1,0 +1,135 @@
+package replay
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"sort"
+	"strconv"
+
+	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/decisionlog"
+)
+
+// DecisionTrace is a decision log read as a trace.
+type DecisionTrace struct {
+	Requests []Request
+	// Replicas and Budgets are the pool, in order, as the first decision
+	// saw it.
+	Replicas []string
+	Budgets  []int64
+	// Arms summarises what each arm observed, from the log alone.
+	Arms []ArmStats
+}
+
+// ArmStats is one arm's observed results in a decision log.
+type ArmStats struct {
+	Name      string  `json:"name"`
+	Policy    string  `json:"policy"`
+	Requests  int     `json:"requests"`
+	TTFTP50MS float64 `json:"ttft_ms_p50"`
+	TTFTP99MS float64 `json:"ttft_ms_p99"`
+	// CachedRate is the cached prompt tokens the replicas reported ÷ the
+	// prompt tokens they reported.
+	CachedRate float64 `json:"cached_token_rate"`
+}
+
+func parseBlocks(bl []decisionlog.Block) ([]blockhash.Block, error) {
+	out := make([]blockhash.Block, len(bl))
+	for i, b := range bl {
+		h, err := strconv.ParseUint(b.Hash, 16, 64)
+		if err != nil {
+			return nil, fmt.Errorf("block %d hash %q: %w", i, b.Hash, err)
+		}
+		k, err := blockhash.ParseKind(b.Kind)
+		if err != nil {
+			return nil, fmt.Errorf("block %d: %w", i, err)
+		}
+		out[i] = blockhash.Block{Hash: h, Kind: k, Tokens: b.Tokens}
+	}
+	return out, nil
+}
+
+// ReadDecisions reads a decision log (router decision_log) as a trace: each
+// decision with an outcome becomes a request with the logged blocks, session
+// key, reply blocks and timing, in decision order. Replaying it under the
+// policy that made the decisions, with the same model parameters, makes the
+// same decisions.
+func ReadDecisions(r io.Reader) (*DecisionTrace, error) {
+	var recs []*decisionlog.Record
+	err := decisionlog.Read(r, func(rec *decisionlog.Record) error {
+		if rec.Outcome == nil {
+			return nil
+		}
+		if len(rec.Blocks) == 0 || len(rec.Replicas) == 0 {
+			return errors.New("record without blocks or replicas")
+		}
+		recs = append(recs, rec)
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	if len(recs) == 0 {
+		return nil, errors.New("decision log: no finished decisions")
+	}
+	sort.SliceStable(recs, func(i, j int) bool { return recs[i].TimeNs < recs[j].TimeNs })
+	t := &DecisionTrace{Replicas: recs[0].Replicas, Budgets: recs[0].Budgets}
+	base := recs[0].TimeNs
+	type agg struct {
+		stats          ArmStats
+		ttft           []float64
+		prompt, cached int64
+	}
+	arms := map[string]*agg{}
+	var order []string
+	for i, rec := range recs {
+		blocks, err := parseBlocks(rec.Blocks)
+		if err != nil {
+			return nil, fmt.Errorf("decision %s: %w", rec.ID, err)
+		}
+		reply, err := parseBlocks(rec.Outcome.ReplyBlocks)
+		if err != nil {
+			return nil, fmt.Errorf("decision %s reply: %w", rec.ID, err)
+		}
+		key, err := strconv.ParseUint(rec.Key, 16, 64)
+		if err != nil {
+			return nil, fmt.Errorf("decision %s key %q: %w", rec.ID, rec.Key, err)
+		}
+		o := rec.Outcome
+		req := Request{Arrival: rec.TimeNs - base, Session: rec.Session, Tenant: rec.Tenant, Key: key, Blocks: blocks,
+			Output: int(o.OutputTokens), Logged: &Logged{Arm: rec.Arm, Policy: rec.Policy, Chosen: rec.Chosen, Status: o.Status,
+				TTFTNs: o.TTFTNs, DurationNs: o.DurationNs, PromptTokens: o.PromptTokens, CachedTokens: o.CachedTokens}}
+		for _, b := range blocks {
+			req.Tokens += int(b.Tokens)
+		}
+		if len(reply) > 0 {
+			req.Reply = reply
+		}
+		t.Requests = append(t.Requests, req)
+		a := arms[rec.Arm]
+		if a == nil {
+			a = &agg{stats: ArmStats{Name: rec.Arm, Policy: rec.Policy}}
+			arms[rec.Arm] = a
+			order = append(order, rec.Arm)
+		}
+		a.stats.Requests++
+		if o.TTFTNs > 0 {
+			a.ttft = append(a.ttft, float64(o.TTFTNs)/1e6)
+		}
+		a.prompt += o.PromptTokens
+		a.cached += o.CachedTokens
+		_ = i
+	}
+	sort.Strings(order)
+	for _, name := range order {
+		a := arms[name]
+		s := sortedCopy(a.ttft)
+		a.stats.TTFTP50MS, a.stats.TTFTP99MS = percentile(s, 0.5), percentile(s, 0.99)
+		if a.prompt > 0 {
+			a.stats.CachedRate = float64(a.cached) / float64(a.prompt)
+		}
+		t.Arms = append(t.Arms, a.stats)
+	}
+	return t, nil
+}
