@@ -386,6 +386,9 @@ func TestE2EFailoverOnRefusedConnection(t *testing.T) {
 	if second.replica == first.replica {
 		t.Fatalf("served by the closed replica %s", second.replica)
 	}
+	if m := scrape(t, d); !strings.Contains(m, `semroute_retries_total{arm="default",policy="semantic"} 1`) {
+		t.Error("the failover is not counted in semroute_retries_total")
+	}
 }
 
 func TestE2EModelsAndPassthrough(t *testing.T) {
@@ -490,6 +493,43 @@ func TestE2ESemanticMatcherPrefersDonor(t *testing.T) {
 		}
 		if same := a.replica == b.replica; same != enabled {
 			t.Errorf("matcher %v: first on %s, second on %s", enabled, a.replica, b.replica)
+		}
+	}
+}
+
+func scrape(t *testing.T, d *demo) string {
+	t.Helper()
+	resp, err := http.Get(d.router.url() + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return string(b)
+}
+
+func TestE2EMetricsCarryArmAndPolicy(t *testing.T) {
+	cfg := filepath.Join(t.TempDir(), "arms.yaml")
+	os.WriteFile(cfg, []byte("routing:\n  arms:\n    - {name: a, policy: semantic, weight: 1}\n    - {name: b, policy: least_load, weight: 1}\n"), 0o600)
+	d := startTestDemo(t, demoOptions{sim: fastSim, config: cfg})
+	for i := 0; i < 20; i++ {
+		mustOK(t, post(t, d, "/v1/chat/completions", chat([2]string{"system", text("metrics", 300)}, [2]string{"user", fmt.Sprint(i)}),
+			map[string]string{"X-Session-ID": fmt.Sprint("m", i)}))
+	}
+	body := scrape(t, d)
+	for _, want := range []string{
+		`semroute_requests_total{arm="a",code="200",policy="semantic",route="chat"}`,
+		`semroute_requests_total{arm="b",code="200",policy="least_load",route="chat"}`,
+		`semroute_routing_decision_seconds_count{arm="a",policy="semantic"}`,
+		`semroute_predicted_match_ratio_count{arm="b",policy="least_load"}`,
+		`semroute_predicted_cached_tokens_total{arm="a",policy="semantic",replica="`,
+		`semroute_reported_cached_tokens_total{arm="a",policy="semantic",replica="`,
+		`semroute_cached_tokens_prediction_error_tokens_count{arm="a",policy="semantic"}`,
+		`semroute_upstream_ttft_seconds_count{arm="a",policy="semantic",replica="`,
+		`semroute_upstream_duration_seconds_count{arm="b",policy="least_load",replica="`,
+	} {
+		if !strings.Contains(body, want) {
+			t.Errorf("/metrics lacks %s", want)
 		}
 	}
 }

@@ -12,6 +12,9 @@ import (
 	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"google.golang.org/grpc"
 
 	"github.com/semroute/semroute/blockhash"
@@ -133,6 +136,11 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		}
 		copts.Log = dl
 	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	if copts.Metrics, err = router.NewMetrics(reg); err != nil {
+		return nil, err
+	}
 	core, err := router.NewCore(copts)
 	if err != nil {
 		return nil, err
@@ -140,6 +148,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	srv, err := router.NewServer(router.ServerOptions{
 		Core: core, MaxBodyBytes: cfg.Limits.MaxBodyBytes, Limits: blockhash.Limits{MaxMessages: cfg.Limits.MaxMessages},
 		RecordReplies: cfg.Routing.RecordReplies, DownCooldown: cfg.Routing.DownCooldown, Logger: log,
+		Metrics: promhttp.HandlerFor(reg, promhttp.HandlerOpts{}),
 	})
 	if err != nil {
 		return nil, err
