@@ -44,7 +44,38 @@ type Config struct {
 	Blocks      BlocksConfig      `mapstructure:"blocks"`
 	Cache       CacheConfig       `mapstructure:"cache"`
 	Limits      LimitsConfig      `mapstructure:"limits"`
+	Health      HealthConfig      `mapstructure:"health"`
+	Timeouts    TimeoutConfig     `mapstructure:"timeouts"`
+	Admin       AdminConfig       `mapstructure:"admin"`
 	Replicas    []Replica         `mapstructure:"replicas"`
+}
+
+// HealthConfig sets active checks, scraping and passive ejection.
+type HealthConfig struct {
+	CheckInterval time.Duration `mapstructure:"check_interval"`
+	CheckTimeout  time.Duration `mapstructure:"check_timeout"`
+	Fall          int           `mapstructure:"fall"`
+	Rise          int           `mapstructure:"rise"`
+	// ScrapeInterval reads each replica's /metrics; 0 turns it off.
+	ScrapeInterval time.Duration `mapstructure:"scrape_interval"`
+	EjectBase      time.Duration `mapstructure:"eject_base"`
+	EjectMax       time.Duration `mapstructure:"eject_max"`
+	EjectForgive   time.Duration `mapstructure:"eject_forgive"`
+}
+
+// TimeoutConfig bounds each upstream request and shutdown.
+type TimeoutConfig struct {
+	Connect       time.Duration `mapstructure:"connect"`
+	FirstByte     time.Duration `mapstructure:"first_byte"`
+	Idle          time.Duration `mapstructure:"idle"`
+	ShutdownGrace time.Duration `mapstructure:"shutdown_grace"`
+}
+
+// AdminConfig sets the admin API's listener and bearer token; the API is
+// off unless both are set.
+type AdminConfig struct {
+	Listen string `mapstructure:"listen"`
+	Token  string `mapstructure:"token"`
 }
 
 // LogConfig selects the log format and level.
@@ -63,7 +94,6 @@ type RoutingConfig struct {
 	LoadHalfLife      time.Duration      `mapstructure:"load_half_life"`
 	Attempts          int                `mapstructure:"attempts"`
 	RecordReplies     bool               `mapstructure:"record_replies"`
-	DownCooldown      time.Duration      `mapstructure:"down_cooldown"`
 	KindWeights       map[string]float64 `mapstructure:"kind_weights"`
 	// SharedActive counts blocks shared by running requests once in a
 	// replica's KV load (engines with cascade attention).
@@ -127,8 +157,10 @@ type CacheConfig struct {
 
 // LimitsConfig bounds request input.
 type LimitsConfig struct {
-	MaxBodyBytes int64 `mapstructure:"max_body_bytes"`
-	MaxMessages  int   `mapstructure:"max_messages"`
+	MaxBodyBytes    int64 `mapstructure:"max_body_bytes"`
+	MaxMessages     int   `mapstructure:"max_messages"`
+	MaxHeaderBytes  int   `mapstructure:"max_header_bytes"`
+	MaxOutputTokens int   `mapstructure:"max_output_tokens"`
 }
 
 // Replica is one static replica.
@@ -153,7 +185,6 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("routing.load_half_life", "10s")
 	v.SetDefault("routing.attempts", 3)
 	v.SetDefault("routing.record_replies", true)
-	v.SetDefault("routing.down_cooldown", "5s")
 	v.SetDefault("routing.kind_weights", map[string]float64{})
 	v.SetDefault("routing.shared_active", false)
 	v.SetDefault("routing.seed", 0)
@@ -178,6 +209,22 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("cache.default_budget_tokens", 0)
 	v.SetDefault("limits.max_body_bytes", 16<<20)
 	v.SetDefault("limits.max_messages", 4096)
+	v.SetDefault("limits.max_header_bytes", 64<<10)
+	v.SetDefault("limits.max_output_tokens", 1<<20)
+	v.SetDefault("health.check_interval", "2s")
+	v.SetDefault("health.check_timeout", "1s")
+	v.SetDefault("health.fall", 2)
+	v.SetDefault("health.rise", 2)
+	v.SetDefault("health.scrape_interval", "5s")
+	v.SetDefault("health.eject_base", "2s")
+	v.SetDefault("health.eject_max", "60s")
+	v.SetDefault("health.eject_forgive", "30s")
+	v.SetDefault("timeouts.connect", "5s")
+	v.SetDefault("timeouts.first_byte", "300s")
+	v.SetDefault("timeouts.idle", "60s")
+	v.SetDefault("timeouts.shutdown_grace", "30s")
+	v.SetDefault("admin.listen", "")
+	v.SetDefault("admin.token", "")
 	v.SetDefault("replicas", []Replica{})
 }
 
@@ -283,9 +330,6 @@ func (c *Config) Validate() error {
 	if r.Attempts < 1 || r.Attempts > 16 {
 		bad("routing.attempts", "%d is not in [1, 16]", r.Attempts)
 	}
-	if r.DownCooldown <= 0 {
-		bad("routing.down_cooldown", "must be positive")
-	}
 	if mc := r.Matcher; mc.Threshold < 0 || mc.Threshold > 1 || mc.MinSimilarity < 0 || mc.MinSimilarity > 1 || mc.MaxDonors < 1 {
 		bad("routing.semantic_matcher", "threshold and min_similarity must be in [0, 1] and max_donors positive")
 	}
@@ -329,6 +373,22 @@ func (c *Config) Validate() error {
 	}
 	if c.Limits.MaxMessages < 1 {
 		bad("limits.max_messages", "must be at least 1")
+	}
+	if c.Limits.MaxHeaderBytes < 1024 || c.Limits.MaxOutputTokens < 1 {
+		bad("limits", "max_header_bytes must be at least 1024 and max_output_tokens positive")
+	}
+	h := c.Health
+	if h.CheckInterval <= 0 || h.CheckTimeout <= 0 || h.Fall < 1 || h.Rise < 1 || h.ScrapeInterval < 0 ||
+		h.EjectBase <= 0 || h.EjectMax < h.EjectBase || h.EjectForgive <= 0 {
+		bad("health", "intervals and timeouts must be positive (scrape_interval 0 turns scraping off), fall and rise at least 1, eject_max ≥ eject_base")
+	}
+	if t := c.Timeouts; t.Connect <= 0 || t.FirstByte <= 0 || t.Idle <= 0 || t.ShutdownGrace < 0 {
+		bad("timeouts", "connect, first_byte and idle must be positive, shutdown_grace not negative")
+	}
+	if c.Admin.Listen != "" {
+		if _, _, err := net.SplitHostPort(c.Admin.Listen); err != nil {
+			bad("admin.listen", "%q is not host:port", c.Admin.Listen)
+		}
 	}
 	names := map[string]bool{}
 	for i, rep := range c.Replicas {

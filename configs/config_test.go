@@ -24,7 +24,7 @@ func TestGoodConfigs(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.Routing.Policy != "least_load" || c.Routing.LoadHalfLife != 0 || c.Routing.DownCooldown != time.Second ||
+	if c.Routing.Policy != "least_load" || c.Routing.LoadHalfLife != 0 || c.Health.Fall != 3 || c.Timeouts.FirstByte != time.Second ||
 		c.Routing.RecordReplies || c.Routing.KindWeights["user_query"] != 0 ||
 		len(c.Routing.Arms) != 2 || *c.Routing.Arms[0].LoadWeight != 0.5 || c.Routing.Arms[1].LoadWeight != nil ||
 		c.GRPCListen != "127.0.0.1:9001" || !c.DecisionLog.RawIDs || c.Replicas[0].Weight != 2 || c.Blocks.BytesPerToken != 3 {

@@ -67,13 +67,15 @@ type Work struct {
 type Replica struct {
 	Name   string
 	URL    *url.URL
-	Budget int64
 	Weight float64
 	// ID is the replica's id in the cache model, set once when it joins a
 	// pool and never changed.
 	ID int
 
 	halfLife time.Duration
+	// budget is the token budget; 0 means unknown (the scraper may learn it
+	// from vllm:cache_config_info).
+	budget   atomic.Int64
 	inFlight atomic.Int64
 	pending  atomic.Int64 // tokens
 	active   atomic.Int64 // tokens
@@ -81,6 +83,16 @@ type Replica struct {
 	// nanoseconds; 0 when up.
 	downUntil atomic.Int64
 	observed  atomic.Pointer[Observed]
+	// activeDown is set by failed active health checks; draining by an
+	// operator removing the replica.
+	activeDown atomic.Bool
+	draining   atomic.Bool
+
+	hmu       sync.Mutex
+	fails     int       // consecutive failed active checks
+	oks       int       // consecutive good active checks
+	ejections int       // consecutive passive ejections
+	lastEject time.Time // when the last passive ejection began
 
 	mu       sync.Mutex
 	recent   float64 // tokens, as of recentAt
@@ -149,13 +161,106 @@ func (r *Replica) Load(now time.Time) Load {
 	return l
 }
 
-// Available reports whether the replica may take traffic at now.
-func (r *Replica) Available(now time.Time) bool { return now.UnixNano() >= r.downUntil.Load() }
+// Available reports whether the replica may take traffic at now: it passes
+// its active health checks, is not ejected, and is not draining.
+func (r *Replica) Available(now time.Time) bool {
+	return now.UnixNano() >= r.downUntil.Load() && !r.activeDown.Load() && !r.draining.Load()
+}
+
+// Healthy reports whether the replica passes its active health checks and
+// is not ejected (whether or not it drains).
+func (r *Replica) Healthy(now time.Time) bool {
+	return now.UnixNano() >= r.downUntil.Load() && !r.activeDown.Load()
+}
 
 // MarkDown takes the replica out of rotation until now+cooldown.
 func (r *Replica) MarkDown(now time.Time, cooldown time.Duration) {
 	r.downUntil.Store(now.Add(cooldown).UnixNano())
 }
+
+// Ejection tunes passive ejection. Zero fields take the defaults.
+type Ejection struct {
+	// Base is the first cool-down; each further ejection while the replica
+	// keeps failing doubles it, up to Max. Defaults 2s and 60s.
+	Base, Max time.Duration
+	// Forgive: an ejection this long after the previous one's cool-down
+	// ended starts again from Base. Default 30s.
+	Forgive time.Duration
+}
+
+func (e *Ejection) defaults() {
+	if e.Base <= 0 {
+		e.Base = 2 * time.Second
+	}
+	if e.Max <= 0 {
+		e.Max = time.Minute
+	}
+	if e.Forgive <= 0 {
+		e.Forgive = 30 * time.Second
+	}
+}
+
+// Fail records a passive failure (a connection error or a 5xx answer) at
+// now: the replica is ejected for a cool-down that doubles with every
+// ejection while it keeps failing, so a replica that flaps does not take
+// traffic on every flip. A failure during the cool-down changes nothing. It
+// returns the cool-down, or 0 if the replica was already ejected.
+func (r *Replica) Fail(now time.Time, e Ejection) time.Duration {
+	e.defaults()
+	r.hmu.Lock()
+	defer r.hmu.Unlock()
+	if now.UnixNano() < r.downUntil.Load() {
+		return 0
+	}
+	prevEnd := time.Unix(0, r.downUntil.Load())
+	if r.ejections > 0 && now.Sub(prevEnd) > e.Forgive {
+		r.ejections = 0
+	}
+	cool := e.Base << min(r.ejections, 20)
+	if cool > e.Max || cool <= 0 {
+		cool = e.Max
+	}
+	r.ejections++
+	r.lastEject = now
+	r.downUntil.Store(now.Add(cool).UnixNano())
+	return cool
+}
+
+// Checked records an active health check's result: fall consecutive
+// failures mark the replica down, rise consecutive successes mark it up.
+// It reports whether the replica's state changed.
+func (r *Replica) Checked(ok bool, fall, rise int) bool {
+	r.hmu.Lock()
+	defer r.hmu.Unlock()
+	if ok {
+		r.oks++
+		r.fails = 0
+		if r.activeDown.Load() && r.oks >= rise {
+			r.activeDown.Store(false)
+			return true
+		}
+		return false
+	}
+	r.fails++
+	r.oks = 0
+	if !r.activeDown.Load() && r.fails >= fall {
+		r.activeDown.Store(true)
+		return true
+	}
+	return false
+}
+
+// Drain stops new traffic to the replica; requests in flight finish.
+func (r *Replica) Drain() { r.draining.Store(true) }
+
+// Draining reports whether the replica is draining.
+func (r *Replica) Draining() bool { return r.draining.Load() }
+
+// Budget returns the replica's KV cache in tokens; 0 means unknown.
+func (r *Replica) Budget() int64 { return r.budget.Load() }
+
+// SetBudget sets a budget learned after the replica joined.
+func (r *Replica) SetBudget(tokens int64) { r.budget.Store(tokens) }
 
 // Options configure a Pool. The zero value is usable.
 type Options struct {
@@ -168,7 +273,7 @@ type Options struct {
 type Pool struct {
 	opts Options
 	snap atomic.Pointer[[]*Replica]
-	mu   sync.Mutex // serialises writers
+	mu   sync.Mutex // serialises writers (Add, Remove)
 }
 
 // NewPool returns a pool of the given replicas. join is called with each
@@ -215,12 +320,52 @@ func (p *Pool) build(s Spec) (*Replica, error) {
 	if s.Weight == 0 {
 		s.Weight = 1
 	}
-	return &Replica{Name: s.Name, URL: u, Budget: s.BudgetTokens, Weight: s.Weight, halfLife: p.opts.HalfLife}, nil
+	r := &Replica{Name: s.Name, URL: u, Weight: s.Weight, halfLife: p.opts.HalfLife}
+	r.budget.Store(s.BudgetTokens)
+	return r, nil
 }
 
 // Replicas returns the current members. The slice is shared and must not be
 // modified.
 func (p *Pool) Replicas() []*Replica { return *p.snap.Load() }
+
+// Add adds a replica; join returns its cache-model id.
+func (p *Pool) Add(s Spec, join func(Spec) (int, error)) (*Replica, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	r, err := p.build(s)
+	if err != nil {
+		return nil, err
+	}
+	cur := p.Replicas()
+	for _, x := range cur {
+		if x.Name == r.Name {
+			return nil, fmt.Errorf("replica %q already exists", r.Name)
+		}
+	}
+	if r.ID, err = join(s); err != nil {
+		return nil, err
+	}
+	next := append(append(make([]*Replica, 0, len(cur)+1), cur...), r)
+	p.snap.Store(&next)
+	return r, nil
+}
+
+// Remove takes the named replica out of the pool at once and returns it;
+// requests in flight on it finish. Drain first to let traffic move off.
+func (p *Pool) Remove(name string) (*Replica, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	cur := p.Replicas()
+	for i, x := range cur {
+		if x.Name == name {
+			next := append(append(make([]*Replica, 0, len(cur)-1), cur[:i]...), cur[i+1:]...)
+			p.snap.Store(&next)
+			return x, true
+		}
+	}
+	return nil, false
+}
 
 // Get returns the member named name.
 func (p *Pool) Get(name string) (*Replica, bool) {

@@ -96,9 +96,12 @@ type Server struct {
 	cache *lru.LRU[uint64, struct{}]
 
 	requests, completed, cancelled, promptTokens, cachedTokens atomic.Int64
+	// Counters exported to /metrics; Restart zeroes them, as a restarted
+	// engine would.
+	queries, hits, promptTotal, genTotal atomic.Int64
+	fault                                atomic.Int32 // status to answer everything with; 0: none
 
-	running, waiting, usage              prometheus.Gauge
-	queries, hits, promptTotal, genTotal prometheus.Counter
+	running, waiting, usage prometheus.Gauge
 }
 
 // New returns a simulated replica.
@@ -116,18 +119,17 @@ func New(o Options) (*Server, error) {
 		reg.MustRegister(m)
 		return m
 	}
-	ctr := func(name, help string) prometheus.Counter {
-		m := prometheus.NewCounter(prometheus.CounterOpts{Name: name, Help: help, ConstLabels: lbl})
-		reg.MustRegister(m)
-		return m
+	ctr := func(name, help string, v *atomic.Int64) {
+		reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: name, Help: help, ConstLabels: lbl},
+			func() float64 { return float64(v.Load()) }))
 	}
 	s.running = g("vllm:num_requests_running", "Number of requests in model execution batches.")
 	s.waiting = g("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
 	s.usage = g("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-	s.queries = ctr("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens.")
-	s.hits = ctr("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.")
-	s.promptTotal = ctr("vllm:prompt_tokens_total", "Number of prefill tokens processed.")
-	s.genTotal = ctr("vllm:generation_tokens_total", "Number of generation tokens processed.")
+	ctr("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens.", &s.queries)
+	ctr("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.", &s.hits)
+	ctr("vllm:prompt_tokens_total", "Number of prefill tokens processed.", &s.promptTotal)
+	ctr("vllm:generation_tokens_total", "Number of generation tokens processed.", &s.genTotal)
 	info := prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "vllm:cache_config_info", Help: "Information of the LLMEngine CacheConfig."},
 		[]string{"block_size", "num_gpu_blocks"})
 	info.WithLabelValues(fmt.Sprint(o.BlockSize), fmt.Sprint(o.NumBlocks)).Set(1)
@@ -142,7 +144,26 @@ func New(o Options) (*Server, error) {
 }
 
 // ServeHTTP implements http.Handler.
-func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) { s.mux.ServeHTTP(w, r) }
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if st := s.fault.Load(); st != 0 {
+		writeError(w, int(st), "InternalServerError", "simulated fault")
+		return
+	}
+	s.mux.ServeHTTP(w, r)
+}
+
+// Fault makes the replica answer every request, /health included, with
+// status; 0 heals it.
+func (s *Server) Fault(status int) { s.fault.Store(int32(status)) }
+
+// Restart empties the cache and zeroes the exported counters, as a
+// restarted engine would.
+func (s *Server) Restart() {
+	s.DropCache()
+	for _, c := range []*atomic.Int64{&s.queries, &s.hits, &s.promptTotal, &s.genTotal} {
+		c.Store(0)
+	}
+}
 
 // Stats returns the replica's counters.
 func (s *Server) Stats() Stats {
@@ -279,9 +300,9 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	keys, tokens, cached := s.lookup(render(req))
 	s.promptTokens.Add(int64(tokens))
 	s.cachedTokens.Add(int64(cached))
-	s.queries.Add(float64(tokens))
-	s.hits.Add(float64(cached))
-	s.promptTotal.Add(float64(tokens - cached))
+	s.queries.Add(int64(tokens))
+	s.hits.Add(int64(cached))
+	s.promptTotal.Add(int64(tokens - cached))
 	if !sleep(ctx, s.o.Overhead+time.Duration(tokens-cached)*s.o.PrefillPerToken) {
 		s.cancelled.Add(1)
 		return
@@ -303,7 +324,7 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 		s.cancelled.Add(1)
 		return
 	}
-	s.genTotal.Add(float64(outTokens))
+	s.genTotal.Add(int64(outTokens))
 	s.completed.Add(1)
 }
 

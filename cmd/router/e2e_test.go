@@ -533,3 +533,52 @@ func TestE2EMetricsCarryArmAndPolicy(t *testing.T) {
 		}
 	}
 }
+
+func TestE2EHostileInput(t *testing.T) {
+	d := startTestDemo(t, demoOptions{sim: fastSim})
+	nested := strings.Repeat(`{"a":`, 20000) + "1" + strings.Repeat("}", 20000)
+	cases := []struct {
+		name   string
+		ct     string
+		body   []byte
+		header map[string]string
+		status int
+		code   string
+	}{
+		{"wrong content type", "text/plain", []byte(`{"model":"sim-model","prompt":"x"}`), nil, 415, "unsupported_media_type"},
+		{"form content type", "application/x-www-form-urlencoded", []byte(`a=b`), nil, 415, "unsupported_media_type"},
+		{"not utf-8", "application/json", []byte("{\"model\":\"sim-model\",\"messages\":[{\"role\":\"user\",\"content\":\"\xff\xfe\"}]}"), nil, 400, "invalid_encoding"},
+		{"deeply nested", "application/json", []byte(`{"model":"sim-model","messages":[{"role":"user","content":` + nested + `}]}`), nil, 400, "invalid_request"},
+		{"absurd max_tokens", "application/json", []byte(`{"model":"sim-model","max_tokens":1000000000000,"messages":[{"role":"user","content":"x"}]}`), nil, 400, "invalid_request"},
+		{"max_tokens as string", "application/json", []byte(`{"model":"sim-model","max_tokens":"lots","messages":[{"role":"user","content":"x"}]}`), nil, 400, "invalid_request"},
+		{"missing model", "application/json", []byte(`{"messages":[{"role":"user","content":"x"}]}`), nil, 400, "invalid_request"},
+		{"oversized headers", "application/json", []byte(`{"model":"sim-model","prompt":"x"}`), map[string]string{"X-Big": strings.Repeat("a", 100<<10)}, 431, "headers_too_large"},
+		{"json with parameters", "application/json; charset=utf-8", []byte(`{"model":"sim-model","prompt":"x","max_tokens":1}`), nil, 200, ""},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			req, _ := http.NewRequest(http.MethodPost, d.router.url()+"/v1/completions", bytes.NewReader(tc.body))
+			req.Header.Set("Content-Type", tc.ct)
+			for k, v := range tc.header {
+				req.Header.Set(k, v)
+			}
+			t0 := time.Now()
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer resp.Body.Close()
+			b, _ := io.ReadAll(resp.Body)
+			if resp.StatusCode != tc.status {
+				t.Fatalf("status %d, want %d: %s", resp.StatusCode, tc.status, b)
+			}
+			if tc.code != "" && !bytes.Contains(b, []byte(`"code":"`+tc.code+`"`)) {
+				t.Fatalf("body %s lacks code %s", b, tc.code)
+			}
+			t.Logf("%d in %v", resp.StatusCode, time.Since(t0))
+		})
+	}
+	if s := totalStats(d); s.Requests != 1 {
+		t.Fatalf("hostile input reached a replica: %+v", s)
+	}
+}

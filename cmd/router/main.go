@@ -71,6 +71,7 @@ func newServe() *cobra.Command {
 			if err != nil {
 				return err
 			}
+			a.path = path
 			r, err := a.start()
 			if err != nil {
 				return err
@@ -79,8 +80,8 @@ func newServe() *cobra.Command {
 			ctx, stop := signalContext()
 			defer stop()
 			<-ctx.Done()
-			log.Info("shutting down")
-			return r.stop(30 * time.Second)
+			log.Info("shutting down", "grace", cfg.Timeouts.ShutdownGrace)
+			return r.stop(cfg.Timeouts.ShutdownGrace)
 		},
 	}
 	cmd.Flags().StringVar(&path, "config", "", "YAML config file")
@@ -112,6 +113,8 @@ func newDemo() *cobra.Command {
 	cmd.Flags().StringVar(&o.policy, "policy", "", "routing policy (default: the config's)")
 	cmd.Flags().StringVar(&o.grpcListen, "grpc-listen", "", "address to serve the gRPC Route API on (empty: off)")
 	cmd.Flags().StringVar(&o.decisionLog, "decision-log", "", "write the decision log to this file")
+	cmd.Flags().DurationVar(&o.sim.InterToken, "sim-inter-token", 0, "simulated replicas: time per output token (default 2ms)")
+	cmd.Flags().IntVar(&o.sim.OutputTokens, "sim-output-tokens", 0, "simulated replicas: output length when max_tokens is absent (default 16)")
 	return cmd
 }
 

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -29,7 +30,7 @@ import (
 
 // app is a router built from a Config.
 type app struct {
-	cfg       *configs.Config
+	cfg       *configs.Config // as built; see current for reloads
 	log       *slog.Logger
 	cache     *cachemodel.Model
 	pool      *replica.Pool
@@ -37,6 +38,14 @@ type app struct {
 	core      *router.Core
 	server    *router.Server
 	decisions *decisionlog.Writer // nil when off
+	monitor   *replica.Monitor
+	reg       *prometheus.Registry
+	reloads   *prometheus.CounterVec
+	current   atomic.Pointer[configs.Config]
+	ctx       context.Context // ends when the app stops
+	stopCtx   context.CancelFunc
+	// path is the config file to watch for reloads; empty: none.
+	path string
 }
 
 // newLogger builds the logger the config asks for, writing to w.
@@ -93,31 +102,9 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		}
 		weights[k] = w
 	}
-	pc := router.PolicyConfig{
-		Seed: cfg.Routing.Seed, LoadWeight: cfg.Routing.LoadWeight, RecentWeight: cfg.Routing.RecentWeight,
-		SpillFactor: cfg.Routing.SpillFactor, SpillMarginTokens: cfg.Routing.SpillMarginTokens,
-	}
-	pol, err := router.NewPolicy(cfg.Routing.Policy, pc)
+	pol, arms, err := policiesFor(cfg)
 	if err != nil {
-		return nil, fmt.Errorf("config: routing: %w", err)
-	}
-	var arms []router.Arm
-	for i, a := range cfg.Routing.Arms {
-		apc := pc
-		set := func(dst *float64, v *float64) {
-			if v != nil {
-				*dst = *v
-			}
-		}
-		set(&apc.LoadWeight, a.LoadWeight)
-		set(&apc.RecentWeight, a.RecentWeight)
-		set(&apc.SpillFactor, a.SpillFactor)
-		set(&apc.SpillMarginTokens, a.SpillMarginTokens)
-		ap, err := router.NewPolicy(a.Policy, apc)
-		if err != nil {
-			return nil, fmt.Errorf("config: routing.arms[%d]: %w", i, err)
-		}
-		arms = append(arms, router.Arm{Name: a.Name, Policy: ap, Weight: a.Weight})
+		return nil, err
 	}
 	eng, err := router.NewEngine(router.EngineOptions{
 		Splitter: split, Cache: cache, Pool: pool, Policy: pol, Weights: weights, Attempts: cfg.Routing.Attempts,
@@ -147,22 +134,101 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	}
 	srv, err := router.NewServer(router.ServerOptions{
 		Core: core, MaxBodyBytes: cfg.Limits.MaxBodyBytes, Limits: blockhash.Limits{MaxMessages: cfg.Limits.MaxMessages},
-		RecordReplies: cfg.Routing.RecordReplies, DownCooldown: cfg.Routing.DownCooldown, Logger: log,
+		RecordReplies: cfg.Routing.RecordReplies, Logger: log,
+		Ejection:       replica.Ejection{Base: cfg.Health.EjectBase, Max: cfg.Health.EjectMax, Forgive: cfg.Health.EjectForgive},
+		ConnectTimeout: cfg.Timeouts.Connect, FirstByteTimeout: cfg.Timeouts.FirstByte, IdleTimeout: cfg.Timeouts.Idle,
+		MaxHeaderBytes: cfg.Limits.MaxHeaderBytes, MaxOutputTokens: cfg.Limits.MaxOutputTokens,
 		Metrics: promhttp.HandlerFor(reg, promhttp.HandlerOpts{}),
 	})
 	if err != nil {
 		return nil, err
 	}
-	return &app{cfg: cfg, log: log, cache: cache, pool: pool, engine: eng, core: core, server: srv, decisions: dl}, nil
+	a := &app{cfg: cfg, log: log, cache: cache, pool: pool, engine: eng, core: core, server: srv, decisions: dl, reg: reg}
+	a.current.Store(cfg)
+	a.ctx, a.stopCtx = context.WithCancel(context.Background())
+	a.reloads = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_config_reloads_total",
+		Help: "Config reloads by result (ok, failed)."}, []string{"result"})
+	reg.MustRegister(a.reloads)
+	h := cfg.Health
+	a.monitor = replica.NewMonitor(pool, replica.MonitorOptions{
+		CheckInterval: h.CheckInterval, CheckTimeout: h.CheckTimeout, Fall: h.Fall, Rise: h.Rise,
+		ScrapeInterval: scrapeInterval(h.ScrapeInterval), Logger: log,
+		OnBudget:  func(r *replica.Replica, tokens int64) { cache.SetBudget(r.ID, tokens) },
+		OnRestart: func(r *replica.Replica) { cache.Clear(r.ID) },
+	})
+	return a, nil
+}
+
+// scrapeInterval maps the config's 0 (off) to the monitor's negative.
+func scrapeInterval(d time.Duration) time.Duration {
+	if d == 0 {
+		return -1
+	}
+	return d
+}
+
+func spec(r configs.Replica, defaultBudget int64) replica.Spec {
+	s := replica.Spec{Name: r.Name, URL: r.URL, BudgetTokens: r.BudgetTokens, Weight: r.Weight}
+	if s.BudgetTokens == 0 {
+		s.BudgetTokens = defaultBudget
+	}
+	return s
+}
+
+// addReplica adds a replica with an empty cache picture.
+func (a *app) addReplica(r configs.Replica) error {
+	s := spec(r, a.current.Load().Cache.DefaultBudgetTokens)
+	_, err := a.pool.Add(s, func(s replica.Spec) (int, error) { return a.cache.AddReplica(s.Name, s.BudgetTokens) })
+	return err
+}
+
+// removeReplica takes a replica out of the pool now; its requests in flight
+// finish, then its cache picture is dropped.
+func (a *app) removeReplica(name string) error {
+	r, ok := a.pool.Remove(name)
+	if !ok {
+		return fmt.Errorf("no replica %q", name)
+	}
+	r.Drain()
+	go a.retire(r)
+	return nil
+}
+
+// retire drops r's cache picture once nothing is in flight on it (or the
+// app stops), so that a later replica reusing its id starts clean.
+func (a *app) retire(r *replica.Replica) {
+	t := time.NewTicker(50 * time.Millisecond)
+	defer t.Stop()
+	for r.Load(time.Now()).InFlight > 0 {
+		select {
+		case <-a.ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+	a.cache.RemoveReplica(r.ID)
+	a.monitor.Forget(r)
+}
+
+// drainReplica stops new traffic to a replica and keeps it listed.
+func (a *app) drainReplica(name string) error {
+	r, ok := a.pool.Get(name)
+	if !ok {
+		return fmt.Errorf("no replica %q", name)
+	}
+	r.Drain()
+	return nil
 }
 
 // running is an app serving HTTP, and gRPC when configured.
 type running struct {
 	app     *app
 	http    *listening
+	admin   *listening // nil when off
 	grpc    *grpc.Server
 	grpcLn  net.Listener
 	cancel  context.CancelFunc
+	wg      *sync.WaitGroup // background loops
 	once    sync.Once
 	stopErr error
 }
@@ -183,9 +249,30 @@ func (a *app) start() (*running, error) {
 			grpc.MaxRecvMsgSize(int(a.cfg.Limits.MaxBodyBytes)))
 		go func() { _ = r.grpc.Serve(r.grpcLn) }()
 	}
-	ctx, cancel := context.WithCancel(context.Background())
+	ctx, cancel := context.WithCancel(a.ctx)
 	r.cancel = cancel
-	go a.core.Run(ctx, time.Second)
+	var wg sync.WaitGroup
+	r.wg = &wg
+	wg.Add(2)
+	go func() { defer wg.Done(); a.core.Run(ctx, time.Second) }()
+	go func() { defer wg.Done(); a.monitor.Run(ctx) }()
+	if c := a.cfg.Admin; c.Listen != "" && c.Token != "" {
+		if r.admin, err = serve(c.Listen, a.adminHandler(c.Token), a.log); err != nil {
+			cancel()
+			_ = r.http.stop(time.Second)
+			return nil, err
+		}
+	}
+	if a.path != "" {
+		w, err := a.watch(ctx)
+		if err != nil {
+			cancel()
+			_ = r.http.stop(time.Second)
+			return nil, err
+		}
+		wg.Add(1)
+		go func() { defer wg.Done(); w() }()
+	}
 	return r, nil
 }
 
@@ -217,11 +304,51 @@ func (r *running) shutdown(grace time.Duration) error {
 			r.grpc.Stop()
 		}
 	}
+	if r.admin != nil {
+		errs = append(errs, r.admin.stop(grace))
+	}
 	r.cancel()
+	r.app.stopCtx()
+	r.wg.Wait()
+	if t, ok := http.DefaultTransport.(*http.Transport); ok {
+		t.CloseIdleConnections()
+	}
+	r.app.server.CloseIdleConnections()
 	if r.app.decisions != nil {
 		errs = append(errs, r.app.decisions.Close())
 	}
 	return errors.Join(errs...)
+}
+
+// policiesFor builds the default routing policy and the A/B arms of cfg.
+func policiesFor(cfg *configs.Config) (router.Policy, []router.Arm, error) {
+	pc := router.PolicyConfig{
+		Seed: cfg.Routing.Seed, LoadWeight: cfg.Routing.LoadWeight, RecentWeight: cfg.Routing.RecentWeight,
+		SpillFactor: cfg.Routing.SpillFactor, SpillMarginTokens: cfg.Routing.SpillMarginTokens,
+	}
+	pol, err := router.NewPolicy(cfg.Routing.Policy, pc)
+	if err != nil {
+		return nil, nil, fmt.Errorf("config: routing: %w", err)
+	}
+	var arms []router.Arm
+	for i, a := range cfg.Routing.Arms {
+		apc := pc
+		set := func(dst *float64, v *float64) {
+			if v != nil {
+				*dst = *v
+			}
+		}
+		set(&apc.LoadWeight, a.LoadWeight)
+		set(&apc.RecentWeight, a.RecentWeight)
+		set(&apc.SpillFactor, a.SpillFactor)
+		set(&apc.SpillMarginTokens, a.SpillMarginTokens)
+		ap, err := router.NewPolicy(a.Policy, apc)
+		if err != nil {
+			return nil, nil, fmt.Errorf("config: routing.arms[%d]: %w", i, err)
+		}
+		arms = append(arms, router.Arm{Name: a.Name, Policy: ap, Weight: a.Weight})
+	}
+	return pol, arms, nil
 }
 
 // listening is an HTTP server on a socket.
@@ -243,8 +370,12 @@ func serve(addr string, h http.Handler, log *slog.Logger) (*listening, error) {
 		srv: &http.Server{
 			Handler:           h,
 			ReadHeaderTimeout: 10 * time.Second,
-			MaxHeaderBytes:    64 << 10,
-			ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+			ReadTimeout:       60 * time.Second, // headers and body: a slow upload cannot hold a connection
+			IdleTimeout:       120 * time.Second,
+			// The router answers headers over limits.max_header_bytes with
+			// an OpenAI-style 431; this is the hard cap above that.
+			MaxHeaderBytes: 1 << 20,
+			ErrorLog:       slog.NewLogLogger(log.Handler(), slog.LevelWarn),
 		},
 		addr: ln.Addr().String(),
 		done: make(chan error, 1),

@@ -1,0 +1,456 @@
+package main
+
+// Reliability tests: replicas that die, fail, hang or restart; many streams;
+// shutdown; config reload; the admin API.
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/semroute/semroute/configs"
+	"github.com/semroute/semroute/simreplica"
+)
+
+func writeConfig(t *testing.T, path, yaml string) {
+	t.Helper()
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, []byte(yaml), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, path); err != nil { // replace at once, as editors do
+		t.Fatal(err)
+	}
+}
+
+// serveConfig builds and starts the router from a config file, as `router
+// serve --config` does, on 127.0.0.1:0.
+func serveConfig(t *testing.T, path string) *running {
+	t.Helper()
+	v := configs.NewViper()
+	v.Set("listen", "127.0.0.1:0")
+	cfg, err := configs.Load(v, path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := build(cfg, newLogger(configs.LogConfig{Level: "error", Format: "text"}, io.Discard))
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.path = path
+	r, err := a.start()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r.stop(5 * time.Second) })
+	return r
+}
+
+func startSims(t *testing.T, n int, o simreplica.Options) []*simreplica.Running {
+	t.Helper()
+	var out []*simreplica.Running
+	for i := 0; i < n; i++ {
+		s, err := simreplica.Start(o, "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { s.Close() })
+		out = append(out, s)
+	}
+	return out
+}
+
+func postURL(base string, body any, hdr map[string]string) (int, string, error) {
+	b, _ := json.Marshal(body)
+	req, _ := http.NewRequest(http.MethodPost, base+"/v1/chat/completions", bytes.NewReader(b))
+	req.Header.Set("Content-Type", "application/json")
+	for k, v := range hdr {
+		req.Header.Set(k, v)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0, "", err
+	}
+	defer resp.Body.Close()
+	_, _ = io.Copy(io.Discard, resp.Body)
+	return resp.StatusCode, resp.Header.Get("X-Semroute-Replica"), nil
+}
+
+func TestKillReplicaMidwayEveryRequestSucceeds(t *testing.T) {
+	sim := fastSim
+	sim.InterToken = 2 * time.Millisecond
+	sim.OutputTokens = 8
+	d := startTestDemo(t, demoOptions{sim: sim})
+	const total, conc = 300, 16
+	var done, failed atomic.Int64
+	work := make(chan int)
+	var wg sync.WaitGroup
+	for w := 0; w < conc; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range work {
+				code, _, err := postURL(d.router.url(), chat([2]string{"system", text(fmt.Sprint("tenant ", i%6), 200)}, [2]string{"user", fmt.Sprint("q", i)}), nil)
+				if err != nil || code != 200 {
+					failed.Add(1)
+					t.Errorf("request %d: %d %v", i, code, err)
+				}
+				done.Add(1)
+			}
+		}()
+	}
+	killed := false
+	for i := 0; i < total; i++ {
+		if !killed && done.Load() >= total/3 {
+			d.sims[2].Close() // mid-traffic: connections in flight are cut
+			killed = true
+		}
+		work <- i
+	}
+	close(work)
+	wg.Wait()
+	if !killed || failed.Load() != 0 {
+		t.Fatalf("killed %v, %d of %d failed", killed, failed.Load(), total)
+	}
+}
+
+func TestFailingReplicaEjectedThenReadmitted(t *testing.T) {
+	sims := startSims(t, 4, fastSim)
+	cfg := filepath.Join(t.TempDir(), "router.yaml")
+	var reps strings.Builder
+	for i, s := range sims {
+		fmt.Fprintf(&reps, "  - {name: sim-%d, url: %q}\n", i, s.URL)
+	}
+	writeConfig(t, cfg, "routing: {policy: round_robin}\nhealth: {check_interval: 100ms, check_timeout: 100ms, eject_base: 500ms, eject_max: 2s}\nreplicas:\n"+reps.String())
+	r := serveConfig(t, cfg)
+	base := r.http.url()
+	sims[0].Fault(500)
+	// Phase 1: the failing replica is taken out within a few seconds.
+	var hitsAfter int
+	start := time.Now()
+	for time.Since(start) < 3*time.Second {
+		_, rep, err := postURL(base, chat([2]string{"user", "x"}), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if rep == "sim-0" && time.Since(start) > time.Second {
+			hitsAfter++
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	t.Logf("requests to the failing replica after its first second: %d", hitsAfter)
+	if hitsAfter > 3 {
+		t.Fatalf("the failing replica still took %d requests after a second", hitsAfter)
+	}
+	// Phase 2: healed, it is readmitted.
+	sims[0].Fault(0)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		code, rep, err := postURL(base, chat([2]string{"user", "y"}), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if code == 200 && rep == "sim-0" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the healed replica was never readmitted")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func TestHangingReplicaFailsOverWithinFirstByteTimeout(t *testing.T) {
+	// A replica that accepts connections and never answers.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var held []net.Conn
+	var mu sync.Mutex
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			held = append(held, c)
+			mu.Unlock()
+		}
+	}()
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		for _, c := range held {
+			c.Close()
+		}
+		mu.Unlock()
+	})
+	sims := startSims(t, 2, fastSim)
+	cfg := filepath.Join(t.TempDir(), "router.yaml")
+	writeConfig(t, cfg, fmt.Sprintf(`routing: {policy: round_robin}
+timeouts: {first_byte: 300ms}
+health: {check_interval: 1h}
+replicas:
+  - {name: hang, url: "http://%s"}
+  - {name: a, url: %q}
+  - {name: b, url: %q}
+`, ln.Addr(), sims[0].URL, sims[1].URL))
+	r := serveConfig(t, cfg)
+	worst := time.Duration(0)
+	for i := 0; i < 6; i++ {
+		t0 := time.Now()
+		code, rep, err := postURL(r.http.url(), chat([2]string{"user", fmt.Sprint("h", i)}), nil)
+		el := time.Since(t0)
+		worst = max(worst, el)
+		if err != nil || code != 200 || rep == "hang" {
+			t.Fatalf("request %d: %d from %s, %v", i, code, rep, err)
+		}
+		if el > 300*time.Millisecond+2*time.Second {
+			t.Fatalf("request %d took %v: not failed over at the 300ms first-byte timeout", i, el)
+		}
+	}
+	t.Logf("slowest request %v (first-byte timeout 300ms)", worst)
+}
+
+func TestThousandStreamsNoLeaks(t *testing.T) {
+	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
+	sim := fastSim
+	sim.MaxRunning = 1024
+	sim.InterToken = 10 * time.Millisecond
+	d, err := startDemo(demoOptions{listen: "127.0.0.1:0", replicas: 4, sim: sim}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 1000}}
+	const n = 1000
+	var wg sync.WaitGroup
+	var ok atomic.Int64
+	start := make(chan struct{})
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			<-start
+			b, _ := json.Marshal(map[string]any{"model": "sim-model", "stream": true, "max_tokens": 20,
+				"messages": []map[string]string{{"role": "user", "content": fmt.Sprint("stream ", i%50)}}})
+			resp, err := client.Post(d.router.url()+"/v1/chat/completions", "application/json", bytes.NewReader(b))
+			if err != nil {
+				t.Errorf("stream %d: %v", i, err)
+				return
+			}
+			defer resp.Body.Close()
+			chunks, done := 0, false
+			sc := bufio.NewScanner(resp.Body)
+			for sc.Scan() {
+				line := sc.Text()
+				if line == "data: [DONE]" {
+					done = true
+				} else if strings.HasPrefix(line, "data: ") {
+					chunks++
+				}
+			}
+			if done && chunks == 20 {
+				ok.Add(1)
+			}
+		}(i)
+	}
+	close(start)
+	wg.Wait()
+	client.CloseIdleConnections()
+	if err := d.close(); err != nil {
+		t.Fatal(err)
+	}
+	if ok.Load() != n {
+		t.Fatalf("%d of %d streams completed", ok.Load(), n)
+	}
+}
+
+func TestConfigReloadChangesReplicasWithoutDroppingRequests(t *testing.T) {
+	sims := startSims(t, 3, fastSim)
+	cfg := filepath.Join(t.TempDir(), "router.yaml")
+	two := func(a, b int) string {
+		return fmt.Sprintf("routing: {policy: round_robin}\nreplicas:\n  - {name: s%d, url: %q}\n  - {name: s%d, url: %q}\n", a, sims[a].URL, b, sims[b].URL)
+	}
+	writeConfig(t, cfg, two(0, 1))
+	r := serveConfig(t, cfg)
+	base := r.http.url()
+	var failed, total atomic.Int64
+	var seen sync.Map
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for w := 0; w < 4; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				code, rep, err := postURL(base, chat([2]string{"user", fmt.Sprint("r", i)}), nil)
+				total.Add(1)
+				if err != nil || code != 200 {
+					failed.Add(1)
+					continue
+				}
+				seen.Store(rep, time.Now())
+			}
+		}()
+	}
+	time.Sleep(200 * time.Millisecond)
+	writeConfig(t, cfg, two(1, 2)) // s0 leaves, s2 joins
+	reloadedAt := time.Now()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if at, ok := seen.Load("s2"); ok && at.(time.Time).After(reloadedAt) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the new replica never took traffic")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	time.Sleep(200 * time.Millisecond)
+	seen.Delete("s0")
+	time.Sleep(300 * time.Millisecond)
+	// An invalid config is refused; the old one keeps serving.
+	writeConfig(t, cfg, "routing: {policy: nope}\nreplicas: []\n")
+	deadline = time.Now().Add(10 * time.Second)
+	for !strings.Contains(scrapeURL(t, base), `semroute_config_reloads_total{result="failed"} 1`) {
+		if time.Now().After(deadline) {
+			t.Fatal("the invalid config was not counted as refused")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	time.Sleep(200 * time.Millisecond)
+	close(stop)
+	wg.Wait()
+	if _, ok := seen.Load("s0"); ok {
+		t.Error("the removed replica took traffic after the reload")
+	}
+	if failed.Load() != 0 {
+		t.Fatalf("%d of %d requests failed across the reloads", failed.Load(), total.Load())
+	}
+	if !strings.Contains(scrapeURL(t, base), `semroute_config_reloads_total{result="ok"} 1`) {
+		t.Error("the good reload was not counted")
+	}
+	t.Logf("%d requests across two reloads, none failed", total.Load())
+}
+
+func scrapeURL(t *testing.T, base string) string {
+	t.Helper()
+	resp, err := http.Get(base + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return string(b)
+}
+
+func TestRestartedReplicaPictureCleared(t *testing.T) {
+	sims := startSims(t, 1, fastSim)
+	cfg := filepath.Join(t.TempDir(), "router.yaml")
+	writeConfig(t, cfg, fmt.Sprintf("health: {scrape_interval: 50ms}\nreplicas:\n  - {name: s, url: %q}\n", sims[0].URL))
+	r := serveConfig(t, cfg)
+	a := r.app
+	if code, _, err := postURL(r.http.url(), chat([2]string{"system", text("x", 500)}), nil); err != nil || code != 200 {
+		t.Fatal(code, err)
+	}
+	rep, _ := a.pool.Get("s")
+	if st, _ := a.cache.Stats(rep.ID); st.Blocks == 0 {
+		t.Fatal("nothing tracked after a request")
+	}
+	time.Sleep(150 * time.Millisecond) // a scrape sees the counters
+	sims[0].Restart()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if st, _ := a.cache.Stats(rep.ID); st.Blocks == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the restarted replica's picture was never cleared")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func TestAdminAPI(t *testing.T) {
+	sims := startSims(t, 2, fastSim)
+	cfg := filepath.Join(t.TempDir(), "router.yaml")
+	writeConfig(t, cfg, fmt.Sprintf("admin: {listen: 127.0.0.1:0, token: s3cret}\nreplicas:\n  - {name: a, url: %q}\n", sims[0].URL))
+	r := serveConfig(t, cfg)
+	admin := r.admin.url()
+	call := func(method, path, token, body string) (int, string) {
+		req, _ := http.NewRequest(method, admin+path, strings.NewReader(body))
+		if token != "" {
+			req.Header.Set("Authorization", "Bearer "+token)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	if code, _ := call("GET", "/admin/replicas", "", ""); code != 401 {
+		t.Fatalf("no token: %d", code)
+	}
+	if code, _ := call("GET", "/admin/replicas", "wrong", ""); code != 401 {
+		t.Fatalf("wrong token: %d", code)
+	}
+	if code, body := call("POST", "/admin/replicas", "s3cret", fmt.Sprintf(`{"name":"b","url":%q}`, sims[1].URL)); code != 200 {
+		t.Fatalf("add: %d %s", code, body)
+	}
+	if code, _ := call("POST", "/admin/replicas", "s3cret", `{"name":"c","url":"ftp://x"}`); code != 400 {
+		t.Fatalf("bad add: %d", code)
+	}
+	code, body := call("GET", "/admin/replicas", "s3cret", "")
+	if code != 200 || !strings.Contains(body, `"name": "a"`) || !strings.Contains(body, `"name": "b"`) {
+		t.Fatalf("list: %d %s", code, body)
+	}
+	if code, _ := call("POST", "/admin/replicas/a/drain", "s3cret", ""); code != 200 {
+		t.Fatal("drain failed")
+	}
+	for i := 0; i < 5; i++ {
+		if code, rep, _ := postURL(r.http.url(), chat([2]string{"user", fmt.Sprint(i)}), nil); code != 200 || rep != "b" {
+			t.Fatalf("after draining a: %d from %s", code, rep)
+		}
+	}
+	if code, _ := call("DELETE", "/admin/replicas/a", "s3cret", ""); code != 200 {
+		t.Fatal("remove failed")
+	}
+	if code, _ := call("DELETE", "/admin/replicas/a", "s3cret", ""); code != 404 {
+		t.Fatal("second remove did not 404")
+	}
+	code, body = call("GET", "/admin/config", "s3cret", "")
+	if code != 200 || strings.Contains(body, "s3cret") || !strings.Contains(body, "<redacted>") {
+		t.Fatalf("config: %d %s", code, body)
+	}
+	if code, _ := call("GET", "/debug/pprof/", "s3cret", ""); code != 200 {
+		t.Fatalf("pprof: %d", code)
+	}
+	// Off without a token.
+	off := filepath.Join(t.TempDir(), "off.yaml")
+	writeConfig(t, off, fmt.Sprintf("admin: {listen: 127.0.0.1:0}\nreplicas:\n  - {name: a, url: %q}\n", sims[0].URL))
+	if serveConfig(t, off).admin != nil {
+		t.Fatal("admin listener started without a token")
+	}
+}

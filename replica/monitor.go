@@ -1,0 +1,282 @@
+package replica
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+)
+
+// MonitorOptions configure a Monitor. Zero fields take the defaults.
+type MonitorOptions struct {
+	// Client sends the checks and scrapes. Nil means a client of its own.
+	Client *http.Client
+	// CheckInterval, CheckTimeout: GET /health on every replica. Defaults
+	// 2s and 1s. Fall failures in a row mark a replica down, Rise successes
+	// mark it up; defaults 2 and 2.
+	CheckInterval, CheckTimeout time.Duration
+	Fall, Rise                  int
+	// ScrapeInterval: GET /metrics on every replica; 0 means 5s, negative
+	// turns scraping off.
+	ScrapeInterval time.Duration
+	// OnBudget is called when a replica without a budget reports
+	// vllm:cache_config_info; the budget is num_gpu_blocks × block_size.
+	OnBudget func(r *Replica, tokens int64)
+	// OnRestart is called when a replica's counters went backwards: it
+	// restarted and its cache is empty.
+	OnRestart func(r *Replica)
+	// OnChange is called when an active check changes a replica's state.
+	OnChange func(r *Replica, up bool)
+	Logger   *slog.Logger
+}
+
+// Monitor runs active health checks and metric scrapes against a pool's
+// replicas. Run it in one goroutine; it stops when its context ends.
+type Monitor struct {
+	pool *Pool
+	o    MonitorOptions
+
+	mu   sync.Mutex
+	last map[*Replica]float64 // last prefix-cache query counter, for restarts
+}
+
+// NewMonitor returns a monitor of p.
+func NewMonitor(p *Pool, o MonitorOptions) *Monitor {
+	if o.Client == nil {
+		o.Client = &http.Client{Transport: http.DefaultTransport.(*http.Transport).Clone()}
+	}
+	if o.CheckInterval <= 0 {
+		o.CheckInterval = 2 * time.Second
+	}
+	if o.CheckTimeout <= 0 {
+		o.CheckTimeout = time.Second
+	}
+	if o.Fall <= 0 {
+		o.Fall = 2
+	}
+	if o.Rise <= 0 {
+		o.Rise = 2
+	}
+	if o.ScrapeInterval == 0 {
+		o.ScrapeInterval = 5 * time.Second
+	}
+	if o.Logger == nil {
+		o.Logger = slog.Default()
+	}
+	return &Monitor{pool: p, o: o, last: map[*Replica]float64{}}
+}
+
+// Run checks and scrapes until ctx ends, then waits for the requests in
+// flight.
+func (m *Monitor) Run(ctx context.Context) {
+	check := time.NewTicker(m.o.CheckInterval)
+	defer check.Stop()
+	var scrape <-chan time.Time
+	if m.o.ScrapeInterval > 0 {
+		t := time.NewTicker(m.o.ScrapeInterval)
+		defer t.Stop()
+		scrape = t.C
+	}
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	each := func(f func(context.Context, *Replica)) {
+		for _, r := range m.pool.Replicas() {
+			wg.Add(1)
+			go func() { defer wg.Done(); f(ctx, r) }()
+		}
+	}
+	each(m.Check)
+	if scrape != nil {
+		each(m.Scrape)
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-check.C:
+			each(m.Check)
+		case <-scrape:
+			each(m.Scrape)
+		}
+	}
+}
+
+// Check runs one active health check of r.
+func (m *Monitor) Check(ctx context.Context, r *Replica) {
+	ctx, cancel := context.WithTimeout(ctx, m.o.CheckTimeout)
+	defer cancel()
+	ok := false
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, r.URL.JoinPath("/health").String(), nil)
+	if err == nil {
+		if resp, err := m.o.Client.Do(req); err == nil {
+			_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
+			resp.Body.Close()
+			ok = resp.StatusCode == http.StatusOK
+		}
+	}
+	if ctx.Err() != nil && !ok && parentDone(ctx) {
+		return // shutting down: not the replica's fault
+	}
+	if r.Checked(ok, m.o.Fall, m.o.Rise) {
+		m.o.Logger.Info("replica health changed", "replica", r.Name, "up", ok)
+		if m.o.OnChange != nil {
+			m.o.OnChange(r, ok)
+		}
+	}
+}
+
+func parentDone(ctx context.Context) bool {
+	return ctx.Err() != nil && context.Cause(ctx) == context.Canceled
+}
+
+// vLLM's metric names, and the older name of the KV usage gauge.
+const (
+	metricRunning     = "vllm:num_requests_running"
+	metricWaiting     = "vllm:num_requests_waiting"
+	metricKVUsage     = "vllm:kv_cache_usage_perc"
+	metricGPUKVUsage  = "vllm:gpu_cache_usage_perc"
+	metricCacheConfig = "vllm:cache_config_info"
+	metricQueries     = "vllm:prefix_cache_queries"
+	metricPrompt      = "vllm:prompt_tokens"
+)
+
+// Scrape reads r's /metrics once and records its load gauges; it may learn
+// its budget and detect a restart.
+func (m *Monitor) Scrape(ctx context.Context, r *Replica) {
+	ctx, cancel := context.WithTimeout(ctx, m.o.CheckTimeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, r.URL.JoinPath("/metrics").String(), nil)
+	if err != nil {
+		return
+	}
+	resp, err := m.o.Client.Do(req)
+	if err != nil {
+		return
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return
+	}
+	fams, err := ParseMetrics(io.LimitReader(resp.Body, 8<<20))
+	if err != nil {
+		m.o.Logger.Warn("replica metrics unreadable", "replica", r.Name, "err", err)
+		return
+	}
+	m.apply(r, fams)
+}
+
+// Scraped are the values a scrape found; a missing metric is NaN-free zero
+// with its Has flag false.
+type Scraped struct {
+	Observed
+	HasRunning, HasWaiting, HasKV bool
+	// Blocks and BlockSize come from vllm:cache_config_info.
+	Blocks, BlockSize int64
+	// Counter is a monotonic counter (prefix-cache queries, else prompt
+	// tokens) used to detect restarts; HasCounter says whether one was found.
+	Counter    float64
+	HasCounter bool
+}
+
+// ParseMetrics parses a Prometheus text exposition into what the router
+// reads from a vLLM replica.
+func ParseMetrics(rd io.Reader) (Scraped, error) {
+	var out Scraped
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	fams, err := p.TextToMetricFamilies(rd)
+	if err != nil {
+		return out, fmt.Errorf("parse metrics: %w", err)
+	}
+	sum := func(name string) (float64, bool) {
+		f, ok := fams[name]
+		if !ok {
+			f, ok = fams[name+"_total"]
+		}
+		if !ok || len(f.GetMetric()) == 0 {
+			return 0, false
+		}
+		total := 0.0
+		for _, mm := range f.GetMetric() {
+			total += value(mm)
+		}
+		return total, true
+	}
+	if v, ok := sum(metricRunning); ok {
+		out.Running, out.HasRunning = int64(v), true
+	}
+	if v, ok := sum(metricWaiting); ok {
+		out.Waiting, out.HasWaiting = int64(v), true
+	}
+	if v, ok := sum(metricKVUsage); ok {
+		out.KVUsage, out.HasKV = v, true
+	} else if v, ok := sum(metricGPUKVUsage); ok {
+		out.KVUsage, out.HasKV = v, true
+	}
+	if f, ok := fams[metricCacheConfig]; ok && len(f.GetMetric()) > 0 {
+		for _, l := range f.GetMetric()[0].GetLabel() {
+			v, _ := strconv.ParseInt(l.GetValue(), 10, 64)
+			switch l.GetName() {
+			case "num_gpu_blocks":
+				out.Blocks = v
+			case "block_size":
+				out.BlockSize = v
+			}
+		}
+	}
+	if v, ok := sum(metricQueries); ok {
+		out.Counter, out.HasCounter = v, true
+	} else if v, ok := sum(metricPrompt); ok {
+		out.Counter, out.HasCounter = v, true
+	}
+	return out, nil
+}
+
+func value(m *dto.Metric) float64 {
+	switch {
+	case m.GetGauge() != nil:
+		return m.GetGauge().GetValue()
+	case m.GetCounter() != nil:
+		return m.GetCounter().GetValue()
+	case m.GetUntyped() != nil:
+		return m.GetUntyped().GetValue()
+	}
+	return 0
+}
+
+func (m *Monitor) apply(r *Replica, s Scraped) {
+	r.Observe(s.Observed)
+	if r.Budget() == 0 && s.Blocks > 0 && s.BlockSize > 0 {
+		r.SetBudget(s.Blocks * s.BlockSize)
+		if m.o.OnBudget != nil {
+			m.o.OnBudget(r, s.Blocks*s.BlockSize)
+		}
+	}
+	if !s.HasCounter {
+		return
+	}
+	m.mu.Lock()
+	prev, seen := m.last[r]
+	m.last[r] = s.Counter
+	m.mu.Unlock()
+	if seen && s.Counter < prev {
+		m.o.Logger.Warn("replica restarted: its cache picture is cleared", "replica", r.Name)
+		if m.o.OnRestart != nil {
+			m.o.OnRestart(r)
+		}
+	}
+}
+
+// Forget drops what the monitor remembers of r (after it left the pool).
+func (m *Monitor) Forget(r *Replica) {
+	m.mu.Lock()
+	delete(m.last, r)
+	m.mu.Unlock()
+}

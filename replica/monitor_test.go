@@ -1,0 +1,182 @@
+package replica
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+func TestFailDoublesAndForgives(t *testing.T) {
+	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a"}}, Options{}, ids())
+	r := p.Replicas()[0]
+	e := Ejection{Base: time.Second, Max: 5 * time.Second, Forgive: 10 * time.Second}
+	t0 := time.Unix(1000, 0)
+	var got []time.Duration
+	now := t0
+	for i := 0; i < 5; i++ {
+		d := r.Fail(now, e)
+		got = append(got, d)
+		if r.Available(now) || !r.Available(now.Add(d)) {
+			t.Fatalf("ejection %d: availability wrong around its %v cool-down", i, d)
+		}
+		if r.Fail(now.Add(d/2), e) != 0 {
+			t.Fatal("a failure during the cool-down extended it")
+		}
+		now = now.Add(d) // fails again right after readmission
+	}
+	if fmt.Sprint(got) != "[1s 2s 4s 5s 5s]" {
+		t.Fatalf("cool-downs %v", got)
+	}
+	if d := r.Fail(now.Add(time.Minute), e); d != time.Second {
+		t.Fatalf("after a quiet minute the cool-down is %v, want the base", d)
+	}
+}
+
+func TestCheckedFallRiseAndDrain(t *testing.T) {
+	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a"}}, Options{}, ids())
+	r := p.Replicas()[0]
+	now := time.Now()
+	seq := []struct {
+		ok        bool
+		available bool
+	}{{false, true}, {false, false}, {true, false}, {false, false}, {true, false}, {true, true}}
+	for i, s := range seq {
+		r.Checked(s.ok, 2, 2)
+		if r.Available(now) != s.available {
+			t.Fatalf("step %d: available %v, want %v", i, r.Available(now), s.available)
+		}
+	}
+	r.Drain()
+	if r.Available(now) || !r.Healthy(now) || !r.Draining() {
+		t.Fatal("a draining replica must be healthy and unavailable")
+	}
+}
+
+func TestPoolAddRemove(t *testing.T) {
+	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a"}}, Options{}, ids())
+	join := func(Spec) (int, error) { return 7, nil }
+	before := p.Replicas()
+	r, err := p.Add(Spec{Name: "b", URL: "http://b", BudgetTokens: 5}, join)
+	if err != nil || r.ID != 7 || r.Budget() != 5 || len(p.Replicas()) != 2 {
+		t.Fatalf("Add: %+v, %v", r, err)
+	}
+	if len(before) != 1 {
+		t.Fatal("Add changed an earlier snapshot")
+	}
+	if _, err := p.Add(Spec{Name: "b", URL: "http://b"}, join); err == nil {
+		t.Fatal("duplicate accepted")
+	}
+	if _, err := p.Add(Spec{Name: "c", URL: "bad"}, join); err == nil {
+		t.Fatal("bad url accepted")
+	}
+	if x, ok := p.Remove("a"); !ok || x.Name != "a" || len(p.Replicas()) != 1 {
+		t.Fatal("Remove failed")
+	}
+	if _, ok := p.Remove("zz"); ok {
+		t.Fatal("removed a stranger")
+	}
+}
+
+const vllmMetrics = `# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 3
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="m"} 7
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model_name="m"} 0.25
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",num_gpu_blocks="1000",enable_prefix_caching="True"} 1
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{model_name="m"} %d
+`
+
+func TestMonitorScrapesChecksAndDetectsRestart(t *testing.T) {
+	var queries atomic.Int64
+	queries.Store(500)
+	var healthy atomic.Bool
+	healthy.Store(true)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/health":
+			if !healthy.Load() {
+				w.WriteHeader(http.StatusServiceUnavailable)
+			}
+		case "/metrics":
+			fmt.Fprintf(w, vllmMetrics, queries.Load())
+		}
+	}))
+	defer srv.Close()
+	p, _ := NewPool([]Spec{{Name: "a", URL: srv.URL}}, Options{}, ids())
+	r := p.Replicas()[0]
+	var budget atomic.Int64
+	var restarts atomic.Int32
+	m := NewMonitor(p, MonitorOptions{
+		OnBudget:  func(_ *Replica, b int64) { budget.Store(b) },
+		OnRestart: func(*Replica) { restarts.Add(1) },
+	})
+	ctx := context.Background()
+	m.Scrape(ctx, r)
+	l := r.Load(time.Now())
+	if l.Running != 3 || l.Waiting != 7 || l.KVUsage != 0.25 || r.Budget() != 16000 || budget.Load() != 16000 {
+		t.Fatalf("scraped %+v, budget %d", l.Observed, r.Budget())
+	}
+	queries.Store(900)
+	m.Scrape(ctx, r)
+	if restarts.Load() != 0 {
+		t.Fatal("a growing counter read as a restart")
+	}
+	queries.Store(10)
+	m.Scrape(ctx, r)
+	if restarts.Load() != 1 {
+		t.Fatal("a counter that went back was not read as a restart")
+	}
+	healthy.Store(false)
+	m.Check(ctx, r)
+	m.Check(ctx, r)
+	if r.Available(time.Now()) {
+		t.Fatal("two failed checks left the replica available")
+	}
+	healthy.Store(true)
+	m.Check(ctx, r)
+	m.Check(ctx, r)
+	if !r.Available(time.Now()) {
+		t.Fatal("two good checks did not bring it back")
+	}
+	// Run stops with its context.
+	rctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		NewMonitor(p, MonitorOptions{CheckInterval: time.Millisecond, ScrapeInterval: time.Millisecond}).Run(rctx)
+		close(done)
+	}()
+	time.Sleep(20 * time.Millisecond)
+	cancel()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Run did not stop")
+	}
+}
+
+func TestParseMetricsErrors(t *testing.T) {
+	if _, err := ParseMetrics(strings.NewReader("not { valid")); err == nil {
+		t.Fatal("garbage parsed")
+	}
+	s, err := ParseMetrics(strings.NewReader("other_metric 1\n"))
+	if err != nil || s.HasRunning || s.HasCounter || s.Blocks != 0 {
+		t.Fatalf("%+v %v", s, err)
+	}
+}
+
+func FuzzParseMetrics(f *testing.F) {
+	f.Add([]byte(fmt.Sprintf(vllmMetrics, 5)))
+	f.Add([]byte("vllm:num_requests_running NaN\n"))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		_, _ = ParseMetrics(strings.NewReader(string(b))) // must not panic
+	})
+}
