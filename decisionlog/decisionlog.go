@@ -34,7 +34,12 @@ type Candidate struct {
 	InFlight int64   `json:"in_flight"`
 	Pending  float64 `json:"pending_tokens"`
 	Recent   float64 `json:"recent_tokens"`
-	Reason   string  `json:"reason"`
+	// Running, Waiting and KVUsage are the replica's own gauges as last
+	// scraped (zero when not scraped).
+	Running int64   `json:"running,omitempty"`
+	Waiting int64   `json:"waiting,omitempty"`
+	KVUsage float64 `json:"kv_usage,omitempty"`
+	Reason  string  `json:"reason"`
 }
 
 // Outcome is what happened to a routed request.
