@@ -1,10 +1,11 @@
 # Everything builds and tests with plain `go`; these targets are shortcuts.
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
-LDFLAGS := -X main.version=$(VERSION)
+COMMIT ?= $(shell git rev-parse HEAD 2>/dev/null)
+LDFLAGS := -X main.version=$(VERSION) -X main.commitFlag=$(COMMIT)
 
 .PHONY: build test bench ci
 build:
-	go build -buildvcs=true -ldflags "$(LDFLAGS)" -o bin/router ./cmd/router
+	CGO_ENABLED=0 go build -trimpath -ldflags "-s -w $(LDFLAGS)" -o bin/router ./cmd/router
 
 test:
 	go test -race ./...

@@ -47,7 +47,33 @@ type Config struct {
 	Health      HealthConfig      `mapstructure:"health"`
 	Timeouts    TimeoutConfig     `mapstructure:"timeouts"`
 	Admin       AdminConfig       `mapstructure:"admin"`
+	Tracing     TracingConfig     `mapstructure:"tracing"`
+	Discovery   DiscoveryConfig   `mapstructure:"discovery"`
 	Replicas    []Replica         `mapstructure:"replicas"`
+}
+
+// TracingConfig turns on OpenTelemetry spans exported over OTLP/HTTP.
+type TracingConfig struct {
+	// OTLPEndpoint is the collector's URL, e.g. http://otel-collector:4318;
+	// empty turns tracing off (an incoming traceparent still passes through).
+	OTLPEndpoint string  `mapstructure:"otlp_endpoint"`
+	ServiceName  string  `mapstructure:"service_name"`
+	SampleRatio  float64 `mapstructure:"sample_ratio"`
+}
+
+// DiscoveryConfig finds replicas in DNS, next to the static list.
+type DiscoveryConfig struct {
+	// DNSName is resolved every Interval: with SRV true as an SRV name
+	// (targets and ports from the records), else as a host whose A/AAAA
+	// records are the replicas, on Port. Empty turns discovery off.
+	DNSName  string        `mapstructure:"dns_name"`
+	SRV      bool          `mapstructure:"srv"`
+	Port     int           `mapstructure:"port"`
+	Scheme   string        `mapstructure:"scheme"`
+	Interval time.Duration `mapstructure:"interval"`
+	// BudgetTokens for discovered replicas; 0 learns it from each
+	// replica's vllm:cache_config_info.
+	BudgetTokens int64 `mapstructure:"budget_tokens"`
 }
 
 // HealthConfig sets active checks, scraping and passive ejection.
@@ -223,6 +249,15 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("timeouts.first_byte", "300s")
 	v.SetDefault("timeouts.idle", "60s")
 	v.SetDefault("timeouts.shutdown_grace", "30s")
+	v.SetDefault("tracing.otlp_endpoint", "")
+	v.SetDefault("tracing.service_name", "semroute")
+	v.SetDefault("tracing.sample_ratio", 1.0)
+	v.SetDefault("discovery.dns_name", "")
+	v.SetDefault("discovery.srv", false)
+	v.SetDefault("discovery.port", 8000)
+	v.SetDefault("discovery.scheme", "http")
+	v.SetDefault("discovery.interval", "10s")
+	v.SetDefault("discovery.budget_tokens", 0)
 	v.SetDefault("admin.listen", "")
 	v.SetDefault("admin.token", "")
 	v.SetDefault("replicas", []Replica{})
@@ -384,6 +419,12 @@ func (c *Config) Validate() error {
 	}
 	if t := c.Timeouts; t.Connect <= 0 || t.FirstByte <= 0 || t.Idle <= 0 || t.ShutdownGrace < 0 {
 		bad("timeouts", "connect, first_byte and idle must be positive, shutdown_grace not negative")
+	}
+	if t := c.Tracing; t.SampleRatio < 0 || t.SampleRatio > 1 || (t.OTLPEndpoint != "" && !strings.HasPrefix(t.OTLPEndpoint, "http")) {
+		bad("tracing", "sample_ratio must be in [0, 1] and otlp_endpoint an http(s) URL")
+	}
+	if d := c.Discovery; d.DNSName != "" && (d.Interval <= 0 || d.Port < 1 || d.Port > 65535 || (d.Scheme != "http" && d.Scheme != "https") || d.BudgetTokens < 0) {
+		bad("discovery", "interval must be positive, port in [1, 65535], scheme http or https")
 	}
 	if c.Admin.Listen != "" {
 		if _, _, err := net.SplitHostPort(c.Admin.Listen); err != nil {

@@ -100,6 +100,7 @@ type Server struct {
 	// engine would.
 	queries, hits, promptTotal, genTotal atomic.Int64
 	fault                                atomic.Int32 // status to answer everything with; 0: none
+	traceparent                          atomic.Value // string: the last completion request's traceparent header
 
 	running, waiting, usage prometheus.Gauge
 }
@@ -255,7 +256,12 @@ type options struct {
 	} `json:"stream_options"`
 }
 
+// LastTraceparent returns the traceparent header of the last completion
+// request, or "".
+func (s *Server) LastTraceparent() string { v, _ := s.traceparent.Load().(string); return v }
+
 func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.Endpoint) {
+	s.traceparent.Store(r.Header.Get("traceparent"))
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.o.MaxBodyBytes))
 	if err != nil {
 		writeError(w, http.StatusRequestEntityTooLarge, "BadRequestError", "request body too large")

@@ -122,7 +122,7 @@ func (a *app) applyFile() error {
 	if err != nil {
 		return err
 	}
-	if len(cfg.Replicas) == 0 {
+	if len(cfg.Replicas) == 0 && cfg.Discovery.DNSName == "" {
 		return fmt.Errorf("config: replicas: at least one replica is required")
 	}
 	pol, arms, err := policiesFor(cfg)
@@ -146,6 +146,9 @@ func (a *app) applyFile() error {
 		have[r.Name] = r
 	}
 	for _, cur := range a.pool.Replicas() {
+		if _, dns := a.discovered.Load(cur.Name); dns {
+			continue // DNS discovery manages it
+		}
 		w, keep := want[cur.Name]
 		if !keep || have[cur.Name] != w {
 			if err := a.removeReplica(cur.Name); err != nil {

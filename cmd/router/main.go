@@ -12,8 +12,6 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
-	"runtime"
-	"runtime/debug"
 	"strings"
 	"syscall"
 	"time"
@@ -24,8 +22,12 @@ import (
 	"github.com/semroute/semroute/simreplica"
 )
 
-// version is set at build time with -ldflags "-X main.version=v1.2.3".
-var version = "dev"
+// version and commitFlag are set at build time with -ldflags
+// "-X main.version=v1.2.3 -X main.commitFlag=abc123" (make build does).
+var (
+	version    = "dev"
+	commitFlag = ""
+)
 
 func main() {
 	if err := newRoot().Execute(); err != nil {
@@ -160,15 +162,8 @@ func newVersion() *cobra.Command {
 		Use:   "version",
 		Short: "Print the version, commit and Go version",
 		Run: func(cmd *cobra.Command, _ []string) {
-			commit := "unknown"
-			if bi, ok := debug.ReadBuildInfo(); ok {
-				for _, s := range bi.Settings {
-					if s.Key == "vcs.revision" {
-						commit = s.Value
-					}
-				}
-			}
-			fmt.Fprintf(cmd.OutOrStdout(), "semroute %s commit %s %s\n", version, commit, runtime.Version())
+			ver, commit, gov := buildInfo()
+			fmt.Fprintf(cmd.OutOrStdout(), "semroute %s commit %s %s\n", ver, commit, gov)
 		},
 	}
 }

@@ -45,7 +45,12 @@ type app struct {
 	ctx       context.Context // ends when the app stops
 	stopCtx   context.CancelFunc
 	// path is the config file to watch for reloads; empty: none.
-	path string
+	path        string
+	stopTracing func(context.Context) error
+	// resolver overrides DNS for discovery (tests); nil: the system's.
+	resolver replica.Resolver
+	// discovered holds the replicas DNS discovery manages.
+	discovered sync.Map
 }
 
 // newLogger builds the logger the config asks for, writing to w.
@@ -61,8 +66,8 @@ func newLogger(c configs.LogConfig, w io.Writer) *slog.Logger {
 
 // build turns a validated config into the router's parts.
 func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
-	if len(cfg.Replicas) == 0 {
-		return nil, errors.New("config: replicas: at least one replica is required")
+	if len(cfg.Replicas) == 0 && cfg.Discovery.DNSName == "" {
+		return nil, errors.New("config: replicas: at least one replica is required (or discovery.dns_name)")
 	}
 	split, err := blockhash.NewSplitter(blockhash.Options{BlockTokens: cfg.Blocks.BlockTokens, BytesPerToken: cfg.Blocks.BytesPerToken})
 	if err != nil {
@@ -132,8 +137,13 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	if err != nil {
 		return nil, err
 	}
+	tracer, stopTracing, err := newTracer(cfg.Tracing)
+	if err != nil {
+		return nil, err
+	}
 	srv, err := router.NewServer(router.ServerOptions{
-		Core: core, MaxBodyBytes: cfg.Limits.MaxBodyBytes, Limits: blockhash.Limits{MaxMessages: cfg.Limits.MaxMessages},
+		Tracer: tracer,
+		Core:   core, MaxBodyBytes: cfg.Limits.MaxBodyBytes, Limits: blockhash.Limits{MaxMessages: cfg.Limits.MaxMessages},
 		RecordReplies: cfg.Routing.RecordReplies, Logger: log,
 		Ejection:       replica.Ejection{Base: cfg.Health.EjectBase, Max: cfg.Health.EjectMax, Forgive: cfg.Health.EjectForgive},
 		ConnectTimeout: cfg.Timeouts.Connect, FirstByteTimeout: cfg.Timeouts.FirstByte, IdleTimeout: cfg.Timeouts.Idle,
@@ -143,7 +153,8 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	if err != nil {
 		return nil, err
 	}
-	a := &app{cfg: cfg, log: log, cache: cache, pool: pool, engine: eng, core: core, server: srv, decisions: dl, reg: reg}
+	registerOps(reg, pool, cache, dl)
+	a := &app{cfg: cfg, log: log, cache: cache, pool: pool, engine: eng, core: core, server: srv, decisions: dl, reg: reg, stopTracing: stopTracing}
 	a.current.Store(cfg)
 	a.ctx, a.stopCtx = context.WithCancel(context.Background())
 	a.reloads = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_config_reloads_total",
@@ -263,6 +274,20 @@ func (a *app) start() (*running, error) {
 			return nil, err
 		}
 	}
+	if d := a.cfg.Discovery; d.DNSName != "" {
+		disc := replica.NewDiscovery(replica.DiscoveryOptions{
+			Name: d.DNSName, SRV: d.SRV, Port: d.Port, Scheme: d.Scheme, Interval: d.Interval,
+			BudgetTokens: d.BudgetTokens, Resolver: a.resolver, Logger: a.log,
+		}, func(s replica.Spec) error {
+			a.discovered.Store(s.Name, true)
+			return a.addReplica(configs.Replica{Name: s.Name, URL: s.URL, BudgetTokens: s.BudgetTokens})
+		}, func(name string) error {
+			a.discovered.Delete(name)
+			return a.removeReplica(name)
+		})
+		wg.Add(1)
+		go func() { defer wg.Done(); disc.Run(ctx) }()
+	}
 	if a.path != "" {
 		w, err := a.watch(ctx)
 		if err != nil {
@@ -317,6 +342,9 @@ func (r *running) shutdown(grace time.Duration) error {
 	if r.app.decisions != nil {
 		errs = append(errs, r.app.decisions.Close())
 	}
+	tctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	errs = append(errs, r.app.stopTracing(tctx))
 	return errors.Join(errs...)
 }
 

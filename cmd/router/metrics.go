@@ -1,0 +1,105 @@
+package main
+
+import (
+	"runtime"
+	"runtime/debug"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/semroute/semroute/cachemodel"
+	"github.com/semroute/semroute/decisionlog"
+	"github.com/semroute/semroute/replica"
+)
+
+// replicaCollector exports every replica's state when scraped, so replicas
+// that leave the pool leave the metrics too.
+type replicaCollector struct {
+	pool  *replica.Pool
+	cache *cachemodel.Model
+}
+
+var (
+	descHealthy   = prometheus.NewDesc("semroute_replica_healthy", "1 if the replica passes its health checks and is not ejected.", []string{"replica"}, nil)
+	descDraining  = prometheus.NewDesc("semroute_replica_draining", "1 if the replica is draining.", []string{"replica"}, nil)
+	descInFlight  = prometheus.NewDesc("semroute_replica_in_flight", "Requests this router has in flight on the replica.", []string{"replica"}, nil)
+	descPending   = prometheus.NewDesc("semroute_replica_pending_prefill_tokens", "Estimated prefill tokens in flight on the replica.", []string{"replica"}, nil)
+	descRunning   = prometheus.NewDesc("semroute_replica_running", "Running requests the replica reported (vllm:num_requests_running).", []string{"replica"}, nil)
+	descWaiting   = prometheus.NewDesc("semroute_replica_waiting", "Waiting requests the replica reported (vllm:num_requests_waiting).", []string{"replica"}, nil)
+	descKVUsage   = prometheus.NewDesc("semroute_replica_kv_cache_usage_ratio", "KV cache usage the replica reported, 0 to 1.", []string{"replica"}, nil)
+	descBlocks    = prometheus.NewDesc("semroute_replica_tracked_blocks", "Blocks in the router's picture of the replica's cache.", []string{"replica"}, nil)
+	descTokens    = prometheus.NewDesc("semroute_replica_tracked_tokens", "Tokens in the router's picture of the replica's cache.", []string{"replica"}, nil)
+	descBudget    = prometheus.NewDesc("semroute_replica_budget_tokens", "The replica's KV cache budget in tokens (0: unknown).", []string{"replica"}, nil)
+	descEvictions = prometheus.NewDesc("semroute_replica_evictions_total", "Blocks evicted from the router's picture of the replica's cache.", []string{"replica"}, nil)
+)
+
+func (c replicaCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{descHealthy, descDraining, descInFlight, descPending, descRunning, descWaiting, descKVUsage, descBlocks, descTokens, descBudget, descEvictions} {
+		ch <- d
+	}
+}
+
+func b2f(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+func (c replicaCollector) Collect(ch chan<- prometheus.Metric) {
+	now := time.Now()
+	for _, r := range c.pool.Replicas() {
+		l := r.Load(now)
+		st, _ := c.cache.Stats(r.ID)
+		g := func(d *prometheus.Desc, v float64) {
+			ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, r.Name)
+		}
+		g(descHealthy, b2f(r.Healthy(now)))
+		g(descDraining, b2f(r.Draining()))
+		g(descInFlight, float64(l.InFlight))
+		g(descPending, l.PendingTokens)
+		g(descRunning, float64(l.Running))
+		g(descWaiting, float64(l.Waiting))
+		g(descKVUsage, l.KVUsage)
+		g(descBlocks, float64(st.Blocks))
+		g(descTokens, float64(st.Tokens))
+		g(descBudget, float64(r.Budget()))
+		ch <- prometheus.MustNewConstMetric(descEvictions, prometheus.CounterValue, float64(st.Evictions), r.Name)
+	}
+}
+
+// buildInfo returns the version, the VCS commit and the Go version.
+func buildInfo() (ver, commit, goVersion string) {
+	commit = "unknown"
+	if bi, ok := debug.ReadBuildInfo(); ok {
+		for _, s := range bi.Settings {
+			if s.Key == "vcs.revision" {
+				commit = s.Value
+			}
+		}
+	}
+	if commitFlag != "" {
+		commit = commitFlag
+	}
+	return version, commit, runtime.Version()
+}
+
+// registerOps registers the process-level metrics: replicas, the decision
+// log and build info.
+func registerOps(reg *prometheus.Registry, pool *replica.Pool, cache *cachemodel.Model, dl *decisionlog.Writer) {
+	reg.MustRegister(replicaCollector{pool, cache})
+	ver, commit, gov := buildInfo()
+	bi := prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "semroute_build_info", Help: "1, labelled with the build's version, commit and Go version."},
+		[]string{"version", "commit", "goversion"})
+	bi.WithLabelValues(ver, commit, gov).Set(1)
+	reg.MustRegister(bi)
+	written, dropped := func() float64 { return 0 }, func() float64 { return 0 }
+	if dl != nil {
+		written = func() float64 { return float64(dl.Written()) }
+		dropped = func() float64 { return float64(dl.Dropped()) }
+	}
+	reg.MustRegister(
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "semroute_decision_log_lines_written_total", Help: "Decision log lines written."}, written),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "semroute_decision_log_lines_dropped_total", Help: "Decision log lines dropped because the buffer was full."}, dropped),
+	)
+}

@@ -1,0 +1,178 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	collectorpb "go.opentelemetry.io/proto/otlp/collector/trace/v1"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/semroute/semroute/configs"
+)
+
+func TestTracingExportsSpansAndPropagatesTraceparent(t *testing.T) {
+	var mu sync.Mutex
+	var spans []string
+	traceIDs := map[string]bool{}
+	collector := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		var req collectorpb.ExportTraceServiceRequest
+		if err := proto.Unmarshal(b, &req); err != nil {
+			t.Errorf("collector: %v", err)
+			return
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		for _, rs := range req.GetResourceSpans() {
+			for _, ss := range rs.GetScopeSpans() {
+				for _, sp := range ss.GetSpans() {
+					spans = append(spans, sp.GetName())
+					traceIDs[fmt.Sprintf("%x", sp.GetTraceId())] = true
+				}
+			}
+		}
+	}))
+	defer collector.Close()
+	sims := startSims(t, 1, fastSim)
+	cfg := filepath.Join(t.TempDir(), "router.yaml")
+	writeConfig(t, cfg, fmt.Sprintf("tracing: {otlp_endpoint: %q}\nreplicas:\n  - {name: s, url: %q}\n", collector.URL, sims[0].URL))
+	r := serveConfig(t, cfg)
+	const traceID = "4bf92f3577b34da6a3ce929d0e0e4736"
+	code, _, err := postURL(r.http.url(), chat([2]string{"user", "traced"}), map[string]string{"traceparent": "00-" + traceID + "-00f067aa0ba902b7-01"})
+	if err != nil || code != 200 {
+		t.Fatal(code, err)
+	}
+	tp := sims[0].LastTraceparent()
+	if !strings.HasPrefix(tp, "00-"+traceID+"-") || strings.Contains(tp, "00f067aa0ba902b7") {
+		t.Fatalf("replica saw traceparent %q: want the same trace, a child span", tp)
+	}
+	if err := r.stop(5e9); err != nil { // flushes the exporter
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	got := strings.Join(spans, ",")
+	if !strings.Contains(got, "semroute.route") || !strings.Contains(got, "semroute.upstream") || !traceIDs[traceID] {
+		t.Fatalf("exported spans %s in traces %v", got, traceIDs)
+	}
+}
+
+func TestTraceparentPassesThroughWithTracingOff(t *testing.T) {
+	d := startTestDemo(t, demoOptions{sim: fastSim})
+	const tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+	if code, _, err := postURL(d.router.url(), chat([2]string{"user", "x"}), map[string]string{"traceparent": tp}); err != nil || code != 200 {
+		t.Fatal(code, err)
+	}
+	saw := 0
+	for _, s := range d.sims {
+		switch got := s.LastTraceparent(); got {
+		case "":
+		case tp:
+			saw++
+		default:
+			t.Fatalf("replica saw %q, want %q unchanged", got, tp)
+		}
+	}
+	if saw != 1 {
+		t.Fatalf("%d replicas saw the traceparent, want 1", saw)
+	}
+}
+
+type srvResolver struct {
+	mu  sync.Mutex
+	srv []*net.SRV
+}
+
+func (r *srvResolver) set(ports ...int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.srv = nil
+	for _, p := range ports {
+		r.srv = append(r.srv, &net.SRV{Target: "127.0.0.1.", Port: uint16(p)})
+	}
+}
+
+func (r *srvResolver) LookupHost(context.Context, string) ([]string, error) {
+	return nil, errors.New("A lookups unused")
+}
+func (r *srvResolver) LookupSRV(context.Context, string, string, string) (string, []*net.SRV, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return "", append([]*net.SRV(nil), r.srv...), nil
+}
+
+func port(t *testing.T, u string) int {
+	p, err := strconv.Atoi(u[strings.LastIndex(u, ":")+1:])
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func TestDNSDiscoveryFollowsReplicas(t *testing.T) {
+	sims := startSims(t, 3, fastSim)
+	res := &srvResolver{}
+	res.set(port(t, sims[0].URL), port(t, sims[1].URL))
+	cfg := filepath.Join(t.TempDir(), "router.yaml")
+	writeConfig(t, cfg, "routing: {policy: round_robin}\ndiscovery: {dns_name: _http._tcp.vllm.test, srv: true, interval: 50ms}\nreplicas: []\n")
+	v := configs.NewViper()
+	v.Set("listen", "127.0.0.1:0")
+	c, err := configs.Load(v, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := build(c, newLogger(configs.LogConfig{Level: "error", Format: "text"}, io.Discard))
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.resolver = res
+	r, err := a.start()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.stop(5e9)
+	// served returns which replicas (by port) answer 20 requests.
+	served := func() map[int]bool {
+		out := map[int]bool{}
+		for i := 0; i < 20; i++ {
+			code, rep, err := postURL(r.http.url(), chat([2]string{"user", fmt.Sprint(i)}), nil)
+			if err != nil || code != 200 {
+				t.Fatalf("%d %v", code, err)
+			}
+			out[port(t, rep)] = true
+		}
+		return out
+	}
+	waitFor := func(want ...int) {
+		t.Helper()
+		deadline := time.Now().Add(5 * time.Second)
+		for {
+			got := served()
+			ok := len(got) == len(want)
+			for _, p := range want {
+				ok = ok && got[p]
+			}
+			if ok {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("served by %v, want exactly %v", got, want)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	waitFor(port(t, sims[0].URL), port(t, sims[1].URL))
+	res.set(port(t, sims[1].URL), port(t, sims[2].URL)) // sim 0 leaves, sim 2 appears
+	waitFor(port(t, sims[1].URL), port(t, sims[2].URL))
+}
