@@ -1,11 +1,16 @@
 package configs
 
 import (
+	"bytes"
+	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"go.yaml.in/yaml/v3"
 )
 
 func TestGoodConfigs(t *testing.T) {
@@ -104,5 +109,61 @@ func TestEnvironmentOverridesFile(t *testing.T) {
 func TestMissingFile(t *testing.T) {
 	if _, err := Load(NewViper(), "testdata/nope.yaml"); err == nil || !strings.Contains(err.Error(), "read config") {
 		t.Fatalf("err = %v", err)
+	}
+}
+
+// TestEveryExampleConfigInTheRepository loads and validates every router
+// config the repository ships: the files here, the good test files, and
+// the router.yaml of every Kubernetes ConfigMap under deploy/.
+func TestEveryExampleConfigInTheRepository(t *testing.T) {
+	var found int
+	check := func(name string, doc []byte) {
+		t.Helper()
+		found++
+		if _, err := LoadBytes(NewViper(), doc); err != nil {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+	err := filepath.WalkDir("..", func(path string, d os.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() && (d.Name() == ".git" || d.Name() == "fuzz") {
+			return filepath.SkipDir
+		}
+		if d.IsDir() || !strings.HasSuffix(path, ".yaml") || strings.HasSuffix(path, ".bad.yaml") {
+			return nil
+		}
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		switch {
+		case strings.Contains(path, "deploy/k8s"):
+			dec := yaml.NewDecoder(bytes.NewReader(b))
+			for {
+				var obj struct {
+					Kind string            `yaml:"kind"`
+					Data map[string]string `yaml:"data"`
+				}
+				if err := dec.Decode(&obj); err == io.EOF {
+					break
+				} else if err != nil {
+					return fmt.Errorf("%s: %w", path, err)
+				}
+				if obj.Kind == "ConfigMap" && obj.Data["router.yaml"] != "" {
+					check(path+" ConfigMap router.yaml", []byte(obj.Data["router.yaml"]))
+				}
+			}
+		case strings.HasPrefix(path, "../configs/"):
+			check(path, b)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if found < 5 {
+		t.Fatalf("found only %d example configs", found)
 	}
 }

@@ -8,7 +8,9 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -175,4 +177,88 @@ func TestDNSDiscoveryFollowsReplicas(t *testing.T) {
 	waitFor(port(t, sims[0].URL), port(t, sims[1].URL))
 	res.set(port(t, sims[1].URL), port(t, sims[2].URL)) // sim 0 leaves, sim 2 appears
 	waitFor(port(t, sims[1].URL), port(t, sims[2].URL))
+}
+
+var metricName = regexp.MustCompile(`\bsemroute_[a-z_]+`)
+
+// readmeMetrics returns the metric names in the README's metrics table.
+func readmeMetrics(t *testing.T) map[string]bool {
+	b, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]bool{}
+	for _, line := range strings.Split(string(b), "\n") {
+		if strings.HasPrefix(line, "| `semroute_") {
+			out[strings.Trim(strings.Fields(line)[1], "`")] = true
+		}
+	}
+	if len(out) < 20 {
+		t.Fatalf("found only %d metrics in the README table", len(out))
+	}
+	return out
+}
+
+func TestMetricsTableIsExportedAndDeployUsesIt(t *testing.T) {
+	table := readmeMetrics(t)
+	sims := startSims(t, 2, fastSim)
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "router.yaml")
+	body := fmt.Sprintf("decision_log: {path: %q}\nhealth: {scrape_interval: 50ms}\nreplicas:\n  - {name: a, url: %q}\n  - {name: b, url: %q}\n",
+		filepath.Join(dir, "d.jsonl"), sims[0].URL, sims[1].URL)
+	writeConfig(t, cfg, body)
+	r := serveConfig(t, cfg)
+	for i := 0; i < 20; i++ {
+		if code, _, err := postURL(r.http.url(), chat([2]string{"system", text("metric prompt", 300)}, [2]string{"user", fmt.Sprint(i)}), nil); err != nil || code != 200 {
+			t.Fatal(code, err)
+		}
+	}
+	sims[0].Close() // retries and upstream errors
+	for i := 0; i < 10; i++ {
+		if code, _, err := postURL(r.http.url(), chat([2]string{"system", text("metric prompt", 300)}, [2]string{"user", fmt.Sprint("after ", i)}), nil); err != nil || code != 200 {
+			t.Fatal(code, err)
+		}
+	}
+	writeConfig(t, cfg, body+"# touched\n") // a reload
+	deadline := time.Now().Add(5 * time.Second)
+	var scraped string
+	for {
+		scraped = scrapeURL(t, r.http.url())
+		if strings.Contains(scraped, "semroute_config_reloads_total") || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	exported := map[string]bool{}
+	for _, line := range strings.Split(scraped, "\n") {
+		if m := metricName.FindString(line); m != "" && !strings.HasPrefix(line, "#") {
+			exported[strings.TrimSuffix(strings.TrimSuffix(strings.TrimSuffix(m, "_bucket"), "_sum"), "_count")] = true
+		}
+	}
+	for name := range table {
+		if !exported[name] {
+			t.Errorf("README metric %s not in /metrics after traffic", name)
+		}
+	}
+	for name := range exported {
+		if !table[name] {
+			t.Errorf("exported metric %s missing from the README table", name)
+		}
+	}
+	for _, f := range []string{"../../deploy/grafana/semroute-dashboard.json", "../../deploy/prometheus/alerts.yaml"} {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		used := metricName.FindAllString(string(b), -1)
+		if len(used) == 0 {
+			t.Fatalf("%s uses no semroute metric", f)
+		}
+		for _, m := range used {
+			base := strings.TrimSuffix(strings.TrimSuffix(strings.TrimSuffix(m, "_bucket"), "_sum"), "_count")
+			if !table[base] {
+				t.Errorf("%s queries %s, which the router does not export", f, m)
+			}
+		}
+	}
 }
