@@ -15,7 +15,6 @@ package cachemodel
 
 import (
 	"fmt"
-	"math"
 	"sync"
 	"time"
 
@@ -72,73 +71,17 @@ type Model struct {
 	// fleet counts every Record (one request) like a block's heat.
 	fleet node
 
-	mu       sync.RWMutex
-	nodes    map[uint64]*node
-	replicas []*replicaState // by id; nil where removed
+	mu        sync.RWMutex
+	nodes     map[uint64]*node
+	slab      []node  // nodes not handed out yet
+	freeNodes []*node // nodes to reuse
+	more      map[*node][]slot
+	replicas  []*replicaState // by id; nil where removed
 }
 
 type replicaState struct {
 	Stats
 	policy policies.Policy
-}
-
-type node struct {
-	hash   uint64
-	parent *node
-	tokens int32
-	depth  int32
-	kind   blockhash.Kind
-	heat   float32 // requests that used the block, decayed by HotHalfLife, as of heatAt
-	heatAt int64
-	slots  []slot // one per replica holding the block, sorted by replica
-}
-
-// warm counts one more request using n at now.
-func (m *Model) warm(n *node, now int64) {
-	n.heat = float32(m.heatAt(n, now)) + 1
-	n.heatAt = max(n.heatAt, now)
-}
-
-func (m *Model) heatAt(n *node, now int64) float64 {
-	if dt := now - n.heatAt; dt > 0 {
-		return float64(n.heat) * math.Exp2(-float64(dt)/m.hotHalf)
-	}
-	return float64(n.heat)
-}
-
-// Hot returns the longest prefix of blocks whose every block is hot: used,
-// over all replicas, by at least minUses requests per HotHalfLife and by
-// more than minShare of all requests recorded (both decayed counts at now).
-// Such a prefix carries more traffic than one replica should take and will
-// soon be on several. w weights tokens by kind (nil: unit weights).
-// O(hot blocks).
-func (m *Model) Hot(blocks []blockhash.Block, w *Weights, minUses, minShare float64, now int64) Match {
-	if w == nil {
-		w = UnitWeights()
-	}
-	m.mu.RLock()
-	defer m.mu.RUnlock()
-	threshold := max(minUses, minShare*m.heatAt(&m.fleet, now))
-	var out Match
-	for _, b := range blocks {
-		n := m.nodes[b.Hash]
-		if n == nil || m.heatAt(n, now) < threshold {
-			break
-		}
-		out.Blocks++
-		out.Tokens += int(n.tokens)
-		out.Weighted += w[n.kind] * float64(n.tokens)
-	}
-	return out
-}
-
-type slot struct {
-	replica  int32
-	children int32 // cached children on this replica
-	hits     int32
-	lastUsed int64
-	inserted int64
-	freed    int64
 }
 
 // New returns an empty model with no replicas.
@@ -149,7 +92,8 @@ func New(o Options) *Model {
 	if o.HotHalfLife <= 0 {
 		o.HotHalfLife = 10 * time.Second
 	}
-	return &Model{policy: o.Policy, onEvict: o.OnEvict, hotHalf: float64(o.HotHalfLife), nodes: make(map[uint64]*node)}
+	return &Model{policy: o.Policy, onEvict: o.OnEvict, hotHalf: float64(o.HotHalfLife), nodes: make(map[uint64]*node),
+		fleet: node{one: slot{replica: -1}}, more: map[*node][]slot{}}
 }
 
 // AddReplica adds a replica with an empty picture and the given token budget
@@ -194,10 +138,11 @@ func (m *Model) Clear(id int) {
 
 func (m *Model) clear(id int) {
 	for h, n := range m.nodes {
-		if i, ok := n.find(int32(id)); ok {
-			n.slots = append(n.slots[:i], n.slots[i+1:]...)
-			if len(n.slots) == 0 {
+		if i, ok := m.find(n, int32(id)); ok {
+			m.remove(n, i)
+			if m.count(n) == 0 {
 				delete(m.nodes, h)
+				m.freeNode(n)
 			}
 		}
 	}
@@ -254,41 +199,55 @@ func (m *Model) Match(blocks []blockhash.Block, w *Weights, out []Match) []Match
 	}
 	out = out[:len(m.replicas)]
 	clear(out)
-	var prev *node
+	var prevFirst *slot
+	var prevRest []slot
 	matched, tokens, weighted := 0, 0, 0.0 // of blocks[:i]
 	for i := range blocks {
 		n := m.nodes[blocks[i].Hash]
-		if n == nil || len(n.slots) == 0 {
+		if n == nil {
 			break
 		}
-		if prev != nil && len(n.slots) < len(prev.slots) {
-			settleLeavers(out, prev.slots, n.slots, i, tokens, weighted)
+		first, rest := m.holders(n)
+		if first == nil {
+			break
 		}
-		prev = n
+		if prevFirst != nil && len(rest) < len(prevRest) {
+			settleLeavers(out, prevFirst, prevRest, first, rest, i, tokens, weighted)
+		}
+		prevFirst, prevRest = first, rest
 		tokens += int(n.tokens)
 		weighted += w[n.kind] * float64(n.tokens)
 		matched = i + 1
 	}
-	if prev != nil {
-		for _, s := range prev.slots {
-			out[s.replica] = Match{Blocks: matched, Tokens: tokens, Weighted: weighted}
+	if prevFirst != nil {
+		out[prevFirst.replica] = Match{Blocks: matched, Tokens: tokens, Weighted: weighted}
+		for j := range prevRest {
+			out[prevRest[j].replica] = Match{Blocks: matched, Tokens: tokens, Weighted: weighted}
 		}
 	}
 	return out
 }
 
-// settleLeavers records a match of i blocks for every replica in before but
-// not in after (both sorted by replica).
-func settleLeavers(out []Match, before, after []slot, i, tokens int, weighted float64) {
-	j := 0
-	for _, s := range before {
-		for j < len(after) && after[j].replica < s.replica {
+// settleLeavers records a match of i blocks for every replica holding the
+// previous block (bFirst, bRest) but not this one (aFirst, aRest); holders
+// are sorted by replica.
+func settleLeavers(out []Match, bFirst *slot, bRest []slot, aFirst *slot, aRest []slot, i, tokens int, weighted float64) {
+	at := func(first *slot, rest []slot, k int) int32 {
+		if k == 0 {
+			return first.replica
+		}
+		return rest[k-1].replica
+	}
+	j, na := 0, 1+len(aRest)
+	for k, nb := 0, 1+len(bRest); k < nb; k++ {
+		r := at(bFirst, bRest, k)
+		for j < na && at(aFirst, aRest, j) < r {
 			j++
 		}
-		if j < len(after) && after[j].replica == s.replica {
+		if j < na && at(aFirst, aRest, j) == r {
 			continue
 		}
-		out[s.replica] = Match{Blocks: i, Tokens: tokens, Weighted: weighted}
+		out[r] = Match{Blocks: i, Tokens: tokens, Weighted: weighted}
 	}
 }
 
@@ -325,8 +284,8 @@ func (m *Model) record(id int, blocks []blockhash.Block, now int64) []uint64 {
 		n := m.nodes[b.Hash]
 		if n != nil {
 			m.warm(n, now)
-			if si, ok := n.find(rid); ok {
-				s := &n.slots[si]
+			if si, ok := m.find(n, rid); ok {
+				s := m.at(n, si)
 				s.lastUsed = now
 				s.hits++
 				st.policy.Touched(n.hash, n.info(s))
@@ -334,26 +293,25 @@ func (m *Model) record(id int, blocks []blockhash.Block, now int64) []uint64 {
 				continue
 			}
 		}
-		tokens := max(b.Tokens, 1)
+		tokens := clampTokens(b.Tokens)
 		if admit != nil && st.Budget > 0 &&
-			!admit.Admit(policies.Info{Kind: b.Kind, Tokens: tokens, Depth: int32(i), LastUsed: now, Inserted: now}, st.Tokens, st.Budget) {
+			!admit.Admit(policies.Info{Kind: b.Kind, Tokens: int32(tokens), Depth: int32(clampDepth(i)), LastUsed: now, Inserted: now}, st.Tokens, st.Budget) {
 			last = i - 1
 			break
 		}
 		if n == nil {
-			n = &node{hash: b.Hash, parent: parent, tokens: tokens, depth: int32(i), kind: b.Kind}
+			n = m.newNode()
+			n.hash, n.parent, n.tokens, n.depth, n.kind = b.Hash, parent, tokens, clampDepth(i), b.Kind
 			m.nodes[b.Hash] = n
 			m.warm(n, now)
 		}
-		si, _ := n.find(rid)
-		n.slots = append(n.slots, slot{})
-		copy(n.slots[si+1:], n.slots[si:])
-		n.slots[si] = slot{replica: rid, lastUsed: now, inserted: now}
+		si, _ := m.find(n, rid)
+		m.insert(n, si, slot{replica: rid, lastUsed: now, inserted: now})
 		st.Blocks++
 		st.Tokens += int64(n.tokens)
 		if parent != nil {
-			pi, _ := parent.find(rid)
-			ps := &parent.slots[pi]
+			pi, _ := m.find(parent, rid)
+			ps := m.at(parent, pi)
 			ps.children++
 			if ps.children == 1 && !parentFresh {
 				st.policy.Removed(parent.hash)
@@ -362,8 +320,8 @@ func (m *Model) record(id int, blocks []blockhash.Block, now int64) []uint64 {
 		parent, parentFresh = n, true
 	}
 	if parentFresh && last >= 0 { // the deepest new block is a leaf
-		pi, _ := parent.find(rid)
-		st.policy.Evictable(parent.hash, parent.info(&parent.slots[pi]))
+		pi, _ := m.find(parent, rid)
+		st.policy.Evictable(parent.hash, parent.info(m.at(parent, pi)))
 	}
 	var evicted []uint64
 	for st.Budget > 0 && st.Tokens > st.Budget {
@@ -381,29 +339,31 @@ func (m *Model) record(id int, blocks []blockhash.Block, now int64) []uint64 {
 
 // Release records that a request using blocks on replica id finished at now,
 // for policies that order blocks by when they were freed
-// (policies.FreeObserver). Blocks the replica no longer holds are skipped.
+// (policies.FreeObserver): for them a block's recency is the later of its
+// last use and its last free. Other policies do not see it. Blocks the
+// replica no longer holds are skipped.
 func (m *Model) Release(id int, blocks []blockhash.Block, now int64) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if !m.valid(id) {
 		return
 	}
-	st := m.replicas[id]
-	fo, _ := st.policy.(policies.FreeObserver)
+	fo, ok := m.replicas[id].policy.(policies.FreeObserver)
+	if !ok {
+		return
+	}
 	for _, b := range blocks {
 		n := m.nodes[b.Hash]
 		if n == nil {
 			return
 		}
-		si, ok := n.find(int32(id))
+		si, ok := m.find(n, int32(id))
 		if !ok {
 			return
 		}
-		s := &n.slots[si]
-		s.freed = max(s.freed, now)
-		if fo != nil {
-			fo.Freed(n.hash, n.info(s))
-		}
+		s := m.at(n, si)
+		s.lastUsed = max(s.lastUsed, now)
+		fo.Freed(n.hash, n.info(s))
 	}
 }
 
@@ -432,22 +392,24 @@ func (m *Model) evict(st *replicaState, rid int32, k uint64) bool {
 	if n == nil {
 		return false
 	}
-	i, ok := n.find(rid)
+	i, ok := m.find(n, rid)
 	if !ok {
 		return false
 	}
 	if e, ok := st.policy.(policies.Evicted); ok {
-		e.Evicted(k, n.info(&n.slots[i]))
+		e.Evicted(k, n.info(m.at(n, i)))
 	}
-	n.slots = append(n.slots[:i], n.slots[i+1:]...)
+	m.remove(n, i)
 	st.Blocks--
 	st.Tokens -= int64(n.tokens)
-	if len(n.slots) == 0 {
+	p := n.parent
+	if m.count(n) == 0 {
 		delete(m.nodes, k)
+		m.freeNode(n)
 	}
-	if p := n.parent; p != nil {
-		if pi, ok := p.find(rid); ok {
-			ps := &p.slots[pi]
+	if p != nil {
+		if pi, ok := m.find(p, rid); ok {
+			ps := m.at(p, pi)
 			ps.children--
 			if ps.children == 0 {
 				st.policy.Evictable(p.hash, p.info(ps))
@@ -455,22 +417,4 @@ func (m *Model) evict(st *replicaState, rid int32, k uint64) bool {
 		}
 	}
 	return true
-}
-
-// find returns the index of rid's slot, or where it would be inserted.
-func (n *node) find(rid int32) (int, bool) {
-	lo, hi := 0, len(n.slots)
-	for lo < hi {
-		mid := int(uint(lo+hi) >> 1)
-		if n.slots[mid].replica < rid {
-			lo = mid + 1
-		} else {
-			hi = mid
-		}
-	}
-	return lo, lo < len(n.slots) && n.slots[lo].replica == rid
-}
-
-func (n *node) info(s *slot) policies.Info {
-	return policies.Info{Kind: n.kind, Tokens: n.tokens, Depth: n.depth, LastUsed: s.lastUsed, Inserted: s.inserted, Freed: s.freed, Hits: s.hits}
 }

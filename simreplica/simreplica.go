@@ -33,7 +33,8 @@ import (
 	"github.com/semroute/semroute/blockhash"
 )
 
-// Options configure a simulated replica. Zero fields take the defaults.
+// Options configure a simulated replica. Zero fields take the defaults; a
+// negative duration means no time at all (instant answers).
 type Options struct {
 	Model           string        // served model name; default "sim-model"
 	BlockSize       int           // tokens per cache block; default 16

@@ -43,7 +43,7 @@ func newRoot() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newServe(), newDemo(), newSim(), newReplay(), newGenTrace(), newVersion())
+	root.AddCommand(newServe(), newDemo(), newSim(), newReplay(), newGenTrace(), newBenchProxy(), newVersion())
 	return root
 }
 

@@ -1,0 +1,203 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httputil"
+	"net/url"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/semroute/semroute/configs"
+	"github.com/semroute/semroute/simreplica"
+)
+
+// benchOptions shape `router benchproxy`.
+type benchOptions struct {
+	requests    int           // sequential requests per case, for latency
+	concurrency int           // clients, for throughput
+	duration    time.Duration // throughput phase per case
+	sizes       []int         // request body sizes in bytes
+}
+
+type benchCase struct {
+	size   int
+	stream bool
+}
+
+// benchResult is one target's figures in one case.
+type benchResult struct {
+	p50, p99   time.Duration
+	throughput float64 // requests per second
+	errors     int64
+}
+
+func newBenchProxy() *cobra.Command {
+	o := benchOptions{}
+	var sizes string
+	cmd := &cobra.Command{
+		Use:   "benchproxy",
+		Short: "Measure the latency the router adds over a plain reverse proxy, in front of an instant simulated replica",
+		Long: `Starts one simulated replica that answers at once, the router in front of it, and a
+plain httputil.ReverseProxy in front of it, all on 127.0.0.1, and drives each with the
+same load generator: sequential requests for latency (p50, p99; added latency is the
+proxy's minus the replica's own), then concurrent clients for throughput. Bodies of each
+--sizes, streaming and not. Everything shares this machine's cores.`,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			for _, s := range strings.Split(sizes, ",") {
+				var n int
+				if _, err := fmt.Sscanf(strings.TrimSpace(s), "%d", &n); err != nil || n < 64 {
+					return fmt.Errorf("--sizes: %q is not a byte count ≥ 64", s)
+				}
+				o.sizes = append(o.sizes, n)
+			}
+			return runBenchProxy(cmd.OutOrStdout(), o)
+		},
+	}
+	f := cmd.Flags()
+	f.IntVar(&o.requests, "requests", 2000, "sequential requests per case (latency)")
+	f.IntVar(&o.concurrency, "concurrency", 32, "concurrent clients (throughput)")
+	f.DurationVar(&o.duration, "duration", 3*time.Second, "throughput phase per case")
+	f.StringVar(&sizes, "sizes", "1024,131072", "request body sizes in bytes, comma-separated")
+	return cmd
+}
+
+func benchBody(size int, stream bool) []byte {
+	pad := strings.Repeat("lorem ipsum dolor sit amet ", size/27+1)
+	for {
+		b, _ := json.Marshal(map[string]any{"model": "sim-model", "stream": stream, "max_tokens": 8,
+			"messages": []map[string]string{{"role": "user", "content": pad}}})
+		if len(b) <= size {
+			return b
+		}
+		pad = pad[:len(pad)-(len(b)-size)]
+	}
+}
+
+func runBenchProxy(out io.Writer, o benchOptions) error {
+	sim, err := simreplica.Start(simreplica.Options{Overhead: -1, PrefillPerToken: -1, InterToken: -1, MaxRunning: 4096, OutputTokens: 8}, "127.0.0.1:0")
+	if err != nil {
+		return err
+	}
+	defer sim.Close()
+	v := configs.NewViper()
+	v.Set("listen", "127.0.0.1:0")
+	v.Set("log.level", "error")
+	v.Set("replicas", []configs.Replica{{Name: "sim", URL: sim.URL}})
+	cfg, err := configs.Decode(v)
+	if err != nil {
+		return err
+	}
+	a, err := build(cfg, newLogger(cfg.Log, io.Discard))
+	if err != nil {
+		return err
+	}
+	r, err := a.start()
+	if err != nil {
+		return err
+	}
+	defer r.stop(5 * time.Second)
+	target, _ := url.Parse(sim.URL)
+	plainProxy := &httputil.ReverseProxy{
+		Rewrite:       func(pr *httputil.ProxyRequest) { pr.SetURL(target); pr.SetXForwarded() },
+		FlushInterval: -1,
+		Transport:     &http.Transport{MaxIdleConnsPerHost: 1024},
+	}
+	plain, err := serve("127.0.0.1:0", plainProxy, a.log)
+	if err != nil {
+		return err
+	}
+	defer plain.stop(5 * time.Second)
+	targets := []struct{ name, url string }{{"replica", sim.URL}, {"plain proxy", plain.url()}, {"router", r.http.url()}}
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 1024, MaxConnsPerHost: 0}}
+	defer client.CloseIdleConnections()
+
+	tw := tabwriter.NewWriter(out, 2, 4, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "body\tmode\ttarget\tp50\tp99\tadded p50\tadded p99\treq/s\terrors\t")
+	for _, size := range o.sizes {
+		for _, stream := range []bool{false, true} {
+			body := benchBody(size, stream)
+			mode := "whole"
+			if stream {
+				mode = "stream"
+			}
+			res := make([]benchResult, len(targets))
+			for i, t := range targets {
+				res[i] = benchTarget(client, t.url, body, o)
+			}
+			for i, t := range targets {
+				added50, added99 := "", ""
+				if i > 0 {
+					added50 = (res[i].p50 - res[0].p50).Round(time.Microsecond).String()
+					added99 = (res[i].p99 - res[0].p99).Round(time.Microsecond).String()
+				}
+				fmt.Fprintf(tw, "%d B\t%s\t%s\t%v\t%v\t%s\t%s\t%.0f\t%d\t\n", len(body), mode, t.name,
+					res[i].p50.Round(time.Microsecond), res[i].p99.Round(time.Microsecond), added50, added99, res[i].throughput, res[i].errors)
+			}
+		}
+	}
+	return tw.Flush()
+}
+
+func benchOnce(client *http.Client, u string, body []byte) error {
+	resp, err := client.Post(u+"/v1/chat/completions", "application/json", bytes.NewReader(body))
+	if err != nil {
+		return err
+	}
+	_, err = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if err == nil && resp.StatusCode != http.StatusOK {
+		err = fmt.Errorf("status %d", resp.StatusCode)
+	}
+	return err
+}
+
+func benchTarget(client *http.Client, u string, body []byte, o benchOptions) benchResult {
+	var res benchResult
+	for i := 0; i < 50; i++ { // warm up connections
+		_ = benchOnce(client, u, body)
+	}
+	lat := make([]time.Duration, 0, o.requests)
+	for i := 0; i < o.requests; i++ {
+		t0 := time.Now()
+		if err := benchOnce(client, u, body); err != nil {
+			res.errors++
+			continue
+		}
+		lat = append(lat, time.Since(t0))
+	}
+	sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
+	if len(lat) > 0 {
+		res.p50 = lat[len(lat)/2]
+		res.p99 = lat[min(len(lat)-1, len(lat)*99/100)]
+	}
+	var done, errs atomic.Int64
+	deadline := time.Now().Add(o.duration)
+	var wg sync.WaitGroup
+	for c := 0; c < o.concurrency; c++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for time.Now().Before(deadline) {
+				if err := benchOnce(client, u, body); err != nil {
+					errs.Add(1)
+					continue
+				}
+				done.Add(1)
+			}
+		}()
+	}
+	wg.Wait()
+	res.throughput = float64(done.Load()) / o.duration.Seconds()
+	res.errors += errs.Load()
+	return res
+}
