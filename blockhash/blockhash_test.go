@@ -322,3 +322,14 @@ func FuzzParseSplit(f *testing.F) {
 		}
 	})
 }
+
+// BenchmarkChainHash measures hashing one 64-token (256-byte) block.
+func BenchmarkChainHash(b *testing.B) {
+	block := []byte(strings.Repeat("x", 256))
+	b.SetBytes(int64(len(block)))
+	b.ReportAllocs()
+	var h uint64
+	for i := 0; i < b.N; i++ {
+		h = ChainHash(h, RoleUser, block)
+	}
+}
