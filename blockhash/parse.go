@@ -75,10 +75,12 @@ type chatBody struct {
 }
 
 type message struct {
-	Role      string          `json:"role"`
-	Content   json.RawMessage `json:"content"`
-	Name      string          `json:"name"`
-	ToolCalls []toolCall      `json:"tool_calls"`
+	Role string `json:"role"`
+	// Content is decoded in the same pass as the body: a string (the
+	// common case, unquoted once), an array of content parts, or nil.
+	Content   any        `json:"content"`
+	Name      string     `json:"name"`
+	ToolCalls []toolCall `json:"tool_calls"`
 }
 
 type toolCall struct {
@@ -87,11 +89,6 @@ type toolCall struct {
 		Name      string `json:"name"`
 		Arguments string `json:"arguments"`
 	} `json:"function"`
-}
-
-type contentPart struct {
-	Type string `json:"type"`
-	Text string `json:"text"`
 }
 
 func decode(body []byte) (*chatBody, *Request, error) {
@@ -190,34 +187,31 @@ func messageText(m *message, field string) ([]byte, error) {
 		buf = append(buf, m.Name...)
 		buf = append(buf, 0)
 	}
-	c := bytes.TrimSpace(m.Content)
-	switch {
-	case len(c) == 0 || bytes.Equal(c, []byte("null")):
-	case c[0] == '"':
-		var s string
-		if err := json.Unmarshal(c, &s); err != nil {
-			return nil, inputErr(field+".content", "invalid string: %v", err)
-		}
-		buf = append(buf, s...)
-	case c[0] == '[':
-		var parts []json.RawMessage
-		if err := json.Unmarshal(c, &parts); err != nil {
-			return nil, inputErr(field+".content", "invalid content parts: %v", err)
-		}
-		for j, raw := range parts {
-			var cp contentPart
-			if err := json.Unmarshal(raw, &cp); err != nil {
-				return nil, inputErr(fmt.Sprintf("%s.content[%d]", field, j), "invalid content part: %v", err)
+	switch c := m.Content.(type) {
+	case nil:
+	case string:
+		buf = append(buf, c...)
+	case []any:
+		for j, part := range c {
+			cp, ok := part.(map[string]any)
+			if !ok {
+				return nil, inputErr(fmt.Sprintf("%s.content[%d]", field, j), "invalid content part: not an object")
 			}
-			if cp.Type == "text" {
-				buf = append(buf, cp.Text...)
+			if cp["type"] == "text" {
+				text, ok := cp["text"].(string)
+				if !ok && cp["text"] != nil {
+					return nil, inputErr(fmt.Sprintf("%s.content[%d].text", field, j), "must be a string")
+				}
+				buf = append(buf, text...)
 				continue
 			}
-			// Images, audio and files are hashed by their compacted JSON,
-			// so the same image URL or data is the same block.
-			var cbuf bytes.Buffer
-			_ = json.Compact(&cbuf, raw) // raw is valid JSON: it was just decoded
-			buf = append(buf, cbuf.Bytes()...)
+			// Images, audio and files are hashed by their JSON (keys in
+			// sorted order), so the same image URL or data is the same block.
+			raw, err := json.Marshal(cp)
+			if err != nil {
+				return nil, inputErr(fmt.Sprintf("%s.content[%d]", field, j), "invalid content part: %v", err)
+			}
+			buf = append(buf, raw...)
 		}
 	default:
 		return nil, inputErr(field+".content", "must be a string, an array of content parts, or null")
