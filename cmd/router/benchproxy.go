@@ -29,11 +29,6 @@ type benchOptions struct {
 	sizes       []int         // request body sizes in bytes
 }
 
-type benchCase struct {
-	size   int
-	stream bool
-}
-
 // benchResult is one target's figures in one case.
 type benchResult struct {
 	p50, p99   time.Duration
