@@ -1,0 +1,355 @@
+package router
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/cespare/xxhash/v2"
+
+	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/decisionlog"
+)
+
+// Arm is one routing policy taking a share of traffic.
+type Arm struct {
+	Name   string
+	Policy Policy
+	// Weight is the arm's share of sessions, relative to the other arms'.
+	Weight float64
+}
+
+// DecisionLogger receives a record per finished decision. It must not block.
+type DecisionLogger interface {
+	Log(*decisionlog.Record)
+}
+
+// CoreOptions configure a Core. Engine is required.
+type CoreOptions struct {
+	Engine *Engine
+	// Arms split traffic between policies. Empty means one arm, "default",
+	// with the engine's policy.
+	Arms []Arm
+	// Salt is mixed into arm assignment, so a new experiment reshuffles
+	// sessions.
+	Salt string
+	// Log, if set, receives every recorded decision when it finishes.
+	Log DecisionLogger
+	// RawIDs logs session and tenant ids as given instead of hashed.
+	RawIDs bool
+	// LogPrompts logs the prompt's text with each decision. Off by default.
+	LogPrompts bool
+	// ReleaseAfter ends a held decision (gRPC) that was never released,
+	// so it stops counting as load. Default 10 minutes.
+	ReleaseAfter time.Duration
+	// Metrics, if set, receives per-request metrics.
+	Metrics *Metrics
+}
+
+// Core is the routing core that the HTTP and gRPC front ends share: it
+// assigns each request an arm, decides through the engine with the arm's
+// policy, and ends and logs each decision. Safe for concurrent use.
+type Core struct {
+	o    CoreOptions
+	e    *Engine
+	arms atomic.Pointer[armSet]
+
+	mu   sync.Mutex
+	held map[string]*Routed // gRPC decisions awaiting Release
+}
+
+// armSet is an immutable set of arms with their total weight.
+type armSet struct {
+	arms []Arm
+	sum  float64
+}
+
+// NewCore returns a Core.
+func NewCore(o CoreOptions) (*Core, error) {
+	if o.Engine == nil {
+		return nil, errors.New("router: CoreOptions.Engine is required")
+	}
+	c := &Core{o: o, e: o.Engine, held: map[string]*Routed{}}
+	if err := c.SetArms(o.Arms); err != nil {
+		return nil, err
+	}
+	if c.o.ReleaseAfter <= 0 {
+		c.o.ReleaseAfter = 10 * time.Minute
+	}
+	return c, nil
+}
+
+// SetArms replaces the arms (config reload); requests already routed keep
+// theirs. Empty means one arm, "default", with the engine's policy.
+func (c *Core) SetArms(arms []Arm) error {
+	if len(arms) == 0 {
+		arms = []Arm{{Name: "default", Policy: c.e.Policy(), Weight: 1}}
+	}
+	set := &armSet{arms: append([]Arm(nil), arms...)}
+	seen := map[string]bool{}
+	for _, a := range set.arms {
+		if a.Name == "" || a.Policy == nil || a.Weight <= 0 {
+			return fmt.Errorf("router: arm %q needs a name, a policy and a positive weight", a.Name)
+		}
+		if seen[a.Name] {
+			return fmt.Errorf("router: duplicate arm %q", a.Name)
+		}
+		seen[a.Name] = true
+		set.sum += a.Weight
+	}
+	c.arms.Store(set)
+	return nil
+}
+
+// Engine returns the core's engine.
+func (c *Core) Engine() *Engine { return c.e }
+
+// Arms returns the current arms.
+func (c *Core) Arms() []Arm { return c.arms.Load().arms }
+
+// PickArm assigns a request to an arm: a hash of the salt and the session
+// id, else the tenant id, else the request's key, placed on the arms'
+// cumulative weights. The same session always gets the same arm.
+func (c *Core) PickArm(session, tenant string, key uint64) *Arm {
+	set := c.arms.Load()
+	if len(set.arms) == 1 {
+		return &set.arms[0]
+	}
+	var d xxhash.Digest
+	d.Reset()
+	_, _ = d.WriteString(c.o.Salt)
+	switch {
+	case session != "":
+		_, _ = d.WriteString("\x00s")
+		_, _ = d.WriteString(session)
+	case tenant != "":
+		_, _ = d.WriteString("\x00t")
+		_, _ = d.WriteString(tenant)
+	default:
+		var b [8]byte
+		binary.LittleEndian.PutUint64(b[:], key)
+		_, _ = d.WriteString("\x00k")
+		_, _ = d.Write(b[:])
+	}
+	x := float64(d.Sum64()>>11) / float64(1<<53) * set.sum
+	for i := range set.arms {
+		if x < set.arms[i].Weight {
+			return &set.arms[i]
+		}
+		x -= set.arms[i].Weight
+	}
+	return &set.arms[len(set.arms)-1]
+}
+
+// CoreRequest is a request to route.
+type CoreRequest struct {
+	Input                  RouteInput
+	Model, Session, Tenant string
+	// Route names the front end's route for metrics: "chat",
+	// "completions" or "grpc".
+	Route string
+	// DryRun decides without recording anything; the result has no ID and
+	// must not be finished.
+	DryRun bool
+}
+
+// Routed is a decision and, once recorded, the request in flight.
+type Routed struct {
+	*Decision
+	ID     string // empty for a dry run
+	Arm    *Arm
+	Served *Candidate // the candidate carrying the request now
+	req    CoreRequest
+	start  time.Time
+	first  time.Time // first response byte; zero until then
+	once   sync.Once
+}
+
+// Route assigns an arm and decides. Unless req.DryRun, the decision is
+// recorded and the caller must call Finish (or Hold, for Release to finish).
+func (c *Core) Route(req CoreRequest) (*Routed, error) {
+	arm := c.PickArm(req.Session, req.Tenant, req.Input.Key)
+	req.Input.Policy = arm.Policy
+	start := c.e.o.Now()
+	t0 := time.Now()
+	d, err := c.e.DecideRequest(req.Input, !req.DryRun)
+	if err != nil {
+		return nil, err
+	}
+	rt := &Routed{Decision: d, Arm: arm, Served: d.Chosen(), req: req, start: start}
+	if !req.DryRun {
+		rt.ID = strconv.FormatUint(rand.Uint64(), 16)
+		c.o.Metrics.routed(rt, time.Since(t0).Seconds())
+	}
+	return rt, nil
+}
+
+// ttft returns the time from the decision to the first response byte, or 0.
+func (rt *Routed) ttft() time.Duration {
+	if rt.first.IsZero() {
+		return 0
+	}
+	return rt.first.Sub(rt.start)
+}
+
+// FirstByte reports that the first response byte arrived: the replica's
+// prefill is done. Only the first call counts.
+func (c *Core) FirstByte(rt *Routed) {
+	rt.once.Do(func() {
+		rt.first = c.e.o.Now()
+		c.e.PrefillDone(rt.Decision, rt.Served)
+	})
+}
+
+// Failover moves the request to the next-ranked candidate, ending its work
+// on the current one; it reports false when none is left.
+func (c *Core) Failover(rt *Routed, next int) bool {
+	if next >= len(rt.Ranked) {
+		return false
+	}
+	c.e.Done(rt.Decision, rt.Served)
+	rt.Served = &rt.Ranked[next]
+	c.e.Commit(rt.Decision, rt.Served)
+	c.o.Metrics.retried(rt)
+	return true
+}
+
+// Outcome is how a routed request ended, as the front end saw it.
+type Outcome = decisionlog.Outcome
+
+// Finish ends a recorded request: its work stops counting, the reply (if
+// given) is learned on the replica that wrote it, and the decision is logged
+// with o. TTFT and duration are filled in from the core's clock when zero.
+func (c *Core) Finish(rt *Routed, o Outcome, reply []byte) {
+	now := c.e.o.Now()
+	c.e.Done(rt.Decision, rt.Served)
+	var learned []blockhash.Block
+	if reply != nil {
+		learned = c.e.LearnReply(rt.Decision, rt.Served.Replica, reply)
+	}
+	if o.DurationNs == 0 {
+		o.DurationNs = now.Sub(rt.start).Nanoseconds()
+	}
+	if o.TTFTNs == 0 && !rt.first.IsZero() {
+		o.TTFTNs = rt.first.Sub(rt.start).Nanoseconds()
+	}
+	c.o.Metrics.finished(rt, &o)
+	if c.o.Log == nil {
+		return
+	}
+	o.Replica = rt.Served.Replica.Name
+	o.ReplyBlocks = logBlocks(learned)
+	c.o.Log.Log(c.record(rt, &o))
+}
+
+func logBlocks(bl []blockhash.Block) []decisionlog.Block {
+	if len(bl) == 0 {
+		return nil
+	}
+	out := make([]decisionlog.Block, len(bl))
+	for i, b := range bl {
+		out[i] = decisionlog.Block{Hash: fmt.Sprintf("%016x", b.Hash), Kind: b.Kind.String(), Tokens: b.Tokens}
+	}
+	return out
+}
+
+func (c *Core) id(v string) string {
+	if v == "" || c.o.RawIDs {
+		return v
+	}
+	return fmt.Sprintf("h:%016x", xxhash.Sum64String(v))
+}
+
+func (c *Core) record(rt *Routed, o *Outcome) *decisionlog.Record {
+	r := &decisionlog.Record{
+		TimeNs: rt.start.UnixNano(), ID: rt.ID, Arm: rt.Arm.Name, Policy: rt.Arm.Policy.Name(), Model: rt.req.Model,
+		Session: c.id(rt.req.Session), Tenant: c.id(rt.req.Tenant), Key: fmt.Sprintf("%016x", rt.Key),
+		Tokens: rt.Tokens, Blocks: logBlocks(rt.Blocks), Chosen: rt.Chosen().Replica.Name, Outcome: o,
+	}
+	for _, rep := range c.e.o.Pool.Replicas() {
+		r.Replicas = append(r.Replicas, rep.Name)
+		r.Budgets = append(r.Budgets, rep.Budget())
+	}
+	for _, cand := range rt.Candidates {
+		r.Candidates = append(r.Candidates, decisionlog.Candidate{
+			Replica: cand.Replica.Name, Score: cand.Score, Matched: cand.Match.Tokens, InFlight: cand.Load.InFlight,
+			Pending: cand.Load.PendingTokens, Recent: cand.Load.RecentTokens, Reason: cand.Reason,
+			Running: cand.Load.Running, Waiting: cand.Load.Waiting, KVUsage: cand.Load.KVUsage,
+		})
+	}
+	if c.o.LogPrompts {
+		for _, t := range rt.req.Input.Text {
+			r.Text = append(r.Text, string(t))
+		}
+	}
+	return r
+}
+
+// ErrUnknownDecision is returned by Release for an id not held.
+var ErrUnknownDecision = errors.New("unknown or already released decision")
+
+// Hold keeps a recorded decision until Release, or until ReleaseAfter
+// passes (see Expire).
+func (c *Core) Hold(rt *Routed) {
+	c.mu.Lock()
+	c.held[rt.ID] = rt
+	c.mu.Unlock()
+}
+
+// Release finishes a held decision with o.
+func (c *Core) Release(id string, o Outcome) error {
+	c.mu.Lock()
+	rt, ok := c.held[id]
+	delete(c.held, id)
+	c.mu.Unlock()
+	if !ok {
+		return ErrUnknownDecision
+	}
+	c.Finish(rt, o, nil)
+	return nil
+}
+
+// Expire finishes held decisions older than ReleaseAfter at now and
+// returns how many.
+func (c *Core) Expire(now time.Time) int {
+	var old []*Routed
+	c.mu.Lock()
+	for id, rt := range c.held {
+		if now.Sub(rt.start) >= c.o.ReleaseAfter {
+			old = append(old, rt)
+			delete(c.held, id)
+		}
+	}
+	c.mu.Unlock()
+	for _, rt := range old {
+		c.Finish(rt, Outcome{Error: "never released"}, nil)
+	}
+	return len(old)
+}
+
+// Run expires unreleased decisions every interval until ctx ends.
+func (c *Core) Run(ctx context.Context, interval time.Duration) {
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case now := <-t.C:
+			c.Expire(now)
+		}
+	}
+}
+
+// Held returns how many decisions await Release.
+func (c *Core) Held() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.held)
+}

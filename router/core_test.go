@@ -1,0 +1,135 @@
+package router
+
+import (
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/semroute/semroute/decisionlog"
+)
+
+type memLog struct {
+	mu   sync.Mutex
+	recs []*decisionlog.Record
+}
+
+func (m *memLog) Log(r *decisionlog.Record) {
+	m.mu.Lock()
+	m.recs = append(m.recs, r)
+	m.mu.Unlock()
+}
+
+func newCore(t *testing.T, f *fixture, o CoreOptions) *Core {
+	t.Helper()
+	o.Engine = f.e
+	c, err := NewCore(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+func TestCoreLogsFinishedDecisions(t *testing.T) {
+	f := newFixture(t, 3, "semantic")
+	log := &memLog{}
+	c := newCore(t, f, CoreOptions{Log: log})
+	in := f.e.Input(parseChat(t, "system", strings.Repeat("policy text ", 100), "user", "q"), "alice", true)
+	rt, err := c.Route(CoreRequest{Input: in, Model: "m", Session: "alice", Tenant: "acme"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rt.ID == "" || rt.Arm.Name != "default" {
+		t.Fatalf("routed %+v", rt)
+	}
+	f.now = f.now.Add(30 * time.Millisecond)
+	c.FirstByte(rt)
+	c.FirstByte(rt) // only the first counts
+	f.now = f.now.Add(70 * time.Millisecond)
+	c.Finish(rt, Outcome{Status: 200, PromptTokens: 310, OutputTokens: 4, CachedTokens: 0}, []byte("the reply"))
+	if len(log.recs) != 1 {
+		t.Fatalf("%d records", len(log.recs))
+	}
+	r := log.recs[0]
+	o := r.Outcome
+	if r.ID != rt.ID || r.Policy != "semantic" || r.Session == "alice" || !strings.HasPrefix(r.Session, "h:") ||
+		!strings.HasPrefix(r.Tenant, "h:") || len(r.Blocks) != len(rt.Blocks) || len(r.Candidates) != 3 ||
+		len(r.Replicas) != 3 || len(r.Budgets) != 3 || r.Chosen != rt.Chosen().Replica.Name || r.Text != nil {
+		t.Fatalf("record %+v", r)
+	}
+	if o.TTFTNs != 30e6 || o.DurationNs != 100e6 || o.Replica != r.Chosen || len(o.ReplyBlocks) != 1 || o.PromptTokens != 310 {
+		t.Fatalf("outcome %+v", o)
+	}
+	if l := rt.Served.Replica.Load(f.now); l.InFlight != 0 {
+		t.Fatalf("load after finish: %+v", l)
+	}
+	// Raw ids and prompts when asked.
+	c2 := newCore(t, f, CoreOptions{Log: log, RawIDs: true, LogPrompts: true})
+	rt2, _ := c2.Route(CoreRequest{Input: in, Session: "alice"})
+	c2.Finish(rt2, Outcome{}, nil)
+	if r := log.recs[1]; r.Session != "alice" || len(r.Text) != 2 {
+		t.Fatalf("raw record %+v", r)
+	}
+}
+
+func TestCoreHoldReleaseExpire(t *testing.T) {
+	f := newFixture(t, 2, "semantic")
+	log := &memLog{}
+	c := newCore(t, f, CoreOptions{Log: log, ReleaseAfter: time.Minute})
+	in := f.e.Input(parseChat(t, "user", "x"), "", false)
+	a, _ := c.Route(CoreRequest{Input: in})
+	b, _ := c.Route(CoreRequest{Input: in})
+	c.Hold(a)
+	c.Hold(b)
+	if err := c.Release(a.ID, Outcome{Status: 200}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Release(a.ID, Outcome{}); err != ErrUnknownDecision {
+		t.Fatalf("second release: %v", err)
+	}
+	if n := c.Expire(f.now.Add(30 * time.Second)); n != 0 {
+		t.Fatalf("expired %d too early", n)
+	}
+	if n := c.Expire(f.now.Add(time.Minute)); n != 1 || c.Held() != 0 {
+		t.Fatalf("expired %d, held %d", n, c.Held())
+	}
+	if last := log.recs[len(log.recs)-1]; last.Outcome.Error == "" {
+		t.Fatalf("expired record %+v", last.Outcome)
+	}
+	dry, _ := c.Route(CoreRequest{Input: in, DryRun: true})
+	if dry.ID != "" {
+		t.Fatal("a dry run got an id")
+	}
+}
+
+func TestArmsValidateAndSplit(t *testing.T) {
+	f := newFixture(t, 2, "semantic")
+	rr, _ := NewPolicy("round_robin", PolicyConfig{})
+	if _, err := NewCore(CoreOptions{Engine: f.e, Arms: []Arm{{Name: "a", Policy: rr, Weight: 1}, {Name: "a", Policy: rr, Weight: 1}}}); err == nil {
+		t.Fatal("duplicate arm accepted")
+	}
+	if _, err := NewCore(CoreOptions{Engine: f.e, Arms: []Arm{{Name: "a", Policy: rr}}}); err == nil {
+		t.Fatal("zero weight accepted")
+	}
+	c := newCore(t, f, CoreOptions{Arms: []Arm{{Name: "x", Policy: rr, Weight: 1}, {Name: "y", Policy: f.e.Policy(), Weight: 1}}, Salt: "s"})
+	byTenant := c.PickArm("", "acme", 1)
+	if c.PickArm("", "acme", 2) != byTenant {
+		t.Fatal("tenant assignment not sticky")
+	}
+	other := newCore(t, f, CoreOptions{Arms: c.Arms(), Salt: "another"})
+	moved := 0
+	for i := 0; i < 200; i++ {
+		s := strings.Repeat("s", i%7) + string(rune('a'+i%26)) + string(rune('A'+i/26))
+		if c.PickArm(s, "", 0).Name != other.PickArm(s, "", 0).Name {
+			moved++
+		}
+	}
+	if moved < 50 {
+		t.Fatalf("a new salt moved only %d of 200 sessions", moved)
+	}
+	in := f.e.Input(parseChat(t, "user", "x"), "sess", false)
+	rt, _ := c.Route(CoreRequest{Input: in, Session: "sess"})
+	if rt.Policy != rt.Arm.Policy.Name() {
+		t.Fatalf("decided by %s in arm %s (%s)", rt.Policy, rt.Arm.Name, rt.Arm.Policy.Name())
+	}
+}

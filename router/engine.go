@@ -1,0 +1,392 @@
+package router
+
+import (
+	"encoding/binary"
+	"errors"
+	"math"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/cespare/xxhash/v2"
+
+	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/cachemodel"
+	"github.com/semroute/semroute/replica"
+)
+
+// ErrNoReplica means no replica is available to take the request.
+var ErrNoReplica = errors.New("no replica available")
+
+// EngineOptions configure an Engine. Splitter, Cache, Pool and Policy are
+// required.
+type EngineOptions struct {
+	Splitter *blockhash.Splitter
+	Cache    *cachemodel.Model
+	Pool     *replica.Pool
+	Policy   Policy
+	// Weights multiply matched and prompt tokens by block kind. Nil means
+	// DefaultWeights.
+	Weights *cachemodel.Weights
+	// Attempts is how many replicas a request may be tried on: the ranked
+	// candidates kept in a Decision. Default 3.
+	Attempts int
+	// Now is the clock. Nil means time.Now.
+	Now func() time.Time
+	// SharedActive counts a block used by several requests running at once
+	// on one replica once in its KV load (replica.Load.ActiveTokens), as
+	// engines with cascade attention store it once. Off: once per request.
+	SharedActive bool
+	// Matcher, if set, is the semantic fallback: when the best exact prefix
+	// match covers less than MatcherThreshold of the prompt, a donor with
+	// similar content is looked up and its replica preferred unless it is
+	// spilled. Served requests are registered as donors; the cache model's
+	// OnEvict should call Matcher.Forget.
+	Matcher Matcher
+	// MatcherThreshold is the share of the prompt below which the matcher
+	// is asked. Default 0.5.
+	MatcherThreshold float64
+	// A prefix block is hot (Input.Hot) when, per cache-model HotHalfLife,
+	// at least HotUses requests used it and more than HotShare ÷ (available
+	// replicas) of all requests did: it carries more than a replica's fair
+	// share of the traffic. Defaults 8 and 1.5; a negative HotUses turns hot
+	// prefixes off.
+	HotUses  float64
+	HotShare float64
+}
+
+// DefaultWeights are the default kind weights: kinds that later requests
+// reuse across sessions (system prompts, tool schemas, documents) count a
+// little more than their tokens, the new question a little less, since
+// co-locating the former is what makes later requests hit.
+func DefaultWeights() *cachemodel.Weights {
+	w := cachemodel.UnitWeights()
+	w[blockhash.KindSystem] = 1.2
+	w[blockhash.KindTools] = 1.2
+	w[blockhash.KindRetrievedContext] = 1.1
+	w[blockhash.KindUserQuery] = 0.8
+	return w
+}
+
+// Engine is the routing core shared by every front end.
+type Engine struct {
+	o EngineOptions
+
+	mu     sync.Mutex
+	active map[int]map[uint64]int32 // SharedActive: replica id → block → running requests
+
+	avgPrefill atomic.Uint64 // float64 bits: EWMA of committed requests' uncached tokens
+}
+
+// NewEngine returns an Engine.
+func NewEngine(o EngineOptions) (*Engine, error) {
+	if o.Splitter == nil || o.Cache == nil || o.Pool == nil || o.Policy == nil {
+		return nil, errors.New("router: Splitter, Cache, Pool and Policy are required")
+	}
+	if o.Weights == nil {
+		o.Weights = DefaultWeights()
+	}
+	for k, w := range o.Weights {
+		if w < 0 {
+			return nil, errors.New("router: kind weight for " + blockhash.Kind(k).String() + " is negative")
+		}
+	}
+	if o.Attempts <= 0 {
+		o.Attempts = 3
+	}
+	if o.Now == nil {
+		o.Now = time.Now
+	}
+	if o.MatcherThreshold == 0 {
+		o.MatcherThreshold = 0.5
+	}
+	if o.HotUses == 0 {
+		o.HotUses = 8
+	}
+	if o.HotShare == 0 {
+		o.HotShare = 1.5
+	}
+	e := &Engine{o: o}
+	if o.SharedActive {
+		e.active = map[int]map[uint64]int32{}
+	}
+	return e, nil
+}
+
+// Policy returns the engine's routing policy.
+func (e *Engine) Policy() Policy { return e.o.Policy }
+
+// Splitter returns the engine's splitter.
+func (e *Engine) Splitter() *blockhash.Splitter { return e.o.Splitter }
+
+// Decision is the outcome of routing one request.
+type Decision struct {
+	Policy string // the policy's name
+	Blocks []blockhash.Block
+	Tokens int // estimated prompt tokens
+	Key    uint64
+	// Ranked holds the best Attempts candidates, best first; Ranked[0] is
+	// the choice. Candidates holds every candidate scored, in no order.
+	Ranked     []Candidate
+	Candidates []Candidate
+	// Work is the request's load on the replica now serving it (set by
+	// Commit).
+	Work replica.Work
+}
+
+// Chosen returns the winning candidate.
+func (d *Decision) Chosen() *Candidate { return &d.Ranked[0] }
+
+// SessionKey returns the key that keeps a session's ties on one replica: the
+// session id if given, else the body's user, else the first block's hash.
+func SessionKey(sessionID, user string, blocks []blockhash.Block) uint64 {
+	switch {
+	case sessionID != "":
+		return xxhash.Sum64String(sessionID)
+	case user != "":
+		return xxhash.Sum64String(user)
+	case len(blocks) > 0:
+		return blocks[0].Hash
+	}
+	return 0
+}
+
+func rendezvous(key uint64, name string) uint64 {
+	var b [8]byte
+	binary.LittleEndian.PutUint64(b[:], key)
+	var d xxhash.Digest
+	d.Reset()
+	_, _ = d.Write(b[:])
+	_, _ = d.WriteString(name)
+	return d.Sum64()
+}
+
+// RouteInput is a request as the engine routes it.
+type RouteInput struct {
+	Blocks []blockhash.Block
+	// Key is the session key (SessionKey).
+	Key uint64
+	// Text is the request's text, for the semantic matcher and prompt
+	// logging; may be nil.
+	Text [][]byte
+	// Policy overrides the engine's policy for this request (an A/B arm's);
+	// nil means the engine's.
+	Policy Policy
+}
+
+// Input splits req into the engine's RouteInput, keyed by SessionKey. The
+// text is kept when withText is set or a matcher needs it.
+func (e *Engine) Input(req *blockhash.Request, sessionID string, withText bool) RouteInput {
+	in := RouteInput{Blocks: e.o.Splitter.Split(make([]blockhash.Block, 0, 16), req)}
+	in.Key = SessionKey(sessionID, req.User, in.Blocks)
+	if withText || e.o.Matcher != nil {
+		for i := range req.Parts {
+			in.Text = append(in.Text, req.Parts[i].Text)
+		}
+	}
+	return in
+}
+
+// Decide splits req and routes it with DecideRequest.
+func (e *Engine) Decide(req *blockhash.Request, sessionID string, record bool) (*Decision, error) {
+	return e.DecideRequest(e.Input(req, sessionID, false), record)
+}
+
+// DecideRequest scores every available replica for a request and ranks
+// them. When record is true it also caches the blocks on the choice (so a
+// burst of identical prompts goes to one place), tells an Observer policy
+// and the matcher, and counts the request's work against the replica; the
+// caller must then call Done when the request ends.
+func (e *Engine) DecideRequest(ri RouteInput, record bool) (*Decision, error) {
+	pol := ri.Policy
+	if pol == nil {
+		pol = e.o.Policy
+	}
+	d := &Decision{Blocks: ri.Blocks, Key: ri.Key, Policy: pol.Name()}
+	for _, b := range ri.Blocks {
+		d.Tokens += int(b.Tokens)
+	}
+	if err := e.rank(d, pol); err != nil {
+		return nil, err
+	}
+	e.preferDonor(d, ri.Text)
+	if record {
+		if o, ok := pol.(Observer); ok {
+			o.Chosen(e.input(d), d.Chosen())
+		}
+		e.Commit(d, d.Chosen())
+		if e.o.Matcher != nil && ri.Text != nil && len(d.Blocks) > 0 {
+			e.o.Matcher.Register(d.Blocks[len(d.Blocks)-1].Hash, d.Chosen().Replica.ID, ri.Text)
+		}
+	}
+	return d, nil
+}
+
+// preferDonor moves the replica of a similar donor to the front when the
+// exact match is short.
+func (e *Engine) preferDonor(d *Decision, text [][]byte) {
+	if e.o.Matcher == nil || text == nil || d.Tokens == 0 {
+		return
+	}
+	best := 0
+	for i := range d.Candidates {
+		best = max(best, d.Candidates[i].Match.Tokens)
+	}
+	if float64(best) >= e.o.MatcherThreshold*float64(d.Tokens) {
+		return
+	}
+	id, ok := e.o.Matcher.Find(text)
+	if !ok {
+		return
+	}
+	for i := range d.Candidates {
+		c := d.Candidates[i]
+		if c.Replica.ID != id || c.Reason == "spill" {
+			continue
+		}
+		c.Reason = "donor"
+		ranked := []Candidate{c}
+		for _, r := range d.Ranked {
+			if r.Replica.ID != id {
+				ranked = append(ranked, r)
+			}
+		}
+		d.Ranked = ranked[:min(len(ranked), e.o.Attempts)]
+		return
+	}
+}
+
+// DecideAny ranks the available replicas for a request with no prompt (for
+// example GET /v1/files): least load first.
+func (e *Engine) DecideAny() (*Decision, error) {
+	d := &Decision{}
+	now := e.o.Now()
+	for _, r := range e.o.Pool.Replicas() {
+		if r.Available(now) {
+			d.Candidates = append(d.Candidates, Candidate{Replica: r, Load: r.Load(now)})
+		}
+	}
+	if len(d.Candidates) == 0 {
+		return nil, ErrNoReplica
+	}
+	LeastLoad{}.Score(nil, d.Candidates)
+	d.Ranked = append([]Candidate(nil), d.Candidates...)
+	rank(d.Ranked, d.Key, e.o.Attempts)
+	d.Ranked = d.Ranked[:min(e.o.Attempts, len(d.Ranked))]
+	return d, nil
+}
+
+func (e *Engine) input(d *Decision) *Input {
+	in := &Input{Blocks: d.Blocks, Tokens: d.Tokens, Key: d.Key, BlockTokens: e.o.Splitter.BlockTokens()}
+	for _, b := range d.Blocks {
+		in.Weighted += e.o.Weights[b.Kind] * float64(b.Tokens)
+	}
+	in.AvgPrefill = math.Float64frombits(e.avgPrefill.Load())
+	if e.o.HotUses > 0 && len(d.Candidates) > 0 {
+		in.Hot = e.o.Cache.Hot(d.Blocks, e.o.Weights, e.o.HotUses, e.o.HotShare/float64(len(d.Candidates)), e.o.Now().UnixNano())
+	}
+	return in
+}
+
+func (e *Engine) rank(d *Decision, pol Policy) error {
+	now := e.o.Now()
+	reps := e.o.Pool.Replicas()
+	matches := e.o.Cache.Match(d.Blocks, e.o.Weights, nil)
+	sizes := e.o.Cache.Sizes(nil)
+	d.Candidates = make([]Candidate, 0, len(reps))
+	for _, r := range reps {
+		if !r.Available(now) {
+			continue
+		}
+		c := Candidate{Replica: r, Load: r.Load(now)}
+		if r.ID < len(matches) {
+			c.Match, c.CacheTokens = matches[r.ID], sizes[r.ID]
+		}
+		d.Candidates = append(d.Candidates, c)
+	}
+	if len(d.Candidates) == 0 {
+		return ErrNoReplica
+	}
+	pol.Score(e.input(d), d.Candidates)
+	ranked := append([]Candidate(nil), d.Candidates...)
+	rank(ranked, d.Key, e.o.Attempts)
+	d.Ranked = ranked[:min(e.o.Attempts, len(ranked))]
+	return nil
+}
+
+// Commit caches d's blocks on c's replica and counts the request's work
+// there. Call Done with the same candidate when the request ends.
+func (e *Engine) Commit(d *Decision, c *Candidate) {
+	e.o.Cache.Record(c.Replica.ID, d.Blocks, e.o.Now().UnixNano())
+	d.Work = replica.Work{Prefill: int64(d.Tokens - c.Match.Tokens), Tokens: e.activate(c.Replica.ID, d.Blocks, 1)}
+	c.Replica.Begin(&d.Work)
+	for { // avg ← avg + (x − avg)/32, lock-free
+		old := e.avgPrefill.Load()
+		avg := math.Float64frombits(old)
+		if e.avgPrefill.CompareAndSwap(old, math.Float64bits(avg+(float64(d.Work.Prefill)-avg)/32)) {
+			break
+		}
+	}
+}
+
+// activate adds delta (±1) to the running count of blocks on replica id
+// and returns the tokens that became held (delta 1) or released (delta −1):
+// with SharedActive, only blocks no other running request holds; without,
+// all of them.
+func (e *Engine) activate(id int, blocks []blockhash.Block, delta int32) int64 {
+	var n int64
+	if e.active == nil {
+		for _, b := range blocks {
+			n += int64(b.Tokens)
+		}
+		return n
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	m := e.active[id]
+	if m == nil {
+		m = map[uint64]int32{}
+		e.active[id] = m
+	}
+	for _, b := range blocks {
+		before := m[b.Hash]
+		after := before + delta
+		if after <= 0 {
+			delete(m, b.Hash)
+		} else {
+			m[b.Hash] = after
+		}
+		if (delta > 0 && before == 0) || (delta < 0 && after <= 0 && before > 0) {
+			n += int64(b.Tokens)
+		}
+	}
+	return n
+}
+
+// PrefillDone reports that the replica serving d has finished its prefill
+// (the first token arrived).
+func (e *Engine) PrefillDone(d *Decision, c *Candidate) { c.Replica.PrefillDone(&d.Work, e.o.Now()) }
+
+// Done ends the work counted by Commit and tells the cache model the
+// request's blocks were freed.
+func (e *Engine) Done(d *Decision, c *Candidate) {
+	now := e.o.Now()
+	if e.active != nil {
+		d.Work.Tokens = e.activate(c.Replica.ID, d.Blocks, -1)
+	}
+	c.Replica.End(&d.Work, now)
+	e.o.Cache.Release(c.Replica.ID, d.Blocks, now.UnixNano())
+}
+
+// LearnReply caches the assistant's reply, chained after the request's
+// blocks, on replica r: it is the prefix of the conversation's next turn. It
+// returns the reply's blocks.
+func (e *Engine) LearnReply(d *Decision, r *replica.Replica, reply []byte) []blockhash.Block {
+	if len(d.Blocks) == 0 {
+		return nil
+	}
+	p := blockhash.Part{Role: blockhash.RoleAssistant, Base: blockhash.KindAssistantHistory, Text: reply}
+	all := e.o.Splitter.AppendPart(append([]blockhash.Block(nil), d.Blocks...), d.Blocks[len(d.Blocks)-1].Hash, &p)
+	e.o.Cache.Record(r.ID, all, e.o.Now().UnixNano())
+	return all[len(d.Blocks):]
+}

@@ -1,0 +1,261 @@
+package router
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"strings"
+	"testing"
+	"testing/iotest"
+	"time"
+
+	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/cachemodel"
+	"github.com/semroute/semroute/replica"
+)
+
+type fixture struct {
+	e     *Engine
+	cache *cachemodel.Model
+	pool  *replica.Pool
+	now   time.Time
+}
+
+func newFixture(t testing.TB, replicas int, policy string) *fixture {
+	t.Helper()
+	f := &fixture{cache: cachemodel.New(cachemodel.Options{}), now: time.Unix(1000, 0)}
+	specs := make([]replica.Spec, replicas)
+	for i := range specs {
+		specs[i] = replica.Spec{Name: fmt.Sprint("r", i), URL: fmt.Sprintf("http://127.0.0.1:%d", 9000+i)}
+	}
+	var err error
+	f.pool, err = replica.NewPool(specs, replica.Options{HalfLife: 10 * time.Second},
+		func(s replica.Spec) (int, error) { return f.cache.AddReplica(s.Name, s.BudgetTokens) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	split, _ := blockhash.NewSplitter(blockhash.Options{})
+	pol, err := NewPolicy(policy, PolicyConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.e, err = NewEngine(EngineOptions{Splitter: split, Cache: f.cache, Pool: f.pool, Policy: pol, Now: func() time.Time { return f.now }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
+
+func parseChat(t testing.TB, msgs ...string) *blockhash.Request {
+	t.Helper()
+	m := make([]map[string]string, 0, len(msgs)/2)
+	for i := 0; i+1 < len(msgs); i += 2 {
+		m = append(m, map[string]string{"role": msgs[i], "content": msgs[i+1]})
+	}
+	b, _ := json.Marshal(map[string]any{"model": "m", "messages": m})
+	r, err := blockhash.ParseChat(b, blockhash.Limits{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+func TestDecideSharedPrefixStaysUntilHot(t *testing.T) {
+	f := newFixture(t, 4, "semantic")
+	sys := strings.Repeat("shared system prompt. ", 200)
+	var first string
+	spread := map[string]bool{}
+	for i := 0; i < 16; i++ {
+		// Nothing finishes: every request's prefill stays pending.
+		d, err := f.e.Decide(parseChat(t, "system", sys, "user", fmt.Sprint("q", i)), "", true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := d.Chosen()
+		switch {
+		case i == 0:
+			first = c.Replica.Name
+			if c.Reason != "miss" {
+				t.Fatalf("first reason %q", c.Reason)
+			}
+		case i < 8: // a burst goes where its prefix is, while the prefix is not hot
+			if c.Replica.Name != first || c.Match.Tokens == 0 {
+				t.Fatalf("request %d went to %s (%s), first to %s", i, c.Replica.Name, c.Reason, first)
+			}
+		default: // 8 uses and all the traffic: load decides and the prefix is replicated
+			spread[c.Replica.Name] = true
+		}
+	}
+	if len(spread) < 3 {
+		t.Fatalf("a hot prefix kept traffic on %v", spread)
+	}
+}
+
+func TestDecideDryRunRecordsNothing(t *testing.T) {
+	f := newFixture(t, 2, "semantic")
+	req := parseChat(t, "user", strings.Repeat("x", 1000))
+	d, err := f.e.Decide(req, "", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := f.cache.Match(d.Blocks, nil, nil); got[0].Blocks+got[1].Blocks != 0 {
+		t.Fatalf("dry run recorded blocks: %+v", got)
+	}
+	if l := d.Chosen().Replica.Load(f.now); l.InFlight != 0 {
+		t.Fatalf("dry run counted load: %+v", l)
+	}
+}
+
+func TestCommitAndDoneBalanceLoad(t *testing.T) {
+	f := newFixture(t, 1, "semantic")
+	d, _ := f.e.Decide(parseChat(t, "user", strings.Repeat("y", 4000)), "", true)
+	c := d.Chosen()
+	if l := c.Replica.Load(f.now); l.InFlight != 1 || l.PendingTokens != 1000 || l.ActiveTokens != 1000 || l.RecentTokens != 0 {
+		t.Fatalf("after commit: %+v", l)
+	}
+	f.e.PrefillDone(d, c)
+	if l := c.Replica.Load(f.now); l.InFlight != 1 || l.PendingTokens != 0 || l.ActiveTokens != 1000 || l.RecentTokens != 1000 {
+		t.Fatalf("after prefill: %+v", l)
+	}
+	f.e.Done(d, c)
+	if l := c.Replica.Load(f.now); l.InFlight != 0 || l.PendingTokens != 0 || l.RecentTokens != 1000 {
+		t.Fatalf("at done: %+v", l)
+	}
+	f.now = f.now.Add(10 * time.Second) // one half-life
+	if l := c.Replica.Load(f.now); l.InFlight != 0 || l.PendingTokens != 0 || math.Abs(l.RecentTokens-500) > 1e-6 {
+		t.Fatalf("after done: %+v", l)
+	}
+}
+
+func TestLearnReplyMatchesNextTurn(t *testing.T) {
+	f := newFixture(t, 3, "semantic")
+	turn1 := parseChat(t, "system", "be brief", "user", strings.Repeat("tell me about caching. ", 30))
+	d, _ := f.e.Decide(turn1, "s", true)
+	r := d.Chosen().Replica
+	reply := strings.Repeat("Caching keeps computed state. ", 40)
+	f.e.LearnReply(d, r, blockhash.AssistantText(reply, nil))
+	f.e.Done(d, d.Chosen())
+
+	turn2 := parseChat(t, "system", "be brief", "user", strings.Repeat("tell me about caching. ", 30),
+		"assistant", reply, "user", "and eviction?")
+	d2, _ := f.e.Decide(turn2, "s", false)
+	c := d2.Chosen()
+	if c.Replica != r {
+		t.Fatalf("turn 2 went to %s, turn 1 to %s", c.Replica.Name, r.Name)
+	}
+	if c.Match.Blocks != len(d2.Blocks)-1 {
+		t.Fatalf("matched %d of %d blocks; want all but the new question", c.Match.Blocks, len(d2.Blocks))
+	}
+}
+
+func TestDecideNoReplica(t *testing.T) {
+	f := newFixture(t, 2, "semantic")
+	for _, r := range f.pool.Replicas() {
+		r.MarkDown(f.now, time.Minute)
+	}
+	if _, err := f.e.Decide(parseChat(t, "user", "x"), "", true); !errors.Is(err, ErrNoReplica) {
+		t.Fatalf("err = %v", err)
+	}
+	if _, err := f.e.DecideAny(); !errors.Is(err, ErrNoReplica) {
+		t.Fatalf("DecideAny err = %v", err)
+	}
+	f.now = f.now.Add(2 * time.Minute)
+	if _, err := f.e.Decide(parseChat(t, "user", "x"), "", true); err != nil {
+		t.Fatalf("after the cool-down: %v", err)
+	}
+}
+
+func TestSessionKey(t *testing.T) {
+	bl := []blockhash.Block{{Hash: 42}}
+	if SessionKey("", "", bl) != 42 {
+		t.Error("no session: want the first block's hash")
+	}
+	if SessionKey("a", "u", bl) == SessionKey("b", "u", bl) {
+		t.Error("session id ignored")
+	}
+	if SessionKey("", "u", bl) != SessionKey("", "u", nil) {
+		t.Error("user ignored")
+	}
+}
+
+func TestReplyCapture(t *testing.T) {
+	cases := []struct {
+		name string
+		sse  bool
+		body string
+		want string
+		ok   bool
+	}{
+		{"chat json", false, `{"choices":[{"message":{"role":"assistant","content":"hello"}}]}`, "hello", true},
+		{"completion json", false, `{"choices":[{"text":"abc"}]}`, "abc", true},
+		{"tool calls json", false, `{"choices":[{"message":{"content":null,"tool_calls":[{"function":{"name":"f","arguments":"{}"}}]}}]}`, "\x00f\x00{}", true},
+		{"chat sse", true, "data: {\"choices\":[{\"delta\":{\"content\":\"he\"}}]}\n\ndata: {\"choices\":[{\"delta\":{\"content\":\"llo\"}}]}\n\ndata: {\"choices\":[],\"usage\":{}}\n\ndata: [DONE]\n\n", "hello", true},
+		{"sse tool call pieces", true, "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"name\":\"f\",\"arguments\":\"{\\\"a\"}}]}}]}\n\ndata: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"\\\":1}\"}}]}}]}\n\ndata: [DONE]\n\n", "\x00f\x00{\"a\":1}", true},
+		{"sse cut short", true, "data: {\"choices\":[{\"delta\":{\"content\":\"he\"}}]}\n\n", "", false},
+		{"bad json", false, `{"choices":`, "", false},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			c := &replyCapture{rc: io.NopCloser(strings.NewReader(tc.body)), sse: tc.sse, limit: 1 << 20}
+			if _, err := io.Copy(io.Discard, c); err != nil {
+				t.Fatal(err)
+			}
+			got, ok := c.reply()
+			if ok != tc.ok || string(got) != tc.want {
+				t.Fatalf("reply = %q, %v; want %q, %v", got, ok, tc.want, tc.ok)
+			}
+		})
+	}
+	over := &replyCapture{rc: io.NopCloser(strings.NewReader(`{"choices":[{"text":"abcdefgh"}]}`)), limit: 10}
+	io.Copy(io.Discard, over)
+	if _, ok := over.reply(); ok {
+		t.Fatal("a reply over the limit was learned")
+	}
+	// Usage, from a JSON body and from a stream's last chunk; a stream fed
+	// in one-byte reads parses the same.
+	u := &replyCapture{rc: io.NopCloser(strings.NewReader(`{"choices":[{"text":"x"}],"usage":{"prompt_tokens":9,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":4}}}`)), limit: 1 << 20}
+	io.Copy(io.Discard, u)
+	if p, o, c := u.tokens(); p != 9 || o != 2 || c != 4 {
+		t.Fatalf("usage %d %d %d", p, o, c)
+	}
+	stream := "data: {\"choices\":[{\"delta\":{\"content\":\"ab\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":1,\"prompt_tokens_details\":{\"cached_tokens\":3}}}\n\ndata: [DONE]\n\n"
+	sc := &replyCapture{rc: io.NopCloser(iotest.OneByteReader(strings.NewReader(stream))), sse: true, limit: 1 << 20}
+	io.Copy(io.Discard, sc)
+	if p, o, c := sc.tokens(); p != 5 || o != 1 || c != 3 {
+		t.Fatalf("stream usage %d %d %d", p, o, c)
+	}
+	if r, ok := sc.reply(); !ok || string(r) != "ab" {
+		t.Fatalf("stream reply %q %v", r, ok)
+	}
+}
+
+func TestSharedActiveCountsSharedBlocksOnce(t *testing.T) {
+	for _, shared := range []bool{false, true} {
+		f := newFixture(t, 1, "semantic")
+		f.e.o.SharedActive = shared
+		if shared {
+			f.e.active = map[int]map[uint64]int32{}
+		}
+		sys := strings.Repeat("s", 4000) // 1,000 tokens in 16 blocks
+		d1, _ := f.e.Decide(parseChat(t, "system", sys, "user", strings.Repeat("a", 400)), "", true)
+		d2, _ := f.e.Decide(parseChat(t, "system", sys, "user", strings.Repeat("b", 400)), "", true)
+		r := d1.Chosen().Replica
+		want := 2200.0 // 2 × (1,000 + 100)
+		if shared {
+			want = 1200 // the system prompt once
+		}
+		if got := r.Load(f.now).ActiveTokens; got != want {
+			t.Fatalf("shared=%v: active %v, want %v", shared, got, want)
+		}
+		f.e.Done(d1, d1.Chosen())
+		if got := r.Load(f.now).ActiveTokens; got != 1100 {
+			t.Fatalf("shared=%v: after one ends, active %v, want 1100", shared, got)
+		}
+		f.e.Done(d2, d2.Chosen())
+		if got := r.Load(f.now).ActiveTokens; got != 0 {
+			t.Fatalf("shared=%v: after both end, active %v", shared, got)
+		}
+	}
+}

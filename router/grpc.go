@@ -1,0 +1,176 @@
+package router
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"strconv"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/reflection"
+	"google.golang.org/grpc/status"
+
+	pb "github.com/semroute/semroute/api/proto/semroute/v1"
+	"github.com/semroute/semroute/blockhash"
+)
+
+// GRPCService adapts the Core to the semroute.v1.Router gRPC service.
+type GRPCService struct {
+	pb.UnimplementedRouterServer
+	core   *Core
+	limits blockhash.Limits
+}
+
+var _ pb.RouterServer = (*GRPCService)(nil)
+
+// NewGRPCServer returns a gRPC server with the Router service, the standard
+// health service (serving) and server reflection registered. opts are passed
+// to grpc.NewServer.
+func NewGRPCServer(core *Core, limits blockhash.Limits, opts ...grpc.ServerOption) *grpc.Server {
+	s := grpc.NewServer(opts...)
+	pb.RegisterRouterServer(s, &GRPCService{core: core, limits: limits})
+	hs := health.NewServer()
+	hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
+	hs.SetServingStatus(pb.Router_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
+	healthpb.RegisterHealthServer(s, hs)
+	reflection.Register(s)
+	return s
+}
+
+func invalid(err error) error { return status.Error(codes.InvalidArgument, err.Error()) }
+
+// request turns a RouteRequest into the blockhash request it describes.
+func (g *GRPCService) request(in *pb.RouteRequest) (*blockhash.Request, error) {
+	model := in.GetModel()
+	switch x := in.GetInput().(type) {
+	case *pb.RouteRequest_OpenaiBody:
+		ep := blockhash.Chat
+		if in.GetEndpoint() == pb.Endpoint_ENDPOINT_COMPLETIONS {
+			ep = blockhash.Completion
+		}
+		return blockhash.Parse(ep, x.OpenaiBody, g.limits)
+	case *pb.RouteRequest_Messages:
+		msgs := make([]map[string]string, 0, len(x.Messages.GetMessages()))
+		for _, m := range x.Messages.GetMessages() {
+			msg := map[string]string{"role": m.GetRole(), "content": m.GetContent()}
+			if m.GetName() != "" {
+				msg["name"] = m.GetName()
+			}
+			msgs = append(msgs, msg)
+		}
+		b, _ := json.Marshal(map[string]any{"model": model, "messages": msgs}) // strings marshal
+		return blockhash.ParseChat(b, g.limits)
+	case *pb.RouteRequest_Prompt:
+		b, _ := json.Marshal(map[string]any{"model": model, "prompt": x.Prompt})
+		return blockhash.ParseCompletion(b, g.limits)
+	case *pb.RouteRequest_TokenIds:
+		if model == "" || len(x.TokenIds.GetIds()) == 0 {
+			return nil, errors.New("token_ids: model and at least one id are required")
+		}
+		return &blockhash.Request{Model: model, Parts: []blockhash.Part{blockhash.TokenPart(x.TokenIds.GetIds())}}, nil
+	case *pb.RouteRequest_Blocks:
+		if model == "" || len(x.Blocks.GetBlocks()) == 0 {
+			return nil, errors.New("blocks: model and at least one block are required")
+		}
+		if g.limits.MaxMessages > 0 && len(x.Blocks.GetBlocks()) > g.limits.MaxMessages {
+			return nil, errors.New("blocks: more blocks than the message limit")
+		}
+		r := &blockhash.Request{Model: model}
+		for i, b := range x.Blocks.GetBlocks() {
+			k := blockhash.KindOther
+			if b.GetKind() != "" {
+				var err error
+				if k, err = blockhash.ParseKind(b.GetKind()); err != nil {
+					return nil, &blockhash.InputError{Field: "blocks[" + itoa(i) + "].kind", Msg: err.Error()}
+				}
+			}
+			r.Parts = append(r.Parts, blockhash.Part{Role: blockhash.RolePrompt, Base: k, Text: []byte(b.GetText())})
+		}
+		return r, nil
+	}
+	return nil, errors.New("one of openai_body, messages, prompt, blocks or token_ids is required")
+}
+
+func itoa(i int) string { return strconv.Itoa(i) }
+
+// Route implements pb.RouterServer.
+func (g *GRPCService) Route(_ context.Context, in *pb.RouteRequest) (*pb.RouteResponse, error) {
+	req, err := g.request(in)
+	if err != nil {
+		return nil, invalid(err)
+	}
+	ri := g.core.e.Input(req, in.GetSessionId(), g.core.o.LogPrompts)
+	if _, ok := in.GetInput().(*pb.RouteRequest_Blocks); ok {
+		// Pre-split blocks keep the kind the caller gave, whatever the
+		// heuristics would say.
+		ri.Blocks = ri.Blocks[:0]
+		h := blockhash.Seed(req.Model)
+		for i := range req.Parts {
+			n := len(ri.Blocks)
+			ri.Blocks = g.core.e.Splitter().AppendPart(ri.Blocks, h, &req.Parts[i])
+			for j := n; j < len(ri.Blocks); j++ {
+				ri.Blocks[j].Kind = req.Parts[i].Base
+			}
+			h = ri.Blocks[len(ri.Blocks)-1].Hash
+		}
+		ri.Key = SessionKey(in.GetSessionId(), "", ri.Blocks)
+	}
+	rt, err := g.core.Route(CoreRequest{Input: ri, Model: req.Model, Session: in.GetSessionId(), Tenant: in.GetTenantId(), DryRun: in.GetDryRun(), Route: "grpc"})
+	switch {
+	case errors.Is(err, ErrNoReplica):
+		return nil, status.Error(codes.Unavailable, err.Error())
+	case err != nil:
+		return nil, status.Error(codes.Internal, err.Error())
+	}
+	if !in.GetDryRun() {
+		g.core.Hold(rt)
+	}
+	c := rt.Chosen()
+	out := &pb.RouteResponse{
+		DecisionId: rt.ID, Replica: c.Replica.Name, Url: c.Replica.URL.String(), Arm: rt.Arm.Name, Policy: rt.Policy,
+		PredictedMatchedTokens: int64(c.Match.Tokens), TotalTokens: int64(rt.Tokens),
+	}
+	for _, cand := range rt.Candidates {
+		out.Candidates = append(out.Candidates, &pb.Candidate{
+			Replica: cand.Replica.Name, Score: cand.Score, MatchedTokens: int64(cand.Match.Tokens),
+			InFlight: cand.Load.InFlight, PendingTokens: cand.Load.PendingTokens, RecentTokens: cand.Load.RecentTokens,
+			Reason: cand.Reason, Chosen: cand.Replica == c.Replica,
+		})
+	}
+	return out, nil
+}
+
+// Release implements pb.RouterServer.
+func (g *GRPCService) Release(_ context.Context, in *pb.ReleaseRequest) (*pb.ReleaseResponse, error) {
+	if in.GetDecisionId() == "" {
+		return nil, invalid(errors.New("decision_id is required"))
+	}
+	err := g.core.Release(in.GetDecisionId(), Outcome{
+		Status: int(in.GetStatus()), PromptTokens: in.GetPromptTokens(), OutputTokens: in.GetOutputTokens(),
+		CachedTokens: in.GetCachedTokens(), TTFTNs: int64(in.GetTtftMs() * float64(time.Millisecond)),
+		DurationNs: int64(in.GetDurationMs() * float64(time.Millisecond)),
+	})
+	if errors.Is(err, ErrUnknownDecision) {
+		return nil, status.Error(codes.NotFound, err.Error())
+	}
+	return &pb.ReleaseResponse{}, err
+}
+
+// ListReplicas implements pb.RouterServer.
+func (g *GRPCService) ListReplicas(context.Context, *pb.ListReplicasRequest) (*pb.ListReplicasResponse, error) {
+	now := g.core.e.o.Now()
+	out := &pb.ListReplicasResponse{}
+	for _, r := range g.core.e.o.Pool.Replicas() {
+		st, _ := g.core.e.o.Cache.Stats(r.ID)
+		l := r.Load(now)
+		out.Replicas = append(out.Replicas, &pb.Replica{
+			Name: r.Name, Url: r.URL.String(), Healthy: r.Available(now), InFlight: l.InFlight, PendingTokens: l.PendingTokens,
+			BudgetTokens: r.Budget(), TrackedBlocks: st.Blocks, TrackedTokens: st.Tokens, Evictions: st.Evictions,
+		})
+	}
+	return out, nil
+}

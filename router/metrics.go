@@ -1,0 +1,123 @@
+package router
+
+import (
+	"errors"
+	"net"
+	"strconv"
+	"strings"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Metrics are the router's per-request Prometheus metrics. Every series
+// carries the request's arm and policy. Base units: seconds and tokens.
+type Metrics struct {
+	requests       *prometheus.CounterVec
+	decision       *prometheus.HistogramVec
+	matchRatio     *prometheus.HistogramVec
+	predicted      *prometheus.CounterVec
+	reported       *prometheus.CounterVec
+	predictionDiff *prometheus.HistogramVec
+	ttft           *prometheus.HistogramVec
+	duration       *prometheus.HistogramVec
+	retries        *prometheus.CounterVec
+	upstreamErrors *prometheus.CounterVec
+}
+
+// NewMetrics registers the metrics with reg.
+func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
+	ap := []string{"arm", "policy"}
+	apr := []string{"arm", "policy", "replica"}
+	m := &Metrics{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_requests_total",
+			Help: "Routed requests by route, final status code (0: no response), arm and policy."},
+			[]string{"route", "code", "arm", "policy"}),
+		decision: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "semroute_routing_decision_seconds",
+			Help: "Time to decide where a request goes: split, hash, match, score, rank.", Buckets: prometheus.ExponentialBuckets(5e-6, 2, 16)}, ap),
+		matchRatio: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "semroute_predicted_match_ratio",
+			Help: "Predicted matched tokens on the chosen replica ÷ prompt tokens.", Buckets: prometheus.LinearBuckets(0, 0.1, 11)}, ap),
+		predicted: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_predicted_cached_tokens_total",
+			Help: "Prompt tokens the router predicted cached, for requests whose replica reported usage."}, apr),
+		reported: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_reported_cached_tokens_total",
+			Help: "Cached prompt tokens replicas reported (usage.prompt_tokens_details.cached_tokens)."}, apr),
+		predictionDiff: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "semroute_cached_tokens_prediction_error_tokens",
+			Help: "Per request: predicted minus reported cached tokens.", Buckets: []float64{-16384, -4096, -1024, -256, -64, -16, 0, 16, 64, 256, 1024, 4096, 16384}}, ap),
+		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "semroute_upstream_ttft_seconds",
+			Help: "Time from the routing decision to the replica's first response byte.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)}, apr),
+		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "semroute_upstream_duration_seconds",
+			Help: "Time from the routing decision to the end of the response.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 18)}, apr),
+		retries: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_retries_total",
+			Help: "Requests moved to another replica before any byte reached the client."}, ap),
+		upstreamErrors: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_upstream_errors_total",
+			Help: "Failed upstream attempts by kind: connect, timeout, reset, status_5xx, idle."}, []string{"replica", "kind"}),
+	}
+	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.reported, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors} {
+		if err := reg.Register(c); err != nil {
+			return nil, err
+		}
+	}
+	return m, nil
+}
+
+func (m *Metrics) routed(rt *Routed, seconds float64) {
+	if m == nil {
+		return
+	}
+	arm, pol := rt.Arm.Name, rt.Policy
+	m.decision.WithLabelValues(arm, pol).Observe(seconds)
+	if rt.Tokens > 0 {
+		m.matchRatio.WithLabelValues(arm, pol).Observe(float64(rt.Chosen().Match.Tokens) / float64(rt.Tokens))
+	}
+}
+
+func (m *Metrics) retried(rt *Routed) {
+	if m != nil {
+		m.retries.WithLabelValues(rt.Arm.Name, rt.Policy).Inc()
+	}
+}
+
+func (m *Metrics) finished(rt *Routed, o *Outcome) {
+	if m == nil {
+		return
+	}
+	arm, pol, rep := rt.Arm.Name, rt.Policy, rt.Served.Replica.Name
+	route := rt.req.Route
+	if route == "" {
+		route = "other"
+	}
+	m.requests.WithLabelValues(route, strconv.Itoa(o.Status), arm, pol).Inc()
+	if o.TTFTNs > 0 {
+		m.ttft.WithLabelValues(arm, pol, rep).Observe(float64(o.TTFTNs) / 1e9)
+	}
+	if o.DurationNs > 0 {
+		m.duration.WithLabelValues(arm, pol, rep).Observe(float64(o.DurationNs) / 1e9)
+	}
+	if o.Status == 200 && o.PromptTokens > 0 { // the replica reported usage
+		predicted := float64(rt.Served.Match.Tokens)
+		m.predicted.WithLabelValues(arm, pol, rep).Add(predicted)
+		m.reported.WithLabelValues(arm, pol, rep).Add(float64(o.CachedTokens))
+		m.predictionDiff.WithLabelValues(arm, pol).Observe(predicted - float64(o.CachedTokens))
+	}
+}
+
+// UpstreamError counts a failed upstream attempt.
+func (m *Metrics) UpstreamError(replica, kind string) {
+	if m != nil {
+		m.upstreamErrors.WithLabelValues(replica, kind).Inc()
+	}
+}
+
+// errorKind classifies an upstream transport error.
+func errorKind(err error) string {
+	var op *net.OpError
+	var ne net.Error
+	switch {
+	case errors.As(err, &op) && op.Op == "dial":
+		return "connect"
+	case errors.As(err, &ne) && ne.Timeout():
+		return "timeout"
+	case strings.Contains(err.Error(), "timeout"):
+		return "timeout"
+	}
+	return "reset"
+}

@@ -1,0 +1,317 @@
+package router
+
+import (
+	"fmt"
+	"math"
+	"sync/atomic"
+
+	lru "github.com/hashicorp/golang-lru/v2"
+
+	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/cachemodel"
+	"github.com/semroute/semroute/replica"
+)
+
+// Input is what a policy knows of the request being routed.
+type Input struct {
+	Blocks []blockhash.Block
+	// Tokens is the prompt's estimated tokens; Weighted the same with the
+	// kind weights applied.
+	Tokens   int
+	Weighted float64
+	// Key is the session key: a hash of X-Session-ID, else of the body's
+	// user, else the first block's hash.
+	Key uint64
+	// BlockTokens is the block size in tokens (the last block may be
+	// shorter).
+	BlockTokens int
+	// AvgPrefill is the mean uncached prompt tokens of recent requests
+	// (an exponentially weighted average): the work a queued request stands
+	// for when only a count is known.
+	AvgPrefill float64
+	// Hot is the request's leading blocks that are hot (EngineOptions.HotUses
+	// and HotShare): they carry more than one replica's share of the
+	// traffic, so they will soon be on several replicas.
+	Hot cachemodel.Match
+}
+
+// Candidate is one available replica as a policy sees it.
+type Candidate struct {
+	Replica *replica.Replica
+	Match   cachemodel.Match
+	Load    replica.Load
+	// CacheTokens is the tokens the replica holds in the cache picture.
+	CacheTokens int64
+	// Score is the policy's cost for sending the request here, in the
+	// policy's unit; lower is better. Policies set it.
+	Score float64
+	// Reason is a short word on why the score is what it is ("match",
+	// "miss", "spill", ...), for logs and the decision API.
+	Reason string
+}
+
+// Policy scores candidates. Score sets every candidate's Score (lower wins)
+// and may set Reason. It must not reorder cands.
+type Policy interface {
+	Name() string
+	Score(in *Input, cands []Candidate)
+}
+
+// Observer is implemented by policies that keep state about past choices;
+// the engine calls Chosen when a decision is recorded.
+type Observer interface {
+	Chosen(in *Input, c *Candidate)
+}
+
+// PolicyConfig holds every policy's parameters; each policy reads its own.
+// Zero fields take the documented defaults.
+type PolicyConfig struct {
+	// Seed seeds the randomised policies (random, power_of_two, dynamo with
+	// a temperature); 0 draws a seed at random.
+	Seed uint64
+	// LoadWeight multiplies a replica's queued work (tokens) in the
+	// semantic cost. Default 0.3 (see Semantic).
+	LoadWeight float64
+	// RecentWeight is the share of a replica's recently finished prefill
+	// tokens (replica.Load.RecentTokens) counted as queued work: it predicts
+	// the queue a replica will have and keeps load meaningful when requests
+	// rarely overlap. Default 1; negative means 0.
+	RecentWeight float64
+	// SpillFactor and SpillMarginTokens: a replica whose queued work exceeds
+	// SpillFactor × the mean + SpillMarginTokens is skipped (ranked after
+	// every other) by the semantic policy. Defaults 2 and 2048.
+	SpillFactor       float64
+	SpillMarginTokens float64
+
+	SGLang     SGLangParams
+	Dynamo     DynamoParams
+	LLMD       LLMDParams
+	AIBrix     AIBrixParams
+	SemanticKV SemanticKVParams
+	// VirtualNodes per replica on the consistent_hash ring. Default 160.
+	VirtualNodes int
+}
+
+func def(v *float64, d float64) {
+	if *v == 0 {
+		*v = d
+	}
+}
+
+func (c *PolicyConfig) defaults() {
+	def(&c.LoadWeight, 0.3)
+	switch {
+	case c.RecentWeight == 0:
+		c.RecentWeight = 1
+	case c.RecentWeight < 0:
+		c.RecentWeight = 0
+	}
+	def(&c.SpillFactor, 2)
+	def(&c.SpillMarginTokens, 2048)
+	def(&c.SGLang.CacheThreshold, 0.3)
+	def(&c.SGLang.BalanceAbsThreshold, 64)
+	def(&c.SGLang.BalanceRelThreshold, 1.5)
+	def(&c.Dynamo.OverlapWeight, 1)
+	def(&c.LLMD.PrefixWeight, 3)
+	def(&c.LLMD.QueueWeight, 2)
+	def(&c.LLMD.KVWeight, 2)
+	def(&c.AIBrix.ImbalanceCount, 16)
+	def(&c.AIBrix.StdDevFactor, 2)
+	def(&c.SemanticKV.SessionBonusTokens, 512)
+	def(&c.SemanticKV.LoadWeight, 1)
+	if c.SemanticKV.Sessions <= 0 {
+		c.SemanticKV.Sessions = 65536
+	}
+	if c.VirtualNodes <= 0 {
+		c.VirtualNodes = 160
+	}
+}
+
+// PolicyNames lists the routing policies NewPolicy knows.
+var PolicyNames = []string{
+	"semantic", "round_robin", "random", "least_load", "power_of_two", "consistent_hash",
+	"sglang", "dynamo", "llmd", "aibrix", "semantickv",
+}
+
+// NewPolicy returns the named routing policy.
+func NewPolicy(name string, c PolicyConfig) (Policy, error) {
+	c.defaults()
+	if c.LoadWeight < 0 || c.SpillFactor < 1 || c.SpillMarginTokens < 0 {
+		return nil, fmt.Errorf("policy %s: load_weight must be ≥ 0, spill_factor ≥ 1, spill_margin_tokens ≥ 0", name)
+	}
+	switch name {
+	case "semantic":
+		return &Semantic{cfg: c}, nil
+	case "round_robin":
+		return &RoundRobin{}, nil
+	case "random":
+		return &Random{rng: newSeededRand(c.Seed)}, nil
+	case "least_load":
+		return LeastLoad{}, nil
+	case "power_of_two":
+		return &PowerOfTwo{rng: newSeededRand(c.Seed)}, nil
+	case "consistent_hash":
+		return &ConsistentHash{VirtualNodes: c.VirtualNodes}, nil
+	case "sglang":
+		return &SGLang{p: c.SGLang}, nil
+	case "dynamo":
+		return &Dynamo{p: c.Dynamo, rng: newSeededRand(c.Seed)}, nil
+	case "llmd":
+		return &LLMD{p: c.LLMD}, nil
+	case "aibrix":
+		return &AIBrix{p: c.AIBrix}, nil
+	case "semantickv":
+		sessions, err := lru.New[uint64, string](c.SemanticKV.Sessions)
+		if err != nil {
+			return nil, err
+		}
+		return &SemanticKV{p: c.SemanticKV, sessions: sessions}, nil
+	}
+	return nil, fmt.Errorf("unknown routing policy %q (have %v)", name, PolicyNames)
+}
+
+// Semantic is semroute's own policy. Every cost is in prefill tokens:
+//
+//	cost(r)    = (Weighted − matched(r)) + LoadWeight × queued(r)
+//	matched(r) = max(Match(r).Weighted, Hot.Weighted)
+//	queued(r)  = max(PendingTokens(r), Waiting(r) × AvgPrefill) + RecentWeight × RecentTokens(r)
+//
+// the type-weighted prompt tokens replica r would still have to compute, plus
+// the work queued on it: prefill tokens in flight from this router, or the
+// replica's own waiting queue (vllm:num_requests_waiting, which also holds
+// other routers' requests) if that is larger, and a share of the prefill
+// that finished recently (see replica.Load). LoadWeight below 1 values a matched
+// token above a queued one: sending a request away from its prefix also
+// costs a duplicate copy of that prefix in the fleet's cache, which later
+// requests miss (the replay of the public traces measures this; see the
+// README). A miss everywhere goes to the least-loaded replica. A hot prefix
+// (Input.Hot: more traffic than one replica's share) counts as held by every
+// replica, since it soon will be: load decides where requests sharing a
+// global system prompt go, and the prefix is replicated wherever they land. A replica whose queued work is above
+// SpillFactor × mean + SpillMarginTokens, or whose KV cache is at least
+// KVSpill full (vllm:kv_cache_usage_perc: it would queue or preempt), is
+// ranked last (reason "spill"); if it still wins nothing else was available.
+type Semantic struct{ cfg PolicyConfig }
+
+var _ Policy = (*Semantic)(nil)
+
+// Name implements Policy.
+func (*Semantic) Name() string { return "semantic" }
+
+// Score implements Policy.
+func (p *Semantic) Score(in *Input, cands []Candidate) {
+	mean := 0.0
+	for i := range cands {
+		mean += p.queued(cands[i].Load, in.AvgPrefill)
+	}
+	mean /= float64(len(cands))
+	limit := p.cfg.SpillFactor*mean + p.cfg.SpillMarginTokens
+	for i := range cands {
+		c := &cands[i]
+		load := p.queued(c.Load, in.AvgPrefill)
+		matched := max(c.Match.Weighted, in.Hot.Weighted)
+		c.Score = in.Weighted - matched + p.cfg.LoadWeight*load
+		switch {
+		case load > limit || c.Load.KVUsage >= KVSpill:
+			c.Score += spillPenalty
+			c.Reason = "spill"
+		case in.Hot.Blocks > c.Match.Blocks:
+			c.Reason = "hot"
+		case c.Match.Blocks > 0:
+			c.Reason = "match"
+		default:
+			c.Reason = "miss"
+		}
+	}
+}
+
+func (p *Semantic) queued(l replica.Load, avgPrefill float64) float64 {
+	return max(l.PendingTokens, float64(l.Waiting)*avgPrefill) + p.cfg.RecentWeight*l.RecentTokens
+}
+
+// KVSpill is the KV cache usage from which the semantic policy skips a
+// replica.
+const KVSpill = 0.98
+
+// spillPenalty ranks a spilled replica after every replica that is not.
+const spillPenalty = 1e15
+
+// RoundRobin sends requests to each replica in turn.
+type RoundRobin struct{ next atomic.Uint64 }
+
+// Name implements Policy.
+func (*RoundRobin) Name() string { return "round_robin" }
+
+// Score implements Policy: the replica whose turn it is scores 0, the next 1,
+// and so on.
+func (p *RoundRobin) Score(_ *Input, cands []Candidate) {
+	n := uint64(len(cands))
+	start := (p.next.Add(1) - 1) % n
+	for i := range cands {
+		cands[i].Score = float64((uint64(i) + n - start) % n)
+		cands[i].Reason = "turn"
+	}
+}
+
+// Random scores replicas uniformly at random.
+type Random struct{ rng *seededRand }
+
+// Name implements Policy.
+func (*Random) Name() string { return "random" }
+
+// Score implements Policy.
+func (p *Random) Score(_ *Input, cands []Candidate) {
+	for i := range cands {
+		cands[i].Score = p.rng.float() * 1e9 // whole units: rank rounds scores
+		cands[i].Reason = "random"
+	}
+}
+
+// LeastLoad scores a replica by its in-flight requests, then its queued
+// tokens: the least-loaded replica wins whatever it has cached.
+type LeastLoad struct{}
+
+// Name implements Policy.
+func (LeastLoad) Name() string { return "least_load" }
+
+// Score implements Policy.
+func (LeastLoad) Score(_ *Input, cands []Candidate) {
+	for i := range cands {
+		l := cands[i].Load
+		cands[i].Score = float64(l.InFlight)*1e9 + l.PendingTokens + l.RecentTokens
+		cands[i].Reason = "load"
+	}
+}
+
+// rank moves the best k candidates, in order, to the front of cands: lowest
+// score (rounded to whole units) first, ties broken by the highest rendezvous
+// weight of (key, replica name), so a tie never means "the first replica
+// wins". O(k × len(cands)); rendezvous hashes only on ties.
+func rank(cands []Candidate, key uint64, k int) {
+	k = min(k, len(cands))
+	for i := 0; i < k; i++ {
+		best := i
+		bestScore := math.Round(cands[i].Score)
+		var bestRV uint64
+		rvDone := false
+		for j := i + 1; j < len(cands); j++ {
+			s := math.Round(cands[j].Score)
+			if s > bestScore {
+				continue
+			}
+			if s == bestScore {
+				if !rvDone {
+					bestRV, rvDone = rendezvous(key, cands[best].Replica.Name), true
+				}
+				rv := rendezvous(key, cands[j].Replica.Name)
+				if rv <= bestRV {
+					continue
+				}
+				best, bestRV = j, rv
+				continue
+			}
+			best, bestScore, rvDone = j, s, false
+		}
+		cands[i], cands[best] = cands[best], cands[i]
+	}
+}

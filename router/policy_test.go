@@ -1,0 +1,159 @@
+package router
+
+import (
+	"fmt"
+	"math"
+	"testing"
+
+	"github.com/semroute/semroute/cachemodel"
+	"github.com/semroute/semroute/replica"
+)
+
+func cands(n int) []Candidate {
+	out := make([]Candidate, n)
+	for i := range out {
+		out[i].Replica = &replica.Replica{Name: fmt.Sprint("r", i)}
+	}
+	return out
+}
+
+func TestSemanticCost(t *testing.T) {
+	p, err := NewPolicy("semantic", PolicyConfig{LoadWeight: 1, RecentWeight: 0.5})
+	if err != nil {
+		t.Fatal(err)
+	}
+	in := &Input{Tokens: 1000, Weighted: 1000}
+	cases := []struct {
+		name    string
+		match   []float64 // weighted matched tokens per replica
+		pending []float64
+		recent  []float64
+		want    []float64
+		reasons []string
+		hot     float64
+	}{
+		{"miss goes by load", []float64{0, 0, 0}, []float64{300, 100, 200}, []float64{0, 0, 0},
+			[]float64{1300, 1100, 1200}, []string{"miss", "miss", "miss"}, 0},
+		{"match beats load", []float64{800, 0, 0}, []float64{500, 0, 0}, []float64{0, 0, 0},
+			[]float64{700, 1000, 1000}, []string{"match", "miss", "miss"}, 0},
+		{"recent work counts half", []float64{0, 0}, []float64{0, 0}, []float64{1000, 0},
+			[]float64{1500, 1000}, []string{"miss", "miss"}, 0},
+		// mean 3000: the limit is 2×3000+2048 = 8048 < 9000.
+		{"spill", []float64{1000, 0, 0}, []float64{9000, 0, 0}, []float64{0, 0, 0},
+			[]float64{9000 + spillPenalty, 1000, 1000}, []string{"spill", "miss", "miss"}, 0},
+		{"hot prefix counts everywhere", []float64{600, 0, 0}, []float64{300, 0, 0}, []float64{0, 0, 0},
+			[]float64{700, 500, 500}, []string{"match", "hot", "hot"}, 500},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			in.Hot = cachemodel.Match{}
+			if tc.hot > 0 {
+				in.Hot = cachemodel.Match{Blocks: 1, Tokens: int(tc.hot), Weighted: tc.hot}
+			}
+			cs := cands(len(tc.match))
+			for i := range cs {
+				cs[i].Match = cachemodel.Match{Weighted: tc.match[i], Blocks: int(tc.match[i])}
+				cs[i].Load = replica.Load{PendingTokens: tc.pending[i], RecentTokens: tc.recent[i]}
+			}
+			p.Score(in, cs)
+			for i := range cs {
+				if math.Abs(cs[i].Score-tc.want[i]) > 1e-6 || cs[i].Reason != tc.reasons[i] {
+					t.Errorf("replica %d: score %v (%s), want %v (%s)", i, cs[i].Score, cs[i].Reason, tc.want[i], tc.reasons[i])
+				}
+			}
+		})
+	}
+}
+
+func TestNewPolicyValidates(t *testing.T) {
+	if _, err := NewPolicy("nope", PolicyConfig{}); err == nil {
+		t.Error("unknown policy accepted")
+	}
+	if _, err := NewPolicy("semantic", PolicyConfig{SpillFactor: 0.5}); err == nil {
+		t.Error("spill factor below 1 accepted")
+	}
+	for _, n := range PolicyNames {
+		p, err := NewPolicy(n, PolicyConfig{})
+		if err != nil || p.Name() != n {
+			t.Errorf("NewPolicy(%q) = %v, %v", n, p, err)
+		}
+	}
+}
+
+func TestRoundRobinCycles(t *testing.T) {
+	p, _ := NewPolicy("round_robin", PolicyConfig{})
+	var got []string
+	for i := 0; i < 6; i++ {
+		cs := cands(3)
+		p.Score(nil, cs)
+		rank(cs, 0, 1)
+		got = append(got, cs[0].Replica.Name)
+	}
+	want := "[r0 r1 r2 r0 r1 r2]"
+	if fmt.Sprint(got) != want {
+		t.Fatalf("order %v, want %s", got, want)
+	}
+}
+
+func TestLeastLoadPrefersFewerInFlight(t *testing.T) {
+	cs := cands(3)
+	cs[0].Load = replica.Load{InFlight: 2}
+	cs[1].Load = replica.Load{InFlight: 1, PendingTokens: 5000}
+	cs[2].Load = replica.Load{InFlight: 1, PendingTokens: 10}
+	LeastLoad{}.Score(nil, cs)
+	rank(cs, 0, 3)
+	if cs[0].Replica.Name != "r2" || cs[1].Replica.Name != "r1" || cs[2].Replica.Name != "r0" {
+		t.Fatalf("order %s %s %s", cs[0].Replica.Name, cs[1].Replica.Name, cs[2].Replica.Name)
+	}
+}
+
+func TestRankTiesByRendezvous(t *testing.T) {
+	// With every score equal the winner depends on the key, spreads over
+	// replicas, and does not depend on the candidates' order.
+	wins := map[string]int{}
+	for key := uint64(0); key < 400; key++ {
+		a, b := cands(4), cands(4)
+		b[0], b[3] = b[3], b[0]
+		rank(a, key, 1)
+		rank(b, key, 1)
+		if a[0].Replica.Name != b[0].Replica.Name {
+			t.Fatalf("key %d: winner depends on order (%s vs %s)", key, a[0].Replica.Name, b[0].Replica.Name)
+		}
+		wins[a[0].Replica.Name]++
+	}
+	for name, n := range wins {
+		if n < 60 {
+			t.Errorf("%s won %d of 400 ties: %v", name, n, wins)
+		}
+	}
+	if len(wins) != 4 {
+		t.Errorf("ties went to %d replicas: %v", len(wins), wins)
+	}
+}
+
+func TestRankOrdersTopK(t *testing.T) {
+	cs := cands(5)
+	for i, s := range []float64{5, 1, 4, 2, 3} {
+		cs[i].Score = s
+	}
+	rank(cs, 7, 3)
+	for i, want := range []float64{1, 2, 3} {
+		if cs[i].Score != want {
+			t.Fatalf("position %d: score %v, want %v", i, cs[i].Score, want)
+		}
+	}
+}
+
+func TestRandomSpreads(t *testing.T) {
+	rp, _ := NewPolicy("random", PolicyConfig{Seed: 1})
+	wins := map[string]int{}
+	for i := 0; i < 400; i++ {
+		cs := cands(4)
+		rp.Score(nil, cs)
+		rank(cs, 1, 1)
+		wins[cs[0].Replica.Name]++
+	}
+	if len(wins) != 4 {
+		t.Fatalf("random used %d replicas: %v", len(wins), wins)
+	}
+}
