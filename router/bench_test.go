@@ -1,8 +1,11 @@
 package router
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 
@@ -120,5 +123,26 @@ func BenchmarkScore(b *testing.B) {
 				rank(cs, uint64(i), 3)
 			}
 		})
+	}
+}
+
+// BenchmarkServeHTTP measures the router's own work per request — parse,
+// decide, proxy, read the reply, learn it, finish — with an in-memory
+// replica (cannedTransport).
+func BenchmarkServeHTTP(b *testing.B) {
+	fx := newFixture(b, 8, "semantic")
+	core, _ := NewCore(CoreOptions{Engine: fx.e})
+	srv, _ := NewServer(ServerOptions{Core: core, Transport: cannedTransport{}, RecordReplies: true})
+	body := benchBody(256)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		req := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", bytes.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		w := httptest.NewRecorder()
+		srv.ServeHTTP(w, req)
+		if w.Code != 200 {
+			b.Fatal(w.Code)
+		}
 	}
 }

@@ -147,6 +147,7 @@ func NewServer(o ServerOptions) (*Server, error) {
 	}
 	s := &Server{o: o, core: o.Core, e: o.Core.Engine(), mux: http.NewServeMux(), client: &http.Client{Transport: o.Transport}}
 	s.proxy = &httputil.ReverseProxy{
+		BufferPool:     &bufferPool{},
 		Rewrite:        s.rewrite,
 		Transport:      &failover{s: s, next: o.Transport},
 		FlushInterval:  -1,
@@ -165,6 +166,23 @@ func NewServer(o ServerOptions) (*Server, error) {
 	}
 	return s, nil
 }
+
+// bufferPool lends a reverse proxy its 32 KiB copy buffers, so a request
+// does not allocate one.
+type bufferPool struct{ p sync.Pool }
+
+// NewBufferPool returns the buffer pool the router's proxy uses, for other
+// proxies measured against it.
+func NewBufferPool() httputil.BufferPool { return &bufferPool{} }
+
+func (b *bufferPool) Get() []byte {
+	if v, ok := b.p.Get().(*[]byte); ok {
+		return *v
+	}
+	return make([]byte, 32<<10)
+}
+
+func (b *bufferPool) Put(buf []byte) { b.p.Put(&buf) }
 
 // CloseIdleConnections closes the idle connections to replicas.
 func (s *Server) CloseIdleConnections() {
@@ -328,7 +346,7 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 		slog.String("id", rt.ID), slog.String("arm", rt.Arm.Name), slog.String("path", r.URL.Path),
 		slog.String("replica", rt.Served.Replica.Name), slog.Int("status", f.status), slog.Int("prompt_tokens", rt.Tokens),
 		slog.Int("matched_tokens", rt.Served.Match.Tokens), slog.Int64("cached_tokens", o.CachedTokens),
-		slog.String("reason", rt.Served.Reason), slog.Duration("ttft", rt.ttft()), slog.Duration("duration", time.Since(rt.start)))
+		slog.String("reason", rt.Served.Reason), slog.Duration("ttft", rt.ttft()), slog.Duration("duration", s.e.o.Now().Sub(rt.start)))
 }
 
 func (s *Server) forward(w http.ResponseWriter, r *http.Request, f *flight) {

@@ -18,36 +18,47 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/semroute/semroute/configs"
+	"github.com/semroute/semroute/router"
 	"github.com/semroute/semroute/simreplica"
 )
 
 // benchOptions shape `router benchproxy`.
 type benchOptions struct {
 	requests    int           // sequential requests per case, for latency
-	concurrency int           // clients, for throughput
-	duration    time.Duration // throughput phase per case
+	concurrency []int         // client counts tried for throughput; the best is reported
+	duration    time.Duration // throughput phase per client count
 	sizes       []int         // request body sizes in bytes
 }
 
 // benchResult is one target's figures in one case.
 type benchResult struct {
 	p50, p99   time.Duration
-	throughput float64 // requests per second
+	throughput float64 // the highest requests per second over the client counts
+	atClients  int     // the client count that reached it
 	errors     int64
 }
 
 func newBenchProxy() *cobra.Command {
 	o := benchOptions{}
-	var sizes string
+	var sizes, conc string
 	cmd := &cobra.Command{
 		Use:   "benchproxy",
 		Short: "Measure the latency the router adds over a plain reverse proxy, in front of an instant simulated replica",
 		Long: `Starts one simulated replica that answers at once, the router in front of it, and a
 plain httputil.ReverseProxy in front of it, all on 127.0.0.1, and drives each with the
-same load generator: sequential requests for latency (p50, p99; added latency is the
-proxy's minus the replica's own), then concurrent clients for throughput. Bodies of each
+same load generator (the plain proxy has the router's proxy settings: immediate
+flushing and pooled buffers): sequential requests for latency (p50, p99; added latency is the
+proxy's minus the replica's own), then concurrent clients for throughput (the best over
+--concurrency). Bodies of each
 --sizes, streaming and not. Everything shares this machine's cores.`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			for _, c := range strings.Split(conc, ",") {
+				var n int
+				if _, err := fmt.Sscanf(strings.TrimSpace(c), "%d", &n); err != nil || n < 1 {
+					return fmt.Errorf("--concurrency: %q is not a positive count", c)
+				}
+				o.concurrency = append(o.concurrency, n)
+			}
 			for _, s := range strings.Split(sizes, ",") {
 				var n int
 				if _, err := fmt.Sscanf(strings.TrimSpace(s), "%d", &n); err != nil || n < 64 {
@@ -60,8 +71,8 @@ proxy's minus the replica's own), then concurrent clients for throughput. Bodies
 	}
 	f := cmd.Flags()
 	f.IntVar(&o.requests, "requests", 2000, "sequential requests per case (latency)")
-	f.IntVar(&o.concurrency, "concurrency", 32, "concurrent clients (throughput)")
-	f.DurationVar(&o.duration, "duration", 3*time.Second, "throughput phase per case")
+	f.StringVar(&conc, "concurrency", "8,32,128", "concurrent client counts to try for throughput, comma-separated; the best is reported")
+	f.DurationVar(&o.duration, "duration", 2*time.Second, "throughput phase per client count")
 	f.StringVar(&sizes, "sizes", "1024,131072", "request body sizes in bytes, comma-separated")
 	return cmd
 }
@@ -102,9 +113,10 @@ func runBenchProxy(out io.Writer, o benchOptions) error {
 	}
 	defer r.stop(5 * time.Second)
 	target, _ := url.Parse(sim.URL)
-	plainProxy := &httputil.ReverseProxy{
+	plainProxy := &httputil.ReverseProxy{ // the router's proxy settings, without routing
 		Rewrite:       func(pr *httputil.ProxyRequest) { pr.SetURL(target); pr.SetXForwarded() },
 		FlushInterval: -1,
+		BufferPool:    router.NewBufferPool(),
 		Transport:     &http.Transport{MaxIdleConnsPerHost: 1024},
 	}
 	plain, err := serve("127.0.0.1:0", plainProxy, a.log)
@@ -117,7 +129,7 @@ func runBenchProxy(out io.Writer, o benchOptions) error {
 	defer client.CloseIdleConnections()
 
 	tw := tabwriter.NewWriter(out, 2, 4, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "body\tmode\ttarget\tp50\tp99\tadded p50\tadded p99\treq/s\terrors\t")
+	fmt.Fprintln(tw, "body\tmode\ttarget\tp50\tp99\tadded p50\tadded p99\tbest req/s\tat clients\terrors\t")
 	for _, size := range o.sizes {
 		for _, stream := range []bool{false, true} {
 			body := benchBody(size, stream)
@@ -135,8 +147,8 @@ func runBenchProxy(out io.Writer, o benchOptions) error {
 					added50 = (res[i].p50 - res[0].p50).Round(time.Microsecond).String()
 					added99 = (res[i].p99 - res[0].p99).Round(time.Microsecond).String()
 				}
-				fmt.Fprintf(tw, "%d B\t%s\t%s\t%v\t%v\t%s\t%s\t%.0f\t%d\t\n", len(body), mode, t.name,
-					res[i].p50.Round(time.Microsecond), res[i].p99.Round(time.Microsecond), added50, added99, res[i].throughput, res[i].errors)
+				fmt.Fprintf(tw, "%d B\t%s\t%s\t%v\t%v\t%s\t%s\t%.0f\t%d\t%d\t\n", len(body), mode, t.name,
+					res[i].p50.Round(time.Microsecond), res[i].p99.Round(time.Microsecond), added50, added99, res[i].throughput, res[i].atClients, res[i].errors)
 			}
 		}
 	}
@@ -175,24 +187,28 @@ func benchTarget(client *http.Client, u string, body []byte, o benchOptions) ben
 		res.p50 = lat[len(lat)/2]
 		res.p99 = lat[min(len(lat)-1, len(lat)*99/100)]
 	}
-	var done, errs atomic.Int64
-	deadline := time.Now().Add(o.duration)
-	var wg sync.WaitGroup
-	for c := 0; c < o.concurrency; c++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for time.Now().Before(deadline) {
-				if err := benchOnce(client, u, body); err != nil {
-					errs.Add(1)
-					continue
+	for _, clients := range o.concurrency {
+		var done, errs atomic.Int64
+		deadline := time.Now().Add(o.duration)
+		var wg sync.WaitGroup
+		for c := 0; c < clients; c++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for time.Now().Before(deadline) {
+					if err := benchOnce(client, u, body); err != nil {
+						errs.Add(1)
+						continue
+					}
+					done.Add(1)
 				}
-				done.Add(1)
-			}
-		}()
+			}()
+		}
+		wg.Wait()
+		if tp := float64(done.Load()) / o.duration.Seconds(); tp > res.throughput {
+			res.throughput, res.atClients = tp, clients
+		}
+		res.errors += errs.Load()
 	}
-	wg.Wait()
-	res.throughput = float64(done.Load()) / o.duration.Seconds()
-	res.errors += errs.Load()
 	return res
 }

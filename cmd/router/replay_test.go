@@ -75,3 +75,17 @@ func TestCLIReplayMooncakeAndErrors(t *testing.T) {
 		}
 	}
 }
+
+func TestCLIBenchProxyRuns(t *testing.T) {
+	out := runCLI(t, "benchproxy", "--sizes", "1024", "--requests", "20", "--duration", "50ms", "--concurrency", "2,4")
+	for _, want := range []string{"replica", "plain proxy", "router", "stream", "whole"} {
+		if !strings.Contains(out, want) {
+			t.Fatalf("output lacks %q:\n%s", want, out)
+		}
+	}
+	for _, line := range strings.Split(out, "\n") {
+		if f := strings.Fields(line); len(f) > 0 && f[len(f)-1] != "0" && f[len(f)-1] != "errors" {
+			t.Fatalf("errors in %q", line)
+		}
+	}
+}
