@@ -47,7 +47,8 @@ func newBenchProxy() *cobra.Command {
 		Long: `Starts one simulated replica that answers at once, the router in front of it, and a
 plain httputil.ReverseProxy in front of it, all on 127.0.0.1, and drives each with the
 same load generator (the plain proxy has the router's proxy settings: immediate
-flushing and pooled buffers): sequential requests for latency (p50, p99; added latency is the
+flushing and pooled buffers): sequential requests for latency, interleaved across
+the three so they meet the same background noise (p50, p99; added latency is the
 proxy's minus the replica's own), then concurrent clients for throughput (the best over
 --concurrency). Bodies of each
 --sizes, streaming and not. Everything shares this machine's cores.`,
@@ -137,9 +138,13 @@ func runBenchProxy(out io.Writer, o benchOptions) error {
 			if stream {
 				mode = "stream"
 			}
-			res := make([]benchResult, len(targets))
+			urls := make([]string, len(targets))
 			for i, t := range targets {
-				res[i] = benchTarget(client, t.url, body, o)
+				urls[i] = t.url
+			}
+			res := benchLatency(client, urls, body, o.requests)
+			for i, t := range targets {
+				res[i].throughput, res[i].atClients, res[i].errors = benchThroughput(client, t.url, body, o)
 			}
 			for i, t := range targets {
 				added50, added99 := "", ""
@@ -168,25 +173,41 @@ func benchOnce(client *http.Client, u string, body []byte) error {
 	return err
 }
 
-func benchTarget(client *http.Client, u string, body []byte, o benchOptions) benchResult {
-	var res benchResult
+// benchLatency sends n sequential requests to each target, interleaved
+// (one to each in turn) so that every target meets the same background
+// noise, and returns each one's p50 and p99.
+func benchLatency(client *http.Client, urls []string, body []byte, n int) []benchResult {
+	res := make([]benchResult, len(urls))
+	lat := make([][]time.Duration, len(urls))
 	for i := 0; i < 50; i++ { // warm up connections
-		_ = benchOnce(client, u, body)
-	}
-	lat := make([]time.Duration, 0, o.requests)
-	for i := 0; i < o.requests; i++ {
-		t0 := time.Now()
-		if err := benchOnce(client, u, body); err != nil {
-			res.errors++
-			continue
+		for _, u := range urls {
+			_ = benchOnce(client, u, body)
 		}
-		lat = append(lat, time.Since(t0))
 	}
-	sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
-	if len(lat) > 0 {
-		res.p50 = lat[len(lat)/2]
-		res.p99 = lat[min(len(lat)-1, len(lat)*99/100)]
+	for i := 0; i < n; i++ {
+		for t, u := range urls {
+			t0 := time.Now()
+			if err := benchOnce(client, u, body); err != nil {
+				res[t].errors++
+				continue
+			}
+			lat[t] = append(lat[t], time.Since(t0))
+		}
 	}
+	for t := range urls {
+		l := lat[t]
+		sort.Slice(l, func(i, j int) bool { return l[i] < l[j] })
+		if len(l) > 0 {
+			res[t].p50 = l[len(l)/2]
+			res[t].p99 = l[min(len(l)-1, len(l)*99/100)]
+		}
+	}
+	return res
+}
+
+// benchThroughput returns the best requests per second over the client
+// counts, the count that reached it, and the errors.
+func benchThroughput(client *http.Client, u string, body []byte, o benchOptions) (best float64, at int, errors int64) {
 	for _, clients := range o.concurrency {
 		var done, errs atomic.Int64
 		deadline := time.Now().Add(o.duration)
@@ -205,10 +226,10 @@ func benchTarget(client *http.Client, u string, body []byte, o benchOptions) ben
 			}()
 		}
 		wg.Wait()
-		if tp := float64(done.Load()) / o.duration.Seconds(); tp > res.throughput {
-			res.throughput, res.atClients = tp, clients
+		if tp := float64(done.Load()) / o.duration.Seconds(); tp > best {
+			best, at = tp, clients
 		}
-		res.errors += errs.Load()
+		errors += errs.Load()
 	}
-	return res
+	return best, at, errors
 }
