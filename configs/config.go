@@ -310,6 +310,22 @@ func Decode(v *viper.Viper) (*Config, error) {
 	return &c, nil
 }
 
+// uniqueNames returns a check that the i-th entry of list has a name and
+// that no earlier entry had the same one; what is the noun in the message.
+func uniqueNames(bad func(field, format string, args ...any), list, what string) func(i int, name string) {
+	seen := map[string]bool{}
+	return func(i int, name string) {
+		f := fmt.Sprintf("%s[%d].name", list, i)
+		switch {
+		case name == "":
+			bad(f, "is required")
+		case seen[name]:
+			bad(f, "duplicate %s %q", what, name)
+		}
+		seen[name] = true
+	}
+}
+
 // FieldError is a validation error naming the offending field.
 type FieldError struct {
 	Field string
@@ -371,15 +387,10 @@ func (c *Config) Validate() error {
 	if r.ReleaseAfter <= 0 {
 		bad("routing.release_after", "must be positive")
 	}
-	arms := map[string]bool{}
+	armNames := uniqueNames(bad, "routing.arms", "arm")
 	for i, a := range r.Arms {
 		f := fmt.Sprintf("routing.arms[%d]", i)
-		if a.Name == "" {
-			bad(f+".name", "is required")
-		} else if arms[a.Name] {
-			bad(f+".name", "duplicate arm %q", a.Name)
-		}
-		arms[a.Name] = true
+		armNames(i, a.Name)
 		if !slices.Contains(router.PolicyNames, a.Policy) {
 			bad(f+".policy", "unknown policy %q (have %v)", a.Policy, router.PolicyNames)
 		}
@@ -431,15 +442,10 @@ func (c *Config) Validate() error {
 			bad("admin.listen", "%q is not host:port", c.Admin.Listen)
 		}
 	}
-	names := map[string]bool{}
+	replicaNames := uniqueNames(bad, "replicas", "name")
 	for i, rep := range c.Replicas {
 		f := fmt.Sprintf("replicas[%d]", i)
-		if rep.Name == "" {
-			bad(f+".name", "is required")
-		} else if names[rep.Name] {
-			bad(f+".name", "duplicate name %q", rep.Name)
-		}
-		names[rep.Name] = true
+		replicaNames(i, rep.Name)
 		if !strings.HasPrefix(rep.URL, "http://") && !strings.HasPrefix(rep.URL, "https://") {
 			bad(f+".url", "%q must start with http:// or https://", rep.URL)
 		}

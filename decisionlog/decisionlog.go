@@ -13,6 +13,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"sync"
 	"sync/atomic"
@@ -265,7 +266,7 @@ func (w *Writer) rotate() error {
 
 // Read decodes a decision log, one record a line, calling each for every
 // record in order.
-func Read(r interface{ Read([]byte) (int, error) }, each func(*Record) error) error {
+func Read(r io.Reader, each func(*Record) error) error {
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 0, 1<<20), 64<<20)
 	n := 0

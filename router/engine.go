@@ -206,13 +206,14 @@ func (e *Engine) DecideRequest(ri RouteInput, record bool) (*Decision, error) {
 	for _, b := range ri.Blocks {
 		d.Tokens += int(b.Tokens)
 	}
-	if err := e.rank(d, pol); err != nil {
+	in, err := e.rank(d, pol)
+	if err != nil {
 		return nil, err
 	}
 	e.preferDonor(d, ri.Text)
 	if record {
 		if o, ok := pol.(Observer); ok {
-			o.Chosen(e.input(d), d.Chosen())
+			o.Chosen(in, d.Chosen())
 		}
 		e.Commit(d, d.Chosen())
 		if e.o.Matcher != nil && ri.Text != nil && len(d.Blocks) > 0 {
@@ -288,7 +289,9 @@ func (e *Engine) input(d *Decision) *Input {
 	return in
 }
 
-func (e *Engine) rank(d *Decision, pol Policy) error {
+// rank scores the available replicas with pol and keeps the best Attempts;
+// it returns what the policy was told.
+func (e *Engine) rank(d *Decision, pol Policy) (*Input, error) {
 	now := e.o.Now()
 	reps := e.o.Pool.Replicas()
 	matches := e.o.Cache.Match(d.Blocks, e.o.Weights, nil)
@@ -305,13 +308,14 @@ func (e *Engine) rank(d *Decision, pol Policy) error {
 		d.Candidates = append(d.Candidates, c)
 	}
 	if len(d.Candidates) == 0 {
-		return ErrNoReplica
+		return nil, ErrNoReplica
 	}
-	pol.Score(e.input(d), d.Candidates)
+	in := e.input(d)
+	pol.Score(in, d.Candidates)
 	ranked := append([]Candidate(nil), d.Candidates...)
 	rank(ranked, d.Key, e.o.Attempts)
 	d.Ranked = ranked[:min(e.o.Attempts, len(ranked))]
-	return nil
+	return in, nil
 }
 
 // Commit caches d's blocks on c's replica and counts the request's work

@@ -85,7 +85,7 @@ func (g *GRPCService) request(in *pb.RouteRequest) (*blockhash.Request, error) {
 			if b.GetKind() != "" {
 				var err error
 				if k, err = blockhash.ParseKind(b.GetKind()); err != nil {
-					return nil, &blockhash.InputError{Field: "blocks[" + itoa(i) + "].kind", Msg: err.Error()}
+					return nil, &blockhash.InputError{Field: "blocks[" + strconv.Itoa(i) + "].kind", Msg: err.Error()}
 				}
 			}
 			r.Parts = append(r.Parts, blockhash.Part{Role: blockhash.RolePrompt, Base: k, Text: []byte(b.GetText())})
@@ -95,29 +95,17 @@ func (g *GRPCService) request(in *pb.RouteRequest) (*blockhash.Request, error) {
 	return nil, errors.New("one of openai_body, messages, prompt, blocks or token_ids is required")
 }
 
-func itoa(i int) string { return strconv.Itoa(i) }
-
 // Route implements pb.RouterServer.
 func (g *GRPCService) Route(_ context.Context, in *pb.RouteRequest) (*pb.RouteResponse, error) {
 	req, err := g.request(in)
 	if err != nil {
 		return nil, invalid(err)
 	}
-	ri := g.core.e.Input(req, in.GetSessionId(), g.core.o.LogPrompts)
+	var ri RouteInput
 	if _, ok := in.GetInput().(*pb.RouteRequest_Blocks); ok {
-		// Pre-split blocks keep the kind the caller gave, whatever the
-		// heuristics would say.
-		ri.Blocks = ri.Blocks[:0]
-		h := blockhash.Seed(req.Model)
-		for i := range req.Parts {
-			n := len(ri.Blocks)
-			ri.Blocks = g.core.e.Splitter().AppendPart(ri.Blocks, h, &req.Parts[i])
-			for j := n; j < len(ri.Blocks); j++ {
-				ri.Blocks[j].Kind = req.Parts[i].Base
-			}
-			h = ri.Blocks[len(ri.Blocks)-1].Hash
-		}
-		ri.Key = SessionKey(in.GetSessionId(), "", ri.Blocks)
+		ri = g.preSplit(req, in.GetSessionId())
+	} else {
+		ri = g.core.e.Input(req, in.GetSessionId(), g.core.o.LogPrompts)
 	}
 	rt, err := g.core.Route(CoreRequest{Input: ri, Model: req.Model, Session: in.GetSessionId(), Tenant: in.GetTenantId(), DryRun: in.GetDryRun(), Route: "grpc"})
 	switch {
@@ -142,6 +130,26 @@ func (g *GRPCService) Route(_ context.Context, in *pb.RouteRequest) (*pb.RouteRe
 		})
 	}
 	return out, nil
+}
+
+// preSplit routes pre-split blocks: each keeps the kind the caller gave,
+// whatever the heuristics would say.
+func (g *GRPCService) preSplit(req *blockhash.Request, session string) RouteInput {
+	var ri RouteInput
+	h := blockhash.Seed(req.Model)
+	for i := range req.Parts {
+		n := len(ri.Blocks)
+		ri.Blocks = g.core.e.Splitter().AppendPart(ri.Blocks, h, &req.Parts[i])
+		for j := n; j < len(ri.Blocks); j++ {
+			ri.Blocks[j].Kind = req.Parts[i].Base
+		}
+		h = ri.Blocks[len(ri.Blocks)-1].Hash
+		if g.core.o.LogPrompts || g.core.e.o.Matcher != nil {
+			ri.Text = append(ri.Text, req.Parts[i].Text)
+		}
+	}
+	ri.Key = SessionKey(session, "", ri.Blocks)
+	return ri
 }
 
 // Release implements pb.RouterServer.

@@ -89,10 +89,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	cache := cachemodel.New(co)
 	specs := make([]replica.Spec, len(cfg.Replicas))
 	for i, r := range cfg.Replicas {
-		specs[i] = replica.Spec{Name: r.Name, URL: r.URL, BudgetTokens: r.BudgetTokens, Weight: r.Weight}
-		if specs[i].BudgetTokens == 0 {
-			specs[i].BudgetTokens = cfg.Cache.DefaultBudgetTokens
-		}
+		specs[i] = spec(r, cfg.Cache.DefaultBudgetTokens)
 	}
 	pool, err := replica.NewPool(specs, replica.Options{HalfLife: cfg.Routing.LoadHalfLife},
 		func(s replica.Spec) (int, error) { return cache.AddReplica(s.Name, s.BudgetTokens) })
