@@ -5,6 +5,10 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
+	"math"
+	"strconv"
+
+	"github.com/valyala/fastjson"
 )
 
 // Role markers are written into every block hash of a part so that the same
@@ -56,6 +60,8 @@ type Request struct {
 	// MaxTokens is max_completion_tokens, else max_tokens; 0 when absent.
 	MaxTokens int
 	Parts     []Part
+
+	p *fastjson.Parser // holds the memory Parts alias; see Release
 }
 
 // Limits bound what a parser accepts. The zero value means no limit.
@@ -63,94 +69,203 @@ type Limits struct {
 	MaxMessages int // messages in a chat body, or prompts in a completions body
 }
 
-type chatBody struct {
-	Model               string          `json:"model"`
-	Messages            []message       `json:"messages"`
-	Tools               json.RawMessage `json:"tools"`
-	Prompt              json.RawMessage `json:"prompt"`
-	User                string          `json:"user"`
-	Stream              bool            `json:"stream"`
-	MaxTokens           *int            `json:"max_tokens"`
-	MaxCompletionTokens *int            `json:"max_completion_tokens"`
+// parsers lends the fastjson parsers whose memory a parsed Request's parts
+// alias until Release.
+var parsers fastjson.ParserPool
+
+// Release gives the memory that r's parts alias back for reuse by a later
+// parse. Neither r nor any Part.Text of it may be used afterwards. Calling it
+// is optional: an unreleased request is collected as usual.
+func (r *Request) Release() {
+	if r.p != nil {
+		parsers.Put(r.p)
+		r.p, r.Parts = nil, nil
+	}
 }
 
-type message struct {
-	Role string `json:"role"`
-	// Content is decoded in the same pass as the body: a string (the
-	// common case, unquoted once), an array of content parts, or nil.
-	Content   any        `json:"content"`
-	Name      string     `json:"name"`
-	ToolCalls []toolCall `json:"tool_calls"`
+// body is a request body's fields, as parsed JSON values; a field absent
+// from the body is nil.
+type body struct {
+	model, user, stream, maxTokens, maxCompletion *fastjson.Value
+	messages, tools, prompt                       *fastjson.Value
 }
 
-type toolCall struct {
-	ID       string `json:"id"`
-	Function struct {
-		Name      string `json:"name"`
-		Arguments string `json:"arguments"`
-	} `json:"function"`
-}
-
-func decode(body []byte) (*chatBody, *Request, error) {
-	if len(bytes.TrimSpace(body)) == 0 {
+// decode checks data's JSON (structure, escapes, numbers) and reads the
+// fields every endpoint shares. Keys match as encoding/json matches a struct's
+// fields: case-insensitively, the last of duplicates winning (whatever its
+// value; encoding/json would merge duplicate objects). Strings are
+// unescaped in the parser's copy of data, which the request's parts then
+// alias; data itself is neither kept nor modified.
+func decode(data []byte) (*body, *Request, error) {
+	if len(bytes.TrimSpace(data)) == 0 {
 		return nil, nil, inputErr("", "empty request body")
 	}
-	var b chatBody
-	if err := json.Unmarshal(body, &b); err != nil {
+	if err := fastjson.ValidateBytes(data); err != nil {
 		return nil, nil, inputErr("", "invalid JSON: %v", err)
 	}
-	r := &Request{Model: b.Model, User: b.User, Stream: b.Stream}
-	switch {
-	case b.MaxCompletionTokens != nil:
-		r.MaxTokens = *b.MaxCompletionTokens
-	case b.MaxTokens != nil:
-		r.MaxTokens = *b.MaxTokens
+	r := &Request{p: parsers.Get()}
+	b, err := r.common(data)
+	if err != nil {
+		r.Release()
+		return nil, nil, err
+	}
+	return b, r, nil
+}
+
+// common parses data and reads the fields both endpoints share.
+func (r *Request) common(data []byte) (*body, error) {
+	root, err := r.p.ParseBytes(data)
+	if err != nil { // not reached after ValidateBytes; kept for safety
+		return nil, inputErr("", "invalid JSON: %v", err)
+	}
+	b := &body{}
+	switch root.Type() {
+	case fastjson.TypeNull:
+	case fastjson.TypeObject:
+		root.GetObject().Visit(func(k []byte, v *fastjson.Value) {
+			switch {
+			case fold(k, "model"):
+				b.model = v
+			case fold(k, "messages"):
+				b.messages = v
+			case fold(k, "tools"):
+				b.tools = v
+			case fold(k, "prompt"):
+				b.prompt = v
+			case fold(k, "user"):
+				b.user = v
+			case fold(k, "stream"):
+				b.stream = v
+			case fold(k, "max_tokens"):
+				b.maxTokens = v
+			case fold(k, "max_completion_tokens"):
+				b.maxCompletion = v
+			}
+		})
+	default:
+		return nil, inputErr("", "request body must be a JSON object")
+	}
+	m, err := str(b.model, "model")
+	if err != nil {
+		return nil, err
+	}
+	u, err := str(b.user, "user")
+	if err != nil {
+		return nil, err
+	}
+	r.Model, r.User = string(m), string(u)
+	if !isNull(b.stream) {
+		if r.Stream, err = b.stream.Bool(); err != nil {
+			return nil, inputErr("stream", "must be a boolean")
+		}
+	}
+	maxTokens, err := integer(b.maxTokens, "max_tokens")
+	if err != nil {
+		return nil, err
+	}
+	maxCompletion, err := integer(b.maxCompletion, "max_completion_tokens")
+	if err != nil {
+		return nil, err
+	}
+	r.MaxTokens = maxTokens
+	if !isNull(b.maxCompletion) {
+		r.MaxTokens = maxCompletion
 	}
 	if r.MaxTokens < 0 {
-		return nil, nil, inputErr("max_tokens", "must not be negative")
+		return nil, inputErr("max_tokens", "must not be negative")
 	}
 	if r.Model == "" {
-		return nil, nil, inputErr("model", "is required")
+		return nil, inputErr("model", "is required")
 	}
-	return &b, r, nil
+	return b, nil
+}
+
+// fold reports whether key equals name under Unicode case folding, as
+// encoding/json matches keys to struct fields.
+func fold(key []byte, name string) bool { return bytes.EqualFold(key, []byte(name)) }
+
+func isNull(v *fastjson.Value) bool { return v == nil || v.Type() == fastjson.TypeNull }
+
+// str returns a string value's unescaped bytes (aliasing the parser's
+// memory), nil for null or absent, and an error naming field otherwise.
+func str(v *fastjson.Value, field string) ([]byte, error) {
+	if isNull(v) {
+		return nil, nil
+	}
+	s, err := v.StringBytes()
+	if err != nil {
+		return nil, inputErr(field, "must be a string")
+	}
+	return s, nil
+}
+
+// integer returns a JSON integer that fits an int, 0 for null or absent;
+// fractions and exponents are errors, as they are for encoding/json.
+func integer(v *fastjson.Value, field string) (int, error) {
+	if isNull(v) {
+		return 0, nil
+	}
+	n, err := v.Int()
+	if err != nil {
+		return 0, inputErr(field, "must be an integer")
+	}
+	return n, nil
 }
 
 // ParseChat parses a /v1/chat/completions body. The parts come out in the
 // order a chat template renders them: tool schemas, then the messages in order
 // (a system message is normally first already and stays where it is).
-func ParseChat(body []byte, lim Limits) (*Request, error) {
-	b, r, err := decode(body)
+// Their Text aliases memory the request holds until Release.
+func ParseChat(data []byte, lim Limits) (*Request, error) {
+	b, r, err := decode(data)
 	if err != nil {
 		return nil, err
 	}
-	if len(b.Messages) == 0 {
-		return nil, inputErr("messages", "is required and must not be empty")
+	if err := r.chat(b, lim); err != nil {
+		r.Release()
+		return nil, err
 	}
-	if lim.MaxMessages > 0 && len(b.Messages) > lim.MaxMessages {
-		return nil, inputErr("messages", "has %d entries, more than the limit of %d", len(b.Messages), lim.MaxMessages)
-	}
-	r.Parts = make([]Part, 0, len(b.Messages)+1)
-	if t := bytes.TrimSpace(b.Tools); len(t) > 0 && !bytes.Equal(t, []byte("null")) {
-		if t[0] != '[' {
-			return nil, inputErr("tools", "must be an array")
+	return r, nil
+}
+
+func (r *Request) chat(b *body, lim Limits) error {
+	var msgs []*fastjson.Value
+	if !isNull(b.messages) {
+		a, err := b.messages.Array()
+		if err != nil {
+			return inputErr("messages", "must be an array")
 		}
-		var buf bytes.Buffer
-		if err := json.Compact(&buf, t); err != nil {
-			return nil, inputErr("tools", "invalid JSON: %v", err)
-		}
-		r.Parts = append(r.Parts, Part{Role: RoleTools, Base: KindTools, Text: buf.Bytes()})
+		msgs = a
 	}
+	if len(msgs) == 0 {
+		return inputErr("messages", "is required and must not be empty")
+	}
+	if lim.MaxMessages > 0 && len(msgs) > lim.MaxMessages {
+		return inputErr("messages", "has %d entries, more than the limit of %d", len(msgs), lim.MaxMessages)
+	}
+	r.Parts = make([]Part, 0, len(msgs)+1)
+	if !isNull(b.tools) {
+		if b.tools.Type() != fastjson.TypeArray {
+			return inputErr("tools", "must be an array")
+		}
+		// Compact JSON with the body's own escapes: the same schemas are the
+		// same bytes however the client spaced them.
+		r.Parts = append(r.Parts, Part{Role: RoleTools, Base: KindTools, Text: b.tools.MarshalTo(nil)})
+	}
+	parsed := make([]message, len(msgs))
 	lastUser := -1
-	for i := range b.Messages {
-		if b.Messages[i].Role == "user" {
+	for i, v := range msgs {
+		if err := parsed[i].read(v, i); err != nil {
+			return err
+		}
+		if string(parsed[i].role) == "user" {
 			lastUser = i
 		}
 	}
-	for i := range b.Messages {
-		m := &b.Messages[i]
-		field := fmt.Sprintf("messages[%d]", i)
+	for i := range parsed {
+		m := &parsed[i]
 		var p Part
-		switch m.Role {
+		switch string(m.role) {
 		case "system", "developer":
 			p.Role, p.Base = RoleSystem, KindSystem
 		case "user":
@@ -163,66 +278,206 @@ func ParseChat(body []byte, lim Limits) (*Request, error) {
 		case "tool", "function":
 			p.Role, p.Base = RoleTool, KindToolOutput
 		case "":
-			return nil, inputErr(field+".role", "is required")
+			return inputErr(fmt.Sprintf("messages[%d].role", i), "is required")
 		default:
-			return nil, inputErr(field+".role", "unknown role %q", m.Role)
+			return inputErr(fmt.Sprintf("messages[%d].role", i), "unknown role %q", m.role)
 		}
-		text, err := messageText(m, field)
+		text, err := m.text(i)
 		if err != nil {
-			return nil, err
+			return err
 		}
 		p.Text = text
 		r.Parts = append(r.Parts, p)
 	}
-	return r, nil
+	return nil
 }
 
-// messageText renders one message's routing bytes: [name NUL] content
-// [NUL tool calls]. An assistant reply recorded by the router (see
-// AssistantText) renders to the same bytes as the same reply sent back in the
-// next request.
-func messageText(m *message, field string) ([]byte, error) {
+// message is one chat message's routing fields; byte slices alias the
+// parser's memory.
+type message struct {
+	role, name []byte
+	content    *fastjson.Value
+	toolCalls  [][2][]byte // function name, arguments
+}
+
+func (m *message) read(v *fastjson.Value, i int) error {
+	switch v.Type() {
+	case fastjson.TypeNull:
+		return nil // no fields: "role is required" follows
+	case fastjson.TypeObject:
+	default:
+		return inputErr(fmt.Sprintf("messages[%d]", i), "must be an object")
+	}
+	var role, name, calls *fastjson.Value
+	v.GetObject().Visit(func(k []byte, v *fastjson.Value) {
+		switch {
+		case fold(k, "role"):
+			role = v
+		case fold(k, "content"):
+			m.content = v
+		case fold(k, "name"):
+			name = v
+		case fold(k, "tool_calls"):
+			calls = v
+		}
+	})
+	var err error
+	if m.role, err = str(role, fmt.Sprintf("messages[%d].role", i)); err != nil {
+		return err
+	}
+	if m.name, err = str(name, fmt.Sprintf("messages[%d].name", i)); err != nil {
+		return err
+	}
+	if isNull(calls) {
+		return nil
+	}
+	cs, err := calls.Array()
+	if err != nil {
+		return inputErr(fmt.Sprintf("messages[%d].tool_calls", i), "must be an array")
+	}
+	m.toolCalls = make([][2][]byte, len(cs))
+	for j, c := range cs {
+		field := fmt.Sprintf("messages[%d].tool_calls[%d]", i, j)
+		if c.Type() == fastjson.TypeNull {
+			continue
+		}
+		if c.Type() != fastjson.TypeObject {
+			return inputErr(field, "must be an object")
+		}
+		var id, fn *fastjson.Value
+		c.GetObject().Visit(func(k []byte, v *fastjson.Value) {
+			switch {
+			case fold(k, "id"):
+				id = v
+			case fold(k, "function"):
+				fn = v
+			}
+		})
+		if _, err := str(id, field+".id"); err != nil {
+			return err
+		}
+		if isNull(fn) {
+			continue
+		}
+		if fn.Type() != fastjson.TypeObject {
+			return inputErr(field+".function", "must be an object")
+		}
+		var fname, args *fastjson.Value
+		fn.GetObject().Visit(func(k []byte, v *fastjson.Value) {
+			switch {
+			case fold(k, "name"):
+				fname = v
+			case fold(k, "arguments"):
+				args = v
+			}
+		})
+		if m.toolCalls[j][0], err = str(fname, field+".function.name"); err != nil {
+			return err
+		}
+		if m.toolCalls[j][1], err = str(args, field+".function.arguments"); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// text renders one message's routing bytes: [name NUL] content [NUL tool
+// calls]. An assistant reply recorded by the router (see AssistantText)
+// renders to the same bytes as the same reply sent back in the next request.
+// A message that is one string and nothing else aliases the parser's memory.
+func (m *message) text(i int) ([]byte, error) {
+	field := fmt.Sprintf("messages[%d].content", i)
+	c := m.content
+	if c != nil && c.Type() == fastjson.TypeString && len(m.name) == 0 && len(m.toolCalls) == 0 {
+		return c.StringBytes()
+	}
 	var buf []byte
-	if m.Name != "" {
-		buf = append(buf, m.Name...)
+	if len(m.name) > 0 {
+		buf = append(buf, m.name...)
 		buf = append(buf, 0)
 	}
-	switch c := m.Content.(type) {
-	case nil:
-	case string:
-		buf = append(buf, c...)
-	case []any:
-		for j, part := range c {
-			cp, ok := part.(map[string]any)
-			if !ok {
-				return nil, inputErr(fmt.Sprintf("%s.content[%d]", field, j), "invalid content part: not an object")
+	switch {
+	case isNull(c):
+	case c.Type() == fastjson.TypeString:
+		s, _ := c.StringBytes()
+		buf = append(buf, s...)
+	case c.Type() == fastjson.TypeArray:
+		parts, _ := c.Array()
+		for j, part := range parts {
+			var err error
+			if buf, err = appendContentPart(buf, part, fmt.Sprintf("%s[%d]", field, j)); err != nil {
+				return nil, err
 			}
-			if cp["type"] == "text" {
-				text, ok := cp["text"].(string)
-				if !ok && cp["text"] != nil {
-					return nil, inputErr(fmt.Sprintf("%s.content[%d].text", field, j), "must be a string")
-				}
-				buf = append(buf, text...)
-				continue
-			}
-			// Images, audio and files are hashed by their JSON (keys in
-			// sorted order), so the same image URL or data is the same block.
-			raw, err := json.Marshal(cp)
-			if err != nil {
-				return nil, inputErr(fmt.Sprintf("%s.content[%d]", field, j), "invalid content part: %v", err)
-			}
-			buf = append(buf, raw...)
 		}
 	default:
-		return nil, inputErr(field+".content", "must be a string, an array of content parts, or null")
+		return nil, inputErr(field, "must be a string, an array of content parts, or null")
 	}
-	for _, tc := range m.ToolCalls {
+	for _, tc := range m.toolCalls {
 		buf = append(buf, 0)
-		buf = append(buf, tc.Function.Name...)
+		buf = append(buf, tc[0]...)
 		buf = append(buf, 0)
-		buf = append(buf, tc.Function.Arguments...)
+		buf = append(buf, tc[1]...)
 	}
 	return buf, nil
+}
+
+// appendContentPart appends one content part's routing bytes: a text part's
+// text; any other part (an image, audio, a file) as its JSON with keys in
+// sorted order, so that the same image URL or data is the same block.
+func appendContentPart(buf []byte, part *fastjson.Value, field string) ([]byte, error) {
+	if part.Type() != fastjson.TypeObject {
+		return nil, inputErr(field, "invalid content part: not an object")
+	}
+	var typ, text *fastjson.Value
+	part.GetObject().Visit(func(k []byte, v *fastjson.Value) {
+		switch string(k) { // content parts are maps: keys match exactly
+		case "type":
+			typ = v
+		case "text":
+			text = v
+		}
+	})
+	if typ != nil && typ.Type() == fastjson.TypeString && string(typ.GetStringBytes()) == "text" {
+		s, err := str(text, field+".text")
+		if err != nil {
+			return nil, err
+		}
+		return append(buf, s...), nil
+	}
+	canon, err := json.Marshal(toAny(part))
+	if err != nil {
+		return nil, inputErr(field, "invalid content part: %v", err)
+	}
+	return append(buf, canon...), nil
+}
+
+// toAny converts v to the value encoding/json decodes the same JSON to:
+// map[string]any (the last of duplicate keys winning), []any, string,
+// float64, bool or nil.
+func toAny(v *fastjson.Value) any {
+	switch v.Type() {
+	case fastjson.TypeObject:
+		m := map[string]any{}
+		v.GetObject().Visit(func(k []byte, v *fastjson.Value) { m[string(k)] = toAny(v) })
+		return m
+	case fastjson.TypeArray:
+		a, _ := v.Array()
+		out := make([]any, len(a))
+		for i, e := range a {
+			out[i] = toAny(e)
+		}
+		return out
+	case fastjson.TypeString:
+		return string(v.GetStringBytes())
+	case fastjson.TypeNumber:
+		f, _ := strconv.ParseFloat(string(v.MarshalTo(nil)), 64)
+		return f
+	case fastjson.TypeTrue:
+		return true
+	case fastjson.TypeFalse:
+		return false
+	}
+	return nil
 }
 
 // AssistantText renders an assistant reply (its content and tool calls, as
@@ -241,66 +496,85 @@ func AssistantText(content string, toolCalls [][2]string) []byte {
 
 // ParseCompletion parses a /v1/completions body. "prompt" may be a string, an
 // array of strings, an array of token ids, or an array of token-id arrays; each
-// string or token array is one part, in order.
-func ParseCompletion(body []byte, lim Limits) (*Request, error) {
-	b, r, err := decode(body)
+// string or token array is one part, in order. String parts alias memory the
+// request holds until Release.
+func ParseCompletion(data []byte, lim Limits) (*Request, error) {
+	b, r, err := decode(data)
 	if err != nil {
 		return nil, err
 	}
-	p := bytes.TrimSpace(b.Prompt)
-	if len(p) == 0 || bytes.Equal(p, []byte("null")) {
-		return nil, inputErr("prompt", "is required")
+	if err := r.completion(b, lim); err != nil {
+		r.Release()
+		return nil, err
 	}
-	switch p[0] {
-	case '"':
-		var s string
-		if err := json.Unmarshal(p, &s); err != nil {
-			return nil, inputErr("prompt", "invalid string: %v", err)
-		}
-		r.Parts = []Part{{Role: RolePrompt, Base: KindOther, Text: []byte(s)}}
-		return r, nil
-	case '[':
+	return r, nil
+}
+
+func (r *Request) completion(b *body, lim Limits) error {
+	p := b.prompt
+	if isNull(p) {
+		return inputErr("prompt", "is required")
+	}
+	switch p.Type() {
+	case fastjson.TypeString:
+		s, _ := p.StringBytes()
+		r.Parts = []Part{{Role: RolePrompt, Base: KindOther, Text: s}}
+		return nil
+	case fastjson.TypeArray:
 	default:
-		return nil, inputErr("prompt", "must be a string, an array of strings, or an array of token ids")
+		return inputErr("prompt", "must be a string, an array of strings, or an array of token ids")
 	}
-	var items []json.RawMessage
-	if err := json.Unmarshal(p, &items); err != nil {
-		return nil, inputErr("prompt", "invalid array: %v", err)
-	}
+	items, _ := p.Array()
 	if len(items) == 0 {
-		return nil, inputErr("prompt", "must not be empty")
+		return inputErr("prompt", "must not be empty")
 	}
 	if lim.MaxMessages > 0 && len(items) > lim.MaxMessages {
-		return nil, inputErr("prompt", "has %d entries, more than the limit of %d", len(items), lim.MaxMessages)
+		return inputErr("prompt", "has %d entries, more than the limit of %d", len(items), lim.MaxMessages)
 	}
-	if c := items[0][0]; c != '"' && c != '[' { // one array of token ids
-		var ids []int32
-		if err := json.Unmarshal(p, &ids); err != nil {
-			return nil, inputErr("prompt", "mixed or invalid token ids: %v", err)
+	if t := items[0].Type(); t != fastjson.TypeString && t != fastjson.TypeArray { // one array of token ids
+		ids, err := tokenIDs(items)
+		if err != nil {
+			return inputErr("prompt", "mixed or invalid token ids: %v", err)
 		}
 		r.Parts = []Part{TokenPart(ids)}
-		return r, nil
+		return nil
 	}
+	r.Parts = make([]Part, 0, len(items))
 	for i, it := range items {
 		field := fmt.Sprintf("prompt[%d]", i)
-		switch it[0] {
-		case '"':
-			var s string
-			if err := json.Unmarshal(it, &s); err != nil {
-				return nil, inputErr(field, "invalid string: %v", err)
-			}
-			r.Parts = append(r.Parts, Part{Role: RolePrompt, Base: KindOther, Text: []byte(s)})
-		case '[':
-			var ids []int32
-			if err := json.Unmarshal(it, &ids); err != nil {
-				return nil, inputErr(field, "invalid token ids: %v", err)
+		switch it.Type() {
+		case fastjson.TypeString:
+			s, _ := it.StringBytes()
+			r.Parts = append(r.Parts, Part{Role: RolePrompt, Base: KindOther, Text: s})
+		case fastjson.TypeArray:
+			a, _ := it.Array()
+			ids, err := tokenIDs(a)
+			if err != nil {
+				return inputErr(field, "invalid token ids: %v", err)
 			}
 			r.Parts = append(r.Parts, TokenPart(ids))
 		default:
-			return nil, inputErr(field, "must be a string or an array of token ids")
+			return inputErr(field, "must be a string or an array of token ids")
 		}
 	}
-	return r, nil
+	return nil
+}
+
+// tokenIDs reads an array of int32 token ids; null reads as 0, as it does
+// for encoding/json.
+func tokenIDs(items []*fastjson.Value) ([]int32, error) {
+	ids := make([]int32, len(items))
+	for i, v := range items {
+		if v.Type() == fastjson.TypeNull {
+			continue
+		}
+		n, err := v.Int64()
+		if err != nil || n < math.MinInt32 || n > math.MaxInt32 {
+			return nil, fmt.Errorf("item %d is not a 32-bit integer", i)
+		}
+		ids[i] = int32(n)
+	}
+	return ids, nil
 }
 
 // TokenPart makes a part of token ids. Its blocks are cut every BlockTokens
