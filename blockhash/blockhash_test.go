@@ -3,6 +3,7 @@ package blockhash
 import (
 	"encoding/json"
 	"errors"
+	"math/rand/v2"
 	"strings"
 	"testing"
 )
@@ -230,6 +231,37 @@ func TestKindsHeuristics(t *testing.T) {
 	}
 }
 
+// TestLooksLikeCodeCounts checks the table-driven symbol count against the
+// heuristic's definition (≥ 3 line breaks and ≥ 1 in 12 bytes one of
+// {};=<>()[]), on blocks around the threshold.
+func TestLooksLikeCodeCounts(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	alphabet := []byte("{};=<>()[]\nab c")
+	for range 20000 {
+		b := make([]byte, rng.IntN(300))
+		for i := range b {
+			if rng.IntN(8) == 0 {
+				b[i] = alphabet[rng.IntN(len(alphabet))]
+			} else {
+				b[i] = 'a' + byte(rng.IntN(26))
+			}
+		}
+		sym, nl := 0, 0
+		for _, c := range b {
+			if strings.IndexByte("{};=<>()[]", c) >= 0 {
+				sym++
+			}
+			if c == '\n' {
+				nl++
+			}
+		}
+		want := nl >= 3 && sym*12 >= len(b)
+		if got := looksLikeCode(b, false); got != want {
+			t.Fatalf("looksLikeCode(%q) = %v, want %v (%d symbols, %d newlines)", b, got, want, sym, nl)
+		}
+	}
+}
+
 func TestKindNames(t *testing.T) {
 	for k := Kind(0); k < NumKinds; k++ {
 		got, err := ParseKind(k.String())
@@ -289,6 +321,9 @@ func FuzzParseSplit(f *testing.F) {
 		b := s.Split(nil, r)
 		if len(a) == 0 || len(a) != len(b) {
 			t.Fatalf("split lengths %d, %d", len(a), len(b))
+		}
+		if n := s.Count(r); n != len(a) {
+			t.Fatalf("Count = %d, Split made %d blocks", n, len(a))
 		}
 		tokens := 0
 		for i := range a {

@@ -90,19 +90,38 @@ func looksLikeDocument(text []byte, estTokens int) bool {
 // looksLikeCode reports whether a block is mostly code. inFence says whether a
 // ``` fence opened earlier in the same part is still open at the block's start.
 func looksLikeCode(b []byte, inFence bool) bool {
-	if inFence || bytes.Contains(b, fence) {
-		return true
-	}
-	var sym, nl int
-	for _, c := range b {
-		switch c {
-		case '{', '}', ';', '=', '<', '>', '(', ')', '[', ']':
-			sym++
-		case '\n':
-			nl++
-		}
-	}
-	return nl >= 3 && sym*12 >= len(b)
+	return inFence || bytes.Contains(b, fence) || symbolDense(b)
 }
+
+// symbolDense reports the second test of looksLikeCode: at least three line
+// breaks, and at least 1 in 12 bytes one of {};=<>()[].
+func symbolDense(b []byte) bool {
+	if bytes.Count(b, newline) < 3 {
+		return false
+	}
+	// Four counters, so that the loop is not one chain of dependent adds.
+	var s0, s1, s2, s3 int
+	i := 0
+	for ; i+4 <= len(b); i += 4 {
+		s0 += int(codeSymbol[b[i]])
+		s1 += int(codeSymbol[b[i+1]])
+		s2 += int(codeSymbol[b[i+2]])
+		s3 += int(codeSymbol[b[i+3]])
+	}
+	for ; i < len(b); i++ {
+		s0 += int(codeSymbol[b[i]])
+	}
+	return (s0+s1+s2+s3)*12 >= len(b)
+}
+
+// codeSymbol is 1 for the bytes that mark code: {};=<>()[]
+var codeSymbol = func() (t [256]uint8) {
+	for _, c := range []byte("{};=<>()[]") {
+		t[c] = 1
+	}
+	return t
+}()
+
+var newline = []byte{'\n'}
 
 var fence = []byte("```")

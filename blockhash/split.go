@@ -88,6 +88,20 @@ func (s *Splitter) Split(dst []Block, r *Request) []Block {
 	return dst
 }
 
+// Count returns the number of blocks Split makes of r, for sizing its dst.
+func (s *Splitter) Count(r *Request) int {
+	n := 0
+	for i := range r.Parts {
+		p := &r.Parts[i]
+		step := s.blockTokens * s.bytesPerToken
+		if p.Role == RoleTokens {
+			step = 4 * s.blockTokens
+		}
+		n += max((len(p.Text)+step-1)/step, 1)
+	}
+	return n
+}
+
 // Estimate returns the estimated token count of r's prompt, the sum of its
 // blocks' Tokens.
 func (s *Splitter) Estimate(r *Request) int {
@@ -120,6 +134,8 @@ func (s *Splitter) AppendPart(dst []Block, parent uint64, p *Part) []Block {
 	}
 	refine := p.Role == RoleUser || p.Role == RolePrompt
 	doc := refine && p.Role == RoleUser && looksLikeDocument(text, s.partTokens(p))
+	// Blocks are searched for ``` fences only in a part that has one.
+	fenced := refine && bytes.Contains(text, fence)
 	inFence := false
 	h := parent
 	for off := 0; off < len(text); off += step {
@@ -129,12 +145,12 @@ func (s *Splitter) AppendPart(dst []Block, parent uint64, p *Part) []Block {
 		k := p.Base
 		if refine {
 			switch {
-			case looksLikeCode(b, inFence):
+			case fenced && looksLikeCode(b, inFence), !fenced && symbolDense(b):
 				k = KindCode
 			case doc && end < len(text):
 				k = KindRetrievedContext
 			}
-			if bytes.Count(b, fence)%2 == 1 {
+			if fenced && bytes.Count(b, fence)%2 == 1 {
 				inFence = !inFence
 			}
 		}
