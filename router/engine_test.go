@@ -195,6 +195,12 @@ func TestReplyCapture(t *testing.T) {
 		{"sse tool call pieces", true, "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"name\":\"f\",\"arguments\":\"{\\\"a\"}}]}}]}\n\ndata: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"\\\":1}\"}}]}}]}\n\ndata: [DONE]\n\n", "\x00f\x00{\"a\":1}", true},
 		{"sse cut short", true, "data: {\"choices\":[{\"delta\":{\"content\":\"he\"}}]}\n\n", "", false},
 		{"bad json", false, `{"choices":`, "", false},
+		{"escaped json", false, `{"choices":[{"message":{"content":"a\nb\u00e9\"c"}}]}`, "a\nbé\"c", true},
+		{"content of the wrong type", false, `{"choices":[{"message":{"content":5}}]}`, "", false},
+		{"choices not an array", false, `{"choices":{"text":"x"}}`, "", false},
+		{"not an object", false, `["x"]`, "", false},
+		{"sse chunk of the wrong shape", true, "data: {\"choices\":[{\"delta\":{\"content\":\"he\"}}]}\n\ndata: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":\"0\"}]}}]}\n\ndata: [DONE]\n\n", "", false},
+		{"null fields", false, `{"choices":[{"text":null,"message":null,"delta":{"content":"d","tool_calls":null}}],"usage":null}`, "d", true},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

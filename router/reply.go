@@ -2,10 +2,12 @@ package router
 
 import (
 	"bytes"
-	"encoding/json"
+	"errors"
 	"io"
 	"sort"
 	"time"
+
+	"github.com/valyala/fastjson"
 
 	"github.com/semroute/semroute/blockhash"
 )
@@ -32,14 +34,13 @@ type replyCapture struct {
 	content bytes.Buffer
 	calls   map[int]*[2]string
 	usage   usageJSON
+	p       *fastjson.Parser // lent by replyParsers until release
 }
 
+// usageJSON is a response's usage: prompt, completion and cached prompt
+// tokens.
 type usageJSON struct {
-	PromptTokens     int64 `json:"prompt_tokens"`
-	CompletionTokens int64 `json:"completion_tokens"`
-	Details          *struct {
-		CachedTokens int64 `json:"cached_tokens"`
-	} `json:"prompt_tokens_details"`
+	PromptTokens, CompletionTokens, CachedTokens int64
 }
 
 func (c *replyCapture) Read(p []byte) (int, error) {
@@ -106,33 +107,88 @@ func (c *replyCapture) line(l []byte) {
 		c.done = true
 		return
 	}
-	var r responseJSON
-	if json.Unmarshal(data, &r) != nil {
+	if c.parse(data) != nil {
 		c.bad = true
-		return
 	}
-	c.take(&r)
 }
 
 func (c *replyCapture) parseJSON() {
-	var r responseJSON
-	if json.Unmarshal(c.buf.Bytes(), &r) != nil {
+	if c.parse(c.buf.Bytes()) != nil {
 		c.bad = true
 		return
 	}
 	c.done = true
-	c.take(&r)
 }
 
-// take adds a response or chunk's reply text, tool calls and usage.
-func (c *replyCapture) take(r *responseJSON) {
-	if r.Usage != nil {
-		c.usage = *r.Usage
+// errShape is a response whose JSON is valid but not shaped like an OpenAI
+// response.
+var errShape = errors.New("unexpected response shape")
+
+// parse adds a response's or stream chunk's reply text, tool calls and
+// usage: choices[0].text, choices[0].message (or .delta) content and
+// tool_calls, and usage. A field of the wrong type makes it an error, with
+// nothing taken.
+func (c *replyCapture) parse(data []byte) error {
+	if c.p == nil {
+		c.p = replyParsers.Get()
 	}
-	if len(r.Choices) == 0 {
-		return
+	v, err := c.p.ParseBytes(data)
+	if err != nil {
+		return err
 	}
-	ch := r.Choices[0]
+	if v.Type() != fastjson.TypeObject {
+		return errShape
+	}
+	var usage *usageJSON
+	if u := v.Get("usage"); !isNull(u) {
+		usage = &usageJSON{}
+		if u.Type() != fastjson.TypeObject {
+			return errShape
+		}
+		d := u.Get("prompt_tokens_details")
+		if !isNull(d) && d.Type() != fastjson.TypeObject {
+			return errShape
+		}
+		if err := firstErr(intField(u, "prompt_tokens", &usage.PromptTokens), intField(u, "completion_tokens", &usage.CompletionTokens),
+			intField(d, "cached_tokens", &usage.CachedTokens)); err != nil {
+			return err
+		}
+	}
+	var text, content string
+	var calls []toolCallJSON
+	if ch := v.Get("choices"); !isNull(ch) {
+		a, err := ch.Array()
+		if err != nil {
+			return errShape
+		}
+		if len(a) > 0 && !isNull(a[0]) {
+			c0 := a[0]
+			if c0.Type() != fastjson.TypeObject {
+				return errShape
+			}
+			if text, err = strField(c0, "text"); err != nil {
+				return err
+			}
+			m := c0.Get("message")
+			if isNull(m) {
+				m = c0.Get("delta")
+			}
+			if !isNull(m) {
+				if m.Type() != fastjson.TypeObject {
+					return errShape
+				}
+				if content, err = strField(m, "content"); err != nil {
+					return err
+				}
+				if calls, err = toolCalls(m.Get("tool_calls")); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	if usage != nil {
+		c.usage = *usage
+	}
 	add := func(s string) {
 		if c.content.Len()+len(s) > c.limit {
 			c.over = true
@@ -140,51 +196,117 @@ func (c *replyCapture) take(r *responseJSON) {
 		}
 		c.content.WriteString(s)
 	}
-	add(ch.Text)
-	m := ch.Message
-	if m == nil {
-		m = ch.Delta
-	}
-	if m == nil {
-		return
-	}
-	add(m.Content)
-	for _, tc := range m.ToolCalls {
+	add(text)
+	add(content)
+	for _, tc := range calls {
 		if c.calls == nil {
 			c.calls = map[int]*[2]string{}
 		}
-		cl := c.calls[tc.Index]
+		cl := c.calls[tc.index]
 		if cl == nil {
 			cl = &[2]string{}
-			c.calls[tc.Index] = cl
+			c.calls[tc.index] = cl
 		}
-		cl[0] += tc.Function.Name
-		cl[1] += tc.Function.Arguments
+		cl[0] += tc.name
+		cl[1] += tc.arguments
+	}
+	return nil
+}
+
+// release returns the capture's parser; call it once the capture is done.
+func (c *replyCapture) release() {
+	if c.p != nil {
+		replyParsers.Put(c.p)
+		c.p = nil
 	}
 }
 
-// choiceJSON covers the shapes of choices[0] in chat and completions
-// responses and stream chunks.
-type choiceJSON struct {
-	Text    string      `json:"text"`
-	Message *messageOut `json:"message"`
-	Delta   *messageOut `json:"delta"`
+// replyParsers lends response parsers to captures.
+var replyParsers fastjson.ParserPool
+
+type toolCallJSON struct {
+	index           int
+	name, arguments string
 }
 
-type messageOut struct {
-	Content   string `json:"content"`
-	ToolCalls []struct {
-		Index    int `json:"index"`
-		Function struct {
-			Name      string `json:"name"`
-			Arguments string `json:"arguments"`
-		} `json:"function"`
-	} `json:"tool_calls"`
+func toolCalls(v *fastjson.Value) ([]toolCallJSON, error) {
+	if isNull(v) {
+		return nil, nil
+	}
+	a, err := v.Array()
+	if err != nil {
+		return nil, errShape
+	}
+	out := make([]toolCallJSON, len(a))
+	for i, tc := range a {
+		if isNull(tc) {
+			continue
+		}
+		if tc.Type() != fastjson.TypeObject {
+			return nil, errShape
+		}
+		var idx int64
+		if err := intField(tc, "index", &idx); err != nil {
+			return nil, err
+		}
+		out[i].index = int(idx)
+		fn := tc.Get("function")
+		if isNull(fn) {
+			continue
+		}
+		if fn.Type() != fastjson.TypeObject {
+			return nil, errShape
+		}
+		if out[i].name, err = strField(fn, "name"); err != nil {
+			return nil, err
+		}
+		if out[i].arguments, err = strField(fn, "arguments"); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
 }
 
-type responseJSON struct {
-	Choices []choiceJSON `json:"choices"`
-	Usage   *usageJSON   `json:"usage"`
+func isNull(v *fastjson.Value) bool { return v == nil || v.Type() == fastjson.TypeNull }
+
+// strField reads o's string field key; absent or null is "".
+func strField(o *fastjson.Value, key string) (string, error) {
+	v := o.Get(key)
+	if isNull(v) {
+		return "", nil
+	}
+	b, err := v.StringBytes()
+	if err != nil {
+		return "", errShape
+	}
+	return string(b), nil
+}
+
+// intField reads o's integer field key into dst; absent or null (or a nil
+// o) leaves dst alone.
+func intField(o *fastjson.Value, key string, dst *int64) error {
+	if o == nil {
+		return nil
+	}
+	v := o.Get(key)
+	if isNull(v) {
+		return nil
+	}
+	n, err := v.Int64()
+	if err != nil {
+		return errShape
+	}
+	*dst = n
+	return nil
+}
+
+func firstErr(errs ...error) error {
+	for _, err := range errs {
+		if err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // reply returns the bytes of the assistant's reply as blockhash renders an
@@ -209,8 +331,5 @@ func (c *replyCapture) reply() ([]byte, bool) {
 // prompt tokens (zeros when it reported none).
 func (c *replyCapture) tokens() (prompt, output, cached int64) {
 	u := c.usage
-	if u.Details != nil {
-		cached = u.Details.CachedTokens
-	}
-	return u.PromptTokens, u.CompletionTokens, cached
+	return u.PromptTokens, u.CompletionTokens, u.CachedTokens
 }
