@@ -13,12 +13,14 @@ import (
 )
 
 // benchBody is a chat body of about tokens estimated tokens: a system prompt
-// of a quarter of them, a document, and a short question.
+// of a quarter of them, a document, and a short question. Lines end in a
+// newline (escaped in the JSON) and carry a quotation, so that unescaping and
+// the code heuristic's symbol count do their real work.
 func benchBody(tokens int) []byte {
 	prose := func(seed string, n int) string {
 		var sb strings.Builder
 		for i := 0; sb.Len() < n*4; i++ {
-			fmt.Fprintf(&sb, "%s line %d says something worth caching. ", seed, i)
+			fmt.Fprintf(&sb, "%s line %d says \"something worth caching\" (once).\n", seed, i)
 		}
 		return sb.String()[:n*4]
 	}
@@ -58,9 +60,30 @@ func BenchmarkDecide(b *testing.B) {
 					if _, err := f.e.Decide(req, "", false); err != nil {
 						b.Fatal(err)
 					}
+					req.Release()
 				}
 			})
 		}
+	}
+}
+
+// BenchmarkParse measures parsing the body alone (fastjson: validate,
+// parse, unescape the content in place), releasing each request as the
+// server does.
+func BenchmarkParse(b *testing.B) {
+	for _, tokens := range []int{1 << 10, 8 << 10, 32 << 10, 128 << 10} {
+		b.Run(fmt.Sprintf("tokens=%dk", tokens>>10), func(b *testing.B) {
+			body := benchBody(tokens)
+			b.SetBytes(int64(len(body)))
+			b.ReportAllocs()
+			for i := 0; i < b.N; i++ {
+				req, err := blockhash.ParseChat(body, blockhash.Limits{})
+				if err != nil {
+					b.Fatal(err)
+				}
+				req.Release()
+			}
+		})
 	}
 }
 
@@ -126,23 +149,28 @@ func BenchmarkScore(b *testing.B) {
 	}
 }
 
-// BenchmarkServeHTTP measures the router's own work per request — parse,
-// decide, proxy, read the reply, learn it, finish — with an in-memory
-// replica (cannedTransport).
+// BenchmarkServeHTTP measures the router's own work per request — read the
+// body, parse, decide, proxy, read the reply, learn it, finish — with an
+// in-memory replica (cannedTransport), for bodies of about 1 KB and 128 KB.
 func BenchmarkServeHTTP(b *testing.B) {
-	fx := newFixture(b, 8, "semantic")
-	core, _ := NewCore(CoreOptions{Engine: fx.e})
-	srv, _ := NewServer(ServerOptions{Core: core, Transport: cannedTransport{}, RecordReplies: true})
-	body := benchBody(256)
-	b.ReportAllocs()
-	b.ResetTimer()
-	for i := 0; i < b.N; i++ {
-		req := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", bytes.NewReader(body))
-		req.Header.Set("Content-Type", "application/json")
-		w := httptest.NewRecorder()
-		srv.ServeHTTP(w, req)
-		if w.Code != 200 {
-			b.Fatal(w.Code)
-		}
+	for _, tokens := range []int{256, 32 << 10} {
+		b.Run(fmt.Sprintf("tokens=%dk", tokens>>10), func(b *testing.B) {
+			fx := newFixture(b, 8, "semantic")
+			core, _ := NewCore(CoreOptions{Engine: fx.e})
+			srv, _ := NewServer(ServerOptions{Core: core, Transport: cannedTransport{}, RecordReplies: true})
+			body := benchBody(tokens)
+			b.SetBytes(int64(len(body)))
+			b.ReportAllocs()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				req := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", bytes.NewReader(body))
+				req.Header.Set("Content-Type", "application/json")
+				w := httptest.NewRecorder()
+				srv.ServeHTTP(w, req)
+				if w.Code != 200 {
+					b.Fatal(w.Code)
+				}
+			}
+		})
 	}
 }

@@ -177,7 +177,7 @@ type RouteInput struct {
 // Input splits req into the engine's RouteInput, keyed by SessionKey. The
 // text is kept when withText is set or a matcher needs it.
 func (e *Engine) Input(req *blockhash.Request, sessionID string, withText bool) RouteInput {
-	in := RouteInput{Blocks: e.o.Splitter.Split(make([]blockhash.Block, 0, 16), req)}
+	in := RouteInput{Blocks: e.o.Splitter.Split(make([]blockhash.Block, 0, e.o.Splitter.Count(req)), req)}
 	in.Key = SessionKey(sessionID, req.User, in.Blocks)
 	if withText || e.o.Matcher != nil {
 		for i := range req.Parts {

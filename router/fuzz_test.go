@@ -17,8 +17,9 @@ import (
 type cannedTransport struct{}
 
 func (cannedTransport) RoundTrip(r *http.Request) (*http.Response, error) {
-	if r.Body != nil {
+	if r.Body != nil { // read and close it, as a RoundTripper must
 		_, _ = io.Copy(io.Discard, r.Body)
+		r.Body.Close()
 	}
 	body := `{"choices":[{"message":{"role":"assistant","content":"ok"}}],"usage":{"prompt_tokens":3,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":0}}}`
 	return &http.Response{StatusCode: 200, Header: http.Header{"Content-Type": {"application/json"}},

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"strconv"
 	"time"
+	"unicode/utf8"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -51,6 +52,9 @@ func (g *GRPCService) request(in *pb.RouteRequest) (*blockhash.Request, error) {
 		ep := blockhash.Chat
 		if in.GetEndpoint() == pb.Endpoint_ENDPOINT_COMPLETIONS {
 			ep = blockhash.Completion
+		}
+		if !utf8.Valid(x.OpenaiBody) {
+			return nil, &blockhash.InputError{Field: "openai_body", Msg: "is not valid UTF-8"}
 		}
 		return blockhash.Parse(ep, x.OpenaiBody, g.limits)
 	case *pb.RouteRequest_Messages:

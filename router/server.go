@@ -1,7 +1,6 @@
 package router
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -261,8 +260,11 @@ type flight struct {
 	rt     *Routed    // a routed (prompt) request; nil for pass-through
 	any    *Decision  // a pass-through request's ranking
 	served *Candidate // pass-through: the candidate carrying the request
-	body   []byte
-	next   int // index in the ranking of the next candidate to try
+	body   *body      // the request body; the handler releases it
+	next   int        // index in the ranking of the next candidate to try
+	// readers are the body's readers given to upstream attempts, closed
+	// when the proxy returns.
+	readers []*bodyReader
 
 	status  int
 	capture *replyCapture
@@ -282,20 +284,22 @@ func (f *flight) current() *Candidate {
 }
 
 func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.Endpoint) {
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.o.MaxBodyBytes))
+	body, err := s.readBody(w, r)
 	if err != nil {
 		writeError(w, s.classify(err))
 		return
 	}
-	if e := checkBody(r, body); e != nil {
+	defer body.release()
+	if e := checkBody(r, body.b); e != nil {
 		writeError(w, *e)
 		return
 	}
-	req, err := blockhash.Parse(ep, body, s.o.Limits)
+	req, err := blockhash.Parse(ep, body.b, s.o.Limits)
 	if err != nil {
 		writeError(w, s.classify(err))
 		return
 	}
+	defer req.Release() // after Finish: prompt logging reads the parts' text
 	if req.MaxTokens > s.o.MaxOutputTokens {
 		writeError(w, apiError{http.StatusBadRequest, "invalid_request_error", "invalid_request",
 			"max_tokens: " + strconv.Itoa(req.MaxTokens) + " is more than the limit of " + strconv.Itoa(s.o.MaxOutputTokens)})
@@ -340,6 +344,7 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 		if rep, ok := c.reply(); ok && s.o.RecordReplies && f.status == http.StatusOK {
 			reply = rep
 		}
+		c.release()
 	}
 	s.core.Finish(rt, o, reply)
 	s.o.Logger.LogAttrs(r.Context(), slog.LevelInfo, "request",
@@ -351,18 +356,54 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 
 func (s *Server) forward(w http.ResponseWriter, r *http.Request, f *flight) {
 	r = r.WithContext(context.WithValue(r.Context(), flightKey{}, f))
-	r.Body = io.NopCloser(bytes.NewReader(f.body))
-	r.ContentLength = int64(len(f.body))
+	br := f.body.reader()
+	f.readers = append(f.readers, br)
+	r.Body = br
+	r.ContentLength = int64(len(f.body.b))
 	s.proxy.ServeHTTP(w, r)
+	for _, br := range f.readers {
+		br.Close()
+	}
+}
+
+// readBody reads a request's body, up to MaxBodyBytes, into a pooled
+// buffer that the caller must release. A body that cannot be read (the
+// client went away, or sent less than its Content-Length) is an
+// *blockhash.InputError; a body over the limit an *http.MaxBytesError.
+func (s *Server) readBody(w http.ResponseWriter, r *http.Request) (*body, error) {
+	rd := http.MaxBytesReader(w, r.Body, s.o.MaxBodyBytes)
+	var (
+		b   *body
+		err error
+	)
+	if n := r.ContentLength; n < 0 || n > s.o.MaxBodyBytes {
+		var all []byte
+		all, err = io.ReadAll(rd) // unknown length, or too long: MaxBytesReader says so
+		b = &body{b: all}
+		b.refs.Store(1)
+	} else {
+		b = newBody(int(n))
+		_, err = io.ReadFull(rd, b.b)
+	}
+	if err != nil {
+		b.release()
+		var tooBig *http.MaxBytesError
+		if errors.As(err, &tooBig) {
+			return nil, err
+		}
+		return nil, &blockhash.InputError{Msg: "reading the request body: " + err.Error()}
+	}
+	return b, nil
 }
 
 // passthrough forwards any other /v1/ request to the least-loaded replica.
 func (s *Server) passthrough(w http.ResponseWriter, r *http.Request) {
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.o.MaxBodyBytes))
+	body, err := s.readBody(w, r)
 	if err != nil {
 		writeError(w, s.classify(err))
 		return
 	}
+	defer body.release()
 	d, err := s.e.DecideAny()
 	if err != nil {
 		writeError(w, s.classify(err))
@@ -469,7 +510,9 @@ func (t *failover) RoundTrip(req *http.Request) (*http.Response, error) {
 		req = req.Clone(req.Context())
 		u := f.current().Replica.URL
 		req.URL.Scheme, req.URL.Host, req.Host = u.Scheme, u.Host, u.Host
-		req.Body = io.NopCloser(bytes.NewReader(f.body))
+		br := f.body.reader()
+		f.readers = append(f.readers, br)
+		req.Body = br
 	}
 }
 

@@ -1,0 +1,83 @@
+package router
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"sync"
+	"testing"
+)
+
+// TestBodyReferences: the buffer is given back only when the handler and
+// every reader are done with it, once, and a reader closed (by a transport
+// or by the handler) reads nothing more.
+func TestBodyReferences(t *testing.T) {
+	b := newBody(5)
+	copy(b.b, "hello")
+	r1, r2 := b.reader(), b.reader()
+	if got := b.refs.Load(); got != 3 {
+		t.Fatalf("refs = %d, want 3 (handler and two readers)", got)
+	}
+	got, err := io.ReadAll(r1)
+	if err != nil || string(got) != "hello" {
+		t.Fatalf("read %q, %v", got, err)
+	}
+	var w bytes.Buffer
+	if n, err := r2.WriteTo(&w); err != nil || n != 5 || w.String() != "hello" {
+		t.Fatalf("WriteTo = %d, %v, %q", n, err, w.String())
+	}
+	b.release()
+	r1.Close()
+	r1.Close() // a second close (the transport's, then the handler's) drops nothing more
+	if got := b.refs.Load(); got != 1 {
+		t.Fatalf("refs = %d after the handler and one reader let go, want 1", got)
+	}
+	r2.Close()
+	if got := b.refs.Load(); got != 0 {
+		t.Fatalf("refs = %d after everyone let go, want 0", got)
+	}
+	if _, err := r1.Read(make([]byte, 1)); !errors.Is(err, errBodyClosed) {
+		t.Fatalf("read after close: %v, want errBodyClosed", err)
+	}
+	if _, err := r2.WriteTo(io.Discard); !errors.Is(err, errBodyClosed) {
+		t.Fatalf("WriteTo after close: %v, want errBodyClosed", err)
+	}
+}
+
+// TestBodyReadRacingClose: reads racing a close either finish reading the
+// real bytes or fail; run with -race, they never touch the buffer after
+// it went back.
+func TestBodyReadRacingClose(t *testing.T) {
+	for range 200 {
+		b := newBody(64 << 10)
+		for i := range b.b {
+			b.b[i] = 'x'
+		}
+		r := b.reader()
+		b.release()
+		var wg sync.WaitGroup
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			p := make([]byte, 4096)
+			for {
+				n, err := r.Read(p)
+				if bytes.Count(p[:n], []byte("x")) != n {
+					t.Error("read bytes that are not the body's")
+					return
+				}
+				if err != nil {
+					return
+				}
+			}
+		}()
+		r.Close()
+		// Whoever takes the buffer next overwrites it.
+		nb := newBody(64 << 10)
+		for i := range nb.b {
+			nb.b[i] = 'y'
+		}
+		wg.Wait()
+		nb.release()
+	}
+}
