@@ -1,13 +1,18 @@
 package main
 
 import (
+	"bufio"
 	"bytes"
 	"encoding/json"
 	"fmt"
 	"io"
+	"log"
+	"log/slog"
 	"net/http"
 	"net/http/httputil"
 	"net/url"
+	"os"
+	"os/exec"
 	"sort"
 	"strings"
 	"sync"
@@ -40,19 +45,23 @@ type benchResult struct {
 
 func newBenchProxy() *cobra.Command {
 	o := benchOptions{}
-	var sizes, conc string
+	var sizes, conc, target, upstream string
 	cmd := &cobra.Command{
 		Use:   "benchproxy",
 		Short: "Measure the latency the router adds over a plain reverse proxy, in front of an instant simulated replica",
 		Long: `Starts one simulated replica that answers at once, the router in front of it, and a
-plain httputil.ReverseProxy in front of it, all on 127.0.0.1, and drives each with the
-same load generator (the plain proxy has the router's proxy settings: immediate
-flushing and pooled buffers): sequential requests for latency, interleaved across
-the three so they meet the same background noise (p50, p99; added latency is the
-proxy's minus the replica's own), then concurrent clients for throughput (the best over
---concurrency). Bodies of each
---sizes, streaming and not. Everything shares this machine's cores.`,
+plain httputil.ReverseProxy in front of it, each in its own process on 127.0.0.1 (as
+they would run in production: one's garbage collection does not pause another), and
+drives each with the same load generator in this process (the plain proxy has the
+router's proxy settings: immediate flushing and pooled buffers): sequential requests
+for latency, interleaved across the three so they meet the same background noise
+(p50, p99; added latency is the proxy's minus the replica's own), then concurrent
+clients for throughput (the best over --concurrency). Bodies of each --sizes,
+streaming and not. Everything shares this machine's cores.`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if target != "" {
+				return serveBenchTarget(target, upstream, cmd.OutOrStdout(), cmd.InOrStdin())
+			}
 			for _, c := range strings.Split(conc, ",") {
 				var n int
 				if _, err := fmt.Sscanf(strings.TrimSpace(c), "%d", &n); err != nil || n < 1 {
@@ -75,6 +84,11 @@ proxy's minus the replica's own), then concurrent clients for throughput (the be
 	f.StringVar(&conc, "concurrency", "8,32,128", "concurrent client counts to try for throughput, comma-separated; the best is reported")
 	f.DurationVar(&o.duration, "duration", 2*time.Second, "throughput phase per client count")
 	f.StringVar(&sizes, "sizes", "1024,131072", "request body sizes in bytes, comma-separated")
+	// The targets run in child processes of this command (see startBenchTarget).
+	f.StringVar(&target, "serve-target", "", "internal: serve one target (replica, plain or router) and print its URL")
+	f.StringVar(&upstream, "upstream", "", "internal: the replica's URL, for --serve-target plain or router")
+	_ = f.MarkHidden("serve-target")
+	_ = f.MarkHidden("upstream")
 	return cmd
 }
 
@@ -91,41 +105,19 @@ func benchBody(size int, stream bool) []byte {
 }
 
 func runBenchProxy(out io.Writer, o benchOptions) error {
-	sim, err := simreplica.Start(simreplica.Options{Overhead: -1, PrefillPerToken: -1, InterToken: -1, MaxRunning: 4096, OutputTokens: 8}, "127.0.0.1:0")
-	if err != nil {
-		return err
+	var targets []struct{ name, url string }
+	for _, t := range []struct{ name, role string }{{"replica", "replica"}, {"plain proxy", "plain"}, {"router", "router"}} {
+		up := ""
+		if len(targets) > 0 {
+			up = targets[0].url
+		}
+		u, stop, err := startBenchTarget(t.role, up)
+		if err != nil {
+			return fmt.Errorf("starting the %s: %w", t.name, err)
+		}
+		defer stop()
+		targets = append(targets, struct{ name, url string }{t.name, u})
 	}
-	defer sim.Close()
-	v := configs.NewViper()
-	v.Set("listen", "127.0.0.1:0")
-	v.Set("log.level", "error")
-	v.Set("replicas", []configs.Replica{{Name: "sim", URL: sim.URL}})
-	cfg, err := configs.Decode(v)
-	if err != nil {
-		return err
-	}
-	a, err := build(cfg, newLogger(cfg.Log, io.Discard))
-	if err != nil {
-		return err
-	}
-	r, err := a.start()
-	if err != nil {
-		return err
-	}
-	defer r.stop(5 * time.Second)
-	target, _ := url.Parse(sim.URL)
-	plainProxy := &httputil.ReverseProxy{ // the router's proxy settings, without routing
-		Rewrite:       func(pr *httputil.ProxyRequest) { pr.SetURL(target); pr.SetXForwarded() },
-		FlushInterval: -1,
-		BufferPool:    router.NewBufferPool(),
-		Transport:     &http.Transport{MaxIdleConnsPerHost: 1024},
-	}
-	plain, err := serve("127.0.0.1:0", plainProxy, a.log)
-	if err != nil {
-		return err
-	}
-	defer plain.stop(5 * time.Second)
-	targets := []struct{ name, url string }{{"replica", sim.URL}, {"plain proxy", plain.url()}, {"router", r.http.url()}}
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 1024, MaxConnsPerHost: 0}}
 	defer client.CloseIdleConnections()
 
@@ -144,7 +136,9 @@ func runBenchProxy(out io.Writer, o benchOptions) error {
 			}
 			res := benchLatency(client, urls, body, o.requests)
 			for i, t := range targets {
-				res[i].throughput, res[i].atClients, res[i].errors = benchThroughput(client, t.url, body, o)
+				var errs int64
+				res[i].throughput, res[i].atClients, errs = benchThroughput(client, t.url, body, o)
+				res[i].errors += errs // latency and throughput phases together
 			}
 			for i, t := range targets {
 				added50, added99 := "", ""
@@ -158,6 +152,132 @@ func runBenchProxy(out io.Writer, o benchOptions) error {
 		}
 	}
 	return tw.Flush()
+}
+
+// startBenchTarget runs `router benchproxy --serve-target role` as a child
+// process and returns the URL it serves. stop closes the child's stdin, which
+// ends it, and waits; a child whose parent dies sees the same end of input.
+func startBenchTarget(role, upstream string) (url string, stop func(), err error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return "", nil, err
+	}
+	cmd := exec.Command(exe, "benchproxy", "--serve-target", role, "--upstream", upstream)
+	cmd.Stderr = os.Stderr
+	in, err := cmd.StdinPipe()
+	if err != nil {
+		return "", nil, err
+	}
+	outp, err := cmd.StdoutPipe()
+	if err != nil {
+		return "", nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return "", nil, err
+	}
+	stop = func() {
+		in.Close()
+		done := make(chan struct{})
+		go func() { _ = cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			_ = cmd.Process.Kill()
+			<-done
+		}
+	}
+	line := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(outp)
+		if sc.Scan() {
+			line <- sc.Text()
+		}
+		close(line)
+		_, _ = io.Copy(io.Discard, outp)
+	}()
+	select {
+	case u, ok := <-line:
+		if ok && strings.HasPrefix(u, "http://") {
+			return u, stop, nil
+		}
+		stop()
+		return "", nil, fmt.Errorf("the %s process printed %q, not its URL", role, u)
+	case <-time.After(30 * time.Second):
+		stop()
+		return "", nil, fmt.Errorf("the %s process did not start within 30s", role)
+	}
+}
+
+// serveBenchTarget serves one benchmark target in this process, prints its
+// URL, and serves until in ends.
+func serveBenchTarget(role, upstream string, out io.Writer, in io.Reader) error {
+	var (
+		u    string
+		stop func()
+	)
+	switch role {
+	case "replica":
+		sim, err := simreplica.Start(simreplica.Options{Overhead: -1, PrefillPerToken: -1, InterToken: -1, MaxRunning: 4096, OutputTokens: 8}, "127.0.0.1:0")
+		if err != nil {
+			return err
+		}
+		u, stop = sim.URL, func() { _ = sim.Close() }
+	case "plain":
+		target, err := url.Parse(upstream)
+		if err != nil || target.Host == "" {
+			return fmt.Errorf("--upstream %q is not a URL", upstream)
+		}
+		t := http.DefaultTransport.(*http.Transport).Clone() // as the router's
+		t.MaxIdleConnsPerHost = 256
+		plainProxy := &httputil.ReverseProxy{ // the router's proxy settings, without routing
+			Rewrite: func(pr *httputil.ProxyRequest) {
+				pr.SetURL(target)
+				pr.SetXForwarded()
+				// The transport reads once more after Content-Length bytes to
+				// see the end of the body; the server may close the body as
+				// soon as response headers go out (a stream's come at once),
+				// and that read's error then closes the upstream connection
+				// mid-response. Ending the body at its length avoids the race
+				// and still streams it.
+				if n := pr.In.ContentLength; n > 0 {
+					pr.Out.Body = io.NopCloser(io.LimitReader(pr.In.Body, n))
+				}
+			},
+			FlushInterval: -1,
+			BufferPool:    router.NewBufferPool(),
+			Transport:     t,
+			ErrorLog:      log.New(io.Discard, "", 0),
+		}
+		l, err := serve("127.0.0.1:0", plainProxy, slog.New(slog.DiscardHandler))
+		if err != nil {
+			return err
+		}
+		u, stop = l.url(), func() { _ = l.stop(5 * time.Second) }
+	case "router":
+		v := configs.NewViper()
+		v.Set("listen", "127.0.0.1:0")
+		v.Set("log.level", "error")
+		v.Set("replicas", []configs.Replica{{Name: "sim", URL: upstream}})
+		cfg, err := configs.Decode(v)
+		if err != nil {
+			return err
+		}
+		a, err := build(cfg, newLogger(cfg.Log, io.Discard))
+		if err != nil {
+			return err
+		}
+		r, err := a.start()
+		if err != nil {
+			return err
+		}
+		u, stop = r.http.url(), func() { _ = r.stop(5 * time.Second) }
+	default:
+		return fmt.Errorf("--serve-target %q: want replica, plain or router", role)
+	}
+	defer stop()
+	fmt.Fprintln(out, u)
+	_, _ = io.Copy(io.Discard, in)
+	return nil
 }
 
 func benchOnce(client *http.Client, u string, body []byte) error {

@@ -77,6 +77,7 @@ func TestCLIReplayMooncakeAndErrors(t *testing.T) {
 }
 
 func TestCLIBenchProxyRuns(t *testing.T) {
+	t.Setenv("SEMROUTE_TEST_MAIN", "1") // the targets' processes run this binary as the router (TestMain)
 	out := runCLI(t, "benchproxy", "--sizes", "1024", "--requests", "20", "--duration", "50ms", "--concurrency", "2,4")
 	for _, want := range []string{"replica", "plain proxy", "router", "stream", "whole"} {
 		if !strings.Contains(out, want) {
