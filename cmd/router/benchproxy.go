@@ -29,7 +29,8 @@ import (
 
 // benchOptions shape `router benchproxy`.
 type benchOptions struct {
-	requests    int           // sequential requests per case, for latency
+	requests    int           // sequential requests per target per round, for latency
+	rounds      int           // latency rounds; the medians over them are reported
 	concurrency []int         // client counts tried for throughput; the best is reported
 	duration    time.Duration // throughput phase per client count
 	sizes       []int         // request body sizes in bytes
@@ -37,10 +38,13 @@ type benchOptions struct {
 
 // benchResult is one target's figures in one case.
 type benchResult struct {
-	p50, p99   time.Duration
-	throughput float64 // the highest requests per second over the client counts
-	atClients  int     // the client count that reached it
-	errors     int64
+	p50, p99 time.Duration // medians over the rounds
+	// added50, added99 are the medians over the rounds of the target's
+	// p50 and p99 minus the replica's in the same round.
+	added50, added99 time.Duration
+	throughput       float64 // the highest requests per second over the client counts
+	atClients        int     // the client count that reached it
+	errors           int64
 }
 
 func newBenchProxy() *cobra.Command {
@@ -53,11 +57,13 @@ func newBenchProxy() *cobra.Command {
 plain httputil.ReverseProxy in front of it, each in its own process on 127.0.0.1 (as
 they would run in production: one's garbage collection does not pause another), and
 drives each with the same load generator in this process (the plain proxy has the
-router's proxy settings: immediate flushing and pooled buffers): sequential requests
-for latency, interleaved across the three so they meet the same background noise
-(p50, p99; added latency is the proxy's minus the replica's own), then concurrent
-clients for throughput (the best over --concurrency). Bodies of each --sizes,
-streaming and not. Everything shares this machine's cores.`,
+router's proxy settings: immediate flushing and pooled buffers): --rounds rounds of
+sequential requests for latency, interleaved across the three so they meet the same
+background noise (p50, p99, and added latency: the proxy's minus the replica's own in
+the same round; each the median over the rounds), then concurrent clients for
+throughput (the best over --concurrency). Bodies of each --sizes, streaming and not.
+After each case, the router's added p99 as a multiple of the plain proxy's.
+Everything shares this machine's cores.`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if target != "" {
 				return serveBenchTarget(target, upstream, cmd.OutOrStdout(), cmd.InOrStdin())
@@ -76,11 +82,15 @@ streaming and not. Everything shares this machine's cores.`,
 				}
 				o.sizes = append(o.sizes, n)
 			}
+			if o.requests < 1 || o.rounds < 1 {
+				return fmt.Errorf("--requests and --rounds must be at least 1")
+			}
 			return runBenchProxy(cmd.OutOrStdout(), o)
 		},
 	}
 	f := cmd.Flags()
-	f.IntVar(&o.requests, "requests", 2000, "sequential requests per case (latency)")
+	f.IntVar(&o.requests, "requests", 2000, "sequential requests per target in each latency round")
+	f.IntVar(&o.rounds, "rounds", 5, "latency rounds; p50, p99 and added latency are medians over them")
 	f.StringVar(&conc, "concurrency", "8,32,128", "concurrent client counts to try for throughput, comma-separated; the best is reported")
 	f.DurationVar(&o.duration, "duration", 2*time.Second, "throughput phase per client count")
 	f.StringVar(&sizes, "sizes", "1024,131072", "request body sizes in bytes, comma-separated")
@@ -123,6 +133,7 @@ func runBenchProxy(out io.Writer, o benchOptions) error {
 
 	tw := tabwriter.NewWriter(out, 2, 4, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "body\tmode\ttarget\tp50\tp99\tadded p50\tadded p99\tbest req/s\tat clients\terrors\t")
+	var ratios []string
 	for _, size := range o.sizes {
 		for _, stream := range []bool{false, true} {
 			body := benchBody(size, stream)
@@ -134,7 +145,7 @@ func runBenchProxy(out io.Writer, o benchOptions) error {
 			for i, t := range targets {
 				urls[i] = t.url
 			}
-			res := benchLatency(client, urls, body, o.requests)
+			res := benchLatency(client, urls, body, o.requests, o.rounds)
 			for i, t := range targets {
 				var errs int64
 				res[i].throughput, res[i].atClients, errs = benchThroughput(client, t.url, body, o)
@@ -143,15 +154,24 @@ func runBenchProxy(out io.Writer, o benchOptions) error {
 			for i, t := range targets {
 				added50, added99 := "", ""
 				if i > 0 {
-					added50 = (res[i].p50 - res[0].p50).Round(time.Microsecond).String()
-					added99 = (res[i].p99 - res[0].p99).Round(time.Microsecond).String()
+					added50 = res[i].added50.Round(time.Microsecond).String()
+					added99 = res[i].added99.Round(time.Microsecond).String()
 				}
 				fmt.Fprintf(tw, "%d B\t%s\t%s\t%v\t%v\t%s\t%s\t%.0f\t%d\t%d\t\n", len(body), mode, t.name,
 					res[i].p50.Round(time.Microsecond), res[i].p99.Round(time.Microsecond), added50, added99, res[i].throughput, res[i].atClients, res[i].errors)
 			}
+			ratio := "n/a (the plain proxy added no p99)"
+			if res[1].added99 > 0 {
+				ratio = fmt.Sprintf("%.2f×", float64(res[2].added99)/float64(res[1].added99))
+			}
+			ratios = append(ratios, fmt.Sprintf("router added p99 / plain proxy added p99, %d B %s: %s", len(body), mode, ratio))
 		}
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	_, err := fmt.Fprintln(out, "\n"+strings.Join(ratios, "\n"))
+	return err
 }
 
 // startBenchTarget runs `router benchproxy --serve-target role` as a child
@@ -293,36 +313,68 @@ func benchOnce(client *http.Client, u string, body []byte) error {
 	return err
 }
 
-// benchLatency sends n sequential requests to each target, interleaved
-// (one to each in turn) so that every target meets the same background
-// noise, and returns each one's p50 and p99.
-func benchLatency(client *http.Client, urls []string, body []byte, n int) []benchResult {
+// benchLatency sends rounds × n sequential requests to each target,
+// interleaved (one to each in turn) so that every target meets the same
+// background noise. Each round gives every target a p50 and a p99, and its
+// added latency: its own minus the replica's (the first URL's) in that
+// round. The result is the median over rounds of each, so that one noisy
+// stretch of a shared machine does not decide a tail.
+func benchLatency(client *http.Client, urls []string, body []byte, n, rounds int) []benchResult {
 	res := make([]benchResult, len(urls))
-	lat := make([][]time.Duration, len(urls))
 	for i := 0; i < 50; i++ { // warm up connections
 		for _, u := range urls {
 			_ = benchOnce(client, u, body)
 		}
 	}
-	for i := 0; i < n; i++ {
-		for t, u := range urls {
-			t0 := time.Now()
-			if err := benchOnce(client, u, body); err != nil {
-				res[t].errors++
+	var p50, p99, add50, add99 = make([][]time.Duration, len(urls)), make([][]time.Duration, len(urls)),
+		make([][]time.Duration, len(urls)), make([][]time.Duration, len(urls))
+	for range rounds {
+		lat := make([][]time.Duration, len(urls))
+		for i := 0; i < n; i++ {
+			for t, u := range urls {
+				t0 := time.Now()
+				if err := benchOnce(client, u, body); err != nil {
+					res[t].errors++
+					continue
+				}
+				lat[t] = append(lat[t], time.Since(t0))
+			}
+		}
+		for t := range urls {
+			l := lat[t]
+			if len(l) == 0 {
 				continue
 			}
-			lat[t] = append(lat[t], time.Since(t0))
+			sort.Slice(l, func(i, j int) bool { return l[i] < l[j] })
+			p50[t] = append(p50[t], l[len(l)/2])
+			p99[t] = append(p99[t], l[min(len(l)-1, len(l)*99/100)])
+		}
+		if len(p50[0]) == 0 {
+			continue
+		}
+		for t := range urls {
+			if len(p50[t]) > 0 {
+				add50[t] = append(add50[t], p50[t][len(p50[t])-1]-p50[0][len(p50[0])-1])
+				add99[t] = append(add99[t], p99[t][len(p99[t])-1]-p99[0][len(p99[0])-1])
+			}
 		}
 	}
 	for t := range urls {
-		l := lat[t]
-		sort.Slice(l, func(i, j int) bool { return l[i] < l[j] })
-		if len(l) > 0 {
-			res[t].p50 = l[len(l)/2]
-			res[t].p99 = l[min(len(l)-1, len(l)*99/100)]
-		}
+		res[t].p50, res[t].p99 = median(p50[t]), median(p99[t])
+		res[t].added50, res[t].added99 = median(add50[t]), median(add99[t])
 	}
 	return res
+}
+
+// median returns the middle of ds (the upper middle of an even count), 0
+// for none.
+func median(ds []time.Duration) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	s := append([]time.Duration(nil), ds...)
+	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+	return s[len(s)/2]
 }
 
 // benchThroughput returns the best requests per second over the client

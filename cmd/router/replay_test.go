@@ -78,13 +78,19 @@ func TestCLIReplayMooncakeAndErrors(t *testing.T) {
 
 func TestCLIBenchProxyRuns(t *testing.T) {
 	t.Setenv("SEMROUTE_TEST_MAIN", "1") // the targets' processes run this binary as the router (TestMain)
-	out := runCLI(t, "benchproxy", "--sizes", "1024", "--requests", "20", "--duration", "50ms", "--concurrency", "2,4")
+	out := runCLI(t, "benchproxy", "--sizes", "1024", "--requests", "20", "--rounds", "2", "--duration", "50ms", "--concurrency", "2,4")
 	for _, want := range []string{"replica", "plain proxy", "router", "stream", "whole"} {
 		if !strings.Contains(out, want) {
 			t.Fatalf("output lacks %q:\n%s", want, out)
 		}
 	}
+	if !strings.Contains(out, "router added p99 / plain proxy added p99, ") {
+		t.Fatalf("output lacks the ratios:\n%s", out)
+	}
 	for _, line := range strings.Split(out, "\n") {
+		if strings.HasPrefix(line, "router added p99") {
+			continue
+		}
 		if f := strings.Fields(line); len(f) > 0 && f[len(f)-1] != "0" && f[len(f)-1] != "errors" {
 			t.Fatalf("errors in %q", line)
 		}
