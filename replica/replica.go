@@ -94,9 +94,17 @@ type Replica struct {
 	ejections int       // consecutive passive ejections
 	lastEject time.Time // when the last passive ejection began
 
-	mu       sync.Mutex
-	recent   float64 // tokens, as of recentAt
-	recentAt int64   // unix nanoseconds
+	// recent is the recent-work counter; readers load it without a lock,
+	// writers replace it under mu.
+	mu     sync.Mutex
+	recent atomic.Pointer[recentWork]
+}
+
+// recentWork is the recent-work counter: tokens, as of at (unix nanoseconds).
+// It is immutable once published.
+type recentWork struct {
+	tokens float64
+	at     int64
 }
 
 // Begin counts w as sent to the replica.
@@ -116,8 +124,7 @@ func (r *Replica) PrefillDone(w *Work, now time.Time) {
 	w.done = true
 	r.pending.Add(-w.Prefill)
 	r.mu.Lock()
-	r.recent = r.decayed(now.UnixNano()) + float64(w.Prefill)
-	r.recentAt = now.UnixNano()
+	r.recent.Store(&recentWork{tokens: r.decayed(now.UnixNano()) + float64(w.Prefill), at: now.UnixNano()})
 	r.mu.Unlock()
 }
 
@@ -132,23 +139,22 @@ func (r *Replica) End(w *Work, now time.Time) {
 // Observe records the replica's own load gauges.
 func (r *Replica) Observe(o Observed) { r.observed.Store(&o) }
 
-// decayed returns the recent-work counter at now; r.mu must be held.
+// decayed returns the recent-work counter at now.
 func (r *Replica) decayed(now int64) float64 {
-	if r.halfLife <= 0 {
+	rw := r.recent.Load()
+	if r.halfLife <= 0 || rw == nil {
 		return 0
 	}
-	dt := now - r.recentAt
+	dt := now - rw.at
 	if dt <= 0 {
-		return r.recent
+		return rw.tokens
 	}
-	return r.recent * math.Exp2(-float64(dt)/float64(r.halfLife))
+	return rw.tokens * math.Exp2(-float64(dt)/float64(r.halfLife))
 }
 
 // Load returns the replica's load at now.
 func (r *Replica) Load(now time.Time) Load {
-	r.mu.Lock()
 	recent := r.decayed(now.UnixNano())
-	r.mu.Unlock()
 	l := Load{
 		InFlight:      r.inFlight.Load(),
 		PendingTokens: float64(r.pending.Load()) / r.Weight,
