@@ -21,9 +21,7 @@ func mustPolicy(t *testing.T, name string) Policy {
 // winner scores cands with p and returns the winner's name.
 func winner(p Policy, in *Input, cands []Candidate) string {
 	p.Score(in, cands)
-	cs := append([]Candidate(nil), cands...)
-	rank(cs, in.Key, 1)
-	return cs[0].Replica.Name
+	return rank(cands, in.Key, 1)[0].Replica.Name
 }
 
 func TestPowerOfTwoPicksTheLighterOfTwo(t *testing.T) {

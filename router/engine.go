@@ -271,9 +271,7 @@ func (e *Engine) DecideAny() (*Decision, error) {
 		return nil, ErrNoReplica
 	}
 	LeastLoad{}.Score(nil, d.Candidates)
-	d.Ranked = append([]Candidate(nil), d.Candidates...)
-	rank(d.Ranked, d.Key, e.o.Attempts)
-	d.Ranked = d.Ranked[:min(e.o.Attempts, len(d.Ranked))]
+	d.Ranked = rank(d.Candidates, d.Key, e.o.Attempts)
 	return d, nil
 }
 
@@ -294,29 +292,45 @@ func (e *Engine) input(d *Decision) *Input {
 func (e *Engine) rank(d *Decision, pol Policy) (*Input, error) {
 	now := e.o.Now()
 	reps := e.o.Pool.Replicas()
-	matches := e.o.Cache.Match(d.Blocks, e.o.Weights, nil)
-	sizes := e.o.Cache.Sizes(nil)
-	d.Candidates = make([]Candidate, 0, len(reps))
+	sc, _ := scratchPool.Get().(*scratch)
+	if sc == nil {
+		sc = &scratch{}
+	}
+	defer scratchPool.Put(sc)
+	sc.matches = e.o.Cache.Match(d.Blocks, e.o.Weights, sc.matches[:0])
+	sc.sizes = e.o.Cache.Sizes(sc.sizes[:0])
+	matches, sizes := sc.matches, sc.sizes
+	d.Candidates = make([]Candidate, len(reps))
+	n := 0
 	for _, r := range reps {
 		if !r.Available(now) {
 			continue
 		}
-		c := Candidate{Replica: r, Load: r.Load(now)}
+		c := &d.Candidates[n] // filled in place: a candidate is ~120 bytes
+		n++
+		c.Replica, c.Load = r, r.Load(now)
 		if r.ID < len(matches) {
 			c.Match, c.CacheTokens = matches[r.ID], sizes[r.ID]
 		}
-		d.Candidates = append(d.Candidates, c)
 	}
+	d.Candidates = d.Candidates[:n]
 	if len(d.Candidates) == 0 {
 		return nil, ErrNoReplica
 	}
 	in := e.input(d)
 	pol.Score(in, d.Candidates)
-	ranked := append([]Candidate(nil), d.Candidates...)
-	rank(ranked, d.Key, e.o.Attempts)
-	d.Ranked = ranked[:min(e.o.Attempts, len(ranked))]
+	d.Ranked = rank(d.Candidates, d.Key, e.o.Attempts)
 	return in, nil
 }
+
+// scratch is a decision's per-replica working memory, reused across
+// decisions.
+type scratch struct {
+	matches []cachemodel.Match
+	sizes   []int64
+}
+
+var scratchPool sync.Pool // *scratch
 
 // Commit caches d's blocks on c's replica and counts the request's work
 // there. Call Done with the same candidate when the request ends.

@@ -283,35 +283,52 @@ func (LeastLoad) Score(_ *Input, cands []Candidate) {
 	}
 }
 
-// rank moves the best k candidates, in order, to the front of cands: lowest
-// score (rounded to whole units) first, ties broken by the highest rendezvous
-// weight of (key, replica name), so a tie never means "the first replica
-// wins". O(k × len(cands)); rendezvous hashes only on ties.
-func rank(cands []Candidate, key uint64, k int) {
+// rank returns the best k candidates, in order, leaving cands as they are:
+// lowest score (rounded to whole units) first, ties broken by the highest
+// rendezvous weight of (key, replica name), so a tie never means "the first
+// replica wins". One pass keeping the best k so far: O(len(cands) × k) at
+// worst, and rendezvous hashes (each computed once) only on ties.
+func rank(cands []Candidate, key uint64, k int) []Candidate {
 	k = min(k, len(cands))
-	for i := 0; i < k; i++ {
-		best := i
-		bestScore := math.Round(cands[i].Score)
-		var bestRV uint64
-		rvDone := false
-		for j := i + 1; j < len(cands); j++ {
-			s := math.Round(cands[j].Score)
-			if s > bestScore {
-				continue
-			}
-			if s == bestScore {
-				if !rvDone {
-					bestRV, rvDone = rendezvous(key, cands[best].Replica.Name), true
-				}
-				rv := rendezvous(key, cands[j].Replica.Name)
-				if rv <= bestRV {
-					continue
-				}
-				best, bestRV = j, rv
-				continue
-			}
-			best, bestScore, rvDone = j, s, false
-		}
-		cands[i], cands[best] = cands[best], cands[i]
+	type weight struct {
+		v    uint64
+		done bool
 	}
+	var rvs []weight // rendezvous weights, each computed on its first tie
+	rv := func(j int) uint64 {
+		if rvs == nil {
+			rvs = make([]weight, len(cands))
+		}
+		if !rvs[j].done {
+			rvs[j] = weight{rendezvous(key, cands[j].Replica.Name), true}
+		}
+		return rvs[j].v
+	}
+	type entry struct {
+		j     int
+		score float64
+	}
+	top := make([]entry, 0, k+1) // best first
+	better := func(a, b entry) bool {
+		return a.score < b.score || (a.score == b.score && rv(a.j) > rv(b.j))
+	}
+	for j := range cands {
+		e := entry{j, math.Round(cands[j].Score)}
+		if len(top) == k && !better(e, top[k-1]) {
+			continue
+		}
+		i := len(top)
+		for i > 0 && better(e, top[i-1]) {
+			i--
+		}
+		top = append(top, entry{})
+		copy(top[i+1:], top[i:])
+		top[i] = e
+		top = top[:min(len(top), k)]
+	}
+	out := make([]Candidate, len(top))
+	for i, e := range top {
+		out[i] = cands[e.j]
+	}
+	return out
 }

@@ -3,6 +3,8 @@ package router
 import (
 	"fmt"
 	"math"
+	"math/rand/v2"
+	"sort"
 	"testing"
 
 	"github.com/semroute/semroute/cachemodel"
@@ -86,8 +88,7 @@ func TestRoundRobinCycles(t *testing.T) {
 	for i := 0; i < 6; i++ {
 		cs := cands(3)
 		p.Score(nil, cs)
-		rank(cs, 0, 1)
-		got = append(got, cs[0].Replica.Name)
+		got = append(got, rank(cs, 0, 1)[0].Replica.Name)
 	}
 	want := "[r0 r1 r2 r0 r1 r2]"
 	if fmt.Sprint(got) != want {
@@ -101,9 +102,9 @@ func TestLeastLoadPrefersFewerInFlight(t *testing.T) {
 	cs[1].Load = replica.Load{InFlight: 1, PendingTokens: 5000}
 	cs[2].Load = replica.Load{InFlight: 1, PendingTokens: 10}
 	LeastLoad{}.Score(nil, cs)
-	rank(cs, 0, 3)
-	if cs[0].Replica.Name != "r2" || cs[1].Replica.Name != "r1" || cs[2].Replica.Name != "r0" {
-		t.Fatalf("order %s %s %s", cs[0].Replica.Name, cs[1].Replica.Name, cs[2].Replica.Name)
+	top := rank(cs, 0, 3)
+	if top[0].Replica.Name != "r2" || top[1].Replica.Name != "r1" || top[2].Replica.Name != "r0" {
+		t.Fatalf("order %s %s %s", top[0].Replica.Name, top[1].Replica.Name, top[2].Replica.Name)
 	}
 }
 
@@ -114,12 +115,11 @@ func TestRankTiesByRendezvous(t *testing.T) {
 	for key := uint64(0); key < 400; key++ {
 		a, b := cands(4), cands(4)
 		b[0], b[3] = b[3], b[0]
-		rank(a, key, 1)
-		rank(b, key, 1)
-		if a[0].Replica.Name != b[0].Replica.Name {
-			t.Fatalf("key %d: winner depends on order (%s vs %s)", key, a[0].Replica.Name, b[0].Replica.Name)
+		wa, wb := rank(a, key, 1)[0].Replica.Name, rank(b, key, 1)[0].Replica.Name
+		if wa != wb {
+			t.Fatalf("key %d: winner depends on order (%s vs %s)", key, wa, wb)
 		}
-		wins[a[0].Replica.Name]++
+		wins[wa]++
 	}
 	for name, n := range wins {
 		if n < 60 {
@@ -136,10 +136,54 @@ func TestRankOrdersTopK(t *testing.T) {
 	for i, s := range []float64{5, 1, 4, 2, 3} {
 		cs[i].Score = s
 	}
-	rank(cs, 7, 3)
+	top := rank(cs, 7, 3)
 	for i, want := range []float64{1, 2, 3} {
+		if top[i].Score != want {
+			t.Fatalf("position %d: score %v, want %v", i, top[i].Score, want)
+		}
+	}
+	for i, want := range []float64{5, 1, 4, 2, 3} {
 		if cs[i].Score != want {
-			t.Fatalf("position %d: score %v, want %v", i, cs[i].Score, want)
+			t.Fatalf("rank reordered its input: position %d has score %v, want %v", i, cs[i].Score, want)
+		}
+	}
+	if n := len(rank(cs, 7, 9)); n != 5 {
+		t.Fatalf("rank of 5 for the best 9 gave %d", n)
+	}
+}
+
+// TestRankMatchesSort holds rank to its definition: the first k of all
+// candidates sorted by rounded score, then by rendezvous weight, highest
+// first; and cands untouched.
+func TestRankMatchesSort(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 4))
+	for trial := range 2000 {
+		n, k := 1+rng.IntN(40), 1+rng.IntN(6)
+		cs := cands(n)
+		for i := range cs {
+			cs[i].Score = float64(rng.IntN(5)) + rng.Float64()*0.4 // many ties after rounding
+		}
+		key := rng.Uint64()
+		want := append([]Candidate(nil), cs...)
+		sort.SliceStable(want, func(a, b int) bool {
+			sa, sb := math.Round(want[a].Score), math.Round(want[b].Score)
+			if sa != sb {
+				return sa < sb
+			}
+			return rendezvous(key, want[a].Replica.Name) > rendezvous(key, want[b].Replica.Name)
+		})
+		before := fmt.Sprint(cs)
+		got := rank(cs, key, k)
+		if len(got) != min(k, n) {
+			t.Fatalf("trial %d: %d ranked, want %d", trial, len(got), min(k, n))
+		}
+		for i := range got {
+			if got[i].Replica != want[i].Replica {
+				t.Fatalf("trial %d: position %d is %s, want %s", trial, i, got[i].Replica.Name, want[i].Replica.Name)
+			}
+		}
+		if fmt.Sprint(cs) != before {
+			t.Fatalf("trial %d: rank changed its input", trial)
 		}
 	}
 }
@@ -150,8 +194,7 @@ func TestRandomSpreads(t *testing.T) {
 	for i := 0; i < 400; i++ {
 		cs := cands(4)
 		rp.Score(nil, cs)
-		rank(cs, 1, 1)
-		wins[cs[0].Replica.Name]++
+		wins[rank(cs, 1, 1)[0].Replica.Name]++
 	}
 	if len(wins) != 4 {
 		t.Fatalf("random used %d replicas: %v", len(wins), wins)
