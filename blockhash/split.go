@@ -92,14 +92,18 @@ func (s *Splitter) Split(dst []Block, r *Request) []Block {
 func (s *Splitter) Count(r *Request) int {
 	n := 0
 	for i := range r.Parts {
-		p := &r.Parts[i]
-		step := s.blockTokens * s.bytesPerToken
-		if p.Role == RoleTokens {
-			step = 4 * s.blockTokens
-		}
-		n += max((len(p.Text)+step-1)/step, 1)
+		n += s.CountPart(&r.Parts[i])
 	}
 	return n
+}
+
+// CountPart returns the number of blocks AppendPart appends for p.
+func (s *Splitter) CountPart(p *Part) int {
+	step := s.blockTokens * s.bytesPerToken
+	if p.Role == RoleTokens {
+		step = 4 * s.blockTokens
+	}
+	return max((len(p.Text)+step-1)/step, 1)
 }
 
 // Estimate returns the estimated token count of r's prompt, the sum of its

@@ -404,7 +404,9 @@ func (e *Engine) LearnReply(d *Decision, r *replica.Replica, reply []byte) []blo
 		return nil
 	}
 	p := blockhash.Part{Role: blockhash.RoleAssistant, Base: blockhash.KindAssistantHistory, Text: reply}
-	all := e.o.Splitter.AppendPart(append([]blockhash.Block(nil), d.Blocks...), d.Blocks[len(d.Blocks)-1].Hash, &p)
+	all := make([]blockhash.Block, len(d.Blocks), len(d.Blocks)+e.o.Splitter.CountPart(&p))
+	copy(all, d.Blocks)
+	all = e.o.Splitter.AppendPart(all, d.Blocks[len(d.Blocks)-1].Hash, &p)
 	e.o.Cache.Record(r.ID, all, e.o.Now().UnixNano())
 	return all[len(d.Blocks):]
 }
