@@ -29,6 +29,7 @@ import (
 	lru "github.com/hashicorp/golang-lru/v2/simplelru"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/valyala/fastjson"
 
 	"github.com/semroute/semroute/blockhash"
 )
@@ -205,7 +206,11 @@ func writeError(w http.ResponseWriter, status int, typ, msg string) {
 // render returns the prompt as the engine would see it: each part behind a
 // role marker.
 func render(req *blockhash.Request) []byte {
-	var out []byte
+	n := 0
+	for _, p := range req.Parts {
+		n += len(p.Text) + 5
+	}
+	out := make([]byte, 0, n)
 	for _, p := range req.Parts {
 		out = append(out, "<|"...)
 		out = append(out, p.Role)
@@ -251,12 +256,6 @@ func (s *Server) store(keys []uint64) {
 	s.usage.Set(float64(s.cache.Len()) / float64(s.o.NumBlocks))
 }
 
-type options struct {
-	StreamOptions *struct {
-		IncludeUsage bool `json:"include_usage"`
-	} `json:"stream_options"`
-}
-
 // LastTraceparent returns the traceparent header of the last completion
 // request, or "".
 func (s *Server) LastTraceparent() string { v, _ := s.traceparent.Load().(string); return v }
@@ -273,12 +272,14 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 		writeError(w, http.StatusBadRequest, "BadRequestError", err.Error())
 		return
 	}
+	defer req.Release()
 	if req.Model != s.o.Model {
 		writeError(w, http.StatusNotFound, "NotFoundError", fmt.Sprintf("The model `%s` does not exist.", req.Model))
 		return
 	}
-	var opt options
-	_ = json.Unmarshal(body, &opt) // the body already parsed as JSON
+	// The body already parsed as JSON; stream_options.include_usage is
+	// read from it with fastjson rather than decoding it all again.
+	includeUsage := fastjson.GetBool(body, "stream_options", "include_usage")
 	outTokens := s.o.OutputTokens
 	if req.MaxTokens > 0 {
 		outTokens = req.MaxTokens
@@ -319,7 +320,7 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	g := &generation{
 		s: s, ep: ep, req: req, tokens: tokens, cached: cached, out: outTokens,
 		id: fmt.Sprintf("cmpl-%016x", keys0(keys)^uint64(time.Now().UnixNano())), seed: keys0(keys),
-		usage: opt.StreamOptions != nil && opt.StreamOptions.IncludeUsage,
+		usage: includeUsage,
 	}
 	var ok bool
 	if req.Stream {
