@@ -87,6 +87,12 @@ type Replica struct {
 	// operator removing the replica.
 	activeDown atomic.Bool
 	draining   atomic.Bool
+	// recent is the recent-work counter; readers load it without a lock,
+	// writers replace it under mu. (It sits with the other fields every
+	// decision reads, so that reading a replica's load touches two cache
+	// lines.)
+	recent atomic.Pointer[recentWork]
+	mu     sync.Mutex
 
 	hmu       sync.Mutex
 	fails     int       // consecutive failed active checks
@@ -94,10 +100,6 @@ type Replica struct {
 	ejections int       // consecutive passive ejections
 	lastEject time.Time // when the last passive ejection began
 
-	// recent is the recent-work counter; readers load it without a lock,
-	// writers replace it under mu.
-	mu     sync.Mutex
-	recent atomic.Pointer[recentWork]
 }
 
 // recentWork is the recent-work counter: tokens, as of at (unix nanoseconds).

@@ -287,38 +287,36 @@ func (LeastLoad) Score(_ *Input, cands []Candidate) {
 // lowest score (rounded to whole units) first, ties broken by the highest
 // rendezvous weight of (key, replica name), so a tie never means "the first
 // replica wins". One pass keeping the best k so far: O(len(cands) × k) at
-// worst, and rendezvous hashes (each computed once) only on ties.
+// worst; a rendezvous weight is computed only on a tie, once per candidate.
 func rank(cands []Candidate, key uint64, k int) []Candidate {
 	k = min(k, len(cands))
-	type weight struct {
-		v    uint64
-		done bool
-	}
-	var rvs []weight // rendezvous weights, each computed on its first tie
-	rv := func(j int) uint64 {
-		if rvs == nil {
-			rvs = make([]weight, len(cands))
-		}
-		if !rvs[j].done {
-			rvs[j] = weight{rendezvous(key, cands[j].Replica.Name), true}
-		}
-		return rvs[j].v
-	}
 	type entry struct {
-		j     int
-		score float64
+		j      int
+		score  float64
+		rv     uint64
+		rvDone bool
 	}
-	top := make([]entry, 0, k+1) // best first
-	better := func(a, b entry) bool {
-		return a.score < b.score || (a.score == b.score && rv(a.j) > rv(b.j))
+	weight := func(e *entry) uint64 {
+		if !e.rvDone {
+			e.rv, e.rvDone = rendezvous(key, cands[e.j].Replica.Name), true
+		}
+		return e.rv
+	}
+	better := func(a, b *entry) bool {
+		return a.score < b.score || (a.score == b.score && weight(a) > weight(b))
+	}
+	var buf [17]entry // routing.attempts is at most 16: no allocation
+	top := buf[:0]    // best first
+	if k+1 > len(buf) {
+		top = make([]entry, 0, k+1)
 	}
 	for j := range cands {
-		e := entry{j, math.Round(cands[j].Score)}
-		if len(top) == k && !better(e, top[k-1]) {
+		e := entry{j: j, score: math.Round(cands[j].Score)}
+		if len(top) == k && !better(&e, &top[k-1]) {
 			continue
 		}
 		i := len(top)
-		for i > 0 && better(e, top[i-1]) {
+		for i > 0 && better(&e, &top[i-1]) {
 			i--
 		}
 		top = append(top, entry{})
@@ -327,8 +325,8 @@ func rank(cands []Candidate, key uint64, k int) []Candidate {
 		top = top[:min(len(top), k)]
 	}
 	out := make([]Candidate, len(top))
-	for i, e := range top {
-		out[i] = cands[e.j]
+	for i := range top {
+		out[i] = cands[top[i].j]
 	}
 	return out
 }
