@@ -33,7 +33,9 @@ func benchBody(tokens int) []byte {
 
 // BenchmarkDecide measures the whole routing decision for one request: parse
 // the body, split and hash it, match it against every replica's picture and
-// score every replica. Replica r holds the first (r%8+1)/8 of the prompt.
+// score every replica, giving back the parse and the candidate list as the
+// server does when the request ends. Replica r holds the first (r%8+1)/8 of
+// the prompt.
 func BenchmarkDecide(b *testing.B) {
 	for _, tokens := range []int{1 << 10, 8 << 10, 32 << 10, 128 << 10} {
 		for _, replicas := range []int{8, 64, 1024} {
@@ -57,9 +59,11 @@ func BenchmarkDecide(b *testing.B) {
 					if err != nil {
 						b.Fatal(err)
 					}
-					if _, err := f.e.Decide(req, "", false); err != nil {
+					d, err := f.e.Decide(req, "", false)
+					if err != nil {
 						b.Fatal(err)
 					}
+					f.e.Recycle(d) // as Core.Finish does
 					req.Release()
 				}
 			})

@@ -227,6 +227,7 @@ type Outcome = decisionlog.Outcome
 // given) is learned on the replica that wrote it, and the decision is logged
 // with o. TTFT and duration are filled in from the core's clock when zero.
 func (c *Core) Finish(rt *Routed, o Outcome, reply []byte) {
+	defer c.e.Recycle(rt.Decision) // after the decision log's record read the candidates
 	now := c.e.o.Now()
 	c.e.Done(rt.Decision, rt.Served)
 	var learned []blockhash.Block

@@ -300,7 +300,7 @@ func (e *Engine) rank(d *Decision, pol Policy) (*Input, error) {
 	sc.matches = e.o.Cache.Match(d.Blocks, e.o.Weights, sc.matches[:0])
 	sc.sizes = e.o.Cache.Sizes(sc.sizes[:0])
 	matches, sizes := sc.matches, sc.sizes
-	d.Candidates = make([]Candidate, len(reps))
+	d.Candidates = newCandidates(len(reps))
 	n := 0
 	for _, r := range reps {
 		if !r.Available(now) {
@@ -331,6 +331,31 @@ type scratch struct {
 }
 
 var scratchPool sync.Pool // *scratch
+
+// candidatePool holds candidate lists given back by Recycle.
+var candidatePool sync.Pool // *[]Candidate
+
+// newCandidates returns a zeroed candidate list of length n, reusing a
+// recycled one when it is long enough.
+func newCandidates(n int) []Candidate {
+	if p, ok := candidatePool.Get().(*[]Candidate); ok && cap(*p) >= n {
+		return (*p)[:n] // Recycle zeroed it
+	}
+	return make([]Candidate, n)
+}
+
+// Recycle gives d's candidate list back for reuse by later decisions. Call
+// it once nothing reads d.Candidates any more (Core.Finish does); d.Ranked
+// and d.Chosen stay valid. Calling it is optional.
+func (e *Engine) Recycle(d *Decision) {
+	if d == nil || d.Candidates == nil {
+		return
+	}
+	c := d.Candidates[:cap(d.Candidates)]
+	clear(c)
+	d.Candidates = nil
+	candidatePool.Put(&c)
+}
 
 // Commit caches d's blocks on c's replica and counts the request's work
 // there. Call Done with the same candidate when the request ends.

@@ -108,6 +108,35 @@ func TestDecideDryRunRecordsNothing(t *testing.T) {
 	}
 }
 
+// TestRecycleKeepsTheChoice: recycling a decision's candidate list leaves
+// its ranking intact, and a later decision gets a list with nothing left
+// over from the recycled one.
+func TestRecycleKeepsTheChoice(t *testing.T) {
+	f := newFixture(t, 4, "semantic")
+	req := parseChat(t, "user", strings.Repeat("x", 1000))
+	d, err := f.e.Decide(req, "", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	chosen, ranked := d.Chosen().Replica.Name, len(d.Ranked)
+	for i := range d.Candidates {
+		d.Candidates[i].Score, d.Candidates[i].Reason = 1e9, "stale"
+	}
+	f.e.Recycle(d)
+	f.e.Recycle(d) // twice is harmless
+	if d.Candidates != nil || d.Chosen().Replica.Name != chosen || len(d.Ranked) != ranked {
+		t.Fatalf("after Recycle: candidates %v, chosen %s (was %s), %d ranked (was %d)", d.Candidates, d.Chosen().Replica.Name, chosen, len(d.Ranked), ranked)
+	}
+	for range 20 { // the pool may or may not hand the list back; neither may leak
+		c := newCandidates(4)
+		for i := range c {
+			if c[i] != (Candidate{}) {
+				t.Fatalf("a reused candidate list holds %+v", c[i])
+			}
+		}
+	}
+}
+
 func TestCommitAndDoneBalanceLoad(t *testing.T) {
 	f := newFixture(t, 1, "semantic")
 	d, _ := f.e.Decide(parseChat(t, "user", strings.Repeat("y", 4000)), "", true)

@@ -118,9 +118,6 @@ func (g *GRPCService) Route(_ context.Context, in *pb.RouteRequest) (*pb.RouteRe
 	case err != nil:
 		return nil, status.Error(codes.Internal, err.Error())
 	}
-	if !in.GetDryRun() {
-		g.core.Hold(rt)
-	}
 	c := rt.Chosen()
 	out := &pb.RouteResponse{
 		DecisionId: rt.ID, Replica: c.Replica.Name, Url: c.Replica.URL.String(), Arm: rt.Arm.Name, Policy: rt.Policy,
@@ -132,6 +129,9 @@ func (g *GRPCService) Route(_ context.Context, in *pb.RouteRequest) (*pb.RouteRe
 			InFlight: cand.Load.InFlight, PendingTokens: cand.Load.PendingTokens, RecentTokens: cand.Load.RecentTokens,
 			Reason: cand.Reason, Chosen: cand.Replica == c.Replica,
 		})
+	}
+	if !in.GetDryRun() {
+		g.core.Hold(rt) // after the response is built: once held, expiry may finish it
 	}
 	return out, nil
 }
