@@ -55,18 +55,21 @@ var errBodyClosed = errors.New("router: read of a closed request body")
 
 // bodyReader reads a body. Read, WriteTo and Close may be called from
 // different goroutines (a transport may close a body while its writer still
-// holds it); the mutex keeps a read from running after Close gave the
-// buffer back.
+// holds it). A read after Close fails, and the reader's reference is dropped
+// only once no read is in progress, so a buffer is never read after it went
+// back to the pool; Close does not wait for a write to the network.
 type bodyReader struct {
-	mu  sync.Mutex
-	buf *body // nil once closed
-	off int
+	mu      sync.Mutex
+	buf     *body // nil once the reference is dropped
+	off     int
+	closed  bool
+	writing bool // a WriteTo is using buf outside the lock
 }
 
 func (r *bodyReader) Read(p []byte) (int, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.buf == nil {
+	if r.closed {
 		return 0, errBodyClosed
 	}
 	if r.off >= len(r.buf.b) {
@@ -80,22 +83,42 @@ func (r *bodyReader) Read(p []byte) (int, error) {
 // WriteTo writes the rest of the body in one call, as bytes.Reader does.
 func (r *bodyReader) WriteTo(w io.Writer) (int64, error) {
 	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.buf == nil {
+	if r.closed || r.writing {
+		r.mu.Unlock()
 		return 0, errBodyClosed
 	}
-	n, err := w.Write(r.buf.b[r.off:])
+	rest := r.buf.b[r.off:]
+	r.writing = true
+	r.mu.Unlock()
+
+	n, err := w.Write(rest)
+
+	r.mu.Lock()
+	r.writing = false
 	r.off += n
+	var drop *body
+	if r.closed && r.buf != nil { // closed while writing: the reference is ours to drop
+		drop, r.buf = r.buf, nil
+	}
+	r.mu.Unlock()
+	if drop != nil {
+		drop.release()
+	}
 	return int64(n), err
 }
 
 func (r *bodyReader) Close() error {
 	r.mu.Lock()
-	b := r.buf
-	r.buf = nil
+	var drop *body
+	if !r.closed {
+		r.closed = true
+		if !r.writing {
+			drop, r.buf = r.buf, nil
+		}
+	}
 	r.mu.Unlock()
-	if b != nil {
-		b.release()
+	if drop != nil {
+		drop.release()
 	}
 	return nil
 }

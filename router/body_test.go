@@ -6,6 +6,7 @@ import (
 	"io"
 	"sync"
 	"testing"
+	"time"
 )
 
 // TestBodyReferences: the buffer is given back only when the handler and
@@ -79,5 +80,49 @@ func TestBodyReadRacingClose(t *testing.T) {
 		}
 		wg.Wait()
 		nb.release()
+	}
+}
+
+// blockingWriter blocks each Write until release is closed.
+type blockingWriter struct {
+	started, release chan struct{}
+	got              []byte
+}
+
+func (w *blockingWriter) Write(p []byte) (int, error) {
+	close(w.started)
+	<-w.release
+	w.got = append(w.got, p...)
+	return len(p), nil
+}
+
+// TestBodyCloseDuringWrite: Close does not wait for a write to the network
+// to finish (a replica that stops reading must not hold the handler), and
+// the buffer goes back only when the write is done with it.
+func TestBodyCloseDuringWrite(t *testing.T) {
+	b := newBody(3)
+	copy(b.b, "abc")
+	r := b.reader()
+	b.release()
+	w := &blockingWriter{started: make(chan struct{}), release: make(chan struct{})}
+	done := make(chan error)
+	go func() { _, err := r.WriteTo(w); done <- err }()
+	<-w.started
+	closed := make(chan struct{})
+	go func() { r.Close(); close(closed) }()
+	select {
+	case <-closed:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Close waited for the write")
+	}
+	if got := b.refs.Load(); got != 1 {
+		t.Fatalf("refs = %d while the write still holds the buffer, want 1", got)
+	}
+	close(w.release)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if string(w.got) != "abc" || b.refs.Load() != 0 {
+		t.Fatalf("wrote %q, refs %d; want \"abc\", 0", w.got, b.refs.Load())
 	}
 }
