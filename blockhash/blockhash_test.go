@@ -2,6 +2,7 @@ package blockhash
 
 import (
 	"encoding/json"
+	"fmt"
 	"errors"
 	"math/rand/v2"
 	"strings"
@@ -366,5 +367,28 @@ func BenchmarkChainHash(b *testing.B) {
 	var h uint64
 	for i := 0; i < b.N; i++ {
 		h = ChainHash(h, RoleUser, block)
+	}
+}
+
+// BenchmarkParseConversation parses a 100-message conversation: the cost
+// per message, which field names for errors must not add to.
+func BenchmarkParseConversation(b *testing.B) {
+	var msgs []map[string]any
+	for i := range 100 {
+		role := "user"
+		if i%2 == 1 {
+			role = "assistant"
+		}
+		msgs = append(msgs, map[string]any{"role": role, "content": fmt.Sprintf("turn %d says a few words.\nAnd a second line.", i)})
+	}
+	body := chatBodyJSON(b, msgs...)
+	b.SetBytes(int64(len(body)))
+	b.ReportAllocs()
+	for b.Loop() {
+		r, err := ParseChat(body, Limits{})
+		if err != nil {
+			b.Fatal(err)
+		}
+		r.Release()
 	}
 }

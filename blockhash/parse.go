@@ -186,14 +186,20 @@ func fold(key []byte, name string) bool { return bytes.EqualFold(key, []byte(nam
 
 func isNull(v *fastjson.Value) bool { return v == nil || v.Type() == fastjson.TypeNull }
 
-// str returns a string value's unescaped bytes (aliasing the parser's
-// memory), nil for null or absent, and an error naming field otherwise.
-func str(v *fastjson.Value, field string) ([]byte, error) {
+// stringOf returns a string value's unescaped bytes (aliasing the parser's
+// memory), nil for null or absent, and false for any other type.
+func stringOf(v *fastjson.Value) ([]byte, bool) {
 	if isNull(v) {
-		return nil, nil
+		return nil, true
 	}
 	s, err := v.StringBytes()
-	if err != nil {
+	return s, err == nil
+}
+
+// str is stringOf with an error naming field.
+func str(v *fastjson.Value, field string) ([]byte, error) {
+	s, ok := stringOf(v)
+	if !ok {
 		return nil, inputErr(field, "must be a string")
 	}
 	return s, nil
@@ -321,12 +327,14 @@ func (m *message) read(v *fastjson.Value, i int) error {
 			calls = v
 		}
 	})
-	var err error
-	if m.role, err = str(role, fmt.Sprintf("messages[%d].role", i)); err != nil {
-		return err
+	// Field names are formatted only for an error: this runs for every
+	// message of every request.
+	var ok bool
+	if m.role, ok = stringOf(role); !ok {
+		return inputErr(fmt.Sprintf("messages[%d].role", i), "must be a string")
 	}
-	if m.name, err = str(name, fmt.Sprintf("messages[%d].name", i)); err != nil {
-		return err
+	if m.name, ok = stringOf(name); !ok {
+		return inputErr(fmt.Sprintf("messages[%d].name", i), "must be a string")
 	}
 	if isNull(calls) {
 		return nil
@@ -337,12 +345,12 @@ func (m *message) read(v *fastjson.Value, i int) error {
 	}
 	m.toolCalls = make([][2][]byte, len(cs))
 	for j, c := range cs {
-		field := fmt.Sprintf("messages[%d].tool_calls[%d]", i, j)
+		field := func(sub string) string { return fmt.Sprintf("messages[%d].tool_calls[%d]%s", i, j, sub) }
 		if c.Type() == fastjson.TypeNull {
 			continue
 		}
 		if c.Type() != fastjson.TypeObject {
-			return inputErr(field, "must be an object")
+			return inputErr(field(""), "must be an object")
 		}
 		var id, fn *fastjson.Value
 		c.GetObject().Visit(func(k []byte, v *fastjson.Value) {
@@ -353,14 +361,14 @@ func (m *message) read(v *fastjson.Value, i int) error {
 				fn = v
 			}
 		})
-		if _, err := str(id, field+".id"); err != nil {
-			return err
+		if _, ok := stringOf(id); !ok {
+			return inputErr(field(".id"), "must be a string")
 		}
 		if isNull(fn) {
 			continue
 		}
 		if fn.Type() != fastjson.TypeObject {
-			return inputErr(field+".function", "must be an object")
+			return inputErr(field(".function"), "must be an object")
 		}
 		var fname, args *fastjson.Value
 		fn.GetObject().Visit(func(k []byte, v *fastjson.Value) {
@@ -371,11 +379,11 @@ func (m *message) read(v *fastjson.Value, i int) error {
 				args = v
 			}
 		})
-		if m.toolCalls[j][0], err = str(fname, field+".function.name"); err != nil {
-			return err
+		if m.toolCalls[j][0], ok = stringOf(fname); !ok {
+			return inputErr(field(".function.name"), "must be a string")
 		}
-		if m.toolCalls[j][1], err = str(args, field+".function.arguments"); err != nil {
-			return err
+		if m.toolCalls[j][1], ok = stringOf(args); !ok {
+			return inputErr(field(".function.arguments"), "must be a string")
 		}
 	}
 	return nil
@@ -386,7 +394,6 @@ func (m *message) read(v *fastjson.Value, i int) error {
 // renders to the same bytes as the same reply sent back in the next request.
 // A message that is one string and nothing else aliases the parser's memory.
 func (m *message) text(i int) ([]byte, error) {
-	field := fmt.Sprintf("messages[%d].content", i)
 	c := m.content
 	if c != nil && c.Type() == fastjson.TypeString && len(m.name) == 0 && len(m.toolCalls) == 0 {
 		return c.StringBytes()
@@ -405,12 +412,12 @@ func (m *message) text(i int) ([]byte, error) {
 		parts, _ := c.Array()
 		for j, part := range parts {
 			var err error
-			if buf, err = appendContentPart(buf, part, fmt.Sprintf("%s[%d]", field, j)); err != nil {
+			if buf, err = appendContentPart(buf, part, i, j); err != nil {
 				return nil, err
 			}
 		}
 	default:
-		return nil, inputErr(field, "must be a string, an array of content parts, or null")
+		return nil, inputErr(fmt.Sprintf("messages[%d].content", i), "must be a string, an array of content parts, or null")
 	}
 	for _, tc := range m.toolCalls {
 		buf = append(buf, 0)
@@ -424,9 +431,11 @@ func (m *message) text(i int) ([]byte, error) {
 // appendContentPart appends one content part's routing bytes: a text part's
 // text; any other part (an image, audio, a file) as its JSON with keys in
 // sorted order, so that the same image URL or data is the same block.
-func appendContentPart(buf []byte, part *fastjson.Value, field string) ([]byte, error) {
+// i and j place the part, messages[i].content[j], for errors.
+func appendContentPart(buf []byte, part *fastjson.Value, i, j int) ([]byte, error) {
+	field := func(sub string) string { return fmt.Sprintf("messages[%d].content[%d]%s", i, j, sub) }
 	if part.Type() != fastjson.TypeObject {
-		return nil, inputErr(field, "invalid content part: not an object")
+		return nil, inputErr(field(""), "invalid content part: not an object")
 	}
 	var typ, text *fastjson.Value
 	part.GetObject().Visit(func(k []byte, v *fastjson.Value) {
@@ -438,15 +447,15 @@ func appendContentPart(buf []byte, part *fastjson.Value, field string) ([]byte, 
 		}
 	})
 	if typ != nil && typ.Type() == fastjson.TypeString && string(typ.GetStringBytes()) == "text" {
-		s, err := str(text, field+".text")
-		if err != nil {
-			return nil, err
+		s, ok := stringOf(text)
+		if !ok {
+			return nil, inputErr(field(".text"), "must be a string")
 		}
 		return append(buf, s...), nil
 	}
 	canon, err := json.Marshal(toAny(part))
 	if err != nil {
-		return nil, inputErr(field, "invalid content part: %v", err)
+		return nil, inputErr(field(""), "invalid content part: %v", err)
 	}
 	return append(buf, canon...), nil
 }
@@ -541,7 +550,6 @@ func (r *Request) completion(b *body, lim Limits) error {
 	}
 	r.Parts = make([]Part, 0, len(items))
 	for i, it := range items {
-		field := fmt.Sprintf("prompt[%d]", i)
 		switch it.Type() {
 		case fastjson.TypeString:
 			s, _ := it.StringBytes()
@@ -550,11 +558,11 @@ func (r *Request) completion(b *body, lim Limits) error {
 			a, _ := it.Array()
 			ids, err := tokenIDs(a)
 			if err != nil {
-				return inputErr(field, "invalid token ids: %v", err)
+				return inputErr(fmt.Sprintf("prompt[%d]", i), "invalid token ids: %v", err)
 			}
 			r.Parts = append(r.Parts, TokenPart(ids))
 		default:
-			return inputErr(field, "must be a string or an array of token ids")
+			return inputErr(fmt.Sprintf("prompt[%d]", i), "must be a string or an array of token ids")
 		}
 	}
 	return nil
