@@ -154,7 +154,7 @@ func (c *replyCapture) parse(data []byte) error {
 			return err
 		}
 	}
-	var text, content string
+	var text, content []byte // alias the parser's memory until the next parse
 	var calls []toolCallJSON
 	if ch := v.Get("choices"); !isNull(ch) {
 		a, err := ch.Array()
@@ -166,7 +166,7 @@ func (c *replyCapture) parse(data []byte) error {
 			if c0.Type() != fastjson.TypeObject {
 				return errShape
 			}
-			if text, err = strField(c0, "text"); err != nil {
+			if text, err = bytesField(c0, "text"); err != nil {
 				return err
 			}
 			m := c0.Get("message")
@@ -177,7 +177,7 @@ func (c *replyCapture) parse(data []byte) error {
 				if m.Type() != fastjson.TypeObject {
 					return errShape
 				}
-				if content, err = strField(m, "content"); err != nil {
+				if content, err = bytesField(m, "content"); err != nil {
 					return err
 				}
 				if calls, err = toolCalls(m.Get("tool_calls")); err != nil {
@@ -189,12 +189,12 @@ func (c *replyCapture) parse(data []byte) error {
 	if usage != nil {
 		c.usage = *usage
 	}
-	add := func(s string) {
+	add := func(s []byte) {
 		if c.content.Len()+len(s) > c.limit {
 			c.over = true
 			return
 		}
-		c.content.WriteString(s)
+		c.content.Write(s)
 	}
 	add(text)
 	add(content)
@@ -269,17 +269,24 @@ func toolCalls(v *fastjson.Value) ([]toolCallJSON, error) {
 
 func isNull(v *fastjson.Value) bool { return v == nil || v.Type() == fastjson.TypeNull }
 
-// strField reads o's string field key; absent or null is "".
-func strField(o *fastjson.Value, key string) (string, error) {
+// bytesField reads o's string field key, aliasing the parser's memory;
+// absent or null is nil.
+func bytesField(o *fastjson.Value, key string) ([]byte, error) {
 	v := o.Get(key)
 	if isNull(v) {
-		return "", nil
+		return nil, nil
 	}
 	b, err := v.StringBytes()
 	if err != nil {
-		return "", errShape
+		return nil, errShape
 	}
-	return string(b), nil
+	return b, nil
+}
+
+// strField is bytesField as a string of its own.
+func strField(o *fastjson.Value, key string) (string, error) {
+	b, err := bytesField(o, key)
+	return string(b), err
 }
 
 // intField reads o's integer field key into dst; absent or null (or a nil
