@@ -2,8 +2,8 @@ package blockhash
 
 import (
 	"encoding/json"
-	"fmt"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"strings"
 	"testing"
