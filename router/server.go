@@ -331,13 +331,31 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 	defer cancel()
 	ctx = trace.ContextWithSpan(ctx, up)
 	f := &flight{rt: rt, body: body, next: 1, cancel: cancel}
+	// ReverseProxy panics with http.ErrAbortHandler when a response breaks
+	// off part-way (the client left, or the replica's stream broke); the
+	// request's work must end all the same, so its bookkeeping is deferred.
+	done := false
+	defer func() { s.finishRouted(r, rt, f, up, !done) }()
 	s.forward(w, r.WithContext(ctx), f)
+	done = true
+}
+
+// finishRouted ends a routed request: its upstream span, its work and
+// decision (Core.Finish, learning the reply of a whole response), and its log
+// line. aborted says the response broke off part-way.
+func (s *Server) finishRouted(r *http.Request, rt *Routed, f *flight, up trace.Span, aborted bool) {
+	o := Outcome{Status: f.status}
+	if aborted {
+		o.Error = "response broken off"
+		if r.Context().Err() != nil { // the client left
+			o.Status, f.status = 499, 499
+		}
+	}
 	up.SetAttributes(attribute.String("semroute.replica", rt.Served.Replica.Name), attribute.Int("http.response.status_code", f.status))
-	if f.status >= 500 || f.status == 0 {
+	if f.status >= 500 || f.status == 0 || aborted {
 		up.SetStatus(codes.Error, "upstream status "+strconv.Itoa(f.status))
 	}
 	up.End()
-	o := Outcome{Status: f.status}
 	var reply []byte
 	if c := f.capture; c != nil {
 		o.PromptTokens, o.OutputTokens, o.CachedTokens = c.tokens()
@@ -360,10 +378,12 @@ func (s *Server) forward(w http.ResponseWriter, r *http.Request, f *flight) {
 	f.readers = append(f.readers, br)
 	r.Body = br
 	r.ContentLength = int64(len(f.body.b))
+	defer func() { // also when the proxy panics with http.ErrAbortHandler
+		for _, br := range f.readers {
+			br.Close()
+		}
+	}()
 	s.proxy.ServeHTTP(w, r)
-	for _, br := range f.readers {
-		br.Close()
-	}
 }
 
 // readBody reads a request's body, up to MaxBodyBytes, into a pooled
@@ -411,8 +431,8 @@ func (s *Server) passthrough(w http.ResponseWriter, r *http.Request) {
 	}
 	f := &flight{any: d, served: d.Chosen(), body: body, next: 1}
 	f.served.Replica.Begin(&d.Work)
+	defer func() { f.served.Replica.End(&d.Work, time.Now()) }() // also when the response breaks off
 	s.forward(w, r, f)
-	f.served.Replica.End(&d.Work, time.Now())
 }
 
 func (s *Server) rewrite(pr *httputil.ProxyRequest) {

@@ -293,6 +293,23 @@ func TestE2EClientDisconnectCancelsUpstream(t *testing.T) {
 	if s := totalStats(d); s.Completed != 0 {
 		t.Fatalf("the request completed: %+v", s)
 	}
+	// The router ended the request's work too: no replica still counts it.
+	for {
+		inFlight := int64(0)
+		for _, r := range d.app.pool.Replicas() {
+			inFlight += r.Load(time.Now()).InFlight
+		}
+		if inFlight == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the router still counts %d request(s) in flight after the client left", inFlight)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if m := scrape(t, d); !strings.Contains(m, `code="499"`) {
+		t.Fatal("the request that broke off is not counted with code 499 in semroute_requests_total")
+	}
 }
 
 func TestE2EBadInput(t *testing.T) {
