@@ -11,6 +11,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
@@ -453,4 +454,62 @@ func TestAdminAPI(t *testing.T) {
 	if serveConfig(t, off).admin != nil {
 		t.Fatal("admin listener started without a token")
 	}
+}
+
+// TestSilentReplicaMidStreamIsCutOff: a replica that sends a stream's first
+// chunk and then nothing is cut off after timeouts.idle; the client's stream
+// ends (it cannot get [DONE]), the request stops counting on the replica,
+// and the replica is taken out of rotation.
+func TestSilentReplicaMidStreamIsCutOff(t *testing.T) {
+	release := make(chan struct{})
+	silent := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/v1/chat/completions" {
+			http.NotFound(w, r)
+			return
+		}
+		_, _ = io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n")
+		w.(http.Flusher).Flush()
+		select { // then silence, until the router hangs up
+		case <-r.Context().Done():
+		case <-release:
+		}
+	}))
+	t.Cleanup(func() { close(release); silent.Close() })
+	cfg := filepath.Join(t.TempDir(), "router.yaml")
+	writeConfig(t, cfg, fmt.Sprintf(`timeouts: {idle: 300ms}
+health: {check_interval: 1h}
+replicas:
+  - {name: silent, url: %q}
+`, silent.URL))
+	r := serveConfig(t, cfg)
+	b, _ := json.Marshal(map[string]any{"model": "m", "stream": true,
+		"messages": []map[string]string{{"role": "user", "content": "say something"}}})
+	t0 := time.Now()
+	resp, err := http.Post(r.http.url()+"/v1/chat/completions", "application/json", bytes.NewReader(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := io.ReadAll(resp.Body) // ends when the router cuts the stream
+	resp.Body.Close()
+	el := time.Since(t0)
+	if resp.StatusCode != http.StatusOK || !strings.Contains(string(got), `"hi"`) || strings.Contains(string(got), "[DONE]") {
+		t.Fatalf("status %d, body %q, err %v: want the first chunk and no [DONE]", resp.StatusCode, got, err)
+	}
+	if el > 300*time.Millisecond+3*time.Second {
+		t.Fatalf("the stream ended after %v, not at the 300ms idle timeout", el)
+	}
+	rep := r.app.pool.Replicas()[0]
+	deadline := time.Now().Add(5 * time.Second)
+	for rep.Load(time.Now()).InFlight != 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the cut-off request still counts on the replica: %+v", rep.Load(time.Now()))
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if rep.Available(time.Now()) {
+		t.Fatal("a replica that went silent mid-stream is still in rotation")
+	}
+	t.Logf("stream cut off after %v (idle timeout 300ms)", el)
 }
