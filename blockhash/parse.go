@@ -122,26 +122,7 @@ func (r *Request) common(data []byte) (*body, error) {
 	switch root.Type() {
 	case fastjson.TypeNull:
 	case fastjson.TypeObject:
-		root.GetObject().Visit(func(k []byte, v *fastjson.Value) {
-			switch {
-			case fold(k, "model"):
-				b.model = v
-			case fold(k, "messages"):
-				b.messages = v
-			case fold(k, "tools"):
-				b.tools = v
-			case fold(k, "prompt"):
-				b.prompt = v
-			case fold(k, "user"):
-				b.user = v
-			case fold(k, "stream"):
-				b.stream = v
-			case fold(k, "max_tokens"):
-				b.maxTokens = v
-			case fold(k, "max_completion_tokens"):
-				b.maxCompletion = v
-			}
-		})
+		fields(root, bodyKeys, &b.model, &b.messages, &b.tools, &b.prompt, &b.user, &b.stream, &b.maxTokens, &b.maxCompletion)
 	default:
 		return nil, inputErr("", "request body must be a JSON object")
 	}
@@ -180,9 +161,27 @@ func (r *Request) common(data []byte) (*body, error) {
 	return b, nil
 }
 
-// fold reports whether key equals name under Unicode case folding, as
-// encoding/json matches keys to struct fields.
-func fold(key []byte, name string) bool { return bytes.EqualFold(key, []byte(name)) }
+// The keys read from each kind of object.
+var (
+	bodyKeys     = []string{"model", "messages", "tools", "prompt", "user", "stream", "max_tokens", "max_completion_tokens"}
+	messageKeys  = []string{"role", "content", "name", "tool_calls"}
+	toolCallKeys = []string{"id", "function"}
+	functionKeys = []string{"name", "arguments"}
+)
+
+// fields sets *dst[i] to object o's value under names[i], matching keys as
+// encoding/json matches them to struct fields: under Unicode case folding,
+// the last of duplicates winning. A name o lacks leaves its *dst alone.
+func fields(o *fastjson.Value, names []string, dst ...**fastjson.Value) {
+	o.GetObject().Visit(func(k []byte, v *fastjson.Value) {
+		for i, n := range names {
+			if bytes.EqualFold(k, []byte(n)) {
+				*dst[i] = v
+				return
+			}
+		}
+	})
+}
 
 func isNull(v *fastjson.Value) bool { return v == nil || v.Type() == fastjson.TypeNull }
 
@@ -315,18 +314,7 @@ func (m *message) read(v *fastjson.Value, i int) error {
 		return inputErr(fmt.Sprintf("messages[%d]", i), "must be an object")
 	}
 	var role, name, calls *fastjson.Value
-	v.GetObject().Visit(func(k []byte, v *fastjson.Value) {
-		switch {
-		case fold(k, "role"):
-			role = v
-		case fold(k, "content"):
-			m.content = v
-		case fold(k, "name"):
-			name = v
-		case fold(k, "tool_calls"):
-			calls = v
-		}
-	})
+	fields(v, messageKeys, &role, &m.content, &name, &calls)
 	// Field names are formatted only for an error: this runs for every
 	// message of every request.
 	var ok bool
@@ -353,14 +341,7 @@ func (m *message) read(v *fastjson.Value, i int) error {
 			return inputErr(field(""), "must be an object")
 		}
 		var id, fn *fastjson.Value
-		c.GetObject().Visit(func(k []byte, v *fastjson.Value) {
-			switch {
-			case fold(k, "id"):
-				id = v
-			case fold(k, "function"):
-				fn = v
-			}
-		})
+		fields(c, toolCallKeys, &id, &fn)
 		if _, ok := stringOf(id); !ok {
 			return inputErr(field(".id"), "must be a string")
 		}
@@ -371,14 +352,7 @@ func (m *message) read(v *fastjson.Value, i int) error {
 			return inputErr(field(".function"), "must be an object")
 		}
 		var fname, args *fastjson.Value
-		fn.GetObject().Visit(func(k []byte, v *fastjson.Value) {
-			switch {
-			case fold(k, "name"):
-				fname = v
-			case fold(k, "arguments"):
-				args = v
-			}
-		})
+		fields(fn, functionKeys, &fname, &args)
 		if m.toolCalls[j][0], ok = stringOf(fname); !ok {
 			return inputErr(field(".function.name"), "must be a string")
 		}
