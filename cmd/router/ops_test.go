@@ -19,8 +19,6 @@ import (
 
 	collectorpb "go.opentelemetry.io/proto/otlp/collector/trace/v1"
 	"google.golang.org/protobuf/proto"
-
-	"github.com/semroute/semroute/configs"
 )
 
 func TestTracingExportsSpansAndPropagatesTraceparent(t *testing.T) {
@@ -128,22 +126,7 @@ func TestDNSDiscoveryFollowsReplicas(t *testing.T) {
 	res.set(port(t, sims[0].URL), port(t, sims[1].URL))
 	cfg := filepath.Join(t.TempDir(), "router.yaml")
 	writeConfig(t, cfg, "routing: {policy: round_robin}\ndiscovery: {dns_name: _http._tcp.vllm.test, srv: true, interval: 50ms}\nreplicas: []\n")
-	v := configs.NewViper()
-	v.Set("listen", "127.0.0.1:0")
-	c, err := configs.Load(v, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	a, err := build(c, newLogger(configs.LogConfig{Level: "error", Format: "text"}, io.Discard))
-	if err != nil {
-		t.Fatal(err)
-	}
-	a.resolver = res
-	r, err := a.start()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer r.stop(5e9)
+	r := serveConfigWith(t, cfg, func(a *app) { a.resolver = res })
 	// served returns which replicas (by port) answer 20 requests.
 	served := func() map[int]bool {
 		out := map[int]bool{}

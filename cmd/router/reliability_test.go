@@ -41,6 +41,13 @@ func writeConfig(t *testing.T, path, yaml string) {
 // serve --config` does, on 127.0.0.1:0.
 func serveConfig(t *testing.T, path string) *running {
 	t.Helper()
+	return serveConfigWith(t, path, nil)
+}
+
+// serveConfigWith is serveConfig with prepare (if not nil) run on the built
+// app before it starts, to swap in test doubles.
+func serveConfigWith(t *testing.T, path string, prepare func(*app)) *running {
+	t.Helper()
 	v := configs.NewViper()
 	v.Set("listen", "127.0.0.1:0")
 	cfg, err := configs.Load(v, path)
@@ -52,6 +59,9 @@ func serveConfig(t *testing.T, path string) *running {
 		t.Fatal(err)
 	}
 	a.path = path
+	if prepare != nil {
+		prepare(a)
+	}
 	r, err := a.start()
 	if err != nil {
 		t.Fatal(err)
