@@ -32,9 +32,14 @@ func newBody(n int) *body {
 		v.refs.Store(1)
 		return v
 	}
-	b := &body{b: make([]byte, n)}
-	b.refs.Store(1)
-	return b
+	return bodyOf(make([]byte, n))
+}
+
+// bodyOf returns a body holding b, with one reference, the caller's.
+func bodyOf(b []byte) *body {
+	v := &body{b: b}
+	v.refs.Store(1)
+	return v
 }
 
 // release drops one reference.

@@ -399,8 +399,7 @@ func (s *Server) readBody(w http.ResponseWriter, r *http.Request) (*body, error)
 	if n := r.ContentLength; n < 0 || n > s.o.MaxBodyBytes {
 		var all []byte
 		all, err = io.ReadAll(rd) // unknown length, or too long: MaxBytesReader says so
-		b = &body{b: all}
-		b.refs.Store(1)
+		b = bodyOf(all)
 	} else {
 		b = newBody(int(n))
 		_, err = io.ReadFull(rd, b.b)
