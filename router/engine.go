@@ -132,6 +132,9 @@ type Decision struct {
 	// Work is the request's load on the replica now serving it (set by
 	// Commit).
 	Work replica.Work
+
+	pooled  bool              // Blocks came from the block pool
+	learned []blockhash.Block // LearnReply's chain, from the block pool
 }
 
 // Chosen returns the winning candidate.
@@ -172,12 +175,15 @@ type RouteInput struct {
 	// Policy overrides the engine's policy for this request (an A/B arm's);
 	// nil means the engine's.
 	Policy Policy
+	// pooled says Blocks came from the engine's block pool (Input made
+	// them), so Recycle may take them back.
+	pooled bool
 }
 
 // Input splits req into the engine's RouteInput, keyed by SessionKey. The
 // text is kept when withText is set or a matcher needs it.
 func (e *Engine) Input(req *blockhash.Request, sessionID string, withText bool) RouteInput {
-	in := RouteInput{Blocks: e.o.Splitter.Split(make([]blockhash.Block, 0, e.o.Splitter.Count(req)), req)}
+	in := RouteInput{Blocks: e.o.Splitter.Split(newBlocks(e.o.Splitter.Count(req)), req), pooled: true}
 	in.Key = SessionKey(sessionID, req.User, in.Blocks)
 	if withText || e.o.Matcher != nil {
 		for i := range req.Parts {
@@ -202,7 +208,7 @@ func (e *Engine) DecideRequest(ri RouteInput, record bool) (*Decision, error) {
 	if pol == nil {
 		pol = e.o.Policy
 	}
-	d := &Decision{Blocks: ri.Blocks, Key: ri.Key, Policy: pol.Name()}
+	d := &Decision{Blocks: ri.Blocks, Key: ri.Key, Policy: pol.Name(), pooled: ri.pooled}
 	for _, b := range ri.Blocks {
 		d.Tokens += int(b.Tokens)
 	}
@@ -344,17 +350,45 @@ func newCandidates(n int) []Candidate {
 	return make([]Candidate, n)
 }
 
-// Recycle gives d's candidate list back for reuse by later decisions. Call
-// it once nothing reads d.Candidates any more (Core.Finish does); d.Ranked
-// and d.Chosen stay valid. Calling it is optional.
+// blockPool holds block lists given back by Recycle.
+var blockPool sync.Pool // *[]blockhash.Block
+
+// newBlocks returns an empty block list with room for n blocks, reusing a
+// recycled one when it is large enough.
+func newBlocks(n int) []blockhash.Block {
+	if p, ok := blockPool.Get().(*[]blockhash.Block); ok && cap(*p) >= n {
+		return (*p)[:0]
+	}
+	return make([]blockhash.Block, 0, n)
+}
+
+func putBlocks(b []blockhash.Block) {
+	if cap(b) > 0 {
+		blockPool.Put(&b)
+	}
+}
+
+// Recycle gives d's candidate list, and the block lists Input and
+// LearnReply made for it, back for reuse by later decisions. Call it once
+// nothing reads d.Candidates, d.Blocks or learned blocks any more
+// (Core.Finish does); d.Ranked and d.Chosen stay valid, d.Blocks becomes
+// nil. Calling it is optional; calling it twice is harmless.
 func (e *Engine) Recycle(d *Decision) {
-	if d == nil || d.Candidates == nil {
+	if d == nil {
 		return
 	}
-	c := d.Candidates[:cap(d.Candidates)]
-	clear(c)
-	d.Candidates = nil
-	candidatePool.Put(&c)
+	if d.Candidates != nil {
+		c := d.Candidates[:cap(d.Candidates)]
+		clear(c)
+		d.Candidates = nil
+		candidatePool.Put(&c)
+	}
+	if d.pooled {
+		putBlocks(d.Blocks)
+		d.Blocks, d.pooled = nil, false
+	}
+	putBlocks(d.learned)
+	d.learned = nil
 }
 
 // Commit caches d's blocks on c's replica and counts the request's work
@@ -423,15 +457,17 @@ func (e *Engine) Done(d *Decision, c *Candidate) {
 
 // LearnReply caches the assistant's reply, chained after the request's
 // blocks, on replica r: it is the prefix of the conversation's next turn. It
-// returns the reply's blocks.
+// returns the reply's blocks, valid until Recycle(d).
 func (e *Engine) LearnReply(d *Decision, r *replica.Replica, reply []byte) []blockhash.Block {
 	if len(d.Blocks) == 0 {
 		return nil
 	}
 	p := blockhash.Part{Role: blockhash.RoleAssistant, Base: blockhash.KindAssistantHistory, Text: reply}
-	all := make([]blockhash.Block, len(d.Blocks), len(d.Blocks)+e.o.Splitter.CountPart(&p))
-	copy(all, d.Blocks)
-	all = e.o.Splitter.AppendPart(all, d.Blocks[len(d.Blocks)-1].Hash, &p)
+	n := len(d.Blocks)
+	putBlocks(d.learned)
+	all := append(newBlocks(n+e.o.Splitter.CountPart(&p)), d.Blocks...)
+	all = e.o.Splitter.AppendPart(all, d.Blocks[n-1].Hash, &p)
+	d.learned = all
 	e.o.Cache.Record(r.ID, all, e.o.Now().UnixNano())
-	return all[len(d.Blocks):]
+	return all[n:]
 }

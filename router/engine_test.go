@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"slices"
 	"strings"
 	"testing"
 	"testing/iotest"
@@ -134,6 +135,50 @@ func TestRecycleKeepsTheChoice(t *testing.T) {
 				t.Fatalf("a reused candidate list holds %+v", c[i])
 			}
 		}
+	}
+}
+
+// TestRecycledBlocks: Recycle takes back only the block lists the engine
+// made (Input's and LearnReply's), so blocks a caller passed in stay its
+// own, and later decisions built from recycled lists hash what a fresh
+// split would.
+func TestRecycledBlocks(t *testing.T) {
+	f := newFixture(t, 2, "semantic")
+	split := func(req *blockhash.Request) []blockhash.Block { return f.e.Splitter().Split(nil, req) }
+	mine := split(parseChat(t, "system", strings.Repeat("caller's own ", 200), "user", "hi"))
+	want := slices.Clone(mine)
+	d, err := f.e.DecideRequest(RouteInput{Blocks: mine}, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.e.LearnReply(d, d.Chosen().Replica, []byte(strings.Repeat("a reply ", 100)))
+	f.e.Done(d, d.Chosen())
+	f.e.Recycle(d)
+	if len(d.Blocks) != len(want) {
+		t.Fatalf("Recycle dropped the caller's blocks: %d left of %d", len(d.Blocks), len(want))
+	}
+	for i := range 50 {
+		req := parseChat(t, "user", strings.Repeat(fmt.Sprint("turn ", i, " "), 30+i*7))
+		d, err := f.e.Decide(req, "", true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !slices.Equal(d.Blocks, split(req)) {
+			t.Fatalf("decision %d: blocks differ from a fresh split", i)
+		}
+		reply := f.e.LearnReply(d, d.Chosen().Replica, []byte(strings.Repeat("r", 50*i+1)))
+		chain := slices.Concat(d.Blocks, reply)
+		if got := f.cache.Match(chain, nil, nil); got[d.Chosen().Replica.ID].Blocks != len(chain) {
+			t.Fatalf("decision %d: the reply's chain is not cached: %+v", i, got)
+		}
+		f.e.Done(d, d.Chosen())
+		f.e.Recycle(d)
+		if d.Blocks != nil {
+			t.Fatalf("decision %d: Recycle kept the pooled blocks", i)
+		}
+	}
+	if !slices.Equal(mine, want) {
+		t.Fatal("recycled lists were written over the caller's blocks")
 	}
 }
 

@@ -15,12 +15,15 @@
 package simreplica
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -203,14 +206,37 @@ func writeError(w http.ResponseWriter, status int, typ, msg string) {
 	writeJSON(w, status, map[string]any{"error": map[string]any{"message": msg, "type": typ, "code": status}})
 }
 
-// render returns the prompt as the engine would see it: each part behind a
-// role marker.
-func render(req *blockhash.Request) []byte {
+// scratch is one request's working memory, reused by later requests so
+// that an instant replica makes little garbage: its own collections would
+// otherwise show up in every latency measured through it.
+type scratch struct {
+	body, prompt []byte
+	keys         []uint64
+}
+
+var scratchPool = sync.Pool{New: func() any { return new(scratch) }}
+
+// readBody reads r's body into buf's memory, growing it as needed.
+func readBody(w http.ResponseWriter, r *http.Request, limit int64, buf []byte) ([]byte, error) {
+	rd := http.MaxBytesReader(w, r.Body, limit)
+	if n := r.ContentLength; n > 0 && n <= limit {
+		buf = slices.Grow(buf[:0], int(n))[:n]
+		_, err := io.ReadFull(rd, buf)
+		return buf, err
+	}
+	b := bytes.NewBuffer(buf[:0])
+	_, err := b.ReadFrom(rd)
+	return b.Bytes(), err
+}
+
+// render appends to out the prompt as the engine would see it: each part
+// behind a role marker.
+func render(out []byte, req *blockhash.Request) []byte {
 	n := 0
 	for _, p := range req.Parts {
 		n += len(p.Text) + 5
 	}
-	out := make([]byte, 0, n)
+	out = slices.Grow(out[:0], n)
 	for _, p := range req.Parts {
 		out = append(out, "<|"...)
 		out = append(out, p.Role)
@@ -220,12 +246,13 @@ func render(req *blockhash.Request) []byte {
 	return out
 }
 
-// lookup returns the prompt's block keys, its token count, and how many
-// leading tokens are cached.
-func (s *Server) lookup(prompt []byte) (keys []uint64, tokens, cached int) {
+// lookup appends the prompt's block keys to keys[:0] and returns them, its
+// token count, and how many leading tokens are cached.
+func (s *Server) lookup(prompt []byte, keys []uint64) (_ []uint64, tokens, cached int) {
 	tokens = max((len(prompt)+s.o.BytesPerToken-1)/s.o.BytesPerToken, 1)
 	step := s.o.BlockSize * s.o.BytesPerToken
 	h := uint64(0)
+	keys = keys[:0]
 	for off := 0; off+step <= len(prompt); off += step { // full blocks only
 		h = blockhash.ChainHash(h, 0, prompt[off:off+step])
 		keys = append(keys, h)
@@ -262,9 +289,16 @@ func (s *Server) LastTraceparent() string { v, _ := s.traceparent.Load().(string
 
 func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.Endpoint) {
 	s.traceparent.Store(r.Header.Get("traceparent"))
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.o.MaxBodyBytes))
+	sc := scratchPool.Get().(*scratch)
+	defer scratchPool.Put(sc)
+	body, err := readBody(w, r, s.o.MaxBodyBytes, sc.body)
+	sc.body = body
 	if err != nil {
-		writeError(w, http.StatusRequestEntityTooLarge, "BadRequestError", "request body too large")
+		if mbe := (*http.MaxBytesError)(nil); errors.As(err, &mbe) {
+			writeError(w, http.StatusRequestEntityTooLarge, "BadRequestError", "request body too large")
+		} else {
+			writeError(w, http.StatusBadRequest, "BadRequestError", "cannot read the request body: "+err.Error())
+		}
 		return
 	}
 	req, err := blockhash.Parse(ep, body, blockhash.Limits{})
@@ -305,7 +339,9 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	s.running.Inc()
 	defer func() { <-s.sem; s.running.Dec() }()
 
-	keys, tokens, cached := s.lookup(render(req))
+	sc.prompt = render(sc.prompt, req)
+	keys, tokens, cached := s.lookup(sc.prompt, sc.keys)
+	sc.keys = keys
 	s.promptTokens.Add(int64(tokens))
 	s.cachedTokens.Add(int64(cached))
 	s.queries.Add(int64(tokens))

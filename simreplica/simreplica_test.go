@@ -113,6 +113,52 @@ func TestErrors(t *testing.T) {
 	}
 }
 
+// TestRequestBodies: a body is read the same with or without a
+// Content-Length, however the requests before it left the reused buffers,
+// and one over MaxBodyBytes is refused either way.
+func TestRequestBodies(t *testing.T) {
+	o := fast
+	o.MaxBodyBytes = 10 << 10
+	r := start(t, o)
+	post := func(body string, withLength bool) (int, usage) {
+		t.Helper()
+		var rd io.Reader = strings.NewReader(body)
+		if !withLength {
+			rd = io.MultiReader(rd) // hides the length: the body goes chunked
+		}
+		resp, err := http.Post(r.URL+"/v1/chat/completions", "application/json", rd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var out struct {
+			Usage usage `json:"usage"`
+		}
+		_ = json.NewDecoder(resp.Body).Decode(&out)
+		return resp.StatusCode, out.Usage
+	}
+	long, short := chatBody(strings.Repeat("L", 8000), "q"), chatBody("s", "q")
+	_, first := post(long, true)
+	for i, tc := range []struct {
+		body       string
+		withLength bool
+		prompt     int
+	}{
+		{short, true, 0}, {long, false, first.Prompt}, {short, false, 0}, {long, true, first.Prompt},
+	} {
+		code, u := post(tc.body, tc.withLength)
+		if code != 200 || (tc.prompt > 0 && (u.Prompt != tc.prompt || u.Details.Cached != (u.Prompt-1)/16*16)) {
+			t.Fatalf("request %d (length sent: %v): %d %+v, want prompt %d with every full block cached", i, tc.withLength, code, u, tc.prompt)
+		}
+	}
+	huge := chatBody(strings.Repeat("h", 11<<10), "q")
+	for _, withLength := range []bool{true, false} {
+		if code, _ := post(huge, withLength); code != http.StatusRequestEntityTooLarge {
+			t.Fatalf("a body over MaxBodyBytes (length sent: %v): status %d, want 413", withLength, code)
+		}
+	}
+}
+
 func TestStreamFormat(t *testing.T) {
 	r := start(t, fast)
 	resp, err := http.Post(r.URL+"/v1/completions", "application/json",
