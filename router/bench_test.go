@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -161,7 +163,9 @@ func BenchmarkServeHTTP(b *testing.B) {
 		b.Run(fmt.Sprintf("tokens=%dk", tokens>>10), func(b *testing.B) {
 			fx := newFixture(b, 8, "semantic")
 			core, _ := NewCore(CoreOptions{Engine: fx.e})
-			srv, _ := NewServer(ServerOptions{Core: core, Transport: cannedTransport{}, RecordReplies: true})
+			// The router's default log line (text, info), formatted but not written.
+			srv, _ := NewServer(ServerOptions{Core: core, Transport: cannedTransport{}, RecordReplies: true,
+				Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 			body := benchBody(tokens)
 			b.SetBytes(int64(len(body)))
 			b.ReportAllocs()
