@@ -44,7 +44,7 @@ func TestBadConfigs(t *testing.T) {
 			"listen:", "log.level:", "log.format:", "routing.policy:", "routing.load_weight:", "routing.spill_factor:",
 			"routing.attempts:", "routing.kind_weights.sytem:", "blocks:", "cache.eviction:", "limits.max_body_bytes:",
 			"limits.max_messages:", "replicas[0].url:", "replicas[1].name:", "replicas[1].weight:",
-			"routing.arms[0].policy:", "routing.arms[0].weight:", "routing.arms[1].name:",
+			"routing.arms[0].policy:", "routing.arms[0].weight:", "routing.arms[1].name:", "runtime.gc_floor_mb:",
 		},
 		"bad-duration.bad.yaml": {"load_half_life"},
 		"bad-yaml.bad.yaml":     {"parse config"},
@@ -73,7 +73,7 @@ func TestDefaultsAndEmbeddedConfigsValidate(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.Routing.Policy != "semantic" || c.Blocks.BlockTokens != 64 || !c.Routing.RecordReplies || c.Routing.RecentWeight != 1 || c.Routing.LoadWeight != 0.3 {
+	if c.Routing.Policy != "semantic" || c.Blocks.BlockTokens != 64 || !c.Routing.RecordReplies || c.Routing.RecentWeight != 1 || c.Routing.LoadWeight != 0.3 || c.Runtime.GCFloorMB != 64 {
 		t.Fatalf("defaults %+v", c)
 	}
 	for name, b := range map[string][]byte{"demo.yaml": DemoYAML, "router.yaml": ExampleYAML} {

@@ -290,7 +290,8 @@ func serveBenchTarget(role, upstream string, out io.Writer, in io.Reader) error 
 		if err != nil {
 			return err
 		}
-		u, stop = r.http.url(), func() { _ = r.stop(5 * time.Second) }
+		_, stopFloor := startGCFloor(cfg.Runtime) // as router serve does
+		u, stop = r.http.url(), func() { _ = r.stop(5 * time.Second); stopFloor() }
 	default:
 		return fmt.Errorf("--serve-target %q: want replica, plain or router", role)
 	}

@@ -78,7 +78,9 @@ func newServe() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			log.Info("semroute listening", "addr", r.http.addr, "grpc", r.grpcAddr(), "replicas", len(cfg.Replicas), "policy", cfg.Routing.Policy)
+			floor, stopFloor := startGCFloor(cfg.Runtime)
+			defer stopFloor()
+			log.Info("semroute listening", "addr", r.http.addr, "grpc", r.grpcAddr(), "replicas", len(cfg.Replicas), "policy", cfg.Routing.Policy, "gc_floor", floor)
 			ctx, stop := signalContext()
 			defer stop()
 			<-ctx.Done()
@@ -102,6 +104,8 @@ func newDemo() *cobra.Command {
 			if err != nil {
 				return err
 			}
+			_, stopFloor := startGCFloor(d.app.cfg.Runtime)
+			defer stopFloor()
 			printExample(cmd.OutOrStdout(), d)
 			ctx, stop := signalContext()
 			defer stop()

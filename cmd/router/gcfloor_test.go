@@ -1,0 +1,70 @@
+package main
+
+import (
+	"runtime"
+	"runtime/metrics"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/bytedance/gopkg/util/gctuner"
+
+	"github.com/semroute/semroute/configs"
+)
+
+var gcSink []byte
+
+// TestGCFloorPacesCollections: 192 MiB of short-lived garbage costs Go's
+// default pacing a collection every few MB of it; under a 256 MiB floor it
+// passes with at most one. Stopping the floor restores the GOGC it found.
+func TestGCFloorPacesCollections(t *testing.T) {
+	cycles := func() uint64 {
+		s := []metrics.Sample{{Name: "/gc/cycles/total:gc-cycles"}}
+		metrics.Read(s)
+		return s[0].Value.Uint64()
+	}
+	churn := func() uint64 {
+		before := cycles()
+		for range 48 << 10 {
+			gcSink = make([]byte, 4<<10)
+		}
+		return cycles() - before
+	}
+	runtime.GC()
+	unfloored := churn()
+
+	desc, stop := startGCFloor(configs.RuntimeConfig{GCFloorMB: 256})
+	if desc != "256 MiB" {
+		t.Fatalf("description %q", desc)
+	}
+	// The floor is set after each collection, from the first one on.
+	for deadline := time.Now().Add(10 * time.Second); gctuner.GetGCPercent() <= 100; {
+		if time.Now().After(deadline) {
+			stop()
+			t.Fatal("GOGC was never raised")
+		}
+		runtime.GC()
+		time.Sleep(time.Millisecond)
+	}
+	floored := churn()
+	stop()
+	t.Logf("192 MiB of garbage: %d collections without the floor, %d with it", unfloored, floored)
+	if unfloored < 4 || floored > 1 {
+		t.Fatalf("192 MiB of garbage: %d collections without the floor, %d with it; want ≥ 4 and ≤ 1", unfloored, floored)
+	}
+	if again := churn(); again < 4 {
+		t.Fatalf("after stop: %d collections for 192 MiB of garbage; the floor is still on", again)
+	}
+}
+
+func TestGCFloorOff(t *testing.T) {
+	if desc, stop := startGCFloor(configs.RuntimeConfig{}); desc != "off" {
+		stop()
+		t.Fatalf("gc_floor_mb 0: %q", desc)
+	}
+	t.Setenv("GOGC", "150")
+	if desc, stop := startGCFloor(configs.RuntimeConfig{GCFloorMB: 64}); !strings.Contains(desc, "GOGC=150") {
+		stop()
+		t.Fatalf("with GOGC set: %q", desc)
+	}
+}
