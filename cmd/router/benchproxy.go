@@ -89,7 +89,7 @@ Everything shares this machine's cores.`,
 		},
 	}
 	f := cmd.Flags()
-	f.IntVar(&o.requests, "requests", 2000, "sequential requests per target in each latency round")
+	f.IntVar(&o.requests, "requests", 5000, "sequential requests per target in each latency round")
 	f.IntVar(&o.rounds, "rounds", 5, "latency rounds; p50, p99 and added latency are medians over them")
 	f.StringVar(&conc, "concurrency", "8,32,128", "concurrent client counts to try for throughput, comma-separated; the best is reported")
 	f.DurationVar(&o.duration, "duration", 2*time.Second, "throughput phase per client count")
