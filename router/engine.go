@@ -181,7 +181,9 @@ type RouteInput struct {
 }
 
 // Input splits req into the engine's RouteInput, keyed by SessionKey. The
-// text is kept when withText is set or a matcher needs it.
+// text is kept when withText is set or a matcher needs it. Route it once:
+// its block list is the engine's, and Recycle takes it back when the
+// decision made from it ends.
 func (e *Engine) Input(req *blockhash.Request, sessionID string, withText bool) RouteInput {
 	in := RouteInput{Blocks: e.o.Splitter.Split(newBlocks(e.o.Splitter.Count(req)), req), pooled: true}
 	in.Key = SessionKey(sessionID, req.User, in.Blocks)
