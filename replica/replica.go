@@ -261,6 +261,20 @@ func (r *Replica) Checked(ok bool, fall, rise int) bool {
 // Drain stops new traffic to the replica; requests in flight finish.
 func (r *Replica) Drain() { r.draining.Store(true) }
 
+// Undrain lets a drained replica take new traffic again.
+func (r *Replica) Undrain() { r.draining.Store(false) }
+
+// PublicURL returns the replica's base URL without its user information:
+// the form to show, log or export, never carrying credentials.
+func (r *Replica) PublicURL() string { return PublicURL(r.URL) }
+
+// PublicURL returns u without its user information.
+func PublicURL(u *url.URL) string {
+	c := *u
+	c.User = nil
+	return c.String()
+}
+
 // Draining reports whether the replica is draining.
 func (r *Replica) Draining() bool { return r.draining.Load() }
 
@@ -308,22 +322,79 @@ func NewPool(specs []Spec, o Options, join func(Spec) (int, error)) (*Pool, erro
 	return p, nil
 }
 
-func (p *Pool) build(s Spec) (*Replica, error) {
-	if s.Name == "" {
-		return nil, errors.New("name is required")
+// Bounds of a Spec, checked by Validate.
+const (
+	MaxNameBytes = 128      // a replica name's length
+	MinWeight    = 1.0 / 64 // a replica's weight, when not 0 (meaning 1)
+	MaxWeight    = 64.0
+)
+
+// ValidateName checks a replica name: 1 to MaxNameBytes printable ASCII
+// characters other than space (it is a metric label and a header value).
+func ValidateName(name string) error {
+	if name == "" {
+		return errors.New("is required")
 	}
-	u, err := url.Parse(s.URL)
+	if len(name) > MaxNameBytes {
+		return fmt.Errorf("is %d bytes, more than %d", len(name), MaxNameBytes)
+	}
+	for i := 0; i < len(name); i++ {
+		if c := name[i]; c <= ' ' || c > '~' {
+			return fmt.Errorf("%q has a character other than printable ASCII", name)
+		}
+	}
+	return nil
+}
+
+// ValidateWeight checks a replica weight: 0 (meaning 1) or in [MinWeight,
+// MaxWeight].
+func ValidateWeight(w float64) error {
+	if w != 0 && !(w >= MinWeight && w <= MaxWeight) { // also NaN
+		return fmt.Errorf("%v is not 0 or in [%v, %v]", w, MinWeight, MaxWeight)
+	}
+	return nil
+}
+
+// ParseURL parses a replica's base URL: http or https with a host, and no
+// query or fragment. Errors never quote user information.
+func ParseURL(raw string) (*url.URL, error) {
+	u, err := url.Parse(raw)
+	if err != nil {
+		var ue *url.Error
+		if errors.As(err, &ue) {
+			err = ue.Err // without the URL, which may carry credentials
+		}
+		return nil, err
+	}
+	if (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || u.RawQuery != "" || u.Fragment != "" {
+		return nil, fmt.Errorf("%q: want http(s)://host[:port][/path]", PublicURL(u))
+	}
+	return u, nil
+}
+
+// Validate checks a spec: its name, URL (see ParseURL), budget and weight.
+// It returns the parsed URL.
+func (s Spec) Validate() (*url.URL, error) {
+	if err := ValidateName(s.Name); err != nil {
+		return nil, fmt.Errorf("name %w", err)
+	}
+	u, err := ParseURL(s.URL)
 	if err != nil {
 		return nil, fmt.Errorf("url: %w", err)
-	}
-	if (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return nil, fmt.Errorf("url %q: want http(s)://host[:port]", s.URL)
 	}
 	if s.BudgetTokens < 0 {
 		return nil, fmt.Errorf("budget_tokens %d must not be negative", s.BudgetTokens)
 	}
-	if s.Weight < 0 || math.IsNaN(s.Weight) || math.IsInf(s.Weight, 0) {
-		return nil, fmt.Errorf("weight %v must be a positive number", s.Weight)
+	if err := ValidateWeight(s.Weight); err != nil {
+		return nil, fmt.Errorf("weight %w", err)
+	}
+	return u, nil
+}
+
+func (p *Pool) build(s Spec) (*Replica, error) {
+	u, err := s.Validate()
+	if err != nil {
+		return nil, err
 	}
 	if s.Weight == 0 {
 		s.Weight = 1
