@@ -1,6 +1,8 @@
 package router
 
 import (
+	"cmp"
+	"container/list"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -48,6 +50,12 @@ type CoreOptions struct {
 	// ReleaseAfter ends a held decision (gRPC) that was never released,
 	// so it stops counting as load. Default 10 minutes.
 	ReleaseAfter time.Duration
+	// MaxHeld caps the decisions held for Release, and MaxHeldBlocks the
+	// blocks they keep (a held decision keeps its prompt's blocks for the
+	// decision log: about 24 bytes each). Past either cap the oldest held
+	// decision is finished as expired. Defaults DefaultMaxHeld and
+	// DefaultMaxHeldBlocks.
+	MaxHeld, MaxHeldBlocks int
 	// Metrics, if set, receives per-request metrics.
 	Metrics *Metrics
 }
@@ -60,9 +68,18 @@ type Core struct {
 	e    *Engine
 	arms atomic.Pointer[armSet]
 
-	mu   sync.Mutex
-	held map[string]*Routed // gRPC decisions awaiting Release
+	mu         sync.Mutex
+	held       map[string]*list.Element // gRPC decisions awaiting Release, by id
+	heldOrder  list.List                // of *Routed, oldest first
+	heldBlocks int                      // blocks of the held decisions
 }
+
+// Defaults of CoreOptions.MaxHeld and MaxHeldBlocks: 10,000 decisions and
+// 4 Mi blocks (about 100 MB of block lists).
+const (
+	DefaultMaxHeld       = 10000
+	DefaultMaxHeldBlocks = 4 << 20
+)
 
 // armSet is an immutable set of arms with their total weight.
 type armSet struct {
@@ -75,7 +92,9 @@ func NewCore(o CoreOptions) (*Core, error) {
 	if o.Engine == nil {
 		return nil, errors.New("router: CoreOptions.Engine is required")
 	}
-	c := &Core{o: o, e: o.Engine, held: map[string]*Routed{}}
+	o.MaxHeld = cmp.Or(max(o.MaxHeld, 0), DefaultMaxHeld)
+	o.MaxHeldBlocks = cmp.Or(max(o.MaxHeldBlocks, 0), DefaultMaxHeldBlocks)
+	c := &Core{o: o, e: o.Engine, held: map[string]*list.Element{}}
 	if err := c.SetArms(o.Arms); err != nil {
 		return nil, err
 	}
@@ -295,19 +314,46 @@ func (c *Core) record(rt *Routed, o *Outcome) *decisionlog.Record {
 // ErrUnknownDecision is returned by Release for an id not held.
 var ErrUnknownDecision = errors.New("unknown or already released decision")
 
-// Hold keeps a recorded decision until Release, or until ReleaseAfter
-// passes (see Expire).
+// Hold keeps a recorded decision until Release, until ReleaseAfter passes
+// (see Expire), or until the caps on held decisions push it out, oldest
+// first. Decisions pushed out are finished as expired before Hold returns.
 func (c *Core) Hold(rt *Routed) {
+	var out []*Routed
 	c.mu.Lock()
-	c.held[rt.ID] = rt
+	c.held[rt.ID] = c.heldOrder.PushBack(rt)
+	c.heldBlocks += len(rt.Blocks)
+	for c.heldOrder.Len() > c.o.MaxHeld || (c.heldBlocks > c.o.MaxHeldBlocks && c.heldOrder.Len() > 1) {
+		out = append(out, c.unholdLocked(c.heldOrder.Front()))
+	}
 	c.mu.Unlock()
+	c.expired(out, "cap")
+}
+
+// unholdLocked removes e from the held decisions; c.mu is held.
+func (c *Core) unholdLocked(e *list.Element) *Routed {
+	rt := c.heldOrder.Remove(e).(*Routed)
+	delete(c.held, rt.ID)
+	c.heldBlocks -= len(rt.Blocks)
+	return rt
+}
+
+// expired finishes decisions that were never released, counting them by
+// reason ("cap" or "timeout").
+func (c *Core) expired(rts []*Routed, reason string) {
+	for _, rt := range rts {
+		c.Finish(rt, Outcome{Error: "never released"}, nil)
+	}
+	c.o.Metrics.heldExpired(reason, len(rts))
 }
 
 // Release finishes a held decision with o.
 func (c *Core) Release(id string, o Outcome) error {
 	c.mu.Lock()
-	rt, ok := c.held[id]
-	delete(c.held, id)
+	e, ok := c.held[id]
+	var rt *Routed
+	if ok {
+		rt = c.unholdLocked(e)
+	}
 	c.mu.Unlock()
 	if !ok {
 		return ErrUnknownDecision
@@ -317,20 +363,16 @@ func (c *Core) Release(id string, o Outcome) error {
 }
 
 // Expire finishes held decisions older than ReleaseAfter at now and
-// returns how many.
+// returns how many. It costs O(expired): held decisions are kept in the
+// order they were made.
 func (c *Core) Expire(now time.Time) int {
 	var old []*Routed
 	c.mu.Lock()
-	for id, rt := range c.held {
-		if now.Sub(rt.start) >= c.o.ReleaseAfter {
-			old = append(old, rt)
-			delete(c.held, id)
-		}
+	for e := c.heldOrder.Front(); e != nil && now.Sub(e.Value.(*Routed).start) >= c.o.ReleaseAfter; e = c.heldOrder.Front() {
+		old = append(old, c.unholdLocked(e))
 	}
 	c.mu.Unlock()
-	for _, rt := range old {
-		c.Finish(rt, Outcome{Error: "never released"}, nil)
-	}
+	c.expired(old, "timeout")
 	return len(old)
 }
 
@@ -348,9 +390,9 @@ func (c *Core) Run(ctx context.Context, interval time.Duration) {
 	}
 }
 
-// Held returns how many decisions await Release.
-func (c *Core) Held() int {
+// Held returns how many decisions await Release, and the blocks they keep.
+func (c *Core) Held() (decisions, blocks int) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return len(c.held)
+	return c.heldOrder.Len(), c.heldBlocks
 }

@@ -38,8 +38,8 @@ func FuzzRoutedHandler(f *testing.F) {
 	if err != nil {
 		f.Fatal(err)
 	}
-	srv, err := NewServer(ServerOptions{Core: core, Transport: cannedTransport{}, RecordReplies: true, MaxBodyBytes: 1 << 16,
-		Limits: blockhash.Limits{MaxMessages: 64}})
+	srv, err := NewServer(ServerOptions{Core: core, Transport: cannedTransport{}, RecordReplies: true,
+		Limits: Limits{MaxBodyBytes: 1 << 16, Parse: blockhash.Limits{MaxMessages: 64}}})
 	if err != nil {
 		f.Fatal(err)
 	}
@@ -106,7 +106,9 @@ func (c *chunked) Read(p []byte) (int, error) {
 func FuzzGRPCRequest(f *testing.F) {
 	f.Add("m", []byte(`{"model":"m","prompt":"x"}`), "user", "hello", "system", uint8(0))
 	f.Add("", []byte("{"), "", "", "weird", uint8(3))
-	g := &GRPCService{limits: blockhash.Limits{MaxMessages: 8}}
+	lim := Limits{Parse: blockhash.Limits{MaxMessages: 8}}
+	lim.defaults()
+	g := &GRPCService{limits: func() Limits { return lim }}
 	f.Fuzz(func(t *testing.T, model string, body []byte, role, content, kind string, form uint8) {
 		in := &pb.RouteRequest{Model: model}
 		switch form % 5 {

@@ -2,9 +2,11 @@ package router
 
 import (
 	"context"
+	"crypto/subtle"
 	"encoding/json"
 	"errors"
 	"strconv"
+	"strings"
 	"time"
 	"unicode/utf8"
 
@@ -12,6 +14,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/reflection"
 	"google.golang.org/grpc/status"
 
@@ -23,17 +26,39 @@ import (
 type GRPCService struct {
 	pb.UnimplementedRouterServer
 	core   *Core
-	limits blockhash.Limits
+	limits func() Limits
 }
 
 var _ pb.RouterServer = (*GRPCService)(nil)
 
+// GRPCOptions configure the gRPC front end.
+type GRPCOptions struct {
+	// Limits returns the limits in force, called per call: MaxBodyBytes
+	// bounds openai_body and Parse what the parser accepts of every input.
+	// Nil means the defaults.
+	Limits func() Limits
+	// Token returns the bearer token every call but the health service's
+	// must carry in its "authorization" metadata ("Bearer <token>"). It is
+	// called per call, so a rotated token takes effect at once. Nil, or an
+	// empty token, means no token is asked for (the transport, e.g. mTLS,
+	// must then authenticate).
+	Token func() string
+}
+
 // NewGRPCServer returns a gRPC server with the Router service, the standard
-// health service (serving) and server reflection registered. opts are passed
-// to grpc.NewServer.
-func NewGRPCServer(core *Core, limits blockhash.Limits, opts ...grpc.ServerOption) *grpc.Server {
+// health service (serving; it needs no token, so that probes work) and
+// server reflection registered. opts are passed to grpc.NewServer after
+// the authentication interceptors.
+func NewGRPCServer(core *Core, o GRPCOptions, opts ...grpc.ServerOption) *grpc.Server {
+	auth := authenticator{token: o.Token}
+	if o.Limits == nil {
+		var l Limits
+		l.defaults()
+		o.Limits = func() Limits { return l }
+	}
+	opts = append([]grpc.ServerOption{grpc.ChainUnaryInterceptor(auth.unary), grpc.ChainStreamInterceptor(auth.stream)}, opts...)
 	s := grpc.NewServer(opts...)
-	pb.RegisterRouterServer(s, &GRPCService{core: core, limits: limits})
+	pb.RegisterRouterServer(s, &GRPCService{core: core, limits: o.Limits})
 	hs := health.NewServer()
 	hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 	hs.SetServingStatus(pb.Router_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
@@ -42,21 +67,60 @@ func NewGRPCServer(core *Core, limits blockhash.Limits, opts ...grpc.ServerOptio
 	return s
 }
 
+// authenticator checks each call's bearer token, in constant time.
+type authenticator struct{ token func() string }
+
+// check returns nil when method needs no token or ctx carries the right one.
+func (a authenticator) check(ctx context.Context, method string) error {
+	if a.token == nil || strings.HasPrefix(method, "/grpc.health.v1.Health/") {
+		return nil
+	}
+	want := a.token()
+	if want == "" {
+		return nil
+	}
+	md, _ := metadata.FromIncomingContext(ctx)
+	for _, v := range md.Get("authorization") {
+		if subtle.ConstantTimeCompare([]byte(v), []byte("Bearer "+want)) == 1 {
+			return nil
+		}
+	}
+	return status.Error(codes.Unauthenticated, `a valid bearer token is required in the "authorization" metadata`)
+}
+
+func (a authenticator) unary(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+	if err := a.check(ctx, info.FullMethod); err != nil {
+		return nil, err
+	}
+	return h(ctx, req)
+}
+
+func (a authenticator) stream(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+	if err := a.check(ss.Context(), info.FullMethod); err != nil {
+		return err
+	}
+	return h(srv, ss)
+}
+
 func invalid(err error) error { return status.Error(codes.InvalidArgument, err.Error()) }
 
 // request turns a RouteRequest into the blockhash request it describes.
 func (g *GRPCService) request(in *pb.RouteRequest) (*blockhash.Request, error) {
 	model := in.GetModel()
+	lim := g.limits()
 	switch x := in.GetInput().(type) {
 	case *pb.RouteRequest_OpenaiBody:
 		ep := blockhash.Chat
 		if in.GetEndpoint() == pb.Endpoint_ENDPOINT_COMPLETIONS {
 			ep = blockhash.Completion
 		}
+		if int64(len(x.OpenaiBody)) > lim.MaxBodyBytes {
+			return nil, &blockhash.InputError{Field: "openai_body", Msg: "is larger than the limit of " + strconv.FormatInt(lim.MaxBodyBytes, 10) + " bytes"}
+		}
 		if !utf8.Valid(x.OpenaiBody) {
 			return nil, &blockhash.InputError{Field: "openai_body", Msg: "is not valid UTF-8"}
 		}
-		return blockhash.Parse(ep, x.OpenaiBody, g.limits)
+		return blockhash.Parse(ep, x.OpenaiBody, lim.Parse)
 	case *pb.RouteRequest_Messages:
 		msgs := make([]map[string]string, 0, len(x.Messages.GetMessages()))
 		for _, m := range x.Messages.GetMessages() {
@@ -67,10 +131,10 @@ func (g *GRPCService) request(in *pb.RouteRequest) (*blockhash.Request, error) {
 			msgs = append(msgs, msg)
 		}
 		b, _ := json.Marshal(map[string]any{"model": model, "messages": msgs}) // strings marshal
-		return blockhash.ParseChat(b, g.limits)
+		return blockhash.ParseChat(b, lim.Parse)
 	case *pb.RouteRequest_Prompt:
 		b, _ := json.Marshal(map[string]any{"model": model, "prompt": x.Prompt})
-		return blockhash.ParseCompletion(b, g.limits)
+		return blockhash.ParseCompletion(b, lim.Parse)
 	case *pb.RouteRequest_TokenIds:
 		if model == "" || len(x.TokenIds.GetIds()) == 0 {
 			return nil, errors.New("token_ids: model and at least one id are required")
@@ -80,7 +144,7 @@ func (g *GRPCService) request(in *pb.RouteRequest) (*blockhash.Request, error) {
 		if model == "" || len(x.Blocks.GetBlocks()) == 0 {
 			return nil, errors.New("blocks: model and at least one block are required")
 		}
-		if g.limits.MaxMessages > 0 && len(x.Blocks.GetBlocks()) > g.limits.MaxMessages {
+		if lim.Parse.MaxMessages > 0 && len(x.Blocks.GetBlocks()) > lim.Parse.MaxMessages {
 			return nil, errors.New("blocks: more blocks than the message limit")
 		}
 		r := &blockhash.Request{Model: model}
@@ -120,7 +184,7 @@ func (g *GRPCService) Route(_ context.Context, in *pb.RouteRequest) (*pb.RouteRe
 	}
 	c := rt.Chosen()
 	out := &pb.RouteResponse{
-		DecisionId: rt.ID, Replica: c.Replica.Name, Url: c.Replica.URL.String(), Arm: rt.Arm.Name, Policy: rt.Policy,
+		DecisionId: rt.ID, Replica: c.Replica.Name, Url: c.Replica.PublicURL(), Arm: rt.Arm.Name, Policy: rt.Policy,
 		PredictedMatchedTokens: int64(c.Match.Tokens), TotalTokens: int64(rt.Tokens),
 	}
 	for _, cand := range rt.Candidates {
@@ -180,8 +244,8 @@ func (g *GRPCService) ListReplicas(context.Context, *pb.ListReplicasRequest) (*p
 		st, _ := g.core.e.o.Cache.Stats(r.ID)
 		l := r.Load(now)
 		out.Replicas = append(out.Replicas, &pb.Replica{
-			Name: r.Name, Url: r.URL.String(), Healthy: r.Available(now), InFlight: l.InFlight, PendingTokens: l.PendingTokens,
-			BudgetTokens: r.Budget(), TrackedBlocks: st.Blocks, TrackedTokens: st.Tokens, Evictions: st.Evictions,
+			Name: r.Name, Url: r.PublicURL(), Healthy: r.Available(now), InFlight: l.InFlight, PendingTokens: l.PendingTokens,
+			BudgetTokens: st.Budget, TrackedBlocks: st.Blocks, TrackedTokens: st.Tokens, Evictions: st.Evictions,
 		})
 	}
 	return out, nil

@@ -22,6 +22,7 @@ type Metrics struct {
 	duration       *prometheus.HistogramVec
 	retries        *prometheus.CounterVec
 	upstreamErrors *prometheus.CounterVec
+	heldExpiredN   *prometheus.CounterVec
 }
 
 // NewMetrics registers the metrics with reg.
@@ -50,11 +51,16 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Requests moved to another replica before any byte reached the client."}, ap),
 		upstreamErrors: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_upstream_errors_total",
 			Help: "Failed upstream attempts by kind: connect, timeout, reset, status_5xx, idle."}, []string{"replica", "kind"}),
+		heldExpiredN: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_grpc_held_expired_total",
+			Help: "gRPC decisions never released, finished by reason: timeout (routing.release_after) or cap (grpc.max_held_decisions, the oldest first)."}, []string{"reason"}),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.reported, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors} {
+	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.reported, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors, m.heldExpiredN} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
+	}
+	for _, reason := range []string{"timeout", "cap"} {
+		m.heldExpiredN.WithLabelValues(reason) // exported at 0 from the start
 	}
 	return m, nil
 }
@@ -97,6 +103,12 @@ func (m *Metrics) finished(rt *Routed, o *Outcome) {
 		m.predicted.WithLabelValues(arm, pol, rep).Add(predicted)
 		m.reported.WithLabelValues(arm, pol, rep).Add(float64(o.CachedTokens))
 		m.predictionDiff.WithLabelValues(arm, pol).Observe(predicted - float64(o.CachedTokens))
+	}
+}
+
+func (m *Metrics) heldExpired(reason string, n int) {
+	if m != nil && n > 0 {
+		m.heldExpiredN.WithLabelValues(reason).Add(float64(n))
 	}
 }
 

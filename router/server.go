@@ -1,6 +1,7 @@
 package router
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -14,6 +15,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -42,10 +44,8 @@ type ServerOptions struct {
 	// Transport sends requests to replicas. Nil means a clone of
 	// http.DefaultTransport.
 	Transport http.RoundTripper
-	// MaxBodyBytes limits request bodies; larger ones get 413. Default 16 MiB.
-	MaxBodyBytes int64
-	// Limits bound what the parser accepts.
-	Limits blockhash.Limits
+	// Limits bound each request; SetLimits changes them while serving.
+	Limits
 	// RecordReplies caches the assistant's reply on the replica that wrote
 	// it once the response completes: it is the prefix of the next turn.
 	RecordReplies bool
@@ -63,12 +63,6 @@ type ServerOptions struct {
 	// A request that times out before any byte reached the client moves to
 	// the next replica.
 	ConnectTimeout, FirstByteTimeout, IdleTimeout time.Duration
-	// MaxHeaderBytes bounds a request's headers; larger ones get 431.
-	// Default 64 KiB.
-	MaxHeaderBytes int
-	// MaxOutputTokens rejects requests asking for more (max_tokens or
-	// max_completion_tokens) with 400. Default 1,048,576.
-	MaxOutputTokens int
 	// ModelsTimeout bounds the fan-out of GET /v1/models. Default 3s.
 	ModelsTimeout time.Duration
 	// Logger receives one info line per request (decision id, arm,
@@ -86,13 +80,36 @@ type ServerOptions struct {
 	Propagator propagation.TextMapPropagator
 }
 
+// Limits bound each request the front end takes. Zero fields take the
+// defaults.
+type Limits struct {
+	// MaxBodyBytes limits request bodies; larger ones get 413, refused from
+	// their Content-Length when they declare one. Default 16 MiB.
+	MaxBodyBytes int64
+	// MaxHeaderBytes bounds a request's headers; larger ones get 431.
+	// Default 64 KiB.
+	MaxHeaderBytes int
+	// MaxOutputTokens rejects requests asking for more (max_tokens or
+	// max_completion_tokens) with 400. Default 1,048,576.
+	MaxOutputTokens int
+	// Parse bounds what the parser accepts (messages, nesting).
+	Parse blockhash.Limits
+}
+
+func (l *Limits) defaults() {
+	l.MaxBodyBytes = cmp.Or(max(l.MaxBodyBytes, 0), 16<<20)
+	l.MaxHeaderBytes = cmp.Or(max(l.MaxHeaderBytes, 0), 64<<10)
+	l.MaxOutputTokens = cmp.Or(max(l.MaxOutputTokens, 0), 1<<20)
+}
+
 // Server is the router's HTTP front end.
 type Server struct {
-	o     ServerOptions
-	core  *Core
-	e     *Engine
-	proxy *httputil.ReverseProxy
-	mux   *http.ServeMux
+	o      ServerOptions
+	limits atomic.Pointer[Limits]
+	core   *Core
+	e      *Engine
+	proxy  *httputil.ReverseProxy
+	mux    *http.ServeMux
 	// client is used for the /v1/models fan-out.
 	client *http.Client
 }
@@ -107,9 +124,6 @@ func NewServer(o ServerOptions) (*Server, error) {
 		t.MaxIdleConnsPerHost = 256
 		o.Transport = t
 	}
-	if o.MaxBodyBytes <= 0 {
-		o.MaxBodyBytes = 16 << 20
-	}
 	if o.MaxReplyBytes <= 0 {
 		o.MaxReplyBytes = 1 << 20
 	}
@@ -121,12 +135,6 @@ func NewServer(o ServerOptions) (*Server, error) {
 	}
 	if o.IdleTimeout <= 0 {
 		o.IdleTimeout = 60 * time.Second
-	}
-	if o.MaxHeaderBytes <= 0 {
-		o.MaxHeaderBytes = 64 << 10
-	}
-	if o.MaxOutputTokens <= 0 {
-		o.MaxOutputTokens = 1 << 20
 	}
 	if o.ModelsTimeout <= 0 {
 		o.ModelsTimeout = 3 * time.Second
@@ -145,6 +153,7 @@ func NewServer(o ServerOptions) (*Server, error) {
 		t.ResponseHeaderTimeout = o.FirstByteTimeout
 	}
 	s := &Server{o: o, core: o.Core, e: o.Core.Engine(), mux: http.NewServeMux(), client: &http.Client{Transport: o.Transport}}
+	s.SetLimits(o.Limits)
 	s.proxy = &httputil.ReverseProxy{
 		BufferPool:     &bufferPool{},
 		Rewrite:        s.rewrite,
@@ -156,6 +165,10 @@ func NewServer(o ServerOptions) (*Server, error) {
 	}
 	s.mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { s.routed(w, r, blockhash.Chat) })
 	s.mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { s.routed(w, r, blockhash.Completion) })
+	// Any other method on the routed paths is refused, not passed through:
+	// it would reach a replica unvalidated.
+	s.mux.HandleFunc("/v1/chat/completions", methodNotAllowed)
+	s.mux.HandleFunc("/v1/completions", methodNotAllowed)
 	s.mux.HandleFunc("GET /v1/models", s.models)
 	s.mux.HandleFunc("/v1/", s.passthrough)
 	s.mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok\n") })
@@ -183,6 +196,16 @@ func (b *bufferPool) Get() []byte {
 
 func (b *bufferPool) Put(buf []byte) { b.p.Put(&buf) }
 
+// SetLimits replaces the limits; requests already reading keep theirs.
+// Safe to call while serving.
+func (s *Server) SetLimits(l Limits) {
+	l.defaults()
+	s.limits.Store(&l)
+}
+
+// CurrentLimits returns the limits in force.
+func (s *Server) CurrentLimits() Limits { return *s.limits.Load() }
+
 // CloseIdleConnections closes the idle connections to replicas.
 func (s *Server) CloseIdleConnections() {
 	if t, ok := s.o.Transport.(interface{ CloseIdleConnections() }); ok {
@@ -199,9 +222,9 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			n += len(k) + len(v) + 4
 		}
 	}
-	if n > s.o.MaxHeaderBytes {
+	if max := s.limits.Load().MaxHeaderBytes; n > max {
 		writeError(w, apiError{http.StatusRequestHeaderFieldsTooLarge, "invalid_request_error", "headers_too_large",
-			"request headers are larger than the limit of " + strconv.Itoa(s.o.MaxHeaderBytes) + " bytes"})
+			"request headers are larger than the limit of " + strconv.Itoa(max) + " bytes"})
 		return
 	}
 	s.mux.ServeHTTP(w, r)
@@ -231,12 +254,37 @@ type apiError struct {
 	msg    string
 }
 
+// maxErrorMessage bounds an error body's message, in bytes, whatever the
+// input or upstream error behind it.
+const maxErrorMessage = 512
+
 // writeError is the one place that turns errors into HTTP statuses and
-// OpenAI-style bodies.
+// OpenAI-style bodies. The message is cut to maxErrorMessage bytes.
 func writeError(w http.ResponseWriter, e apiError) {
+	e.msg = truncate(e.msg, maxErrorMessage)
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(e.status)
 	_ = json.NewEncoder(w).Encode(map[string]any{"error": map[string]any{"message": e.msg, "type": e.typ, "code": e.code}})
+}
+
+// truncate cuts s to at most n bytes on a UTF-8 boundary, marking the cut.
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	i := n - len("…")
+	for i > 0 && !utf8.RuneStart(s[i]) {
+		i--
+	}
+	return s[:i] + "…"
+}
+
+// methodNotAllowed answers a routed path called with a method other than
+// POST.
+func methodNotAllowed(w http.ResponseWriter, r *http.Request) {
+	w.Header().Set("Allow", http.MethodPost)
+	writeError(w, apiError{http.StatusMethodNotAllowed, "invalid_request_error", "method_not_allowed",
+		r.Method + " is not allowed on " + r.URL.Path + "; use POST"})
 }
 
 func (s *Server) classify(err error) apiError {
@@ -294,15 +342,16 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 		writeError(w, *e)
 		return
 	}
-	req, err := blockhash.Parse(ep, body.b, s.o.Limits)
+	lim := s.limits.Load()
+	req, err := blockhash.Parse(ep, body.b, lim.Parse)
 	if err != nil {
 		writeError(w, s.classify(err))
 		return
 	}
 	defer req.Release() // after Finish: prompt logging reads the parts' text
-	if req.MaxTokens > s.o.MaxOutputTokens {
+	if req.MaxTokens > lim.MaxOutputTokens {
 		writeError(w, apiError{http.StatusBadRequest, "invalid_request_error", "invalid_request",
-			"max_tokens: " + strconv.Itoa(req.MaxTokens) + " is more than the limit of " + strconv.Itoa(s.o.MaxOutputTokens)})
+			"max_tokens: " + strconv.Itoa(req.MaxTokens) + " is more than the limit of " + strconv.Itoa(lim.MaxOutputTokens)})
 		return
 	}
 	sid, tenant := r.Header.Get(HeaderSessionID), r.Header.Get(HeaderTenantID)
@@ -391,14 +440,20 @@ func (s *Server) forward(w http.ResponseWriter, r *http.Request, f *flight) {
 // client went away, or sent less than its Content-Length) is an
 // *blockhash.InputError; a body over the limit an *http.MaxBytesError.
 func (s *Server) readBody(w http.ResponseWriter, r *http.Request) (*body, error) {
-	rd := http.MaxBytesReader(w, r.Body, s.o.MaxBodyBytes)
+	limit := s.limits.Load().MaxBodyBytes
+	if r.ContentLength > limit {
+		// Refused from the header: nothing is read, and a client that sent
+		// Expect: 100-continue is not asked for its body.
+		return nil, &http.MaxBytesError{Limit: limit}
+	}
+	rd := http.MaxBytesReader(w, r.Body, limit)
 	var (
 		b   *body
 		err error
 	)
-	if n := r.ContentLength; n < 0 || n > s.o.MaxBodyBytes {
+	if n := r.ContentLength; n < 0 {
 		var all []byte
-		all, err = io.ReadAll(rd) // unknown length, or too long: MaxBytesReader says so
+		all, err = io.ReadAll(rd) // unknown length: MaxBytesReader stops it at the limit
 		b = bodyOf(all)
 	} else {
 		b = newBody(int(n))
@@ -416,7 +471,14 @@ func (s *Server) readBody(w http.ResponseWriter, r *http.Request) (*body, error)
 }
 
 // passthrough forwards any other /v1/ request to the least-loaded replica.
+// A path with dot segments (sent percent-encoded, as %2e%2e, so that the
+// mux did not clean it) is refused: it would name another path upstream.
 func (s *Server) passthrough(w http.ResponseWriter, r *http.Request) {
+	if hasDotSegment(r.URL.Path) {
+		writeError(w, apiError{http.StatusBadRequest, "invalid_request_error", "invalid_path",
+			"the path must not contain . or .. segments"})
+		return
+	}
 	body, err := s.readBody(w, r)
 	if err != nil {
 		writeError(w, s.classify(err))
@@ -428,10 +490,23 @@ func (s *Server) passthrough(w http.ResponseWriter, r *http.Request) {
 		writeError(w, s.classify(err))
 		return
 	}
-	f := &flight{any: d, served: d.Chosen(), body: body, next: 1}
+	ctx, cancel := context.WithCancel(r.Context())
+	defer cancel()
+	f := &flight{any: d, served: d.Chosen(), body: body, next: 1, cancel: cancel}
 	f.served.Replica.Begin(&d.Work)
 	defer func() { f.served.Replica.End(&d.Work, time.Now()) }() // also when the response breaks off
-	s.forward(w, r, f)
+	s.forward(w, r.WithContext(ctx), f)
+}
+
+// hasDotSegment reports whether the decoded path p has a "." or ".."
+// segment.
+func hasDotSegment(p string) bool {
+	for seg := range strings.SplitSeq(p, "/") {
+		if seg == "." || seg == ".." {
+			return true
+		}
+	}
+	return false
 }
 
 func (s *Server) rewrite(pr *httputil.ProxyRequest) {
@@ -449,23 +524,23 @@ func (s *Server) modifyResponse(resp *http.Response) error {
 	f.status = resp.StatusCode
 	c := f.current()
 	resp.Header.Set(HeaderReplica, c.Replica.Name)
+	body := resp.Body
 	if f.rt != nil {
 		resp.Header.Set(HeaderMatchedTokens, strconv.Itoa(c.Match.Tokens))
 		rt := f.rt
 		f.capture = &replyCapture{rc: resp.Body, limit: s.o.MaxReplyBytes,
 			sse:   strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream"),
 			first: func() { s.core.FirstByte(rt) }}
-		// A replica silent for IdleTimeout while the proxy waits for its
-		// next chunk is cut off, and counted as failing.
-		f.capture.idle, f.capture.idleFor = time.AfterFunc(time.Hour, func() {
-			c.Replica.Fail(time.Now(), s.o.Ejection)
-			s.core.o.Metrics.UpstreamError(c.Replica.Name, "idle")
-			s.o.Logger.Warn("replica went silent mid-response; cutting it off", "replica", c.Replica.Name)
-			f.cancel()
-		}), s.o.IdleTimeout
-		f.capture.idle.Stop()
-		resp.Body = f.capture
+		body = f.capture
 	}
+	// A replica silent for IdleTimeout while the proxy waits for its next
+	// chunk is cut off, and counted as failing: on every forwarded route.
+	resp.Body = newIdleBody(body, s.o.IdleTimeout, func() {
+		c.Replica.Fail(time.Now(), s.o.Ejection)
+		s.core.o.Metrics.UpstreamError(c.Replica.Name, "idle")
+		s.o.Logger.Warn("replica went silent mid-response; cutting it off", "replica", c.Replica.Name, "path", resp.Request.URL.Path)
+		f.cancel()
+	})
 	return nil
 }
 
