@@ -2,10 +2,11 @@ package router
 
 import (
 	"bytes"
+	"cmp"
 	"errors"
 	"io"
-	"sort"
-	"time"
+	"math"
+	"slices"
 
 	"github.com/valyala/fastjson"
 
@@ -16,25 +17,47 @@ import (
 // bytes arrive, and reads the reply and usage out of it: a JSON body is kept
 // (up to limit bytes) and parsed at its end; an event stream is parsed line
 // by line as it passes, keeping only the reply's text (up to limit bytes).
+//
+// Everything kept of the reply (content, text, and every tool call's name
+// and arguments, plus toolCallCost per distinct tool call) counts against
+// the one cap, limit; past it the reply is marked over and what was kept is
+// dropped. Each piece is appended to a growable buffer, so keeping a reply
+// costs time linear in its length however finely it is split. The stream
+// itself always passes through untouched.
 type replyCapture struct {
 	rc    io.ReadCloser
 	sse   bool
 	limit int
 	first func() // may be nil
-	// idle, if set, runs while a Read waits for the replica, and fires
-	// after idleFor of silence.
-	idle    *time.Timer
-	idleFor time.Duration
 
-	buf     bytes.Buffer // JSON body, or the current partial SSE line
+	buf     bytes.Buffer // JSON body, or the current partial SSE line (at most limit bytes)
+	skip    bool         // discarding the rest of an SSE line longer than limit
 	over    bool         // the body or reply was longer than limit
 	eof     bool         // the body was read to its end
 	done    bool         // an SSE stream ended with [DONE]
-	bad     bool         // an SSE data line did not parse
-	content bytes.Buffer
-	calls   map[int]*[2]string
+	bad     bool         // an SSE data line did not parse, or a tool call index was absurd
+	kept    int          // bytes of the reply counted against limit
+	content []byte
+	calls   []toolCall     // by index
+	last    int            // position in calls of the call last added to
+	scratch []toolCallJSON // a chunk's tool calls, reused
 	usage   usageJSON
 	p       *fastjson.Parser // lent by replyParsers until release
+}
+
+// A reply's tool calls are bounded: each distinct index costs toolCallCost
+// bytes of the cap, there are at most maxToolCalls of them, and an index
+// below 0 or above maxToolIndex makes the reply bad.
+const (
+	maxToolCalls = 128
+	toolCallCost = 64
+	maxToolIndex = math.MaxInt32
+)
+
+// toolCall is one tool call of the reply, gathered from its deltas.
+type toolCall struct {
+	index      int
+	name, args []byte
 }
 
 // usageJSON is a response's usage: prompt, completion and cached prompt
@@ -44,13 +67,7 @@ type usageJSON struct {
 }
 
 func (c *replyCapture) Read(p []byte) (int, error) {
-	if c.idle != nil {
-		c.idle.Reset(c.idleFor)
-	}
 	n, err := c.rc.Read(p)
-	if c.idle != nil {
-		c.idle.Stop()
-	}
 	if n > 0 {
 		if c.first != nil {
 			c.first()
@@ -60,7 +77,7 @@ func (c *replyCapture) Read(p []byte) (int, error) {
 			c.feedSSE(p[:n])
 		} else if !c.over {
 			if c.buf.Len()+n > c.limit {
-				c.over = true
+				c.markOver()
 				c.buf = bytes.Buffer{}
 			} else {
 				c.buf.Write(p[:n])
@@ -78,23 +95,94 @@ func (c *replyCapture) Read(p []byte) (int, error) {
 
 func (c *replyCapture) Close() error { return c.rc.Close() }
 
-// feedSSE consumes stream bytes, handling every complete line.
+// feedSSE consumes stream bytes, handling every complete line. A line
+// longer than limit makes the reply bad and is skipped to its end, so the
+// partial-line buffer never holds more than limit bytes.
 func (c *replyCapture) feedSSE(p []byte) {
 	for len(p) > 0 {
 		i := bytes.IndexByte(p, '\n')
 		if i < 0 {
-			if c.buf.Len()+len(p) <= c.limit {
-				c.buf.Write(p)
-			} else {
-				c.bad = true
+			if c.skip {
+				return
 			}
+			if c.buf.Len()+len(p) > c.limit {
+				c.tooLong()
+				return
+			}
+			c.buf.Write(p)
 			return
 		}
-		c.buf.Write(p[:i])
-		c.line(c.buf.Bytes())
-		c.buf.Reset()
+		switch {
+		case c.skip:
+			c.skip = false
+		case c.buf.Len()+i > c.limit:
+			c.markBad()
+			c.buf.Reset()
+		case c.buf.Len() == 0: // a whole line in p: parsed without a copy
+			c.line(p[:i])
+		default:
+			c.buf.Write(p[:i])
+			c.line(c.buf.Bytes())
+			c.buf.Reset()
+		}
 		p = p[i+1:]
 	}
+}
+
+// tooLong drops an SSE line longer than limit and marks the reply bad.
+func (c *replyCapture) tooLong() {
+	c.markBad()
+	c.buf.Reset()
+	c.skip = true
+}
+
+// markOver and markBad say the reply cannot be learned, and drop what was
+// kept of it.
+func (c *replyCapture) markOver() { c.over = true; c.drop() }
+func (c *replyCapture) markBad()  { c.bad = true; c.drop() }
+
+func (c *replyCapture) drop() {
+	c.content, c.calls, c.kept = nil, nil, 0
+}
+
+// keeping says whether the reply may still be learned.
+func (c *replyCapture) keeping() bool { return !c.over && !c.bad }
+
+// keep appends s to *dst if the reply stays within limit, and otherwise
+// marks it over.
+func (c *replyCapture) keep(dst *[]byte, s []byte) {
+	if len(s) == 0 || !c.keeping() {
+		return
+	}
+	if len(s) > c.limit-c.kept {
+		c.markOver()
+		return
+	}
+	c.kept += len(s)
+	*dst = append(*dst, s...)
+}
+
+// call returns the tool call of index, adding it (at toolCallCost bytes of
+// the cap) if new; nil when the reply cannot be learned, or the new call
+// would take it over its limits.
+func (c *replyCapture) call(index int) *toolCall {
+	if !c.keeping() {
+		return nil
+	}
+	if c.last < len(c.calls) && c.calls[c.last].index == index {
+		return &c.calls[c.last]
+	}
+	i, found := slices.BinarySearchFunc(c.calls, index, func(tc toolCall, k int) int { return cmp.Compare(tc.index, k) })
+	if !found {
+		if len(c.calls) >= maxToolCalls || toolCallCost > c.limit-c.kept {
+			c.markOver()
+			return nil
+		}
+		c.kept += toolCallCost
+		c.calls = slices.Insert(c.calls, i, toolCall{index: index})
+	}
+	c.last = i
+	return &c.calls[i]
 }
 
 func (c *replyCapture) line(l []byte) {
@@ -108,13 +196,13 @@ func (c *replyCapture) line(l []byte) {
 		return
 	}
 	if c.parse(data) != nil {
-		c.bad = true
+		c.markBad()
 	}
 }
 
 func (c *replyCapture) parseJSON() {
 	if c.parse(c.buf.Bytes()) != nil {
-		c.bad = true
+		c.markBad()
 		return
 	}
 	c.done = true
@@ -139,9 +227,10 @@ func (c *replyCapture) parse(data []byte) error {
 	if v.Type() != fastjson.TypeObject {
 		return errShape
 	}
-	var usage *usageJSON
+	var usage usageJSON
+	hasUsage := false
 	if u := v.Get("usage"); !isNull(u) {
-		usage = &usageJSON{}
+		hasUsage = true
 		if u.Type() != fastjson.TypeObject {
 			return errShape
 		}
@@ -154,8 +243,10 @@ func (c *replyCapture) parse(data []byte) error {
 			return err
 		}
 	}
-	var text, content []byte // alias the parser's memory until the next parse
-	var calls []toolCallJSON
+	// text, content and the tool calls alias the parser's memory until the
+	// next parse.
+	var text, content []byte
+	calls := c.scratch[:0]
 	if ch := v.Get("choices"); !isNull(ch) {
 		a, err := ch.Array()
 		if err != nil {
@@ -180,36 +271,34 @@ func (c *replyCapture) parse(data []byte) error {
 				if content, err = bytesField(m, "content"); err != nil {
 					return err
 				}
-				if calls, err = toolCalls(m.Get("tool_calls")); err != nil {
+				calls, err = appendToolCalls(calls, m.Get("tool_calls"))
+				c.scratch = calls[:0]
+				if err != nil {
+					clear(calls)
 					return err
 				}
 			}
 		}
 	}
-	if usage != nil {
-		c.usage = *usage
+	if hasUsage {
+		c.usage = usage
 	}
-	add := func(s []byte) {
-		if c.content.Len()+len(s) > c.limit {
-			c.over = true
-			return
+	c.keep(&c.content, text)
+	c.keep(&c.content, content)
+	for i := range calls {
+		tc := &calls[i]
+		if tc.index < 0 || tc.index > maxToolIndex {
+			c.markBad()
+			break
 		}
-		c.content.Write(s)
-	}
-	add(text)
-	add(content)
-	for _, tc := range calls {
-		if c.calls == nil {
-			c.calls = map[int]*[2]string{}
-		}
-		cl := c.calls[tc.index]
+		cl := c.call(int(tc.index))
 		if cl == nil {
-			cl = &[2]string{}
-			c.calls[tc.index] = cl
+			break
 		}
-		cl[0] += tc.name
-		cl[1] += tc.arguments
+		c.keep(&cl.name, tc.name)
+		c.keep(&cl.args, tc.arguments)
 	}
+	clear(calls) // let go of the parser's memory
 	return nil
 }
 
@@ -224,45 +313,47 @@ func (c *replyCapture) release() {
 // replyParsers lends response parsers to captures.
 var replyParsers fastjson.ParserPool
 
+// toolCallJSON is one entry of a chunk's tool_calls, aliasing the parser's
+// memory.
 type toolCallJSON struct {
-	index           int
-	name, arguments string
+	index           int64
+	name, arguments []byte
 }
 
-func toolCalls(v *fastjson.Value) ([]toolCallJSON, error) {
+// appendToolCalls appends the tool calls of a tool_calls array to out. An
+// entry without an index (as in a whole message) is numbered by its place in
+// the array; null entries are skipped.
+func appendToolCalls(out []toolCallJSON, v *fastjson.Value) ([]toolCallJSON, error) {
 	if isNull(v) {
-		return nil, nil
+		return out, nil
 	}
 	a, err := v.Array()
 	if err != nil {
-		return nil, errShape
+		return out, errShape
 	}
-	out := make([]toolCallJSON, len(a))
 	for i, tc := range a {
 		if isNull(tc) {
 			continue
 		}
 		if tc.Type() != fastjson.TypeObject {
-			return nil, errShape
+			return out, errShape
 		}
-		var idx int64
-		if err := intField(tc, "index", &idx); err != nil {
-			return nil, err
+		t := toolCallJSON{index: int64(i)}
+		if err := intField(tc, "index", &t.index); err != nil {
+			return out, err
 		}
-		out[i].index = int(idx)
-		fn := tc.Get("function")
-		if isNull(fn) {
-			continue
+		if fn := tc.Get("function"); !isNull(fn) {
+			if fn.Type() != fastjson.TypeObject {
+				return out, errShape
+			}
+			if t.name, err = bytesField(fn, "name"); err != nil {
+				return out, err
+			}
+			if t.arguments, err = bytesField(fn, "arguments"); err != nil {
+				return out, err
+			}
 		}
-		if fn.Type() != fastjson.TypeObject {
-			return nil, errShape
-		}
-		if out[i].name, err = strField(fn, "name"); err != nil {
-			return nil, err
-		}
-		if out[i].arguments, err = strField(fn, "arguments"); err != nil {
-			return nil, err
-		}
+		out = append(out, t)
 	}
 	return out, nil
 }
@@ -281,12 +372,6 @@ func bytesField(o *fastjson.Value, key string) ([]byte, error) {
 		return nil, errShape
 	}
 	return b, nil
-}
-
-// strField is bytesField as a string of its own.
-func strField(o *fastjson.Value, key string) (string, error) {
-	b, err := bytesField(o, key)
-	return string(b), err
 }
 
 // intField reads o's integer field key into dst; absent or null (or a nil
@@ -322,16 +407,14 @@ func (c *replyCapture) reply() ([]byte, bool) {
 	if !c.eof || c.over || c.bad || !c.done {
 		return nil, false
 	}
-	idx := make([]int, 0, len(c.calls))
-	for i := range c.calls {
-		idx = append(idx, i)
+	var tcs [][2]string
+	if len(c.calls) > 0 {
+		tcs = make([][2]string, len(c.calls))
+		for i, tc := range c.calls { // in index order
+			tcs[i] = [2]string{string(tc.name), string(tc.args)}
+		}
 	}
-	sort.Ints(idx)
-	tcs := make([][2]string, len(idx))
-	for i, k := range idx {
-		tcs[i] = *c.calls[k]
-	}
-	return blockhash.AssistantText(c.content.String(), tcs), true
+	return blockhash.AssistantText(string(c.content), tcs), true
 }
 
 // tokens returns the usage the replica reported: prompt, output and cached
