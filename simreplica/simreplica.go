@@ -108,6 +108,10 @@ type Server struct {
 	traceparent                          atomic.Value // string: the last completion request's traceparent header
 
 	running, waiting, usage prometheus.Gauge
+	// held is the KV blocks running requests hold. vllm:kv_cache_usage_perc
+	// is held ÷ NumBlocks, as in vLLM: cached blocks that no running
+	// request uses are free (evictable), not in use.
+	held atomic.Int64
 }
 
 // New returns a simulated replica.
@@ -186,7 +190,6 @@ func (s *Server) Options() Options { return s.o }
 func (s *Server) DropCache() {
 	s.mu.Lock()
 	s.cache.Purge()
-	s.usage.Set(0)
 	s.mu.Unlock()
 }
 
@@ -280,7 +283,13 @@ func (s *Server) store(keys []uint64) {
 	for i := len(keys) - 1; i >= 0; i-- {
 		s.cache.Add(keys[i], struct{}{})
 	}
-	s.usage.Set(float64(s.cache.Len()) / float64(s.o.NumBlocks))
+}
+
+// hold counts blocks as held by a running request (negative: released)
+// and updates vllm:kv_cache_usage_perc.
+func (s *Server) hold(blocks int64) {
+	n := s.held.Add(blocks)
+	s.usage.Set(min(float64(n)/float64(s.o.NumBlocks), 1))
 }
 
 // LastTraceparent returns the traceparent header of the last completion
@@ -342,6 +351,9 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	sc.prompt = render(sc.prompt, req)
 	keys, tokens, cached := s.lookup(sc.prompt, sc.keys)
 	sc.keys = keys
+	blocks := int64((tokens + outTokens + s.o.BlockSize - 1) / s.o.BlockSize)
+	s.hold(blocks)
+	defer s.hold(-blocks)
 	s.promptTokens.Add(int64(tokens))
 	s.cachedTokens.Add(int64(cached))
 	s.queries.Add(int64(tokens))

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -261,5 +262,58 @@ func TestMetricsAndModels(t *testing.T) {
 	}
 	if resp, err := http.Get(r.URL + "/health"); err != nil || resp.StatusCode != 200 {
 		t.Errorf("health: %v", err)
+	}
+}
+
+// TestKVUsageCountsRunningRequestsOnly: vllm:kv_cache_usage_perc counts the
+// blocks running requests hold, as vLLM does; a full prefix cache with
+// nothing running is free (evictable) memory, not usage.
+func TestKVUsageCountsRunningRequestsOnly(t *testing.T) {
+	o := fast
+	o.NumBlocks = 64 // 1,024 tokens
+	o.InterToken = 20 * time.Millisecond
+	r := start(t, o)
+	usage := func() string {
+		resp, err := http.Get(r.URL + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		for _, l := range strings.Split(string(b), "\n") {
+			if strings.HasPrefix(l, "vllm:kv_cache_usage_perc") {
+				return l[strings.LastIndexByte(l, ' ')+1:]
+			}
+		}
+		t.Fatal("no vllm:kv_cache_usage_perc")
+		return ""
+	}
+	for i := range 8 { // 8 × ~250 tokens: more than the cache holds
+		call(t, r, "/v1/completions", fmt.Sprintf(`{"model":"sim-model","max_tokens":1,"prompt":%q}`, strings.Repeat(fmt.Sprint(i, " distinct words "), 60)))
+	}
+	if u := usage(); u != "0" {
+		t.Fatalf("idle replica with a full prefix cache reports usage %s", u)
+	}
+	done := make(chan struct{})
+	go func() { // 256 prompt tokens + 16 output tokens: 17 of 64 blocks while it runs
+		defer close(done)
+		call(t, r, "/v1/completions", fmt.Sprintf(`{"model":"sim-model","max_tokens":16,"prompt":%q}`, strings.Repeat("x", 1024)))
+	}()
+	// The prompt renders to 257 tokens: with 16 output tokens, 18 blocks of 64.
+	seen := map[string]bool{}
+	for running := true; running; {
+		select {
+		case <-done:
+			running = false
+		default:
+			seen[usage()] = true
+			time.Sleep(time.Millisecond)
+		}
+	}
+	if !seen["0.28125"] {
+		t.Fatalf("usage while one request ran: %v, want 18/64 = 0.28125", seen)
+	}
+	if u := usage(); u != "0" {
+		t.Fatalf("usage after the request: %s", u)
 	}
 }
