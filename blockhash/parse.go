@@ -24,7 +24,10 @@ const (
 )
 
 // InputError is a request body that cannot be routed: malformed JSON, a
-// missing field, an unknown role. Field names the offending JSON path.
+// missing field, an unknown role, nesting past Limits.MaxDepth, a key the
+// router reads given twice. Field names the offending JSON path. The errors
+// this package makes are short whatever the input: Msg is at most a few
+// hundred bytes, any quoted input in it cut.
 type InputError struct {
 	Field string
 	Msg   string
@@ -38,7 +41,13 @@ func (e *InputError) Error() string {
 }
 
 func inputErr(field, format string, args ...any) error {
-	return &InputError{Field: field, Msg: fmt.Sprintf(format, args...)}
+	return &InputError{Field: field, Msg: clip(fmt.Sprintf(format, args...), maxErrMsg)}
+}
+
+// jsonErr is an InputError for fastjson's error text, which quotes the input
+// and grows with the nesting: its middle is cut.
+func jsonErr(err error) error {
+	return inputErr("", "invalid JSON: %s", clipMiddle(err.Error(), maxErrQuote))
 }
 
 // Part is one piece of the rendered prompt: the tool schemas, one message, or
@@ -64,9 +73,17 @@ type Request struct {
 	p *fastjson.Parser // holds the memory Parts alias; see Release
 }
 
-// Limits bound what a parser accepts. The zero value means no limit.
+// Limits bound what a parser accepts.
 type Limits struct {
-	MaxMessages int // messages in a chat body, or prompts in a completions body
+	// MaxMessages bounds the messages in a chat body, or the prompts in a
+	// completions body; zero means no limit.
+	MaxMessages int
+	// MaxDepth bounds the nesting of arrays and objects (counted together;
+	// the body object is depth 1) anywhere in the body. Zero, or less,
+	// means DefaultMaxDepth; more than 299 (what the JSON parser itself
+	// supports) means 299. A body nested deeper is refused, after a linear
+	// scan, before it is parsed.
+	MaxDepth int
 }
 
 // parsers lends the fastjson parsers whose memory a parsed Request's parts
@@ -90,21 +107,32 @@ type body struct {
 	messages, tools, prompt                       *fastjson.Value
 }
 
-// decode checks data's JSON (structure, escapes, numbers) and reads the
-// fields every endpoint shares. Keys match as encoding/json matches a struct's
-// fields: case-insensitively, the last of duplicates winning (whatever its
-// value; encoding/json would merge duplicate objects). Strings are
-// unescaped in the parser's copy of data, which the request's parts then
-// alias; data itself is neither kept nor modified.
-func decode(data []byte) (*body, *Request, error) {
+// decode checks data's JSON (nesting, escapes, numbers: see prescan; then
+// structure) and reads the fields every endpoint shares.
+//
+// Keys match exactly, case-sensitively, as the replica's JSON parser
+// (Python's json.loads under FastAPI and pydantic) matches them; a key
+// spelled otherwise ("MODEL", "Messages") is not the field, for the router
+// as for the replica. Where json.loads keeps the last of duplicate keys,
+// an object the router reads (the body, a message, a tool call, its
+// function, a content part) that gives a key the router reads more than
+// once is refused: the router and the replica must read one request, and
+// refusing is safer than relying on every reader's rule for duplicates.
+// Other keys may repeat; they pass through. Strings are unescaped in the
+// parser's copy of data, which the request's parts then alias; data itself
+// is neither kept nor modified.
+func decode(data []byte, ep Endpoint, lim Limits) (*body, *Request, error) {
 	if len(bytes.TrimSpace(data)) == 0 {
 		return nil, nil, inputErr("", "empty request body")
 	}
-	if err := fastjson.ValidateBytes(data); err != nil {
-		return nil, nil, inputErr("", "invalid JSON: %v", err)
+	// prescan checks what fastjson's parser does not (strings, numbers),
+	// and what would cost fastjson too much to find; the parser then
+	// checks the structure.
+	if err := prescan(data, lim.maxDepth()); err != nil {
+		return nil, nil, err
 	}
 	r := &Request{p: parsers.Get()}
-	b, err := r.common(data)
+	b, err := r.common(data, ep)
 	if err != nil {
 		r.Release()
 		return nil, nil, err
@@ -112,17 +140,25 @@ func decode(data []byte) (*body, *Request, error) {
 	return b, r, nil
 }
 
-// common parses data and reads the fields both endpoints share.
-func (r *Request) common(data []byte) (*body, error) {
+// common parses data and reads the fields both endpoints share, and ep's.
+func (r *Request) common(data []byte, ep Endpoint) (*body, error) {
 	root, err := r.p.ParseBytes(data)
-	if err != nil { // not reached after ValidateBytes; kept for safety
-		return nil, inputErr("", "invalid JSON: %v", err)
+	if err != nil {
+		return nil, jsonErr(err)
 	}
 	b := &body{}
 	switch root.Type() {
 	case fastjson.TypeNull:
 	case fastjson.TypeObject:
-		fields(root, bodyKeys, &b.model, &b.messages, &b.tools, &b.prompt, &b.user, &b.stream, &b.maxTokens, &b.maxCompletion)
+		var dup string
+		if ep == Completion {
+			dup = fields(root, completionKeys, &b.model, &b.prompt, &b.user, &b.stream, &b.maxTokens, &b.maxCompletion)
+		} else {
+			dup = fields(root, chatKeys, &b.model, &b.messages, &b.tools, &b.user, &b.stream, &b.maxTokens, &b.maxCompletion)
+		}
+		if dup != "" {
+			return nil, dupErr(dup)
+		}
 	default:
 		return nil, inputErr("", "request body must be a JSON object")
 	}
@@ -161,26 +197,41 @@ func (r *Request) common(data []byte) (*body, error) {
 	return b, nil
 }
 
-// The keys read from each kind of object.
+// The keys read from each kind of object: no object the router reads may
+// give one of its keys twice.
 var (
-	bodyKeys     = []string{"model", "messages", "tools", "prompt", "user", "stream", "max_tokens", "max_completion_tokens"}
-	messageKeys  = []string{"role", "content", "name", "tool_calls"}
-	toolCallKeys = []string{"id", "function"}
-	functionKeys = []string{"name", "arguments"}
+	chatKeys       = []string{"model", "messages", "tools", "user", "stream", "max_tokens", "max_completion_tokens"}
+	completionKeys = []string{"model", "prompt", "user", "stream", "max_tokens", "max_completion_tokens"}
+	messageKeys    = []string{"role", "content", "name", "tool_calls"}
+	toolCallKeys   = []string{"id", "function"}
+	functionKeys   = []string{"name", "arguments"}
+	partKeys       = []string{"type", "text"}
 )
 
-// fields sets *dst[i] to object o's value under names[i], matching keys as
-// encoding/json matches them to struct fields: under Unicode case folding,
-// the last of duplicates winning. A name o lacks leaves its *dst alone.
-func fields(o *fastjson.Value, names []string, dst ...**fastjson.Value) {
+// fields sets *dst[i] to object o's value under the key names[i] (at most
+// 32 names). Keys match exactly, as the replica matches them (see decode).
+// A name o lacks leaves its *dst alone. It returns the first name that o
+// gives more than once, or "".
+func fields(o *fastjson.Value, names []string, dst ...**fastjson.Value) (dup string) {
+	var seen uint32
 	o.GetObject().Visit(func(k []byte, v *fastjson.Value) {
 		for i, n := range names {
-			if bytes.EqualFold(k, []byte(n)) {
+			if string(k) == n {
+				if seen&(1<<i) != 0 && dup == "" {
+					dup = n
+				}
+				seen |= 1 << i
 				*dst[i] = v
 				return
 			}
 		}
 	})
+	return dup
+}
+
+// dupErr is the error for a key given twice; field is its JSON path.
+func dupErr(field string) error {
+	return &InputError{Field: field, Msg: "is given more than once"}
 }
 
 func isNull(v *fastjson.Value) bool { return v == nil || v.Type() == fastjson.TypeNull }
@@ -222,7 +273,7 @@ func integer(v *fastjson.Value, field string) (int, error) {
 // (a system message is normally first already and stays where it is).
 // Their Text aliases memory the request holds until Release.
 func ParseChat(data []byte, lim Limits) (*Request, error) {
-	b, r, err := decode(data)
+	b, r, err := decode(data, Chat, lim)
 	if err != nil {
 		return nil, err
 	}
@@ -285,7 +336,7 @@ func (r *Request) chat(b *body, lim Limits) error {
 		case "":
 			return inputErr(fmt.Sprintf("messages[%d].role", i), "is required")
 		default:
-			return inputErr(fmt.Sprintf("messages[%d].role", i), "unknown role %q", m.role)
+			return inputErr(fmt.Sprintf("messages[%d].role", i), "unknown role %s", quoted(m.role, 64))
 		}
 		text, err := m.text(i)
 		if err != nil {
@@ -314,9 +365,11 @@ func (m *message) read(v *fastjson.Value, i int) error {
 		return inputErr(fmt.Sprintf("messages[%d]", i), "must be an object")
 	}
 	var role, name, calls *fastjson.Value
-	fields(v, messageKeys, &role, &m.content, &name, &calls)
 	// Field names are formatted only for an error: this runs for every
 	// message of every request.
+	if dup := fields(v, messageKeys, &role, &m.content, &name, &calls); dup != "" {
+		return dupErr(fmt.Sprintf("messages[%d].%s", i, dup))
+	}
 	var ok bool
 	if m.role, ok = stringOf(role); !ok {
 		return inputErr(fmt.Sprintf("messages[%d].role", i), "must be a string")
@@ -341,7 +394,9 @@ func (m *message) read(v *fastjson.Value, i int) error {
 			return inputErr(field(""), "must be an object")
 		}
 		var id, fn *fastjson.Value
-		fields(c, toolCallKeys, &id, &fn)
+		if dup := fields(c, toolCallKeys, &id, &fn); dup != "" {
+			return dupErr(field("." + dup))
+		}
 		if _, ok := stringOf(id); !ok {
 			return inputErr(field(".id"), "must be a string")
 		}
@@ -352,7 +407,9 @@ func (m *message) read(v *fastjson.Value, i int) error {
 			return inputErr(field(".function"), "must be an object")
 		}
 		var fname, args *fastjson.Value
-		fields(fn, functionKeys, &fname, &args)
+		if dup := fields(fn, functionKeys, &fname, &args); dup != "" {
+			return dupErr(field(".function." + dup))
+		}
 		if m.toolCalls[j][0], ok = stringOf(fname); !ok {
 			return inputErr(field(".function.name"), "must be a string")
 		}
@@ -412,14 +469,9 @@ func appendContentPart(buf []byte, part *fastjson.Value, i, j int) ([]byte, erro
 		return nil, inputErr(field(""), "invalid content part: not an object")
 	}
 	var typ, text *fastjson.Value
-	part.GetObject().Visit(func(k []byte, v *fastjson.Value) {
-		switch string(k) { // content parts are maps: keys match exactly
-		case "type":
-			typ = v
-		case "text":
-			text = v
-		}
-	})
+	if dup := fields(part, partKeys, &typ, &text); dup != "" {
+		return nil, dupErr(field("." + dup))
+	}
 	if typ != nil && typ.Type() == fastjson.TypeString && string(typ.GetStringBytes()) == "text" {
 		s, ok := stringOf(text)
 		if !ok {
@@ -482,7 +534,7 @@ func AssistantText(content string, toolCalls [][2]string) []byte {
 // string or token array is one part, in order. String parts alias memory the
 // request holds until Release.
 func ParseCompletion(data []byte, lim Limits) (*Request, error) {
-	b, r, err := decode(data)
+	b, r, err := decode(data, Completion, lim)
 	if err != nil {
 		return nil, err
 	}
