@@ -20,6 +20,7 @@ import (
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/policies"
+	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/router"
 )
 
@@ -35,22 +36,23 @@ var ExampleYAML []byte
 
 // Config is the router's whole configuration.
 type Config struct {
-	Listen string `mapstructure:"listen"`
+	Listen string `mapstructure:"listen" json:"listen"`
 	// GRPCListen serves the gRPC Route API; empty means off.
-	GRPCListen  string            `mapstructure:"grpc_listen"`
-	DecisionLog DecisionLogConfig `mapstructure:"decision_log"`
-	Log         LogConfig         `mapstructure:"log"`
-	Routing     RoutingConfig     `mapstructure:"routing"`
-	Blocks      BlocksConfig      `mapstructure:"blocks"`
-	Cache       CacheConfig       `mapstructure:"cache"`
-	Limits      LimitsConfig      `mapstructure:"limits"`
-	Health      HealthConfig      `mapstructure:"health"`
-	Timeouts    TimeoutConfig     `mapstructure:"timeouts"`
-	Admin       AdminConfig       `mapstructure:"admin"`
-	Tracing     TracingConfig     `mapstructure:"tracing"`
-	Discovery   DiscoveryConfig   `mapstructure:"discovery"`
-	Runtime     RuntimeConfig     `mapstructure:"runtime"`
-	Replicas    []Replica         `mapstructure:"replicas"`
+	GRPCListen  string            `mapstructure:"grpc_listen" json:"grpc_listen"`
+	GRPC        GRPCConfig        `mapstructure:"grpc" json:"grpc"`
+	DecisionLog DecisionLogConfig `mapstructure:"decision_log" json:"decision_log"`
+	Log         LogConfig         `mapstructure:"log" json:"log"`
+	Routing     RoutingConfig     `mapstructure:"routing" json:"routing"`
+	Blocks      BlocksConfig      `mapstructure:"blocks" json:"blocks"`
+	Cache       CacheConfig       `mapstructure:"cache" json:"cache"`
+	Limits      LimitsConfig      `mapstructure:"limits" json:"limits"`
+	Health      HealthConfig      `mapstructure:"health" json:"health"`
+	Timeouts    TimeoutConfig     `mapstructure:"timeouts" json:"timeouts"`
+	Admin       AdminConfig       `mapstructure:"admin" json:"admin"`
+	Tracing     TracingConfig     `mapstructure:"tracing" json:"tracing"`
+	Discovery   DiscoveryConfig   `mapstructure:"discovery" json:"discovery"`
+	Runtime     RuntimeConfig     `mapstructure:"runtime" json:"runtime"`
+	Replicas    []Replica         `mapstructure:"replicas" json:"replicas"`
 }
 
 // RuntimeConfig tunes the Go runtime under the router. Read at start only.
@@ -62,16 +64,16 @@ type RuntimeConfig struct {
 	// the usual GOGC=100. It trades up to this much memory for far fewer
 	// collections in a router whose cache picture is still small. 0 turns
 	// it off, as does setting the GOGC environment variable (then obeyed).
-	GCFloorMB int `mapstructure:"gc_floor_mb"`
+	GCFloorMB int `mapstructure:"gc_floor_mb" json:"gc_floor_mb"`
 }
 
 // TracingConfig turns on OpenTelemetry spans exported over OTLP/HTTP.
 type TracingConfig struct {
 	// OTLPEndpoint is the collector's URL, e.g. http://otel-collector:4318;
 	// empty turns tracing off (an incoming traceparent still passes through).
-	OTLPEndpoint string  `mapstructure:"otlp_endpoint"`
-	ServiceName  string  `mapstructure:"service_name"`
-	SampleRatio  float64 `mapstructure:"sample_ratio"`
+	OTLPEndpoint string  `mapstructure:"otlp_endpoint" json:"otlp_endpoint"`
+	ServiceName  string  `mapstructure:"service_name" json:"service_name"`
+	SampleRatio  float64 `mapstructure:"sample_ratio" json:"sample_ratio"`
 }
 
 // DiscoveryConfig finds replicas in DNS, next to the static list.
@@ -79,136 +81,163 @@ type DiscoveryConfig struct {
 	// DNSName is resolved every Interval: with SRV true as an SRV name
 	// (targets and ports from the records), else as a host whose A/AAAA
 	// records are the replicas, on Port. Empty turns discovery off.
-	DNSName  string        `mapstructure:"dns_name"`
-	SRV      bool          `mapstructure:"srv"`
-	Port     int           `mapstructure:"port"`
-	Scheme   string        `mapstructure:"scheme"`
-	Interval time.Duration `mapstructure:"interval"`
+	DNSName  string        `mapstructure:"dns_name" json:"dns_name"`
+	SRV      bool          `mapstructure:"srv" json:"srv"`
+	Port     int           `mapstructure:"port" json:"port"`
+	Scheme   string        `mapstructure:"scheme" json:"scheme"`
+	Interval time.Duration `mapstructure:"interval" json:"interval"`
 	// BudgetTokens for discovered replicas; 0 learns it from each
 	// replica's vllm:cache_config_info.
-	BudgetTokens int64 `mapstructure:"budget_tokens"`
+	BudgetTokens int64 `mapstructure:"budget_tokens" json:"budget_tokens"`
 }
 
 // HealthConfig sets active checks, scraping and passive ejection.
 type HealthConfig struct {
-	CheckInterval time.Duration `mapstructure:"check_interval"`
-	CheckTimeout  time.Duration `mapstructure:"check_timeout"`
-	Fall          int           `mapstructure:"fall"`
-	Rise          int           `mapstructure:"rise"`
+	CheckInterval time.Duration `mapstructure:"check_interval" json:"check_interval"`
+	CheckTimeout  time.Duration `mapstructure:"check_timeout" json:"check_timeout"`
+	Fall          int           `mapstructure:"fall" json:"fall"`
+	Rise          int           `mapstructure:"rise" json:"rise"`
 	// ScrapeInterval reads each replica's /metrics; 0 turns it off.
-	ScrapeInterval time.Duration `mapstructure:"scrape_interval"`
-	EjectBase      time.Duration `mapstructure:"eject_base"`
-	EjectMax       time.Duration `mapstructure:"eject_max"`
-	EjectForgive   time.Duration `mapstructure:"eject_forgive"`
+	ScrapeInterval time.Duration `mapstructure:"scrape_interval" json:"scrape_interval"`
+	EjectBase      time.Duration `mapstructure:"eject_base" json:"eject_base"`
+	EjectMax       time.Duration `mapstructure:"eject_max" json:"eject_max"`
+	EjectForgive   time.Duration `mapstructure:"eject_forgive" json:"eject_forgive"`
 }
 
 // TimeoutConfig bounds each upstream request and shutdown.
 type TimeoutConfig struct {
-	Connect       time.Duration `mapstructure:"connect"`
-	FirstByte     time.Duration `mapstructure:"first_byte"`
-	Idle          time.Duration `mapstructure:"idle"`
-	ShutdownGrace time.Duration `mapstructure:"shutdown_grace"`
+	Connect       time.Duration `mapstructure:"connect" json:"connect"`
+	FirstByte     time.Duration `mapstructure:"first_byte" json:"first_byte"`
+	Idle          time.Duration `mapstructure:"idle" json:"idle"`
+	ShutdownGrace time.Duration `mapstructure:"shutdown_grace" json:"shutdown_grace"`
+}
+
+// GRPCConfig secures and bounds the gRPC API. With grpc_listen set, a
+// token or a client CA (mTLS) is required.
+type GRPCConfig struct {
+	// Token is the bearer token every call must carry in its
+	// "authorization" metadata; the health service needs none. Reloadable.
+	Token string `mapstructure:"token" json:"token"`
+	// TLSCertFile and TLSKeyFile serve TLS; TLSClientCAFile also requires
+	// and verifies client certificates (mTLS). Empty: plaintext.
+	TLSCertFile     string `mapstructure:"tls_cert_file" json:"tls_cert_file"`
+	TLSKeyFile      string `mapstructure:"tls_key_file" json:"tls_key_file"`
+	TLSClientCAFile string `mapstructure:"tls_client_ca_file" json:"tls_client_ca_file"`
+	// MaxHeldDecisions and MaxHeldBlocks cap the Route decisions awaiting
+	// Release and the prompt blocks they keep; past either, the oldest is
+	// finished as expired.
+	MaxHeldDecisions int `mapstructure:"max_held_decisions" json:"max_held_decisions"`
+	MaxHeldBlocks    int `mapstructure:"max_held_blocks" json:"max_held_blocks"`
 }
 
 // AdminConfig sets the admin API's listener and bearer token; the API is
 // off unless both are set.
 type AdminConfig struct {
-	Listen string `mapstructure:"listen"`
-	Token  string `mapstructure:"token"`
+	Listen string `mapstructure:"listen" json:"listen"`
+	Token  string `mapstructure:"token" json:"token"`
 }
 
 // LogConfig selects the log format and level.
 type LogConfig struct {
-	Level  string `mapstructure:"level"`  // debug, info, warn, error
-	Format string `mapstructure:"format"` // text or json
+	Level  string `mapstructure:"level" json:"level"`   // debug, info, warn, error
+	Format string `mapstructure:"format" json:"format"` // text or json
 }
 
 // RoutingConfig selects and tunes the routing policy.
 type RoutingConfig struct {
-	Policy            string             `mapstructure:"policy"`
-	LoadWeight        float64            `mapstructure:"load_weight"`
-	RecentWeight      float64            `mapstructure:"recent_weight"`
-	SpillFactor       float64            `mapstructure:"spill_factor"`
-	SpillMarginTokens float64            `mapstructure:"spill_margin_tokens"`
-	LoadHalfLife      time.Duration      `mapstructure:"load_half_life"`
-	Attempts          int                `mapstructure:"attempts"`
-	RecordReplies     bool               `mapstructure:"record_replies"`
-	KindWeights       map[string]float64 `mapstructure:"kind_weights"`
+	Policy            string             `mapstructure:"policy" json:"policy"`
+	LoadWeight        float64            `mapstructure:"load_weight" json:"load_weight"`
+	RecentWeight      float64            `mapstructure:"recent_weight" json:"recent_weight"`
+	SpillFactor       float64            `mapstructure:"spill_factor" json:"spill_factor"`
+	SpillMarginTokens float64            `mapstructure:"spill_margin_tokens" json:"spill_margin_tokens"`
+	LoadHalfLife      time.Duration      `mapstructure:"load_half_life" json:"load_half_life"`
+	Attempts          int                `mapstructure:"attempts" json:"attempts"`
+	RecordReplies     bool               `mapstructure:"record_replies" json:"record_replies"`
+	KindWeights       map[string]float64 `mapstructure:"kind_weights" json:"kind_weights"`
 	// SharedActive counts blocks shared by running requests once in a
 	// replica's KV load (engines with cascade attention).
-	SharedActive bool          `mapstructure:"shared_active"`
-	Seed         uint64        `mapstructure:"seed"`
-	Matcher      MatcherConfig `mapstructure:"semantic_matcher"`
+	SharedActive bool          `mapstructure:"shared_active" json:"shared_active"`
+	Seed         uint64        `mapstructure:"seed" json:"seed"`
+	Matcher      MatcherConfig `mapstructure:"semantic_matcher" json:"semantic_matcher"`
 	// Arms split traffic between policies (A/B); empty means one arm with
 	// Policy. Assignment is sticky per session, salted with ArmSalt.
-	Arms    []ArmConfig `mapstructure:"arms"`
-	ArmSalt string      `mapstructure:"arm_salt"`
+	Arms    []ArmConfig `mapstructure:"arms" json:"arms"`
+	ArmSalt string      `mapstructure:"arm_salt" json:"arm_salt"`
 	// ReleaseAfter ends a gRPC decision never released.
-	ReleaseAfter time.Duration `mapstructure:"release_after"`
+	ReleaseAfter time.Duration `mapstructure:"release_after" json:"release_after"`
 }
 
 // ArmConfig is one A/B arm: a routing policy and its share of sessions. The
 // semantic policy's parameters default to the routing section's.
 type ArmConfig struct {
-	Name              string   `mapstructure:"name"`
-	Policy            string   `mapstructure:"policy"`
-	Weight            float64  `mapstructure:"weight"`
-	LoadWeight        *float64 `mapstructure:"load_weight"`
-	RecentWeight      *float64 `mapstructure:"recent_weight"`
-	SpillFactor       *float64 `mapstructure:"spill_factor"`
-	SpillMarginTokens *float64 `mapstructure:"spill_margin_tokens"`
+	Name              string   `mapstructure:"name" json:"name"`
+	Policy            string   `mapstructure:"policy" json:"policy"`
+	Weight            float64  `mapstructure:"weight" json:"weight"`
+	LoadWeight        *float64 `mapstructure:"load_weight" json:"load_weight"`
+	RecentWeight      *float64 `mapstructure:"recent_weight" json:"recent_weight"`
+	SpillFactor       *float64 `mapstructure:"spill_factor" json:"spill_factor"`
+	SpillMarginTokens *float64 `mapstructure:"spill_margin_tokens" json:"spill_margin_tokens"`
 }
 
 // DecisionLogConfig configures the JSONL decision log.
 type DecisionLogConfig struct {
-	Path          string        `mapstructure:"path"` // empty: no log
-	MaxBytes      int64         `mapstructure:"max_bytes"`
-	MaxFiles      int           `mapstructure:"max_files"`
-	Buffer        int           `mapstructure:"buffer"`
-	FsyncInterval time.Duration `mapstructure:"fsync_interval"`
+	Path          string        `mapstructure:"path" json:"path"` // empty: no log
+	MaxBytes      int64         `mapstructure:"max_bytes" json:"max_bytes"`
+	MaxFiles      int           `mapstructure:"max_files" json:"max_files"`
+	Buffer        int           `mapstructure:"buffer" json:"buffer"`
+	FsyncInterval time.Duration `mapstructure:"fsync_interval" json:"fsync_interval"`
 	// RawIDs logs session and tenant ids as given, not hashed.
-	RawIDs bool `mapstructure:"raw_ids"`
+	RawIDs bool `mapstructure:"raw_ids" json:"raw_ids"`
 	// LogPrompts logs prompt text with each decision.
-	LogPrompts bool `mapstructure:"log_prompts"`
+	LogPrompts bool `mapstructure:"log_prompts" json:"log_prompts"`
 }
 
 // MatcherConfig turns on the semantic fallback.
 type MatcherConfig struct {
-	Enabled bool `mapstructure:"enabled"`
+	Enabled bool `mapstructure:"enabled" json:"enabled"`
 	// Threshold: ask the matcher when the best exact match covers less than
 	// this share of the prompt.
-	Threshold     float64 `mapstructure:"threshold"`
-	MinSimilarity float64 `mapstructure:"min_similarity"`
-	MaxDonors     int     `mapstructure:"max_donors"`
+	Threshold     float64 `mapstructure:"threshold" json:"threshold"`
+	MinSimilarity float64 `mapstructure:"min_similarity" json:"min_similarity"`
+	MaxDonors     int     `mapstructure:"max_donors" json:"max_donors"`
 }
 
 // BlocksConfig sets how prompts are cut.
 type BlocksConfig struct {
-	BlockTokens   int `mapstructure:"block_tokens"`
-	BytesPerToken int `mapstructure:"bytes_per_token"`
+	BlockTokens   int `mapstructure:"block_tokens" json:"block_tokens"`
+	BytesPerToken int `mapstructure:"bytes_per_token" json:"bytes_per_token"`
 }
 
 // CacheConfig sets the cache picture.
 type CacheConfig struct {
-	Eviction            string `mapstructure:"eviction"`
-	DefaultBudgetTokens int64  `mapstructure:"default_budget_tokens"`
+	Eviction            string `mapstructure:"eviction" json:"eviction"`
+	DefaultBudgetTokens int64  `mapstructure:"default_budget_tokens" json:"default_budget_tokens"`
 }
 
-// LimitsConfig bounds request input.
+// LimitsConfig bounds request input. Reloadable.
 type LimitsConfig struct {
-	MaxBodyBytes    int64 `mapstructure:"max_body_bytes"`
-	MaxMessages     int   `mapstructure:"max_messages"`
-	MaxHeaderBytes  int   `mapstructure:"max_header_bytes"`
-	MaxOutputTokens int   `mapstructure:"max_output_tokens"`
+	MaxBodyBytes    int64 `mapstructure:"max_body_bytes" json:"max_body_bytes"`
+	MaxMessages     int   `mapstructure:"max_messages" json:"max_messages"`
+	MaxHeaderBytes  int   `mapstructure:"max_header_bytes" json:"max_header_bytes"`
+	MaxOutputTokens int   `mapstructure:"max_output_tokens" json:"max_output_tokens"`
+	// MaxJSONDepth bounds the nesting of arrays and objects in a request
+	// body; a deeper body gets 400 as soon as the limit is passed.
+	MaxJSONDepth int `mapstructure:"max_json_depth" json:"max_json_depth"`
 }
 
-// Replica is one static replica.
+// Replica is one static replica. The admin API reads the same fields,
+// under the same names, from JSON.
 type Replica struct {
-	Name         string  `mapstructure:"name"`
-	URL          string  `mapstructure:"url"`
-	BudgetTokens int64   `mapstructure:"budget_tokens"`
-	Weight       float64 `mapstructure:"weight"`
+	Name         string  `mapstructure:"name" json:"name"`
+	URL          string  `mapstructure:"url" json:"url"`
+	BudgetTokens int64   `mapstructure:"budget_tokens" json:"budget_tokens"`
+	Weight       float64 `mapstructure:"weight" json:"weight"`
 }
+
+// DefaultBudgetTokens is the KV cache budget, in tokens, assumed for a
+// replica whose budget is neither configured nor reported
+// (vllm:cache_config_info): 262,144 tokens, a mid-sized GPU's cache.
+const DefaultBudgetTokens = 1 << 18
 
 // SetDefaults registers every key's default on v, which also makes every key
 // settable from the environment.
@@ -235,6 +264,12 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("routing.arm_salt", "")
 	v.SetDefault("routing.release_after", "10m")
 	v.SetDefault("grpc_listen", "")
+	v.SetDefault("grpc.token", "")
+	v.SetDefault("grpc.tls_cert_file", "")
+	v.SetDefault("grpc.tls_key_file", "")
+	v.SetDefault("grpc.tls_client_ca_file", "")
+	v.SetDefault("grpc.max_held_decisions", router.DefaultMaxHeld)
+	v.SetDefault("grpc.max_held_blocks", router.DefaultMaxHeldBlocks)
 	v.SetDefault("decision_log.path", "")
 	v.SetDefault("decision_log.max_bytes", 256<<20)
 	v.SetDefault("decision_log.max_files", 5)
@@ -245,11 +280,12 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("blocks.block_tokens", blockhash.DefaultBlockTokens)
 	v.SetDefault("blocks.bytes_per_token", blockhash.DefaultBytesPerToken)
 	v.SetDefault("cache.eviction", policies.Default)
-	v.SetDefault("cache.default_budget_tokens", 0)
+	v.SetDefault("cache.default_budget_tokens", DefaultBudgetTokens)
 	v.SetDefault("limits.max_body_bytes", 16<<20)
 	v.SetDefault("limits.max_messages", 4096)
 	v.SetDefault("limits.max_header_bytes", 64<<10)
 	v.SetDefault("limits.max_output_tokens", 1<<20)
+	v.SetDefault("limits.max_json_depth", blockhash.DefaultMaxDepth)
 	v.SetDefault("health.check_interval", "2s")
 	v.SetDefault("health.check_timeout", "1s")
 	v.SetDefault("health.fall", 2)
@@ -361,6 +397,15 @@ func (c *Config) Validate() error {
 		if _, _, err := net.SplitHostPort(c.GRPCListen); err != nil {
 			bad("grpc_listen", "%q is not host:port", c.GRPCListen)
 		}
+		if c.GRPC.Token == "" && c.GRPC.TLSClientCAFile == "" {
+			bad("grpc.token", "is required with grpc_listen (or grpc.tls_client_ca_file for mTLS): the gRPC API is not served unauthenticated")
+		}
+	}
+	if g := c.GRPC; (g.TLSCertFile == "") != (g.TLSKeyFile == "") || (g.TLSClientCAFile != "" && g.TLSCertFile == "") {
+		bad("grpc.tls_cert_file", "tls_cert_file and tls_key_file go together, and tls_client_ca_file needs them")
+	}
+	if g := c.GRPC; g.MaxHeldDecisions < 1 || g.MaxHeldBlocks < 1 {
+		bad("grpc.max_held_decisions", "max_held_decisions and max_held_blocks must be positive")
 	}
 	if dl := c.DecisionLog; dl.MaxBytes < 1024 || dl.MaxFiles < 1 || dl.Buffer < 1 || dl.FsyncInterval <= 0 {
 		bad("decision_log", "max_bytes must be at least 1024, max_files and buffer positive, fsync_interval positive")
@@ -426,7 +471,7 @@ func (c *Config) Validate() error {
 		bad("cache.eviction", "%v", err)
 	}
 	if c.Cache.DefaultBudgetTokens < 0 {
-		bad("cache.default_budget_tokens", "must not be negative")
+		bad("cache.default_budget_tokens", "must not be negative (0 means the built-in %d)", DefaultBudgetTokens)
 	}
 	if c.Limits.MaxBodyBytes < 1024 {
 		bad("limits.max_body_bytes", "must be at least 1024")
@@ -436,6 +481,9 @@ func (c *Config) Validate() error {
 	}
 	if c.Limits.MaxHeaderBytes < 1024 || c.Limits.MaxOutputTokens < 1 {
 		bad("limits", "max_header_bytes must be at least 1024 and max_output_tokens positive")
+	}
+	if d := c.Limits.MaxJSONDepth; d < 2 || d > 10000 {
+		bad("limits.max_json_depth", "%d is not in [2, 10000]", d)
 	}
 	h := c.Health
 	if h.CheckInterval <= 0 || h.CheckTimeout <= 0 || h.Fall < 1 || h.Rise < 1 || h.ScrapeInterval < 0 ||
@@ -461,17 +509,49 @@ func (c *Config) Validate() error {
 	}
 	replicaNames := uniqueNames(bad, "replicas", "name")
 	for i, rep := range c.Replicas {
-		f := fmt.Sprintf("replicas[%d]", i)
 		replicaNames(i, rep.Name)
-		if !strings.HasPrefix(rep.URL, "http://") && !strings.HasPrefix(rep.URL, "https://") {
-			bad(f+".url", "%q must start with http:// or https://", rep.URL)
-		}
-		if rep.BudgetTokens < 0 {
-			bad(f+".budget_tokens", "must not be negative")
-		}
-		if rep.Weight < 0 {
-			bad(f+".weight", "must not be negative")
+		for _, e := range rep.check() {
+			bad(fmt.Sprintf("replicas[%d].%s", i, e.Field), "%s", e.Msg)
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// check returns what is wrong with one replica, field by field, checked
+// as the pool will check it (an empty name is left to the caller).
+func (r Replica) check() []FieldError {
+	var errs []FieldError
+	if r.Name != "" {
+		if err := replica.ValidateName(r.Name); err != nil {
+			errs = append(errs, FieldError{"name", err.Error()})
+		}
+	}
+	if _, err := replica.ParseURL(r.URL); err != nil {
+		errs = append(errs, FieldError{"url", err.Error()})
+	}
+	if r.BudgetTokens < 0 {
+		errs = append(errs, FieldError{"budget_tokens", "must not be negative"})
+	}
+	if err := replica.ValidateWeight(r.Weight); err != nil {
+		errs = append(errs, FieldError{"weight", err.Error()})
+	}
+	return errs
+}
+
+// Validate checks one replica as the config's validation does; the admin
+// API shares it. The error names the field.
+func (r Replica) Validate() error {
+	var errs []error
+	if r.Name == "" {
+		errs = append(errs, &FieldError{"name", "is required"})
+	}
+	for _, e := range r.check() {
+		errs = append(errs, &e)
+	}
+	return errors.Join(errs...)
+}
+
+// Spec is the replica's pool spec.
+func (r Replica) Spec() replica.Spec {
+	return replica.Spec{Name: r.Name, URL: r.URL, BudgetTokens: r.BudgetTokens, Weight: r.Weight}
 }

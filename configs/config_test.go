@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -46,6 +47,8 @@ func TestBadConfigs(t *testing.T) {
 			"limits.max_messages:", "replicas[0].url:", "replicas[1].name:", "replicas[1].weight:",
 			"routing.arms[0].policy:", "routing.arms[0].weight:", "routing.arms[1].name:", "runtime.gc_floor_mb:",
 		},
+		"hostile.bad.yaml": {"grpc.token:", "grpc.tls_cert_file:", "grpc.max_held_decisions:", "limits.max_json_depth:",
+			"cache.default_budget_tokens:", "replicas[0].name:", "replicas[0].url:", "replicas[1].weight:"},
 		"bad-duration.bad.yaml": {"load_half_life"},
 		"bad-yaml.bad.yaml":     {"parse config"},
 	}
@@ -140,6 +143,8 @@ func TestEveryExampleConfigInTheRepository(t *testing.T) {
 		}
 		switch {
 		case strings.Contains(path, "deploy/k8s"):
+			// The Deployment sets the gRPC token from a Secret.
+			t.Setenv("SEMROUTE_GRPC_TOKEN", "from-the-secret")
 			dec := yaml.NewDecoder(bytes.NewReader(b))
 			for {
 				var obj struct {
@@ -165,5 +170,25 @@ func TestEveryExampleConfigInTheRepository(t *testing.T) {
 	}
 	if found < 5 {
 		t.Fatalf("found only %d example configs", found)
+	}
+}
+
+func TestDiffNamesChangedKeys(t *testing.T) {
+	a, err := Load(NewViper(), "testdata/full.good.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := *a
+	if d := Diff(a, &b); len(d) != 0 {
+		t.Fatalf("identical configs differ in %v", d)
+	}
+	b.Admin.Token = "rotated"
+	b.Limits.MaxBodyBytes++
+	b.Replicas = append([]Replica(nil), a.Replicas...)
+	b.Replicas[0].Weight = 3
+	b.Routing.KindWeights = map[string]float64{"system": 9}
+	want := []string{"routing.kind_weights", "limits.max_body_bytes", "admin.token", "replicas"}
+	if d := Diff(a, &b); !slices.Equal(d, want) {
+		t.Fatalf("diff %v, want %v", d, want)
 	}
 }

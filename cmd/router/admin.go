@@ -4,20 +4,27 @@ import (
 	"context"
 	"crypto/subtle"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"net/http/pprof"
+	"net/url"
 	"path/filepath"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/fsnotify/fsnotify"
 
 	"github.com/semroute/semroute/configs"
+	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/router"
 )
 
-// adminHandler serves the admin API; every call needs the bearer token.
-func (a *app) adminHandler(token string) http.Handler {
+// adminHandler serves the admin API; every call needs the bearer token
+// admin.token, read per call so that a reload rotates it at once.
+func (a *app) adminHandler() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /admin/replicas", a.adminList)
 	mux.HandleFunc("POST /admin/replicas", a.adminAdd)
@@ -25,20 +32,19 @@ func (a *app) adminHandler(token string) http.Handler {
 		adminResult(w, a.removeReplica(r.PathValue("name")), http.StatusNotFound)
 	})
 	mux.HandleFunc("POST /admin/replicas/{name}/drain", func(w http.ResponseWriter, r *http.Request) {
-		adminResult(w, a.drainReplica(r.PathValue("name")), http.StatusNotFound)
+		adminResult(w, a.drainReplica(r.PathValue("name"), true), http.StatusNotFound)
 	})
-	mux.HandleFunc("GET /admin/config", func(w http.ResponseWriter, _ *http.Request) {
-		c := *a.current.Load()
-		c.Admin.Token = "<redacted>"
-		writeJSON(w, http.StatusOK, c)
+	mux.HandleFunc("POST /admin/replicas/{name}/undrain", func(w http.ResponseWriter, r *http.Request) {
+		adminResult(w, a.drainReplica(r.PathValue("name"), false), http.StatusNotFound)
 	})
+	mux.HandleFunc("GET /admin/config", a.adminConfig)
 	mux.HandleFunc("/debug/pprof/", pprof.Index)
 	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
 	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
 	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
-	want := []byte("Bearer " + token)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		want := []byte("Bearer " + a.current.Load().Admin.Token)
 		if subtle.ConstantTimeCompare([]byte(r.Header.Get("Authorization")), want) != 1 {
 			w.Header().Set("WWW-Authenticate", `Bearer realm="semroute admin"`)
 			writeJSON(w, http.StatusUnauthorized, map[string]string{"error": "a valid bearer token is required"})
@@ -46,6 +52,33 @@ func (a *app) adminHandler(token string) http.Handler {
 		}
 		mux.ServeHTTP(w, r)
 	})
+}
+
+// adminConfig shows the config in force, secrets and replica credentials
+// redacted, and the changed keys that wait for a restart.
+func (a *app) adminConfig(w http.ResponseWriter, _ *http.Request) {
+	c := *a.current.Load()
+	redact := func(s *string) {
+		if *s != "" {
+			*s = "<redacted>"
+		}
+	}
+	redact(&c.Admin.Token)
+	redact(&c.GRPC.Token)
+	c.Replicas = slices.Clone(c.Replicas)
+	for i := range c.Replicas {
+		if u, err := url.Parse(c.Replicas[i].URL); err == nil {
+			c.Replicas[i].URL = replica.PublicURL(u)
+		}
+	}
+	pending := []string{}
+	if p := a.pending.Load(); p != nil {
+		pending = *p
+	}
+	writeJSON(w, http.StatusOK, struct {
+		Config         configs.Config `json:"config"`
+		PendingRestart []string       `json:"pending_restart"`
+	}{c, pending})
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {
@@ -68,13 +101,17 @@ func adminResult(w http.ResponseWriter, err error, status int) {
 type adminReplica struct {
 	Name          string  `json:"name"`
 	URL           string  `json:"url"`
+	Source        source  `json:"source"`
 	Healthy       bool    `json:"healthy"`
 	Draining      bool    `json:"draining"`
 	InFlight      int64   `json:"in_flight"`
 	PendingTokens float64 `json:"pending_tokens"`
 	BudgetTokens  int64   `json:"budget_tokens"`
-	TrackedBlocks int64   `json:"tracked_blocks"`
-	TrackedTokens int64   `json:"tracked_tokens"`
+	// BudgetAssumed: the replica has not reported its budget and none is
+	// configured, so BudgetTokens is cache.default_budget_tokens.
+	BudgetAssumed bool  `json:"budget_assumed"`
+	TrackedBlocks int64 `json:"tracked_blocks"`
+	TrackedTokens int64 `json:"tracked_tokens"`
 }
 
 func (a *app) adminList(w http.ResponseWriter, _ *http.Request) {
@@ -83,90 +120,171 @@ func (a *app) adminList(w http.ResponseWriter, _ *http.Request) {
 	for _, r := range a.pool.Replicas() {
 		st, _ := a.cache.Stats(r.ID)
 		l := r.Load(now)
-		out = append(out, adminReplica{r.Name, r.URL.String(), r.Healthy(now), r.Draining(), l.InFlight, l.PendingTokens,
-			r.Budget(), st.Blocks, st.Tokens})
+		out = append(out, adminReplica{r.Name, r.PublicURL(), a.sourceOf(r.Name), r.Healthy(now), r.Draining(), l.InFlight, l.PendingTokens,
+			st.Budget, r.Budget() == 0, st.Blocks, st.Tokens})
 	}
 	writeJSON(w, http.StatusOK, out)
 }
 
+// adminAdd adds a replica from a JSON object with the config's field
+// names (name, url, budget_tokens, weight), validated as the config is.
+// The replica stays across reloads of the config file until it is removed
+// through this API, or the router restarts.
 func (a *app) adminAdd(w http.ResponseWriter, r *http.Request) {
 	var rep configs.Replica
 	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, 64<<10))
 	dec.DisallowUnknownFields()
-	if err := dec.Decode(&rep); err != nil {
+	err := dec.Decode(&rep)
+	if err == nil && dec.More() {
+		err = errors.New("unexpected data after the JSON object")
+	} else if err == nil {
+		if _, tailErr := dec.Token(); tailErr != io.EOF {
+			err = errors.New("unexpected data after the JSON object")
+		}
+	}
+	if err != nil {
 		writeJSON(w, http.StatusBadRequest, map[string]string{"error": "body: " + err.Error()})
 		return
 	}
-	adminResult(w, a.addReplica(rep), http.StatusBadRequest)
+	if err := rep.Validate(); err != nil {
+		writeJSON(w, http.StatusBadRequest, map[string]string{"error": err.Error()})
+		return
+	}
+	if err := a.addReplica(rep, fromAdmin); err != nil {
+		writeJSON(w, http.StatusBadRequest, map[string]string{"error": err.Error()})
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]string{"status": "ok",
+		"note": "kept across reloads of the config file until removed here; add it to the file to keep it across restarts"})
 }
 
 // reload loads the config file again and applies what can change without a
-// restart: the replicas, the routing policy and its parameters, and the
-// arms. An invalid config is refused, logged and counted; the old one keeps
-// serving.
+// restart (see liveKeys). Changed keys that need a restart are logged,
+// counted (result restart_required) and listed under pending_restart in
+// GET /admin/config; the rest of the new config still applies. An invalid
+// config is refused, logged and counted; the old one keeps serving.
 func (a *app) reload() error {
-	err := a.applyFile()
+	pending, err := a.applyFile()
 	result := "ok"
-	if err != nil {
+	switch {
+	case err != nil:
 		result = "failed"
 		a.log.Error("config reload refused; the previous config keeps serving", "path", a.path, "err", err)
-	} else {
+	case len(pending) > 0:
+		result = "restart_required"
+		a.log.Warn("config reloaded; some changes take effect only after a restart", "path", a.path, "pending_restart", pending)
+	default:
 		a.log.Info("config reloaded", "path", a.path)
 	}
 	a.reloads.WithLabelValues(result).Inc()
 	return err
 }
 
-func (a *app) applyFile() error {
-	cfg, err := configs.Load(configs.NewViper(), a.path)
+// liveKeys are the config keys (and key prefixes, ending in ".") a reload
+// applies while serving. Every other key changed in the file waits for a
+// restart.
+var liveKeys = []string{
+	"replicas", "admin.token", "grpc.token", "limits.",
+	"routing.policy", "routing.load_weight", "routing.recent_weight", "routing.spill_factor",
+	"routing.spill_margin_tokens", "routing.seed", "routing.arms",
+}
+
+func isLive(key string) bool {
+	for _, k := range liveKeys {
+		if key == k || (strings.HasSuffix(k, ".") && strings.HasPrefix(key, k)) {
+			return true
+		}
+	}
+	return false
+}
+
+// applyFile applies the config file's live keys and returns the changed
+// keys that wait for a restart (compared with the config the router
+// started with).
+func (a *app) applyFile() ([]string, error) {
+	newViper := a.viper
+	if newViper == nil {
+		newViper = configs.NewViper
+	}
+	cfg, err := configs.Load(newViper(), a.path)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if len(cfg.Replicas) == 0 && cfg.Discovery.DNSName == "" {
-		return fmt.Errorf("config: replicas: at least one replica is required")
+		return nil, fmt.Errorf("config: replicas: at least one replica is required")
 	}
 	pol, arms, err := policiesFor(cfg)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if len(arms) == 0 {
 		arms = []router.Arm{{Name: "default", Policy: pol, Weight: 1}}
 	}
+	var pending []string
+	for _, k := range configs.Diff(a.cfg, cfg) {
+		if !isLive(k) {
+			pending = append(pending, k)
+		}
+	}
+	if a.cfg.GRPCListen != "" && cfg.Limits.MaxBodyBytes > a.cfg.Limits.MaxBodyBytes {
+		pending = append(pending, "limits.max_body_bytes (the gRPC message size)")
+	}
 	old := a.current.Load()
 	if err := a.core.SetArms(arms); err != nil {
-		return err
+		return nil, err
 	}
-	// Replicas: add the new, remove the gone, replace the changed.
-	want := map[string]configs.Replica{}
-	for _, r := range cfg.Replicas {
-		want[r.Name] = r
+	if err := a.reconcileFile(old.Replicas, cfg.Replicas); err != nil {
+		return nil, err
 	}
-	have := map[string]configs.Replica{}
-	for _, r := range old.Replicas {
-		have[r.Name] = r
+	a.server.SetLimits(limitsOf(cfg.Limits))
+	next := *old
+	next.Replicas, next.Limits = cfg.Replicas, cfg.Limits
+	next.Routing = mergeLiveRouting(old.Routing, cfg.Routing) // the others keep their running values
+	next.Admin.Token, next.GRPC.Token = cfg.Admin.Token, cfg.GRPC.Token
+	a.current.Store(&next)
+	a.pending.Store(&pending)
+	return pending, nil
+}
+
+// mergeLiveRouting returns the running routing section with the live keys
+// of the new one.
+func mergeLiveRouting(old, cur configs.RoutingConfig) configs.RoutingConfig {
+	old.Policy, old.LoadWeight, old.RecentWeight = cur.Policy, cur.LoadWeight, cur.RecentWeight
+	old.SpillFactor, old.SpillMarginTokens, old.Seed, old.Arms = cur.SpillFactor, cur.SpillMarginTokens, cur.Seed, cur.Arms
+	return old
+}
+
+// reconcileFile brings the file's replicas from had to want: it adds the
+// new, removes the gone and replaces the changed. Replicas that DNS or the
+// admin API added are left alone, unless the file now names one.
+func (a *app) reconcileFile(had, want []configs.Replica) error {
+	wantBy := map[string]configs.Replica{}
+	for _, r := range want {
+		wantBy[r.Name] = r
+	}
+	hadBy := map[string]configs.Replica{}
+	for _, r := range had {
+		hadBy[r.Name] = r
 	}
 	for _, cur := range a.pool.Replicas() {
-		if _, dns := a.discovered.Load(cur.Name); dns {
-			continue // DNS discovery manages it
+		w, inFile := wantBy[cur.Name]
+		if a.sourceOf(cur.Name) != fromFile && !inFile {
+			continue
 		}
-		w, keep := want[cur.Name]
-		if !keep || have[cur.Name] != w {
+		if !inFile || hadBy[cur.Name] != w || a.sourceOf(cur.Name) != fromFile {
 			if err := a.removeReplica(cur.Name); err != nil {
 				return err
 			}
 		}
 	}
-	for _, r := range cfg.Replicas {
+	for _, r := range want {
 		if _, ok := a.pool.Get(r.Name); ok {
 			continue
 		}
-		if err := a.addReplica(r); err != nil {
+		if err := a.addReplica(r, fromFile); err != nil {
 			return fmt.Errorf("add replica %s: %w", r.Name, err)
 		}
 	}
-	next := *old
-	next.Replicas, next.Routing = cfg.Replicas, cfg.Routing
-	a.current.Store(&next)
 	return nil
 }
 

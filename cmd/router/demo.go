@@ -1,6 +1,7 @@
 package main
 
 import (
+	"crypto/rand"
 	"errors"
 	"fmt"
 	"io"
@@ -55,6 +56,9 @@ func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
 	}
 	if o.grpcListen != "" {
 		v.Set("grpc_listen", o.grpcListen)
+	}
+	if v.GetString("grpc_listen") != "" && v.GetString("grpc.token") == "" && v.GetString("grpc.tls_client_ca_file") == "" {
+		v.Set("grpc.token", rand.Text()) // the gRPC API is never open; printExample shows the token
 	}
 	if o.decisionLog != "" {
 		v.Set("decision_log.path", o.decisionLog)
@@ -124,6 +128,6 @@ Send it twice: the second answer comes from the same replica (X-Semroute-Replica
 with X-Semroute-Matched-Tokens > 0. Add "stream": true to stream. Ctrl-C stops.
 `, len(d.sims), d.router.url(), d.router.url(), model)
 	if g := d.run.grpcAddr(); g != "" {
-		fmt.Fprintf(w, "\ngRPC Route API on %s (grpcurl -plaintext %s list)\n", g, g)
+		fmt.Fprintf(w, "\ngRPC Route API on %s (grpcurl -plaintext -H 'authorization: Bearer %s' %s list)\n", g, d.app.cfg.GRPC.Token, g)
 	}
 }

@@ -20,9 +20,19 @@ import (
 	"github.com/semroute/semroute/replay"
 )
 
+// bearer sends a bearer token with every call, over plaintext too.
+type bearer string
+
+func (b bearer) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
+	return map[string]string{"authorization": "Bearer " + string(b)}, nil
+}
+
+func (bearer) RequireTransportSecurity() bool { return false }
+
 func dial(t *testing.T, d *demo) *grpc.ClientConn {
 	t.Helper()
-	conn, err := grpc.NewClient(d.run.grpcAddr(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient(d.run.grpcAddr(), grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithPerRPCCredentials(bearer(d.app.current.Load().GRPC.Token)))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -78,8 +88,8 @@ func TestGRPCRouteReleaseListReplicas(t *testing.T) {
 	if err != nil || second.PredictedMatchedTokens < 500 || second.DecisionId != "" {
 		t.Fatalf("dry run after the first: %+v, %v", second, err)
 	}
-	if d.app.core.Held() != 0 {
-		t.Fatalf("%d decisions still held after release", d.app.core.Held())
+	if n, _ := d.app.core.Held(); n != 0 {
+		t.Fatalf("%d decisions still held after release", n)
 	}
 	// Errors: a released id again, no input, a bad kind.
 	if _, err := c.Release(ctx, &pb.ReleaseRequest{DecisionId: "nope"}); status.Code(err) != codes.NotFound {

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"github.com/spf13/viper"
 
 	"github.com/semroute/semroute/configs"
 	"github.com/semroute/semroute/simreplica"
@@ -58,13 +59,14 @@ func newServe() *cobra.Command {
 		Use:   "serve",
 		Short: "Route requests to the replicas in the config",
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			v := configs.NewViper()
-			for _, k := range []string{"listen", "grpc-listen"} {
-				if err := v.BindPFlag(strings.ReplaceAll(k, "-", "_"), cmd.Flags().Lookup(k)); err != nil {
-					return err
+			newViper := func() *viper.Viper {
+				v := configs.NewViper()
+				for _, k := range []string{"listen", "grpc-listen"} {
+					_ = v.BindPFlag(strings.ReplaceAll(k, "-", "_"), cmd.Flags().Lookup(k)) // both flags exist
 				}
+				return v
 			}
-			cfg, err := configs.Load(v, path)
+			cfg, err := configs.Load(newViper(), path)
 			if err != nil {
 				return err
 			}
@@ -73,7 +75,7 @@ func newServe() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			a.path = path
+			a.path, a.viper = path, newViper
 			r, err := a.start()
 			if err != nil {
 				return err

@@ -10,6 +10,7 @@ import (
 	"github.com/semroute/semroute/cachemodel"
 	"github.com/semroute/semroute/decisionlog"
 	"github.com/semroute/semroute/replica"
+	"github.com/semroute/semroute/router"
 )
 
 // replicaCollector exports every replica's state when scraped, so replicas
@@ -29,7 +30,7 @@ var (
 	descKVUsage   = prometheus.NewDesc("semroute_replica_kv_cache_usage_ratio", "KV cache usage the replica reported, 0 to 1.", []string{"replica"}, nil)
 	descBlocks    = prometheus.NewDesc("semroute_replica_tracked_blocks", "Blocks in the router's picture of the replica's cache.", []string{"replica"}, nil)
 	descTokens    = prometheus.NewDesc("semroute_replica_tracked_tokens", "Tokens in the router's picture of the replica's cache.", []string{"replica"}, nil)
-	descBudget    = prometheus.NewDesc("semroute_replica_budget_tokens", "The replica's KV cache budget in tokens (0: unknown).", []string{"replica"}, nil)
+	descBudget    = prometheus.NewDesc("semroute_replica_budget_tokens", "The replica's KV cache budget in tokens: configured, reported by the replica, or else cache.default_budget_tokens.", []string{"replica"}, nil)
 	descEvictions = prometheus.NewDesc("semroute_replica_evictions_total", "Blocks evicted from the router's picture of the replica's cache.", []string{"replica"}, nil)
 )
 
@@ -63,7 +64,7 @@ func (c replicaCollector) Collect(ch chan<- prometheus.Metric) {
 		g(descKVUsage, l.KVUsage)
 		g(descBlocks, float64(st.Blocks))
 		g(descTokens, float64(st.Tokens))
-		g(descBudget, float64(r.Budget()))
+		g(descBudget, float64(st.Budget))
 		ch <- prometheus.MustNewConstMetric(descEvictions, prometheus.CounterValue, float64(st.Evictions), r.Name)
 	}
 }
@@ -86,20 +87,27 @@ func buildInfo() (ver, commit, goVersion string) {
 
 // registerOps registers the process-level metrics: replicas, the decision
 // log and build info.
-func registerOps(reg *prometheus.Registry, pool *replica.Pool, cache *cachemodel.Model, dl *decisionlog.Writer) {
+func registerOps(reg *prometheus.Registry, pool *replica.Pool, cache *cachemodel.Model, dl *decisionlog.Writer, core *router.Core) {
+	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "semroute_grpc_held_decisions",
+		Help: "gRPC Route decisions awaiting Release (capped by grpc.max_held_decisions)."},
+		func() float64 { n, _ := core.Held(); return float64(n) }))
 	reg.MustRegister(replicaCollector{pool, cache})
 	ver, commit, gov := buildInfo()
 	bi := prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "semroute_build_info", Help: "1, labelled with the build's version, commit and Go version."},
 		[]string{"version", "commit", "goversion"})
 	bi.WithLabelValues(ver, commit, gov).Set(1)
 	reg.MustRegister(bi)
-	written, dropped := func() float64 { return 0 }, func() float64 { return 0 }
+	// Every decision logged ends up in exactly one of written, dropped and
+	// failed (see decisionlog.Writer), once the writer has caught up.
+	written, dropped, failed := func() float64 { return 0 }, func() float64 { return 0 }, func() float64 { return 0 }
 	if dl != nil {
 		written = func() float64 { return float64(dl.Written()) }
 		dropped = func() float64 { return float64(dl.Dropped()) }
+		failed = func() float64 { return float64(dl.Failed()) }
 	}
 	reg.MustRegister(
-		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "semroute_decision_log_lines_written_total", Help: "Decision log lines written."}, written),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "semroute_decision_log_lines_written_total", Help: "Decision log lines written whole to the file."}, written),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "semroute_decision_log_lines_dropped_total", Help: "Decision log lines dropped because the buffer was full."}, dropped),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "semroute_decision_log_lines_failed_total", Help: "Decision log lines that could not be encoded or written (write errors, no open file)."}, failed),
 	)
 }

@@ -20,6 +20,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spf13/viper"
 	"go.uber.org/goleak"
 
 	"github.com/semroute/semroute/configs"
@@ -48,9 +49,12 @@ func serveConfig(t *testing.T, path string) *running {
 // app before it starts, to swap in test doubles.
 func serveConfigWith(t *testing.T, path string, prepare func(*app)) *running {
 	t.Helper()
-	v := configs.NewViper()
-	v.Set("listen", "127.0.0.1:0")
-	cfg, err := configs.Load(v, path)
+	newViper := func() *viper.Viper {
+		v := configs.NewViper()
+		v.Set("listen", "127.0.0.1:0")
+		return v
+	}
+	cfg, err := configs.Load(newViper(), path)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -58,7 +62,7 @@ func serveConfigWith(t *testing.T, path string, prepare func(*app)) *running {
 	if err != nil {
 		t.Fatal(err)
 	}
-	a.path = path
+	a.path, a.viper = path, newViper
 	if prepare != nil {
 		prepare(a)
 	}

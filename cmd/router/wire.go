@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -16,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/spf13/viper"
 	"google.golang.org/grpc"
 
 	"github.com/semroute/semroute/blockhash"
@@ -45,13 +47,33 @@ type app struct {
 	ctx       context.Context // ends when the app stops
 	stopCtx   context.CancelFunc
 	// path is the config file to watch for reloads; empty: none.
-	path        string
+	path string
+	// viper returns the viper a reload loads path into: the one the
+	// router started with, flags and all, less the file. Nil means
+	// configs.NewViper.
+	viper       func() *viper.Viper
 	stopTracing func(context.Context) error
 	// resolver overrides DNS for discovery (tests); nil: the system's.
 	resolver replica.Resolver
-	// discovered holds the replicas DNS discovery manages.
-	discovered sync.Map
+
+	// sources says, for each replica name, what added it: the config file,
+	// DNS discovery or the admin API. A reload of the file changes only
+	// the file's replicas.
+	srcMu   sync.Mutex
+	sources map[string]source
+	// pending lists the config keys changed in the file that take effect
+	// only after a restart; nil when none.
+	pending atomic.Pointer[[]string]
 }
+
+// source is what added a replica.
+type source string
+
+const (
+	fromFile  source = "config"
+	fromDNS   source = "dns"
+	fromAdmin source = "admin"
+)
 
 // newLogger builds the logger the config asks for, writing to w.
 func newLogger(c configs.LogConfig, w io.Writer) *slog.Logger {
@@ -89,10 +111,9 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	cache := cachemodel.New(co)
 	specs := make([]replica.Spec, len(cfg.Replicas))
 	for i, r := range cfg.Replicas {
-		specs[i] = spec(r, cfg.Cache.DefaultBudgetTokens)
+		specs[i] = r.Spec()
 	}
-	pool, err := replica.NewPool(specs, replica.Options{HalfLife: cfg.Routing.LoadHalfLife},
-		func(s replica.Spec) (int, error) { return cache.AddReplica(s.Name, s.BudgetTokens) })
+	pool, err := replica.NewPool(specs, replica.Options{HalfLife: cfg.Routing.LoadHalfLife}, joinCache(cache, cfg.Cache, log))
 	if err != nil {
 		return nil, fmt.Errorf("config: %w", err)
 	}
@@ -117,9 +138,10 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	}
 	var dl *decisionlog.Writer
 	copts := router.CoreOptions{Engine: eng, Arms: arms, Salt: cfg.Routing.ArmSalt, ReleaseAfter: cfg.Routing.ReleaseAfter,
-		RawIDs: cfg.DecisionLog.RawIDs, LogPrompts: cfg.DecisionLog.LogPrompts}
+		RawIDs: cfg.DecisionLog.RawIDs, LogPrompts: cfg.DecisionLog.LogPrompts,
+		MaxHeld: cfg.GRPC.MaxHeldDecisions, MaxHeldBlocks: cfg.GRPC.MaxHeldBlocks}
 	if d := cfg.DecisionLog; d.Path != "" {
-		dl, err = decisionlog.Open(decisionlog.Options{Path: d.Path, MaxBytes: d.MaxBytes, MaxFiles: d.MaxFiles, Buffer: d.Buffer, FsyncInterval: d.FsyncInterval})
+		dl, err = decisionlog.Open(decisionlog.Options{Path: d.Path, MaxBytes: d.MaxBytes, MaxFiles: d.MaxFiles, Buffer: d.Buffer, FsyncInterval: d.FsyncInterval, Logger: log})
 		if err != nil {
 			return nil, fmt.Errorf("config: decision_log: %w", err)
 		}
@@ -140,22 +162,25 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	}
 	srv, err := router.NewServer(router.ServerOptions{
 		Tracer: tracer,
-		Core:   core, MaxBodyBytes: cfg.Limits.MaxBodyBytes, Limits: blockhash.Limits{MaxMessages: cfg.Limits.MaxMessages},
+		Core:   core, Limits: limitsOf(cfg.Limits),
 		RecordReplies: cfg.Routing.RecordReplies, Logger: log,
 		Ejection:       replica.Ejection{Base: cfg.Health.EjectBase, Max: cfg.Health.EjectMax, Forgive: cfg.Health.EjectForgive},
 		ConnectTimeout: cfg.Timeouts.Connect, FirstByteTimeout: cfg.Timeouts.FirstByte, IdleTimeout: cfg.Timeouts.Idle,
-		MaxHeaderBytes: cfg.Limits.MaxHeaderBytes, MaxOutputTokens: cfg.Limits.MaxOutputTokens,
 		Metrics: promhttp.HandlerFor(reg, promhttp.HandlerOpts{}),
 	})
 	if err != nil {
 		return nil, err
 	}
-	registerOps(reg, pool, cache, dl)
-	a := &app{cfg: cfg, log: log, cache: cache, pool: pool, engine: eng, core: core, server: srv, decisions: dl, reg: reg, stopTracing: stopTracing}
+	registerOps(reg, pool, cache, dl, core)
+	a := &app{cfg: cfg, log: log, cache: cache, pool: pool, engine: eng, core: core, server: srv, decisions: dl, reg: reg, stopTracing: stopTracing,
+		sources: map[string]source{}}
+	for _, r := range cfg.Replicas {
+		a.sources[r.Name] = fromFile
+	}
 	a.current.Store(cfg)
 	a.ctx, a.stopCtx = context.WithCancel(context.Background())
 	a.reloads = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_config_reloads_total",
-		Help: "Config reloads by result (ok, failed)."}, []string{"result"})
+		Help: "Config reloads by result: ok, restart_required (applied, but some changed keys take effect only after a restart), failed."}, []string{"result"})
 	reg.MustRegister(a.reloads)
 	h := cfg.Health
 	a.monitor = replica.NewMonitor(pool, replica.MonitorOptions{
@@ -175,25 +200,56 @@ func scrapeInterval(d time.Duration) time.Duration {
 	return d
 }
 
-func spec(r configs.Replica, defaultBudget int64) replica.Spec {
-	s := replica.Spec{Name: r.Name, URL: r.URL, BudgetTokens: r.BudgetTokens, Weight: r.Weight}
-	if s.BudgetTokens == 0 {
-		s.BudgetTokens = defaultBudget
-	}
-	return s
+// limitsOf turns the limits section into the front end's limits.
+func limitsOf(l configs.LimitsConfig) router.Limits {
+	return router.Limits{MaxBodyBytes: l.MaxBodyBytes, MaxHeaderBytes: l.MaxHeaderBytes, MaxOutputTokens: l.MaxOutputTokens,
+		Parse: blockhash.Limits{MaxMessages: l.MaxMessages, MaxDepth: l.MaxJSONDepth}}
 }
 
-// addReplica adds a replica with an empty cache picture.
-func (a *app) addReplica(r configs.Replica) error {
-	s := spec(r, a.current.Load().Cache.DefaultBudgetTokens)
-	_, err := a.pool.Add(s, func(s replica.Spec) (int, error) { return a.cache.AddReplica(s.Name, s.BudgetTokens) })
-	return err
+// joinCache returns the pool's join function: it gives each replica a
+// cache picture under its budget. A replica whose budget is unknown (not
+// configured, not yet reported by vllm:cache_config_info) gets the cache
+// section's default, so that its picture is bounded all the same; the
+// monitor replaces it once the replica reports its own.
+func joinCache(cache *cachemodel.Model, c configs.CacheConfig, log *slog.Logger) func(replica.Spec) (int, error) {
+	assumed := cmp.Or(c.DefaultBudgetTokens, configs.DefaultBudgetTokens)
+	return func(s replica.Spec) (int, error) {
+		budget := s.BudgetTokens
+		if budget == 0 {
+			budget = assumed
+			log.Info("replica budget unknown: assuming cache.default_budget_tokens until it reports vllm:cache_config_info",
+				"replica", s.Name, "budget_tokens", budget)
+		}
+		return cache.AddReplica(s.Name, budget)
+	}
+}
+
+// addReplica adds a replica with an empty cache picture, recording what
+// added it.
+func (a *app) addReplica(r configs.Replica, from source) error {
+	a.srcMu.Lock()
+	defer a.srcMu.Unlock()
+	if _, err := a.pool.Add(r.Spec(), joinCache(a.cache, a.current.Load().Cache, a.log)); err != nil {
+		return err
+	}
+	a.sources[r.Name] = from
+	return nil
+}
+
+// sourceOf returns what added the named replica, or "".
+func (a *app) sourceOf(name string) source {
+	a.srcMu.Lock()
+	defer a.srcMu.Unlock()
+	return a.sources[name]
 }
 
 // removeReplica takes a replica out of the pool now; its requests in flight
 // finish, then its cache picture is dropped.
 func (a *app) removeReplica(name string) error {
+	a.srcMu.Lock()
 	r, ok := a.pool.Remove(name)
+	delete(a.sources, name)
+	a.srcMu.Unlock()
 	if !ok {
 		return fmt.Errorf("no replica %q", name)
 	}
@@ -218,13 +274,20 @@ func (a *app) retire(r *replica.Replica) {
 	a.monitor.Forget(r)
 }
 
-// drainReplica stops new traffic to a replica and keeps it listed.
-func (a *app) drainReplica(name string) error {
+// drainReplica stops new traffic to a replica and keeps it listed; with
+// undrain false it lets traffic back. The state lasts until changed here,
+// across reloads, unless a reload replaces the replica (its URL, budget
+// or weight changed in the file).
+func (a *app) drainReplica(name string, drain bool) error {
 	r, ok := a.pool.Get(name)
 	if !ok {
 		return fmt.Errorf("no replica %q", name)
 	}
-	r.Drain()
+	if drain {
+		r.Drain()
+	} else {
+		r.Undrain()
+	}
 	return nil
 }
 
@@ -253,8 +316,16 @@ func (a *app) start() (*running, error) {
 			_ = r.http.stop(time.Second)
 			return nil, fmt.Errorf("listen %s: %w", a.cfg.GRPCListen, err)
 		}
-		r.grpc = router.NewGRPCServer(a.core, blockhash.Limits{MaxMessages: a.cfg.Limits.MaxMessages},
-			grpc.MaxRecvMsgSize(int(a.cfg.Limits.MaxBodyBytes)))
+		creds, err := grpcCreds(a.cfg.GRPC)
+		if err != nil {
+			_ = r.http.stop(time.Second)
+			_ = r.grpcLn.Close()
+			return nil, err
+		}
+		r.grpc = router.NewGRPCServer(a.core, router.GRPCOptions{
+			Limits: a.server.CurrentLimits,
+			Token:  func() string { return a.current.Load().GRPC.Token },
+		}, grpc.MaxRecvMsgSize(int(a.cfg.Limits.MaxBodyBytes)), creds)
 		go func() { _ = r.grpc.Serve(r.grpcLn) }()
 	}
 	ctx, cancel := context.WithCancel(a.ctx)
@@ -265,7 +336,7 @@ func (a *app) start() (*running, error) {
 	go func() { defer wg.Done(); a.core.Run(ctx, time.Second) }()
 	go func() { defer wg.Done(); a.monitor.Run(ctx) }()
 	if c := a.cfg.Admin; c.Listen != "" && c.Token != "" {
-		if r.admin, err = serve(c.Listen, a.adminHandler(c.Token), a.log); err != nil {
+		if r.admin, err = serve(c.Listen, a.adminHandler(), a.log); err != nil {
 			cancel()
 			_ = r.http.stop(time.Second)
 			return nil, err
@@ -276,10 +347,11 @@ func (a *app) start() (*running, error) {
 			Name: d.DNSName, SRV: d.SRV, Port: d.Port, Scheme: d.Scheme, Interval: d.Interval,
 			BudgetTokens: d.BudgetTokens, Resolver: a.resolver, Logger: a.log,
 		}, func(s replica.Spec) error {
-			a.discovered.Store(s.Name, true)
-			return a.addReplica(configs.Replica{Name: s.Name, URL: s.URL, BudgetTokens: s.BudgetTokens})
+			return a.addReplica(configs.Replica{Name: s.Name, URL: s.URL, BudgetTokens: s.BudgetTokens}, fromDNS)
 		}, func(name string) error {
-			a.discovered.Delete(name)
+			if a.sourceOf(name) != fromDNS {
+				return nil // the file or the admin API owns it now
+			}
 			return a.removeReplica(name)
 		})
 		wg.Add(1)
