@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"encoding/binary"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math"
 	"strconv"
+	"sync/atomic"
 
 	"github.com/valyala/fastjson"
 )
@@ -71,6 +73,9 @@ type Request struct {
 	Parts     []Part
 
 	p *fastjson.Parser // holds the memory Parts alias; see Release
+
+	budget *Budget // the budget the parse took held values from, or nil
+	held   int64
 }
 
 // Limits bound what a parser accepts.
@@ -84,19 +89,85 @@ type Limits struct {
 	// supports) means 299. A body nested deeper is refused, after a linear
 	// scan, before it is parsed.
 	MaxDepth int
+	// MaxValues bounds the JSON values in a body (strings, keys included,
+	// numbers, literals, arrays, objects). Parsing builds a tree of about
+	// 300-450 bytes of memory per value, against 2 bytes per value of the
+	// body at best ("1,"), so values, not bytes, bound a parse's memory.
+	// Zero, or less, means DefaultMaxValues.
+	MaxValues int
+	// Budget, if set, is shared by the requests parsed at once: a body of
+	// more than BudgetFloor values takes its values from it until
+	// Request.Release, and is refused with ErrBusy when the budget cannot
+	// cover it. It bounds the memory of parsing across requests.
+	Budget *Budget
 }
+
+// DefaultMaxValues is the default Limits.MaxValues: 262,144, room for a
+// prompt of 256 Ki token ids.
+const DefaultMaxValues = 1 << 18
+
+// DefaultBudgetValues is a budget for a router's requests: 1,048,576
+// values, four bodies at DefaultMaxValues, about 330 MB of parse trees.
+const DefaultBudgetValues = 1 << 20
+
+// BudgetFloor is the size, in values, under which a body parses without
+// taking from a Budget: ordinary chat bodies have a few hundred.
+const BudgetFloor = 4096
+
+func (l Limits) maxValues() int {
+	if l.MaxValues <= 0 {
+		return DefaultMaxValues
+	}
+	return l.MaxValues
+}
+
+// Budget is a number of JSON values that the requests parsed at once may
+// hold together (see Limits.Budget). The zero value has no room; use
+// NewBudget. Safe for concurrent use.
+type Budget struct {
+	max  int64
+	used atomic.Int64
+}
+
+// NewBudget returns a budget of values.
+func NewBudget(values int64) *Budget { return &Budget{max: values} }
+
+// Used returns the values held now.
+func (b *Budget) Used() int64 { return b.used.Load() }
+
+// take reserves n values if they fit, in one step.
+func (b *Budget) take(n int64) bool {
+	if b.used.Add(n) > b.max {
+		b.used.Add(-n)
+		return false
+	}
+	return true
+}
+
+// ErrBusy is returned by the parsers when a Budget cannot cover a large
+// body now: the request may be retried.
+var ErrBusy = errors.New("too many large request bodies are being parsed at once; retry later")
 
 // parsers lends the fastjson parsers whose memory a parsed Request's parts
 // alias until Release.
 var parsers fastjson.ParserPool
 
 // Release gives the memory that r's parts alias back for reuse by a later
-// parse. Neither r nor any Part.Text of it may be used afterwards. Calling it
-// is optional: an unreleased request is collected as usual.
+// parse, and the values it took back to its Budget. Neither r nor any
+// Part.Text of it may be used afterwards. Calling it is optional unless the
+// request was parsed with a Budget (then its values stay taken until it
+// is); an unreleased request is collected as usual. Calling it twice is
+// harmless.
 func (r *Request) Release() {
 	if r.p != nil {
-		parsers.Put(r.p)
+		if r.held == 0 { // a large parse's tree is left to the collector, not kept in the pool
+			parsers.Put(r.p)
+		}
 		r.p, r.Parts = nil, nil
+	}
+	if r.budget != nil {
+		r.budget.used.Add(-r.held)
+		r.budget, r.held = nil, 0
 	}
 }
 
@@ -128,10 +199,18 @@ func decode(data []byte, ep Endpoint, lim Limits) (*body, *Request, error) {
 	// prescan checks what fastjson's parser does not (strings, numbers),
 	// and what would cost fastjson too much to find; the parser then
 	// checks the structure.
-	if err := prescan(data, lim.maxDepth()); err != nil {
+	values, err := scan(data, lim.maxDepth(), lim.maxValues())
+	if err != nil {
 		return nil, nil, err
 	}
-	r := &Request{p: parsers.Get()}
+	r := &Request{}
+	if lim.Budget != nil && values > BudgetFloor {
+		if !lim.Budget.take(int64(values)) {
+			return nil, nil, ErrBusy
+		}
+		r.budget, r.held = lim.Budget, int64(values)
+	}
+	r.p = parsers.Get()
 	b, err := r.common(data, ep)
 	if err != nil {
 		r.Release()
@@ -563,16 +642,16 @@ func (r *Request) completion(b *body, lim Limits) error {
 	if len(items) == 0 {
 		return inputErr("prompt", "must not be empty")
 	}
-	if lim.MaxMessages > 0 && len(items) > lim.MaxMessages {
-		return inputErr("prompt", "has %d entries, more than the limit of %d", len(items), lim.MaxMessages)
-	}
 	if t := items[0].Type(); t != fastjson.TypeString && t != fastjson.TypeArray { // one array of token ids
-		ids, err := tokenIDs(items)
+		ids, err := tokenIDs(items) // bounded by Limits.MaxValues, not MaxMessages: they are one prompt
 		if err != nil {
 			return inputErr("prompt", "mixed or invalid token ids: %v", err)
 		}
 		r.Parts = []Part{TokenPart(ids)}
 		return nil
+	}
+	if lim.MaxMessages > 0 && len(items) > lim.MaxMessages {
+		return inputErr("prompt", "has %d entries, more than the limit of %d", len(items), lim.MaxMessages)
 	}
 	r.Parts = make([]Part, 0, len(items))
 	for i, it := range items {

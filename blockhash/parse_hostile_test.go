@@ -680,3 +680,45 @@ func BenchmarkParseLarge(b *testing.B) {
 		})
 	}
 }
+
+// TestValuesBounded: a body's values are counted in the pre-scan and
+// refused past Limits.MaxValues; large bodies take their values from a
+// shared Budget until Release; a token-id prompt is one prompt, however
+// long, for MaxMessages.
+func TestValuesBounded(t *testing.T) {
+	ids := func(n int) []byte {
+		return []byte(`{"model":"m","prompt":[` + strings.Repeat("7,", n-1) + `7]}`)
+	}
+	lim := Limits{MaxMessages: 4, MaxValues: 10000, Budget: NewBudget(15000)}
+	// {"model":"m","prompt":[...]}: the object, two keys, "m", the array.
+	full, err := ParseCompletion(ids(10000-5), lim)
+	if err != nil {
+		t.Fatalf("10,000 values with a limit of 10,000: %v", err)
+	}
+	full.Release()
+	if _, err := ParseCompletion(ids(10000-4), lim); err == nil || !strings.Contains(err.Error(), "more values than the limit of 10000") {
+		t.Fatalf("10,001 values: %v", err)
+	}
+	a, err := ParseCompletion(ids(8000), lim)
+	if err != nil || lim.Budget.Used() != 8005 {
+		t.Fatalf("first large body: %v, budget used %d", err, lim.Budget.Used())
+	}
+	if _, err := ParseCompletion(ids(8000), lim); err != ErrBusy {
+		t.Fatalf("second large body over the budget: %v", err)
+	}
+	small, err := ParseCompletion(ids(BudgetFloor-5), lim)
+	if err != nil || lim.Budget.Used() != 8005 {
+		t.Fatalf("a body under the floor takes from the budget: %v, used %d", err, lim.Budget.Used())
+	}
+	small.Release()
+	a.Release()
+	a.Release()
+	if lim.Budget.Used() != 0 {
+		t.Fatalf("budget used %d after release", lim.Budget.Used())
+	}
+	b, err := ParseCompletion(ids(8000), lim)
+	if err != nil || len(b.Parts) != 1 || b.Parts[0].Tokens != 8000 {
+		t.Fatalf("after release: %v", err)
+	}
+	b.Release()
+}

@@ -306,16 +306,16 @@ func refParseCompletion(body []byte, lim Limits) (*Request, error) {
 	if len(items) == 0 {
 		return nil, inputErr("prompt", "must not be empty")
 	}
-	if lim.MaxMessages > 0 && len(items) > lim.MaxMessages {
-		return nil, inputErr("prompt", "has %d entries, more than the limit of %d", len(items), lim.MaxMessages)
-	}
-	if c := items[0][0]; c != '"' && c != '[' { // one array of token ids
+	if c := items[0][0]; c != '"' && c != '[' { // one array of token ids: one prompt, not MaxMessages of them
 		var ids []int32
 		if err := json.Unmarshal(p, &ids); err != nil {
 			return nil, inputErr("prompt", "mixed or invalid token ids: %v", err)
 		}
 		r.Parts = []Part{TokenPart(ids)}
 		return r, nil
+	}
+	if lim.MaxMessages > 0 && len(items) > lim.MaxMessages {
+		return nil, inputErr("prompt", "has %d entries, more than the limit of %d", len(items), lim.MaxMessages)
 	}
 	for i, it := range items {
 		field := fmt.Sprintf("prompt[%d]", i)

@@ -3,6 +3,7 @@ package blockhash
 import (
 	"encoding/binary"
 	"fmt"
+	"math"
 	"math/bits"
 	"strconv"
 	"unicode/utf8"
@@ -68,21 +69,35 @@ func (l Limits) maxDepth() int {
 // Strings are read 8 bytes at a time, to the next quote, backslash or
 // control character.
 func prescan(data []byte, maxDepth int) error {
-	depth := 0
+	_, err := scan(data, maxDepth, math.MaxInt)
+	return err
+}
+
+// scan is prescan that also counts the body's values (strings, keys
+// included, numbers, literals, arrays and objects) and refuses the body at
+// the first value past maxValues. It returns the count.
+func scan(data []byte, maxDepth, maxValues int) (int, error) {
+	depth, values := 0, 0
 	for i := 0; i < len(data); {
-		switch byteClass[data[i]] {
+		c := byteClass[data[i]]
+		if c > classSpace && c != classClose {
+			if values++; values > maxValues {
+				return values, inputErr("", "JSON has more values than the limit of %d (at byte %d)", maxValues, i)
+			}
+		}
+		switch c {
 		case classSpace:
 			i++
 		case classQuote:
 			j, err := skipString(data, i)
 			if err != nil {
-				return err
+				return values, err
 			}
 			i = j
 		case classOpen:
 			depth++
 			if depth > maxDepth {
-				return inputErr("", "JSON nesting is deeper than the limit of %d (at byte %d)", maxDepth, i)
+				return values, inputErr("", "JSON nesting is deeper than the limit of %d (at byte %d)", maxDepth, i)
 			}
 			i++
 		case classClose:
@@ -91,29 +106,29 @@ func prescan(data []byte, maxDepth int) error {
 		case classNumber:
 			j := skipNumber(data, i)
 			if j < 0 {
-				return inputErr("", "invalid JSON: malformed number at byte %d", i)
+				return values, inputErr("", "invalid JSON: malformed number at byte %d", i)
 			}
 			i = j
 		case classTrue:
 			if !literalAt(data, i, "true") {
-				return badLiteral(i)
+				return values, badLiteral(i)
 			}
 			i += len("true")
 		case classFalse:
 			if !literalAt(data, i, "false") {
-				return badLiteral(i)
+				return values, badLiteral(i)
 			}
 			i += len("false")
 		case classNull:
 			if !literalAt(data, i, "null") {
-				return badLiteral(i)
+				return values, badLiteral(i)
 			}
 			i += len("null")
 		default:
-			return inputErr("", "invalid JSON: unexpected %s at byte %d", byteName(data[i]), i)
+			return values, inputErr("", "invalid JSON: unexpected %s at byte %d", byteName(data[i]), i)
 		}
 	}
-	return nil
+	return values, nil
 }
 
 // The classes of bytes outside strings; any other byte is invalid there.

@@ -223,6 +223,12 @@ type LimitsConfig struct {
 	// MaxJSONDepth bounds the nesting of arrays and objects in a request
 	// body; a deeper body gets 400 as soon as the limit is passed.
 	MaxJSONDepth int `mapstructure:"max_json_depth" json:"max_json_depth"`
+	// MaxJSONValues bounds the values (strings, numbers, literals, arrays,
+	// objects) in one body; MaxJSONValuesInFlight those of the large bodies
+	// (over 4,096 values) being parsed at once, whose parse trees cost
+	// about 300-450 bytes a value: past it a large body gets 503.
+	MaxJSONValues         int   `mapstructure:"max_json_values" json:"max_json_values"`
+	MaxJSONValuesInFlight int64 `mapstructure:"max_json_values_in_flight" json:"max_json_values_in_flight"`
 }
 
 // Replica is one static replica. The admin API reads the same fields,
@@ -286,6 +292,8 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("limits.max_header_bytes", 64<<10)
 	v.SetDefault("limits.max_output_tokens", 1<<20)
 	v.SetDefault("limits.max_json_depth", blockhash.DefaultMaxDepth)
+	v.SetDefault("limits.max_json_values", blockhash.DefaultMaxValues)
+	v.SetDefault("limits.max_json_values_in_flight", blockhash.DefaultBudgetValues)
 	v.SetDefault("health.check_interval", "2s")
 	v.SetDefault("health.check_timeout", "1s")
 	v.SetDefault("health.fall", 2)
@@ -482,8 +490,11 @@ func (c *Config) Validate() error {
 	if c.Limits.MaxHeaderBytes < 1024 || c.Limits.MaxOutputTokens < 1 {
 		bad("limits", "max_header_bytes must be at least 1024 and max_output_tokens positive")
 	}
-	if d := c.Limits.MaxJSONDepth; d < 2 || d > 10000 {
-		bad("limits.max_json_depth", "%d is not in [2, 10000]", d)
+	if d := c.Limits.MaxJSONDepth; d < 2 || d > 299 {
+		bad("limits.max_json_depth", "%d is not in [2, 299]", d)
+	}
+	if l := c.Limits; l.MaxJSONValues < 16 || l.MaxJSONValuesInFlight < int64(l.MaxJSONValues) {
+		bad("limits.max_json_values", "must be at least 16, and max_json_values_in_flight at least max_json_values")
 	}
 	h := c.Health
 	if h.CheckInterval <= 0 || h.CheckTimeout <= 0 || h.Fall < 1 || h.Rise < 1 || h.ScrapeInterval < 0 ||

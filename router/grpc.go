@@ -1,6 +1,7 @@
 package router
 
 import (
+	"bytes"
 	"context"
 	"crypto/subtle"
 	"encoding/json"
@@ -166,14 +167,21 @@ func (g *GRPCService) request(in *pb.RouteRequest) (*blockhash.Request, error) {
 // Route implements pb.RouterServer.
 func (g *GRPCService) Route(_ context.Context, in *pb.RouteRequest) (*pb.RouteResponse, error) {
 	req, err := g.request(in)
-	if err != nil {
+	switch {
+	case errors.Is(err, blockhash.ErrBusy):
+		return nil, status.Error(codes.ResourceExhausted, err.Error())
+	case err != nil:
 		return nil, invalid(err)
 	}
+	defer req.Release()
 	var ri RouteInput
 	if _, ok := in.GetInput().(*pb.RouteRequest_Blocks); ok {
 		ri = g.preSplit(req, in.GetSessionId())
 	} else {
 		ri = g.core.e.Input(req, in.GetSessionId(), g.core.o.LogPrompts)
+	}
+	for i, t := range ri.Text { // a held decision logs its text after req is released
+		ri.Text[i] = bytes.Clone(t)
 	}
 	rt, err := g.core.Route(CoreRequest{Input: ri, Model: req.Model, Session: in.GetSessionId(), Tenant: in.GetTenantId(), DryRun: in.GetDryRun(), Route: "grpc"})
 	switch {

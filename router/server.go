@@ -92,11 +92,16 @@ type Limits struct {
 	// MaxOutputTokens rejects requests asking for more (max_tokens or
 	// max_completion_tokens) with 400. Default 1,048,576.
 	MaxOutputTokens int
-	// Parse bounds what the parser accepts (messages, nesting).
+	// Parse bounds what the parser accepts (messages, nesting, values),
+	// and the values being parsed at once across requests (a nil
+	// Parse.Budget means one of blockhash.DefaultBudgetValues).
 	Parse blockhash.Limits
 }
 
 func (l *Limits) defaults() {
+	if l.Parse.Budget == nil {
+		l.Parse.Budget = blockhash.NewBudget(blockhash.DefaultBudgetValues)
+	}
 	l.MaxBodyBytes = cmp.Or(max(l.MaxBodyBytes, 0), 16<<20)
 	l.MaxHeaderBytes = cmp.Or(max(l.MaxHeaderBytes, 0), 64<<10)
 	l.MaxOutputTokens = cmp.Or(max(l.MaxOutputTokens, 0), 1<<20)
@@ -296,6 +301,8 @@ func (s *Server) classify(err error) apiError {
 			"request body is larger than the limit of " + strconv.FormatInt(tooBig.Limit, 10) + " bytes"}
 	case errors.As(err, &ie):
 		return apiError{http.StatusBadRequest, "invalid_request_error", "invalid_request", ie.Error()}
+	case errors.Is(err, blockhash.ErrBusy):
+		return apiError{http.StatusServiceUnavailable, "server_busy", "parse_budget", err.Error()}
 	case errors.Is(err, ErrNoReplica):
 		return apiError{http.StatusServiceUnavailable, "service_unavailable", "no_replica", "no replica is available to serve the request"}
 	}

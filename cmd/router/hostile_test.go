@@ -554,3 +554,70 @@ func TestAdminAPIValidatesAndPersists(t *testing.T) {
 		t.Fatalf("list does not say where b came from: %s", body)
 	}
 }
+
+// A body of many small values (16 MiB of "1,") would build a parse tree of
+// about 4 GB: values are bounded per body, and the large bodies being
+// parsed at once share a budget.
+func TestJSONValuesAreBounded(t *testing.T) {
+	release := make(chan struct{})
+	var once sync.Once
+	slow := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/v1/completions" {
+			return
+		}
+		_, _ = io.Copy(io.Discard, r.Body)
+		<-release
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, `{"choices":[{"text":"ok"}],"usage":{"prompt_tokens":1,"completion_tokens":1}}`)
+	}))
+	t.Cleanup(func() { once.Do(func() { close(release) }); slow.Close() })
+	cfg := filepath.Join(t.TempDir(), "router.yaml")
+	writeConfig(t, cfg, fmt.Sprintf("limits: {max_json_values: 8000, max_json_values_in_flight: 10000}\nhealth: {check_interval: 1h, scrape_interval: 0s}\nreplicas:\n  - {name: s, url: %q}\n", slow.URL))
+	r := serveConfig(t, cfg)
+	ids := func(n int) []byte {
+		return []byte(`{"model":"m","max_tokens":1,"prompt":[` + strings.Repeat("1,", n-1) + `1]}`)
+	}
+	var m0, m1 runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&m0)
+	code, body, _ := rawPost(t, r.http.url(), "/v1/completions", []byte(`{"model":"m","prompt":[`+strings.Repeat("1,", 8<<20-1000)+`1]}`))
+	runtime.ReadMemStats(&m1)
+	if code != http.StatusBadRequest || !bytes.Contains(body, []byte("more values than the limit of 8000")) {
+		t.Fatalf("16 MiB of values: %d %s", code, body)
+	}
+	if grew := m1.TotalAlloc - m0.TotalAlloc; grew > 256<<20 { // the body itself is 16 MiB
+		t.Fatalf("refusing 8 Mi values allocated %d MB", grew>>20)
+	}
+	// A held large body takes 6,000 of the 10,000 values in flight: a
+	// second one waits for none of them, it is refused with 503.
+	first := make(chan int, 1)
+	go func() {
+		req, _ := http.NewRequest(http.MethodPost, r.http.url()+"/v1/completions", bytes.NewReader(ids(6000)))
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			first <- 0
+			return
+		}
+		resp.Body.Close()
+		first <- resp.StatusCode
+	}()
+	rep, _ := r.app.pool.Get("s")
+	deadline := time.Now().Add(10 * time.Second)
+	for rep.Load(time.Now()).InFlight == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the first large body never reached the replica")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if code, body, _ := rawPost(t, r.http.url(), "/v1/completions", ids(6000)); code != http.StatusServiceUnavailable || !bytes.Contains(body, []byte("parse_budget")) {
+		t.Fatalf("second large body while the first is held: %d %s", code, body)
+	}
+	once.Do(func() { close(release) })
+	if code := <-first; code != 200 {
+		t.Fatalf("the first large body: %d", code)
+	}
+	if code, body, _ := rawPost(t, r.http.url(), "/v1/completions", ids(6000)); code != 200 {
+		t.Fatalf("a large body once the first finished: %d %s", code, body)
+	}
+}

@@ -203,7 +203,8 @@ func scrapeInterval(d time.Duration) time.Duration {
 // limitsOf turns the limits section into the front end's limits.
 func limitsOf(l configs.LimitsConfig) router.Limits {
 	return router.Limits{MaxBodyBytes: l.MaxBodyBytes, MaxHeaderBytes: l.MaxHeaderBytes, MaxOutputTokens: l.MaxOutputTokens,
-		Parse: blockhash.Limits{MaxMessages: l.MaxMessages, MaxDepth: l.MaxJSONDepth}}
+		Parse: blockhash.Limits{MaxMessages: l.MaxMessages, MaxDepth: l.MaxJSONDepth, MaxValues: l.MaxJSONValues,
+			Budget: blockhash.NewBudget(l.MaxJSONValuesInFlight)}}
 }
 
 // joinCache returns the pool's join function: it gives each replica a
