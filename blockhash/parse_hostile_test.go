@@ -593,15 +593,17 @@ func hostileBodies(size int) []struct {
 
 // BenchmarkNestingRejected parses hostile bodies of 10 KB, 100 KB and 1 MB.
 // Time per body must grow at most linearly with its size (MB/s flat or
-// rising); bodies refused early cost the same at every size.
+// rising); bodies refused early cost the same at every size. The value
+// limit is lifted, so that nesting alone is measured.
 func BenchmarkNestingRejected(b *testing.B) {
+	lim := Limits{MaxValues: 1 << 30}
 	for _, size := range []int{10 << 10, 100 << 10, 1 << 20} {
 		for _, h := range hostileBodies(size) {
 			b.Run(fmt.Sprintf("%s/%dKB", h.name, size>>10), func(b *testing.B) {
 				b.SetBytes(int64(len(h.body)))
 				b.ReportAllocs()
 				for b.Loop() {
-					r, err := ParseChat(h.body, Limits{})
+					r, err := ParseChat(h.body, lim)
 					if (err == nil) != h.ok {
 						b.Fatalf("err = %.200v", err)
 					}
@@ -721,4 +723,27 @@ func TestValuesBounded(t *testing.T) {
 		t.Fatalf("after release: %v", err)
 	}
 	b.Release()
+}
+
+// BenchmarkManyValues parses bodies of small values ("1,") of 10 KB to
+// 16 MB under the default limits: up to DefaultMaxValues they are parsed,
+// past it refused after a scan of the first DefaultMaxValues values, so no
+// body costs more than the largest allowed one.
+func BenchmarkManyValues(b *testing.B) {
+	for _, size := range []int{10 << 10, 100 << 10, 1 << 20, 16 << 20} {
+		body := []byte(`{"model":"m","prompt":[` + strings.Repeat("1,", size/2) + `1]}`)
+		b.Run(fmt.Sprintf("%dKB", size>>10), func(b *testing.B) {
+			b.SetBytes(int64(len(body)))
+			b.ReportAllocs()
+			for b.Loop() {
+				r, err := ParseCompletion(body, Limits{})
+				if (err == nil) != (size/2 < DefaultMaxValues) {
+					b.Fatalf("err = %.200v", err)
+				}
+				if r != nil {
+					r.Release()
+				}
+			}
+		})
+	}
 }
