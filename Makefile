@@ -11,7 +11,7 @@ test:
 	go test -race ./...
 
 bench:
-	go test -run '^$$' -bench . -benchtime 200x ./router ./cachemodel ./blockhash
+	go test -run '^$$' -bench . -benchtime 200x ./routing ./router ./cachemodel ./blockhash
 
 ci:
 	bash .ci/run

@@ -21,7 +21,7 @@ import (
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/policies"
 	"github.com/semroute/semroute/replica"
-	"github.com/semroute/semroute/router"
+	"github.com/semroute/semroute/routing"
 )
 
 // DemoYAML is the embedded configuration of `router demo`.
@@ -274,8 +274,8 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("grpc.tls_cert_file", "")
 	v.SetDefault("grpc.tls_key_file", "")
 	v.SetDefault("grpc.tls_client_ca_file", "")
-	v.SetDefault("grpc.max_held_decisions", router.DefaultMaxHeld)
-	v.SetDefault("grpc.max_held_blocks", router.DefaultMaxHeldBlocks)
+	v.SetDefault("grpc.max_held_decisions", routing.DefaultMaxHeld)
+	v.SetDefault("grpc.max_held_blocks", routing.DefaultMaxHeldBlocks)
 	v.SetDefault("decision_log.path", "")
 	v.SetDefault("decision_log.max_bytes", 256<<20)
 	v.SetDefault("decision_log.max_files", 5)
@@ -427,8 +427,8 @@ func (c *Config) Validate() error {
 		bad("log.format", "%q is not text or json", c.Log.Format)
 	}
 	r := &c.Routing
-	if !slices.Contains(router.PolicyNames, r.Policy) {
-		bad("routing.policy", "unknown policy %q (have %v)", r.Policy, router.PolicyNames)
+	if !slices.Contains(routing.PolicyNames, r.Policy) {
+		bad("routing.policy", "unknown policy %q (have %v)", r.Policy, routing.PolicyNames)
 	}
 	if r.LoadWeight < 0 {
 		bad("routing.load_weight", "must not be negative")
@@ -458,8 +458,8 @@ func (c *Config) Validate() error {
 	for i, a := range r.Arms {
 		f := fmt.Sprintf("routing.arms[%d]", i)
 		armNames(i, a.Name)
-		if !slices.Contains(router.PolicyNames, a.Policy) {
-			bad(f+".policy", "unknown policy %q (have %v)", a.Policy, router.PolicyNames)
+		if !slices.Contains(routing.PolicyNames, a.Policy) {
+			bad(f+".policy", "unknown policy %q (have %v)", a.Policy, routing.PolicyNames)
 		}
 		if a.Weight <= 0 {
 			bad(f+".weight", "must be positive")

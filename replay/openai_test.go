@@ -7,9 +7,10 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/semroute/semroute/routing"
+
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/matcher"
-	"github.com/semroute/semroute/router"
 )
 
 func splitter(t testing.TB) *blockhash.Splitter {
@@ -123,7 +124,7 @@ func TestRecordRepliesRaisesHits(t *testing.T) {
 func TestMatcherRunAndReport(t *testing.T) {
 	reqs := generated(t, 60)
 	m := Model{Replicas: 4, BlockTokens: 16, RecordReplies: true, SharedActive: true}
-	m.Matcher = func() router.Matcher {
+	m.Matcher = func() routing.Matcher {
 		mm, err := matcher.New(matcher.Options{})
 		if err != nil {
 			t.Fatal(err)

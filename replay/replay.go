@@ -10,7 +10,7 @@ import (
 	"github.com/semroute/semroute/cachemodel"
 	"github.com/semroute/semroute/policies"
 	"github.com/semroute/semroute/replica"
-	"github.com/semroute/semroute/router"
+	"github.com/semroute/semroute/routing"
 )
 
 // Result is what one policy (or reference) did with the trace.
@@ -136,7 +136,7 @@ type ModelSummary struct {
 type Run struct {
 	Label   string
 	Policy  string
-	Config  *router.PolicyConfig
+	Config  *routing.PolicyConfig
 	Weights *cachemodel.Weights
 	Matcher bool
 }
@@ -220,7 +220,7 @@ func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
 	if run.Config != nil {
 		cfg = *run.Config
 	}
-	pol, err := router.NewPolicy(run.Policy, cfg)
+	pol, err := routing.NewPolicy(run.Policy, cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -228,7 +228,7 @@ func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
 	if err != nil {
 		return nil, err
 	}
-	var matcher router.Matcher
+	var matcher routing.Matcher
 	if run.Matcher && m.Matcher != nil {
 		matcher = m.Matcher()
 	}
@@ -261,7 +261,7 @@ func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
 	if run.Weights != nil {
 		weights = run.Weights
 	}
-	eng, err := router.NewEngine(router.EngineOptions{
+	eng, err := routing.NewEngine(routing.EngineOptions{
 		Splitter: split, Cache: cache, Pool: pool, Policy: pol, Weights: weights, Attempts: 1,
 		Now: func() time.Time { return time.Unix(0, clock) }, SharedActive: m.SharedActive,
 		Matcher: matcher, MatcherThreshold: m.MatcherThreshold,
@@ -270,7 +270,7 @@ func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
 		return nil, err
 	}
 	d := &engineDecider{m: m, reqs: reqs, eng: eng, cache: cache, pool: pool, clock: &clock,
-		ds: make([]*router.Decision, len(reqs)), served: make([]*router.Candidate, len(reqs))}
+		ds: make([]*routing.Decision, len(reqs)), served: make([]*routing.Candidate, len(reqs))}
 	s := &sim{m: m, reqs: reqs, d: d, res: &Result{Name: label}}
 	if err := s.run(pool); err != nil {
 		return nil, fmt.Errorf("%s: %w", label, err)
@@ -298,7 +298,7 @@ func runReference(reqs []Request, m *Model, name string, budget int64) (*Result,
 // Ablations are the semantic policy with every kind weight 1, and with
 // load ignored (load and recent weights near zero, no spill), to show what
 // each part contributes.
-func Ablations(base router.PolicyConfig) []Run {
+func Ablations(base routing.PolicyConfig) []Run {
 	noLoad := base
 	noLoad.LoadWeight, noLoad.RecentWeight, noLoad.SpillFactor, noLoad.SpillMarginTokens = 1e-12, -1, 1e12, 1e18
 	return []Run{

@@ -12,7 +12,7 @@ import (
 	"github.com/semroute/semroute/cachemodel"
 	"github.com/semroute/semroute/policies"
 	"github.com/semroute/semroute/replica"
-	"github.com/semroute/semroute/router"
+	"github.com/semroute/semroute/routing"
 )
 
 // Model is the simulated fleet. Zero fields take the defaults.
@@ -48,12 +48,12 @@ type Model struct {
 	// LoadHalfLife of the replicas' recent-work signal. Default 10s.
 	LoadHalfLife time.Duration
 	// Policy holds the routing policies' parameters; its Seed seeds them.
-	Policy router.PolicyConfig
-	// Weights are the kind weights; nil means router.DefaultWeights.
+	Policy routing.PolicyConfig
+	// Weights are the kind weights; nil means routing.DefaultWeights.
 	Weights *cachemodel.Weights
 	// Matcher, when not nil, makes a semantic matcher for each run.
-	Matcher func() router.Matcher
-	// MatcherThreshold: see router.EngineOptions. Default 0.5.
+	Matcher func() routing.Matcher
+	// MatcherThreshold: see routing.EngineOptions. Default 0.5.
 	MatcherThreshold float64
 	// ReplicaNames and Budgets, when set, name the replicas and give each
 	// its own budget (decision logs carry both); Replicas is then their
@@ -330,18 +330,18 @@ func (s *sim) run(pool *replica.Pool) error {
 type engineDecider struct {
 	m      *Model
 	reqs   []Request
-	eng    *router.Engine
+	eng    *routing.Engine
 	cache  *cachemodel.Model
 	pool   *replica.Pool
 	clock  *int64
-	ds     []*router.Decision
-	served []*router.Candidate
+	ds     []*routing.Decision
+	served []*routing.Candidate
 }
 
 func (e *engineDecider) decide(i int, now int64) (int, int, int, error) {
 	*e.clock = now
 	req := &e.reqs[i]
-	d, err := e.eng.DecideRequest(router.RouteInput{Blocks: req.Blocks, Key: req.Key, Text: req.Text}, true)
+	d, err := e.eng.DecideRequest(routing.RouteInput{Blocks: req.Blocks, Key: req.Key, Text: req.Text}, true)
 	if err != nil {
 		return 0, 0, 0, err
 	}

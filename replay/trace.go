@@ -2,7 +2,7 @@
 // replays a trace through simulated replicas in virtual time, under every
 // policy side by side, and reports what each would have done.
 //
-// Each policy runs through the live router's own engine (router.Engine), its
+// Each policy runs through the live router's own engine (routing.Engine), its
 // own cache model (the replicas' caches, each under a token budget and an
 // eviction policy) and its own replica model; nothing is shared between
 // runs, so runs are independent and execute in parallel. Everything is
@@ -18,8 +18,9 @@ import (
 	"io"
 	"sort"
 
+	"github.com/semroute/semroute/routing"
+
 	"github.com/semroute/semroute/blockhash"
-	"github.com/semroute/semroute/router"
 )
 
 // Request is one request of a trace, split into blocks.
@@ -30,7 +31,7 @@ type Request struct {
 	Arrival int64
 	Session string
 	Tenant  string
-	Key     uint64 // routing session key (router.SessionKey)
+	Key     uint64 // routing session key (routing.SessionKey)
 	Blocks  []blockhash.Block
 	Tokens  int // prompt tokens, the sum of the blocks' tokens
 	Output  int // output tokens
@@ -120,7 +121,7 @@ func ReadMooncake(r io.Reader, blockTokens int) ([]Request, error) {
 			}
 			req.Blocks = append(req.Blocks, blockhash.Block{Hash: h, Tokens: int32(tokens), Kind: blockhash.KindOther})
 		}
-		req.Key = router.SessionKey("", "", req.Blocks)
+		req.Key = routing.SessionKey("", "", req.Blocks)
 		out = append(out, req)
 		return nil
 	})
@@ -186,7 +187,7 @@ func ReadOpenAI(r io.Reader, s *blockhash.Splitter) ([]Request, error) {
 		for _, b := range req.Blocks {
 			req.Tokens += int(b.Tokens)
 		}
-		req.Key = router.SessionKey(l.SessionID, body.User, req.Blocks)
+		req.Key = routing.SessionKey(l.SessionID, body.User, req.Blocks)
 		out = append(out, req)
 		partStarts = append(partStarts, starts)
 		roles = append(roles, rs)

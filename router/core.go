@@ -17,12 +17,13 @@ import (
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/decisionlog"
+	"github.com/semroute/semroute/routing"
 )
 
 // Arm is one routing policy taking a share of traffic.
 type Arm struct {
 	Name   string
-	Policy Policy
+	Policy routing.Policy
 	// Weight is the arm's share of sessions, relative to the other arms'.
 	Weight float64
 }
@@ -34,7 +35,7 @@ type DecisionLogger interface {
 
 // CoreOptions configure a Core. Engine is required.
 type CoreOptions struct {
-	Engine *Engine
+	Engine *routing.Engine
 	// Arms split traffic between policies. Empty means one arm, "default",
 	// with the engine's policy.
 	Arms []Arm
@@ -53,8 +54,8 @@ type CoreOptions struct {
 	// MaxHeld caps the decisions held for Release, and MaxHeldBlocks the
 	// blocks they keep (a held decision keeps its prompt's blocks for the
 	// decision log: about 24 bytes each). Past either cap the oldest held
-	// decision is finished as expired. Defaults DefaultMaxHeld and
-	// DefaultMaxHeldBlocks.
+	// decision is finished as expired. Defaults routing.DefaultMaxHeld and
+	// routing.DefaultMaxHeldBlocks.
 	MaxHeld, MaxHeldBlocks int
 	// Metrics, if set, receives per-request metrics.
 	Metrics *Metrics
@@ -65,7 +66,7 @@ type CoreOptions struct {
 // policy, and ends and logs each decision. Safe for concurrent use.
 type Core struct {
 	o    CoreOptions
-	e    *Engine
+	e    *routing.Engine
 	arms atomic.Pointer[armSet]
 
 	mu         sync.Mutex
@@ -73,13 +74,6 @@ type Core struct {
 	heldOrder  list.List                // of *Routed, oldest first
 	heldBlocks int                      // blocks of the held decisions
 }
-
-// Defaults of CoreOptions.MaxHeld and MaxHeldBlocks: 10,000 decisions and
-// 4 Mi blocks (about 100 MB of block lists).
-const (
-	DefaultMaxHeld       = 10000
-	DefaultMaxHeldBlocks = 4 << 20
-)
 
 // armSet is an immutable set of arms with their total weight.
 type armSet struct {
@@ -92,8 +86,8 @@ func NewCore(o CoreOptions) (*Core, error) {
 	if o.Engine == nil {
 		return nil, errors.New("router: CoreOptions.Engine is required")
 	}
-	o.MaxHeld = cmp.Or(max(o.MaxHeld, 0), DefaultMaxHeld)
-	o.MaxHeldBlocks = cmp.Or(max(o.MaxHeldBlocks, 0), DefaultMaxHeldBlocks)
+	o.MaxHeld = cmp.Or(max(o.MaxHeld, 0), routing.DefaultMaxHeld)
+	o.MaxHeldBlocks = cmp.Or(max(o.MaxHeldBlocks, 0), routing.DefaultMaxHeldBlocks)
 	c := &Core{o: o, e: o.Engine, held: map[string]*list.Element{}}
 	if err := c.SetArms(o.Arms); err != nil {
 		return nil, err
@@ -127,7 +121,7 @@ func (c *Core) SetArms(arms []Arm) error {
 }
 
 // Engine returns the core's engine.
-func (c *Core) Engine() *Engine { return c.e }
+func (c *Core) Engine() *routing.Engine { return c.e }
 
 // Arms returns the current arms.
 func (c *Core) Arms() []Arm { return c.arms.Load().arms }
@@ -168,7 +162,7 @@ func (c *Core) PickArm(session, tenant string, key uint64) *Arm {
 
 // CoreRequest is a request to route.
 type CoreRequest struct {
-	Input                  RouteInput
+	Input                  routing.RouteInput
 	Model, Session, Tenant string
 	// Route names the front end's route for metrics: "chat",
 	// "completions" or "grpc".
@@ -180,10 +174,10 @@ type CoreRequest struct {
 
 // Routed is a decision and, once recorded, the request in flight.
 type Routed struct {
-	*Decision
+	*routing.Decision
 	ID     string // empty for a dry run
 	Arm    *Arm
-	Served *Candidate // the candidate carrying the request now
+	Served *routing.Candidate // the candidate carrying the request now
 	req    CoreRequest
 	start  time.Time
 	first  time.Time // first response byte; zero until then
@@ -195,7 +189,7 @@ type Routed struct {
 func (c *Core) Route(req CoreRequest) (*Routed, error) {
 	arm := c.PickArm(req.Session, req.Tenant, req.Input.Key)
 	req.Input.Policy = arm.Policy
-	start := c.e.o.Now()
+	start := c.e.Now()
 	t0 := time.Now()
 	d, err := c.e.DecideRequest(req.Input, !req.DryRun)
 	if err != nil {
@@ -221,7 +215,7 @@ func (rt *Routed) ttft() time.Duration {
 // prefill is done. Only the first call counts.
 func (c *Core) FirstByte(rt *Routed) {
 	rt.once.Do(func() {
-		rt.first = c.e.o.Now()
+		rt.first = c.e.Now()
 		c.e.PrefillDone(rt.Decision, rt.Served)
 	})
 }
@@ -247,7 +241,7 @@ type Outcome = decisionlog.Outcome
 // with o. TTFT and duration are filled in from the core's clock when zero.
 func (c *Core) Finish(rt *Routed, o Outcome, reply []byte) {
 	defer c.e.Recycle(rt.Decision) // after the decision log's record read the candidates
-	now := c.e.o.Now()
+	now := c.e.Now()
 	c.e.Done(rt.Decision, rt.Served)
 	var learned []blockhash.Block
 	if reply != nil {
@@ -292,7 +286,7 @@ func (c *Core) record(rt *Routed, o *Outcome) *decisionlog.Record {
 		Session: c.id(rt.req.Session), Tenant: c.id(rt.req.Tenant), Key: fmt.Sprintf("%016x", rt.Key),
 		Tokens: rt.Tokens, Blocks: logBlocks(rt.Blocks), Chosen: rt.Chosen().Replica.Name, Outcome: o,
 	}
-	for _, rep := range c.e.o.Pool.Replicas() {
+	for _, rep := range c.e.Pool().Replicas() {
 		r.Replicas = append(r.Replicas, rep.Name)
 		r.Budgets = append(r.Budgets, rep.Budget())
 	}

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/semroute/semroute/decisionlog"
+	"github.com/semroute/semroute/routing"
 )
 
 type memLog struct {
@@ -105,7 +106,7 @@ func TestCoreHoldReleaseExpire(t *testing.T) {
 
 func TestArmsValidateAndSplit(t *testing.T) {
 	f := newFixture(t, 2, "semantic")
-	rr, _ := NewPolicy("round_robin", PolicyConfig{})
+	rr, _ := routing.NewPolicy("round_robin", routing.PolicyConfig{})
 	if _, err := NewCore(CoreOptions{Engine: f.e, Arms: []Arm{{Name: "a", Policy: rr, Weight: 1}, {Name: "a", Policy: rr, Weight: 1}}}); err == nil {
 		t.Fatal("duplicate arm accepted")
 	}

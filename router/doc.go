@@ -1,13 +1,9 @@
-// Package router decides where each request goes and forwards it there.
+// Package router is the router's front doors: the HTTP server (a reverse
+// proxy that streams, fails over before the first byte, bounds every
+// request and learns the assistant's reply when the response completes),
+// the gRPC Route API, and the Core they share (A/B arms, decisions held for
+// Release, the decision log and per-request metrics). Where a request goes
+// is decided by package routing.
 //
-// The routing core (Engine) turns a parsed request into blocks, matches them
-// against the cache model, asks the routing Policy to score every available
-// replica, ranks the scores (lowest cost first, ties broken by rendezvous
-// hashing of the session key with the replica name), and records the
-// request's blocks on the chosen replica. The HTTP Server wraps the core with
-// an httputil.ReverseProxy that streams, fails over before the first byte,
-// and learns the assistant's reply when the response completes.
-//
-// Engine and Server are safe for concurrent use. Policies are called
-// concurrently and must be safe for that.
+// Core and Server are safe for concurrent use.
 package router

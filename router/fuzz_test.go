@@ -64,7 +64,7 @@ func FuzzRoutedHandler(f *testing.F) {
 		default:
 			t.Fatalf("status %d for %q", w.Code, body)
 		}
-		for _, r := range fx.pool.Replicas() {
+		for _, r := range fx.e.Pool().Replicas() {
 			if l := r.Load(fx.now); l.InFlight != 0 {
 				t.Fatalf("load left behind: %+v", l)
 			}

@@ -21,6 +21,7 @@ import (
 
 	pb "github.com/semroute/semroute/api/proto/semroute/v1"
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/routing"
 )
 
 // GRPCService adapts the Core to the semroute.v1.Router gRPC service.
@@ -174,7 +175,7 @@ func (g *GRPCService) Route(_ context.Context, in *pb.RouteRequest) (*pb.RouteRe
 		return nil, invalid(err)
 	}
 	defer req.Release()
-	var ri RouteInput
+	var ri routing.RouteInput
 	if _, ok := in.GetInput().(*pb.RouteRequest_Blocks); ok {
 		ri = g.preSplit(req, in.GetSessionId())
 	} else {
@@ -185,7 +186,7 @@ func (g *GRPCService) Route(_ context.Context, in *pb.RouteRequest) (*pb.RouteRe
 	}
 	rt, err := g.core.Route(CoreRequest{Input: ri, Model: req.Model, Session: in.GetSessionId(), Tenant: in.GetTenantId(), DryRun: in.GetDryRun(), Route: "grpc"})
 	switch {
-	case errors.Is(err, ErrNoReplica):
+	case errors.Is(err, routing.ErrNoReplica):
 		return nil, status.Error(codes.Unavailable, err.Error())
 	case err != nil:
 		return nil, status.Error(codes.Internal, err.Error())
@@ -210,8 +211,8 @@ func (g *GRPCService) Route(_ context.Context, in *pb.RouteRequest) (*pb.RouteRe
 
 // preSplit routes pre-split blocks: each keeps the kind the caller gave,
 // whatever the heuristics would say.
-func (g *GRPCService) preSplit(req *blockhash.Request, session string) RouteInput {
-	var ri RouteInput
+func (g *GRPCService) preSplit(req *blockhash.Request, session string) routing.RouteInput {
+	var ri routing.RouteInput
 	h := blockhash.Seed(req.Model)
 	for i := range req.Parts {
 		n := len(ri.Blocks)
@@ -220,11 +221,11 @@ func (g *GRPCService) preSplit(req *blockhash.Request, session string) RouteInpu
 			ri.Blocks[j].Kind = req.Parts[i].Base
 		}
 		h = ri.Blocks[len(ri.Blocks)-1].Hash
-		if g.core.o.LogPrompts || g.core.e.o.Matcher != nil {
+		if g.core.o.LogPrompts || g.core.e.HasMatcher() {
 			ri.Text = append(ri.Text, req.Parts[i].Text)
 		}
 	}
-	ri.Key = SessionKey(session, "", ri.Blocks)
+	ri.Key = routing.SessionKey(session, "", ri.Blocks)
 	return ri
 }
 
@@ -246,10 +247,10 @@ func (g *GRPCService) Release(_ context.Context, in *pb.ReleaseRequest) (*pb.Rel
 
 // ListReplicas implements pb.RouterServer.
 func (g *GRPCService) ListReplicas(context.Context, *pb.ListReplicasRequest) (*pb.ListReplicasResponse, error) {
-	now := g.core.e.o.Now()
+	now := g.core.e.Now()
 	out := &pb.ListReplicasResponse{}
-	for _, r := range g.core.e.o.Pool.Replicas() {
-		st, _ := g.core.e.o.Cache.Stats(r.ID)
+	for _, r := range g.core.e.Pool().Replicas() {
+		st, _ := g.core.e.Cache().Stats(r.ID)
 		l := r.Load(now)
 		out.Replicas = append(out.Replicas, &pb.Replica{
 			Name: r.Name, Url: r.PublicURL(), Healthy: r.Available(now), InFlight: l.InFlight, PendingTokens: l.PendingTokens,

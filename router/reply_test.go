@@ -6,6 +6,7 @@ import (
 	"io"
 	"strings"
 	"testing"
+	"testing/iotest"
 
 	"github.com/semroute/semroute/blockhash"
 )
@@ -358,5 +359,62 @@ func BenchmarkReplyToolCallDeltas(b *testing.B) {
 				c.release()
 			}
 		})
+	}
+}
+
+func TestReplyCapture(t *testing.T) {
+	cases := []struct {
+		name string
+		sse  bool
+		body string
+		want string
+		ok   bool
+	}{
+		{"chat json", false, `{"choices":[{"message":{"role":"assistant","content":"hello"}}]}`, "hello", true},
+		{"completion json", false, `{"choices":[{"text":"abc"}]}`, "abc", true},
+		{"tool calls json", false, `{"choices":[{"message":{"content":null,"tool_calls":[{"function":{"name":"f","arguments":"{}"}}]}}]}`, "\x00f\x00{}", true},
+		{"chat sse", true, "data: {\"choices\":[{\"delta\":{\"content\":\"he\"}}]}\n\ndata: {\"choices\":[{\"delta\":{\"content\":\"llo\"}}]}\n\ndata: {\"choices\":[],\"usage\":{}}\n\ndata: [DONE]\n\n", "hello", true},
+		{"sse tool call pieces", true, "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"name\":\"f\",\"arguments\":\"{\\\"a\"}}]}}]}\n\ndata: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"\\\":1}\"}}]}}]}\n\ndata: [DONE]\n\n", "\x00f\x00{\"a\":1}", true},
+		{"sse cut short", true, "data: {\"choices\":[{\"delta\":{\"content\":\"he\"}}]}\n\n", "", false},
+		{"bad json", false, `{"choices":`, "", false},
+		{"escaped json", false, `{"choices":[{"message":{"content":"a\nb\u00e9\"c"}}]}`, "a\nbé\"c", true},
+		{"content of the wrong type", false, `{"choices":[{"message":{"content":5}}]}`, "", false},
+		{"choices not an array", false, `{"choices":{"text":"x"}}`, "", false},
+		{"not an object", false, `["x"]`, "", false},
+		{"sse chunk of the wrong shape", true, "data: {\"choices\":[{\"delta\":{\"content\":\"he\"}}]}\n\ndata: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":\"0\"}]}}]}\n\ndata: [DONE]\n\n", "", false},
+		{"null fields", false, `{"choices":[{"text":null,"message":null,"delta":{"content":"d","tool_calls":null}}],"usage":null}`, "d", true},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			c := &replyCapture{rc: io.NopCloser(strings.NewReader(tc.body)), sse: tc.sse, limit: 1 << 20}
+			if _, err := io.Copy(io.Discard, c); err != nil {
+				t.Fatal(err)
+			}
+			got, ok := c.reply()
+			if ok != tc.ok || string(got) != tc.want {
+				t.Fatalf("reply = %q, %v; want %q, %v", got, ok, tc.want, tc.ok)
+			}
+		})
+	}
+	over := &replyCapture{rc: io.NopCloser(strings.NewReader(`{"choices":[{"text":"abcdefgh"}]}`)), limit: 10}
+	io.Copy(io.Discard, over)
+	if _, ok := over.reply(); ok {
+		t.Fatal("a reply over the limit was learned")
+	}
+	// Usage, from a JSON body and from a stream's last chunk; a stream fed
+	// in one-byte reads parses the same.
+	u := &replyCapture{rc: io.NopCloser(strings.NewReader(`{"choices":[{"text":"x"}],"usage":{"prompt_tokens":9,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":4}}}`)), limit: 1 << 20}
+	io.Copy(io.Discard, u)
+	if p, o, c := u.tokens(); p != 9 || o != 2 || c != 4 {
+		t.Fatalf("usage %d %d %d", p, o, c)
+	}
+	stream := "data: {\"choices\":[{\"delta\":{\"content\":\"ab\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":1,\"prompt_tokens_details\":{\"cached_tokens\":3}}}\n\ndata: [DONE]\n\n"
+	sc := &replyCapture{rc: io.NopCloser(iotest.OneByteReader(strings.NewReader(stream))), sse: true, limit: 1 << 20}
+	io.Copy(io.Discard, sc)
+	if p, o, c := sc.tokens(); p != 5 || o != 1 || c != 3 {
+		t.Fatalf("stream usage %d %d %d", p, o, c)
+	}
+	if r, ok := sc.reply(); !ok || string(r) != "ab" {
+		t.Fatalf("stream reply %q %v", r, ok)
 	}
 }

@@ -27,6 +27,7 @@ import (
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/replica"
+	"github.com/semroute/semroute/routing"
 )
 
 // Response headers set on every routed response.
@@ -112,7 +113,7 @@ type Server struct {
 	o      ServerOptions
 	limits atomic.Pointer[Limits]
 	core   *Core
-	e      *Engine
+	e      *routing.Engine
 	proxy  *httputil.ReverseProxy
 	mux    *http.ServeMux
 	// client is used for the /v1/models fan-out.
@@ -303,7 +304,7 @@ func (s *Server) classify(err error) apiError {
 		return apiError{http.StatusBadRequest, "invalid_request_error", "invalid_request", ie.Error()}
 	case errors.Is(err, blockhash.ErrBusy):
 		return apiError{http.StatusServiceUnavailable, "server_busy", "parse_budget", err.Error()}
-	case errors.Is(err, ErrNoReplica):
+	case errors.Is(err, routing.ErrNoReplica):
 		return apiError{http.StatusServiceUnavailable, "service_unavailable", "no_replica", "no replica is available to serve the request"}
 	}
 	return apiError{http.StatusBadGateway, "upstream_error", "upstream_unreachable", err.Error()}
@@ -312,11 +313,11 @@ func (s *Server) classify(err error) apiError {
 // flight is one request's routing state, carried in its context from the
 // handler to the proxy hooks and the failover transport.
 type flight struct {
-	rt     *Routed    // a routed (prompt) request; nil for pass-through
-	any    *Decision  // a pass-through request's ranking
-	served *Candidate // pass-through: the candidate carrying the request
-	body   *body      // the request body; the handler releases it
-	next   int        // index in the ranking of the next candidate to try
+	rt     *Routed            // a routed (prompt) request; nil for pass-through
+	any    *routing.Decision  // a pass-through request's ranking
+	served *routing.Candidate // pass-through: the candidate carrying the request
+	body   *body              // the request body; the handler releases it
+	next   int                // index in the ranking of the next candidate to try
 	// readers are the body's readers given to upstream attempts, closed
 	// when the proxy returns.
 	readers []*bodyReader
@@ -331,7 +332,7 @@ type flightKey struct{}
 func flightOf(ctx context.Context) *flight { f, _ := ctx.Value(flightKey{}).(*flight); return f }
 
 // current returns the candidate now carrying the request.
-func (f *flight) current() *Candidate {
+func (f *flight) current() *routing.Candidate {
 	if f.rt != nil {
 		return f.rt.Served
 	}
@@ -425,7 +426,7 @@ func (s *Server) finishRouted(r *http.Request, rt *Routed, f *flight, up trace.S
 		slog.String("id", rt.ID), slog.String("arm", rt.Arm.Name), slog.String("path", r.URL.Path),
 		slog.String("replica", rt.Served.Replica.Name), slog.Int("status", f.status), slog.Int("prompt_tokens", rt.Tokens),
 		slog.Int("matched_tokens", rt.Served.Match.Tokens), slog.Int64("cached_tokens", o.CachedTokens),
-		slog.String("reason", rt.Served.Reason), slog.Duration("ttft", rt.ttft()), slog.Duration("duration", s.e.o.Now().Sub(rt.start)))
+		slog.String("reason", rt.Served.Reason), slog.Duration("ttft", rt.ttft()), slog.Duration("duration", s.e.Now().Sub(rt.start)))
 }
 
 func (s *Server) forward(w http.ResponseWriter, r *http.Request, f *flight) {
@@ -650,7 +651,7 @@ func (s *Server) models(w http.ResponseWriter, r *http.Request) {
 		wg   sync.WaitGroup
 		seen = map[string]json.RawMessage{}
 	)
-	for _, rep := range s.e.o.Pool.Replicas() {
+	for _, rep := range s.e.Pool().Replicas() {
 		if !rep.Available(now) {
 			continue
 		}
@@ -688,7 +689,7 @@ func (s *Server) models(w http.ResponseWriter, r *http.Request) {
 	}
 	wg.Wait()
 	if len(seen) == 0 {
-		writeError(w, s.classify(ErrNoReplica))
+		writeError(w, s.classify(routing.ErrNoReplica))
 		return
 	}
 	ids := make([]string, 0, len(seen))
@@ -706,11 +707,11 @@ func (s *Server) models(w http.ResponseWriter, r *http.Request) {
 
 func (s *Server) ready(w http.ResponseWriter, _ *http.Request) {
 	now := time.Now()
-	for _, r := range s.e.o.Pool.Replicas() {
+	for _, r := range s.e.Pool().Replicas() {
 		if r.Available(now) {
 			_, _ = io.WriteString(w, "ready\n")
 			return
 		}
 	}
-	writeError(w, s.classify(ErrNoReplica))
+	writeError(w, s.classify(routing.ErrNoReplica))
 }

@@ -5,12 +5,13 @@ import (
 	"os"
 	"strings"
 
+	"github.com/semroute/semroute/routing"
+
 	"github.com/spf13/cobra"
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/matcher"
 	"github.com/semroute/semroute/replay"
-	"github.com/semroute/semroute/router"
 )
 
 func newReplay() *cobra.Command {
@@ -83,7 +84,7 @@ report.html to --out.`,
 				runs = append(runs, replay.Ablations(m.Policy)...)
 			}
 			if withMatcher {
-				m.Matcher = func() router.Matcher {
+				m.Matcher = func() routing.Matcher {
 					mm, err := matcher.New(matcher.Options{})
 					if err != nil {
 						panic(err) // default options are valid
@@ -111,7 +112,7 @@ report.html to --out.`,
 	f.StringVar(&trace, "trace", "", "trace file (JSONL)")
 	f.StringVar(&format, "format", "mooncake", "trace format: mooncake, openai, or decisions (a router decision log)")
 	f.StringVar(&out, "out", "replay-out", "directory for the report")
-	f.StringVar(&pols, "policies", strings.Join(router.PolicyNames, ","), "routing policies to compare, comma-separated")
+	f.StringVar(&pols, "policies", strings.Join(routing.PolicyNames, ","), "routing policies to compare, comma-separated")
 	f.IntVar(&blockTokens, "block-tokens", 0, "tokens per block (default 512 for mooncake, 64 for openai)")
 	f.IntVar(&m.Replicas, "replicas", 8, "replicas")
 	f.Int64Var(&m.BudgetTokens, "budget-tokens", 1_000_000, "KV cache per replica, tokens")

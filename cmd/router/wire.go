@@ -25,9 +25,11 @@ import (
 	"github.com/semroute/semroute/configs"
 	"github.com/semroute/semroute/decisionlog"
 	"github.com/semroute/semroute/matcher"
+	"github.com/semroute/semroute/monitor"
 	"github.com/semroute/semroute/policies"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/router"
+	"github.com/semroute/semroute/routing"
 )
 
 // app is a router built from a Config.
@@ -36,11 +38,11 @@ type app struct {
 	log       *slog.Logger
 	cache     *cachemodel.Model
 	pool      *replica.Pool
-	engine    *router.Engine
+	engine    *routing.Engine
 	core      *router.Core
 	server    *router.Server
 	decisions *decisionlog.Writer // nil when off
-	monitor   *replica.Monitor
+	monitor   *monitor.Monitor
 	reg       *prometheus.Registry
 	reloads   *prometheus.CounterVec
 	current   atomic.Pointer[configs.Config]
@@ -99,7 +101,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	if err != nil {
 		return nil, fmt.Errorf("config: cache.eviction: %w", err)
 	}
-	var mt router.Matcher
+	var mt routing.Matcher
 	co := cachemodel.Options{Policy: evict}
 	if mc := cfg.Routing.Matcher; mc.Enabled {
 		m, err := matcher.New(matcher.Options{MinSimilarity: mc.MinSimilarity, MaxDonors: mc.MaxDonors})
@@ -117,7 +119,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	if err != nil {
 		return nil, fmt.Errorf("config: %w", err)
 	}
-	weights := router.DefaultWeights()
+	weights := routing.DefaultWeights()
 	for name, w := range cfg.Routing.KindWeights {
 		k, err := blockhash.ParseKind(name)
 		if err != nil {
@@ -129,7 +131,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	if err != nil {
 		return nil, err
 	}
-	eng, err := router.NewEngine(router.EngineOptions{
+	eng, err := routing.NewEngine(routing.EngineOptions{
 		Splitter: split, Cache: cache, Pool: pool, Policy: pol, Weights: weights, Attempts: cfg.Routing.Attempts,
 		SharedActive: cfg.Routing.SharedActive, Matcher: mt, MatcherThreshold: cfg.Routing.Matcher.Threshold,
 	})
@@ -183,7 +185,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		Help: "Config reloads by result: ok, restart_required (applied, but some changed keys take effect only after a restart), failed."}, []string{"result"})
 	reg.MustRegister(a.reloads)
 	h := cfg.Health
-	a.monitor = replica.NewMonitor(pool, replica.MonitorOptions{
+	a.monitor = monitor.New(pool, monitor.Options{
 		CheckInterval: h.CheckInterval, CheckTimeout: h.CheckTimeout, Fall: h.Fall, Rise: h.Rise,
 		ScrapeInterval: scrapeInterval(h.ScrapeInterval), Logger: log,
 		OnBudget:  func(r *replica.Replica, tokens int64) { cache.SetBudget(r.ID, tokens) },
@@ -419,12 +421,12 @@ func (r *running) shutdown(grace time.Duration) error {
 }
 
 // policiesFor builds the default routing policy and the A/B arms of cfg.
-func policiesFor(cfg *configs.Config) (router.Policy, []router.Arm, error) {
-	pc := router.PolicyConfig{
+func policiesFor(cfg *configs.Config) (routing.Policy, []router.Arm, error) {
+	pc := routing.PolicyConfig{
 		Seed: cfg.Routing.Seed, LoadWeight: cfg.Routing.LoadWeight, RecentWeight: cfg.Routing.RecentWeight,
 		SpillFactor: cfg.Routing.SpillFactor, SpillMarginTokens: cfg.Routing.SpillMarginTokens,
 	}
-	pol, err := router.NewPolicy(cfg.Routing.Policy, pc)
+	pol, err := routing.NewPolicy(cfg.Routing.Policy, pc)
 	if err != nil {
 		return nil, nil, fmt.Errorf("config: routing: %w", err)
 	}
@@ -440,7 +442,7 @@ func policiesFor(cfg *configs.Config) (router.Policy, []router.Arm, error) {
 		set(&apc.RecentWeight, a.RecentWeight)
 		set(&apc.SpillFactor, a.SpillFactor)
 		set(&apc.SpillMarginTokens, a.SpillMarginTokens)
-		ap, err := router.NewPolicy(a.Policy, apc)
+		ap, err := routing.NewPolicy(a.Policy, apc)
 		if err != nil {
 			return nil, nil, fmt.Errorf("config: routing.arms[%d]: %w", i, err)
 		}

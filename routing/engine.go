@@ -1,4 +1,4 @@
-package router
+package routing
 
 import (
 	"encoding/binary"
@@ -13,6 +13,14 @@ import (
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
 	"github.com/semroute/semroute/replica"
+)
+
+// Caps on the decisions a front end holds recorded while it waits for the
+// caller to report their end (the gRPC API's Route and Release): 10,000
+// decisions, and 4 Mi blocks among them (about 100 MB of block lists).
+const (
+	DefaultMaxHeld       = 10000
+	DefaultMaxHeldBlocks = 4 << 20
 )
 
 // ErrNoReplica means no replica is available to take the request.
@@ -76,19 +84,21 @@ type Engine struct {
 	active map[int]map[uint64]int32 // SharedActive: replica id → block → running requests
 
 	avgPrefill atomic.Uint64 // float64 bits: EWMA of committed requests' uncached tokens
+
+	join func(replica.Spec) (int, error) // New's: gives a joining replica its cache picture
 }
 
 // NewEngine returns an Engine.
 func NewEngine(o EngineOptions) (*Engine, error) {
 	if o.Splitter == nil || o.Cache == nil || o.Pool == nil || o.Policy == nil {
-		return nil, errors.New("router: Splitter, Cache, Pool and Policy are required")
+		return nil, errors.New("routing: Splitter, Cache, Pool and Policy are required")
 	}
 	if o.Weights == nil {
 		o.Weights = DefaultWeights()
 	}
 	for k, w := range o.Weights {
 		if w < 0 {
-			return nil, errors.New("router: kind weight for " + blockhash.Kind(k).String() + " is negative")
+			return nil, errors.New("routing: kind weight for " + blockhash.Kind(k).String() + " is negative")
 		}
 	}
 	if o.Attempts <= 0 {
@@ -118,6 +128,19 @@ func (e *Engine) Policy() Policy { return e.o.Policy }
 
 // Splitter returns the engine's splitter.
 func (e *Engine) Splitter() *blockhash.Splitter { return e.o.Splitter }
+
+// Pool returns the engine's replica pool.
+func (e *Engine) Pool() *replica.Pool { return e.o.Pool }
+
+// Cache returns the engine's cache picture.
+func (e *Engine) Cache() *cachemodel.Model { return e.o.Cache }
+
+// Now returns the engine's clock reading.
+func (e *Engine) Now() time.Time { return e.o.Now() }
+
+// HasMatcher reports whether the engine has a semantic matcher, which needs
+// each request's text.
+func (e *Engine) HasMatcher() bool { return e.o.Matcher != nil }
 
 // Decision is the outcome of routing one request.
 type Decision struct {

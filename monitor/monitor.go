@@ -1,4 +1,4 @@
-package replica
+package monitor
 
 import (
 	"context"
@@ -13,10 +13,11 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
+	"github.com/semroute/semroute/replica"
 )
 
-// MonitorOptions configure a Monitor. Zero fields take the defaults.
-type MonitorOptions struct {
+// Options configure a Monitor. Zero fields take the defaults.
+type Options struct {
 	// Client sends the checks and scrapes. Nil means a client of its own.
 	Client *http.Client
 	// CheckInterval, CheckTimeout: GET /health on every replica. Defaults
@@ -29,27 +30,27 @@ type MonitorOptions struct {
 	ScrapeInterval time.Duration
 	// OnBudget is called when a replica without a budget reports
 	// vllm:cache_config_info; the budget is num_gpu_blocks × block_size.
-	OnBudget func(r *Replica, tokens int64)
+	OnBudget func(r *replica.Replica, tokens int64)
 	// OnRestart is called when a replica's counters went backwards: it
 	// restarted and its cache is empty.
-	OnRestart func(r *Replica)
+	OnRestart func(r *replica.Replica)
 	// OnChange is called when an active check changes a replica's state.
-	OnChange func(r *Replica, up bool)
+	OnChange func(r *replica.Replica, up bool)
 	Logger   *slog.Logger
 }
 
 // Monitor runs active health checks and metric scrapes against a pool's
 // replicas. Run it in one goroutine; it stops when its context ends.
 type Monitor struct {
-	pool *Pool
-	o    MonitorOptions
+	pool *replica.Pool
+	o    Options
 
 	mu   sync.Mutex
-	last map[*Replica]float64 // last prefix-cache query counter, for restarts
+	last map[*replica.Replica]float64 // last prefix-cache query counter, for restarts
 }
 
-// NewMonitor returns a monitor of p.
-func NewMonitor(p *Pool, o MonitorOptions) *Monitor {
+// New returns a monitor of p.
+func New(p *replica.Pool, o Options) *Monitor {
 	if o.Client == nil {
 		o.Client = &http.Client{Transport: http.DefaultTransport.(*http.Transport).Clone()}
 	}
@@ -71,7 +72,7 @@ func NewMonitor(p *Pool, o MonitorOptions) *Monitor {
 	if o.Logger == nil {
 		o.Logger = slog.Default()
 	}
-	return &Monitor{pool: p, o: o, last: map[*Replica]float64{}}
+	return &Monitor{pool: p, o: o, last: map[*replica.Replica]float64{}}
 }
 
 // Run checks and scrapes until ctx ends, then waits for the requests in
@@ -87,7 +88,7 @@ func (m *Monitor) Run(ctx context.Context) {
 	}
 	var wg sync.WaitGroup
 	defer wg.Wait()
-	each := func(f func(context.Context, *Replica)) {
+	each := func(f func(context.Context, *replica.Replica)) {
 		for _, r := range m.pool.Replicas() {
 			wg.Add(1)
 			go func() { defer wg.Done(); f(ctx, r) }()
@@ -110,7 +111,7 @@ func (m *Monitor) Run(ctx context.Context) {
 }
 
 // Check runs one active health check of r.
-func (m *Monitor) Check(ctx context.Context, r *Replica) {
+func (m *Monitor) Check(ctx context.Context, r *replica.Replica) {
 	ctx, cancel := context.WithTimeout(ctx, m.o.CheckTimeout)
 	defer cancel()
 	ok := false
@@ -150,7 +151,7 @@ const (
 
 // Scrape reads r's /metrics once and records its load gauges; it may learn
 // its budget and detect a restart.
-func (m *Monitor) Scrape(ctx context.Context, r *Replica) {
+func (m *Monitor) Scrape(ctx context.Context, r *replica.Replica) {
 	ctx, cancel := context.WithTimeout(ctx, m.o.CheckTimeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, r.URL.JoinPath("/metrics").String(), nil)
@@ -176,7 +177,7 @@ func (m *Monitor) Scrape(ctx context.Context, r *Replica) {
 // Scraped are the values a scrape found; a missing metric is NaN-free zero
 // with its Has flag false.
 type Scraped struct {
-	Observed
+	replica.Observed
 	HasRunning, HasWaiting, HasKV bool
 	// Blocks and BlockSize come from vllm:cache_config_info.
 	Blocks, BlockSize int64
@@ -251,7 +252,7 @@ func value(m *dto.Metric) float64 {
 	return 0
 }
 
-func (m *Monitor) apply(r *Replica, s Scraped) {
+func (m *Monitor) apply(r *replica.Replica, s Scraped) {
 	r.Observe(s.Observed)
 	if r.Budget() == 0 && s.Blocks > 0 && s.BlockSize > 0 {
 		r.SetBudget(s.Blocks * s.BlockSize)
@@ -275,7 +276,7 @@ func (m *Monitor) apply(r *Replica, s Scraped) {
 }
 
 // Forget drops what the monitor remembers of r (after it left the pool).
-func (m *Monitor) Forget(r *Replica) {
+func (m *Monitor) Forget(r *replica.Replica) {
 	m.mu.Lock()
 	delete(m.last, r)
 	m.mu.Unlock()

@@ -1,4 +1,4 @@
-package router
+package routing
 
 // Matcher is the semantic fallback: it finds a donor request whose content
 // is similar to a new request's (the same document under another

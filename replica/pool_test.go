@@ -1,0 +1,78 @@
+package replica
+
+import (
+	"fmt"
+	"testing"
+	"time"
+)
+
+func TestFailDoublesAndForgives(t *testing.T) {
+	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a"}}, Options{}, ids())
+	r := p.Replicas()[0]
+	e := Ejection{Base: time.Second, Max: 5 * time.Second, Forgive: 10 * time.Second}
+	t0 := time.Unix(1000, 0)
+	var got []time.Duration
+	now := t0
+	for i := 0; i < 5; i++ {
+		d := r.Fail(now, e)
+		got = append(got, d)
+		if r.Available(now) || !r.Available(now.Add(d)) {
+			t.Fatalf("ejection %d: availability wrong around its %v cool-down", i, d)
+		}
+		if r.Fail(now.Add(d/2), e) != 0 {
+			t.Fatal("a failure during the cool-down extended it")
+		}
+		now = now.Add(d) // fails again right after readmission
+	}
+	if fmt.Sprint(got) != "[1s 2s 4s 5s 5s]" {
+		t.Fatalf("cool-downs %v", got)
+	}
+	if d := r.Fail(now.Add(time.Minute), e); d != time.Second {
+		t.Fatalf("after a quiet minute the cool-down is %v, want the base", d)
+	}
+}
+
+func TestCheckedFallRiseAndDrain(t *testing.T) {
+	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a"}}, Options{}, ids())
+	r := p.Replicas()[0]
+	now := time.Now()
+	seq := []struct {
+		ok        bool
+		available bool
+	}{{false, true}, {false, false}, {true, false}, {false, false}, {true, false}, {true, true}}
+	for i, s := range seq {
+		r.Checked(s.ok, 2, 2)
+		if r.Available(now) != s.available {
+			t.Fatalf("step %d: available %v, want %v", i, r.Available(now), s.available)
+		}
+	}
+	r.Drain()
+	if r.Available(now) || !r.Healthy(now) || !r.Draining() {
+		t.Fatal("a draining replica must be healthy and unavailable")
+	}
+}
+
+func TestPoolAddRemove(t *testing.T) {
+	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a"}}, Options{}, ids())
+	join := func(Spec) (int, error) { return 7, nil }
+	before := p.Replicas()
+	r, err := p.Add(Spec{Name: "b", URL: "http://b", BudgetTokens: 5}, join)
+	if err != nil || r.ID != 7 || r.Budget() != 5 || len(p.Replicas()) != 2 {
+		t.Fatalf("Add: %+v, %v", r, err)
+	}
+	if len(before) != 1 {
+		t.Fatal("Add changed an earlier snapshot")
+	}
+	if _, err := p.Add(Spec{Name: "b", URL: "http://b"}, join); err == nil {
+		t.Fatal("duplicate accepted")
+	}
+	if _, err := p.Add(Spec{Name: "c", URL: "bad"}, join); err == nil {
+		t.Fatal("bad url accepted")
+	}
+	if x, ok := p.Remove("a"); !ok || x.Name != "a" || len(p.Replicas()) != 1 {
+		t.Fatal("Remove failed")
+	}
+	if _, ok := p.Remove("zz"); ok {
+		t.Fatal("removed a stranger")
+	}
+}

@@ -1,0 +1,52 @@
+package router
+
+import (
+	"encoding/json"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/replica"
+	"github.com/semroute/semroute/routing"
+)
+
+// fixture is an engine over replicas r0, r1, … with a clock the test sets.
+type fixture struct {
+	e   *routing.Engine
+	now time.Time
+}
+
+func newFixture(t testing.TB, replicas int, policy string) *fixture {
+	t.Helper()
+	f := &fixture{now: time.Unix(1000, 0)}
+	specs := make([]replica.Spec, replicas)
+	for i := range specs {
+		specs[i] = replica.Spec{Name: fmt.Sprint("r", i), URL: fmt.Sprintf("http://127.0.0.1:%d", 9000+i)}
+	}
+	pol, err := routing.NewPolicy(policy, routing.PolicyConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.e, err = routing.New(routing.Options{Replicas: specs, LoadHalfLife: 10 * time.Second,
+		Engine: routing.EngineOptions{Policy: pol, Now: func() time.Time { return f.now }}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
+
+// parseChat parses a chat of role, content pairs.
+func parseChat(t testing.TB, msgs ...string) *blockhash.Request {
+	t.Helper()
+	m := make([]map[string]string, 0, len(msgs)/2)
+	for i := 0; i+1 < len(msgs); i += 2 {
+		m = append(m, map[string]string{"role": msgs[i], "content": msgs[i+1]})
+	}
+	b, _ := json.Marshal(map[string]any{"model": "m", "messages": m})
+	r, err := blockhash.ParseChat(b, blockhash.Limits{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}

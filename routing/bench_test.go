@@ -1,0 +1,132 @@
+package routing
+
+import (
+	"encoding/json"
+	"fmt"
+	"testing"
+
+	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/internal/benchdata"
+)
+
+// BenchmarkDecide measures the whole routing decision for one request: parse
+// the body, split and hash it, match it against every replica's picture and
+// score every replica, giving back the parse and the candidate list as the
+// server does when the request ends. Replica r holds the first (r%8+1)/8 of
+// the prompt.
+func BenchmarkDecide(b *testing.B) {
+	for _, tokens := range []int{1 << 10, 8 << 10, 32 << 10, 128 << 10} {
+		for _, replicas := range []int{8, 64, 1024} {
+			b.Run(fmt.Sprintf("tokens=%dk/replicas=%d", tokens>>10, replicas), func(b *testing.B) {
+				f := newFixture(b, replicas, "semantic")
+				body := benchdata.ChatBody(tokens)
+				req, err := blockhash.ParseChat(body, blockhash.Limits{})
+				if err != nil {
+					b.Fatal(err)
+				}
+				blocks := f.e.Splitter().Split(nil, req)
+				for _, r := range f.pool.Replicas() {
+					n := len(blocks) * (r.ID%8 + 1) / 8
+					f.cache.Record(r.ID, blocks[:n], 1)
+				}
+				b.SetBytes(int64(len(body)))
+				b.ReportAllocs()
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					req, err := blockhash.ParseChat(body, blockhash.Limits{})
+					if err != nil {
+						b.Fatal(err)
+					}
+					d, err := f.e.DecideRequest(f.e.Input(req, "", false), false)
+					if err != nil {
+						b.Fatal(err)
+					}
+					f.e.Recycle(d) // as Core.Finish does
+					req.Release()
+				}
+			})
+		}
+	}
+}
+
+// BenchmarkParse measures parsing the body alone (fastjson: validate,
+// parse, unescape the content in place), releasing each request as the
+// server does.
+func BenchmarkParse(b *testing.B) {
+	for _, tokens := range []int{1 << 10, 8 << 10, 32 << 10, 128 << 10} {
+		b.Run(fmt.Sprintf("tokens=%dk", tokens>>10), func(b *testing.B) {
+			body := benchdata.ChatBody(tokens)
+			b.SetBytes(int64(len(body)))
+			b.ReportAllocs()
+			for i := 0; i < b.N; i++ {
+				req, err := blockhash.ParseChat(body, blockhash.Limits{})
+				if err != nil {
+					b.Fatal(err)
+				}
+				req.Release()
+			}
+		})
+	}
+}
+
+// BenchmarkSplit measures splitting and hashing alone.
+func BenchmarkSplit(b *testing.B) {
+	for _, tokens := range []int{1 << 10, 8 << 10, 32 << 10, 128 << 10} {
+		b.Run(fmt.Sprintf("tokens=%dk", tokens>>10), func(b *testing.B) {
+			req, _ := blockhash.ParseChat(benchdata.ChatBody(tokens), blockhash.Limits{})
+			s, _ := blockhash.NewSplitter(blockhash.Options{})
+			dst := make([]blockhash.Block, 0, tokens/32)
+			b.SetBytes(int64(tokens * 4))
+			b.ReportAllocs()
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				dst = s.Split(dst[:0], req)
+			}
+		})
+	}
+}
+
+// BenchmarkJSONDecode is the floor the decision is compared with: decoding
+// the same body into a plain struct with encoding/json.
+func BenchmarkJSONDecode(b *testing.B) {
+	for _, tokens := range []int{1 << 10, 8 << 10, 32 << 10, 128 << 10} {
+		b.Run(fmt.Sprintf("tokens=%dk", tokens>>10), func(b *testing.B) {
+			body := benchdata.ChatBody(tokens)
+			b.SetBytes(int64(len(body)))
+			b.ReportAllocs()
+			for i := 0; i < b.N; i++ {
+				var v struct {
+					Model    string `json:"model"`
+					Messages []struct {
+						Role    string `json:"role"`
+						Content string `json:"content"`
+					} `json:"messages"`
+				}
+				if err := json.Unmarshal(body, &v); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+// BenchmarkScore measures the semantic policy's scoring and the ranking of
+// the candidates, swept over replica counts.
+func BenchmarkScore(b *testing.B) {
+	for _, replicas := range []int{8, 64, 1024} {
+		b.Run(fmt.Sprintf("replicas=%d", replicas), func(b *testing.B) {
+			p, _ := NewPolicy("semantic", PolicyConfig{})
+			cs := cands(replicas)
+			for i := range cs {
+				cs[i].Match.Weighted = float64(i % 7 * 100)
+				cs[i].Load.PendingTokens = float64(i % 5 * 300)
+			}
+			in := &Input{Tokens: 8192, Weighted: 8192, AvgPrefill: 500}
+			b.ReportAllocs()
+			for i := 0; i < b.N; i++ {
+				p.Score(in, cs)
+				rank(cs, uint64(i), 3)
+			}
+		})
+	}
+}
