@@ -232,11 +232,6 @@ func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
 	if run.Matcher && m.Matcher != nil {
 		matcher = m.Matcher()
 	}
-	co := cachemodel.Options{Policy: evict}
-	if matcher != nil {
-		co.OnEvict = matcher.Forget
-	}
-	cache := cachemodel.New(co)
 	specs := make([]replica.Spec, m.Replicas)
 	for i := range specs {
 		specs[i] = replica.Spec{Name: fmt.Sprintf("replica-%d", i), URL: fmt.Sprintf("http://replica-%d.sim", i), BudgetTokens: m.BudgetTokens}
@@ -247,28 +242,21 @@ func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
 			specs[i].BudgetTokens = m.Budgets[i]
 		}
 	}
-	pool, err := replica.NewPool(specs, replica.Options{HalfLife: m.LoadHalfLife},
-		func(s replica.Spec) (int, error) { return cache.AddReplica(s.Name, s.BudgetTokens) })
-	if err != nil {
-		return nil, err
-	}
-	split, err := blockhash.NewSplitter(blockhash.Options{BlockTokens: m.BlockTokens})
-	if err != nil {
-		return nil, err
-	}
 	var clock int64
 	weights := m.Weights
 	if run.Weights != nil {
 		weights = run.Weights
 	}
-	eng, err := routing.NewEngine(routing.EngineOptions{
-		Splitter: split, Cache: cache, Pool: pool, Policy: pol, Weights: weights, Attempts: 1,
-		Now: func() time.Time { return time.Unix(0, clock) }, SharedActive: m.SharedActive,
-		Matcher: matcher, MatcherThreshold: m.MatcherThreshold,
+	eng, err := routing.New(routing.Options{
+		Replicas: specs, LoadHalfLife: m.LoadHalfLife, Eviction: evict, Split: blockhash.Options{BlockTokens: m.BlockTokens},
+		Engine: routing.EngineOptions{Policy: pol, Weights: weights, Attempts: 1,
+			Now: func() time.Time { return time.Unix(0, clock) }, SharedActive: m.SharedActive,
+			Matcher: matcher, MatcherThreshold: m.MatcherThreshold},
 	})
 	if err != nil {
 		return nil, err
 	}
+	cache, pool := eng.Cache(), eng.Pool()
 	d := &engineDecider{m: m, reqs: reqs, eng: eng, cache: cache, pool: pool, clock: &clock,
 		ds: make([]*routing.Decision, len(reqs)), served: make([]*routing.Candidate, len(reqs))}
 	s := &sim{m: m, reqs: reqs, d: d, res: &Result{Name: label}}

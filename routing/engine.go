@@ -26,13 +26,9 @@ const (
 // ErrNoReplica means no replica is available to take the request.
 var ErrNoReplica = errors.New("no replica available")
 
-// EngineOptions configure an Engine. Splitter, Cache, Pool and Policy are
-// required.
+// EngineOptions configure an Engine (see New). Policy is required.
 type EngineOptions struct {
-	Splitter *blockhash.Splitter
-	Cache    *cachemodel.Model
-	Pool     *replica.Pool
-	Policy   Policy
+	Policy Policy
 	// Weights multiply matched and prompt tokens by block kind. Nil means
 	// DefaultWeights.
 	Weights *cachemodel.Weights
@@ -78,7 +74,10 @@ func DefaultWeights() *cachemodel.Weights {
 
 // Engine is the routing core shared by every front end.
 type Engine struct {
-	o EngineOptions
+	o     EngineOptions
+	split *blockhash.Splitter
+	cache *cachemodel.Model
+	pool  *replica.Pool
 
 	mu     sync.Mutex
 	active map[int]map[uint64]int32 // SharedActive: replica id → block → running requests
@@ -88,10 +87,10 @@ type Engine struct {
 	join func(replica.Spec) (int, error) // New's: gives a joining replica its cache picture
 }
 
-// NewEngine returns an Engine.
-func NewEngine(o EngineOptions) (*Engine, error) {
-	if o.Splitter == nil || o.Cache == nil || o.Pool == nil || o.Policy == nil {
-		return nil, errors.New("routing: Splitter, Cache, Pool and Policy are required")
+// newEngine returns an Engine over split, cache and pool.
+func newEngine(o EngineOptions, split *blockhash.Splitter, cache *cachemodel.Model, pool *replica.Pool) (*Engine, error) {
+	if o.Policy == nil {
+		return nil, errors.New("routing: EngineOptions.Policy is required")
 	}
 	if o.Weights == nil {
 		o.Weights = DefaultWeights()
@@ -116,7 +115,7 @@ func NewEngine(o EngineOptions) (*Engine, error) {
 	if o.HotShare == 0 {
 		o.HotShare = 1.5
 	}
-	e := &Engine{o: o}
+	e := &Engine{o: o, split: split, cache: cache, pool: pool}
 	if o.SharedActive {
 		e.active = map[int]map[uint64]int32{}
 	}
@@ -127,13 +126,13 @@ func NewEngine(o EngineOptions) (*Engine, error) {
 func (e *Engine) Policy() Policy { return e.o.Policy }
 
 // Splitter returns the engine's splitter.
-func (e *Engine) Splitter() *blockhash.Splitter { return e.o.Splitter }
+func (e *Engine) Splitter() *blockhash.Splitter { return e.split }
 
 // Pool returns the engine's replica pool.
-func (e *Engine) Pool() *replica.Pool { return e.o.Pool }
+func (e *Engine) Pool() *replica.Pool { return e.pool }
 
 // Cache returns the engine's cache picture.
-func (e *Engine) Cache() *cachemodel.Model { return e.o.Cache }
+func (e *Engine) Cache() *cachemodel.Model { return e.cache }
 
 // Now returns the engine's clock reading.
 func (e *Engine) Now() time.Time { return e.o.Now() }
@@ -208,7 +207,7 @@ type RouteInput struct {
 // its block list is the engine's, and Recycle takes it back when the
 // decision made from it ends.
 func (e *Engine) Input(req *blockhash.Request, sessionID string, withText bool) RouteInput {
-	in := RouteInput{Blocks: e.o.Splitter.Split(newBlocks(e.o.Splitter.Count(req)), req), pooled: true}
+	in := RouteInput{Blocks: e.split.Split(newBlocks(e.split.Count(req)), req), pooled: true}
 	in.Key = SessionKey(sessionID, req.User, in.Blocks)
 	if withText || e.o.Matcher != nil {
 		for i := range req.Parts {
@@ -293,7 +292,7 @@ func (e *Engine) preferDonor(d *Decision, text [][]byte) {
 func (e *Engine) DecideAny() (*Decision, error) {
 	d := &Decision{}
 	now := e.o.Now()
-	for _, r := range e.o.Pool.Replicas() {
+	for _, r := range e.pool.Replicas() {
 		if r.Available(now) {
 			d.Candidates = append(d.Candidates, Candidate{Replica: r, Load: r.Load(now)})
 		}
@@ -307,13 +306,13 @@ func (e *Engine) DecideAny() (*Decision, error) {
 }
 
 func (e *Engine) input(d *Decision) *Input {
-	in := &Input{Blocks: d.Blocks, Tokens: d.Tokens, Key: d.Key, BlockTokens: e.o.Splitter.BlockTokens()}
+	in := &Input{Blocks: d.Blocks, Tokens: d.Tokens, Key: d.Key, BlockTokens: e.split.BlockTokens()}
 	for _, b := range d.Blocks {
 		in.Weighted += e.o.Weights[b.Kind] * float64(b.Tokens)
 	}
 	in.AvgPrefill = math.Float64frombits(e.avgPrefill.Load())
 	if e.o.HotUses > 0 && len(d.Candidates) > 0 {
-		in.Hot = e.o.Cache.Hot(d.Blocks, e.o.Weights, e.o.HotUses, e.o.HotShare/float64(len(d.Candidates)), e.o.Now().UnixNano())
+		in.Hot = e.cache.Hot(d.Blocks, e.o.Weights, e.o.HotUses, e.o.HotShare/float64(len(d.Candidates)), e.o.Now().UnixNano())
 	}
 	return in
 }
@@ -322,14 +321,14 @@ func (e *Engine) input(d *Decision) *Input {
 // it returns what the policy was told.
 func (e *Engine) rank(d *Decision, pol Policy) (*Input, error) {
 	now := e.o.Now()
-	reps := e.o.Pool.Replicas()
+	reps := e.pool.Replicas()
 	sc, _ := scratchPool.Get().(*scratch)
 	if sc == nil {
 		sc = &scratch{}
 	}
 	defer scratchPool.Put(sc)
-	sc.matches = e.o.Cache.Match(d.Blocks, e.o.Weights, sc.matches[:0])
-	sc.sizes = e.o.Cache.Sizes(sc.sizes[:0])
+	sc.matches = e.cache.Match(d.Blocks, e.o.Weights, sc.matches[:0])
+	sc.sizes = e.cache.Sizes(sc.sizes[:0])
 	matches, sizes := sc.matches, sc.sizes
 	d.Candidates = newCandidates(len(reps))
 	n := 0
@@ -419,7 +418,7 @@ func (e *Engine) Recycle(d *Decision) {
 // Commit caches d's blocks on c's replica and counts the request's work
 // there. Call Done with the same candidate when the request ends.
 func (e *Engine) Commit(d *Decision, c *Candidate) {
-	e.o.Cache.Record(c.Replica.ID, d.Blocks, e.o.Now().UnixNano())
+	e.cache.Record(c.Replica.ID, d.Blocks, e.o.Now().UnixNano())
 	d.Work = replica.Work{Prefill: int64(d.Tokens - c.Match.Tokens), Tokens: e.activate(c.Replica.ID, d.Blocks, 1)}
 	c.Replica.Begin(&d.Work)
 	for { // avg ← avg + (x − avg)/32, lock-free
@@ -477,7 +476,7 @@ func (e *Engine) Done(d *Decision, c *Candidate) {
 		d.Work.Tokens = e.activate(c.Replica.ID, d.Blocks, -1)
 	}
 	c.Replica.End(&d.Work, now)
-	e.o.Cache.Release(c.Replica.ID, d.Blocks, now.UnixNano())
+	e.cache.Release(c.Replica.ID, d.Blocks, now.UnixNano())
 }
 
 // LearnReply caches the assistant's reply, chained after the request's
@@ -490,9 +489,9 @@ func (e *Engine) LearnReply(d *Decision, r *replica.Replica, reply []byte) []blo
 	p := blockhash.Part{Role: blockhash.RoleAssistant, Base: blockhash.KindAssistantHistory, Text: reply}
 	n := len(d.Blocks)
 	putBlocks(d.learned)
-	all := append(newBlocks(n+e.o.Splitter.CountPart(&p)), d.Blocks...)
-	all = e.o.Splitter.AppendPart(all, d.Blocks[n-1].Hash, &p)
+	all := append(newBlocks(n+e.split.CountPart(&p)), d.Blocks...)
+	all = e.split.AppendPart(all, d.Blocks[n-1].Hash, &p)
 	d.learned = all
-	e.o.Cache.Record(r.ID, all, e.o.Now().UnixNano())
+	e.cache.Record(r.ID, all, e.o.Now().UnixNano())
 	return all[n:]
 }

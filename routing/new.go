@@ -31,8 +31,7 @@ type Options struct {
 	Eviction policies.Factory
 	// Split sets how prompts are cut into blocks.
 	Split blockhash.Options
-	// Engine configures the engine; its Splitter, Cache and Pool are
-	// built here and must be nil. When Engine.Matcher is set, the cache
+	// Engine configures the engine. When Engine.Matcher is set, the cache
 	// picture tells it of every eviction (Matcher.Forget).
 	Engine EngineOptions
 }
@@ -40,9 +39,6 @@ type Options struct {
 // New builds the splitter, the cache picture, the replica pool and the
 // Engine over them.
 func New(o Options) (*Engine, error) {
-	if o.Engine.Splitter != nil || o.Engine.Cache != nil || o.Engine.Pool != nil {
-		return nil, errors.New("routing: New builds the splitter, cache and pool; Options.Engine must not set them")
-	}
 	split, err := blockhash.NewSplitter(o.Split)
 	if err != nil {
 		return nil, err
@@ -52,7 +48,6 @@ func New(o Options) (*Engine, error) {
 		co.OnEvict = o.Engine.Matcher.Forget
 	}
 	cache := cachemodel.New(co)
-	e := &Engine{}
 	join := func(s replica.Spec) (int, error) {
 		budget := s.BudgetTokens
 		if budget == 0 && o.DefaultBudget > 0 {
@@ -67,9 +62,8 @@ func New(o Options) (*Engine, error) {
 	if err != nil {
 		return nil, err
 	}
-	eo := o.Engine
-	eo.Splitter, eo.Cache, eo.Pool = split, cache, pool
-	if e, err = NewEngine(eo); err != nil {
+	e, err := newEngine(o.Engine, split, cache, pool)
+	if err != nil {
 		return nil, err
 	}
 	e.join = join
@@ -82,5 +76,5 @@ func (e *Engine) AddReplica(s replica.Spec) (*replica.Replica, error) {
 	if e.join == nil {
 		return nil, errors.New("routing: AddReplica needs an engine made by New")
 	}
-	return e.o.Pool.Add(s, e.join)
+	return e.pool.Add(s, e.join)
 }

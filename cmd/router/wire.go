@@ -93,31 +93,19 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	if len(cfg.Replicas) == 0 && cfg.Discovery.DNSName == "" {
 		return nil, errors.New("config: replicas: at least one replica is required (or discovery.dns_name)")
 	}
-	split, err := blockhash.NewSplitter(blockhash.Options{BlockTokens: cfg.Blocks.BlockTokens, BytesPerToken: cfg.Blocks.BytesPerToken})
-	if err != nil {
-		return nil, fmt.Errorf("config: blocks: %w", err)
-	}
 	evict, err := policies.Lookup(cfg.Cache.Eviction)
 	if err != nil {
 		return nil, fmt.Errorf("config: cache.eviction: %w", err)
 	}
 	var mt routing.Matcher
-	co := cachemodel.Options{Policy: evict}
 	if mc := cfg.Routing.Matcher; mc.Enabled {
-		m, err := matcher.New(matcher.Options{MinSimilarity: mc.MinSimilarity, MaxDonors: mc.MaxDonors})
-		if err != nil {
+		if mt, err = matcher.New(matcher.Options{MinSimilarity: mc.MinSimilarity, MaxDonors: mc.MaxDonors}); err != nil {
 			return nil, fmt.Errorf("config: routing.semantic_matcher: %w", err)
 		}
-		mt, co.OnEvict = m, m.Forget
 	}
-	cache := cachemodel.New(co)
 	specs := make([]replica.Spec, len(cfg.Replicas))
 	for i, r := range cfg.Replicas {
 		specs[i] = r.Spec()
-	}
-	pool, err := replica.NewPool(specs, replica.Options{HalfLife: cfg.Routing.LoadHalfLife}, joinCache(cache, cfg.Cache, log))
-	if err != nil {
-		return nil, fmt.Errorf("config: %w", err)
 	}
 	weights := routing.DefaultWeights()
 	for name, w := range cfg.Routing.KindWeights {
@@ -131,13 +119,21 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	if err != nil {
 		return nil, err
 	}
-	eng, err := routing.NewEngine(routing.EngineOptions{
-		Splitter: split, Cache: cache, Pool: pool, Policy: pol, Weights: weights, Attempts: cfg.Routing.Attempts,
-		SharedActive: cfg.Routing.SharedActive, Matcher: mt, MatcherThreshold: cfg.Routing.Matcher.Threshold,
+	eng, err := routing.New(routing.Options{
+		Replicas: specs, LoadHalfLife: cfg.Routing.LoadHalfLife, Eviction: evict,
+		DefaultBudget: cmp.Or(cfg.Cache.DefaultBudgetTokens, configs.DefaultBudgetTokens),
+		OnDefaultBudget: func(name string, tokens int64) {
+			log.Info("replica budget unknown: assuming cache.default_budget_tokens until it reports vllm:cache_config_info",
+				"replica", name, "budget_tokens", tokens)
+		},
+		Split: blockhash.Options{BlockTokens: cfg.Blocks.BlockTokens, BytesPerToken: cfg.Blocks.BytesPerToken},
+		Engine: routing.EngineOptions{Policy: pol, Weights: weights, Attempts: cfg.Routing.Attempts,
+			SharedActive: cfg.Routing.SharedActive, Matcher: mt, MatcherThreshold: cfg.Routing.Matcher.Threshold},
 	})
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("config: %w", err)
 	}
+	cache, pool := eng.Cache(), eng.Pool()
 	var dl *decisionlog.Writer
 	copts := router.CoreOptions{Engine: eng, Arms: arms, Salt: cfg.Routing.ArmSalt, ReleaseAfter: cfg.Routing.ReleaseAfter,
 		RawIDs: cfg.DecisionLog.RawIDs, LogPrompts: cfg.DecisionLog.LogPrompts,
@@ -209,30 +205,12 @@ func limitsOf(l configs.LimitsConfig) router.Limits {
 			Budget: blockhash.NewBudget(l.MaxJSONValuesInFlight)}}
 }
 
-// joinCache returns the pool's join function: it gives each replica a
-// cache picture under its budget. A replica whose budget is unknown (not
-// configured, not yet reported by vllm:cache_config_info) gets the cache
-// section's default, so that its picture is bounded all the same; the
-// monitor replaces it once the replica reports its own.
-func joinCache(cache *cachemodel.Model, c configs.CacheConfig, log *slog.Logger) func(replica.Spec) (int, error) {
-	assumed := cmp.Or(c.DefaultBudgetTokens, configs.DefaultBudgetTokens)
-	return func(s replica.Spec) (int, error) {
-		budget := s.BudgetTokens
-		if budget == 0 {
-			budget = assumed
-			log.Info("replica budget unknown: assuming cache.default_budget_tokens until it reports vllm:cache_config_info",
-				"replica", s.Name, "budget_tokens", budget)
-		}
-		return cache.AddReplica(s.Name, budget)
-	}
-}
-
 // addReplica adds a replica with an empty cache picture, recording what
 // added it.
 func (a *app) addReplica(r configs.Replica, from source) error {
 	a.srcMu.Lock()
 	defer a.srcMu.Unlock()
-	if _, err := a.pool.Add(r.Spec(), joinCache(a.cache, a.current.Load().Cache, a.log)); err != nil {
+	if _, err := a.engine.AddReplica(r.Spec()); err != nil {
 		return err
 	}
 	a.sources[r.Name] = from
