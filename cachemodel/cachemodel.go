@@ -19,7 +19,7 @@ import (
 	"time"
 
 	"github.com/semroute/semroute/blockhash"
-	"github.com/semroute/semroute/policies"
+	"github.com/semroute/semroute/eviction"
 )
 
 // Weights are per-kind multipliers on matched tokens, indexed by Kind.
@@ -53,7 +53,7 @@ type Stats struct {
 // Options configure a Model. The zero value is usable.
 type Options struct {
 	// Policy makes each replica's eviction policy. Nil means LRU.
-	Policy policies.Factory
+	Policy eviction.Factory
 	// OnEvict, if set, is called with every block evicted from a replica,
 	// after the model's lock is released, in eviction order.
 	OnEvict func(replica int, key uint64)
@@ -64,7 +64,7 @@ type Options struct {
 
 // Model is the picture of every replica's cache.
 type Model struct {
-	policy  policies.Factory
+	policy  eviction.Factory
 	onEvict func(replica int, key uint64)
 	hotHalf float64 // nanoseconds
 
@@ -81,13 +81,13 @@ type Model struct {
 
 type replicaState struct {
 	Stats
-	policy policies.Policy
+	policy eviction.Policy
 }
 
 // New returns an empty model with no replicas.
 func New(o Options) *Model {
 	if o.Policy == nil {
-		o.Policy = func() policies.Policy { return policies.NewLRU() }
+		o.Policy = func() eviction.Policy { return eviction.NewLRU() }
 	}
 	if o.HotHalfLife <= 0 {
 		o.HotHalfLife = 10 * time.Second
@@ -254,7 +254,7 @@ func settleLeavers(out []Match, bFirst *slot, bRest []slot, aFirst *slot, aRest 
 // Record caches blocks, a whole chain from block 0, on replica id at time now
 // (nanoseconds on the caller's clock), refreshing the recency of blocks it
 // already holds, then evicts down to the replica's budget. A policy that is a
-// policies.Admitter may refuse a new block; it and the rest of the chain are
+// eviction.Admitter may refuse a new block; it and the rest of the chain are
 // then not cached. Record returns the number of blocks evicted. Unknown ids
 // are ignored.
 func (m *Model) Record(id int, blocks []blockhash.Block, now int64) int {
@@ -276,7 +276,7 @@ func (m *Model) record(id int, blocks []blockhash.Block, now int64) []uint64 {
 	st := m.replicas[id]
 	rid := int32(id)
 	m.warm(&m.fleet, now)
-	admit, _ := st.policy.(policies.Admitter)
+	admit, _ := st.policy.(eviction.Admitter)
 	var parent *node
 	parentFresh := false // parent was added by this call and never made evictable
 	last := len(blocks) - 1
@@ -295,7 +295,7 @@ func (m *Model) record(id int, blocks []blockhash.Block, now int64) []uint64 {
 		}
 		tokens := clampTokens(b.Tokens)
 		if admit != nil && st.Budget > 0 &&
-			!admit.Admit(policies.Info{Kind: b.Kind, Tokens: int32(tokens), Depth: int32(clampDepth(i)), LastUsed: now, Inserted: now}, st.Tokens, st.Budget) {
+			!admit.Admit(eviction.Info{Kind: b.Kind, Tokens: int32(tokens), Depth: int32(clampDepth(i)), LastUsed: now, Inserted: now}, st.Tokens, st.Budget) {
 			last = i - 1
 			break
 		}
@@ -339,7 +339,7 @@ func (m *Model) record(id int, blocks []blockhash.Block, now int64) []uint64 {
 
 // Release records that a request using blocks on replica id finished at now,
 // for policies that order blocks by when they were freed
-// (policies.FreeObserver): for them a block's recency is the later of its
+// (eviction.FreeObserver): for them a block's recency is the later of its
 // last use and its last free. Other policies do not see it. Blocks the
 // replica no longer holds are skipped.
 func (m *Model) Release(id int, blocks []blockhash.Block, now int64) {
@@ -348,7 +348,7 @@ func (m *Model) Release(id int, blocks []blockhash.Block, now int64) {
 	if !m.valid(id) {
 		return
 	}
-	fo, ok := m.replicas[id].policy.(policies.FreeObserver)
+	fo, ok := m.replicas[id].policy.(eviction.FreeObserver)
 	if !ok {
 		return
 	}
@@ -396,7 +396,7 @@ func (m *Model) evict(st *replicaState, rid int32, k uint64) bool {
 	if !ok {
 		return false
 	}
-	if e, ok := st.policy.(policies.Evicted); ok {
+	if e, ok := st.policy.(eviction.Evicted); ok {
 		e.Evicted(k, n.info(m.at(n, i)))
 	}
 	m.remove(n, i)

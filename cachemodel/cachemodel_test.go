@@ -8,7 +8,7 @@ import (
 	"testing"
 
 	"github.com/semroute/semroute/blockhash"
-	"github.com/semroute/semroute/policies"
+	"github.com/semroute/semroute/eviction"
 )
 
 // chain makes n blocks of one token each, chained from seed, all of kind k.
@@ -342,7 +342,7 @@ func BenchmarkRecord(b *testing.B) {
 
 func TestReleaseOrdersVLLMEviction(t *testing.T) {
 	var evicted []uint64
-	m := New(Options{Policy: policies.NewVLLM, OnEvict: func(_ int, k uint64) { evicted = append(evicted, k) }})
+	m := New(Options{Policy: eviction.NewVLLM, OnEvict: func(_ int, k uint64) { evicted = append(evicted, k) }})
 	m.AddReplica("r", 6)
 	a, b := chain("a", 3, 0), chain("b", 3, 0)
 	m.Record(0, a, 1)
@@ -368,14 +368,14 @@ func TestReleaseOrdersVLLMEviction(t *testing.T) {
 
 // refuseKind admits nothing of one kind.
 type refuseKind struct {
-	policies.Policy
+	eviction.Policy
 	k blockhash.Kind
 }
 
-func (r refuseKind) Admit(i policies.Info, _, _ int64) bool { return i.Kind != r.k }
+func (r refuseKind) Admit(i eviction.Info, _, _ int64) bool { return i.Kind != r.k }
 
 func TestAdmissionStopsTheChain(t *testing.T) {
-	m := New(Options{Policy: func() policies.Policy { return refuseKind{policies.NewLRU(), blockhash.KindUserQuery} }})
+	m := New(Options{Policy: func() eviction.Policy { return refuseKind{eviction.NewLRU(), blockhash.KindUserQuery} }})
 	m.AddReplica("r", 100)
 	c := chain("a", 5, blockhash.KindSystem)
 	c[3].Kind = blockhash.KindUserQuery

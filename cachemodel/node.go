@@ -5,7 +5,7 @@ import (
 	"sort"
 
 	"github.com/semroute/semroute/blockhash"
-	"github.com/semroute/semroute/policies"
+	"github.com/semroute/semroute/eviction"
 )
 
 // node is one block of the shared tree: 64 bytes, allocated from slabs.
@@ -139,8 +139,8 @@ func (m *Model) remove(n *node, i int) {
 	}
 }
 
-func (n *node) info(s *slot) policies.Info {
-	return policies.Info{Kind: n.kind, Tokens: int32(n.tokens), Depth: int32(n.depth), LastUsed: s.lastUsed, Inserted: s.inserted, Hits: s.hits}
+func (n *node) info(s *slot) eviction.Info {
+	return eviction.Info{Kind: n.kind, Tokens: int32(n.tokens), Depth: int32(n.depth), LastUsed: s.lastUsed, Inserted: s.inserted, Hits: s.hits}
 }
 
 // seconds converts the caller's nanoseconds to the heat clock.

@@ -19,7 +19,7 @@ import (
 	"github.com/spf13/viper"
 
 	"github.com/semroute/semroute/blockhash"
-	"github.com/semroute/semroute/policies"
+	"github.com/semroute/semroute/eviction"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
@@ -285,7 +285,7 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("decision_log.log_prompts", false)
 	v.SetDefault("blocks.block_tokens", blockhash.DefaultBlockTokens)
 	v.SetDefault("blocks.bytes_per_token", blockhash.DefaultBytesPerToken)
-	v.SetDefault("cache.eviction", policies.Default)
+	v.SetDefault("cache.eviction", eviction.Default)
 	v.SetDefault("cache.default_budget_tokens", DefaultBudgetTokens)
 	v.SetDefault("limits.max_body_bytes", 16<<20)
 	v.SetDefault("limits.max_messages", 4096)
@@ -475,7 +475,7 @@ func (c *Config) Validate() error {
 	if _, err := blockhash.NewSplitter(blockhash.Options{BlockTokens: c.Blocks.BlockTokens, BytesPerToken: c.Blocks.BytesPerToken}); err != nil || c.Blocks.BlockTokens == 0 || c.Blocks.BytesPerToken == 0 {
 		bad("blocks", "block_tokens must be in [1, 1048576] and bytes_per_token in [1, 64]")
 	}
-	if _, err := policies.Lookup(c.Cache.Eviction); err != nil {
+	if _, err := eviction.Lookup(c.Cache.Eviction); err != nil {
 		bad("cache.eviction", "%v", err)
 	}
 	if c.Cache.DefaultBudgetTokens < 0 {

@@ -8,7 +8,7 @@ import (
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
-	"github.com/semroute/semroute/policies"
+	"github.com/semroute/semroute/eviction"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
@@ -224,7 +224,7 @@ func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
 	if err != nil {
 		return nil, err
 	}
-	evict, err := policies.Lookup(m.Eviction)
+	evict, err := eviction.Lookup(m.Eviction)
 	if err != nil {
 		return nil, err
 	}
@@ -267,7 +267,7 @@ func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
 }
 
 func runReference(reqs []Request, m *Model, name string, budget int64) (*Result, error) {
-	evict, err := policies.Lookup(m.Eviction)
+	evict, err := eviction.Lookup(m.Eviction)
 	if err != nil {
 		return nil, err
 	}

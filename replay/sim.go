@@ -10,7 +10,7 @@ import (
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
-	"github.com/semroute/semroute/policies"
+	"github.com/semroute/semroute/eviction"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
@@ -34,8 +34,8 @@ type Model struct {
 	// InterToken: decode takes output tokens × InterToken after the first
 	// token, alongside other requests' prefill. Default 20ms.
 	InterToken time.Duration
-	// Eviction is the replicas' eviction policy (policies.Lookup). Default
-	// policies.Default (vLLM's order).
+	// Eviction is the replicas' eviction policy (eviction.Lookup). Default
+	// eviction.Default (vLLM's order).
 	Eviction string
 	// Speedup divides every arrival time. Default 1.
 	Speedup float64
@@ -90,7 +90,7 @@ func (m *Model) defaults() error {
 		m.InterToken = 20 * time.Millisecond
 	}
 	if m.Eviction == "" {
-		m.Eviction = policies.Default
+		m.Eviction = eviction.Default
 	}
 	if m.Speedup == 0 {
 		m.Speedup = 1
@@ -110,7 +110,7 @@ func (m *Model) defaults() error {
 	case m.Speedup <= 0 || math.IsInf(m.Speedup, 0) || math.IsNaN(m.Speedup):
 		return errors.New("speedup must be a positive number")
 	}
-	if _, err := policies.Lookup(m.Eviction); err != nil {
+	if _, err := eviction.Lookup(m.Eviction); err != nil {
 		return err
 	}
 	return nil
@@ -341,7 +341,7 @@ type engineDecider struct {
 func (e *engineDecider) decide(i int, now int64) (int, int, int, error) {
 	*e.clock = now
 	req := &e.reqs[i]
-	d, err := e.eng.DecideRequest(routing.RouteInput{Blocks: req.Blocks, Key: req.Key, Text: req.Text}, true)
+	d, err := e.eng.Decide(routing.Request{Blocks: req.Blocks, Key: req.Key, Text: req.Text}, true)
 	if err != nil {
 		return 0, 0, 0, err
 	}

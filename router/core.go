@@ -162,7 +162,7 @@ func (c *Core) PickArm(session, tenant string, key uint64) *Arm {
 
 // CoreRequest is a request to route.
 type CoreRequest struct {
-	Input                  routing.RouteInput
+	Input                  routing.Request
 	Model, Session, Tenant string
 	// Route names the front end's route for metrics: "chat",
 	// "completions" or "grpc".
@@ -191,7 +191,7 @@ func (c *Core) Route(req CoreRequest) (*Routed, error) {
 	req.Input.Policy = arm.Policy
 	start := c.e.Now()
 	t0 := time.Now()
-	d, err := c.e.DecideRequest(req.Input, !req.DryRun)
+	d, err := c.e.Decide(req.Input, !req.DryRun)
 	if err != nil {
 		return nil, err
 	}

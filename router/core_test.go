@@ -36,7 +36,7 @@ func TestCoreLogsFinishedDecisions(t *testing.T) {
 	log := &memLog{}
 	c := newCore(t, f, CoreOptions{Log: log})
 	req := parseChat(t, "system", strings.Repeat("policy text ", 100), "user", "q")
-	rt, err := c.Route(CoreRequest{Input: f.e.Input(req, "alice", true), Model: "m", Session: "alice", Tenant: "acme"})
+	rt, err := c.Route(CoreRequest{Input: f.e.Prepare(req, "alice", true), Model: "m", Session: "alice", Tenant: "acme"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -67,7 +67,7 @@ func TestCoreLogsFinishedDecisions(t *testing.T) {
 	}
 	// Raw ids and prompts when asked.
 	c2 := newCore(t, f, CoreOptions{Log: log, RawIDs: true, LogPrompts: true})
-	rt2, _ := c2.Route(CoreRequest{Input: f.e.Input(req, "alice", true), Session: "alice"})
+	rt2, _ := c2.Route(CoreRequest{Input: f.e.Prepare(req, "alice", true), Session: "alice"})
 	c2.Finish(rt2, Outcome{}, nil)
 	if r := log.recs[1]; r.Session != "alice" || len(r.Text) != 2 {
 		t.Fatalf("raw record %+v", r)
@@ -78,7 +78,7 @@ func TestCoreHoldReleaseExpire(t *testing.T) {
 	f := newFixture(t, 2, "semantic")
 	log := &memLog{}
 	c := newCore(t, f, CoreOptions{Log: log, ReleaseAfter: time.Minute})
-	in := f.e.Input(parseChat(t, "user", "x"), "", false)
+	in := f.e.Prepare(parseChat(t, "user", "x"), "", false)
 	a, _ := c.Route(CoreRequest{Input: in})
 	b, _ := c.Route(CoreRequest{Input: in})
 	c.Hold(a)
@@ -129,7 +129,7 @@ func TestArmsValidateAndSplit(t *testing.T) {
 	if moved < 50 {
 		t.Fatalf("a new salt moved only %d of 200 sessions", moved)
 	}
-	in := f.e.Input(parseChat(t, "user", "x"), "sess", false)
+	in := f.e.Prepare(parseChat(t, "user", "x"), "sess", false)
 	rt, _ := c.Route(CoreRequest{Input: in, Session: "sess"})
 	if rt.Policy != rt.Arm.Policy.Name() {
 		t.Fatalf("decided by %s in arm %s (%s)", rt.Policy, rt.Arm.Name, rt.Arm.Policy.Name())

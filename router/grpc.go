@@ -175,11 +175,11 @@ func (g *GRPCService) Route(_ context.Context, in *pb.RouteRequest) (*pb.RouteRe
 		return nil, invalid(err)
 	}
 	defer req.Release()
-	var ri routing.RouteInput
+	var ri routing.Request
 	if _, ok := in.GetInput().(*pb.RouteRequest_Blocks); ok {
 		ri = g.preSplit(req, in.GetSessionId())
 	} else {
-		ri = g.core.e.Input(req, in.GetSessionId(), g.core.o.LogPrompts)
+		ri = g.core.e.Prepare(req, in.GetSessionId(), g.core.o.LogPrompts)
 	}
 	for i, t := range ri.Text { // a held decision logs its text after req is released
 		ri.Text[i] = bytes.Clone(t)
@@ -211,8 +211,8 @@ func (g *GRPCService) Route(_ context.Context, in *pb.RouteRequest) (*pb.RouteRe
 
 // preSplit routes pre-split blocks: each keeps the kind the caller gave,
 // whatever the heuristics would say.
-func (g *GRPCService) preSplit(req *blockhash.Request, session string) routing.RouteInput {
-	var ri routing.RouteInput
+func (g *GRPCService) preSplit(req *blockhash.Request, session string) routing.Request {
+	var ri routing.Request
 	h := blockhash.Seed(req.Model)
 	for i := range req.Parts {
 		n := len(ri.Blocks)

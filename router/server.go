@@ -370,7 +370,7 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 	tctx := s.o.Propagator.Extract(r.Context(), propagation.HeaderCarrier(r.Header))
 	tctx, span := s.o.Tracer.Start(tctx, "semroute.route", trace.WithAttributes(attribute.String("semroute.route", route)))
 	rt, err := s.core.Route(CoreRequest{
-		Input: s.e.Input(req, sid, s.core.o.LogPrompts), Model: req.Model, Session: sid, Tenant: tenant, Route: route,
+		Input: s.e.Prepare(req, sid, s.core.o.LogPrompts), Model: req.Model, Session: sid, Tenant: tenant, Route: route,
 	})
 	if err != nil {
 		span.SetStatus(codes.Error, err.Error())

@@ -13,7 +13,7 @@ import (
 
 // The baselines below are ports of other routers' formulas, so that replay
 // can compare semroute's own policy with them on the same trace and replica
-// model. Each reads only the Input and Candidates: the cache picture they
+// model. Each reads only the View and Candidates: the cache picture they
 // consult is semroute's (an exact mirror in replay), not their own
 // approximate trees, so they differ from the originals only in the formula.
 
@@ -58,7 +58,7 @@ type PowerOfTwo struct{ rng *seededRand }
 func (*PowerOfTwo) Name() string { return "power_of_two" }
 
 // Score implements Policy.
-func (p *PowerOfTwo) Score(_ *Input, cands []Candidate) {
+func (p *PowerOfTwo) Score(_ *View, cands []Candidate) {
 	a := p.rng.intn(len(cands))
 	b := a
 	if len(cands) > 1 {
@@ -115,7 +115,7 @@ func (p *ConsistentHash) ringFor(cands []Candidate) []ringPoint {
 }
 
 // Score implements Policy.
-func (p *ConsistentHash) Score(in *Input, cands []Candidate) {
+func (p *ConsistentHash) Score(in *View, cands []Candidate) {
 	ring := p.ringFor(cands)
 	key := xxhash.Sum64(binaryKey(in.Key))
 	start := sort.Search(len(ring), func(i int) bool { return ring[i].h >= key })
@@ -169,7 +169,7 @@ type SGLang struct{ p SGLangParams }
 func (*SGLang) Name() string { return "sglang" }
 
 // Score implements Policy.
-func (p *SGLang) Score(in *Input, cands []Candidate) {
+func (p *SGLang) Score(in *View, cands []Candidate) {
 	lo, hi := math.Inf(1), math.Inf(-1)
 	best := 0
 	for i := range cands {
@@ -227,7 +227,7 @@ type Dynamo struct {
 func (*Dynamo) Name() string { return "dynamo" }
 
 // Score implements Policy.
-func (p *Dynamo) Score(in *Input, cands []Candidate) {
+func (p *Dynamo) Score(in *View, cands []Candidate) {
 	bs := float64(max(in.BlockTokens, 1))
 	lo, hi := math.Inf(1), math.Inf(-1)
 	for i := range cands {
@@ -282,7 +282,7 @@ type LLMD struct{ p LLMDParams }
 func (*LLMD) Name() string { return "llmd" }
 
 // Score implements Policy.
-func (p *LLMD) Score(in *Input, cands []Candidate) {
+func (p *LLMD) Score(in *View, cands []Candidate) {
 	lo, hi := int64(math.MaxInt64), int64(math.MinInt64)
 	for i := range cands {
 		w := cands[i].Load.Waiting
@@ -338,7 +338,7 @@ func running(l *Candidate) float64 {
 }
 
 // Score implements Policy.
-func (p *AIBrix) Score(in *Input, cands []Candidate) {
+func (p *AIBrix) Score(in *View, cands []Candidate) {
 	lo, hi, sum, sq := math.Inf(1), math.Inf(-1), 0.0, 0.0
 	for i := range cands {
 		r := running(&cands[i])
@@ -400,7 +400,7 @@ var _ Observer = (*SemanticKV)(nil)
 func (*SemanticKV) Name() string { return "semantickv" }
 
 // Score implements Policy.
-func (p *SemanticKV) Score(in *Input, cands []Candidate) {
+func (p *SemanticKV) Score(in *View, cands []Candidate) {
 	last, _ := p.sessions.Get(in.Key)
 	for i := range cands {
 		c := &cands[i]
@@ -415,4 +415,4 @@ func (p *SemanticKV) Score(in *Input, cands []Candidate) {
 }
 
 // Chosen implements Observer: it remembers the session's replica.
-func (p *SemanticKV) Chosen(in *Input, c *Candidate) { p.sessions.Add(in.Key, c.Replica.Name) }
+func (p *SemanticKV) Chosen(in *View, c *Candidate) { p.sessions.Add(in.Key, c.Replica.Name) }

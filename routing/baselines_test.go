@@ -19,7 +19,7 @@ func mustPolicy(t *testing.T, name string) Policy {
 }
 
 // winner scores cands with p and returns the winner's name.
-func winner(p Policy, in *Input, cands []Candidate) string {
+func winner(p Policy, in *View, cands []Candidate) string {
 	p.Score(in, cands)
 	return rank(cands, in.Key, 1)[0].Replica.Name
 }
@@ -29,7 +29,7 @@ func TestPowerOfTwoPicksTheLighterOfTwo(t *testing.T) {
 	for i := 0; i < 50; i++ {
 		cs := cands(2)
 		cs[0].Load.InFlight, cs[1].Load.InFlight = 5, 1
-		if w := winner(p, &Input{}, cs); w != "r1" {
+		if w := winner(p, &View{}, cs); w != "r1" {
 			t.Fatalf("picked %s", w)
 		}
 	}
@@ -39,7 +39,7 @@ func TestPowerOfTwoPicksTheLighterOfTwo(t *testing.T) {
 		for j := range cs {
 			cs[j].Load.InFlight = int64(j)
 		}
-		if w := winner(p, &Input{}, cs); w == "r5" {
+		if w := winner(p, &View{}, cs); w == "r5" {
 			t.Fatal("picked the most loaded replica")
 		}
 	}
@@ -50,8 +50,8 @@ func TestConsistentHashStableAndMinimalMoves(t *testing.T) {
 	before := map[uint64]string{}
 	counts := map[string]int{}
 	for k := uint64(0); k < 1000; k++ {
-		w := winner(p, &Input{Key: k}, cands(4))
-		if again := winner(p, &Input{Key: k}, cands(4)); again != w {
+		w := winner(p, &View{Key: k}, cands(4))
+		if again := winner(p, &View{Key: k}, cands(4)); again != w {
 			t.Fatalf("key %d: %s then %s", k, w, again)
 		}
 		before[k] = w
@@ -64,7 +64,7 @@ func TestConsistentHashStableAndMinimalMoves(t *testing.T) {
 	}
 	// Drop r3: only r3's keys move.
 	for k, w := range before {
-		now := winner(p, &Input{Key: k}, cands(3))
+		now := winner(p, &View{Key: k}, cands(3))
 		if w != "r3" && now != w {
 			t.Fatalf("key %d moved from %s to %s though %s stayed", k, w, now, w)
 		}
@@ -73,7 +73,7 @@ func TestConsistentHashStableAndMinimalMoves(t *testing.T) {
 
 func TestSGLangBranches(t *testing.T) {
 	p := mustPolicy(t, "sglang")
-	in := &Input{Tokens: 1000}
+	in := &View{Tokens: 1000}
 	cs := cands(3)
 	cs[0].Match.Tokens, cs[0].Load.InFlight = 800, 100 // imbalanced: 100 − 0 > 64
 	cs[1].Load.InFlight, cs[2].Load.InFlight = 0, 10
@@ -94,7 +94,7 @@ func TestSGLangBranches(t *testing.T) {
 func TestDynamoDocumentedExample(t *testing.T) {
 	// Dynamo's docs: worker costs 1×8+10, 1×5+5, 1×2+9; worker 2 wins.
 	p := mustPolicy(t, "dynamo")
-	in := &Input{Tokens: 8, BlockTokens: 1}
+	in := &View{Tokens: 8, BlockTokens: 1}
 	cs := cands(3)
 	cs[0].Load.ActiveTokens = 2
 	cs[1].Match.Tokens = 3
@@ -116,7 +116,7 @@ func TestDynamoTemperatureSamples(t *testing.T) {
 	for i := 0; i < 300; i++ {
 		cs := cands(3)
 		cs[1].Match.Tokens = 4
-		wins[winner(p, &Input{Tokens: 8, BlockTokens: 1}, cs)]++
+		wins[winner(p, &View{Tokens: 8, BlockTokens: 1}, cs)]++
 	}
 	if wins["r1"] < 100 || wins["r0"] == 0 {
 		t.Fatalf("softmax wins %v: want the cheapest most often, others sometimes", wins)
@@ -125,7 +125,7 @@ func TestDynamoTemperatureSamples(t *testing.T) {
 
 func TestLLMDWeightedScorers(t *testing.T) {
 	p := mustPolicy(t, "llmd")
-	in := &Input{Blocks: make([]blockhash.Block, 10)}
+	in := &View{Blocks: make([]blockhash.Block, 10)}
 	cs := cands(3)
 	cs[0].Match.Blocks, cs[0].Load.Waiting, cs[0].Load.KVUsage = 10, 4, 0.9 // 3·1 + 2·0 + 2·0.1 = 3.2
 	cs[1].Match.Blocks, cs[1].Load.Waiting, cs[1].Load.KVUsage = 5, 0, 0.5  // 1.5 + 2 + 1 = 4.5
@@ -140,7 +140,7 @@ func TestLLMDWeightedScorers(t *testing.T) {
 
 func TestAIBrixBranches(t *testing.T) {
 	p := mustPolicy(t, "aibrix")
-	in := &Input{}
+	in := &View{}
 	cs := cands(4)
 	for i := range cs {
 		cs[i].Load.Running = 4
@@ -171,7 +171,7 @@ func TestAIBrixBranches(t *testing.T) {
 
 func TestSemanticKVSessionBonus(t *testing.T) {
 	p := mustPolicy(t, "semantickv")
-	in := &Input{Key: 42}
+	in := &View{Key: 42}
 	cs := cands(3)
 	cs[2].Match = cachemodel.Match{Weighted: 300}
 	if w := winner(p, in, cs); w != "r2" {
@@ -192,7 +192,7 @@ func TestEveryPolicyPicksAvailableCandidate(t *testing.T) {
 		p := mustPolicy(t, name)
 		for n := 1; n <= 5; n++ {
 			cs := cands(n)
-			w := winner(p, &Input{Key: uint64(n), Tokens: 10, BlockTokens: 4}, cs)
+			w := winner(p, &View{Key: uint64(n), Tokens: 10, BlockTokens: 4}, cs)
 			if w == "" || w > fmt.Sprint("r", n-1) {
 				t.Errorf("%s with %d candidates picked %q", name, n, w)
 			}

@@ -37,7 +37,7 @@ func BenchmarkDecide(b *testing.B) {
 					if err != nil {
 						b.Fatal(err)
 					}
-					d, err := f.e.DecideRequest(f.e.Input(req, "", false), false)
+					d, err := f.e.Decide(f.e.Prepare(req, "", false), false)
 					if err != nil {
 						b.Fatal(err)
 					}
@@ -121,7 +121,7 @@ func BenchmarkScore(b *testing.B) {
 				cs[i].Match.Weighted = float64(i % 7 * 100)
 				cs[i].Load.PendingTokens = float64(i % 5 * 300)
 			}
-			in := &Input{Tokens: 8192, Weighted: 8192, AvgPrefill: 500}
+			in := &View{Tokens: 8192, Weighted: 8192, AvgPrefill: 500}
 			b.ReportAllocs()
 			for i := 0; i < b.N; i++ {
 				p.Score(in, cs)

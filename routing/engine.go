@@ -50,7 +50,7 @@ type EngineOptions struct {
 	// MatcherThreshold is the share of the prompt below which the matcher
 	// is asked. Default 0.5.
 	MatcherThreshold float64
-	// A prefix block is hot (Input.Hot) when, per cache-model HotHalfLife,
+	// A prefix block is hot (View.Hot) when, per cache-model HotHalfLife,
 	// at least HotUses requests used it and more than HotShare ÷ (available
 	// replicas) of all requests did: it carries more than a replica's fair
 	// share of the traffic. Defaults 8 and 1.5; a negative HotUses turns hot
@@ -186,8 +186,9 @@ func rendezvous(key uint64, name string) uint64 {
 	return d.Sum64()
 }
 
-// RouteInput is a request as the engine routes it.
-type RouteInput struct {
+// Request is the engine's input: a request as the engine routes it (see
+// Prepare), where View is what a policy sees of it.
+type Request struct {
 	Blocks []blockhash.Block
 	// Key is the session key (SessionKey).
 	Key uint64
@@ -197,17 +198,17 @@ type RouteInput struct {
 	// Policy overrides the engine's policy for this request (an A/B arm's);
 	// nil means the engine's.
 	Policy Policy
-	// pooled says Blocks came from the engine's block pool (Input made
+	// pooled says Blocks came from the engine's block pool (Prepare made
 	// them), so Recycle may take them back.
 	pooled bool
 }
 
-// Input splits req into the engine's RouteInput, keyed by SessionKey. The
+// Prepare splits req into the engine's Request, keyed by SessionKey. The
 // text is kept when withText is set or a matcher needs it. Route it once:
 // its block list is the engine's, and Recycle takes it back when the
 // decision made from it ends.
-func (e *Engine) Input(req *blockhash.Request, sessionID string, withText bool) RouteInput {
-	in := RouteInput{Blocks: e.split.Split(newBlocks(e.split.Count(req)), req), pooled: true}
+func (e *Engine) Prepare(req *blockhash.Request, sessionID string, withText bool) Request {
+	in := Request{Blocks: e.split.Split(newBlocks(e.split.Count(req)), req), pooled: true}
 	in.Key = SessionKey(sessionID, req.User, in.Blocks)
 	if withText || e.o.Matcher != nil {
 		for i := range req.Parts {
@@ -217,17 +218,12 @@ func (e *Engine) Input(req *blockhash.Request, sessionID string, withText bool) 
 	return in
 }
 
-// Decide splits req and routes it with DecideRequest.
-func (e *Engine) Decide(req *blockhash.Request, sessionID string, record bool) (*Decision, error) {
-	return e.DecideRequest(e.Input(req, sessionID, false), record)
-}
-
-// DecideRequest scores every available replica for a request and ranks
+// Decide scores every available replica for a request and ranks
 // them. When record is true it also caches the blocks on the choice (so a
 // burst of identical prompts goes to one place), tells an Observer policy
 // and the matcher, and counts the request's work against the replica; the
 // caller must then call Done when the request ends.
-func (e *Engine) DecideRequest(ri RouteInput, record bool) (*Decision, error) {
+func (e *Engine) Decide(ri Request, record bool) (*Decision, error) {
 	pol := ri.Policy
 	if pol == nil {
 		pol = e.o.Policy
@@ -305,8 +301,8 @@ func (e *Engine) DecideAny() (*Decision, error) {
 	return d, nil
 }
 
-func (e *Engine) input(d *Decision) *Input {
-	in := &Input{Blocks: d.Blocks, Tokens: d.Tokens, Key: d.Key, BlockTokens: e.split.BlockTokens()}
+func (e *Engine) view(d *Decision) *View {
+	in := &View{Blocks: d.Blocks, Tokens: d.Tokens, Key: d.Key, BlockTokens: e.split.BlockTokens()}
 	for _, b := range d.Blocks {
 		in.Weighted += e.o.Weights[b.Kind] * float64(b.Tokens)
 	}
@@ -319,7 +315,7 @@ func (e *Engine) input(d *Decision) *Input {
 
 // rank scores the available replicas with pol and keeps the best Attempts;
 // it returns what the policy was told.
-func (e *Engine) rank(d *Decision, pol Policy) (*Input, error) {
+func (e *Engine) rank(d *Decision, pol Policy) (*View, error) {
 	now := e.o.Now()
 	reps := e.pool.Replicas()
 	sc, _ := scratchPool.Get().(*scratch)
@@ -347,7 +343,7 @@ func (e *Engine) rank(d *Decision, pol Policy) (*Input, error) {
 	if len(d.Candidates) == 0 {
 		return nil, ErrNoReplica
 	}
-	in := e.input(d)
+	in := e.view(d)
 	pol.Score(in, d.Candidates)
 	d.Ranked = rank(d.Candidates, d.Key, e.o.Attempts)
 	return in, nil
@@ -392,7 +388,7 @@ func putBlocks(b []blockhash.Block) {
 	}
 }
 
-// Recycle gives d's candidate list, and the block lists Input and
+// Recycle gives d's candidate list, and the block lists Prepare and
 // LearnReply made for it, back for reuse by later decisions. Call it once
 // nothing reads d.Candidates, d.Blocks or learned blocks any more
 // (Core.Finish does); d.Ranked and d.Chosen stay valid, d.Blocks becomes

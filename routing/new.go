@@ -6,7 +6,7 @@ import (
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
-	"github.com/semroute/semroute/policies"
+	"github.com/semroute/semroute/eviction"
 	"github.com/semroute/semroute/replica"
 )
 
@@ -28,7 +28,7 @@ type Options struct {
 	LoadHalfLife time.Duration
 	// Eviction makes each replica's eviction policy in the cache picture.
 	// Nil means LRU.
-	Eviction policies.Factory
+	Eviction eviction.Factory
 	// Split sets how prompts are cut into blocks.
 	Split blockhash.Options
 	// Engine configures the engine. When Engine.Matcher is set, the cache

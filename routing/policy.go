@@ -12,8 +12,9 @@ import (
 	"github.com/semroute/semroute/replica"
 )
 
-// Input is what a policy knows of the request being routed.
-type Input struct {
+// View is what a policy knows of the request being routed: the policy's
+// view, as Request is the engine's input.
+type View struct {
 	Blocks []blockhash.Block
 	// Tokens is the prompt's estimated tokens; Weighted the same with the
 	// kind weights applied.
@@ -54,13 +55,13 @@ type Candidate struct {
 // and may set Reason. It must not reorder cands.
 type Policy interface {
 	Name() string
-	Score(in *Input, cands []Candidate)
+	Score(in *View, cands []Candidate)
 }
 
 // Observer is implemented by policies that keep state about past choices;
 // the engine calls Chosen when a decision is recorded.
 type Observer interface {
-	Chosen(in *Input, c *Candidate)
+	Chosen(in *View, c *Candidate)
 }
 
 // PolicyConfig holds every policy's parameters; each policy reads its own.
@@ -70,7 +71,7 @@ type PolicyConfig struct {
 	// a temperature); 0 draws a seed at random.
 	Seed uint64
 	// LoadWeight multiplies a replica's queued work (tokens) in the
-	// semantic cost. Default 0.3 (see Semantic).
+	// semantic cost. Default 0.3 (see PrefixCost).
 	LoadWeight float64
 	// RecentWeight is the share of a replica's recently finished prefill
 	// tokens (replica.Load.RecentTokens) counted as queued work: it predicts
@@ -141,7 +142,7 @@ func NewPolicy(name string, c PolicyConfig) (Policy, error) {
 	}
 	switch name {
 	case "semantic":
-		return &Semantic{cfg: c}, nil
+		return &PrefixCost{cfg: c}, nil
 	case "round_robin":
 		return &RoundRobin{}, nil
 	case "random":
@@ -170,7 +171,7 @@ func NewPolicy(name string, c PolicyConfig) (Policy, error) {
 	return nil, fmt.Errorf("unknown routing policy %q (have %v)", name, PolicyNames)
 }
 
-// Semantic is semroute's own policy. Every cost is in prefill tokens:
+// PrefixCost is semroute's own policy. Every cost is in prefill tokens:
 //
 //	cost(r)    = (Weighted − matched(r)) + LoadWeight × queued(r)
 //	matched(r) = max(Match(r).Weighted, Hot.Weighted)
@@ -185,21 +186,21 @@ func NewPolicy(name string, c PolicyConfig) (Policy, error) {
 // costs a duplicate copy of that prefix in the fleet's cache, which later
 // requests miss (the replay of the public traces measures this; see the
 // README). A miss everywhere goes to the least-loaded replica. A hot prefix
-// (Input.Hot: more traffic than one replica's share) counts as held by every
+// (View.Hot: more traffic than one replica's share) counts as held by every
 // replica, since it soon will be: load decides where requests sharing a
 // global system prompt go, and the prefix is replicated wherever they land. A replica whose queued work is above
 // SpillFactor × mean + SpillMarginTokens, or whose KV cache is at least
 // KVSpill full (vllm:kv_cache_usage_perc: it would queue or preempt), is
 // ranked last (reason "spill"); if it still wins nothing else was available.
-type Semantic struct{ cfg PolicyConfig }
+type PrefixCost struct{ cfg PolicyConfig }
 
-var _ Policy = (*Semantic)(nil)
+var _ Policy = (*PrefixCost)(nil)
 
 // Name implements Policy.
-func (*Semantic) Name() string { return "semantic" }
+func (*PrefixCost) Name() string { return "semantic" }
 
 // Score implements Policy.
-func (p *Semantic) Score(in *Input, cands []Candidate) {
+func (p *PrefixCost) Score(in *View, cands []Candidate) {
 	mean := 0.0
 	for i := range cands {
 		mean += p.queued(cands[i].Load, in.AvgPrefill)
@@ -225,7 +226,7 @@ func (p *Semantic) Score(in *Input, cands []Candidate) {
 	}
 }
 
-func (p *Semantic) queued(l replica.Load, avgPrefill float64) float64 {
+func (p *PrefixCost) queued(l replica.Load, avgPrefill float64) float64 {
 	return max(l.PendingTokens, float64(l.Waiting)*avgPrefill) + p.cfg.RecentWeight*l.RecentTokens
 }
 
@@ -244,7 +245,7 @@ func (*RoundRobin) Name() string { return "round_robin" }
 
 // Score implements Policy: the replica whose turn it is scores 0, the next 1,
 // and so on.
-func (p *RoundRobin) Score(_ *Input, cands []Candidate) {
+func (p *RoundRobin) Score(_ *View, cands []Candidate) {
 	n := uint64(len(cands))
 	start := (p.next.Add(1) - 1) % n
 	for i := range cands {
@@ -260,7 +261,7 @@ type Random struct{ rng *seededRand }
 func (*Random) Name() string { return "random" }
 
 // Score implements Policy.
-func (p *Random) Score(_ *Input, cands []Candidate) {
+func (p *Random) Score(_ *View, cands []Candidate) {
 	for i := range cands {
 		cands[i].Score = p.rng.float() * 1e9 // whole units: rank rounds scores
 		cands[i].Reason = "random"
@@ -275,7 +276,7 @@ type LeastLoad struct{}
 func (LeastLoad) Name() string { return "least_load" }
 
 // Score implements Policy.
-func (LeastLoad) Score(_ *Input, cands []Candidate) {
+func (LeastLoad) Score(_ *View, cands []Candidate) {
 	for i := range cands {
 		l := cands[i].Load
 		cands[i].Score = float64(l.InFlight)*1e9 + l.PendingTokens + l.RecentTokens

@@ -24,7 +24,7 @@ func TestSemanticCost(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	in := &Input{Tokens: 1000, Weighted: 1000}
+	in := &View{Tokens: 1000, Weighted: 1000}
 	cases := []struct {
 		name    string
 		match   []float64 // weighted matched tokens per replica

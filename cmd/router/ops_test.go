@@ -127,11 +127,15 @@ func TestDNSDiscoveryFollowsReplicas(t *testing.T) {
 	cfg := filepath.Join(t.TempDir(), "router.yaml")
 	writeConfig(t, cfg, "routing: {policy: round_robin}\ndiscovery: {dns_name: _http._tcp.vllm.test, srv: true, interval: 50ms}\nreplicas: []\n")
 	r := serveConfigWith(t, cfg, func(a *app) { a.resolver = res })
-	// served returns which replicas (by port) answer 20 requests.
+	// served returns which replicas (by port) answer 20 requests; until the
+	// first resolution the router has none, and answers 503.
 	served := func() map[int]bool {
 		out := map[int]bool{}
 		for i := 0; i < 20; i++ {
 			code, rep, err := postURL(r.http.url(), chat([2]string{"user", fmt.Sprint(i)}), nil)
+			if code == http.StatusServiceUnavailable {
+				continue
+			}
 			if err != nil || code != 200 {
 				t.Fatalf("%d %v", code, err)
 			}

@@ -24,9 +24,9 @@ import (
 	"github.com/semroute/semroute/cachemodel"
 	"github.com/semroute/semroute/configs"
 	"github.com/semroute/semroute/decisionlog"
+	"github.com/semroute/semroute/eviction"
 	"github.com/semroute/semroute/matcher"
 	"github.com/semroute/semroute/monitor"
-	"github.com/semroute/semroute/policies"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/router"
 	"github.com/semroute/semroute/routing"
@@ -93,7 +93,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	if len(cfg.Replicas) == 0 && cfg.Discovery.DNSName == "" {
 		return nil, errors.New("config: replicas: at least one replica is required (or discovery.dns_name)")
 	}
-	evict, err := policies.Lookup(cfg.Cache.Eviction)
+	evict, err := eviction.Lookup(cfg.Cache.Eviction)
 	if err != nil {
 		return nil, fmt.Errorf("config: cache.eviction: %w", err)
 	}

@@ -1,4 +1,4 @@
-package policies
+package eviction
 
 import (
 	"fmt"
@@ -118,7 +118,7 @@ func TestSizeLRUPrefersBigBlocksAndAges(t *testing.T) {
 
 func TestAdaptiveLearnsAndDecays(t *testing.T) {
 	const s = int64(1e9)
-	p := NewAdaptiveSemantic(AdaptiveParams{AdmitBelow: 0.9}).(*adaptive)
+	p := NewAdaptiveKind(AdaptiveParams{AdmitBelow: 0.9}).(*adaptive)
 	base := p.ap.Weights[blockhash.KindCode]
 	// Regret: a code block evicted and inserted again raises code's weight.
 	p.Evictable(1, Info{Kind: blockhash.KindCode, Tokens: 64, LastUsed: 1 * s})
@@ -469,7 +469,7 @@ func FuzzStatefulAgainstReference(f *testing.F) {
 		// Adaptive semantic.
 		ap := AdaptiveParams{}
 		ap.defaults()
-		ad := NewAdaptiveSemantic(ap).(*adaptive)
+		ad := NewAdaptiveKind(ap).(*adaptive)
 		aref := &refAdaptive{ap: ap, w: *ap.Weights, ghosts: map[uint64]blockhash.Kind{}, cands: map[uint64]Info{}, keys: map[uint64]float64{}}
 		for n, o := range ops {
 			switch o.kind {

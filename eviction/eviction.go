@@ -1,4 +1,4 @@
-// Package policies holds the eviction policies of the cache model: which
+// Package eviction holds the eviction policies of the cache model: which
 // cached block a replica drops first when its token budget is exceeded.
 //
 // The cache model owns the blocks; a policy sees only the evictable ones (the
@@ -8,7 +8,7 @@
 // caller's clock (wall or virtual); no policy reads a clock.
 //
 // A Policy is not safe for concurrent use: the cache model serialises calls.
-package policies
+package eviction
 
 import (
 	"container/heap"
@@ -89,8 +89,8 @@ var registry = map[string]Factory{
 	"lfu":               func() Policy { return NewLFU() },
 	"size_lru":          func() Policy { return NewSizeLRU() },
 	"vllm":              func() Policy { return NewVLLM() },
-	"static_semantic":   func() Policy { return NewStaticSemantic(SemanticParams{}) },
-	"adaptive_semantic": func() Policy { return NewAdaptiveSemantic(AdaptiveParams{}) },
+	"static_semantic":   func() Policy { return NewKindWeighted(KindParams{}) },
+	"adaptive_semantic": func() Policy { return NewAdaptiveKind(AdaptiveParams{}) },
 }
 
 // Default is the eviction policy of the live router's picture.
@@ -189,8 +189,8 @@ func (p *sizeLRU) Victim() (uint64, bool) {
 	return p.h.pop()
 }
 
-// SemanticParams tune the semantic policies. Zero fields take the defaults.
-type SemanticParams struct {
+// KindParams tune the semantic policies. Zero fields take the defaults.
+type KindParams struct {
 	// Weights is the value of a block per kind. Default: system and tools
 	// 2, retrieved_context 1.5, code and tool_output 1.2, assistant and user
 	// history 1, user_query 0.5, other 1.
@@ -214,7 +214,7 @@ func DefaultKindValues() *[blockhash.NumKinds]float64 {
 	return &w
 }
 
-func (sp *SemanticParams) defaults() {
+func (sp *KindParams) defaults() {
 	if sp.Weights == nil {
 		sp.Weights = DefaultKindValues()
 	}
@@ -230,14 +230,14 @@ func staticValue(w float64, i Info, alpha float64) float64 {
 	return w * math.Log1p(float64(i.Hits)) * t / math.Pow(t, alpha)
 }
 
-// NewStaticSemantic evicts the leaf of lowest fixed value
+// NewKindWeighted evicts the leaf of lowest fixed value
 //
 //	value = weight[kind] × ln(1 + hits) × tokens ÷ tokens^α
 //
 // (prefill time saved is proportional to tokens); among equal values (for
 // example every block never hit) the least recently used, then the deepest.
 // The value never decays: a block once popular stays.
-func NewStaticSemantic(sp SemanticParams) Policy {
+func NewKindWeighted(sp KindParams) Policy {
 	sp.defaults()
 	return newOrdered(func(i Info) prio {
 		return prio{a: staticValue(sp.Weights[i.Kind], i, sp.SizeExponent), b: i.LastUsed, c: -int64(i.Depth)}
@@ -247,7 +247,7 @@ func NewStaticSemantic(sp SemanticParams) Policy {
 // AdaptiveParams tune the adaptive semantic policy. Zero fields take the
 // defaults.
 type AdaptiveParams struct {
-	SemanticParams
+	KindParams
 	// HitGain and RegretGain are added to a kind's weight on a hit and on a
 	// regret (a block of that kind inserted again soon after it was
 	// evicted). Defaults 0.01 and 0.05.
@@ -268,7 +268,7 @@ type AdaptiveParams struct {
 }
 
 func (ap *AdaptiveParams) defaults() {
-	ap.SemanticParams.defaults()
+	ap.KindParams.defaults()
 	def := func(v *float64, d float64) {
 		if *v == 0 {
 			*v = d
@@ -287,7 +287,7 @@ func (ap *AdaptiveParams) defaults() {
 	}
 }
 
-// NewAdaptiveSemantic is the static semantic value with per-kind weights that
+// NewAdaptiveKind is the static semantic value with per-kind weights that
 // learn online:
 //
 //   - a hit raises its kind's weight by HitGain, a regret (inserting a block
@@ -303,7 +303,7 @@ func (ap *AdaptiveParams) defaults() {
 //     the mean weight are not admitted.
 //
 // A weight learned after a block was queued is used from its next touch.
-func NewAdaptiveSemantic(ap AdaptiveParams) Policy {
+func NewAdaptiveKind(ap AdaptiveParams) Policy {
 	ap.defaults()
 	p := &adaptive{ap: ap, h: newPrioHeap(), w: *ap.Weights}
 	p.ghosts, _ = lru.NewLRU[uint64, blockhash.Kind](ap.Ghosts, nil) // Ghosts > 0
