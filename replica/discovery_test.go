@@ -20,55 +20,136 @@ func (f *fakeResolver) LookupSRV(context.Context, string, string, string) (strin
 	return "", f.srv, f.err
 }
 
-func TestDiscoveryFollowsDNS(t *testing.T) {
+// member is a membership over an empty pool whose replicas join without a
+// cache; retired collects the replicas retired.
+func member(t *testing.T, precedence ...string) (*Membership, *Pool, chan string) {
+	t.Helper()
+	pool, err := NewPool(nil, Options{}, ids())
+	if err != nil {
+		t.Fatal(err)
+	}
+	retired := make(chan string, 16)
+	m := NewMembership(pool, MembershipOptions{
+		Add:        func(s Spec) (*Replica, error) { return pool.Add(s, ids()) },
+		Retire:     func(r *Replica) { retired <- r.Name },
+		Precedence: precedence,
+	})
+	return m, pool, retired
+}
+
+func names(p *Pool) string {
+	var got []string
+	for _, r := range p.Replicas() {
+		got = append(got, r.Name)
+	}
+	sort.Strings(got)
+	return fmt.Sprint(got)
+}
+
+func TestDNSSourceFollowsDNS(t *testing.T) {
 	res := &fakeResolver{hosts: []string{"10.0.0.2", "10.0.0.1"}}
-	have := map[string]string{}
-	d := NewDiscovery(DiscoveryOptions{Name: "vllm.ns.svc", Port: 8000, Resolver: res},
-		func(s Spec) error { have[s.Name] = s.URL; return nil },
-		func(name string) error { delete(have, name); return nil })
+	d := NewDNS(DNSOptions{Name: "vllm.ns.svc", Port: 8000, Resolver: res})
+	m, pool, retired := member(t)
 	ctx := context.Background()
-	step := func(want ...string) {
+	step := func(want string) {
 		t.Helper()
-		if err := d.Sync(ctx); err != nil {
+		if err := m.Reconcile(ctx, d); err != nil {
 			t.Fatal(err)
 		}
-		var got []string
-		for n := range have {
-			got = append(got, n)
-		}
-		sort.Strings(got)
-		if fmt.Sprint(got) != fmt.Sprint(want) {
+		if got := names(pool); got != want {
 			t.Fatalf("replicas %v, want %v", got, want)
 		}
 	}
-	step("10.0.0.1:8000", "10.0.0.2:8000")
-	if have["10.0.0.1:8000"] != "http://10.0.0.1:8000" {
-		t.Fatalf("url %q", have["10.0.0.1:8000"])
+	step("[10.0.0.1:8000 10.0.0.2:8000]")
+	if r, _ := pool.Get("10.0.0.1:8000"); r.URL.String() != "http://10.0.0.1:8000" || m.Owner(r.Name) != "dns" {
+		t.Fatalf("url %v, owner %q", r.URL, m.Owner(r.Name))
 	}
 	res.hosts = []string{"10.0.0.2", "fd00::3"}
-	step("10.0.0.2:8000", "[fd00::3]:8000")
+	step("[10.0.0.2:8000 [fd00::3]:8000]")
+	if got := <-retired; got != "10.0.0.1:8000" {
+		t.Fatalf("retired %s", got)
+	}
 	res.err = errors.New("SERVFAIL")
-	if err := d.Sync(ctx); err == nil {
+	if err := m.Reconcile(ctx, d); err == nil {
 		t.Fatal("lookup error not reported")
 	}
-	step2 := len(have)
-	if step2 != 2 {
-		t.Fatal("a failed lookup changed the replicas")
+	if got := names(pool); got != "[10.0.0.2:8000 [fd00::3]:8000]" {
+		t.Fatalf("a failed lookup changed the replicas: %s", got)
 	}
 	res.err, res.hosts = nil, nil
-	step()
+	step("[]")
 }
 
-func TestDiscoverySRV(t *testing.T) {
+func TestDNSSourceSRV(t *testing.T) {
 	res := &fakeResolver{srv: []*net.SRV{{Target: "pod-a.vllm.ns.svc.", Port: 8001}, {Target: "pod-b.vllm.ns.svc.", Port: 8002}}}
-	var added []string
-	d := NewDiscovery(DiscoveryOptions{Name: "_http._tcp.vllm", SRV: true, Scheme: "https", Resolver: res},
-		func(s Spec) error { added = append(added, s.URL); return nil }, func(string) error { return nil })
-	if err := d.Sync(context.Background()); err != nil {
+	specs, err := NewDNS(DNSOptions{Name: "_http._tcp.vllm", SRV: true, Scheme: "https", Resolver: res}).Specs(context.Background())
+	if err != nil {
 		t.Fatal(err)
 	}
-	sort.Strings(added)
-	if fmt.Sprint(added) != "[https://pod-a.vllm.ns.svc:8001 https://pod-b.vllm.ns.svc:8002]" {
-		t.Fatalf("added %v", added)
+	var urls []string
+	for _, s := range specs {
+		urls = append(urls, s.URL)
+	}
+	if fmt.Sprint(urls) != "[https://pod-a.vllm.ns.svc:8001 https://pod-b.vllm.ns.svc:8002]" {
+		t.Fatalf("specs %v", urls)
+	}
+}
+
+// TestMembershipSourcesAndPrecedence: each source adds, replaces and
+// removes only what it owns; a stronger source takes a name from a weaker
+// one; Remove takes out any replica until its source names it again.
+func TestMembershipSourcesAndPrecedence(t *testing.T) {
+	m, pool, retired := member(t, "config", "admin", "dns")
+	ctx := context.Background()
+	file := NewStatic("config", []Spec{{Name: "a", URL: "http://a"}, {Name: "b", URL: "http://b"}})
+	admin := NewStatic("admin", nil)
+	mustReconcile := func(src Source) {
+		t.Helper()
+		if err := m.Reconcile(ctx, src); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mustReconcile(file)
+	admin.Put(Spec{Name: "c", URL: "http://c"})
+	admin.Put(Spec{Name: "a", URL: "http://other-a"}) // the file owns a: ignored
+	mustReconcile(admin)
+	if got := names(pool); got != "[a b c]" {
+		t.Fatalf("replicas %s", got)
+	}
+	if a, _ := pool.Get("a"); a.URL.Host != "a" || m.Owner("a") != "config" || m.Owner("c") != "admin" {
+		t.Fatal("a weaker source took a replica")
+	}
+	// The file drops b, changes a, and names c: c moves to the file.
+	file.Set([]Spec{{Name: "a", URL: "http://a2"}, {Name: "c", URL: "http://c2"}})
+	mustReconcile(file)
+	if got := names(pool); got != "[a c]" {
+		t.Fatalf("replicas %s", got)
+	}
+	if c, _ := pool.Get("c"); c.URL.Host != "c2" || m.Owner("c") != "config" {
+		t.Fatal("the stronger source did not take c")
+	}
+	got := map[string]bool{}
+	for range 3 { // b removed, a and c replaced
+		got[<-retired] = true
+	}
+	if !got["a"] || !got["b"] || !got["c"] {
+		t.Fatalf("retired %v", got)
+	}
+	// A drained replica stays drained across a reconcile that keeps it.
+	a, _ := pool.Get("a")
+	a.Drain()
+	mustReconcile(file)
+	if a2, _ := pool.Get("a"); a2 != a || !a2.Draining() {
+		t.Fatal("an unchanged replica was replaced or undrained")
+	}
+	if err := m.Remove("a"); err != nil || m.Owner("a") != "" {
+		t.Fatalf("remove: %v", err)
+	}
+	if err := m.Remove("a"); err == nil {
+		t.Fatal("removed twice")
+	}
+	mustReconcile(file)
+	if m.Owner("a") != "config" {
+		t.Fatal("the file did not name a again")
 	}
 }

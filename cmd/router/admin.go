@@ -101,7 +101,7 @@ func adminResult(w http.ResponseWriter, err error, status int) {
 type adminReplica struct {
 	Name          string  `json:"name"`
 	URL           string  `json:"url"`
-	Source        source  `json:"source"`
+	Source        string  `json:"source"`
 	Healthy       bool    `json:"healthy"`
 	Draining      bool    `json:"draining"`
 	InFlight      int64   `json:"in_flight"`
@@ -120,7 +120,7 @@ func (a *app) adminList(w http.ResponseWriter, _ *http.Request) {
 	for _, r := range a.pool.Replicas() {
 		st, _ := a.cache.Stats(r.ID)
 		l := r.Load(now)
-		out = append(out, adminReplica{r.Name, r.PublicURL(), a.sourceOf(r.Name), r.Healthy(now), r.Draining(), l.InFlight, l.PendingTokens,
+		out = append(out, adminReplica{r.Name, r.PublicURL(), a.members.Owner(r.Name), r.Healthy(now), r.Draining(), l.InFlight, l.PendingTokens,
 			st.Budget, r.Budget() == 0, st.Blocks, st.Tokens})
 	}
 	writeJSON(w, http.StatusOK, out)
@@ -150,7 +150,13 @@ func (a *app) adminAdd(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusBadRequest, map[string]string{"error": err.Error()})
 		return
 	}
-	if err := a.addReplica(rep, fromAdmin); err != nil {
+	if owner := a.members.Owner(rep.Name); owner != "" && owner != "admin" {
+		writeJSON(w, http.StatusConflict, map[string]string{"error": fmt.Sprintf("replica %q comes from %s", rep.Name, owner)})
+		return
+	}
+	a.admin.Put(rep.Spec())
+	if err := a.members.Reconcile(r.Context(), a.admin); err != nil {
+		a.admin.Delete(rep.Name)
 		writeJSON(w, http.StatusBadRequest, map[string]string{"error": err.Error()})
 		return
 	}
@@ -233,7 +239,8 @@ func (a *app) applyFile() ([]string, error) {
 	if err := a.core.SetArms(arms); err != nil {
 		return nil, err
 	}
-	if err := a.reconcileFile(old.Replicas, cfg.Replicas); err != nil {
+	a.file.Set(specsOf(cfg.Replicas))
+	if err := a.members.Reconcile(a.ctx, a.file); err != nil {
 		return nil, err
 	}
 	a.server.SetLimits(limitsOf(cfg.Limits))
@@ -254,38 +261,15 @@ func mergeLiveRouting(old, cur configs.RoutingConfig) configs.RoutingConfig {
 	return old
 }
 
-// reconcileFile brings the file's replicas from had to want: it adds the
-// new, removes the gone and replaces the changed. Replicas that DNS or the
-// admin API added are left alone, unless the file now names one.
-func (a *app) reconcileFile(had, want []configs.Replica) error {
-	wantBy := map[string]configs.Replica{}
-	for _, r := range want {
-		wantBy[r.Name] = r
+// removeReplica takes a replica out of the pool now; its requests in
+// flight finish, then its cache picture is dropped. One added through this
+// API is gone for good; one from the file or DNS comes back when its source
+// next names it (a reload, a DNS change).
+func (a *app) removeReplica(name string) error {
+	if a.admin.Delete(name) {
+		return a.members.Reconcile(a.ctx, a.admin)
 	}
-	hadBy := map[string]configs.Replica{}
-	for _, r := range had {
-		hadBy[r.Name] = r
-	}
-	for _, cur := range a.pool.Replicas() {
-		w, inFile := wantBy[cur.Name]
-		if a.sourceOf(cur.Name) != fromFile && !inFile {
-			continue
-		}
-		if !inFile || hadBy[cur.Name] != w || a.sourceOf(cur.Name) != fromFile {
-			if err := a.removeReplica(cur.Name); err != nil {
-				return err
-			}
-		}
-	}
-	for _, r := range want {
-		if _, ok := a.pool.Get(r.Name); ok {
-			continue
-		}
-		if err := a.addReplica(r, fromFile); err != nil {
-			return fmt.Errorf("add replica %s: %w", r.Name, err)
-		}
-	}
-	return nil
+	return a.members.Remove(name)
 }
 
 // watch returns a loop that reloads the config whenever its file changes.

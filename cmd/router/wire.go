@@ -58,24 +58,15 @@ type app struct {
 	// resolver overrides DNS for discovery (tests); nil: the system's.
 	resolver replica.Resolver
 
-	// sources says, for each replica name, what added it: the config file,
-	// DNS discovery or the admin API. A reload of the file changes only
-	// the file's replicas.
-	srcMu   sync.Mutex
-	sources map[string]source
+	// members keeps the pool in step with its sources: the config file
+	// (file), the admin API (admin) and DNS discovery; each changes only
+	// the replicas it owns.
+	members     *replica.Membership
+	file, admin *replica.Static
 	// pending lists the config keys changed in the file that take effect
 	// only after a restart; nil when none.
 	pending atomic.Pointer[[]string]
 }
-
-// source is what added a replica.
-type source string
-
-const (
-	fromFile  source = "config"
-	fromDNS   source = "dns"
-	fromAdmin source = "admin"
-)
 
 // newLogger builds the logger the config asks for, writing to w.
 func newLogger(c configs.LogConfig, w io.Writer) *slog.Logger {
@@ -103,10 +94,6 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 			return nil, fmt.Errorf("config: routing.semantic_matcher: %w", err)
 		}
 	}
-	specs := make([]replica.Spec, len(cfg.Replicas))
-	for i, r := range cfg.Replicas {
-		specs[i] = r.Spec()
-	}
 	weights := routing.DefaultWeights()
 	for name, w := range cfg.Routing.KindWeights {
 		k, err := blockhash.ParseKind(name)
@@ -120,7 +107,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		return nil, err
 	}
 	eng, err := routing.New(routing.Options{
-		Replicas: specs, LoadHalfLife: cfg.Routing.LoadHalfLife, Eviction: evict,
+		LoadHalfLife: cfg.Routing.LoadHalfLife, Eviction: evict,
 		DefaultBudget: cmp.Or(cfg.Cache.DefaultBudgetTokens, configs.DefaultBudgetTokens),
 		OnDefaultBudget: func(name string, tokens int64) {
 			log.Info("replica budget unknown: assuming cache.default_budget_tokens until it reports vllm:cache_config_info",
@@ -171,12 +158,16 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	}
 	registerOps(reg, pool, cache, dl, core)
 	a := &app{cfg: cfg, log: log, cache: cache, pool: pool, engine: eng, core: core, server: srv, decisions: dl, reg: reg, stopTracing: stopTracing,
-		sources: map[string]source{}}
-	for _, r := range cfg.Replicas {
-		a.sources[r.Name] = fromFile
-	}
+		file: replica.NewStatic("config", specsOf(cfg.Replicas)), admin: replica.NewStatic("admin", nil)}
 	a.current.Store(cfg)
 	a.ctx, a.stopCtx = context.WithCancel(context.Background())
+	a.members = replica.NewMembership(pool, replica.MembershipOptions{
+		Add: eng.AddReplica, Retire: a.retire, Precedence: []string{"config", "admin", "dns"}, Context: a.ctx, Logger: log,
+	})
+	if err := a.members.Reconcile(a.ctx, a.file); err != nil {
+		a.stopCtx()
+		return nil, fmt.Errorf("config: replicas: %w", err)
+	}
 	a.reloads = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_config_reloads_total",
 		Help: "Config reloads by result: ok, restart_required (applied, but some changed keys take effect only after a restart), failed."}, []string{"result"})
 	reg.MustRegister(a.reloads)
@@ -205,52 +196,18 @@ func limitsOf(l configs.LimitsConfig) router.Limits {
 			Budget: blockhash.NewBudget(l.MaxJSONValuesInFlight)}}
 }
 
-// addReplica adds a replica with an empty cache picture, recording what
-// added it.
-func (a *app) addReplica(r configs.Replica, from source) error {
-	a.srcMu.Lock()
-	defer a.srcMu.Unlock()
-	if _, err := a.engine.AddReplica(r.Spec()); err != nil {
-		return err
+// specsOf returns the pool specs of the config's replicas.
+func specsOf(rs []configs.Replica) []replica.Spec {
+	specs := make([]replica.Spec, len(rs))
+	for i, r := range rs {
+		specs[i] = r.Spec()
 	}
-	a.sources[r.Name] = from
-	return nil
+	return specs
 }
 
-// sourceOf returns what added the named replica, or "".
-func (a *app) sourceOf(name string) source {
-	a.srcMu.Lock()
-	defer a.srcMu.Unlock()
-	return a.sources[name]
-}
-
-// removeReplica takes a replica out of the pool now; its requests in flight
-// finish, then its cache picture is dropped.
-func (a *app) removeReplica(name string) error {
-	a.srcMu.Lock()
-	r, ok := a.pool.Remove(name)
-	delete(a.sources, name)
-	a.srcMu.Unlock()
-	if !ok {
-		return fmt.Errorf("no replica %q", name)
-	}
-	r.Drain()
-	go a.retire(r)
-	return nil
-}
-
-// retire drops r's cache picture once nothing is in flight on it (or the
-// app stops), so that a later replica reusing its id starts clean.
+// retire drops a removed replica's cache picture once nothing is in flight
+// on it, so that a later replica reusing its id starts clean.
 func (a *app) retire(r *replica.Replica) {
-	t := time.NewTicker(50 * time.Millisecond)
-	defer t.Stop()
-	for r.Load(time.Now()).InFlight > 0 {
-		select {
-		case <-a.ctx.Done():
-			return
-		case <-t.C:
-		}
-	}
 	a.cache.RemoveReplica(r.ID)
 	a.monitor.Forget(r)
 }
@@ -324,19 +281,11 @@ func (a *app) start() (*running, error) {
 		}
 	}
 	if d := a.cfg.Discovery; d.DNSName != "" {
-		disc := replica.NewDiscovery(replica.DiscoveryOptions{
-			Name: d.DNSName, SRV: d.SRV, Port: d.Port, Scheme: d.Scheme, Interval: d.Interval,
-			BudgetTokens: d.BudgetTokens, Resolver: a.resolver, Logger: a.log,
-		}, func(s replica.Spec) error {
-			return a.addReplica(configs.Replica{Name: s.Name, URL: s.URL, BudgetTokens: s.BudgetTokens}, fromDNS)
-		}, func(name string) error {
-			if a.sourceOf(name) != fromDNS {
-				return nil // the file or the admin API owns it now
-			}
-			return a.removeReplica(name)
+		dns := replica.NewDNS(replica.DNSOptions{
+			Name: d.DNSName, SRV: d.SRV, Port: d.Port, Scheme: d.Scheme, BudgetTokens: d.BudgetTokens, Resolver: a.resolver,
 		})
 		wg.Add(1)
-		go func() { defer wg.Done(); disc.Run(ctx) }()
+		go func() { defer wg.Done(); a.members.Watch(ctx, dns, d.Interval) }()
 	}
 	if a.path != "" {
 		w, err := a.watch(ctx)
