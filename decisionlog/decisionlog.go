@@ -37,7 +37,9 @@ type Block struct {
 
 // Candidate is one replica as the policy scored it.
 type Candidate struct {
-	Replica  string  `json:"replica"`
+	Replica string `json:"replica"`
+	// Tier and Score are the policy's cost: tier first, lower is better.
+	Tier     int64   `json:"tier,omitempty"`
 	Score    float64 `json:"score"`
 	Matched  int     `json:"matched_tokens"`
 	InFlight int64   `json:"in_flight"`

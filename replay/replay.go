@@ -249,7 +249,7 @@ func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
 	}
 	eng, err := routing.New(routing.Options{
 		Replicas: specs, LoadHalfLife: m.LoadHalfLife, Eviction: evict, Split: blockhash.Options{BlockTokens: m.BlockTokens},
-		Engine: routing.EngineOptions{Policy: pol, Weights: weights, Attempts: 1,
+		Engine: routing.EngineOptions{Weights: weights, Attempts: 1,
 			Now: func() time.Time { return time.Unix(0, clock) }, SharedActive: m.SharedActive,
 			Matcher: matcher, MatcherThreshold: m.MatcherThreshold},
 	})
@@ -257,7 +257,7 @@ func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
 		return nil, err
 	}
 	cache, pool := eng.Cache(), eng.Pool()
-	d := &engineDecider{m: m, reqs: reqs, eng: eng, cache: cache, pool: pool, clock: &clock,
+	d := &engineDecider{m: m, reqs: reqs, eng: eng, pol: pol, cache: cache, pool: pool, clock: &clock,
 		ds: make([]*routing.Decision, len(reqs)), served: make([]*routing.Candidate, len(reqs))}
 	s := &sim{m: m, reqs: reqs, d: d, res: &Result{Name: label}}
 	if err := s.run(pool); err != nil {

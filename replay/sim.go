@@ -331,6 +331,7 @@ type engineDecider struct {
 	m      *Model
 	reqs   []Request
 	eng    *routing.Engine
+	pol    routing.Policy
 	cache  *cachemodel.Model
 	pool   *replica.Pool
 	clock  *int64
@@ -341,7 +342,7 @@ type engineDecider struct {
 func (e *engineDecider) decide(i int, now int64) (int, int, int, error) {
 	*e.clock = now
 	req := &e.reqs[i]
-	d, err := e.eng.Decide(routing.Request{Blocks: req.Blocks, Key: req.Key, Text: req.Text}, true)
+	d, err := e.eng.Decide(routing.Request{Blocks: req.Blocks, Key: req.Key, Text: req.Text, Policy: e.pol}, true)
 	if err != nil {
 		return 0, 0, 0, err
 	}

@@ -19,7 +19,7 @@ func BenchmarkServeHTTP(b *testing.B) {
 	for _, tokens := range []int{256, 32 << 10} {
 		b.Run(fmt.Sprintf("tokens=%dk", tokens>>10), func(b *testing.B) {
 			fx := newFixture(b, 8, "semantic")
-			core, _ := NewCore(CoreOptions{Engine: fx.e})
+			core, _ := NewCore(CoreOptions{Engine: fx.e, Arms: fx.arms()})
 			// The router's default log line (text, info), formatted but not written.
 			srv, _ := NewServer(ServerOptions{Core: core, Transport: cannedTransport{}, RecordReplies: true,
 				Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})

@@ -36,8 +36,8 @@ type DecisionLogger interface {
 // CoreOptions configure a Core. Engine is required.
 type CoreOptions struct {
 	Engine *routing.Engine
-	// Arms split traffic between policies. Empty means one arm, "default",
-	// with the engine's policy.
+	// Arms split traffic between routing policies; at least one. The arms
+	// own the routing policy: the engine has none of its own.
 	Arms []Arm
 	// Salt is mixed into arm assignment, so a new experiment reshuffles
 	// sessions.
@@ -99,10 +99,10 @@ func NewCore(o CoreOptions) (*Core, error) {
 }
 
 // SetArms replaces the arms (config reload); requests already routed keep
-// theirs. Empty means one arm, "default", with the engine's policy.
+// theirs. There must be at least one.
 func (c *Core) SetArms(arms []Arm) error {
 	if len(arms) == 0 {
-		arms = []Arm{{Name: "default", Policy: c.e.Policy(), Weight: 1}}
+		return errors.New("router: at least one arm is required")
 	}
 	set := &armSet{arms: append([]Arm(nil), arms...)}
 	seen := map[string]bool{}
@@ -292,7 +292,7 @@ func (c *Core) record(rt *Routed, o *Outcome) *decisionlog.Record {
 	}
 	for _, cand := range rt.Candidates {
 		r.Candidates = append(r.Candidates, decisionlog.Candidate{
-			Replica: cand.Replica.Name, Score: cand.Score, Matched: cand.Match.Tokens, InFlight: cand.Load.InFlight,
+			Replica: cand.Replica.Name, Tier: cand.Tier, Score: cand.Score, Matched: cand.Match.Tokens, InFlight: cand.Load.InFlight,
 			Pending: cand.Load.PendingTokens, Recent: cand.Load.RecentTokens, Reason: cand.Reason,
 			Running: cand.Load.Running, Waiting: cand.Load.Waiting, KVUsage: cand.Load.KVUsage,
 		})

@@ -24,6 +24,9 @@ func (m *memLog) Log(r *decisionlog.Record) {
 func newCore(t *testing.T, f *fixture, o CoreOptions) *Core {
 	t.Helper()
 	o.Engine = f.e
+	if o.Arms == nil {
+		o.Arms = f.arms()
+	}
 	c, err := NewCore(o)
 	if err != nil {
 		t.Fatal(err)
@@ -113,7 +116,7 @@ func TestArmsValidateAndSplit(t *testing.T) {
 	if _, err := NewCore(CoreOptions{Engine: f.e, Arms: []Arm{{Name: "a", Policy: rr}}}); err == nil {
 		t.Fatal("zero weight accepted")
 	}
-	c := newCore(t, f, CoreOptions{Arms: []Arm{{Name: "x", Policy: rr, Weight: 1}, {Name: "y", Policy: f.e.Policy(), Weight: 1}}, Salt: "s"})
+	c := newCore(t, f, CoreOptions{Arms: []Arm{{Name: "x", Policy: rr, Weight: 1}, {Name: "y", Policy: f.pol, Weight: 1}}, Salt: "s"})
 	byTenant := c.PickArm("", "acme", 1)
 	if c.PickArm("", "acme", 2) != byTenant {
 		t.Fatal("tenant assignment not sticky")

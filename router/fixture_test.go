@@ -14,6 +14,7 @@ import (
 // fixture is an engine over replicas r0, r1, … with a clock the test sets.
 type fixture struct {
 	e   *routing.Engine
+	pol routing.Policy
 	now time.Time
 }
 
@@ -29,12 +30,16 @@ func newFixture(t testing.TB, replicas int, policy string) *fixture {
 		t.Fatal(err)
 	}
 	f.e, err = routing.New(routing.Options{Replicas: specs, LoadHalfLife: 10 * time.Second,
-		Engine: routing.EngineOptions{Policy: pol, Now: func() time.Time { return f.now }}})
+		Engine: routing.EngineOptions{Now: func() time.Time { return f.now }}})
 	if err != nil {
 		t.Fatal(err)
 	}
+	f.pol = pol
 	return f
 }
+
+// arms is one arm, "default", running the fixture's policy.
+func (f *fixture) arms() []Arm { return []Arm{{Name: "default", Policy: f.pol, Weight: 1}} }
 
 // parseChat parses a chat of role, content pairs.
 func parseChat(t testing.TB, msgs ...string) *blockhash.Request {

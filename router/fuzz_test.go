@@ -34,7 +34,7 @@ func FuzzRoutedHandler(f *testing.F) {
 	f.Add([]byte(`{"model":"m","tools":[{"type":"function"}],"messages":[{"role":"tool","content":[{"type":"text","text":"x"}]}]}`), true)
 	f.Add([]byte("\xff\xfe"), true)
 	fx := newFixture(f, 3, "semantic")
-	core, err := NewCore(CoreOptions{Engine: fx.e})
+	core, err := NewCore(CoreOptions{Engine: fx.e, Arms: fx.arms()})
 	if err != nil {
 		f.Fatal(err)
 	}

@@ -43,9 +43,9 @@ func (s *seededRand) intn(n int) int {
 	return s.r.IntN(n)
 }
 
-// inFlightScore orders by requests in flight, then by pending prefill tokens.
-func inFlightScore(c *Candidate) float64 {
-	return float64(c.Load.InFlight)*1e9 + c.Load.PendingTokens
+// byInFlight ranks c by requests in flight, then by pending prefill tokens.
+func byInFlight(c *Candidate) {
+	c.Tier, c.Score = c.Load.InFlight, c.Load.PendingTokens
 }
 
 // PowerOfTwo samples two candidates at random and prefers the one with fewer
@@ -65,10 +65,11 @@ func (p *PowerOfTwo) Score(_ *View, cands []Candidate) {
 		b = (a + 1 + p.rng.intn(len(cands)-1)) % len(cands)
 	}
 	for i := range cands {
-		cands[i].Score, cands[i].Reason = 1e18, "not sampled"
+		cands[i].Tier, cands[i].Reason = math.MaxInt64, "not sampled"
 	}
 	for _, i := range []int{a, b} {
-		cands[i].Score, cands[i].Reason = inFlightScore(&cands[i]), "sampled"
+		byInFlight(&cands[i])
+		cands[i].Reason = "sampled"
 	}
 }
 

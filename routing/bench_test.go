@@ -37,7 +37,7 @@ func BenchmarkDecide(b *testing.B) {
 					if err != nil {
 						b.Fatal(err)
 					}
-					d, err := f.e.Decide(f.e.Prepare(req, "", false), false)
+					d, err := f.decide(req, "", false)
 					if err != nil {
 						b.Fatal(err)
 					}

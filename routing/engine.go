@@ -26,9 +26,10 @@ const (
 // ErrNoReplica means no replica is available to take the request.
 var ErrNoReplica = errors.New("no replica available")
 
-// EngineOptions configure an Engine (see New). Policy is required.
+// EngineOptions configure an Engine (see New). The zero value is usable:
+// the routing policy is not the engine's, but each Request's (its A/B arm's,
+// or the replay's run's).
 type EngineOptions struct {
-	Policy Policy
 	// Weights multiply matched and prompt tokens by block kind. Nil means
 	// DefaultWeights.
 	Weights *cachemodel.Weights
@@ -89,9 +90,6 @@ type Engine struct {
 
 // newEngine returns an Engine over split, cache and pool.
 func newEngine(o EngineOptions, split *blockhash.Splitter, cache *cachemodel.Model, pool *replica.Pool) (*Engine, error) {
-	if o.Policy == nil {
-		return nil, errors.New("routing: EngineOptions.Policy is required")
-	}
 	if o.Weights == nil {
 		o.Weights = DefaultWeights()
 	}
@@ -121,9 +119,6 @@ func newEngine(o EngineOptions, split *blockhash.Splitter, cache *cachemodel.Mod
 	}
 	return e, nil
 }
-
-// Policy returns the engine's routing policy.
-func (e *Engine) Policy() Policy { return e.o.Policy }
 
 // Splitter returns the engine's splitter.
 func (e *Engine) Splitter() *blockhash.Splitter { return e.split }
@@ -195,8 +190,8 @@ type Request struct {
 	// Text is the request's text, for the semantic matcher and prompt
 	// logging; may be nil.
 	Text [][]byte
-	// Policy overrides the engine's policy for this request (an A/B arm's);
-	// nil means the engine's.
+	// Policy scores the candidates: the request's A/B arm's, or the
+	// replay run's. Required by Decide.
 	Policy Policy
 	// pooled says Blocks came from the engine's block pool (Prepare made
 	// them), so Recycle may take them back.
@@ -226,7 +221,7 @@ func (e *Engine) Prepare(req *blockhash.Request, sessionID string, withText bool
 func (e *Engine) Decide(ri Request, record bool) (*Decision, error) {
 	pol := ri.Policy
 	if pol == nil {
-		pol = e.o.Policy
+		return nil, errors.New("routing: Request.Policy is required")
 	}
 	d := &Decision{Blocks: ri.Blocks, Key: ri.Key, Policy: pol.Name(), pooled: ri.pooled}
 	for _, b := range ri.Blocks {

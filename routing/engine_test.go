@@ -19,6 +19,7 @@ type fixture struct {
 	e     *Engine
 	cache *cachemodel.Model
 	pool  *replica.Pool
+	pol   Policy
 	now   time.Time
 }
 
@@ -34,12 +35,19 @@ func newFixture(t testing.TB, replicas int, policy string) *fixture {
 		t.Fatal(err)
 	}
 	f.e, err = New(Options{Replicas: specs, LoadHalfLife: 10 * time.Second,
-		Engine: EngineOptions{Policy: pol, Now: func() time.Time { return f.now }}})
+		Engine: EngineOptions{Now: func() time.Time { return f.now }}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	f.cache, f.pool = f.e.Cache(), f.e.Pool()
+	f.cache, f.pool, f.pol = f.e.Cache(), f.e.Pool(), pol
 	return f
+}
+
+// decide prepares req and decides it under the fixture's policy.
+func (f *fixture) decide(req *blockhash.Request, session string, record bool) (*Decision, error) {
+	in := f.e.Prepare(req, session, false)
+	in.Policy = f.pol
+	return f.e.Decide(in, record)
 }
 
 func parseChat(t testing.TB, msgs ...string) *blockhash.Request {
@@ -63,7 +71,7 @@ func TestDecideSharedPrefixStaysUntilHot(t *testing.T) {
 	spread := map[string]bool{}
 	for i := 0; i < 16; i++ {
 		// Nothing finishes: every request's prefill stays pending.
-		d, err := f.e.Decide(f.e.Prepare(parseChat(t, "system", sys, "user", fmt.Sprint("q", i)), "", false), true)
+		d, err := f.decide(parseChat(t, "system", sys, "user", fmt.Sprint("q", i)), "", true)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -90,7 +98,7 @@ func TestDecideSharedPrefixStaysUntilHot(t *testing.T) {
 func TestDecideDryRunRecordsNothing(t *testing.T) {
 	f := newFixture(t, 2, "semantic")
 	req := parseChat(t, "user", strings.Repeat("x", 1000))
-	d, err := f.e.Decide(f.e.Prepare(req, "", false), false)
+	d, err := f.decide(req, "", false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -108,7 +116,7 @@ func TestDecideDryRunRecordsNothing(t *testing.T) {
 func TestRecycleKeepsTheChoice(t *testing.T) {
 	f := newFixture(t, 4, "semantic")
 	req := parseChat(t, "user", strings.Repeat("x", 1000))
-	d, err := f.e.Decide(f.e.Prepare(req, "", false), false)
+	d, err := f.decide(req, "", false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -140,7 +148,7 @@ func TestRecycledBlocks(t *testing.T) {
 	split := func(req *blockhash.Request) []blockhash.Block { return f.e.Splitter().Split(nil, req) }
 	mine := split(parseChat(t, "system", strings.Repeat("caller's own ", 200), "user", "hi"))
 	want := slices.Clone(mine)
-	d, err := f.e.Decide(Request{Blocks: mine}, true)
+	d, err := f.e.Decide(Request{Blocks: mine, Policy: f.pol}, true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -152,7 +160,7 @@ func TestRecycledBlocks(t *testing.T) {
 	}
 	for i := range 50 {
 		req := parseChat(t, "user", strings.Repeat(fmt.Sprint("turn ", i, " "), 30+i*7))
-		d, err := f.e.Decide(f.e.Prepare(req, "", false), true)
+		d, err := f.decide(req, "", true)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -177,7 +185,7 @@ func TestRecycledBlocks(t *testing.T) {
 
 func TestCommitAndDoneBalanceLoad(t *testing.T) {
 	f := newFixture(t, 1, "semantic")
-	d, _ := f.e.Decide(f.e.Prepare(parseChat(t, "user", strings.Repeat("y", 4000)), "", false), true)
+	d, _ := f.decide(parseChat(t, "user", strings.Repeat("y", 4000)), "", true)
 	c := d.Chosen()
 	if l := c.Replica.Load(f.now); l.InFlight != 1 || l.PendingTokens != 1000 || l.ActiveTokens != 1000 || l.RecentTokens != 0 {
 		t.Fatalf("after commit: %+v", l)
@@ -199,7 +207,7 @@ func TestCommitAndDoneBalanceLoad(t *testing.T) {
 func TestLearnReplyMatchesNextTurn(t *testing.T) {
 	f := newFixture(t, 3, "semantic")
 	turn1 := parseChat(t, "system", "be brief", "user", strings.Repeat("tell me about caching. ", 30))
-	d, _ := f.e.Decide(f.e.Prepare(turn1, "s", false), true)
+	d, _ := f.decide(turn1, "s", true)
 	r := d.Chosen().Replica
 	reply := strings.Repeat("Caching keeps computed state. ", 40)
 	f.e.LearnReply(d, r, blockhash.AssistantText(reply, nil))
@@ -207,7 +215,7 @@ func TestLearnReplyMatchesNextTurn(t *testing.T) {
 
 	turn2 := parseChat(t, "system", "be brief", "user", strings.Repeat("tell me about caching. ", 30),
 		"assistant", reply, "user", "and eviction?")
-	d2, _ := f.e.Decide(f.e.Prepare(turn2, "s", false), false)
+	d2, _ := f.decide(turn2, "s", false)
 	c := d2.Chosen()
 	if c.Replica != r {
 		t.Fatalf("turn 2 went to %s, turn 1 to %s", c.Replica.Name, r.Name)
@@ -222,14 +230,14 @@ func TestDecideNoReplica(t *testing.T) {
 	for _, r := range f.pool.Replicas() {
 		r.MarkDown(f.now, time.Minute)
 	}
-	if _, err := f.e.Decide(f.e.Prepare(parseChat(t, "user", "x"), "", false), true); !errors.Is(err, ErrNoReplica) {
+	if _, err := f.decide(parseChat(t, "user", "x"), "", true); !errors.Is(err, ErrNoReplica) {
 		t.Fatalf("err = %v", err)
 	}
 	if _, err := f.e.DecideAny(); !errors.Is(err, ErrNoReplica) {
 		t.Fatalf("DecideAny err = %v", err)
 	}
 	f.now = f.now.Add(2 * time.Minute)
-	if _, err := f.e.Decide(f.e.Prepare(parseChat(t, "user", "x"), "", false), true); err != nil {
+	if _, err := f.decide(parseChat(t, "user", "x"), "", true); err != nil {
 		t.Fatalf("after the cool-down: %v", err)
 	}
 }
@@ -255,8 +263,8 @@ func TestSharedActiveCountsSharedBlocksOnce(t *testing.T) {
 			f.e.active = map[int]map[uint64]int32{}
 		}
 		sys := strings.Repeat("s", 4000) // 1,000 tokens in 16 blocks
-		d1, _ := f.e.Decide(f.e.Prepare(parseChat(t, "system", sys, "user", strings.Repeat("a", 400)), "", false), true)
-		d2, _ := f.e.Decide(f.e.Prepare(parseChat(t, "system", sys, "user", strings.Repeat("b", 400)), "", false), true)
+		d1, _ := f.decide(parseChat(t, "system", sys, "user", strings.Repeat("a", 400)), "", true)
+		d2, _ := f.decide(parseChat(t, "system", sys, "user", strings.Repeat("b", 400)), "", true)
 		r := d1.Chosen().Replica
 		want := 2200.0 // 2 × (1,000 + 100)
 		if shared {

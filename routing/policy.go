@@ -43,8 +43,11 @@ type Candidate struct {
 	Load    replica.Load
 	// CacheTokens is the tokens the replica holds in the cache picture.
 	CacheTokens int64
-	// Score is the policy's cost for sending the request here, in the
-	// policy's unit; lower is better. Policies set it.
+	// Tier and Score are the policy's cost for sending the request here;
+	// lower is better, Tier first (a spilled replica, a replica not
+	// sampled, more requests in flight), then Score in the policy's unit.
+	// Policies set them; Tier is 0 unless a policy ranks in tiers.
+	Tier  int64
 	Score float64
 	// Reason is a short word on why the score is what it is ("match",
 	// "miss", "spill", ...), for logs and the decision API.
@@ -53,6 +56,12 @@ type Candidate struct {
 
 // Policy scores candidates. Score sets every candidate's Score (lower wins)
 // and may set Reason. It must not reorder cands.
+//
+// The engine ranks candidates by Tier, then by Score rounded to a whole
+// unit (so that float noise never decides), then by the rendezvous weight
+// of the session key and the replica name: a policy whose scores differ by
+// less than one unit leaves the choice to the rendezvous tie-break, and one
+// that wants finer distinctions scales its scores up.
 type Policy interface {
 	Name() string
 	Score(in *View, cands []Candidate)
@@ -214,8 +223,7 @@ func (p *PrefixCost) Score(in *View, cands []Candidate) {
 		c.Score = in.Weighted - matched + p.cfg.LoadWeight*load
 		switch {
 		case load > limit || c.Load.KVUsage >= KVSpill:
-			c.Score += spillPenalty
-			c.Reason = "spill"
+			c.Tier, c.Reason = 1, "spill" // after every replica that is not spilled
 		case in.Hot.Blocks > c.Match.Blocks:
 			c.Reason = "hot"
 		case c.Match.Blocks > 0:
@@ -233,9 +241,6 @@ func (p *PrefixCost) queued(l replica.Load, avgPrefill float64) float64 {
 // KVSpill is the KV cache usage from which the semantic policy skips a
 // replica.
 const KVSpill = 0.98
-
-// spillPenalty ranks a spilled replica after every replica that is not.
-const spillPenalty = 1e15
 
 // RoundRobin sends requests to each replica in turn.
 type RoundRobin struct{ next atomic.Uint64 }
@@ -279,13 +284,13 @@ func (LeastLoad) Name() string { return "least_load" }
 func (LeastLoad) Score(_ *View, cands []Candidate) {
 	for i := range cands {
 		l := cands[i].Load
-		cands[i].Score = float64(l.InFlight)*1e9 + l.PendingTokens + l.RecentTokens
+		cands[i].Tier, cands[i].Score = l.InFlight, l.PendingTokens+l.RecentTokens
 		cands[i].Reason = "load"
 	}
 }
 
 // rank returns the best k candidates, in order, leaving cands as they are:
-// lowest score (rounded to whole units) first, ties broken by the highest
+// lowest tier, then lowest score (rounded to whole units) first, ties broken by the highest
 // rendezvous weight of (key, replica name), so a tie never means "the first
 // replica wins". One pass keeping the best k so far: O(len(cands) × k) at
 // worst; a rendezvous weight is computed only on a tie, once per candidate.
@@ -293,6 +298,7 @@ func rank(cands []Candidate, key uint64, k int) []Candidate {
 	k = min(k, len(cands))
 	type entry struct {
 		j      int
+		tier   int64
 		score  float64
 		rv     uint64
 		rvDone bool
@@ -304,6 +310,9 @@ func rank(cands []Candidate, key uint64, k int) []Candidate {
 		return e.rv
 	}
 	better := func(a, b *entry) bool {
+		if a.tier != b.tier {
+			return a.tier < b.tier
+		}
 		return a.score < b.score || (a.score == b.score && weight(a) > weight(b))
 	}
 	var buf [17]entry // routing.attempts is at most 16: no allocation
@@ -312,7 +321,7 @@ func rank(cands []Candidate, key uint64, k int) []Candidate {
 		top = make([]entry, 0, k+1)
 	}
 	for j := range cands {
-		e := entry{j: j, score: math.Round(cands[j].Score)}
+		e := entry{j: j, tier: cands[j].Tier, score: math.Round(cands[j].Score)}
 		if len(top) == k && !better(&e, &top[k-1]) {
 			continue
 		}

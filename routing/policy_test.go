@@ -42,7 +42,7 @@ func TestSemanticCost(t *testing.T) {
 			[]float64{1500, 1000}, []string{"miss", "miss"}, 0},
 		// mean 3000: the limit is 2×3000+2048 = 8048 < 9000.
 		{"spill", []float64{1000, 0, 0}, []float64{9000, 0, 0}, []float64{0, 0, 0},
-			[]float64{9000 + spillPenalty, 1000, 1000}, []string{"spill", "miss", "miss"}, 0},
+			[]float64{9000, 1000, 1000}, []string{"spill", "miss", "miss"}, 0},
 		{"hot prefix counts everywhere", []float64{600, 0, 0}, []float64{300, 0, 0}, []float64{0, 0, 0},
 			[]float64{700, 500, 500}, []string{"match", "hot", "hot"}, 500},
 	}
@@ -61,6 +61,9 @@ func TestSemanticCost(t *testing.T) {
 			for i := range cs {
 				if math.Abs(cs[i].Score-tc.want[i]) > 1e-6 || cs[i].Reason != tc.reasons[i] {
 					t.Errorf("replica %d: score %v (%s), want %v (%s)", i, cs[i].Score, cs[i].Reason, tc.want[i], tc.reasons[i])
+				}
+				if spilled := cs[i].Reason == "spill"; (cs[i].Tier == 1) != spilled {
+					t.Errorf("replica %d: tier %d, reason %s", i, cs[i].Tier, cs[i].Reason)
 				}
 			}
 		})
@@ -161,11 +164,15 @@ func TestRankMatchesSort(t *testing.T) {
 		n, k := 1+rng.IntN(40), 1+rng.IntN(6)
 		cs := cands(n)
 		for i := range cs {
+			cs[i].Tier = int64(rng.IntN(2))
 			cs[i].Score = float64(rng.IntN(5)) + rng.Float64()*0.4 // many ties after rounding
 		}
 		key := rng.Uint64()
 		want := append([]Candidate(nil), cs...)
 		sort.SliceStable(want, func(a, b int) bool {
+			if want[a].Tier != want[b].Tier {
+				return want[a].Tier < want[b].Tier
+			}
 			sa, sb := math.Round(want[a].Score), math.Round(want[b].Score)
 			if sa != sb {
 				return sa < sb
@@ -199,4 +206,23 @@ func TestRandomSpreads(t *testing.T) {
 	if len(wins) != 4 {
 		t.Fatalf("random used %d replicas: %v", len(wins), wins)
 	}
+}
+
+// TestRankByTierThenScore: a lower tier wins whatever the scores, and a
+// score difference under one unit is a tie left to the rendezvous weight.
+func TestRankByTierThenScore(t *testing.T) {
+	cs := cands(3)
+	cs[0].Tier, cs[0].Score = 1, 0
+	cs[1].Tier, cs[1].Score = 0, 1e12
+	cs[2].Tier, cs[2].Score = 0, 1e12+0.4
+	got := rank(cs, 7, 3)
+	if got[2].Replica != cs[0].Replica {
+		t.Fatalf("tier 1 ranked %s before a tier 0", got[0].Replica.Name)
+	}
+	for key := uint64(0); key < 64; key++ { // the two tier-0 scores tie: both must win for some key
+		if rank(cs, key, 1)[0].Replica == cs[2].Replica {
+			return
+		}
+	}
+	t.Fatal("a 0.4 score difference was not a tie")
 }

@@ -19,7 +19,6 @@ import (
 
 	"github.com/semroute/semroute/configs"
 	"github.com/semroute/semroute/replica"
-	"github.com/semroute/semroute/router"
 )
 
 // adminHandler serves the admin API; every call needs the bearer token
@@ -219,12 +218,9 @@ func (a *app) applyFile() ([]string, error) {
 	if len(cfg.Replicas) == 0 && cfg.Discovery.DNSName == "" {
 		return nil, fmt.Errorf("config: replicas: at least one replica is required")
 	}
-	pol, arms, err := policiesFor(cfg)
+	arms, err := armsFor(cfg)
 	if err != nil {
 		return nil, err
-	}
-	if len(arms) == 0 {
-		arms = []router.Arm{{Name: "default", Policy: pol, Weight: 1}}
 	}
 	var pending []string
 	for _, k := range configs.Diff(a.cfg, cfg) {

@@ -102,7 +102,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		}
 		weights[k] = w
 	}
-	pol, arms, err := policiesFor(cfg)
+	arms, err := armsFor(cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -114,7 +114,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 				"replica", name, "budget_tokens", tokens)
 		},
 		Split: blockhash.Options{BlockTokens: cfg.Blocks.BlockTokens, BytesPerToken: cfg.Blocks.BytesPerToken},
-		Engine: routing.EngineOptions{Policy: pol, Weights: weights, Attempts: cfg.Routing.Attempts,
+		Engine: routing.EngineOptions{Weights: weights, Attempts: cfg.Routing.Attempts,
 			SharedActive: cfg.Routing.SharedActive, Matcher: mt, MatcherThreshold: cfg.Routing.Matcher.Threshold},
 	})
 	if err != nil {
@@ -347,15 +347,19 @@ func (r *running) shutdown(grace time.Duration) error {
 	return errors.Join(errs...)
 }
 
-// policiesFor builds the default routing policy and the A/B arms of cfg.
-func policiesFor(cfg *configs.Config) (routing.Policy, []router.Arm, error) {
+// armsFor builds the A/B arms of cfg: its arms, or one arm, "default",
+// running routing.policy.
+func armsFor(cfg *configs.Config) ([]router.Arm, error) {
 	pc := routing.PolicyConfig{
 		Seed: cfg.Routing.Seed, LoadWeight: cfg.Routing.LoadWeight, RecentWeight: cfg.Routing.RecentWeight,
 		SpillFactor: cfg.Routing.SpillFactor, SpillMarginTokens: cfg.Routing.SpillMarginTokens,
 	}
-	pol, err := routing.NewPolicy(cfg.Routing.Policy, pc)
-	if err != nil {
-		return nil, nil, fmt.Errorf("config: routing: %w", err)
+	if len(cfg.Routing.Arms) == 0 {
+		pol, err := routing.NewPolicy(cfg.Routing.Policy, pc)
+		if err != nil {
+			return nil, fmt.Errorf("config: routing: %w", err)
+		}
+		return []router.Arm{{Name: "default", Policy: pol, Weight: 1}}, nil
 	}
 	var arms []router.Arm
 	for i, a := range cfg.Routing.Arms {
@@ -371,11 +375,11 @@ func policiesFor(cfg *configs.Config) (routing.Policy, []router.Arm, error) {
 		set(&apc.SpillMarginTokens, a.SpillMarginTokens)
 		ap, err := routing.NewPolicy(a.Policy, apc)
 		if err != nil {
-			return nil, nil, fmt.Errorf("config: routing.arms[%d]: %w", i, err)
+			return nil, fmt.Errorf("config: routing.arms[%d]: %w", i, err)
 		}
 		arms = append(arms, router.Arm{Name: a.Name, Policy: ap, Weight: a.Weight})
 	}
-	return pol, arms, nil
+	return arms, nil
 }
 
 // listening is an HTTP server on a socket.
