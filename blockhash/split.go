@@ -106,16 +106,6 @@ func (s *Splitter) CountPart(p *Part) int {
 	return max((len(p.Text)+step-1)/step, 1)
 }
 
-// Estimate returns the estimated token count of r's prompt, the sum of its
-// blocks' Tokens.
-func (s *Splitter) Estimate(r *Request) int {
-	n := 0
-	for i := range r.Parts {
-		n += s.partTokens(&r.Parts[i])
-	}
-	return n
-}
-
 func (s *Splitter) partTokens(p *Part) int {
 	if p.Role == RoleTokens {
 		return max(p.Tokens, 1)

@@ -95,11 +95,9 @@ type Replica struct {
 	mu     sync.Mutex
 
 	hmu       sync.Mutex
-	fails     int       // consecutive failed active checks
-	oks       int       // consecutive good active checks
-	ejections int       // consecutive passive ejections
-	lastEject time.Time // when the last passive ejection began
-
+	fails     int // consecutive failed active checks
+	oks       int // consecutive good active checks
+	ejections int // consecutive passive ejections
 }
 
 // recentWork is the recent-work counter: tokens, as of at (unix nanoseconds).
@@ -181,11 +179,6 @@ func (r *Replica) Healthy(now time.Time) bool {
 	return now.UnixNano() >= r.downUntil.Load() && !r.activeDown.Load()
 }
 
-// MarkDown takes the replica out of rotation until now+cooldown.
-func (r *Replica) MarkDown(now time.Time, cooldown time.Duration) {
-	r.downUntil.Store(now.Add(cooldown).UnixNano())
-}
-
 // Ejection tunes passive ejection. Zero fields take the defaults.
 type Ejection struct {
 	// Base is the first cool-down; each further ejection while the replica
@@ -229,7 +222,6 @@ func (r *Replica) Fail(now time.Time, e Ejection) time.Duration {
 		cool = e.Max
 	}
 	r.ejections++
-	r.lastEject = now
 	r.downUntil.Store(now.Add(cool).UnixNano())
 	return cool
 }

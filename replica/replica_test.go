@@ -85,18 +85,3 @@ func TestObserved(t *testing.T) {
 	}
 }
 
-func TestMarkDown(t *testing.T) {
-	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a"}}, Options{}, ids())
-	r := p.Replicas()[0]
-	now := time.Unix(100, 0)
-	if !r.Available(now) {
-		t.Fatal("new replica unavailable")
-	}
-	r.MarkDown(now, 5*time.Second)
-	if r.Available(now.Add(4 * time.Second)) {
-		t.Fatal("available during the cool-down")
-	}
-	if !r.Available(now.Add(5 * time.Second)) {
-		t.Fatal("still down after the cool-down")
-	}
-}

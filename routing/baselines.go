@@ -339,7 +339,7 @@ func running(l *Candidate) float64 {
 }
 
 // Score implements Policy.
-func (p *AIBrix) Score(in *View, cands []Candidate) {
+func (p *AIBrix) Score(_ *View, cands []Candidate) {
 	lo, hi, sum, sq := math.Inf(1), math.Inf(-1), 0.0, 0.0
 	for i := range cands {
 		r := running(&cands[i])
@@ -368,7 +368,6 @@ func (p *AIBrix) Score(in *View, cands []Candidate) {
 			c.Score, c.Reason = 0, "prefix match"
 		}
 	}
-	_ = in
 }
 
 // SemanticKVParams tune the SemanticKV score.

@@ -228,7 +228,7 @@ func TestLearnReplyMatchesNextTurn(t *testing.T) {
 func TestDecideNoReplica(t *testing.T) {
 	f := newFixture(t, 2, "semantic")
 	for _, r := range f.pool.Replicas() {
-		r.MarkDown(f.now, time.Minute)
+		r.Drain()
 	}
 	if _, err := f.decide(parseChat(t, "user", "x"), "", true); !errors.Is(err, ErrNoReplica) {
 		t.Fatalf("err = %v", err)
@@ -236,9 +236,10 @@ func TestDecideNoReplica(t *testing.T) {
 	if _, err := f.e.DecideAny(); !errors.Is(err, ErrNoReplica) {
 		t.Fatalf("DecideAny err = %v", err)
 	}
-	f.now = f.now.Add(2 * time.Minute)
-	if _, err := f.decide(parseChat(t, "user", "x"), "", true); err != nil {
-		t.Fatalf("after the cool-down: %v", err)
+	f.pool.Replicas()[1].Undrain()
+	d, err := f.decide(parseChat(t, "user", "x"), "", true)
+	if err != nil || d.Chosen().Replica.Name != "r1" {
+		t.Fatalf("with r1 back: %v", err)
 	}
 }
 
