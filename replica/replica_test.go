@@ -84,4 +84,3 @@ func TestObserved(t *testing.T) {
 		t.Fatalf("observed %+v", l.Observed)
 	}
 }
-
