@@ -170,7 +170,14 @@ type CoreRequest struct {
 	// DryRun decides without recording anything; the result has no ID and
 	// must not be finished.
 	DryRun bool
+	// PassThrough marks a request without a prompt (embeddings, files, …):
+	// it goes to the least-loaded replica under the "passthrough" arm, and
+	// is not written to the decision log.
+	PassThrough bool
 }
+
+// passThrough is the arm of requests without a prompt.
+var passThrough = &Arm{Name: "passthrough", Policy: routing.LeastLoad{}, Weight: 1}
 
 // Routed is a decision and, once recorded, the request in flight.
 type Routed struct {
@@ -187,7 +194,10 @@ type Routed struct {
 // Route assigns an arm and decides. Unless req.DryRun, the decision is
 // recorded and the caller must call Finish (or Hold, for Release to finish).
 func (c *Core) Route(req CoreRequest) (*Routed, error) {
-	arm := c.PickArm(req.Session, req.Tenant, req.Input.Key)
+	arm := passThrough
+	if !req.PassThrough {
+		arm = c.PickArm(req.Session, req.Tenant, req.Input.Key)
+	}
 	req.Input.Policy = arm.Policy
 	start := c.e.Now()
 	t0 := time.Now()
@@ -254,7 +264,7 @@ func (c *Core) Finish(rt *Routed, o Outcome, reply []byte) {
 		o.TTFTNs = rt.first.Sub(rt.start).Nanoseconds()
 	}
 	c.o.Metrics.finished(rt, &o)
-	if c.o.Log == nil {
+	if c.o.Log == nil || rt.req.PassThrough {
 		return
 	}
 	o.Replica = rt.Served.Replica.Name

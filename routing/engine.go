@@ -278,24 +278,6 @@ func (e *Engine) preferDonor(d *Decision, text [][]byte) {
 	}
 }
 
-// DecideAny ranks the available replicas for a request with no prompt (for
-// example GET /v1/files): least load first.
-func (e *Engine) DecideAny() (*Decision, error) {
-	d := &Decision{}
-	now := e.o.Now()
-	for _, r := range e.pool.Replicas() {
-		if r.Available(now) {
-			d.Candidates = append(d.Candidates, Candidate{Replica: r, Load: r.Load(now)})
-		}
-	}
-	if len(d.Candidates) == 0 {
-		return nil, ErrNoReplica
-	}
-	LeastLoad{}.Score(nil, d.Candidates)
-	d.Ranked = rank(d.Candidates, d.Key, e.o.Attempts)
-	return d, nil
-}
-
 func (e *Engine) view(d *Decision) *View {
 	in := &View{Blocks: d.Blocks, Tokens: d.Tokens, Key: d.Key, BlockTokens: e.split.BlockTokens()}
 	for _, b := range d.Blocks {
@@ -412,6 +394,9 @@ func (e *Engine) Commit(d *Decision, c *Candidate) {
 	e.cache.Record(c.Replica.ID, d.Blocks, e.o.Now().UnixNano())
 	d.Work = replica.Work{Prefill: int64(d.Tokens - c.Match.Tokens), Tokens: e.activate(c.Replica.ID, d.Blocks, 1)}
 	c.Replica.Begin(&d.Work)
+	if len(d.Blocks) == 0 {
+		return // no prompt (a pass-through request): not a prefill to average
+	}
 	for { // avg ← avg + (x − avg)/32, lock-free
 		old := e.avgPrefill.Load()
 		avg := math.Float64frombits(old)

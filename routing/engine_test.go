@@ -233,8 +233,8 @@ func TestDecideNoReplica(t *testing.T) {
 	if _, err := f.decide(parseChat(t, "user", "x"), "", true); !errors.Is(err, ErrNoReplica) {
 		t.Fatalf("err = %v", err)
 	}
-	if _, err := f.e.DecideAny(); !errors.Is(err, ErrNoReplica) {
-		t.Fatalf("DecideAny err = %v", err)
+	if _, err := f.e.Decide(Request{Policy: LeastLoad{}}, true); !errors.Is(err, ErrNoReplica) {
+		t.Fatalf("a request without a prompt: err = %v", err)
 	}
 	f.pool.Replicas()[1].Undrain()
 	d, err := f.decide(parseChat(t, "user", "x"), "", true)

@@ -1,0 +1,87 @@
+package router
+
+import (
+	"encoding/json"
+	"errors"
+	"net/http"
+	"strconv"
+	"unicode/utf8"
+
+	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/routing"
+)
+
+// apiError is an error turned into an OpenAI-style error body.
+type apiError struct {
+	status int
+	typ    string
+	code   string
+	msg    string
+}
+
+// maxErrorMessage bounds an error body's message, in bytes, whatever the
+// input or upstream error behind it.
+const maxErrorMessage = 512
+
+// writeError is the one place that turns errors into HTTP statuses and
+// OpenAI-style bodies. The message is cut to maxErrorMessage bytes.
+func writeError(w http.ResponseWriter, e apiError) {
+	e.msg = truncate(e.msg, maxErrorMessage)
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(e.status)
+	_ = json.NewEncoder(w).Encode(map[string]any{"error": map[string]any{"message": e.msg, "type": e.typ, "code": e.code}})
+}
+
+// truncate cuts s to at most n bytes on a UTF-8 boundary, marking the cut.
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	i := n - len("…")
+	for i > 0 && !utf8.RuneStart(s[i]) {
+		i--
+	}
+	return s[:i] + "…"
+}
+
+// methodNotAllowed answers a routed path called with a method other than
+// POST.
+func methodNotAllowed(w http.ResponseWriter, r *http.Request) {
+	w.Header().Set("Allow", http.MethodPost)
+	writeError(w, apiError{http.StatusMethodNotAllowed, "invalid_request_error", "method_not_allowed",
+		r.Method + " is not allowed on " + r.URL.Path + "; use POST"})
+}
+
+func (s *Server) classify(err error) apiError {
+	var ie *blockhash.InputError
+	var tooBig *http.MaxBytesError
+	switch {
+	case errors.As(err, &tooBig):
+		return apiError{http.StatusRequestEntityTooLarge, "invalid_request_error", "body_too_large",
+			"request body is larger than the limit of " + strconv.FormatInt(tooBig.Limit, 10) + " bytes"}
+	case errors.As(err, &ie):
+		return apiError{http.StatusBadRequest, "invalid_request_error", "invalid_request", ie.Error()}
+	case errors.Is(err, blockhash.ErrBusy):
+		return apiError{http.StatusServiceUnavailable, "server_busy", "parse_budget", err.Error()}
+	case errors.Is(err, routing.ErrNoReplica):
+		return apiError{http.StatusServiceUnavailable, "service_unavailable", "no_replica", "no replica is available to serve the request"}
+	}
+	return apiError{http.StatusBadGateway, "upstream_error", "upstream_unreachable", err.Error()}
+}
+
+func (s *Server) proxyError(w http.ResponseWriter, r *http.Request, err error) {
+	f := flightOf(r.Context())
+	if r.Context().Err() != nil { // the client left; nobody to answer
+		if f != nil {
+			f.status = 499
+		}
+		return
+	}
+	e := s.classify(err)
+	if f != nil {
+		f.status = e.status
+		w.Header().Set(HeaderReplica, f.current().Replica.Name)
+	}
+	s.o.Logger.Warn("upstream error", "err", err)
+	writeError(w, e)
+}

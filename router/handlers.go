@@ -1,0 +1,204 @@
+package router
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"mime"
+	"net/http"
+	"strconv"
+	"strings"
+	"unicode/utf8"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/semroute/semroute/blockhash"
+)
+
+// checkBody rejects a routed request's body before parsing: a content type
+// other than JSON (415), or bytes that are not UTF-8 (400).
+func checkBody(r *http.Request, body []byte) *apiError {
+	if ct := r.Header.Get("Content-Type"); ct != "" {
+		mt, _, err := mime.ParseMediaType(ct)
+		if err != nil || (mt != "application/json" && !strings.HasSuffix(mt, "+json")) {
+			return &apiError{http.StatusUnsupportedMediaType, "invalid_request_error", "unsupported_media_type",
+				"Content-Type must be application/json, not " + strconv.Quote(ct)}
+		}
+	}
+	if !utf8.Valid(body) {
+		return &apiError{http.StatusBadRequest, "invalid_request_error", "invalid_encoding", "request body is not valid UTF-8"}
+	}
+	return nil
+}
+
+func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.Endpoint) {
+	body, err := s.readBody(w, r)
+	if err != nil {
+		writeError(w, s.classify(err))
+		return
+	}
+	defer body.release()
+	if e := checkBody(r, body.b); e != nil {
+		writeError(w, *e)
+		return
+	}
+	lim := s.limits.Load()
+	req, err := blockhash.Parse(ep, body.b, lim.Parse)
+	if err != nil {
+		writeError(w, s.classify(err))
+		return
+	}
+	defer req.Release() // after Finish: prompt logging reads the parts' text
+	if req.MaxTokens > lim.MaxOutputTokens {
+		writeError(w, apiError{http.StatusBadRequest, "invalid_request_error", "invalid_request",
+			"max_tokens: " + strconv.Itoa(req.MaxTokens) + " is more than the limit of " + strconv.Itoa(lim.MaxOutputTokens)})
+		return
+	}
+	sid, tenant := r.Header.Get(HeaderSessionID), r.Header.Get(HeaderTenantID)
+	route := "chat"
+	if ep == blockhash.Completion {
+		route = "completions"
+	}
+	tctx := s.o.Propagator.Extract(r.Context(), propagation.HeaderCarrier(r.Header))
+	tctx, span := s.o.Tracer.Start(tctx, "semroute.route", trace.WithAttributes(attribute.String("semroute.route", route)))
+	rt, err := s.core.Route(CoreRequest{
+		Input: s.e.Prepare(req, sid, s.core.o.LogPrompts), Model: req.Model, Session: sid, Tenant: tenant, Route: route,
+	})
+	if err != nil {
+		span.SetStatus(codes.Error, err.Error())
+		span.End()
+		writeError(w, s.classify(err))
+		return
+	}
+	span.SetAttributes(attribute.String("semroute.decision_id", rt.ID), attribute.String("semroute.arm", rt.Arm.Name),
+		attribute.String("semroute.policy", rt.Policy), attribute.String("semroute.replica", rt.Chosen().Replica.Name),
+		attribute.Int("semroute.prompt_tokens", rt.Tokens), attribute.Int("semroute.matched_tokens", rt.Chosen().Match.Tokens))
+	span.End()
+	w.Header().Set(HeaderArm, rt.Arm.Name)
+	s.forwardRouted(w, r, tctx, rt, body)
+}
+
+// forwardRouted forwards a routed request to its replica (failing over
+// down its ranking) and ends it, however its response ends: every request,
+// with a prompt or not, has this one lifecycle.
+func (s *Server) forwardRouted(w http.ResponseWriter, r *http.Request, tctx context.Context, rt *Routed, body *body) {
+	_, up := s.o.Tracer.Start(tctx, "semroute.upstream", trace.WithSpanKind(trace.SpanKindClient))
+	ctx, cancel := context.WithCancel(r.Context()) // the client's context: leaving cancels upstream
+	defer cancel()
+	ctx = trace.ContextWithSpan(ctx, up)
+	f := &flight{rt: rt, body: body, next: 1, cancel: cancel}
+	// ReverseProxy panics with http.ErrAbortHandler when a response breaks
+	// off part-way (the client left, or the replica's stream broke); the
+	// request's work must end all the same, so its bookkeeping is deferred.
+	done := false
+	defer func() { s.finish(r, f, up, !done) }()
+	s.forward(w, r.WithContext(ctx), f)
+	done = true
+}
+
+// finish ends a request: its upstream span, its work and decision
+// (Core.Finish, learning the reply of a whole response), and its log line.
+// aborted says the response broke off part-way.
+func (s *Server) finish(r *http.Request, f *flight, up trace.Span, aborted bool) {
+	rt := f.rt
+	o := Outcome{Status: f.status}
+	if aborted {
+		o.Error = "response broken off"
+		if r.Context().Err() != nil { // the client left
+			o.Status, f.status = 499, 499
+		}
+	}
+	up.SetAttributes(attribute.String("semroute.replica", rt.Served.Replica.Name), attribute.Int("http.response.status_code", f.status))
+	if f.status >= 500 || f.status == 0 || aborted {
+		up.SetStatus(codes.Error, "upstream status "+strconv.Itoa(f.status))
+	}
+	up.End()
+	var reply []byte
+	if c := f.capture; c != nil {
+		o.PromptTokens, o.OutputTokens, o.CachedTokens = c.tokens()
+		if rep, ok := c.reply(); ok && s.o.RecordReplies && f.status == http.StatusOK {
+			reply = rep
+		}
+		c.release()
+	}
+	s.core.Finish(rt, o, reply)
+	s.o.Logger.LogAttrs(r.Context(), slog.LevelInfo, "request",
+		slog.String("id", rt.ID), slog.String("arm", rt.Arm.Name), slog.String("path", r.URL.Path),
+		slog.String("replica", rt.Served.Replica.Name), slog.Int("status", f.status), slog.Int("prompt_tokens", rt.Tokens),
+		slog.Int("matched_tokens", rt.Served.Match.Tokens), slog.Int64("cached_tokens", o.CachedTokens),
+		slog.String("reason", rt.Served.Reason), slog.Duration("ttft", rt.ttft()), slog.Duration("duration", s.e.Now().Sub(rt.start)))
+}
+
+// readBody reads a request's body, up to MaxBodyBytes, into a pooled
+// buffer that the caller must release. A body that cannot be read (the
+// client went away, or sent less than its Content-Length) is an
+// *blockhash.InputError; a body over the limit an *http.MaxBytesError.
+func (s *Server) readBody(w http.ResponseWriter, r *http.Request) (*body, error) {
+	limit := s.limits.Load().MaxBodyBytes
+	if r.ContentLength > limit {
+		// Refused from the header: nothing is read, and a client that sent
+		// Expect: 100-continue is not asked for its body.
+		return nil, &http.MaxBytesError{Limit: limit}
+	}
+	rd := http.MaxBytesReader(w, r.Body, limit)
+	var (
+		b   *body
+		err error
+	)
+	if n := r.ContentLength; n < 0 {
+		var all []byte
+		all, err = io.ReadAll(rd) // unknown length: MaxBytesReader stops it at the limit
+		b = bodyOf(all)
+	} else {
+		b = newBody(int(n))
+		_, err = io.ReadFull(rd, b.b)
+	}
+	if err != nil {
+		b.release()
+		var tooBig *http.MaxBytesError
+		if errors.As(err, &tooBig) {
+			return nil, err
+		}
+		return nil, &blockhash.InputError{Msg: "reading the request body: " + err.Error()}
+	}
+	return b, nil
+}
+
+// passthrough forwards any other /v1/ request to the least-loaded replica,
+// through the same core and proxy as a routed one.
+// A path with dot segments (sent percent-encoded, as %2e%2e, so that the
+// mux did not clean it) is refused: it would name another path upstream.
+func (s *Server) passthrough(w http.ResponseWriter, r *http.Request) {
+	if hasDotSegment(r.URL.Path) {
+		writeError(w, apiError{http.StatusBadRequest, "invalid_request_error", "invalid_path",
+			"the path must not contain . or .. segments"})
+		return
+	}
+	body, err := s.readBody(w, r)
+	if err != nil {
+		writeError(w, s.classify(err))
+		return
+	}
+	defer body.release()
+	rt, err := s.core.Route(CoreRequest{PassThrough: true, Route: "passthrough"})
+	if err != nil {
+		writeError(w, s.classify(err))
+		return
+	}
+	s.forwardRouted(w, r, r.Context(), rt, body)
+}
+
+// hasDotSegment reports whether the decoded path p has a "." or ".."
+// segment.
+func hasDotSegment(p string) bool {
+	for seg := range strings.SplitSeq(p, "/") {
+		if seg == "." || seg == ".." {
+			return true
+		}
+	}
+	return false
+}

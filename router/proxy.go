@@ -1,0 +1,151 @@
+package router
+
+import (
+	"context"
+	"io"
+	"net/http"
+	"net/http/httputil"
+	"strconv"
+	"strings"
+	"time"
+
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/semroute/semroute/routing"
+)
+
+// flight is one request's routing state, carried in its context from the
+// handler to the proxy hooks and the failover transport.
+type flight struct {
+	rt   *Routed // the request, with or without a prompt
+	body *body   // the request body; the handler releases it
+	next int     // index in the ranking of the next candidate to try
+	// readers are the body's readers given to upstream attempts, closed
+	// when the proxy returns.
+	readers []*bodyReader
+
+	status  int
+	capture *replyCapture
+	cancel  context.CancelFunc // cancels the upstream request (idle timeout)
+}
+
+type flightKey struct{}
+
+func flightOf(ctx context.Context) *flight { f, _ := ctx.Value(flightKey{}).(*flight); return f }
+
+// current returns the candidate now carrying the request.
+func (f *flight) current() *routing.Candidate { return f.rt.Served }
+
+func (s *Server) forward(w http.ResponseWriter, r *http.Request, f *flight) {
+	r = r.WithContext(context.WithValue(r.Context(), flightKey{}, f))
+	br := f.body.reader()
+	f.readers = append(f.readers, br)
+	r.Body = br
+	r.ContentLength = int64(len(f.body.b))
+	defer func() { // also when the proxy panics with http.ErrAbortHandler
+		for _, br := range f.readers {
+			br.Close()
+		}
+	}()
+	s.proxy.ServeHTTP(w, r)
+}
+
+func (s *Server) rewrite(pr *httputil.ProxyRequest) {
+	u := flightOf(pr.In.Context()).current().Replica.URL
+	pr.SetURL(u)
+	pr.Out.Host = u.Host
+	pr.SetXForwarded()
+	if sc := trace.SpanContextFromContext(pr.In.Context()); sc.IsValid() {
+		s.o.Propagator.Inject(pr.In.Context(), propagation.HeaderCarrier(pr.Out.Header))
+	}
+}
+
+func (s *Server) modifyResponse(resp *http.Response) error {
+	f := flightOf(resp.Request.Context())
+	f.status = resp.StatusCode
+	c := f.current()
+	resp.Header.Set(HeaderReplica, c.Replica.Name)
+	body := resp.Body
+	if rt := f.rt; rt.req.PassThrough {
+		s.core.FirstByte(rt)
+	} else {
+		resp.Header.Set(HeaderMatchedTokens, strconv.Itoa(c.Match.Tokens))
+		f.capture = &replyCapture{rc: resp.Body, limit: s.o.MaxReplyBytes,
+			sse:   strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream"),
+			first: func() { s.core.FirstByte(rt) }}
+		body = f.capture
+	}
+	// A replica silent for IdleTimeout while the proxy waits for its next
+	// chunk is cut off, and counted as failing: on every forwarded route.
+	resp.Body = newIdleBody(body, s.o.IdleTimeout, func() {
+		c.Replica.Fail(time.Now(), s.o.Ejection)
+		s.core.o.Metrics.UpstreamError(c.Replica.Name, "idle")
+		s.o.Logger.Warn("replica went silent mid-response; cutting it off", "replica", c.Replica.Name, "path", resp.Request.URL.Path)
+		f.cancel()
+	})
+	return nil
+}
+
+// failover sends a request to its flight's current candidate and, when no
+// response comes back (the connection is refused, or a pooled connection
+// turns out dead), moves the request to the next-ranked replica. Nothing has
+// reached the client at that point. A refused connection also takes the
+// replica out of rotation for DownCooldown.
+type failover struct {
+	s    *Server
+	next http.RoundTripper
+}
+
+func (t *failover) RoundTrip(req *http.Request) (*http.Response, error) {
+	f := flightOf(req.Context())
+	for {
+		resp, err := t.next.RoundTrip(req)
+		if req.Context().Err() != nil { // the client left
+			return resp, err
+		}
+		now := time.Now()
+		cur := f.current()
+		switch {
+		case err == nil && resp.StatusCode < 500:
+			return resp, nil
+		case err == nil:
+			cur.Replica.Fail(now, t.s.o.Ejection)
+			t.s.core.o.Metrics.UpstreamError(cur.Replica.Name, "status_5xx")
+			if resp.StatusCode != http.StatusBadGateway && resp.StatusCode != http.StatusServiceUnavailable {
+				return resp, nil // other 5xx reach the client as they are
+			}
+		default:
+			cur.Replica.Fail(now, t.s.o.Ejection)
+			t.s.core.o.Metrics.UpstreamError(cur.Replica.Name, errorKind(err))
+		}
+		if !t.moveOn(f) {
+			return resp, err
+		}
+		if resp != nil {
+			_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
+			resp.Body.Close()
+		}
+		t.s.o.Logger.Warn("replica failed before answering; failing over", "replica", cur.Replica.Name, "err", err, "status", statusOf(resp))
+		req = req.Clone(req.Context())
+		u := f.current().Replica.URL
+		req.URL.Scheme, req.URL.Host, req.Host = u.Scheme, u.Host, u.Host
+		br := f.body.reader()
+		f.readers = append(f.readers, br)
+		req.Body = br
+	}
+}
+
+// moveOn moves f to its next-ranked candidate and reports whether there
+// was one.
+func (t *failover) moveOn(f *flight) bool {
+	defer func() { f.next++ }()
+	return t.s.core.Failover(f.rt, f.next)
+}
+
+func statusOf(r *http.Response) int {
+	if r == nil {
+		return 0
+	}
+	return r.StatusCode
+}

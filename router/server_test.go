@@ -1,0 +1,192 @@
+package router
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/semroute/semroute/replica"
+	"github.com/semroute/semroute/routing"
+)
+
+// serverFor is a Server over replicas at urls (named r0, r1, … in order)
+// under round robin, with o's timeouts, serving on a real socket.
+func serverFor(t *testing.T, o ServerOptions, urls ...string) (*httptest.Server, *routing.Engine) {
+	t.Helper()
+	specs := make([]replica.Spec, len(urls))
+	for i, u := range urls {
+		specs[i] = replica.Spec{Name: fmt.Sprint("r", i), URL: u}
+	}
+	e, err := routing.New(routing.Options{Replicas: specs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rr, _ := routing.NewPolicy("round_robin", routing.PolicyConfig{})
+	core, err := NewCore(CoreOptions{Engine: e, Arms: []Arm{{Name: "default", Policy: rr, Weight: 1}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	o.Core = core
+	o.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	srv, err := NewServer(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts := httptest.NewServer(srv)
+	t.Cleanup(func() { ts.Close(); srv.CloseIdleConnections() })
+	return ts, e
+}
+
+// closedURL is the URL of a port nothing listens on.
+func closedURL(t *testing.T) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	u := "http://" + ln.Addr().String()
+	ln.Close()
+	return u
+}
+
+const chatBody = `{"model":"m","messages":[{"role":"user","content":"hello"}]}`
+
+func postChat(t *testing.T, url string) *http.Response {
+	t.Helper()
+	resp, err := http.Post(url+"/v1/chat/completions", "application/json", strings.NewReader(chatBody))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp
+}
+
+// inFlight is the requests the engine counts on every replica.
+func inFlight(e *routing.Engine) (n int64) {
+	for _, r := range e.Pool().Replicas() {
+		n += r.Load(time.Now()).InFlight
+	}
+	return n
+}
+
+// TestServerFailsOverBeforeTheFirstByte: a refused connection and a 503
+// move the request down the ranking; the client sees only the answer.
+func TestServerFailsOverBeforeTheFirstByte(t *testing.T) {
+	good := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, `{"choices":[{"message":{"content":"hi"}}]}`)
+	}))
+	defer good.Close()
+	busy := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusServiceUnavailable)
+	}))
+	defer busy.Close()
+	ts, e := serverFor(t, ServerOptions{}, closedURL(t), busy.URL, good.URL)
+	for i := range 6 {
+		resp := postChat(t, ts.URL)
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || resp.Header.Get(HeaderReplica) != "r2" {
+			t.Fatalf("request %d: %d from %s: %s", i, resp.StatusCode, resp.Header.Get(HeaderReplica), b)
+		}
+	}
+	if n := inFlight(e); n != 0 {
+		t.Fatalf("%d requests still counted in flight", n)
+	}
+}
+
+// TestServerStreamsChunkByChunk: each event reaches the client while the
+// replica is still writing the next.
+func TestServerStreamsChunkByChunk(t *testing.T) {
+	next := make(chan struct{})
+	replicaSrv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		for i := range 3 {
+			fmt.Fprintf(w, "data: {\"choices\":[{\"delta\":{\"content\":\"%d\"}}]}\n\n", i)
+			w.(http.Flusher).Flush()
+			select {
+			case <-next:
+			case <-r.Context().Done():
+				return
+			}
+		}
+		_, _ = io.WriteString(w, "data: [DONE]\n\n")
+	}))
+	defer replicaSrv.Close()
+	ts, e := serverFor(t, ServerOptions{}, replicaSrv.URL)
+	resp := postChat(t, ts.URL)
+	defer resp.Body.Close()
+	br := bufio.NewReader(resp.Body)
+	for i := range 3 {
+		line, err := br.ReadString('\n')
+		if err != nil || !strings.Contains(line, fmt.Sprintf(`\"content\":\"%d\"`, i)) && !strings.Contains(line, fmt.Sprintf(`"content":"%d"`, i)) {
+			t.Fatalf("event %d: %q %v", i, line, err)
+		}
+		_, _ = br.ReadString('\n') // the blank line after the event
+		next <- struct{}{}         // only now does the replica write the next one
+	}
+	rest, _ := io.ReadAll(br)
+	if !strings.Contains(string(rest), "[DONE]") {
+		t.Fatalf("stream ended without [DONE]: %q", rest)
+	}
+	resp.Body.Close()
+	deadline := time.Now().Add(5 * time.Second)
+	for inFlight(e) != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the finished stream still counts in flight")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// TestServerIdleTimeoutOnEveryRoute: a replica silent after its headers is
+// cut off after IdleTimeout, on a routed path and a pass-through one, and
+// the request stops counting on the replica.
+func TestServerIdleTimeoutOnEveryRoute(t *testing.T) {
+	release := make(chan struct{})
+	silent := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(200)
+		_, _ = io.WriteString(w, "{")
+		w.(http.Flusher).Flush()
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	}))
+	defer func() { close(release); silent.Close() }()
+	for _, path := range []string{"/v1/chat/completions", "/v1/embeddings"} {
+		ts, e := serverFor(t, ServerOptions{IdleTimeout: 200 * time.Millisecond}, silent.URL)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, ts.URL+path, strings.NewReader(chatBody))
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			cancel()
+			t.Fatal(err)
+		}
+		_, err = io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if ctx.Err() != nil || err == nil {
+			cancel()
+			t.Fatalf("%s: not cut off (read error %v, client %v)", path, err, ctx.Err())
+		}
+		cancel()
+		deadline := time.Now().Add(5 * time.Second)
+		for inFlight(e) != 0 {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: the cut-off request still counts in flight", path)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		if e.Pool().Replicas()[0].Available(time.Now()) {
+			t.Fatalf("%s: the silent replica was not taken out of rotation", path)
+		}
+	}
+}
