@@ -146,9 +146,9 @@ func TestRoundRobinIsPlainLRUByHand(t *testing.T) {
 
 func traceFile(t testing.TB, name string) *os.File {
 	t.Helper()
-	f, err := os.Open("../../shared/traces/" + name)
+	f, err := os.Open("../testdata/traces/" + name)
 	if err != nil {
-		t.Fatalf("the public traces are expected in ../shared/traces beside the repository: %v", err)
+		t.Fatalf("the public traces are in testdata/traces at the repository's top: %v", err)
 	}
 	t.Cleanup(func() { f.Close() })
 	return f
