@@ -8,18 +8,19 @@ package configs
 
 import (
 	_ "embed"
-	"errors"
 	"fmt"
-	"net"
 	"os"
-	"slices"
 	"strings"
 	"time"
 
 	"github.com/spf13/viper"
 
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/decisionlog"
 	"github.com/semroute/semroute/eviction"
+	"github.com/semroute/semroute/limits"
+	"github.com/semroute/semroute/matcher"
+	"github.com/semroute/semroute/monitor"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
@@ -252,59 +253,59 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("log.level", "info")
 	v.SetDefault("log.format", "text")
 	v.SetDefault("routing.policy", "semantic")
-	v.SetDefault("routing.load_weight", 0.3)
-	v.SetDefault("routing.recent_weight", 1.0)
-	v.SetDefault("routing.spill_factor", 2.0)
-	v.SetDefault("routing.spill_margin_tokens", 2048.0)
-	v.SetDefault("routing.load_half_life", "10s")
-	v.SetDefault("routing.attempts", 3)
+	v.SetDefault("routing.load_weight", routing.DefaultLoadWeight)
+	v.SetDefault("routing.recent_weight", routing.DefaultRecentWeight)
+	v.SetDefault("routing.spill_factor", routing.DefaultSpillFactor)
+	v.SetDefault("routing.spill_margin_tokens", routing.DefaultSpillMarginTokens)
+	v.SetDefault("routing.load_half_life", replica.DefaultHalfLife)
+	v.SetDefault("routing.attempts", routing.DefaultAttempts)
 	v.SetDefault("routing.record_replies", true)
 	v.SetDefault("routing.kind_weights", map[string]float64{})
 	v.SetDefault("routing.shared_active", false)
 	v.SetDefault("routing.seed", 0)
 	v.SetDefault("routing.semantic_matcher.enabled", false)
-	v.SetDefault("routing.semantic_matcher.threshold", 0.5)
-	v.SetDefault("routing.semantic_matcher.min_similarity", 0.5)
-	v.SetDefault("routing.semantic_matcher.max_donors", 10000)
+	v.SetDefault("routing.semantic_matcher.threshold", routing.DefaultMatcherThreshold)
+	v.SetDefault("routing.semantic_matcher.min_similarity", matcher.DefaultMinSimilarity)
+	v.SetDefault("routing.semantic_matcher.max_donors", matcher.DefaultMaxDonors)
 	v.SetDefault("routing.arms", []ArmConfig{})
 	v.SetDefault("routing.arm_salt", "")
-	v.SetDefault("routing.release_after", "10m")
+	v.SetDefault("routing.release_after", limits.DefaultReleaseAfter)
 	v.SetDefault("grpc_listen", "")
 	v.SetDefault("grpc.token", "")
 	v.SetDefault("grpc.tls_cert_file", "")
 	v.SetDefault("grpc.tls_key_file", "")
 	v.SetDefault("grpc.tls_client_ca_file", "")
-	v.SetDefault("grpc.max_held_decisions", routing.DefaultMaxHeld)
-	v.SetDefault("grpc.max_held_blocks", routing.DefaultMaxHeldBlocks)
+	v.SetDefault("grpc.max_held_decisions", limits.DefaultMaxHeld)
+	v.SetDefault("grpc.max_held_blocks", limits.DefaultMaxHeldBlocks)
 	v.SetDefault("decision_log.path", "")
-	v.SetDefault("decision_log.max_bytes", 256<<20)
-	v.SetDefault("decision_log.max_files", 5)
-	v.SetDefault("decision_log.buffer", 4096)
-	v.SetDefault("decision_log.fsync_interval", "1s")
+	v.SetDefault("decision_log.max_bytes", decisionlog.DefaultMaxBytes)
+	v.SetDefault("decision_log.max_files", decisionlog.DefaultMaxFiles)
+	v.SetDefault("decision_log.buffer", decisionlog.DefaultBuffer)
+	v.SetDefault("decision_log.fsync_interval", decisionlog.DefaultFsyncInterval)
 	v.SetDefault("decision_log.raw_ids", false)
 	v.SetDefault("decision_log.log_prompts", false)
 	v.SetDefault("blocks.block_tokens", blockhash.DefaultBlockTokens)
 	v.SetDefault("blocks.bytes_per_token", blockhash.DefaultBytesPerToken)
 	v.SetDefault("cache.eviction", eviction.Default)
 	v.SetDefault("cache.default_budget_tokens", DefaultBudgetTokens)
-	v.SetDefault("limits.max_body_bytes", 16<<20)
-	v.SetDefault("limits.max_messages", 4096)
-	v.SetDefault("limits.max_header_bytes", 64<<10)
-	v.SetDefault("limits.max_output_tokens", 1<<20)
+	v.SetDefault("limits.max_body_bytes", limits.DefaultMaxBodyBytes)
+	v.SetDefault("limits.max_messages", limits.DefaultMaxMessages)
+	v.SetDefault("limits.max_header_bytes", limits.DefaultMaxHeaderBytes)
+	v.SetDefault("limits.max_output_tokens", limits.DefaultMaxOutputTokens)
 	v.SetDefault("limits.max_json_depth", blockhash.DefaultMaxDepth)
 	v.SetDefault("limits.max_json_values", blockhash.DefaultMaxValues)
 	v.SetDefault("limits.max_json_values_in_flight", blockhash.DefaultBudgetValues)
-	v.SetDefault("health.check_interval", "2s")
-	v.SetDefault("health.check_timeout", "1s")
-	v.SetDefault("health.fall", 2)
-	v.SetDefault("health.rise", 2)
-	v.SetDefault("health.scrape_interval", "5s")
-	v.SetDefault("health.eject_base", "2s")
-	v.SetDefault("health.eject_max", "60s")
-	v.SetDefault("health.eject_forgive", "30s")
-	v.SetDefault("timeouts.connect", "5s")
-	v.SetDefault("timeouts.first_byte", "300s")
-	v.SetDefault("timeouts.idle", "60s")
+	v.SetDefault("health.check_interval", monitor.DefaultCheckInterval)
+	v.SetDefault("health.check_timeout", monitor.DefaultCheckTimeout)
+	v.SetDefault("health.fall", monitor.DefaultFall)
+	v.SetDefault("health.rise", monitor.DefaultRise)
+	v.SetDefault("health.scrape_interval", monitor.DefaultScrapeInterval)
+	v.SetDefault("health.eject_base", replica.DefaultEjectBase)
+	v.SetDefault("health.eject_max", replica.DefaultEjectMax)
+	v.SetDefault("health.eject_forgive", replica.DefaultEjectForgive)
+	v.SetDefault("timeouts.connect", limits.DefaultConnect)
+	v.SetDefault("timeouts.first_byte", limits.DefaultFirstByte)
+	v.SetDefault("timeouts.idle", limits.DefaultIdle)
 	v.SetDefault("timeouts.shutdown_grace", "30s")
 	v.SetDefault("tracing.otlp_endpoint", "")
 	v.SetDefault("tracing.service_name", "semroute")
@@ -366,203 +367,4 @@ func Decode(v *viper.Viper) (*Config, error) {
 		return nil, err
 	}
 	return &c, nil
-}
-
-// uniqueNames returns a check that the i-th entry of list has a name and
-// that no earlier entry had the same one; what is the noun in the message.
-func uniqueNames(bad func(field, format string, args ...any), list, what string) func(i int, name string) {
-	seen := map[string]bool{}
-	return func(i int, name string) {
-		f := fmt.Sprintf("%s[%d].name", list, i)
-		switch {
-		case name == "":
-			bad(f, "is required")
-		case seen[name]:
-			bad(f, "duplicate %s %q", what, name)
-		}
-		seen[name] = true
-	}
-}
-
-// FieldError is a validation error naming the offending field.
-type FieldError struct {
-	Field string
-	Msg   string
-}
-
-func (e *FieldError) Error() string { return "config: " + e.Field + ": " + e.Msg }
-
-// Validate checks every field, returning all the errors joined.
-func (c *Config) Validate() error {
-	var errs []error
-	bad := func(field, format string, args ...any) {
-		errs = append(errs, &FieldError{Field: field, Msg: fmt.Sprintf(format, args...)})
-	}
-	if _, _, err := net.SplitHostPort(c.Listen); err != nil {
-		bad("listen", "%q is not host:port", c.Listen)
-	}
-	if c.GRPCListen != "" {
-		if _, _, err := net.SplitHostPort(c.GRPCListen); err != nil {
-			bad("grpc_listen", "%q is not host:port", c.GRPCListen)
-		}
-		if c.GRPC.Token == "" && c.GRPC.TLSClientCAFile == "" {
-			bad("grpc.token", "is required with grpc_listen (or grpc.tls_client_ca_file for mTLS): the gRPC API is not served unauthenticated")
-		}
-	}
-	if g := c.GRPC; (g.TLSCertFile == "") != (g.TLSKeyFile == "") || (g.TLSClientCAFile != "" && g.TLSCertFile == "") {
-		bad("grpc.tls_cert_file", "tls_cert_file and tls_key_file go together, and tls_client_ca_file needs them")
-	}
-	if g := c.GRPC; g.MaxHeldDecisions < 1 || g.MaxHeldBlocks < 1 {
-		bad("grpc.max_held_decisions", "max_held_decisions and max_held_blocks must be positive")
-	}
-	if dl := c.DecisionLog; dl.MaxBytes < 1024 || dl.MaxFiles < 1 || dl.Buffer < 1 || dl.FsyncInterval <= 0 {
-		bad("decision_log", "max_bytes must be at least 1024, max_files and buffer positive, fsync_interval positive")
-	}
-	switch c.Log.Level {
-	case "debug", "info", "warn", "error":
-	default:
-		bad("log.level", "%q is not one of debug, info, warn, error", c.Log.Level)
-	}
-	if c.Log.Format != "text" && c.Log.Format != "json" {
-		bad("log.format", "%q is not text or json", c.Log.Format)
-	}
-	r := &c.Routing
-	if !slices.Contains(routing.PolicyNames, r.Policy) {
-		bad("routing.policy", "unknown policy %q (have %v)", r.Policy, routing.PolicyNames)
-	}
-	if r.LoadWeight < 0 {
-		bad("routing.load_weight", "must not be negative")
-	}
-	if r.RecentWeight < 0 {
-		bad("routing.recent_weight", "must not be negative")
-	}
-	if r.SpillFactor < 1 {
-		bad("routing.spill_factor", "must be at least 1")
-	}
-	if r.SpillMarginTokens < 0 {
-		bad("routing.spill_margin_tokens", "must not be negative")
-	}
-	if r.LoadHalfLife < 0 {
-		bad("routing.load_half_life", "must not be negative")
-	}
-	if r.Attempts < 1 || r.Attempts > 16 {
-		bad("routing.attempts", "%d is not in [1, 16]", r.Attempts)
-	}
-	if mc := r.Matcher; mc.Threshold < 0 || mc.Threshold > 1 || mc.MinSimilarity < 0 || mc.MinSimilarity > 1 || mc.MaxDonors < 1 {
-		bad("routing.semantic_matcher", "threshold and min_similarity must be in [0, 1] and max_donors positive")
-	}
-	if r.ReleaseAfter <= 0 {
-		bad("routing.release_after", "must be positive")
-	}
-	armNames := uniqueNames(bad, "routing.arms", "arm")
-	for i, a := range r.Arms {
-		f := fmt.Sprintf("routing.arms[%d]", i)
-		armNames(i, a.Name)
-		if !slices.Contains(routing.PolicyNames, a.Policy) {
-			bad(f+".policy", "unknown policy %q (have %v)", a.Policy, routing.PolicyNames)
-		}
-		if a.Weight <= 0 {
-			bad(f+".weight", "must be positive")
-		}
-	}
-	for k, w := range r.KindWeights {
-		if _, err := blockhash.ParseKind(k); err != nil {
-			bad("routing.kind_weights."+k, "unknown kind")
-		} else if w < 0 {
-			bad("routing.kind_weights."+k, "must not be negative")
-		}
-	}
-	if _, err := blockhash.NewSplitter(blockhash.Options{BlockTokens: c.Blocks.BlockTokens, BytesPerToken: c.Blocks.BytesPerToken}); err != nil || c.Blocks.BlockTokens == 0 || c.Blocks.BytesPerToken == 0 {
-		bad("blocks", "block_tokens must be in [1, 1048576] and bytes_per_token in [1, 64]")
-	}
-	if _, err := eviction.Lookup(c.Cache.Eviction); err != nil {
-		bad("cache.eviction", "%v", err)
-	}
-	if c.Cache.DefaultBudgetTokens < 0 {
-		bad("cache.default_budget_tokens", "must not be negative (0 means the built-in %d)", DefaultBudgetTokens)
-	}
-	if c.Limits.MaxBodyBytes < 1024 {
-		bad("limits.max_body_bytes", "must be at least 1024")
-	}
-	if c.Limits.MaxMessages < 1 {
-		bad("limits.max_messages", "must be at least 1")
-	}
-	if c.Limits.MaxHeaderBytes < 1024 || c.Limits.MaxOutputTokens < 1 {
-		bad("limits", "max_header_bytes must be at least 1024 and max_output_tokens positive")
-	}
-	if d := c.Limits.MaxJSONDepth; d < 2 || d > 299 {
-		bad("limits.max_json_depth", "%d is not in [2, 299]", d)
-	}
-	if l := c.Limits; l.MaxJSONValues < 16 || l.MaxJSONValuesInFlight < int64(l.MaxJSONValues) {
-		bad("limits.max_json_values", "must be at least 16, and max_json_values_in_flight at least max_json_values")
-	}
-	h := c.Health
-	if h.CheckInterval <= 0 || h.CheckTimeout <= 0 || h.Fall < 1 || h.Rise < 1 || h.ScrapeInterval < 0 ||
-		h.EjectBase <= 0 || h.EjectMax < h.EjectBase || h.EjectForgive <= 0 {
-		bad("health", "intervals and timeouts must be positive (scrape_interval 0 turns scraping off), fall and rise at least 1, eject_max ≥ eject_base")
-	}
-	if t := c.Timeouts; t.Connect <= 0 || t.FirstByte <= 0 || t.Idle <= 0 || t.ShutdownGrace < 0 {
-		bad("timeouts", "connect, first_byte and idle must be positive, shutdown_grace not negative")
-	}
-	if t := c.Tracing; t.SampleRatio < 0 || t.SampleRatio > 1 || (t.OTLPEndpoint != "" && !strings.HasPrefix(t.OTLPEndpoint, "http")) {
-		bad("tracing", "sample_ratio must be in [0, 1] and otlp_endpoint an http(s) URL")
-	}
-	if d := c.Discovery; d.DNSName != "" && (d.Interval <= 0 || d.Port < 1 || d.Port > 65535 || (d.Scheme != "http" && d.Scheme != "https") || d.BudgetTokens < 0) {
-		bad("discovery", "interval must be positive, port in [1, 65535], scheme http or https")
-	}
-	if f := c.Runtime.GCFloorMB; f < 0 || f > 1<<20 {
-		bad("runtime.gc_floor_mb", "%d is not in [0, 1048576] MiB", f)
-	}
-	if c.Admin.Listen != "" {
-		if _, _, err := net.SplitHostPort(c.Admin.Listen); err != nil {
-			bad("admin.listen", "%q is not host:port", c.Admin.Listen)
-		}
-	}
-	replicaNames := uniqueNames(bad, "replicas", "name")
-	for i, rep := range c.Replicas {
-		replicaNames(i, rep.Name)
-		for _, e := range rep.check() {
-			bad(fmt.Sprintf("replicas[%d].%s", i, e.Field), "%s", e.Msg)
-		}
-	}
-	return errors.Join(errs...)
-}
-
-// check returns what is wrong with one replica, field by field, checked
-// as the pool will check it (an empty name is left to the caller).
-func (r Replica) check() []FieldError {
-	var errs []FieldError
-	if r.Name != "" {
-		if err := replica.ValidateName(r.Name); err != nil {
-			errs = append(errs, FieldError{"name", err.Error()})
-		}
-	}
-	if _, err := replica.ParseURL(r.URL); err != nil {
-		errs = append(errs, FieldError{"url", err.Error()})
-	}
-	if r.BudgetTokens < 0 {
-		errs = append(errs, FieldError{"budget_tokens", "must not be negative"})
-	}
-	if err := replica.ValidateWeight(r.Weight); err != nil {
-		errs = append(errs, FieldError{"weight", err.Error()})
-	}
-	return errs
-}
-
-// Validate checks one replica as the config's validation does; the admin
-// API shares it. The error names the field.
-func (r Replica) Validate() error {
-	var errs []error
-	if r.Name == "" {
-		errs = append(errs, &FieldError{"name", "is required"})
-	}
-	for _, e := range r.check() {
-		errs = append(errs, &e)
-	}
-	return errors.Join(errs...)
-}
-
-// Spec is the replica's pool spec.
-func (r Replica) Spec() replica.Spec {
-	return replica.Spec{Name: r.Name, URL: r.URL, BudgetTokens: r.BudgetTokens, Weight: r.Weight}
 }

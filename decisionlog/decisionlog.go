@@ -16,6 +16,7 @@ package decisionlog
 
 import (
 	"bufio"
+	"cmp"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -220,22 +221,22 @@ func (s *sliceWriter) Write(p []byte) (int, error) {
 }
 
 // Open creates (or appends to) the file at o.Path and starts the writer.
+// Defaults of Options.
+const (
+	DefaultMaxBytes      = 256 << 20 // 256 MiB
+	DefaultMaxFiles      = 5
+	DefaultBuffer        = 4096
+	DefaultFsyncInterval = time.Second
+)
+
 func Open(o Options) (*Writer, error) {
 	if o.Path == "" {
 		return nil, errors.New("decision log: path is required")
 	}
-	if o.MaxBytes <= 0 {
-		o.MaxBytes = 256 << 20
-	}
-	if o.MaxFiles <= 0 {
-		o.MaxFiles = 5
-	}
-	if o.Buffer <= 0 {
-		o.Buffer = 4096
-	}
-	if o.FsyncInterval <= 0 {
-		o.FsyncInterval = time.Second
-	}
+	o.MaxBytes = cmp.Or(max(o.MaxBytes, 0), DefaultMaxBytes)
+	o.MaxFiles = cmp.Or(max(o.MaxFiles, 0), DefaultMaxFiles)
+	o.Buffer = cmp.Or(max(o.Buffer, 0), DefaultBuffer)
+	o.FsyncInterval = cmp.Or(max(o.FsyncInterval, 0), DefaultFsyncInterval)
 	if o.openFile == nil {
 		o.openFile = openOS
 	}

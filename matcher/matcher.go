@@ -11,6 +11,7 @@
 package matcher
 
 import (
+	"cmp"
 	"container/heap"
 	"errors"
 	"sort"
@@ -44,6 +45,12 @@ type donorKey struct {
 }
 
 // New returns an empty MinHash matcher.
+// Defaults of Options.MinSimilarity and MaxDonors.
+const (
+	DefaultMinSimilarity = 0.5
+	DefaultMaxDonors     = 10000
+)
+
 func New(o Options) (*MinHash, error) {
 	if o.Shingle == 0 {
 		o.Shingle = 5
@@ -51,12 +58,8 @@ func New(o Options) (*MinHash, error) {
 	if o.K == 0 {
 		o.K = 64
 	}
-	if o.MinSimilarity == 0 {
-		o.MinSimilarity = 0.5
-	}
-	if o.MaxDonors == 0 {
-		o.MaxDonors = 10000
-	}
+	o.MinSimilarity = cmp.Or(o.MinSimilarity, DefaultMinSimilarity)
+	o.MaxDonors = cmp.Or(o.MaxDonors, DefaultMaxDonors)
 	if o.MaxWords == 0 {
 		o.MaxWords = 20000
 	}

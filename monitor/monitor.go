@@ -1,6 +1,7 @@
 package monitor
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"io"
@@ -50,25 +51,24 @@ type Monitor struct {
 }
 
 // New returns a monitor of p.
+// Defaults of Options.
+const (
+	DefaultCheckInterval  = 2 * time.Second
+	DefaultCheckTimeout   = time.Second
+	DefaultFall           = 2
+	DefaultRise           = 2
+	DefaultScrapeInterval = 5 * time.Second
+)
+
 func New(p *replica.Pool, o Options) *Monitor {
 	if o.Client == nil {
 		o.Client = &http.Client{Transport: http.DefaultTransport.(*http.Transport).Clone()}
 	}
-	if o.CheckInterval <= 0 {
-		o.CheckInterval = 2 * time.Second
-	}
-	if o.CheckTimeout <= 0 {
-		o.CheckTimeout = time.Second
-	}
-	if o.Fall <= 0 {
-		o.Fall = 2
-	}
-	if o.Rise <= 0 {
-		o.Rise = 2
-	}
-	if o.ScrapeInterval == 0 {
-		o.ScrapeInterval = 5 * time.Second
-	}
+	o.CheckInterval = cmp.Or(max(o.CheckInterval, 0), DefaultCheckInterval)
+	o.CheckTimeout = cmp.Or(max(o.CheckTimeout, 0), DefaultCheckTimeout)
+	o.Fall = cmp.Or(max(o.Fall, 0), DefaultFall)
+	o.Rise = cmp.Or(max(o.Rise, 0), DefaultRise)
+	o.ScrapeInterval = cmp.Or(o.ScrapeInterval, DefaultScrapeInterval)
 	if o.Logger == nil {
 		o.Logger = slog.Default()
 	}

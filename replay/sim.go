@@ -1,6 +1,7 @@
 package replay
 
 import (
+	"cmp"
 	"container/heap"
 	"errors"
 	"fmt"
@@ -62,6 +63,17 @@ type Model struct {
 	Budgets      []int64
 }
 
+// Defaults of Model.
+const (
+	DefaultReplicas        = 8
+	DefaultBlockTokens     = 64
+	DefaultMaxRunning      = 256
+	DefaultBudgetTokens    = 1_000_000
+	DefaultPrefillOverhead = 5 * time.Millisecond
+	DefaultPrefillPerToken = 100 * time.Microsecond
+	DefaultInterToken      = 20 * time.Millisecond
+)
+
 func (m *Model) defaults() error {
 	if len(m.ReplicaNames) > 0 {
 		m.Replicas = len(m.ReplicaNames)
@@ -69,35 +81,16 @@ func (m *Model) defaults() error {
 			return errors.New("replica budgets and names differ in number")
 		}
 	}
-	dflt := func(v *int, d int) {
-		if *v == 0 {
-			*v = d
-		}
-	}
-	dflt(&m.Replicas, 8)
-	dflt(&m.BlockTokens, 64)
-	dflt(&m.MaxRunning, 256)
-	if m.BudgetTokens == 0 {
-		m.BudgetTokens = 1_000_000
-	}
-	if m.PrefillOverhead == 0 {
-		m.PrefillOverhead = 5 * time.Millisecond
-	}
-	if m.PrefillPerToken == 0 {
-		m.PrefillPerToken = 100 * time.Microsecond
-	}
-	if m.InterToken == 0 {
-		m.InterToken = 20 * time.Millisecond
-	}
-	if m.Eviction == "" {
-		m.Eviction = eviction.Default
-	}
-	if m.Speedup == 0 {
-		m.Speedup = 1
-	}
-	if m.LoadHalfLife == 0 {
-		m.LoadHalfLife = 10 * time.Second
-	}
+	m.Replicas = cmp.Or(m.Replicas, DefaultReplicas)
+	m.BlockTokens = cmp.Or(m.BlockTokens, DefaultBlockTokens)
+	m.MaxRunning = cmp.Or(m.MaxRunning, DefaultMaxRunning)
+	m.BudgetTokens = cmp.Or(m.BudgetTokens, DefaultBudgetTokens)
+	m.PrefillOverhead = cmp.Or(m.PrefillOverhead, DefaultPrefillOverhead)
+	m.PrefillPerToken = cmp.Or(m.PrefillPerToken, DefaultPrefillPerToken)
+	m.InterToken = cmp.Or(m.InterToken, DefaultInterToken)
+	m.Eviction = cmp.Or(m.Eviction, eviction.Default)
+	m.Speedup = cmp.Or(m.Speedup, 1)
+	m.LoadHalfLife = cmp.Or(m.LoadHalfLife, replica.DefaultHalfLife)
 	switch {
 	case m.Replicas < 1 || m.Replicas > 4096:
 		return fmt.Errorf("replicas %d not in [1, 4096]", m.Replicas)

@@ -7,6 +7,7 @@
 package replica
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"math"
@@ -189,16 +190,18 @@ type Ejection struct {
 	Forgive time.Duration
 }
 
+// Defaults of Ejection and of a pool's load half-life.
+const (
+	DefaultEjectBase    = 2 * time.Second
+	DefaultEjectMax     = time.Minute
+	DefaultEjectForgive = 30 * time.Second
+	DefaultHalfLife     = 10 * time.Second
+)
+
 func (e *Ejection) defaults() {
-	if e.Base <= 0 {
-		e.Base = 2 * time.Second
-	}
-	if e.Max <= 0 {
-		e.Max = time.Minute
-	}
-	if e.Forgive <= 0 {
-		e.Forgive = 30 * time.Second
-	}
+	e.Base = cmp.Or(max(e.Base, 0), DefaultEjectBase)
+	e.Max = cmp.Or(max(e.Max, 0), DefaultEjectMax)
+	e.Forgive = cmp.Or(max(e.Forgive, 0), DefaultEjectForgive)
 }
 
 // Fail records a passive failure (a connection error or a 5xx answer) at
@@ -278,8 +281,8 @@ func (r *Replica) SetBudget(tokens int64) { r.budget.Store(tokens) }
 
 // Options configure a Pool. The zero value is usable.
 type Options struct {
-	// HalfLife of the recent-work load signal. Zero disables it, leaving
-	// only in-flight work.
+	// HalfLife of the recent-work load signal (the router's default is
+	// DefaultHalfLife). Zero disables it, leaving only in-flight work.
 	HalfLife time.Duration
 }
 

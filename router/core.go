@@ -1,7 +1,6 @@
 package router
 
 import (
-	"cmp"
 	"container/list"
 	"context"
 	"encoding/binary"
@@ -17,6 +16,7 @@ import (
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/decisionlog"
+	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/routing"
 )
 
@@ -48,15 +48,10 @@ type CoreOptions struct {
 	RawIDs bool
 	// LogPrompts logs the prompt's text with each decision. Off by default.
 	LogPrompts bool
-	// ReleaseAfter ends a held decision (gRPC) that was never released,
-	// so it stops counting as load. Default 10 minutes.
-	ReleaseAfter time.Duration
-	// MaxHeld caps the decisions held for Release, and MaxHeldBlocks the
-	// blocks they keep (a held decision keeps its prompt's blocks for the
-	// decision log: about 24 bytes each). Past either cap the oldest held
-	// decision is finished as expired. Defaults routing.DefaultMaxHeld and
-	// routing.DefaultMaxHeldBlocks.
-	MaxHeld, MaxHeldBlocks int
+	// Held bounds the decisions held for Release (gRPC): past its caps the
+	// oldest is finished as expired, and one never released stops counting
+	// as load after Held.ReleaseAfter.
+	Held limits.Held
 	// Metrics, if set, receives per-request metrics.
 	Metrics *Metrics
 }
@@ -86,14 +81,10 @@ func NewCore(o CoreOptions) (*Core, error) {
 	if o.Engine == nil {
 		return nil, errors.New("router: CoreOptions.Engine is required")
 	}
-	o.MaxHeld = cmp.Or(max(o.MaxHeld, 0), routing.DefaultMaxHeld)
-	o.MaxHeldBlocks = cmp.Or(max(o.MaxHeldBlocks, 0), routing.DefaultMaxHeldBlocks)
+	o.Held = o.Held.WithDefaults()
 	c := &Core{o: o, e: o.Engine, held: map[string]*list.Element{}}
 	if err := c.SetArms(o.Arms); err != nil {
 		return nil, err
-	}
-	if c.o.ReleaseAfter <= 0 {
-		c.o.ReleaseAfter = 10 * time.Minute
 	}
 	return c, nil
 }
@@ -326,7 +317,7 @@ func (c *Core) Hold(rt *Routed) {
 	c.mu.Lock()
 	c.held[rt.ID] = c.heldOrder.PushBack(rt)
 	c.heldBlocks += len(rt.Blocks)
-	for c.heldOrder.Len() > c.o.MaxHeld || (c.heldBlocks > c.o.MaxHeldBlocks && c.heldOrder.Len() > 1) {
+	for c.heldOrder.Len() > c.o.Held.Max || (c.heldBlocks > c.o.Held.MaxBlocks && c.heldOrder.Len() > 1) {
 		out = append(out, c.unholdLocked(c.heldOrder.Front()))
 	}
 	c.mu.Unlock()
@@ -372,7 +363,7 @@ func (c *Core) Release(id string, o Outcome) error {
 func (c *Core) Expire(now time.Time) int {
 	var old []*Routed
 	c.mu.Lock()
-	for e := c.heldOrder.Front(); e != nil && now.Sub(e.Value.(*Routed).start) >= c.o.ReleaseAfter; e = c.heldOrder.Front() {
+	for e := c.heldOrder.Front(); e != nil && now.Sub(e.Value.(*Routed).start) >= c.o.Held.ReleaseAfter; e = c.heldOrder.Front() {
 		old = append(old, c.unholdLocked(e))
 	}
 	c.mu.Unlock()

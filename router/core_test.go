@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/semroute/semroute/decisionlog"
+	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/routing"
 )
 
@@ -80,7 +81,7 @@ func TestCoreLogsFinishedDecisions(t *testing.T) {
 func TestCoreHoldReleaseExpire(t *testing.T) {
 	f := newFixture(t, 2, "semantic")
 	log := &memLog{}
-	c := newCore(t, f, CoreOptions{Log: log, ReleaseAfter: time.Minute})
+	c := newCore(t, f, CoreOptions{Log: log, Held: limits.Held{ReleaseAfter: time.Minute}})
 	in := f.e.Prepare(parseChat(t, "user", "x"), "", false)
 	a, _ := c.Route(CoreRequest{Input: in})
 	b, _ := c.Route(CoreRequest{Input: in})

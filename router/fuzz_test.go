@@ -11,6 +11,7 @@ import (
 
 	pb "github.com/semroute/semroute/api/proto/semroute/v1"
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/limits"
 )
 
 // cannedTransport answers every request in memory.
@@ -39,7 +40,7 @@ func FuzzRoutedHandler(f *testing.F) {
 		f.Fatal(err)
 	}
 	srv, err := NewServer(ServerOptions{Core: core, Transport: cannedTransport{}, RecordReplies: true,
-		Limits: Limits{MaxBodyBytes: 1 << 16, Parse: blockhash.Limits{MaxMessages: 64}}})
+		Limits: limits.Request{MaxBodyBytes: 1 << 16, Parse: blockhash.Limits{MaxMessages: 64}}})
 	if err != nil {
 		f.Fatal(err)
 	}
@@ -106,9 +107,8 @@ func (c *chunked) Read(p []byte) (int, error) {
 func FuzzGRPCRequest(f *testing.F) {
 	f.Add("m", []byte(`{"model":"m","prompt":"x"}`), "user", "hello", "system", uint8(0))
 	f.Add("", []byte("{"), "", "", "weird", uint8(3))
-	lim := Limits{Parse: blockhash.Limits{MaxMessages: 8}}
-	lim.defaults()
-	g := &GRPCService{limits: func() Limits { return lim }}
+	lim := limits.Request{Parse: blockhash.Limits{MaxMessages: 8}}.WithDefaults()
+	g := &GRPCService{limits: func() limits.Request { return lim }}
 	f.Fuzz(func(t *testing.T, model string, body []byte, role, content, kind string, form uint8) {
 		in := &pb.RouteRequest{Model: model}
 		switch form % 5 {

@@ -1,7 +1,6 @@
 package router
 
 import (
-	"bytes"
 	"context"
 	"crypto/subtle"
 	"encoding/json"
@@ -21,6 +20,7 @@ import (
 
 	pb "github.com/semroute/semroute/api/proto/semroute/v1"
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/routing"
 )
 
@@ -28,7 +28,7 @@ import (
 type GRPCService struct {
 	pb.UnimplementedRouterServer
 	core   *Core
-	limits func() Limits
+	limits func() limits.Request
 }
 
 var _ pb.RouterServer = (*GRPCService)(nil)
@@ -38,7 +38,7 @@ type GRPCOptions struct {
 	// Limits returns the limits in force, called per call: MaxBodyBytes
 	// bounds openai_body and Parse what the parser accepts of every input.
 	// Nil means the defaults.
-	Limits func() Limits
+	Limits func() limits.Request
 	// Token returns the bearer token every call but the health service's
 	// must carry in its "authorization" metadata ("Bearer <token>"). It is
 	// called per call, so a rotated token takes effect at once. Nil, or an
@@ -54,9 +54,8 @@ type GRPCOptions struct {
 func NewGRPCServer(core *Core, o GRPCOptions, opts ...grpc.ServerOption) *grpc.Server {
 	auth := authenticator{token: o.Token}
 	if o.Limits == nil {
-		var l Limits
-		l.defaults()
-		o.Limits = func() Limits { return l }
+		l := limits.Request{}.WithDefaults()
+		o.Limits = func() limits.Request { return l }
 	}
 	opts = append([]grpc.ServerOption{grpc.ChainUnaryInterceptor(auth.unary), grpc.ChainStreamInterceptor(auth.stream)}, opts...)
 	s := grpc.NewServer(opts...)
@@ -181,9 +180,7 @@ func (g *GRPCService) Route(_ context.Context, in *pb.RouteRequest) (*pb.RouteRe
 	} else {
 		ri = g.core.e.Prepare(req, in.GetSessionId(), g.core.o.LogPrompts)
 	}
-	for i, t := range ri.Text { // a held decision logs its text after req is released
-		ri.Text[i] = bytes.Clone(t)
-	}
+	ri.DetachText() // a held decision logs its text after req is released
 	rt, err := g.core.Route(CoreRequest{Input: ri, Model: req.Model, Session: in.GetSessionId(), Tenant: in.GetTenantId(), DryRun: in.GetDryRun(), Route: "grpc"})
 	switch {
 	case errors.Is(err, routing.ErrNoReplica):

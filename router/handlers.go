@@ -52,7 +52,7 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 		writeError(w, s.classify(err))
 		return
 	}
-	defer req.Release() // after Finish: prompt logging reads the parts' text
+	defer req.Release() // on the error paths; released early below
 	if req.MaxTokens > lim.MaxOutputTokens {
 		writeError(w, apiError{http.StatusBadRequest, "invalid_request_error", "invalid_request",
 			"max_tokens: " + strconv.Itoa(req.MaxTokens) + " is more than the limit of " + strconv.Itoa(lim.MaxOutputTokens)})
@@ -65,9 +65,10 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 	}
 	tctx := s.o.Propagator.Extract(r.Context(), propagation.HeaderCarrier(r.Header))
 	tctx, span := s.o.Tracer.Start(tctx, "semroute.route", trace.WithAttributes(attribute.String("semroute.route", route)))
-	rt, err := s.core.Route(CoreRequest{
-		Input: s.e.Prepare(req, sid, s.core.o.LogPrompts), Model: req.Model, Session: sid, Tenant: tenant, Route: route,
-	})
+	in := s.e.Prepare(req, sid, s.core.o.LogPrompts)
+	in.DetachText()
+	req.Release() // the parse is done with: its tree is not held while the response streams
+	rt, err := s.core.Route(CoreRequest{Input: in, Model: req.Model, Session: sid, Tenant: tenant, Route: route})
 	if err != nil {
 		span.SetStatus(codes.Error, err.Error())
 		span.End()

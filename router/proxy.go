@@ -78,7 +78,7 @@ func (s *Server) modifyResponse(resp *http.Response) error {
 	}
 	// A replica silent for IdleTimeout while the proxy waits for its next
 	// chunk is cut off, and counted as failing: on every forwarded route.
-	resp.Body = newIdleBody(body, s.o.IdleTimeout, func() {
+	resp.Body = newIdleBody(body, s.o.Timeouts.Idle, func() {
 		c.Replica.Fail(time.Now(), s.o.Ejection)
 		s.core.o.Metrics.UpstreamError(c.Replica.Name, "idle")
 		s.o.Logger.Warn("replica went silent mid-response; cutting it off", "replica", c.Replica.Name, "path", resp.Request.URL.Path)

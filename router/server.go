@@ -21,6 +21,7 @@ import (
 	"go.opentelemetry.io/otel/trace/noop"
 
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
@@ -41,24 +42,21 @@ type ServerOptions struct {
 	// http.DefaultTransport.
 	Transport http.RoundTripper
 	// Limits bound each request; SetLimits changes them while serving.
-	Limits
+	Limits limits.Request
 	// RecordReplies caches the assistant's reply on the replica that wrote
 	// it once the response completes: it is the prefix of the next turn.
 	RecordReplies bool
 	// MaxReplyBytes caps how much of a response is kept to learn the reply;
-	// a longer reply is not learned. Default 1 MiB.
+	// a longer reply is not learned. Default limits.DefaultMaxReplyBytes.
 	MaxReplyBytes int
 	// Ejection tunes passive ejection: a replica that refuses or resets
 	// connections, times out, or answers 5xx is taken out for a cool-down
 	// that grows while it keeps failing.
 	Ejection replica.Ejection
-	// ConnectTimeout bounds dialing a replica (default 5s);
-	// FirstByteTimeout bounds the wait for its response headers (default
-	// 300s: a non-streaming answer's headers come when it is complete);
-	// IdleTimeout bounds the silence between response chunks (default 60s).
-	// A request that times out before any byte reached the client moves to
+	// Timeouts bound each upstream request (see limits.Timeouts). A
+	// request that times out before any byte reached the client moves to
 	// the next replica.
-	ConnectTimeout, FirstByteTimeout, IdleTimeout time.Duration
+	Timeouts limits.Timeouts
 	// ModelsTimeout bounds the fan-out of GET /v1/models. Default 3s.
 	ModelsTimeout time.Duration
 	// Logger receives one info line per request (decision id, arm,
@@ -76,37 +74,10 @@ type ServerOptions struct {
 	Propagator propagation.TextMapPropagator
 }
 
-// Limits bound each request the front end takes. Zero fields take the
-// defaults.
-type Limits struct {
-	// MaxBodyBytes limits request bodies; larger ones get 413, refused from
-	// their Content-Length when they declare one. Default 16 MiB.
-	MaxBodyBytes int64
-	// MaxHeaderBytes bounds a request's headers; larger ones get 431.
-	// Default 64 KiB.
-	MaxHeaderBytes int
-	// MaxOutputTokens rejects requests asking for more (max_tokens or
-	// max_completion_tokens) with 400. Default 1,048,576.
-	MaxOutputTokens int
-	// Parse bounds what the parser accepts (messages, nesting, values),
-	// and the values being parsed at once across requests (a nil
-	// Parse.Budget means one of blockhash.DefaultBudgetValues).
-	Parse blockhash.Limits
-}
-
-func (l *Limits) defaults() {
-	if l.Parse.Budget == nil {
-		l.Parse.Budget = blockhash.NewBudget(blockhash.DefaultBudgetValues)
-	}
-	l.MaxBodyBytes = cmp.Or(max(l.MaxBodyBytes, 0), 16<<20)
-	l.MaxHeaderBytes = cmp.Or(max(l.MaxHeaderBytes, 0), 64<<10)
-	l.MaxOutputTokens = cmp.Or(max(l.MaxOutputTokens, 0), 1<<20)
-}
-
 // Server is the router's HTTP front end.
 type Server struct {
 	o      ServerOptions
-	limits atomic.Pointer[Limits]
+	limits atomic.Pointer[limits.Request]
 	core   *Core
 	e      *routing.Engine
 	proxy  *httputil.ReverseProxy
@@ -125,24 +96,10 @@ func NewServer(o ServerOptions) (*Server, error) {
 		t.MaxIdleConnsPerHost = 256
 		o.Transport = t
 	}
-	if o.MaxReplyBytes <= 0 {
-		o.MaxReplyBytes = 1 << 20
-	}
-	if o.ConnectTimeout <= 0 {
-		o.ConnectTimeout = 5 * time.Second
-	}
-	if o.FirstByteTimeout <= 0 {
-		o.FirstByteTimeout = 300 * time.Second
-	}
-	if o.IdleTimeout <= 0 {
-		o.IdleTimeout = 60 * time.Second
-	}
-	if o.ModelsTimeout <= 0 {
-		o.ModelsTimeout = 3 * time.Second
-	}
-	if o.Logger == nil {
-		o.Logger = slog.Default()
-	}
+	o.MaxReplyBytes = cmp.Or(max(o.MaxReplyBytes, 0), limits.DefaultMaxReplyBytes)
+	o.Timeouts = o.Timeouts.WithDefaults()
+	o.ModelsTimeout = cmp.Or(max(o.ModelsTimeout, 0), 3*time.Second)
+	o.Logger = cmp.Or(o.Logger, slog.Default())
 	if o.Tracer == nil {
 		o.Tracer = noop.NewTracerProvider().Tracer("semroute")
 	}
@@ -150,8 +107,8 @@ func NewServer(o ServerOptions) (*Server, error) {
 		o.Propagator = propagation.TraceContext{}
 	}
 	if t, ok := o.Transport.(*http.Transport); ok {
-		t.DialContext = (&net.Dialer{Timeout: o.ConnectTimeout, KeepAlive: 30 * time.Second}).DialContext
-		t.ResponseHeaderTimeout = o.FirstByteTimeout
+		t.DialContext = (&net.Dialer{Timeout: o.Timeouts.Connect, KeepAlive: 30 * time.Second}).DialContext
+		t.ResponseHeaderTimeout = o.Timeouts.FirstByte
 	}
 	s := &Server{o: o, core: o.Core, e: o.Core.Engine(), mux: http.NewServeMux(), client: &http.Client{Transport: o.Transport}}
 	s.SetLimits(o.Limits)
@@ -199,13 +156,13 @@ func (b *bufferPool) Put(buf []byte) { b.p.Put(&buf) }
 
 // SetLimits replaces the limits; requests already reading keep theirs.
 // Safe to call while serving.
-func (s *Server) SetLimits(l Limits) {
-	l.defaults()
+func (s *Server) SetLimits(l limits.Request) {
+	l = l.WithDefaults()
 	s.limits.Store(&l)
 }
 
 // CurrentLimits returns the limits in force.
-func (s *Server) CurrentLimits() Limits { return *s.limits.Load() }
+func (s *Server) CurrentLimits() limits.Request { return *s.limits.Load() }
 
 // CloseIdleConnections closes the idle connections to replicas.
 func (s *Server) CloseIdleConnections() {

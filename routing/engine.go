@@ -1,6 +1,8 @@
 package routing
 
 import (
+	"bytes"
+	"cmp"
 	"encoding/binary"
 	"errors"
 	"math"
@@ -15,12 +17,10 @@ import (
 	"github.com/semroute/semroute/replica"
 )
 
-// Caps on the decisions a front end holds recorded while it waits for the
-// caller to report their end (the gRPC API's Route and Release): 10,000
-// decisions, and 4 Mi blocks among them (about 100 MB of block lists).
+// Defaults of EngineOptions.Attempts and MatcherThreshold.
 const (
-	DefaultMaxHeld       = 10000
-	DefaultMaxHeldBlocks = 4 << 20
+	DefaultAttempts         = 3
+	DefaultMatcherThreshold = 0.5
 )
 
 // ErrNoReplica means no replica is available to take the request.
@@ -98,21 +98,13 @@ func newEngine(o EngineOptions, split *blockhash.Splitter, cache *cachemodel.Mod
 			return nil, errors.New("routing: kind weight for " + blockhash.Kind(k).String() + " is negative")
 		}
 	}
-	if o.Attempts <= 0 {
-		o.Attempts = 3
-	}
+	o.Attempts = cmp.Or(max(o.Attempts, 0), DefaultAttempts)
 	if o.Now == nil {
 		o.Now = time.Now
 	}
-	if o.MatcherThreshold == 0 {
-		o.MatcherThreshold = 0.5
-	}
-	if o.HotUses == 0 {
-		o.HotUses = 8
-	}
-	if o.HotShare == 0 {
-		o.HotShare = 1.5
-	}
+	o.MatcherThreshold = cmp.Or(o.MatcherThreshold, DefaultMatcherThreshold)
+	o.HotUses = cmp.Or(o.HotUses, 8)
+	o.HotShare = cmp.Or(o.HotShare, 1.5)
 	e := &Engine{o: o, split: split, cache: cache, pool: pool}
 	if o.SharedActive {
 		e.active = map[int]map[uint64]int32{}
@@ -196,6 +188,14 @@ type Request struct {
 	// pooled says Blocks came from the engine's block pool (Prepare made
 	// them), so Recycle may take them back.
 	pooled bool
+}
+
+// DetachText copies the request's text (kept for the matcher or prompt
+// logging), so that it outlives the parsed body it aliases.
+func (r *Request) DetachText() {
+	for i, t := range r.Text {
+		r.Text[i] = bytes.Clone(t)
+	}
 }
 
 // Prepare splits req into the engine's Request, keyed by SessionKey. The

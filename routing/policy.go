@@ -108,16 +108,24 @@ func def(v *float64, d float64) {
 	}
 }
 
+// Defaults of PrefixCost's parameters in PolicyConfig.
+const (
+	DefaultLoadWeight        = 0.3
+	DefaultRecentWeight      = 1.0
+	DefaultSpillFactor       = 2.0
+	DefaultSpillMarginTokens = 2048.0
+)
+
 func (c *PolicyConfig) defaults() {
-	def(&c.LoadWeight, 0.3)
+	def(&c.LoadWeight, DefaultLoadWeight)
 	switch {
 	case c.RecentWeight == 0:
-		c.RecentWeight = 1
+		c.RecentWeight = DefaultRecentWeight
 	case c.RecentWeight < 0:
 		c.RecentWeight = 0
 	}
-	def(&c.SpillFactor, 2)
-	def(&c.SpillMarginTokens, 2048)
+	def(&c.SpillFactor, DefaultSpillFactor)
+	def(&c.SpillMarginTokens, DefaultSpillMarginTokens)
 	def(&c.SGLang.CacheThreshold, 0.3)
 	def(&c.SGLang.BalanceAbsThreshold, 64)
 	def(&c.SGLang.BalanceRelThreshold, 1.5)

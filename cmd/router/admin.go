@@ -215,8 +215,8 @@ func (a *app) applyFile() ([]string, error) {
 	if err != nil {
 		return nil, err
 	}
-	if len(cfg.Replicas) == 0 && cfg.Discovery.DNSName == "" {
-		return nil, fmt.Errorf("config: replicas: at least one replica is required")
+	if err := cfg.CheckServable(); err != nil {
+		return nil, err
 	}
 	arms, err := armsFor(cfg)
 	if err != nil {

@@ -5,6 +5,8 @@ import (
 	"os"
 	"strings"
 
+	"github.com/semroute/semroute/eviction"
+	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 
 	"github.com/spf13/cobra"
@@ -114,22 +116,22 @@ report.html to --out.`,
 	f.StringVar(&out, "out", "replay-out", "directory for the report")
 	f.StringVar(&pols, "policies", strings.Join(routing.PolicyNames, ","), "routing policies to compare, comma-separated")
 	f.IntVar(&blockTokens, "block-tokens", 0, "tokens per block (default 512 for mooncake, 64 for openai)")
-	f.IntVar(&m.Replicas, "replicas", 8, "replicas")
-	f.Int64Var(&m.BudgetTokens, "budget-tokens", 1_000_000, "KV cache per replica, tokens")
-	f.IntVar(&m.MaxRunning, "max-running", 256, "running sequences per replica; more wait")
-	f.DurationVar(&m.PrefillOverhead, "prefill-overhead", 0, "fixed prefill time per request (default 5ms)")
-	f.DurationVar(&m.PrefillPerToken, "prefill-per-token", 0, "prefill time per uncached token (default 100µs)")
-	f.DurationVar(&m.InterToken, "inter-token", 0, "decode time per output token (default 20ms)")
-	f.StringVar(&m.Eviction, "eviction", "", "replicas' eviction policy (default vllm)")
+	f.IntVar(&m.Replicas, "replicas", replay.DefaultReplicas, "replicas")
+	f.Int64Var(&m.BudgetTokens, "budget-tokens", replay.DefaultBudgetTokens, "KV cache per replica, tokens")
+	f.IntVar(&m.MaxRunning, "max-running", replay.DefaultMaxRunning, "running sequences per replica; more wait")
+	f.DurationVar(&m.PrefillOverhead, "prefill-overhead", replay.DefaultPrefillOverhead, "fixed prefill time per request")
+	f.DurationVar(&m.PrefillPerToken, "prefill-per-token", replay.DefaultPrefillPerToken, "prefill time per uncached token")
+	f.DurationVar(&m.InterToken, "inter-token", replay.DefaultInterToken, "decode time per output token")
+	f.StringVar(&m.Eviction, "eviction", eviction.Default, "replicas' eviction policy")
 	f.Float64Var(&m.Speedup, "speedup", 1, "divide arrival times by this")
 	f.BoolVar(&m.RecordReplies, "record-replies", true, "cache a reply's blocks when its request finishes (openai traces)")
 	f.BoolVar(&m.SharedActive, "shared-active", false, "count blocks shared by running requests once in KV load (cascade attention)")
 	f.Uint64Var(&seed, "seed", 1, "seed of the randomised policies")
-	f.Float64Var(&m.Policy.LoadWeight, "load-weight", 0, "semantic: weight of queued tokens (default 1)")
-	f.Float64Var(&m.Policy.RecentWeight, "recent-weight", 0, "semantic: share of recently finished prefill counted as load (default 0.5; negative for none)")
-	f.Float64Var(&m.Policy.SpillFactor, "spill-factor", 0, "semantic: skip replicas above this × mean load + margin (default 2)")
-	f.Float64Var(&m.Policy.SpillMarginTokens, "spill-margin-tokens", 0, "semantic: see --spill-factor (default 2048)")
-	f.DurationVar(&m.LoadHalfLife, "load-half-life", 0, "half-life of the recent-work signal (default 10s)")
+	f.Float64Var(&m.Policy.LoadWeight, "load-weight", routing.DefaultLoadWeight, "semantic: weight of queued tokens")
+	f.Float64Var(&m.Policy.RecentWeight, "recent-weight", routing.DefaultRecentWeight, "semantic: share of recently finished prefill counted as load (negative for none)")
+	f.Float64Var(&m.Policy.SpillFactor, "spill-factor", routing.DefaultSpillFactor, "semantic: skip replicas above this × mean load + margin")
+	f.Float64Var(&m.Policy.SpillMarginTokens, "spill-margin-tokens", routing.DefaultSpillMarginTokens, "semantic: see --spill-factor")
+	f.DurationVar(&m.LoadHalfLife, "load-half-life", replica.DefaultHalfLife, "half-life of the recent-work signal")
 	f.BoolVar(&withMatcher, "matcher", false, "also run the semantic policy with the MinHash semantic matcher (useful on openai traces)")
 	f.BoolVar(&ablate, "ablations", false, "also run the semantic policy with unit kind weights and with load ignored")
 	_ = cmd.MarkFlagRequired("trace")

@@ -25,6 +25,7 @@ import (
 	"github.com/semroute/semroute/configs"
 	"github.com/semroute/semroute/decisionlog"
 	"github.com/semroute/semroute/eviction"
+	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/matcher"
 	"github.com/semroute/semroute/monitor"
 	"github.com/semroute/semroute/replica"
@@ -81,8 +82,8 @@ func newLogger(c configs.LogConfig, w io.Writer) *slog.Logger {
 
 // build turns a validated config into the router's parts.
 func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
-	if len(cfg.Replicas) == 0 && cfg.Discovery.DNSName == "" {
-		return nil, errors.New("config: replicas: at least one replica is required (or discovery.dns_name)")
+	if err := cfg.CheckServable(); err != nil {
+		return nil, err
 	}
 	evict, err := eviction.Lookup(cfg.Cache.Eviction)
 	if err != nil {
@@ -93,14 +94,6 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		if mt, err = matcher.New(matcher.Options{MinSimilarity: mc.MinSimilarity, MaxDonors: mc.MaxDonors}); err != nil {
 			return nil, fmt.Errorf("config: routing.semantic_matcher: %w", err)
 		}
-	}
-	weights := routing.DefaultWeights()
-	for name, w := range cfg.Routing.KindWeights {
-		k, err := blockhash.ParseKind(name)
-		if err != nil {
-			return nil, fmt.Errorf("config: routing.kind_weights: %w", err)
-		}
-		weights[k] = w
 	}
 	arms, err := armsFor(cfg)
 	if err != nil {
@@ -113,8 +106,8 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 			log.Info("replica budget unknown: assuming cache.default_budget_tokens until it reports vllm:cache_config_info",
 				"replica", name, "budget_tokens", tokens)
 		},
-		Split: blockhash.Options{BlockTokens: cfg.Blocks.BlockTokens, BytesPerToken: cfg.Blocks.BytesPerToken},
-		Engine: routing.EngineOptions{Weights: weights, Attempts: cfg.Routing.Attempts,
+		Split: cfg.Blocks.Options(),
+		Engine: routing.EngineOptions{Weights: cfg.Routing.Weights(), Attempts: cfg.Routing.Attempts,
 			SharedActive: cfg.Routing.SharedActive, Matcher: mt, MatcherThreshold: cfg.Routing.Matcher.Threshold},
 	})
 	if err != nil {
@@ -122,9 +115,9 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	}
 	cache, pool := eng.Cache(), eng.Pool()
 	var dl *decisionlog.Writer
-	copts := router.CoreOptions{Engine: eng, Arms: arms, Salt: cfg.Routing.ArmSalt, ReleaseAfter: cfg.Routing.ReleaseAfter,
+	copts := router.CoreOptions{Engine: eng, Arms: arms, Salt: cfg.Routing.ArmSalt,
 		RawIDs: cfg.DecisionLog.RawIDs, LogPrompts: cfg.DecisionLog.LogPrompts,
-		MaxHeld: cfg.GRPC.MaxHeldDecisions, MaxHeldBlocks: cfg.GRPC.MaxHeldBlocks}
+		Held: limits.Held{Max: cfg.GRPC.MaxHeldDecisions, MaxBlocks: cfg.GRPC.MaxHeldBlocks, ReleaseAfter: cfg.Routing.ReleaseAfter}}
 	if d := cfg.DecisionLog; d.Path != "" {
 		dl, err = decisionlog.Open(decisionlog.Options{Path: d.Path, MaxBytes: d.MaxBytes, MaxFiles: d.MaxFiles, Buffer: d.Buffer, FsyncInterval: d.FsyncInterval, Logger: log})
 		if err != nil {
@@ -149,9 +142,9 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		Tracer: tracer,
 		Core:   core, Limits: limitsOf(cfg.Limits),
 		RecordReplies: cfg.Routing.RecordReplies, Logger: log,
-		Ejection:       replica.Ejection{Base: cfg.Health.EjectBase, Max: cfg.Health.EjectMax, Forgive: cfg.Health.EjectForgive},
-		ConnectTimeout: cfg.Timeouts.Connect, FirstByteTimeout: cfg.Timeouts.FirstByte, IdleTimeout: cfg.Timeouts.Idle,
-		Metrics: promhttp.HandlerFor(reg, promhttp.HandlerOpts{}),
+		Ejection: replica.Ejection{Base: cfg.Health.EjectBase, Max: cfg.Health.EjectMax, Forgive: cfg.Health.EjectForgive},
+		Timeouts: limits.Timeouts{Connect: cfg.Timeouts.Connect, FirstByte: cfg.Timeouts.FirstByte, Idle: cfg.Timeouts.Idle},
+		Metrics:  promhttp.HandlerFor(reg, promhttp.HandlerOpts{}),
 	})
 	if err != nil {
 		return nil, err
@@ -190,8 +183,8 @@ func scrapeInterval(d time.Duration) time.Duration {
 }
 
 // limitsOf turns the limits section into the front end's limits.
-func limitsOf(l configs.LimitsConfig) router.Limits {
-	return router.Limits{MaxBodyBytes: l.MaxBodyBytes, MaxHeaderBytes: l.MaxHeaderBytes, MaxOutputTokens: l.MaxOutputTokens,
+func limitsOf(l configs.LimitsConfig) limits.Request {
+	return limits.Request{MaxBodyBytes: l.MaxBodyBytes, MaxHeaderBytes: l.MaxHeaderBytes, MaxOutputTokens: l.MaxOutputTokens,
 		Parse: blockhash.Limits{MaxMessages: l.MaxMessages, MaxDepth: l.MaxJSONDepth, MaxValues: l.MaxJSONValues,
 			Budget: blockhash.NewBudget(l.MaxJSONValuesInFlight)}}
 }

@@ -1,0 +1,297 @@
+package configs
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"slices"
+	"strings"
+
+	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/cachemodel"
+	"github.com/semroute/semroute/eviction"
+	"github.com/semroute/semroute/replica"
+	"github.com/semroute/semroute/routing"
+)
+
+// FieldError is a validation error naming the offending field.
+type FieldError struct {
+	Field string
+	Msg   string
+}
+
+func (e *FieldError) Error() string { return "config: " + e.Field + ": " + e.Msg }
+
+// problems collects the FieldErrors of a validation.
+type problems []error
+
+func (p *problems) bad(field, format string, args ...any) {
+	*p = append(*p, &FieldError{Field: field, Msg: fmt.Sprintf(format, args...)})
+}
+
+// hostPort checks an address field, when set or required.
+func (p *problems) hostPort(field, addr string, required bool) {
+	if addr == "" && !required {
+		return
+	}
+	if _, _, err := net.SplitHostPort(addr); err != nil {
+		p.bad(field, "%q is not host:port", addr)
+	}
+}
+
+// uniqueNames returns a check that the i-th entry of list has a name and
+// that no earlier entry had the same one; what is the noun in the message.
+func (p *problems) uniqueNames(list, what string) func(i int, name string) {
+	seen := map[string]bool{}
+	return func(i int, name string) {
+		f := fmt.Sprintf("%s[%d].name", list, i)
+		switch {
+		case name == "":
+			p.bad(f, "is required")
+		case seen[name]:
+			p.bad(f, "duplicate %s %q", what, name)
+		}
+		seen[name] = true
+	}
+}
+
+// Validate checks every field, returning all the errors joined: one method
+// per section, each naming the fields it refuses.
+func (c *Config) Validate() error {
+	var p problems
+	p.hostPort("listen", c.Listen, true)
+	c.validateGRPC(&p)
+	c.DecisionLog.validate(&p)
+	c.Log.validate(&p)
+	c.Routing.validate(&p)
+	c.Blocks.validate(&p)
+	c.Cache.validate(&p)
+	c.Limits.validate(&p)
+	c.Health.validate(&p)
+	c.Timeouts.validate(&p)
+	c.Tracing.validate(&p)
+	c.Discovery.validate(&p)
+	c.Runtime.validate(&p)
+	p.hostPort("admin.listen", c.Admin.Listen, false)
+	c.validateReplicas(&p)
+	return errors.Join(p...)
+}
+
+func (c *Config) validateGRPC(p *problems) {
+	g := c.GRPC
+	p.hostPort("grpc_listen", c.GRPCListen, false)
+	if c.GRPCListen != "" && g.Token == "" && g.TLSClientCAFile == "" {
+		p.bad("grpc.token", "is required with grpc_listen (or grpc.tls_client_ca_file for mTLS): the gRPC API is not served unauthenticated")
+	}
+	if (g.TLSCertFile == "") != (g.TLSKeyFile == "") || (g.TLSClientCAFile != "" && g.TLSCertFile == "") {
+		p.bad("grpc.tls_cert_file", "tls_cert_file and tls_key_file go together, and tls_client_ca_file needs them")
+	}
+	if g.MaxHeldDecisions < 1 || g.MaxHeldBlocks < 1 {
+		p.bad("grpc.max_held_decisions", "max_held_decisions and max_held_blocks must be positive")
+	}
+}
+
+func (d DecisionLogConfig) validate(p *problems) {
+	if d.MaxBytes < 1024 || d.MaxFiles < 1 || d.Buffer < 1 || d.FsyncInterval <= 0 {
+		p.bad("decision_log", "max_bytes must be at least 1024, max_files and buffer positive, fsync_interval positive")
+	}
+}
+
+func (l LogConfig) validate(p *problems) {
+	switch l.Level {
+	case "debug", "info", "warn", "error":
+	default:
+		p.bad("log.level", "%q is not one of debug, info, warn, error", l.Level)
+	}
+	if l.Format != "text" && l.Format != "json" {
+		p.bad("log.format", "%q is not text or json", l.Format)
+	}
+}
+
+func (r RoutingConfig) validate(p *problems) {
+	if !slices.Contains(routing.PolicyNames, r.Policy) {
+		p.bad("routing.policy", "unknown policy %q (have %v)", r.Policy, routing.PolicyNames)
+	}
+	if r.LoadWeight < 0 {
+		p.bad("routing.load_weight", "must not be negative")
+	}
+	if r.RecentWeight < 0 {
+		p.bad("routing.recent_weight", "must not be negative")
+	}
+	if r.SpillFactor < 1 {
+		p.bad("routing.spill_factor", "must be at least 1")
+	}
+	if r.SpillMarginTokens < 0 {
+		p.bad("routing.spill_margin_tokens", "must not be negative")
+	}
+	if r.LoadHalfLife < 0 {
+		p.bad("routing.load_half_life", "must not be negative")
+	}
+	if r.Attempts < 1 || r.Attempts > 16 {
+		p.bad("routing.attempts", "%d is not in [1, 16]", r.Attempts)
+	}
+	if m := r.Matcher; m.Threshold < 0 || m.Threshold > 1 || m.MinSimilarity < 0 || m.MinSimilarity > 1 || m.MaxDonors < 1 {
+		p.bad("routing.semantic_matcher", "threshold and min_similarity must be in [0, 1] and max_donors positive")
+	}
+	if r.ReleaseAfter <= 0 {
+		p.bad("routing.release_after", "must be positive")
+	}
+	arms := p.uniqueNames("routing.arms", "arm")
+	for i, a := range r.Arms {
+		f := fmt.Sprintf("routing.arms[%d]", i)
+		arms(i, a.Name)
+		if !slices.Contains(routing.PolicyNames, a.Policy) {
+			p.bad(f+".policy", "unknown policy %q (have %v)", a.Policy, routing.PolicyNames)
+		}
+		if a.Weight <= 0 {
+			p.bad(f+".weight", "must be positive")
+		}
+	}
+	for k, w := range r.KindWeights {
+		if _, err := blockhash.ParseKind(k); err != nil {
+			p.bad("routing.kind_weights."+k, "unknown kind")
+		} else if w < 0 {
+			p.bad("routing.kind_weights."+k, "must not be negative")
+		}
+	}
+}
+
+// Weights returns the kind weights: routing's defaults with the config's
+// on top. Validate has checked every kind.
+func (r RoutingConfig) Weights() *cachemodel.Weights {
+	w := routing.DefaultWeights()
+	for name, v := range r.KindWeights {
+		if k, err := blockhash.ParseKind(name); err == nil {
+			w[k] = v
+		}
+	}
+	return w
+}
+
+func (b BlocksConfig) validate(p *problems) {
+	if _, err := blockhash.NewSplitter(b.Options()); err != nil || b.BlockTokens == 0 || b.BytesPerToken == 0 {
+		p.bad("blocks", "block_tokens must be in [1, 1048576] and bytes_per_token in [1, 64]")
+	}
+}
+
+// Options returns the splitter's options.
+func (b BlocksConfig) Options() blockhash.Options {
+	return blockhash.Options{BlockTokens: b.BlockTokens, BytesPerToken: b.BytesPerToken}
+}
+
+func (c CacheConfig) validate(p *problems) {
+	if _, err := eviction.Lookup(c.Eviction); err != nil {
+		p.bad("cache.eviction", "%v", err)
+	}
+	if c.DefaultBudgetTokens < 0 {
+		p.bad("cache.default_budget_tokens", "must not be negative (0 means the built-in %d)", DefaultBudgetTokens)
+	}
+}
+
+func (l LimitsConfig) validate(p *problems) {
+	if l.MaxBodyBytes < 1024 {
+		p.bad("limits.max_body_bytes", "must be at least 1024")
+	}
+	if l.MaxMessages < 1 {
+		p.bad("limits.max_messages", "must be at least 1")
+	}
+	if l.MaxHeaderBytes < 1024 || l.MaxOutputTokens < 1 {
+		p.bad("limits", "max_header_bytes must be at least 1024 and max_output_tokens positive")
+	}
+	if d := l.MaxJSONDepth; d < 2 || d > 299 {
+		p.bad("limits.max_json_depth", "%d is not in [2, 299]", d)
+	}
+	if l.MaxJSONValues < 16 || l.MaxJSONValuesInFlight < int64(l.MaxJSONValues) {
+		p.bad("limits.max_json_values", "must be at least 16, and max_json_values_in_flight at least max_json_values")
+	}
+}
+
+func (h HealthConfig) validate(p *problems) {
+	if h.CheckInterval <= 0 || h.CheckTimeout <= 0 || h.Fall < 1 || h.Rise < 1 || h.ScrapeInterval < 0 ||
+		h.EjectBase <= 0 || h.EjectMax < h.EjectBase || h.EjectForgive <= 0 {
+		p.bad("health", "intervals and timeouts must be positive (scrape_interval 0 turns scraping off), fall and rise at least 1, eject_max ≥ eject_base")
+	}
+}
+
+func (t TimeoutConfig) validate(p *problems) {
+	if t.Connect <= 0 || t.FirstByte <= 0 || t.Idle <= 0 || t.ShutdownGrace < 0 {
+		p.bad("timeouts", "connect, first_byte and idle must be positive, shutdown_grace not negative")
+	}
+}
+
+func (t TracingConfig) validate(p *problems) {
+	if t.SampleRatio < 0 || t.SampleRatio > 1 || (t.OTLPEndpoint != "" && !strings.HasPrefix(t.OTLPEndpoint, "http")) {
+		p.bad("tracing", "sample_ratio must be in [0, 1] and otlp_endpoint an http(s) URL")
+	}
+}
+
+func (d DiscoveryConfig) validate(p *problems) {
+	if d.DNSName != "" && (d.Interval <= 0 || d.Port < 1 || d.Port > 65535 || (d.Scheme != "http" && d.Scheme != "https") || d.BudgetTokens < 0) {
+		p.bad("discovery", "interval must be positive, port in [1, 65535], scheme http or https")
+	}
+}
+
+func (r RuntimeConfig) validate(p *problems) {
+	if f := r.GCFloorMB; f < 0 || f > 1<<20 {
+		p.bad("runtime.gc_floor_mb", "%d is not in [0, 1048576] MiB", f)
+	}
+}
+
+// CheckServable checks what serving needs beyond Validate: a replica, or a
+// DNS name to find them (the demo's config has neither until it adds its
+// simulated replicas).
+func (c *Config) CheckServable() error {
+	if len(c.Replicas) == 0 && c.Discovery.DNSName == "" {
+		return &FieldError{"replicas", "at least one replica is required (or discovery.dns_name)"}
+	}
+	return nil
+}
+
+func (c *Config) validateReplicas(p *problems) {
+	names := p.uniqueNames("replicas", "name")
+	for i, rep := range c.Replicas {
+		names(i, rep.Name)
+		for _, e := range rep.check() {
+			p.bad(fmt.Sprintf("replicas[%d].%s", i, e.Field), "%s", e.Msg)
+		}
+	}
+}
+
+// check returns what is wrong with one replica, field by field, checked
+// as the pool will check it (an empty name is left to the caller).
+func (r Replica) check() []FieldError {
+	var errs []FieldError
+	if r.Name != "" {
+		if err := replica.ValidateName(r.Name); err != nil {
+			errs = append(errs, FieldError{"name", err.Error()})
+		}
+	}
+	if _, err := replica.ParseURL(r.URL); err != nil {
+		errs = append(errs, FieldError{"url", err.Error()})
+	}
+	if r.BudgetTokens < 0 {
+		errs = append(errs, FieldError{"budget_tokens", "must not be negative"})
+	}
+	if err := replica.ValidateWeight(r.Weight); err != nil {
+		errs = append(errs, FieldError{"weight", err.Error()})
+	}
+	return errs
+}
+
+// Validate checks one replica as the config's validation does; the admin
+// API shares it. The error names the field.
+func (r Replica) Validate() error {
+	var errs []error
+	if r.Name == "" {
+		errs = append(errs, &FieldError{"name", "is required"})
+	}
+	for _, e := range r.check() {
+		errs = append(errs, &e)
+	}
+	return errors.Join(errs...)
+}
+
+// Spec is the replica's pool spec.
+func (r Replica) Spec() replica.Spec {
+	return replica.Spec{Name: r.Name, URL: r.URL, BudgetTokens: r.BudgetTokens, Weight: r.Weight}
+}

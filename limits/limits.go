@@ -1,0 +1,105 @@
+// Package limits holds the bounds and timeouts of the router's front doors
+// (HTTP and gRPC) with their defaults: the one home of each, which the
+// server, the config loader and the flags' help read. It depends on nothing
+// but the parser's own limits, so the config loader can read it without the
+// servers.
+package limits
+
+import (
+	"cmp"
+	"time"
+
+	"github.com/semroute/semroute/blockhash"
+)
+
+// Request bounds every request a front door takes. Zero fields take the
+// defaults.
+type Request struct {
+	// MaxBodyBytes limits request bodies; larger ones get 413, refused from
+	// their Content-Length when they declare one. Default DefaultMaxBodyBytes.
+	MaxBodyBytes int64
+	// MaxHeaderBytes bounds a request's headers; larger ones get 431.
+	// Default DefaultMaxHeaderBytes.
+	MaxHeaderBytes int
+	// MaxOutputTokens rejects requests asking for more (max_tokens or
+	// max_completion_tokens) with 400. Default DefaultMaxOutputTokens.
+	MaxOutputTokens int
+	// Parse bounds what the parser accepts (messages, nesting, values),
+	// and the values being parsed at once across requests (a nil
+	// Parse.Budget means one of blockhash.DefaultBudgetValues).
+	Parse blockhash.Limits
+}
+
+// Defaults of Request.
+const (
+	DefaultMaxBodyBytes    = 16 << 20 // 16 MiB
+	DefaultMaxHeaderBytes  = 64 << 10 // 64 KiB
+	DefaultMaxOutputTokens = 1 << 20  // 1,048,576
+	DefaultMaxMessages     = 4096
+)
+
+// WithDefaults returns r with zero fields set to their defaults.
+func (r Request) WithDefaults() Request {
+	if r.Parse.Budget == nil {
+		r.Parse.Budget = blockhash.NewBudget(blockhash.DefaultBudgetValues)
+	}
+	r.MaxBodyBytes = cmp.Or(max(r.MaxBodyBytes, 0), DefaultMaxBodyBytes)
+	r.MaxHeaderBytes = cmp.Or(max(r.MaxHeaderBytes, 0), DefaultMaxHeaderBytes)
+	r.MaxOutputTokens = cmp.Or(max(r.MaxOutputTokens, 0), DefaultMaxOutputTokens)
+	return r
+}
+
+// Timeouts bound each upstream request. Zero fields take the defaults.
+type Timeouts struct {
+	// Connect bounds dialing a replica; FirstByte the wait for its response
+	// headers (a non-streaming answer's come when it is complete); Idle the
+	// silence between response chunks, on every forwarded route.
+	Connect, FirstByte, Idle time.Duration
+}
+
+// Defaults of Timeouts.
+const (
+	DefaultConnect   = 5 * time.Second
+	DefaultFirstByte = 300 * time.Second
+	DefaultIdle      = 60 * time.Second
+)
+
+// WithDefaults returns t with zero fields set to their defaults.
+func (t Timeouts) WithDefaults() Timeouts {
+	t.Connect = cmp.Or(max(t.Connect, 0), DefaultConnect)
+	t.FirstByte = cmp.Or(max(t.FirstByte, 0), DefaultFirstByte)
+	t.Idle = cmp.Or(max(t.Idle, 0), DefaultIdle)
+	return t
+}
+
+// Held bounds the decisions a front end keeps recorded while the caller
+// has not reported their end (the gRPC API's Route and Release). Zero
+// fields take the defaults.
+type Held struct {
+	// Max caps the held decisions and MaxBlocks the blocks they keep
+	// (about 24 bytes each, for the decision log); past either the oldest
+	// is finished as expired.
+	Max, MaxBlocks int
+	// ReleaseAfter finishes a held decision never released.
+	ReleaseAfter time.Duration
+}
+
+// Defaults of Held: 10,000 decisions, 4 Mi blocks among them (about
+// 100 MB of block lists), 10 minutes.
+const (
+	DefaultMaxHeld       = 10000
+	DefaultMaxHeldBlocks = 4 << 20
+	DefaultReleaseAfter  = 10 * time.Minute
+)
+
+// WithDefaults returns h with zero fields set to their defaults.
+func (h Held) WithDefaults() Held {
+	h.Max = cmp.Or(max(h.Max, 0), DefaultMaxHeld)
+	h.MaxBlocks = cmp.Or(max(h.MaxBlocks, 0), DefaultMaxHeldBlocks)
+	h.ReleaseAfter = cmp.Or(max(h.ReleaseAfter, 0), DefaultReleaseAfter)
+	return h
+}
+
+// DefaultMaxReplyBytes caps how much of a response the router keeps to
+// learn the assistant's reply: 1 MiB.
+const DefaultMaxReplyBytes = 1 << 20
