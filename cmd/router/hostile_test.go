@@ -39,7 +39,7 @@ func rawPost(t *testing.T, base, path string, body []byte) (int, []byte, http.He
 	t.Helper()
 	req, _ := http.NewRequest(http.MethodPost, base+path, bytes.NewReader(body))
 	req.Header.Set("Content-Type", "application/json")
-	resp, err := http.DefaultClient.Do(req)
+	resp, err := hostileClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -47,6 +47,10 @@ func rawPost(t *testing.T, base, path string, body []byte) (int, []byte, http.He
 	b, _ := io.ReadAll(resp.Body)
 	return resp.StatusCode, b, resp.Header
 }
+
+// hostileClient gives up after 20 s: a hostile body that stalls the router
+// fails its test instead of hanging it.
+var hostileClient = &http.Client{Timeout: 20 * time.Second}
 
 // grpcClient dials the router's gRPC API with token (none when empty).
 func grpcClient(t *testing.T, addr, token string) *grpc.ClientConn {
@@ -83,7 +87,9 @@ func TestHostileNestingRefusedWithShortError(t *testing.T) {
 			if code != http.StatusBadRequest || len(resp) > 1024 || !bytes.Contains(resp, []byte("nesting")) {
 				t.Fatalf("HTTP: %d, %d-byte body %.300s", code, len(resp), resp)
 			}
-			_, err := c.Route(context.Background(), &pb.RouteRequest{Input: &pb.RouteRequest_OpenaiBody{OpenaiBody: b}})
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			_, err := c.Route(ctx, &pb.RouteRequest{Input: &pb.RouteRequest_OpenaiBody{OpenaiBody: b}})
 			if status.Code(err) != codes.InvalidArgument || len(err.Error()) > 1024 {
 				t.Fatalf("gRPC: %.300v", err)
 			}
@@ -239,9 +245,9 @@ replicas:
 			t.Fatalf("replica %s counts %d in flight with %d held", rep.Name, l.InFlight, maxHeld)
 		}
 	}
-	// 1,000 held decisions of ~11 blocks are well under 16 MB; without the
-	// cap 20,000 were ~76 MB.
-	if grown > 32<<20 {
+	// 1,000 held decisions of ~9 blocks are well under 8 MB; without the
+	// cap, 20,000 grew the heap by about 26 MB.
+	if grown > 8<<20 {
 		t.Fatalf("heap grew %d MB", grown>>20)
 	}
 }
@@ -291,9 +297,22 @@ replicas:
 // Item 6: keys are read as vLLM reads them, repeated keys are refused, and
 // only POST reaches the routed paths.
 func TestRouterReadsTheBodyAsTheEngine(t *testing.T) {
-	sims := startSims(t, 1, fastSim)
+	// A replica that records every request that reaches it.
+	var mu sync.Mutex
+	var reached []string
+	rec := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/health" || r.URL.Path == "/metrics" {
+			return
+		}
+		mu.Lock()
+		reached = append(reached, r.Method+" "+r.URL.RawPath+r.URL.Path)
+		mu.Unlock()
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, `{"choices":[{"message":{"content":"ok"}}],"usage":{"prompt_tokens":1,"completion_tokens":1}}`)
+	}))
+	defer rec.Close()
 	cfg := filepath.Join(t.TempDir(), "router.yaml")
-	writeConfig(t, cfg, fmt.Sprintf("limits: {max_output_tokens: 4096}\nreplicas:\n  - {name: a, url: %q}\n", sims[0].URL))
+	writeConfig(t, cfg, fmt.Sprintf("limits: {max_output_tokens: 4096}\nhealth: {scrape_interval: 0s}\nreplicas:\n  - {name: a, url: %q}\n", rec.URL))
 	r := serveConfig(t, cfg)
 	msgs := `[{"role":"user","content":"hi"}]`
 	cases := []struct{ name, body, want string }{
@@ -302,7 +321,9 @@ func TestRouterReadsTheBodyAsTheEngine(t *testing.T) {
 		// vLLM reads no messages at all.
 		{"upper-case MESSAGES only", `{"model":"sim-model","MESSAGES":` + msgs + `}`, "messages"},
 		{"upper-case MODEL only", `{"MODEL":"sim-model","messages":` + msgs + `}`, "model"},
-		{"repeated max_tokens", `{"model":"sim-model","max_tokens":5,"max_tokens":99999999,"messages":` + msgs + `}`, "max_tokens"},
+		// The last of duplicates is under the limit: only refusing the
+		// repeat keeps the router from reading another value than some engine.
+		{"repeated max_tokens", `{"model":"sim-model","max_tokens":99999999,"max_tokens":5,"messages":` + msgs + `}`, "max_tokens"},
 		{"repeated messages", `{"model":"sim-model","messages":[{"role":"user","content":"decoy"}],"messages":` + msgs + `}`, "messages"},
 		{"repeated model", `{"model":"other","model":"sim-model","messages":` + msgs + `}`, "model"},
 		{"repeated role", `{"model":"sim-model","messages":[{"role":"user","role":"system","content":"x"}]}`, "role"},
@@ -350,8 +371,10 @@ func TestRouterReadsTheBodyAsTheEngine(t *testing.T) {
 			t.Fatalf("%s: %d", p, resp.StatusCode)
 		}
 	}
-	if n := sims[0].Server.Stats().Requests; n != 1 {
-		t.Fatalf("the replica got %d requests, want only the valid one", n)
+	mu.Lock()
+	defer mu.Unlock()
+	if len(reached) != 1 || reached[0] != "POST /v1/chat/completions" {
+		t.Fatalf("requests reached the replica: %q, want only the valid POST", reached)
 	}
 }
 
@@ -556,68 +579,31 @@ func TestAdminAPIValidatesAndPersists(t *testing.T) {
 }
 
 // A body of many small values (16 MiB of "1,") would build a parse tree of
-// about 4 GB: values are bounded per body, and the large bodies being
-// parsed at once share a budget.
+// about 4 GB: the values of a body are bounded, refused from a linear scan.
+// (The budget shared by large bodies parsed at once is tested in blockhash:
+// a parse is released before the response, so sockets cannot hold one.)
 func TestJSONValuesAreBounded(t *testing.T) {
-	release := make(chan struct{})
-	var once sync.Once
-	slow := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.URL.Path != "/v1/completions" {
-			return
-		}
-		_, _ = io.Copy(io.Discard, r.Body)
-		<-release
-		w.Header().Set("Content-Type", "application/json")
-		_, _ = io.WriteString(w, `{"choices":[{"text":"ok"}],"usage":{"prompt_tokens":1,"completion_tokens":1}}`)
-	}))
-	t.Cleanup(func() { once.Do(func() { close(release) }); slow.Close() })
+	sims := startSims(t, 1, fastSim)
 	cfg := filepath.Join(t.TempDir(), "router.yaml")
-	writeConfig(t, cfg, fmt.Sprintf("limits: {max_json_values: 8000, max_json_values_in_flight: 10000}\nhealth: {check_interval: 1h, scrape_interval: 0s}\nreplicas:\n  - {name: s, url: %q}\n", slow.URL))
+	writeConfig(t, cfg, fmt.Sprintf("limits: {max_json_values: 8000, max_messages: 16384}\nreplicas:\n  - {name: a, url: %q}\n", sims[0].URL))
 	r := serveConfig(t, cfg)
 	ids := func(n int) []byte {
-		return []byte(`{"model":"m","max_tokens":1,"prompt":[` + strings.Repeat("1,", n-1) + `1]}`)
+		return []byte(`{"model":"sim-model","max_tokens":1,"prompt":[` + strings.Repeat("1,", n-1) + `1]}`)
 	}
 	var m0, m1 runtime.MemStats
 	runtime.GC()
 	runtime.ReadMemStats(&m0)
-	code, body, _ := rawPost(t, r.http.url(), "/v1/completions", []byte(`{"model":"m","prompt":[`+strings.Repeat("1,", 8<<20-1000)+`1]}`))
+	code, body, _ := rawPost(t, r.http.url(), "/v1/completions", ids(8<<20-1000))
 	runtime.ReadMemStats(&m1)
-	if code != http.StatusBadRequest || !bytes.Contains(body, []byte("more values than the limit of 8000")) {
-		t.Fatalf("16 MiB of values: %d %s", code, body)
-	}
 	if grew := m1.TotalAlloc - m0.TotalAlloc; grew > 256<<20 { // the body itself is 16 MiB
 		t.Fatalf("refusing 8 Mi values allocated %d MB", grew>>20)
 	}
-	// A held large body takes 6,000 of the 10,000 values in flight: a
-	// second one waits for none of them, it is refused with 503.
-	first := make(chan int, 1)
-	go func() {
-		req, _ := http.NewRequest(http.MethodPost, r.http.url()+"/v1/completions", bytes.NewReader(ids(6000)))
-		req.Header.Set("Content-Type", "application/json")
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			first <- 0
-			return
-		}
-		resp.Body.Close()
-		first <- resp.StatusCode
-	}()
-	rep, _ := r.app.pool.Get("s")
-	deadline := time.Now().Add(10 * time.Second)
-	for rep.Load(time.Now()).InFlight == 0 {
-		if time.Now().After(deadline) {
-			t.Fatal("the first large body never reached the replica")
-		}
-		time.Sleep(5 * time.Millisecond)
+	if code != http.StatusBadRequest || !bytes.Contains(body, []byte("more values than the limit of 8000")) {
+		t.Fatalf("16 MiB of values: %d %s", code, body)
 	}
-	if code, body, _ := rawPost(t, r.http.url(), "/v1/completions", ids(6000)); code != http.StatusServiceUnavailable || !bytes.Contains(body, []byte("parse_budget")) {
-		t.Fatalf("second large body while the first is held: %d %s", code, body)
-	}
-	once.Do(func() { close(release) })
-	if code := <-first; code != 200 {
-		t.Fatalf("the first large body: %d", code)
-	}
+	// Under the limit, a long token-id prompt is routed (it is one prompt,
+	// not 6,000 against limits.max_messages).
 	if code, body, _ := rawPost(t, r.http.url(), "/v1/completions", ids(6000)); code != 200 {
-		t.Fatalf("a large body once the first finished: %d %s", code, body)
+		t.Fatalf("6,000 token ids: %d %s", code, body)
 	}
 }

@@ -219,7 +219,16 @@ func TestHostileReplicaToolCallRepliesBounded(t *testing.T) {
 
 	const peakBound = 256 << 20
 	for _, mode := range []string{"args", "indexes"} {
+		var a0, a1 runtime.MemStats
+		runtime.ReadMemStats(&a0)
 		peak := send(mode)
+		runtime.ReadMemStats(&a1)
+		// Everything in this process (replica, router, client) allocates
+		// tens of MB for the ~12-25 MB stream; keeping tool calls as
+		// growing strings allocated about 25 GB for the arguments alone.
+		if alloc := a1.TotalAlloc - a0.TotalAlloc; alloc > 1<<30 {
+			t.Errorf("%s: %d MB allocated for one stream: collecting the reply is not linear", mode, alloc>>20)
+		}
 		if got := blocks(); got != prompt {
 			t.Fatalf("%s: the picture went from %d to %d blocks: the over-cap reply was learned", mode, prompt, got)
 		}
