@@ -116,17 +116,31 @@ func (d *demo) shutdown() error {
 	return errors.Join(errs...)
 }
 
+// demoSystemPrompt is the example's system prompt: long enough (about 150
+// tokens) to fill whole blocks, so that the second request hits the cache.
+const demoSystemPrompt = "You are the support assistant of a small bicycle shop. " +
+	"Answer in two or three friendly sentences. The shop repairs city, road and mountain bikes, " +
+	"sells tubes, tyres, lights, locks and helmets, and rents electric bikes by the day. " +
+	"It opens from nine to six on weekdays and from ten to four on Saturdays, and it is closed on Sundays. " +
+	"A basic service costs forty euros and takes one day; a full service costs ninety euros and takes three. " +
+	"Never promise a repair time shorter than the workshop quotes, and suggest booking online for services."
+
+// demoBody is the example request's JSON body.
+func demoBody(model string) string {
+	return fmt.Sprintf(`{"model":"%s","messages":[{"role":"system","content":"%s"},{"role":"user","content":"Hello!"}]}`, model, demoSystemPrompt)
+}
+
 func printExample(w io.Writer, d *demo) {
-	model := d.sims[0].Options().Model
 	fmt.Fprintf(w, `semroute is routing to %d simulated replicas at %s
 
 Try:
   curl -s %s/v1/chat/completions -H 'Content-Type: application/json' -H 'X-Session-ID: demo-1' \
-    -d '{"model":"%s","messages":[{"role":"system","content":"You are a helpful assistant."},{"role":"user","content":"Hello!"}]}' -i
+    -d '%s' -i
 
 Send it twice: the second answer comes from the same replica (X-Semroute-Replica)
-with X-Semroute-Matched-Tokens > 0. Add "stream": true to stream. Ctrl-C stops.
-`, len(d.sims), d.router.url(), d.router.url(), model)
+with X-Semroute-Matched-Tokens > 0, and its usage reports cached_tokens > 0.
+Add "stream": true to stream. Ctrl-C stops the demo.
+`, len(d.sims), d.router.url(), d.router.url(), demoBody(d.sims[0].Options().Model))
 	if g := d.run.grpcAddr(); g != "" {
 		fmt.Fprintf(w, "\ngRPC Route API on %s (grpcurl -plaintext -H 'authorization: Bearer %s' %s list)\n", g, d.app.cfg.GRPC.Token, g)
 	}

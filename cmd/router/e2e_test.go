@@ -599,3 +599,51 @@ func TestE2EHostileInput(t *testing.T) {
 		t.Fatalf("hostile input reached a replica: %+v", s)
 	}
 }
+
+// TestDemoExampleHitsTheSecondTime: the request the demo prints (and the
+// README shows) hits the cache the second time it is sent.
+func TestDemoExampleHitsTheSecondTime(t *testing.T) {
+	d := startTestDemo(t, demoOptions{sim: fastSim})
+	var printed bytes.Buffer
+	printExample(&printed, d)
+	body := demoBody(d.sims[0].Options().Model)
+	if !strings.Contains(printed.String(), "-d '"+body+"'") {
+		t.Fatalf("the printed example does not send demoBody:\n%s", printed.String())
+	}
+	readme, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(readme), "-d '"+body+"'") {
+		t.Fatal("the README's demo example is not the demo's request")
+	}
+	var first, second result
+	for i, r := range []*result{&first, &second} {
+		req, _ := http.NewRequest(http.MethodPost, d.router.url()+"/v1/chat/completions", strings.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("X-Session-ID", "demo-1")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		var u struct {
+			Usage struct {
+				Details struct {
+					Cached int `json:"cached_tokens"`
+				} `json:"prompt_tokens_details"`
+			} `json:"usage"`
+		}
+		_ = json.Unmarshal(b, &u)
+		*r = result{status: resp.StatusCode, replica: resp.Header.Get("X-Semroute-Replica"), body: b, cached: u.Usage.Details.Cached}
+		r.matched, _ = strconv.Atoi(resp.Header.Get("X-Semroute-Matched-Tokens"))
+		if r.status != 200 {
+			t.Fatalf("request %d: %d %s", i, r.status, b)
+		}
+	}
+	t.Logf("second: replica %s, matched %d, cached %d", second.replica, second.matched, second.cached)
+	if second.replica != first.replica || second.matched == 0 || second.cached == 0 {
+		t.Fatalf("no cache hit the second time: first %s, second %s matched %d cached %d", first.replica, second.replica, second.matched, second.cached)
+	}
+}
