@@ -258,8 +258,20 @@ func settleLeavers(out []Match, bFirst *slot, bRest []slot, aFirst *slot, aRest 
 // then not cached. Record returns the number of blocks evicted. Unknown ids
 // are ignored.
 func (m *Model) Record(id int, blocks []blockhash.Block, now int64) int {
+	return m.Extend(id, blocks, 0, now)
+}
+
+// Extend caches blocks[from:], chained after blocks[:from], on replica id
+// at time now, and evicts down to the budget. The first from blocks are a
+// prefix the same request recorded already (its prompt, when its reply is
+// learned): they are not counted again, neither as a use of each block (hot
+// prefixes, hits) nor as a request, and their recency is left as the
+// request's end set it (Release); only those the replica no longer holds are
+// cached again. Extend(id, blocks, 0, now) is Record. It returns the number
+// of blocks evicted.
+func (m *Model) Extend(id int, blocks []blockhash.Block, from int, now int64) int {
 	m.mu.Lock()
-	evicted := m.record(id, blocks, now)
+	evicted := m.record(id, blocks, from, now)
 	m.mu.Unlock()
 	if m.onEvict != nil {
 		for _, k := range evicted {
@@ -269,22 +281,31 @@ func (m *Model) Record(id int, blocks []blockhash.Block, now int64) int {
 	return len(evicted)
 }
 
-func (m *Model) record(id int, blocks []blockhash.Block, now int64) []uint64 {
+func (m *Model) record(id int, blocks []blockhash.Block, from int, now int64) []uint64 {
 	if !m.valid(id) || len(blocks) == 0 {
 		return nil
 	}
 	st := m.replicas[id]
 	rid := int32(id)
-	m.warm(&m.fleet, now)
+	if from == 0 {
+		m.warm(&m.fleet, now)
+	}
 	admit, _ := st.policy.(eviction.Admitter)
 	var parent *node
 	parentFresh := false // parent was added by this call and never made evictable
 	last := len(blocks) - 1
 	for i, b := range blocks {
 		n := m.nodes[b.Hash]
+		use := i >= from // a block of the prefix is not a new use
 		if n != nil {
-			m.warm(n, now)
+			if use {
+				m.warm(n, now)
+			}
 			if si, ok := m.find(n, rid); ok {
+				if !use {
+					parent, parentFresh = n, false // recorded by this request already
+					continue
+				}
 				s := m.at(n, si)
 				s.lastUsed = now
 				s.hits++
@@ -303,7 +324,9 @@ func (m *Model) record(id int, blocks []blockhash.Block, now int64) []uint64 {
 			n = m.newNode()
 			n.hash, n.parent, n.tokens, n.depth, n.kind = b.Hash, parent, tokens, clampDepth(i), b.Kind
 			m.nodes[b.Hash] = n
-			m.warm(n, now)
+			if use {
+				m.warm(n, now)
+			}
 		}
 		si, _ := m.find(n, rid)
 		m.insert(n, si, slot{replica: rid, lastUsed: now, inserted: now})

@@ -390,3 +390,35 @@ func TestAdmissionStopsTheChain(t *testing.T) {
 		t.Fatalf("stats %+v", st)
 	}
 }
+
+// TestExtendDoesNotCountThePrefixAgain: extending a recorded chain caches
+// the new blocks after it without counting the prefix as used again (heat,
+// the fleet's request count) or refreshing its recency; a prefix block the
+// replica lost is cached again.
+func TestExtendDoesNotCountThePrefixAgain(t *testing.T) {
+	m := newModel(t, 0)
+	prompt := chain("p", 4, blockhash.KindSystem)
+	m.Record(0, prompt, 1)
+	all := extend(prompt, 4, 3, "reply")
+	m.Extend(0, all, 4, 2)
+	if st, _ := m.Stats(0); st.Blocks != 7 {
+		t.Fatalf("%d blocks cached, want 7", st.Blocks)
+	}
+	if got := m.Match(all, nil, nil)[0].Blocks; got != 7 {
+		t.Fatalf("the extended chain matches %d blocks", got)
+	}
+	// One request so far: the prompt is not used twice.
+	if hot := m.Hot(prompt, nil, 2, 0, 2); hot.Blocks != 0 {
+		t.Fatalf("the prompt counts %d hot blocks after one request", hot.Blocks)
+	}
+	m.Record(0, prompt, 3)
+	if hot := m.Hot(prompt, nil, 2, 0, 3); hot.Blocks != 4 {
+		t.Fatalf("after two requests %d hot blocks, want 4", hot.Blocks)
+	}
+	// A prefix block evicted meanwhile comes back with the extension.
+	m.Clear(0)
+	m.Extend(0, all, 4, 4)
+	if st, _ := m.Stats(0); st.Blocks != 7 {
+		t.Fatalf("after a clear, %d blocks cached, want 7", st.Blocks)
+	}
+}

@@ -354,7 +354,7 @@ func (e *engineDecider) done(i int, now int64) {
 	e.eng.Done(e.ds[i], e.served[i])
 	if e.m.RecordReplies && e.reqs[i].Reply != nil {
 		all := append(append([]blockhash.Block(nil), e.reqs[i].Blocks...), e.reqs[i].Reply...)
-		e.cache.Record(e.served[i].Replica.ID, all, now)
+		e.cache.Extend(e.served[i].Replica.ID, all, len(e.reqs[i].Blocks), now) // as Engine.LearnReply does
 	}
 	e.ds[i], e.served[i] = nil, nil
 }
@@ -395,7 +395,7 @@ func (p *pooledDecider) prefillDone(int, int64) {}
 func (p *pooledDecider) done(i int, now int64) {
 	p.cache.Release(0, p.reqs[i].Blocks, now)
 	if p.m.RecordReplies && p.reqs[i].Reply != nil {
-		p.cache.Record(0, append(append([]blockhash.Block(nil), p.reqs[i].Blocks...), p.reqs[i].Reply...), now)
+		p.cache.Extend(0, append(append([]blockhash.Block(nil), p.reqs[i].Blocks...), p.reqs[i].Reply...), len(p.reqs[i].Blocks), now)
 	}
 }
 

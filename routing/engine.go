@@ -468,6 +468,9 @@ func (e *Engine) LearnReply(d *Decision, r *replica.Replica, reply []byte) []blo
 	all := append(newBlocks(n+e.split.CountPart(&p)), d.Blocks...)
 	all = e.split.AppendPart(all, d.Blocks[n-1].Hash, &p)
 	d.learned = all
-	e.cache.Record(r.ID, all, e.o.Now().UnixNano())
+	// The prompt's blocks were recorded when the request was routed: the
+	// reply extends them without counting the request a second time (which
+	// made a prefix hot after half the uses it needs).
+	e.cache.Extend(r.ID, all, n, e.o.Now().UnixNano())
 	return all[n:]
 }

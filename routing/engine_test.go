@@ -284,3 +284,32 @@ func TestSharedActiveCountsSharedBlocksOnce(t *testing.T) {
 		}
 	}
 }
+
+// TestHotAfterHotUsesRequests: with replies learned, a prefix is hot after
+// HotUses requests (8 by default), not after half as many: learning a
+// reply does not count its request again.
+func TestHotAfterHotUsesRequests(t *testing.T) {
+	f := newFixture(t, 4, "semantic")
+	sys := strings.Repeat("a shared system prompt that every request carries. ", 40)
+	for i := 1; i <= 8; i++ {
+		d, err := f.decide(parseChat(t, "system", sys, "user", fmt.Sprint("question ", i)), "", true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		in := f.e.view(d)
+		if hot := in.Hot.Blocks > 0; hot != (i >= 8) { // i uses so far, this request included
+			t.Fatalf("request %d: hot %v (%d blocks)", i, hot, in.Hot.Blocks)
+		}
+		c := d.Chosen()
+		f.e.LearnReply(d, c.Replica, []byte(fmt.Sprint("the answer to question ", i)))
+		f.e.Done(d, c)
+		f.now = f.now.Add(100 * time.Millisecond)
+	}
+	d, err := f.decide(parseChat(t, "system", sys, "user", "question 9"), "", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if f.e.view(d).Hot.Blocks == 0 {
+		t.Fatal("not hot after 8 requests")
+	}
+}
