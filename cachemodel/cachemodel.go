@@ -37,7 +37,7 @@ func UnitWeights() *Weights {
 // Match is one replica's longest cached prefix of a request.
 type Match struct {
 	Blocks   int     // matched blocks, from block 0
-	Tokens   int     // their estimated tokens
+	Tokens   int     // their tokens, as the request counts them (Block.Tokens)
 	Weighted float64 // Σ weight[kind] × tokens over the matched blocks
 }
 
@@ -215,8 +215,11 @@ func (m *Model) Match(blocks []blockhash.Block, w *Weights, out []Match) []Match
 			settleLeavers(out, prevFirst, prevRest, first, rest, i, tokens, weighted)
 		}
 		prevFirst, prevRest = first, rest
-		tokens += int(n.tokens)
-		weighted += w[n.kind] * float64(n.tokens)
+		// The request's own token counts: the unit it was estimated in
+		// (the engine's, once learned), not the one the block was first
+		// recorded in.
+		tokens += int(blocks[i].Tokens)
+		weighted += w[n.kind] * float64(blocks[i].Tokens)
 		matched = i + 1
 	}
 	if prevFirst != nil {

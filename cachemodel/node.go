@@ -179,8 +179,8 @@ func (m *Model) Hot(blocks []blockhash.Block, w *Weights, minUses, minShare floa
 			break
 		}
 		out.Blocks++
-		out.Tokens += int(n.tokens)
-		out.Weighted += w[n.kind] * float64(n.tokens)
+		out.Tokens += int(b.Tokens) // the request's unit, as Match counts
+		out.Weighted += w[n.kind] * float64(b.Tokens)
 	}
 	return out
 }

@@ -244,6 +244,9 @@ func (c *Core) Finish(rt *Routed, o Outcome, reply []byte) {
 	defer c.e.Recycle(rt.Decision) // after the decision log's record read the candidates
 	now := c.e.Now()
 	c.e.Done(rt.Decision, rt.Served)
+	if o.PromptTokens > 0 && o.Status == 200 && !rt.req.PassThrough {
+		c.e.ObserveUsage(rt.req.Model, rt.Decision, int(o.PromptTokens))
+	}
 	var learned []blockhash.Block
 	if reply != nil {
 		learned = c.e.LearnReply(rt.Decision, rt.Served.Replica, reply)

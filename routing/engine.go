@@ -86,6 +86,8 @@ type Engine struct {
 	avgPrefill atomic.Uint64 // float64 bits: EWMA of committed requests' uncached tokens
 
 	join func(replica.Spec) (int, error) // New's: gives a joining replica its cache picture
+
+	units units // engine tokens per estimated token, per model
 }
 
 // newEngine returns an Engine over split, cache and pool.
@@ -144,6 +146,7 @@ type Decision struct {
 
 	pooled  bool              // Blocks came from the block pool
 	learned []blockhash.Block // LearnReply's chain, from the block pool
+	scale   float64           // engine tokens per estimated token in Blocks (0 means 1)
 }
 
 // Chosen returns the winning candidate.
@@ -188,6 +191,9 @@ type Request struct {
 	// pooled says Blocks came from the engine's block pool (Prepare made
 	// them), so Recycle may take them back.
 	pooled bool
+	// scale is the engine tokens per estimated token Prepare applied to
+	// the blocks' Tokens (0 means 1).
+	scale float64
 }
 
 // DetachText copies the request's text (kept for the matcher or prompt
@@ -203,7 +209,11 @@ func (r *Request) DetachText() {
 // its block list is the engine's, and Recycle takes it back when the
 // decision made from it ends.
 func (e *Engine) Prepare(req *blockhash.Request, sessionID string, withText bool) Request {
-	in := Request{Blocks: e.split.Split(newBlocks(e.split.Count(req)), req), pooled: true}
+	in := Request{Blocks: e.split.Split(newBlocks(e.split.Count(req)), req), pooled: true, scale: 1}
+	if !tokenIDsOnly(req) { // token ids are counted exactly already
+		in.scale = e.units.scale(req.Model)
+		scaleTokens(in.Blocks, in.scale)
+	}
 	in.Key = SessionKey(sessionID, req.User, in.Blocks)
 	if withText || e.o.Matcher != nil {
 		for i := range req.Parts {
@@ -212,6 +222,37 @@ func (e *Engine) Prepare(req *blockhash.Request, sessionID string, withText bool
 	}
 	return in
 }
+
+// tokenIDsOnly reports whether every part of req is token ids.
+func tokenIDsOnly(req *blockhash.Request) bool {
+	for i := range req.Parts {
+		if req.Parts[i].Role != blockhash.RoleTokens {
+			return false
+		}
+	}
+	return len(req.Parts) > 0
+}
+
+// scaleTokens turns estimated tokens into engine tokens, at least 1 a block.
+func scaleTokens(blocks []blockhash.Block, scale float64) {
+	if scale == 1 || scale == 0 {
+		return
+	}
+	for i := range blocks {
+		blocks[i].Tokens = max(int32(math.Round(float64(blocks[i].Tokens)*scale)), 1)
+	}
+}
+
+// ObserveUsage learns the engine's unit for model from a finished request:
+// the engine reported prompt tokens for the prompt d was decided on.
+func (e *Engine) ObserveUsage(model string, d *Decision, promptTokens int) {
+	scale := cmp.Or(d.scale, 1)
+	e.units.observe(model, float64(d.Tokens)/scale, promptTokens)
+}
+
+// TokenScale returns the engine tokens per estimated token learned for
+// model (1 until the engine has reported usage for it).
+func (e *Engine) TokenScale(model string) float64 { return e.units.scale(model) }
 
 // Decide scores every available replica for a request and ranks
 // them. When record is true it also caches the blocks on the choice (so a
@@ -223,7 +264,7 @@ func (e *Engine) Decide(ri Request, record bool) (*Decision, error) {
 	if pol == nil {
 		return nil, errors.New("routing: Request.Policy is required")
 	}
-	d := &Decision{Blocks: ri.Blocks, Key: ri.Key, Policy: pol.Name(), pooled: ri.pooled}
+	d := &Decision{Blocks: ri.Blocks, Key: ri.Key, Policy: pol.Name(), pooled: ri.pooled, scale: ri.scale}
 	for _, b := range ri.Blocks {
 		d.Tokens += int(b.Tokens)
 	}
@@ -467,6 +508,7 @@ func (e *Engine) LearnReply(d *Decision, r *replica.Replica, reply []byte) []blo
 	putBlocks(d.learned)
 	all := append(newBlocks(n+e.split.CountPart(&p)), d.Blocks...)
 	all = e.split.AppendPart(all, d.Blocks[n-1].Hash, &p)
+	scaleTokens(all[n:], d.scale)
 	d.learned = all
 	// The prompt's blocks were recorded when the request was routed: the
 	// reply extends them without counting the request a second time (which

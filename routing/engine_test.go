@@ -313,3 +313,47 @@ func TestHotAfterHotUsesRequests(t *testing.T) {
 		t.Fatal("not hot after 8 requests")
 	}
 }
+
+// TestTokensInTheEnginesUnit: once the engine reports prompt tokens for a
+// model, the engine's estimates for that model are scaled to its unit
+// (blocks, matches, replies), other models and token-id prompts are not,
+// and client-chosen model names cannot grow the table without bound.
+func TestTokensInTheEnginesUnit(t *testing.T) {
+	f := newFixture(t, 2, "semantic")
+	prompt := strings.Repeat("engine tokens are not four bytes each. ", 100)
+	d, err := f.decide(parseChat(t, "user", prompt), "", true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	estimated := d.Tokens
+	f.e.Done(d, d.Chosen())
+	for range 40 { // the engine counts 0.6 of the estimate
+		f.e.ObserveUsage("m", d, estimated*6/10)
+	}
+	if s := f.e.TokenScale("m"); math.Abs(s-0.6) > 0.01 {
+		t.Fatalf("learned scale %v, want 0.6", s)
+	}
+	if s := f.e.TokenScale("other"); s != 1 {
+		t.Fatalf("an unseen model scales by %v", s)
+	}
+	d2, err := f.decide(parseChat(t, "user", prompt), "", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := d2.Tokens, estimated*6/10; math.Abs(float64(got-want)) > float64(len(d2.Blocks)) {
+		t.Fatalf("scaled prompt %d tokens, want about %d", got, want)
+	}
+	if m := d2.Chosen().Match; m.Tokens != d2.Tokens {
+		t.Fatalf("the whole prompt matched %d of %d engine tokens", m.Tokens, d2.Tokens)
+	}
+	ids, _ := blockhash.ParseCompletion([]byte(`{"model":"m","prompt":[1,2,3,4,5,6,7,8]}`), blockhash.Limits{})
+	if in := f.e.Prepare(ids, "", false); in.Blocks[0].Tokens != 8 {
+		t.Fatalf("token ids scaled to %d", in.Blocks[0].Tokens)
+	}
+	for i := range maxModels + 10 {
+		f.e.ObserveUsage(fmt.Sprint("model-", i), d, 100)
+	}
+	if n := len(f.e.units.models); n != maxModels {
+		t.Fatalf("%d models learned, cap %d", n, maxModels)
+	}
+}
