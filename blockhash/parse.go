@@ -102,6 +102,10 @@ type Limits struct {
 	Budget *Budget
 }
 
+// MaxModelBytes bounds a request's model name: it is logged, exported as a
+// label and part of every block key's seed.
+const MaxModelBytes = 512
+
 // DefaultMaxValues is the default Limits.MaxValues: 262,144, room for a
 // prompt of 256 Ki token ids.
 const DefaultMaxValues = 1 << 18
@@ -272,6 +276,9 @@ func (r *Request) common(data []byte, ep Endpoint) (*body, error) {
 	}
 	if r.Model == "" {
 		return nil, inputErr("model", "is required")
+	}
+	if len(r.Model) > MaxModelBytes {
+		return nil, inputErr("model", "is %d bytes, more than the limit of %d", len(r.Model), MaxModelBytes)
 	}
 	return b, nil
 }

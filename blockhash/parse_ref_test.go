@@ -169,6 +169,9 @@ func refDecode(body []byte, chat bool) (*refChatBody, *Request, error) {
 	if r.Model == "" {
 		return nil, nil, inputErr("model", "is required")
 	}
+	if len(r.Model) > MaxModelBytes {
+		return nil, nil, inputErr("model", "is %d bytes, more than the limit of %d", len(r.Model), MaxModelBytes)
+	}
 	return &b, r, nil
 }
 

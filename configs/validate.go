@@ -269,8 +269,8 @@ func (r Replica) check() []FieldError {
 	if _, err := replica.ParseURL(r.URL); err != nil {
 		errs = append(errs, FieldError{"url", err.Error()})
 	}
-	if r.BudgetTokens < 0 {
-		errs = append(errs, FieldError{"budget_tokens", "must not be negative"})
+	if r.BudgetTokens < 0 || r.BudgetTokens > replica.MaxBudgetTokens {
+		errs = append(errs, FieldError{"budget_tokens", fmt.Sprintf("%d is not in [0, %d]", r.BudgetTokens, int64(replica.MaxBudgetTokens))})
 	}
 	if err := replica.ValidateWeight(r.Weight); err != nil {
 		errs = append(errs, FieldError{"weight", err.Error()})

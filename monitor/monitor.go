@@ -1,11 +1,15 @@
 package monitor
 
 import (
+	"bufio"
+	"bytes"
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net/http"
 	"strconv"
 	"sync"
@@ -187,12 +191,71 @@ type Scraped struct {
 	HasCounter bool
 }
 
+// wanted are the metric families the router reads; a scrape parses only
+// their lines.
+var wanted = map[string]bool{
+	metricRunning: true, metricWaiting: true, metricKVUsage: true, metricGPUKVUsage: true, metricCacheConfig: true,
+	metricQueries: true, metricQueries + "_total": true, metricPrompt: true, metricPrompt + "_total": true,
+}
+
+// maxMetricLine bounds one exposition line the router keeps: 64 KiB.
+const maxMetricLine = 64 << 10
+
+// filterMetrics returns the lines of rd that belong to the wanted families
+// (samples, and their # HELP and # TYPE lines), at most maxMetricLine bytes
+// each: whatever else a replica exports costs one linear scan, not a parse.
+func filterMetrics(rd io.Reader) ([]byte, error) {
+	var out []byte
+	br := bufio.NewReaderSize(rd, 64<<10)
+	for {
+		line, err := br.ReadSlice('\n')
+		long := errors.Is(err, bufio.ErrBufferFull)
+		if long { // a line longer than the buffer: skip it whole
+			for errors.Is(err, bufio.ErrBufferFull) {
+				_, err = br.ReadSlice('\n')
+			}
+		} else if len(line) <= maxMetricLine && wanted[metricName(line)] {
+			out = append(out, line...)
+			if len(line) > 0 && line[len(line)-1] != '\n' {
+				out = append(out, '\n')
+			}
+		}
+		if err == io.EOF {
+			return out, nil
+		}
+		if err != nil && !long {
+			return out, err
+		}
+	}
+}
+
+// metricName returns the family a text exposition line is about: the name
+// after "# HELP " or "# TYPE ", else the sample's name up to '{' or a space.
+func metricName(line []byte) string {
+	if rest, ok := bytes.CutPrefix(line, []byte("# HELP ")); ok {
+		line = rest
+	} else if rest, ok := bytes.CutPrefix(line, []byte("# TYPE ")); ok {
+		line = rest
+	} else if len(line) > 0 && line[0] == '#' {
+		return ""
+	}
+	if i := bytes.IndexAny(line, "{ \t\n"); i >= 0 {
+		line = line[:i]
+	}
+	return string(line)
+}
+
 // ParseMetrics parses a Prometheus text exposition into what the router
-// reads from a vLLM replica.
+// reads from a vLLM replica. Only the families it reads are parsed; values
+// that cannot be a replica's (negative, NaN, infinite) are left out.
 func ParseMetrics(rd io.Reader) (Scraped, error) {
 	var out Scraped
+	kept, err := filterMetrics(rd)
+	if err != nil {
+		return out, fmt.Errorf("read metrics: %w", err)
+	}
 	p := expfmt.NewTextParser(model.UTF8Validation)
-	fams, err := p.TextToMetricFamilies(rd)
+	fams, err := p.TextToMetricFamilies(bytes.NewReader(kept))
 	if err != nil {
 		return out, fmt.Errorf("parse metrics: %w", err)
 	}
@@ -208,6 +271,9 @@ func ParseMetrics(rd io.Reader) (Scraped, error) {
 		for _, mm := range f.GetMetric() {
 			total += value(mm)
 		}
+		if math.IsNaN(total) || math.IsInf(total, 0) || total < 0 || total > 1e15 {
+			return 0, false
+		}
 		return total, true
 	}
 	if v, ok := sum(metricRunning); ok {
@@ -217,9 +283,9 @@ func ParseMetrics(rd io.Reader) (Scraped, error) {
 		out.Waiting, out.HasWaiting = int64(v), true
 	}
 	if v, ok := sum(metricKVUsage); ok {
-		out.KVUsage, out.HasKV = v, true
+		out.KVUsage, out.HasKV = min(v, 1), true
 	} else if v, ok := sum(metricGPUKVUsage); ok {
-		out.KVUsage, out.HasKV = v, true
+		out.KVUsage, out.HasKV = min(v, 1), true
 	}
 	if f, ok := fams[metricCacheConfig]; ok && len(f.GetMetric()) > 0 {
 		for _, l := range f.GetMetric()[0].GetLabel() {
@@ -254,7 +320,7 @@ func value(m *dto.Metric) float64 {
 
 func (m *Monitor) apply(r *replica.Replica, s Scraped) {
 	r.Observe(s.Observed)
-	if r.Budget() == 0 && s.Blocks > 0 && s.BlockSize > 0 {
+	if r.Budget() == 0 && s.Blocks > 0 && s.BlockSize > 0 && s.Blocks <= replica.MaxBudgetTokens/s.BlockSize {
 		r.SetBudget(s.Blocks * s.BlockSize)
 		if m.o.OnBudget != nil {
 			m.o.OnBudget(r, s.Blocks*s.BlockSize)

@@ -95,12 +95,39 @@ func TestMonitorScrapesChecksAndDetectsRestart(t *testing.T) {
 }
 
 func TestParseMetricsErrors(t *testing.T) {
-	if _, err := ParseMetrics(strings.NewReader("not { valid")); err == nil {
-		t.Fatal("garbage parsed")
+	if _, err := ParseMetrics(strings.NewReader("vllm:num_requests_running{ not valid")); err == nil {
+		t.Fatal("garbage in a family the router reads parsed")
 	}
-	s, err := ParseMetrics(strings.NewReader("other_metric 1\n"))
+	s, err := ParseMetrics(strings.NewReader("other_metric 1\nnot { valid\n"))
 	if err != nil || s.HasRunning || s.HasCounter || s.Blocks != 0 {
 		t.Fatalf("%+v %v", s, err)
+	}
+}
+
+// TestParseMetricsHostile: what a broken or hostile replica exports costs a
+// linear scan, and values no replica can have are left out.
+func TestParseMetricsHostile(t *testing.T) {
+	var b strings.Builder
+	for i := range 200000 { // many families the router does not read
+		fmt.Fprintf(&b, "f%d 1\n", i)
+	}
+	b.WriteString("vllm:num_requests_running{model_name=\"m\"} NaN\n")
+	b.WriteString("vllm:num_requests_waiting{model_name=\"m\"} -1e308\n")
+	b.WriteString("vllm:kv_cache_usage_perc{model_name=\"m\"} 7\n")
+	b.WriteString(strings.Repeat("x", 200<<10) + " 1\n") // an over-long line
+	b.WriteString(`vllm:cache_config_info{block_size="16",num_gpu_blocks="9223372036854775807"} 1` + "\n")
+	s, err := ParseMetrics(strings.NewReader(b.String()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.HasRunning || s.HasWaiting || s.KVUsage != 1 {
+		t.Fatalf("junk values kept: %+v", s)
+	}
+	p, _ := replica.NewPool([]replica.Spec{{Name: "a", URL: "http://a"}}, replica.Options{}, func(replica.Spec) (int, error) { return 0, nil })
+	m := New(p, Options{})
+	m.apply(p.Replicas()[0], s)
+	if got := p.Replicas()[0].Budget(); got != 0 {
+		t.Fatalf("an overflowing reported budget was taken: %d", got)
 	}
 }
 

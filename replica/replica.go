@@ -317,11 +317,13 @@ func NewPool(specs []Spec, o Options, join func(Spec) (int, error)) (*Pool, erro
 	return p, nil
 }
 
-// Bounds of a Spec, checked by Validate.
+// Bounds of a Spec, checked by Validate. MaxBudgetTokens (2^40, a
+// trillion tokens) also bounds a budget a replica reports.
 const (
-	MaxNameBytes = 128      // a replica name's length
-	MinWeight    = 1.0 / 64 // a replica's weight, when not 0 (meaning 1)
-	MaxWeight    = 64.0
+	MaxBudgetTokens = 1 << 40
+	MaxNameBytes    = 128      // a replica name's length
+	MinWeight       = 1.0 / 64 // a replica's weight, when not 0 (meaning 1)
+	MaxWeight       = 64.0
 )
 
 // ValidateName checks a replica name: 1 to MaxNameBytes printable ASCII
@@ -377,8 +379,8 @@ func (s Spec) Validate() (*url.URL, error) {
 	if err != nil {
 		return nil, fmt.Errorf("url: %w", err)
 	}
-	if s.BudgetTokens < 0 {
-		return nil, fmt.Errorf("budget_tokens %d must not be negative", s.BudgetTokens)
+	if s.BudgetTokens < 0 || s.BudgetTokens > MaxBudgetTokens {
+		return nil, fmt.Errorf("budget_tokens %d is not in [0, %d]", s.BudgetTokens, int64(MaxBudgetTokens))
 	}
 	if err := ValidateWeight(s.Weight); err != nil {
 		return nil, fmt.Errorf("weight %w", err)

@@ -3,6 +3,7 @@ package router
 import (
 	"errors"
 	"io"
+	"slices"
 	"sync"
 	"sync/atomic"
 )
@@ -33,6 +34,38 @@ func newBody(n int) *body {
 		return v
 	}
 	return bodyOf(make([]byte, n))
+}
+
+// bodyPrealloc is the most readBody allocates before bytes arrive: 64 KiB.
+const bodyPrealloc = 64 << 10
+
+// readAll reads r into b, growing b's buffer (doubling) as bytes arrive.
+// n is the declared length, or -1: a body that ends before n bytes is an
+// io.ErrUnexpectedEOF, and nothing past n is read.
+func (b *body) readAll(r io.Reader, n int64) error {
+	if n >= 0 {
+		r = io.LimitReader(r, n)
+	}
+	buf := b.b[:0]
+	for {
+		if len(buf) == cap(buf) {
+			buf = slices.Grow(buf, max(cap(buf), 512))
+		}
+		k, err := r.Read(buf[len(buf):cap(buf)])
+		buf = buf[:len(buf)+k]
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			b.b = buf
+			return err
+		}
+	}
+	b.b = buf
+	if n >= 0 && int64(len(buf)) < n {
+		return io.ErrUnexpectedEOF
+	}
+	return nil
 }
 
 // bodyOf returns a body holding b, with one reference, the caller's.

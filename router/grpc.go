@@ -14,9 +14,11 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/reflection"
 	"google.golang.org/grpc/status"
+	"google.golang.org/grpc/tap"
 
 	pb "github.com/semroute/semroute/api/proto/semroute/v1"
 	"github.com/semroute/semroute/blockhash"
@@ -47,17 +49,33 @@ type GRPCOptions struct {
 	Token func() string
 }
 
+// Bounds of the gRPC server: streams per connection, the handshake, and
+// an idle connection's life.
+const (
+	grpcMaxStreams = 100
+	grpcHandshake  = 10 * time.Second
+	grpcIdle       = 2 * time.Minute
+)
+
 // NewGRPCServer returns a gRPC server with the Router service, the standard
 // health service (serving; it needs no token, so that probes work) and
-// server reflection registered. opts are passed to grpc.NewServer after
-// the authentication interceptors.
+// server reflection registered. The token is checked when a call's headers
+// arrive, before its message is read, so an unauthenticated caller costs
+// no message decoding; a connection carries at most 100 concurrent
+// streams, must finish its handshake in 10 s, and is closed after 2 minutes
+// without a call. opts are passed to grpc.NewServer after these.
 func NewGRPCServer(core *Core, o GRPCOptions, opts ...grpc.ServerOption) *grpc.Server {
 	auth := authenticator{token: o.Token}
 	if o.Limits == nil {
 		l := limits.Request{}.WithDefaults()
 		o.Limits = func() limits.Request { return l }
 	}
-	opts = append([]grpc.ServerOption{grpc.ChainUnaryInterceptor(auth.unary), grpc.ChainStreamInterceptor(auth.stream)}, opts...)
+	opts = append([]grpc.ServerOption{
+		grpc.InTapHandle(auth.tap),
+		grpc.MaxConcurrentStreams(grpcMaxStreams),
+		grpc.ConnectionTimeout(grpcHandshake),
+		grpc.KeepaliveParams(keepalive.ServerParameters{MaxConnectionIdle: grpcIdle}),
+	}, opts...)
 	s := grpc.NewServer(opts...)
 	pb.RegisterRouterServer(s, &GRPCService{core: core, limits: o.Limits})
 	hs := health.NewServer()
@@ -71,8 +89,8 @@ func NewGRPCServer(core *Core, o GRPCOptions, opts ...grpc.ServerOption) *grpc.S
 // authenticator checks each call's bearer token, in constant time.
 type authenticator struct{ token func() string }
 
-// check returns nil when method needs no token or ctx carries the right one.
-func (a authenticator) check(ctx context.Context, method string) error {
+// check returns nil when method needs no token or md carries the right one.
+func (a authenticator) check(md metadata.MD, method string) error {
 	if a.token == nil || strings.HasPrefix(method, "/grpc.health.v1.Health/") {
 		return nil
 	}
@@ -80,7 +98,6 @@ func (a authenticator) check(ctx context.Context, method string) error {
 	if want == "" {
 		return nil
 	}
-	md, _ := metadata.FromIncomingContext(ctx)
 	for _, v := range md.Get("authorization") {
 		if subtle.ConstantTimeCompare([]byte(v), []byte("Bearer "+want)) == 1 {
 			return nil
@@ -89,18 +106,9 @@ func (a authenticator) check(ctx context.Context, method string) error {
 	return status.Error(codes.Unauthenticated, `a valid bearer token is required in the "authorization" metadata`)
 }
 
-func (a authenticator) unary(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
-	if err := a.check(ctx, info.FullMethod); err != nil {
-		return nil, err
-	}
-	return h(ctx, req)
-}
-
-func (a authenticator) stream(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
-	if err := a.check(ss.Context(), info.FullMethod); err != nil {
-		return err
-	}
-	return h(srv, ss)
+// tap checks a call's token from its headers, before its message is read.
+func (a authenticator) tap(ctx context.Context, info *tap.Info) (context.Context, error) {
+	return ctx, a.check(info.Header, info.FullMethodName)
 }
 
 func invalid(err error) error { return status.Error(codes.InvalidArgument, err.Error()) }
@@ -123,6 +131,9 @@ func (g *GRPCService) request(in *pb.RouteRequest) (*blockhash.Request, error) {
 		}
 		return blockhash.Parse(ep, x.OpenaiBody, lim.Parse)
 	case *pb.RouteRequest_Messages:
+		if n := len(x.Messages.GetMessages()); lim.Parse.MaxMessages > 0 && n > lim.Parse.MaxMessages {
+			return nil, &blockhash.InputError{Field: "messages", Msg: "has " + strconv.Itoa(n) + " entries, more than the limit of " + strconv.Itoa(lim.Parse.MaxMessages)}
+		}
 		msgs := make([]map[string]string, 0, len(x.Messages.GetMessages()))
 		for _, m := range x.Messages.GetMessages() {
 			msg := map[string]string{"role": m.GetRole(), "content": m.GetContent()}

@@ -150,13 +150,15 @@ func (s *Server) readBody(w http.ResponseWriter, r *http.Request) (*body, error)
 		b   *body
 		err error
 	)
-	if n := r.ContentLength; n < 0 {
-		var all []byte
-		all, err = io.ReadAll(rd) // unknown length: MaxBytesReader stops it at the limit
-		b = bodyOf(all)
-	} else {
+	if n := r.ContentLength; n >= 0 && n <= bodyPrealloc {
 		b = newBody(int(n))
 		_, err = io.ReadFull(rd, b.b)
+	} else {
+		// Unknown or large: memory follows the bytes that arrive, not the
+		// length a client declares (a declared 16 MiB sent one byte at a
+		// time would otherwise hold 16 MiB per connection).
+		b = newBody(bodyPrealloc)
+		err = b.readAll(rd, n)
 	}
 	if err != nil {
 		b.release()

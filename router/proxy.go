@@ -5,6 +5,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httputil"
+	"net/url"
 	"strconv"
 	"strings"
 	"time"
@@ -18,9 +19,10 @@ import (
 // flight is one request's routing state, carried in its context from the
 // handler to the proxy hooks and the failover transport.
 type flight struct {
-	rt   *Routed // the request, with or without a prompt
-	body *body   // the request body; the handler releases it
-	next int     // index in the ranking of the next candidate to try
+	rt   *Routed  // the request, with or without a prompt
+	in   *url.URL // the client's request URL, which every attempt is aimed from
+	body *body    // the request body; the handler releases it
+	next int      // index in the ranking of the next candidate to try
 	// readers are the body's readers given to upstream attempts, closed
 	// when the proxy returns.
 	readers []*bodyReader
@@ -38,6 +40,7 @@ func flightOf(ctx context.Context) *flight { f, _ := ctx.Value(flightKey{}).(*fl
 func (f *flight) current() *routing.Candidate { return f.rt.Served }
 
 func (s *Server) forward(w http.ResponseWriter, r *http.Request, f *flight) {
+	f.in = r.URL
 	r = r.WithContext(context.WithValue(r.Context(), flightKey{}, f))
 	br := f.body.reader()
 	f.readers = append(f.readers, br)
@@ -52,12 +55,28 @@ func (s *Server) forward(w http.ResponseWriter, r *http.Request, f *flight) {
 }
 
 func (s *Server) rewrite(pr *httputil.ProxyRequest) {
-	u := flightOf(pr.In.Context()).current().Replica.URL
-	pr.SetURL(u)
-	pr.Out.Host = u.Host
+	aim(pr.Out, pr.In.URL, flightOf(pr.In.Context()).current().Replica.URL)
 	pr.SetXForwarded()
 	if sc := trace.SpanContextFromContext(pr.In.Context()); sc.IsValid() {
 		s.o.Propagator.Inject(pr.In.Context(), propagation.HeaderCarrier(pr.Out.Header))
+	}
+}
+
+// aim points out, a request to forward, at the replica whose base URL is
+// u: its scheme, host and base path joined with the client's path and
+// query in, as httputil.ProxyRequest.SetURL joins them. A replica URL with
+// user information (http://user:pass@host) sends it as basic
+// authentication, in place of any Authorization the client sent.
+func aim(out *http.Request, in *url.URL, u *url.URL) {
+	out.URL = new(url.URL)
+	*out.URL = *in
+	out.URL.User = nil
+	pr := httputil.ProxyRequest{Out: out}
+	pr.SetURL(u)
+	out.Host = u.Host
+	if u.User != nil {
+		pass, _ := u.User.Password()
+		out.SetBasicAuth(u.User.Username(), pass)
 	}
 }
 
@@ -128,8 +147,7 @@ func (t *failover) RoundTrip(req *http.Request) (*http.Response, error) {
 		}
 		t.s.o.Logger.Warn("replica failed before answering; failing over", "replica", cur.Replica.Name, "err", err, "status", statusOf(resp))
 		req = req.Clone(req.Context())
-		u := f.current().Replica.URL
-		req.URL.Scheme, req.URL.Host, req.Host = u.Scheme, u.Host, u.Host
+		aim(req, f.in, f.current().Replica.URL)
 		br := f.body.reader()
 		f.readers = append(f.readers, br)
 		req.Body = br

@@ -109,6 +109,7 @@ func NewServer(o ServerOptions) (*Server, error) {
 	if t, ok := o.Transport.(*http.Transport); ok {
 		t.DialContext = (&net.Dialer{Timeout: o.Timeouts.Connect, KeepAlive: 30 * time.Second}).DialContext
 		t.ResponseHeaderTimeout = o.Timeouts.FirstByte
+		t.MaxResponseHeaderBytes = maxResponseHeaderBytes
 	}
 	s := &Server{o: o, core: o.Core, e: o.Core.Engine(), mux: http.NewServeMux(), client: &http.Client{Transport: o.Transport}}
 	s.SetLimits(o.Limits)
@@ -136,6 +137,13 @@ func NewServer(o ServerOptions) (*Server, error) {
 	}
 	return s, nil
 }
+
+// maxResponseHeaderBytes bounds a replica's response headers (net/http's
+// default is 10 MB): a replica is not a browser talking to the world.
+const maxResponseHeaderBytes = 256 << 10
+
+// maxModelsPerReplica bounds the models read from one replica's /v1/models.
+const maxModelsPerReplica = 1024
 
 // bufferPool lends a reverse proxy its 32 KiB copy buffers, so a request
 // does not allocate one.
@@ -219,6 +227,9 @@ func (s *Server) models(w http.ResponseWriter, r *http.Request) {
 			}
 			if resp.StatusCode != http.StatusOK || json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&list) != nil {
 				return
+			}
+			if len(list.Data) > maxModelsPerReplica {
+				list.Data = list.Data[:maxModelsPerReplica]
 			}
 			mu.Lock()
 			defer mu.Unlock()

@@ -191,3 +191,38 @@ func TestServerIdleTimeoutOnEveryRoute(t *testing.T) {
 		}
 	}
 }
+
+// TestServerAimsAtTheReplicasBaseAndCredentials: a replica URL's base path
+// and user information are used on every attempt, failover included, and
+// never leak into responses.
+func TestServerAimsAtTheReplicasBaseAndCredentials(t *testing.T) {
+	type seen struct{ path, auth string }
+	got := make(chan seen, 4)
+	good := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got <- seen{r.URL.Path + "?" + r.URL.RawQuery, r.Header.Get("Authorization")}
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, `{"choices":[{"message":{"content":"hi"}}]}`)
+	}))
+	defer good.Close()
+	withCreds := strings.Replace(good.URL, "http://", "http://alice:s3cret@", 1) + "/base"
+	ts, _ := serverFor(t, ServerOptions{}, closedURL(t)+"/other", withCreds)
+	req, _ := http.NewRequest(http.MethodPost, ts.URL+"/v1/chat/completions?x=1", strings.NewReader(chatBody))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Authorization", "Bearer client-key")
+	for range 2 { // the first goes to r0 (refused) and fails over to r1
+		resp, err := http.DefaultClient.Do(req.Clone(context.Background()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || strings.Contains(string(b)+fmt.Sprint(resp.Header), "s3cret") {
+			t.Fatalf("%d %s %v", resp.StatusCode, b, resp.Header)
+		}
+		s := <-got
+		if s.path != "/base/v1/chat/completions?x=1" || s.auth != "Basic YWxpY2U6czNjcmV0" {
+			t.Fatalf("the replica saw %+v", s)
+		}
+		req.Body = io.NopCloser(strings.NewReader(chatBody))
+	}
+}

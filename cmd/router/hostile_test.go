@@ -607,3 +607,83 @@ func TestJSONValuesAreBounded(t *testing.T) {
 		t.Fatalf("6,000 token ids: %d %s", code, body)
 	}
 }
+
+// A client that declares a large body and sends it slowly holds only what
+// it sent: the router does not allocate the declared length up front.
+func TestDeclaredLengthDoesNotAllocate(t *testing.T) {
+	sims := startSims(t, 1, fastSim)
+	cfg := filepath.Join(t.TempDir(), "router.yaml")
+	writeConfig(t, cfg, fmt.Sprintf("replicas:\n  - {name: a, url: %q}\n", sims[0].URL))
+	r := serveConfig(t, cfg)
+	heap := func() uint64 {
+		runtime.GC()
+		var m runtime.MemStats
+		runtime.ReadMemStats(&m)
+		return m.HeapAlloc
+	}
+	before := heap()
+	const conns = 50
+	var held []net.Conn
+	defer func() {
+		for _, c := range held {
+			c.Close()
+		}
+	}()
+	for i := range conns {
+		c, err := net.Dial("tcp", r.http.addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, c)
+		path := "/v1/chat/completions"
+		if i%2 == 1 {
+			path = "/v1/embeddings"
+		}
+		fmt.Fprintf(c, "POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n{", path, 16<<20-1)
+	}
+	time.Sleep(500 * time.Millisecond) // every handler is reading its body now
+	grown := int64(heap()) - int64(before)
+	t.Logf("%d connections declaring 16 MiB each: heap +%d MB", conns, grown>>20)
+	if grown > 32<<20 { // declared-length buffers would be 800 MB
+		t.Fatalf("heap grew %d MB for %d bytes sent", grown>>20, conns)
+	}
+}
+
+// A gRPC caller without the token costs no message decoding (the token is
+// checked from the call's headers), and one with it cannot make the router
+// build a message list past limits.max_messages.
+func TestGRPCLargeMessagesCostNothingUnauthenticated(t *testing.T) {
+	sims := startSims(t, 1, fastSim)
+	cfg := filepath.Join(t.TempDir(), "router.yaml")
+	writeConfig(t, cfg, fmt.Sprintf("grpc_listen: 127.0.0.1:0\ngrpc: {token: tok}\nreplicas:\n  - {name: a, url: %q}\n", sims[0].URL))
+	r := serveConfig(t, cfg)
+	// 3 Mi almost empty messages in a 15 MiB request: decoded, a few GB.
+	many := &pb.RouteRequest{Model: "sim-model", Input: &pb.RouteRequest_Messages{Messages: &pb.ChatMessages{
+		Messages: make([]*pb.ChatMessage, 3<<20)}}}
+	for i := range many.GetMessages().Messages {
+		many.GetMessages().Messages[i] = &pb.ChatMessage{Role: "u"}
+	}
+	heap := func() uint64 {
+		runtime.GC()
+		var m runtime.MemStats
+		runtime.ReadMemStats(&m)
+		return m.TotalAlloc
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	anon := pb.NewRouterClient(grpcClient(t, r.grpcAddr(), ""))
+	before := heap()
+	if _, err := anon.Route(ctx, many); status.Code(err) != codes.Unauthenticated {
+		t.Fatalf("without a token: %v", err)
+	}
+	// The client marshalled the message (about 15 MB here); the router
+	// must not have decoded it (3 Mi ChatMessages: hundreds of MB).
+	if grew := heap() - before; grew > 128<<20 {
+		t.Fatalf("an unauthenticated call allocated %d MB", grew>>20)
+	}
+	authed := pb.NewRouterClient(grpcClient(t, r.grpcAddr(), "tok"))
+	_, err := authed.Route(ctx, many)
+	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "limit of 4096") {
+		t.Fatalf("3 Mi messages with the token: %.300v", err)
+	}
+}

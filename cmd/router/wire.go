@@ -18,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/spf13/viper"
+	"golang.org/x/net/netutil"
 	"google.golang.org/grpc"
 
 	"github.com/semroute/semroute/blockhash"
@@ -222,6 +223,9 @@ func (a *app) drainReplica(name string, drain bool) error {
 	return nil
 }
 
+// grpcMaxConns bounds the gRPC listener's open connections.
+const grpcMaxConns = 256
+
 // running is an app serving HTTP, and gRPC when configured.
 type running struct {
 	app     *app
@@ -243,10 +247,15 @@ func (a *app) start() (*running, error) {
 		return nil, err
 	}
 	if a.cfg.GRPCListen != "" {
-		if r.grpcLn, err = net.Listen("tcp", a.cfg.GRPCListen); err != nil {
+		ln, err := net.Listen("tcp", a.cfg.GRPCListen)
+		if err != nil {
 			_ = r.http.stop(time.Second)
 			return nil, fmt.Errorf("listen %s: %w", a.cfg.GRPCListen, err)
 		}
+		// At most grpcMaxConns connections at once: more wait to be
+		// accepted, so idle or handshaking connections cannot take every
+		// file descriptor.
+		r.grpcLn = netutil.LimitListener(ln, grpcMaxConns)
 		creds, err := grpcCreds(a.cfg.GRPC)
 		if err != nil {
 			_ = r.http.stop(time.Second)
