@@ -52,6 +52,14 @@ func rawPost(t *testing.T, base, path string, body []byte) (int, []byte, http.He
 // fails its test instead of hanging it.
 var hostileClient = &http.Client{Timeout: 20 * time.Second}
 
+// memAfterGC returns the memory statistics right after a collection.
+func memAfterGC() runtime.MemStats {
+	runtime.GC()
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return m
+}
+
 // grpcClient dials the router's gRPC API with token (none when empty).
 func grpcClient(t *testing.T, addr, token string) *grpc.ClientConn {
 	t.Helper()
@@ -195,13 +203,7 @@ replicas:
 `, maxHeld, sims[0].URL, sims[1].URL))
 	r := serveConfig(t, cfg)
 	c := pb.NewRouterClient(grpcClient(t, r.grpcAddr(), "tok"))
-	heap := func() uint64 {
-		runtime.GC()
-		var m runtime.MemStats
-		runtime.ReadMemStats(&m)
-		return m.HeapAlloc
-	}
-	before := heap()
+	before := memAfterGC().HeapAlloc
 	n := heldRoutes()
 	var next, failed, maxSeen atomic.Int64
 	prompt := strings.Repeat("a prompt of a few blocks that the router must hold. ", 40)
@@ -227,7 +229,7 @@ replicas:
 	}
 	wg.Wait()
 	held, blocks := r.app.core.Held()
-	grown := int64(heap()) - int64(before)
+	grown := int64(memAfterGC().HeapAlloc) - int64(before)
 	metrics := scrapeURL(t, r.http.url())
 	t.Logf("%d Routes without Release: %d held (%d blocks), at most %d seen; heap grew %d KB", n, held, blocks, maxSeen.Load(), grown>>10)
 	if failed.Load() != 0 {
@@ -615,13 +617,7 @@ func TestDeclaredLengthDoesNotAllocate(t *testing.T) {
 	cfg := filepath.Join(t.TempDir(), "router.yaml")
 	writeConfig(t, cfg, fmt.Sprintf("replicas:\n  - {name: a, url: %q}\n", sims[0].URL))
 	r := serveConfig(t, cfg)
-	heap := func() uint64 {
-		runtime.GC()
-		var m runtime.MemStats
-		runtime.ReadMemStats(&m)
-		return m.HeapAlloc
-	}
-	before := heap()
+	before := memAfterGC().HeapAlloc
 	const conns = 50
 	var held []net.Conn
 	defer func() {
@@ -642,7 +638,7 @@ func TestDeclaredLengthDoesNotAllocate(t *testing.T) {
 		fmt.Fprintf(c, "POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n{", path, 16<<20-1)
 	}
 	time.Sleep(500 * time.Millisecond) // every handler is reading its body now
-	grown := int64(heap()) - int64(before)
+	grown := int64(memAfterGC().HeapAlloc) - int64(before)
 	t.Logf("%d connections declaring 16 MiB each: heap +%d MB", conns, grown>>20)
 	if grown > 32<<20 { // declared-length buffers would be 800 MB
 		t.Fatalf("heap grew %d MB for %d bytes sent", grown>>20, conns)
@@ -663,22 +659,16 @@ func TestGRPCLargeMessagesCostNothingUnauthenticated(t *testing.T) {
 	for i := range many.GetMessages().Messages {
 		many.GetMessages().Messages[i] = &pb.ChatMessage{Role: "u"}
 	}
-	heap := func() uint64 {
-		runtime.GC()
-		var m runtime.MemStats
-		runtime.ReadMemStats(&m)
-		return m.TotalAlloc
-	}
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	anon := pb.NewRouterClient(grpcClient(t, r.grpcAddr(), ""))
-	before := heap()
+	before := memAfterGC().TotalAlloc
 	if _, err := anon.Route(ctx, many); status.Code(err) != codes.Unauthenticated {
 		t.Fatalf("without a token: %v", err)
 	}
 	// The client marshalled the message (about 15 MB here); the router
 	// must not have decoded it (3 Mi ChatMessages: hundreds of MB).
-	if grew := heap() - before; grew > 128<<20 {
+	if grew := memAfterGC().TotalAlloc - before; grew > 128<<20 {
 		t.Fatalf("an unauthenticated call allocated %d MB", grew>>20)
 	}
 	authed := pb.NewRouterClient(grpcClient(t, r.grpcAddr(), "tok"))
