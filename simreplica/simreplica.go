@@ -3,13 +3,20 @@
 // /v1/models, /health and /metrics with vLLM's metric names, and behaves like
 // an engine with automatic prefix caching.
 //
-// The prompt is rendered (role markers, then each message's text), cut into
-// approximate tokens of BytesPerToken bytes, and into cache blocks of
-// BlockSize tokens keyed by a chained hash. Blocks live in an LRU of
-// NumBlocks entries; when a request finishes its blocks are refreshed tail
-// first, so the head of a prompt outlives its tail as in vLLM. Time to first
-// token is Overhead + PrefillPerToken × uncached prompt tokens; every further
-// token takes InterToken. At most MaxRunning requests run; the rest wait.
+// The prompt is rendered and tokenized by the replica's Tokenizer (see
+// Options.Tokenizer: the old estimate of BytesPerToken bytes per token, or a
+// word-level tokenizer with a chat template, which, like a real engine's,
+// does not count what a router estimates), and cut into cache blocks of
+// BlockSize token ids keyed by a chained hash of the ids (BlockHash), seeded
+// by the served model or LoRA adapter (RootHash). usage.prompt_tokens is the
+// token count; prompt_tokens_details.cached_tokens the cached full blocks ×
+// BlockSize, never the last prompt token. Blocks live in an LRU of NumBlocks
+// entries; when a request finishes its prefill its blocks are refreshed tail
+// first, so the head of a prompt outlives its tail as in vLLM. Options.OnKVEvent
+// hears every block stored, evicted or cleared, as vLLM's KV events report
+// them. Time to first token is Overhead + PrefillPerToken × uncached prompt
+// tokens; every further token takes InterToken. At most MaxRunning requests
+// run; the rest wait. POST /tokenize and /detokenize answer as vLLM's do.
 //
 // A Server is safe for concurrent use.
 package simreplica
@@ -18,7 +25,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -32,7 +38,6 @@ import (
 	lru "github.com/hashicorp/golang-lru/v2/simplelru"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
-	"github.com/valyala/fastjson"
 
 	"github.com/semroute/semroute/blockhash"
 )
@@ -43,7 +48,7 @@ type Options struct {
 	Model           string        // served model name; default "sim-model"
 	BlockSize       int           // tokens per cache block; default 16
 	NumBlocks       int           // cache capacity in blocks; default 16384 (262,144 tokens)
-	BytesPerToken   int           // tokenizer estimate; default 4
+	BytesPerToken   int           // the bytes tokenizer's bytes per token; default 4
 	MaxRunning      int           // running sequences; default 64
 	Overhead        time.Duration // fixed part of time to first token; default 2ms
 	PrefillPerToken time.Duration // per uncached prompt token; default 20µs
@@ -51,6 +56,27 @@ type Options struct {
 	OutputTokens    int           // output length when max_tokens is absent; default 16
 	MaxOutputTokens int           // cap on max_tokens; default 4096
 	MaxBodyBytes    int64         // request body limit; default 32 MiB
+	// Tokenizer names the engine's tokenizer and chat template:
+	// TokenizerBytes (the default, "") or TokenizerWords. See Tokenizer.
+	Tokenizer string
+	// LoRAs are adapters served besides Model: a request may name one as
+	// its model. Their blocks are other blocks than the base model's for
+	// the same tokens, and their KV events carry the adapter's name and
+	// id (1 + its index here).
+	LoRAs []string
+	// MaxModelLen is the context length: a request whose prompt and
+	// max_tokens together exceed it is refused with 400, as vLLM refuses
+	// it; /tokenize and /v1/models report it. Default 1,048,576.
+	MaxModelLen int
+	// OnKVEvent, if set, hears every change of the prefix cache as vLLM's
+	// KV events report it (see KVEvent): BlockStored when a prefill's
+	// new full blocks enter the cache, BlockRemoved when blocks are
+	// evicted (before the BlockStored that evicted them), and
+	// AllBlocksCleared on DropCache and Restart. It is called with the
+	// cache locked, so in the order of the changes, one call at a time:
+	// it must return quickly (hand the event to a queue) and must not
+	// call back into the Server.
+	OnKVEvent func(KVEvent)
 }
 
 func (o *Options) defaults() {
@@ -80,6 +106,10 @@ func (o *Options) defaults() {
 	if o.MaxBodyBytes == 0 {
 		o.MaxBodyBytes = 32 << 20
 	}
+	def(&o.MaxModelLen, 1<<20)
+	if o.Tokenizer == "" {
+		o.Tokenizer = TokenizerBytes
+	}
 }
 
 // Stats are a replica's counters since it started.
@@ -91,14 +121,25 @@ type Stats struct {
 	CachedTokens int64
 }
 
+// model is a served model: the base model or a LoRA adapter.
+type model struct {
+	name   string
+	lora   string // the adapter's name; "" for the base model
+	loraID int    // 1 + the adapter's index in Options.LoRAs; 0 for the base model
+	root   uint64 // RootHash(name)
+}
+
 // Server is one simulated replica.
 type Server struct {
-	o   Options
-	mux *http.ServeMux
-	sem chan struct{}
+	o      Options
+	mux    *http.ServeMux
+	sem    chan struct{}
+	tok    *Tokenizer
+	models map[string]model
 
-	mu    sync.Mutex
-	cache *lru.LRU[uint64, struct{}]
+	mu      sync.Mutex
+	cache   *lru.LRU[uint64, struct{}]
+	evicted []uint64 // storeLocked's scratch
 
 	requests, completed, cancelled, promptTokens, cachedTokens atomic.Int64
 	// Counters exported to /metrics; Restart zeroes them, as a restarted
@@ -117,11 +158,23 @@ type Server struct {
 // New returns a simulated replica.
 func New(o Options) (*Server, error) {
 	o.defaults()
+	o.LoRAs = slices.Clone(o.LoRAs)
+	tok, err := NewTokenizer(o.Tokenizer, o.BytesPerToken)
+	if err != nil {
+		return nil, err
+	}
 	c, err := lru.NewLRU[uint64, struct{}](o.NumBlocks, nil)
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{o: o, cache: c, sem: make(chan struct{}, o.MaxRunning), mux: http.NewServeMux()}
+	s := &Server{o: o, cache: c, sem: make(chan struct{}, o.MaxRunning), mux: http.NewServeMux(), tok: tok,
+		models: map[string]model{o.Model: {name: o.Model, root: RootHash(o.Model)}}}
+	for i, name := range o.LoRAs {
+		if _, dup := s.models[name]; dup || name == "" {
+			return nil, fmt.Errorf("simreplica: LoRA name %q is empty or served twice", name)
+		}
+		s.models[name] = model{name: name, lora: name, loraID: i + 1, root: RootHash(name)}
+	}
 	reg := prometheus.NewRegistry()
 	lbl := prometheus.Labels{"model_name": o.Model}
 	g := func(name, help string) prometheus.Gauge {
@@ -147,9 +200,11 @@ func New(o Options) (*Server, error) {
 
 	s.mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	s.mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
-	s.mux.HandleFunc("GET /v1/models", s.models)
+	s.mux.HandleFunc("GET /v1/models", s.listModels)
 	s.mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { s.complete(w, r, blockhash.Chat) })
 	s.mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { s.complete(w, r, blockhash.Completion) })
+	s.mux.HandleFunc("POST /tokenize", s.tokenize)
+	s.mux.HandleFunc("POST /detokenize", s.detokenize)
 	return s, nil
 }
 
@@ -186,17 +241,47 @@ func (s *Server) Stats() Stats {
 // Options returns the replica's options with defaults filled in.
 func (s *Server) Options() Options { return s.o }
 
-// DropCache empties the prefix cache, as a restart would.
+// Tokenizer returns the replica's tokenizer.
+func (s *Server) Tokenizer() *Tokenizer { return s.tok }
+
+// DropCache empties the prefix cache, as a restart would, and reports
+// AllBlocksCleared.
 func (s *Server) DropCache() {
 	s.mu.Lock()
+	defer s.mu.Unlock()
 	s.cache.Purge()
-	s.mu.Unlock()
+	if s.o.OnKVEvent != nil {
+		s.o.OnKVEvent(KVEvent{Type: AllBlocksCleared})
+	}
 }
 
-func (s *Server) models(w http.ResponseWriter, _ *http.Request) {
-	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": []map[string]any{
-		{"id": s.o.Model, "object": "model", "created": 0, "owned_by": "semroute-sim", "max_model_len": 1 << 20},
-	}})
+// CachedBlocks returns the number of blocks in the prefix cache.
+func (s *Server) CachedBlocks() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.cache.Len()
+}
+
+// listModels answers /v1/models as vLLM does: the base model, then each
+// adapter with the base model as its parent.
+func (s *Server) listModels(w http.ResponseWriter, _ *http.Request) {
+	data := []map[string]any{{"id": s.o.Model, "object": "model", "created": 0, "owned_by": "semroute-sim",
+		"root": s.o.Model, "parent": nil, "max_model_len": s.o.MaxModelLen}}
+	for _, name := range s.o.LoRAs {
+		data = append(data, map[string]any{"id": name, "object": "model", "created": 0, "owned_by": "semroute-sim",
+			"root": name, "parent": s.o.Model, "max_model_len": s.o.MaxModelLen})
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": data})
+}
+
+// model returns the served model a request names.
+func (s *Server) model(name string) (model, bool) {
+	m, ok := s.models[name]
+	return m, ok
+}
+
+func modelNotFound(w http.ResponseWriter, name string) {
+	writeError(w, http.StatusNotFound, "NotFoundError", fmt.Sprintf("The model `%s` does not exist.", name))
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {
@@ -215,6 +300,7 @@ func writeError(w http.ResponseWriter, status int, typ, msg string) {
 type scratch struct {
 	body, prompt []byte
 	keys         []uint64
+	ids          []int32
 }
 
 var scratchPool = sync.Pool{New: func() any { return new(scratch) }}
@@ -232,32 +318,16 @@ func readBody(w http.ResponseWriter, r *http.Request, limit int64, buf []byte) (
 	return b.Bytes(), err
 }
 
-// render appends to out the prompt as the engine would see it: each part
-// behind a role marker.
-func render(out []byte, req *blockhash.Request) []byte {
-	n := 0
-	for _, p := range req.Parts {
-		n += len(p.Text) + 5
-	}
-	out = slices.Grow(out[:0], n)
-	for _, p := range req.Parts {
-		out = append(out, "<|"...)
-		out = append(out, p.Role)
-		out = append(out, "|>"...)
-		out = append(out, p.Text...)
-	}
-	return out
-}
-
-// lookup appends the prompt's block keys to keys[:0] and returns them, its
-// token count, and how many leading tokens are cached.
-func (s *Server) lookup(prompt []byte, keys []uint64) (_ []uint64, tokens, cached int) {
-	tokens = max((len(prompt)+s.o.BytesPerToken-1)/s.o.BytesPerToken, 1)
-	step := s.o.BlockSize * s.o.BytesPerToken
-	h := uint64(0)
+// lookup appends the chained hashes of the full blocks of ids (a prompt
+// for m) to keys[:0] and returns them, the token count, and how many
+// leading tokens are cached.
+func (s *Server) lookup(ids []int32, m model, keys []uint64) (_ []uint64, tokens, cached int) {
+	tokens = max(len(ids), 1)
+	bs := s.o.BlockSize
+	h := m.root
 	keys = keys[:0]
-	for off := 0; off+step <= len(prompt); off += step { // full blocks only
-		h = blockhash.ChainHash(h, 0, prompt[off:off+step])
+	for off := 0; off+bs <= len(ids); off += bs { // full blocks only
+		h = BlockHash(h, ids[off:off+bs])
 		keys = append(keys, h)
 	}
 	s.mu.Lock()
@@ -266,23 +336,20 @@ func (s *Server) lookup(prompt []byte, keys []uint64) (_ []uint64, tokens, cache
 		if !s.cache.Contains(k) {
 			break
 		}
-		cached += s.o.BlockSize
+		cached += bs
 	}
 	// An engine always computes at least the last prompt token.
 	if cached >= tokens {
-		cached = (tokens - 1) / s.o.BlockSize * s.o.BlockSize
+		cached = (tokens - 1) / bs * bs
 	}
 	return keys, tokens, cached
 }
 
-// store caches keys, refreshing them tail first so the head is the most
-// recently used.
-func (s *Server) store(keys []uint64) {
+// store caches a prompt's blocks: see storeLocked.
+func (s *Server) store(keys []uint64, ids []int32, m model) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for i := len(keys) - 1; i >= 0; i-- {
-		s.cache.Add(keys[i], struct{}{})
-	}
+	s.storeLocked(keys, ids, m)
 }
 
 // hold counts blocks as held by a running request (negative: released)
@@ -300,14 +367,9 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	s.traceparent.Store(r.Header.Get("traceparent"))
 	sc := scratchPool.Get().(*scratch)
 	defer scratchPool.Put(sc)
-	body, err := readBody(w, r, s.o.MaxBodyBytes, sc.body)
+	body, ok := s.readRequest(w, r, sc.body)
 	sc.body = body
-	if err != nil {
-		if mbe := (*http.MaxBytesError)(nil); errors.As(err, &mbe) {
-			writeError(w, http.StatusRequestEntityTooLarge, "BadRequestError", "request body too large")
-		} else {
-			writeError(w, http.StatusBadRequest, "BadRequestError", "cannot read the request body: "+err.Error())
-		}
+	if !ok {
 		return
 	}
 	req, err := blockhash.Parse(ep, body, blockhash.Limits{})
@@ -316,13 +378,18 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 		return
 	}
 	defer req.Release()
-	if req.Model != s.o.Model {
-		writeError(w, http.StatusNotFound, "NotFoundError", fmt.Sprintf("The model `%s` does not exist.", req.Model))
+	m, ok := s.model(req.Model)
+	if !ok {
+		modelNotFound(w, req.Model)
 		return
 	}
-	// The body already parsed as JSON; stream_options.include_usage is
-	// read from it with fastjson rather than decoding it all again.
-	includeUsage := fastjson.GetBool(body, "stream_options", "include_usage")
+	// The body already parsed as JSON; the few switches read here are read
+	// from it with fastjson rather than decoding it all again.
+	fl, err := readFlags(body, ep)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, "BadRequestError", err.Error())
+		return
+	}
 	outTokens := s.o.OutputTokens
 	if req.MaxTokens > 0 {
 		outTokens = req.MaxTokens
@@ -330,6 +397,15 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	if outTokens > s.o.MaxOutputTokens {
 		writeError(w, http.StatusBadRequest, "BadRequestError",
 			fmt.Sprintf("max_tokens %d is more than this model allows (%d)", outTokens, s.o.MaxOutputTokens))
+		return
+	}
+	// Tokenized before the request waits for a slot, as vLLM's API server
+	// tokenizes before the engine schedules.
+	sc.ids, sc.prompt = s.tok.promptIDs(sc.ids, sc.prompt, req, ep, fl.chat)
+	if n := max(len(sc.ids), 1); n+outTokens > s.o.MaxModelLen {
+		writeError(w, http.StatusBadRequest, "BadRequestError", fmt.Sprintf(
+			"This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the messages, %d in the completion). Please reduce the length of the messages or completion.",
+			s.o.MaxModelLen, n+outTokens, n, outTokens))
 		return
 	}
 	s.requests.Add(1)
@@ -348,8 +424,7 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	s.running.Inc()
 	defer func() { <-s.sem; s.running.Dec() }()
 
-	sc.prompt = render(sc.prompt, req)
-	keys, tokens, cached := s.lookup(sc.prompt, sc.keys)
+	keys, tokens, cached := s.lookup(sc.ids, m, sc.keys)
 	sc.keys = keys
 	blocks := int64((tokens + outTokens + s.o.BlockSize - 1) / s.o.BlockSize)
 	s.hold(blocks)
@@ -363,14 +438,13 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 		s.cancelled.Add(1)
 		return
 	}
-	s.store(keys)
+	s.store(keys, sc.ids, m)
 
 	g := &generation{
-		s: s, ep: ep, req: req, tokens: tokens, cached: cached, out: outTokens,
+		s: s, model: m.name, ep: ep, req: req, tokens: tokens, cached: cached, out: outTokens,
 		id: fmt.Sprintf("cmpl-%016x", keys0(keys)^uint64(time.Now().UnixNano())), seed: keys0(keys),
-		usage: includeUsage,
+		usage: fl.includeUsage,
 	}
-	var ok bool
 	if req.Stream {
 		ok = g.stream(ctx, w)
 	} else {
@@ -408,6 +482,7 @@ func sleep(ctx context.Context, d time.Duration) bool {
 
 type generation struct {
 	s              *Server
+	model          string // the served name the request asked for
 	ep             blockhash.Endpoint
 	req            *blockhash.Request
 	tokens, cached int
@@ -462,7 +537,7 @@ func (g *generation) whole(ctx context.Context, w http.ResponseWriter) bool {
 		sb.WriteString(g.word(i))
 	}
 	writeJSON(w, http.StatusOK, map[string]any{
-		"id": g.id, "object": g.object(false), "created": time.Now().Unix(), "model": g.s.o.Model,
+		"id": g.id, "object": g.object(false), "created": time.Now().Unix(), "model": g.model,
 		"choices": []any{g.choice(sb.String(), "length", false)}, "usage": g.usageJSON(),
 	})
 	return true
@@ -481,7 +556,7 @@ func (g *generation) stream(ctx context.Context, w http.ResponseWriter) bool {
 		return rc.Flush() == nil
 	}
 	chunk := func(choices []any) map[string]any {
-		return map[string]any{"id": g.id, "object": g.object(true), "created": time.Now().Unix(), "model": g.s.o.Model, "choices": choices}
+		return map[string]any{"id": g.id, "object": g.object(true), "created": time.Now().Unix(), "model": g.model, "choices": choices}
 	}
 	for i := 0; i < g.out; i++ {
 		if i > 0 && !sleep(ctx, g.s.o.InterToken) {

@@ -1,0 +1,194 @@
+package simreplica
+
+import (
+	"encoding/binary"
+	"slices"
+
+	"github.com/cespare/xxhash/v2"
+)
+
+// KVEventType is the kind of a KVEvent, one per vLLM KV-cache event.
+type KVEventType uint8
+
+// The KV-cache events, named as vLLM names them
+// (vllm/distributed/kv_events.py).
+const (
+	// BlockStored: full blocks newly entered the prefix cache.
+	BlockStored KVEventType = iota + 1
+	// BlockRemoved: blocks left the prefix cache (evicted).
+	BlockRemoved
+	// AllBlocksCleared: the prefix cache was emptied (Restart, DropCache),
+	// as vLLM reports a prefix-cache reset.
+	AllBlocksCleared
+)
+
+func (t KVEventType) String() string {
+	switch t {
+	case BlockStored:
+		return "BlockStored"
+	case BlockRemoved:
+		return "BlockRemoved"
+	case AllBlocksCleared:
+		return "AllBlocksCleared"
+	}
+	return "KVEventType(?)"
+}
+
+// MediumGPU is the medium of every block the simulated replica caches, as
+// vLLM's MEDIUM_GPU.
+const MediumGPU = "GPU"
+
+// KVEvent is one change of the prefix cache, carrying what vLLM's event of
+// the same name carries:
+//
+//	BlockStored       block_hashes, parent_block_hash, token_ids, block_size,
+//	                  lora_id, medium, lora_name
+//	BlockRemoved      block_hashes, medium
+//	AllBlocksCleared  nothing
+//
+// vLLM's extra_keys, per stored block, are (lora_name,) for an adapter's
+// blocks and None otherwise, so they follow from LoRAName; group_idx and
+// the kv_cache_spec fields are left unset (one KV-cache group, full
+// attention). A batch's timestamp and sequence number are the publisher's.
+//
+// The slices are the event's own: a hook may keep them.
+type KVEvent struct {
+	Type KVEventType
+	// BlockHashes are the blocks stored or removed. BlockStored lists the
+	// newly stored full blocks of one prompt in prefix order: every block
+	// after the first is the child of the one before it.
+	BlockHashes []uint64
+	// ParentBlockHash is the hash of the block before BlockHashes[0], nil
+	// when BlockHashes[0] is the first block of its prompt
+	// (BlockStored only).
+	ParentBlockHash *uint64
+	// TokenIDs are the token ids of the stored blocks, concatenated:
+	// BlockSize of them per block (BlockStored only).
+	TokenIDs []int32
+	// BlockSize is the tokens per block (BlockStored only).
+	BlockSize int
+	// LoRAID is vLLM's lora_int_id: 1 + the adapter's index in
+	// Options.LoRAs, 0 (vLLM: None) for the base model (BlockStored only).
+	LoRAID int
+	// LoRAName is the adapter's name, "" (None) for the base model
+	// (BlockStored only).
+	LoRAName string
+	// Medium is MediumGPU (BlockStored, BlockRemoved).
+	Medium string
+}
+
+// RootHash is the hash that chains before the first block of a prompt
+// sent to model (the served name: the base model's or an adapter's), so
+// that the same token ids under another model or adapter are other blocks,
+// as vLLM's extra keys (the LoRA name) make them. It is xxhash64 of
+// "simreplica\x00" + model.
+func RootHash(model string) uint64 {
+	var d xxhash.Digest
+	d.Reset()
+	_, _ = d.WriteString("simreplica\x00")
+	_, _ = d.WriteString(model)
+	return d.Sum64()
+}
+
+// BlockHash is the hash of a full block of token ids whose prefix hashes
+// to parent (RootHash for a prompt's first block): xxhash64 of parent as 8
+// little-endian bytes followed by each id as 4 little-endian bytes. It is
+// the key of the prefix cache and the block hash of the KV events, chained
+// as vLLM chains its block hashes (hash(parent, token ids, extra keys)).
+func BlockHash(parent uint64, ids []int32) uint64 {
+	var buf [8 + 4*64]byte
+	binary.LittleEndian.PutUint64(buf[:8], parent)
+	var d xxhash.Digest
+	d.Reset()
+	n := 8
+	for _, id := range ids {
+		if n+4 > len(buf) {
+			_, _ = d.Write(buf[:n])
+			n = 0
+		}
+		binary.LittleEndian.PutUint32(buf[n:], uint32(id))
+		n += 4
+	}
+	_, _ = d.Write(buf[:n])
+	return d.Sum64()
+}
+
+// storeLocked enters a finished prefill's blocks (keys, the chained hashes
+// of the full blocks of ids) into the cache with s.mu held, and reports
+// the changes to OnKVEvent: first BlockRemoved for what it evicted, then
+// BlockStored for the blocks that were not cached, in prefix order.
+//
+// The blocks the prompt already had cached are refreshed first, so that
+// its new blocks evict other prompts' blocks, not its own (a running
+// request's blocks cannot be evicted in vLLM); then all are refreshed tail
+// first, so the head of the prompt is the most recently used and outlives
+// its tail, as in vLLM's free-block queue.
+func (s *Server) storeLocked(keys []uint64, ids []int32, m model) {
+	hook := s.o.OnKVEvent
+	var fresh []bool // fresh[i]: keys[i] was not cached before (hook only)
+	if hook != nil {
+		fresh = make([]bool, len(keys))
+	}
+	for i := len(keys) - 1; i >= 0; i-- {
+		if _, ok := s.cache.Get(keys[i]); !ok && fresh != nil {
+			fresh[i] = true
+		}
+	}
+	evicted := s.evicted[:0]
+	for i := len(keys) - 1; i >= 0; i-- {
+		k := keys[i]
+		if !s.cache.Contains(k) && s.cache.Len() >= s.o.NumBlocks {
+			if old, _, ok := s.cache.RemoveOldest(); ok {
+				evicted = append(evicted, old)
+			}
+		}
+		s.cache.Add(k, struct{}{})
+	}
+	s.evicted = evicted[:0]
+	if hook == nil {
+		return
+	}
+	// A block is reported removed if it was cached before this store (a
+	// block of this prompt added and evicted within it, when the prompt
+	// is larger than the cache, was never reported stored); one of this
+	// prompt's cached blocks evicted and added again is reported stored
+	// again, after its removal.
+	index := make(map[uint64]int, len(keys))
+	for i, k := range keys {
+		index[k] = i
+	}
+	var removed []uint64
+	for _, k := range evicted {
+		if i, ours := index[k]; ours {
+			if fresh[i] {
+				continue
+			}
+			fresh[i] = true
+		}
+		removed = append(removed, k)
+	}
+	if len(removed) > 0 {
+		hook(KVEvent{Type: BlockRemoved, BlockHashes: removed, Medium: MediumGPU})
+	}
+	bs := s.o.BlockSize
+	for i := 0; i < len(keys); {
+		if !fresh[i] || !s.cache.Contains(keys[i]) {
+			i++
+			continue
+		}
+		j := i + 1
+		for j < len(keys) && fresh[j] && s.cache.Contains(keys[j]) {
+			j++
+		}
+		ev := KVEvent{
+			Type: BlockStored, BlockHashes: slices.Clone(keys[i:j]), TokenIDs: slices.Clone(ids[i*bs : j*bs]),
+			BlockSize: bs, LoRAID: m.loraID, LoRAName: m.lora, Medium: MediumGPU,
+		}
+		if i > 0 {
+			p := keys[i-1]
+			ev.ParentBlockHash = &p
+		}
+		hook(ev)
+		i = j
+	}
+}
