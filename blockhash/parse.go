@@ -68,6 +68,10 @@ type Request struct {
 	Model  string
 	User   string // the body's "user" field, a session key of last resort
 	Stream bool
+	// StreamOptions says the body has a stream_options key; IncludeUsage
+	// that it asks for stream_options.include_usage: true (the replica then
+	// sends a last chunk with the usage).
+	StreamOptions, IncludeUsage bool
 	// MaxTokens is max_completion_tokens, else max_tokens; 0 when absent.
 	MaxTokens int
 	Parts     []Part
@@ -179,6 +183,7 @@ func (r *Request) Release() {
 // from the body is nil.
 type body struct {
 	model, user, stream, maxTokens, maxCompletion *fastjson.Value
+	streamOptions                                 *fastjson.Value
 	messages, tools, prompt                       *fastjson.Value
 }
 
@@ -235,9 +240,9 @@ func (r *Request) common(data []byte, ep Endpoint) (*body, error) {
 	case fastjson.TypeObject:
 		var dup string
 		if ep == Completion {
-			dup = fields(root, completionKeys, &b.model, &b.prompt, &b.user, &b.stream, &b.maxTokens, &b.maxCompletion)
+			dup = fields(root, completionKeys, &b.model, &b.prompt, &b.user, &b.stream, &b.maxTokens, &b.maxCompletion, &b.streamOptions)
 		} else {
-			dup = fields(root, chatKeys, &b.model, &b.messages, &b.tools, &b.user, &b.stream, &b.maxTokens, &b.maxCompletion)
+			dup = fields(root, chatKeys, &b.model, &b.messages, &b.tools, &b.user, &b.stream, &b.maxTokens, &b.maxCompletion, &b.streamOptions)
 		}
 		if dup != "" {
 			return nil, dupErr(dup)
@@ -254,6 +259,12 @@ func (r *Request) common(data []byte, ep Endpoint) (*body, error) {
 		return nil, err
 	}
 	r.Model, r.User = string(m), string(u)
+	if b.streamOptions != nil {
+		r.StreamOptions = true
+		if u := b.streamOptions.Get("include_usage"); u != nil && u.Type() == fastjson.TypeTrue {
+			r.IncludeUsage = true
+		}
+	}
 	if !isNull(b.stream) {
 		if r.Stream, err = b.stream.Bool(); err != nil {
 			return nil, inputErr("stream", "must be a boolean")
@@ -286,8 +297,8 @@ func (r *Request) common(data []byte, ep Endpoint) (*body, error) {
 // The keys read from each kind of object: no object the router reads may
 // give one of its keys twice.
 var (
-	chatKeys       = []string{"model", "messages", "tools", "user", "stream", "max_tokens", "max_completion_tokens"}
-	completionKeys = []string{"model", "prompt", "user", "stream", "max_tokens", "max_completion_tokens"}
+	chatKeys       = []string{"model", "messages", "tools", "user", "stream", "max_tokens", "max_completion_tokens", "stream_options"}
+	completionKeys = []string{"model", "prompt", "user", "stream", "max_tokens", "max_completion_tokens", "stream_options"}
 	messageKeys    = []string{"role", "content", "name", "tool_calls"}
 	toolCallKeys   = []string{"id", "function"}
 	functionKeys   = []string{"name", "arguments"}

@@ -411,8 +411,8 @@ func (n *refNode) last(key string) *refNode {
 
 // The keys the router reads, per object, written out again here.
 var (
-	refChatKeys       = []string{"model", "messages", "tools", "user", "stream", "max_tokens", "max_completion_tokens"}
-	refCompletionKeys = []string{"model", "prompt", "user", "stream", "max_tokens", "max_completion_tokens"}
+	refChatKeys       = []string{"model", "messages", "tools", "user", "stream", "max_tokens", "max_completion_tokens", "stream_options"}
+	refCompletionKeys = []string{"model", "prompt", "user", "stream", "max_tokens", "max_completion_tokens", "stream_options"}
 	refMessageKeys    = []string{"role", "content", "name", "tool_calls"}
 	refToolCallKeys   = []string{"id", "function"}
 	refFunctionKeys   = []string{"name", "arguments"}
@@ -534,6 +534,7 @@ func FuzzParseMatchesReference(f *testing.F) {
 		`{"model":"m","messages":[{"role":"system","content":"hi"},{"role":"user","content":"q\n\"x\"\u00e9"}]}`,
 		`{"model":"m","tools":[ {"a" : 1.50e3, "b":"\u003c"} ],"messages":[{"role":"user","content":[{"type":"text","text":"x"},{"type":"image_url","image_url":{"url":"u","z":1e2,"a":[true,null]}}]}]}`,
 		`{"MODEL":"m","Messages":[{"ROLE":"user","Content":"x","content":"y"}],"stream":true,"max_tokens":5,"max_completion_tokens":null}`,
+		`{"model":"m","messages":[{"role":"user","content":"x"}],"stream":true,"stream_options":{"include_usage":true},"stream_options":{}}`,
 		`{"model":"m","model":"n","user":"u","messages":[{"role":"assistant","name":"bot","content":null,"tool_calls":[null,{"id":"1","function":{"name":"f","arguments":"{}"}}]},{"role":"user","content":"q"}]}`,
 		`{"model":"m","messages":[{"role":"user","content":[{"type":"text"},{"type":"text","text":null},{"type":5}]}]}`,
 		`{"model":"m","max_tokens":1.0,"messages":[{"role":"user","content":"x"}]}`,

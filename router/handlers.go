@@ -67,6 +67,14 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 	tctx, span := s.o.Tracer.Start(tctx, "semroute.route", trace.WithAttributes(attribute.String("semroute.route", route)))
 	in := s.e.Prepare(req, sid, s.core.o.LogPrompts)
 	in.DetachText()
+	// A streamed request the client did not ask usage for asks for it
+	// upstream (the engine's prompt and cached tokens teach the router),
+	// and its usage chunk is taken out of the client's stream.
+	fwd, strip := body, false
+	if req.Stream && !req.StreamOptions {
+		fwd, strip = withIncludeUsage(body.b), true
+		defer fwd.release()
+	}
 	req.Release() // the parse is done with: its tree is not held while the response streams
 	rt, err := s.core.Route(CoreRequest{Input: in, Model: req.Model, Session: sid, Tenant: tenant, Route: route})
 	if err != nil {
@@ -80,18 +88,18 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 		attribute.Int("semroute.prompt_tokens", rt.Tokens), attribute.Int("semroute.matched_tokens", rt.Chosen().Match.Tokens))
 	span.End()
 	w.Header().Set(HeaderArm, rt.Arm.Name)
-	s.forwardRouted(w, r, tctx, rt, body)
+	s.forwardRouted(w, r, tctx, rt, fwd, strip)
 }
 
 // forwardRouted forwards a routed request to its replica (failing over
 // down its ranking) and ends it, however its response ends: every request,
 // with a prompt or not, has this one lifecycle.
-func (s *Server) forwardRouted(w http.ResponseWriter, r *http.Request, tctx context.Context, rt *Routed, body *body) {
+func (s *Server) forwardRouted(w http.ResponseWriter, r *http.Request, tctx context.Context, rt *Routed, body *body, stripUsage bool) {
 	_, up := s.o.Tracer.Start(tctx, "semroute.upstream", trace.WithSpanKind(trace.SpanKindClient))
 	ctx, cancel := context.WithCancel(r.Context()) // the client's context: leaving cancels upstream
 	defer cancel()
 	ctx = trace.ContextWithSpan(ctx, up)
-	f := &flight{rt: rt, body: body, next: 1, cancel: cancel}
+	f := &flight{rt: rt, body: body, next: 1, cancel: cancel, stripUsage: stripUsage}
 	// ReverseProxy panics with http.ErrAbortHandler when a response breaks
 	// off part-way (the client left, or the replica's stream broke); the
 	// request's work must end all the same, so its bookkeeping is deferred.
@@ -192,7 +200,7 @@ func (s *Server) passthrough(w http.ResponseWriter, r *http.Request) {
 		writeError(w, s.classify(err))
 		return
 	}
-	s.forwardRouted(w, r, r.Context(), rt, body)
+	s.forwardRouted(w, r, r.Context(), rt, body, false)
 }
 
 // hasDotSegment reports whether the decoded path p has a "." or ".."

@@ -23,6 +23,9 @@ type flight struct {
 	in   *url.URL // the client's request URL, which every attempt is aimed from
 	body *body    // the request body; the handler releases it
 	next int      // index in the ranking of the next candidate to try
+	// stripUsage says the router asked the replica for the stream's usage
+	// chunk, which the client must not see.
+	stripUsage bool
 	// readers are the body's readers given to upstream attempts, closed
 	// when the proxy returns.
 	readers []*bodyReader
@@ -90,10 +93,13 @@ func (s *Server) modifyResponse(resp *http.Response) error {
 		s.core.FirstByte(rt)
 	} else {
 		resp.Header.Set(HeaderMatchedTokens, strconv.Itoa(c.Match.Tokens))
-		f.capture = &replyCapture{rc: resp.Body, limit: s.o.MaxReplyBytes,
-			sse:   strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream"),
+		sse := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
+		f.capture = &replyCapture{rc: resp.Body, limit: s.o.MaxReplyBytes, sse: sse,
 			first: func() { s.core.FirstByte(rt) }}
 		body = f.capture
+		if sse && f.stripUsage {
+			body = newUsageStripper(body)
+		}
 	}
 	// A replica silent for IdleTimeout while the proxy waits for its next
 	// chunk is cut off, and counted as failing: on every forwarded route.

@@ -647,3 +647,50 @@ func TestDemoExampleHitsTheSecondTime(t *testing.T) {
 		t.Fatalf("no cache hit the second time: first %s, second %s matched %d cached %d", first.replica, second.replica, second.matched, second.cached)
 	}
 }
+
+// TestStreamingUsageIsLearnedAndHidden: a streaming client that does not
+// ask for usage sees no usage chunk, yet the router reads the engine's
+// prompt and cached tokens (it asked the replica for them); a client that
+// asks gets its usage chunk.
+func TestStreamingUsageIsLearnedAndHidden(t *testing.T) {
+	d := startTestDemo(t, demoOptions{sim: fastSim})
+	sys := text("a system prompt worth caching", 400)
+	stream := func(withUsage bool) string {
+		body := map[string]any{"model": "sim-model", "stream": true, "max_tokens": 3,
+			"messages": []map[string]string{{"role": "system", "content": sys}, {"role": "user", "content": "hi"}}}
+		if withUsage {
+			body["stream_options"] = map[string]any{"include_usage": true}
+		}
+		b, _ := json.Marshal(body)
+		resp, err := http.Post(d.router.url()+"/v1/chat/completions", "application/json", bytes.NewReader(b))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		all, _ := io.ReadAll(resp.Body)
+		if resp.StatusCode != 200 || !strings.HasSuffix(string(all), "data: [DONE]\n\n") {
+			t.Fatalf("%d %q", resp.StatusCode, all)
+		}
+		return string(all)
+	}
+	for i := range 3 {
+		if got := stream(false); strings.Contains(got, `"usage"`) {
+			t.Fatalf("request %d: a usage chunk the client did not ask for: %q", i, got)
+		}
+	}
+	m := scrape(t, d) // after the three streams that did not ask for usage
+	reported := 0.0
+	for _, line := range strings.Split(m, "\n") {
+		if strings.HasPrefix(line, "semroute_reported_cached_tokens_total{") {
+			v, _ := strconv.ParseFloat(line[strings.LastIndexByte(line, ' ')+1:], 64)
+			reported += v
+		}
+	}
+	if reported == 0 {
+		t.Fatal("no cached tokens reported: the router saw no usage from the streams")
+	}
+	t.Logf("cached tokens the replicas reported over 3 streams that did not ask: %.0f", reported)
+	if got := stream(true); !strings.Contains(got, `"choices":[],`) || !strings.Contains(got, `"cached_tokens"`) {
+		t.Fatalf("the usage chunk asked for is missing: %q", got)
+	}
+}

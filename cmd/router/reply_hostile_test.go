@@ -145,6 +145,10 @@ func TestHostileReplicaToolCallRepliesBounded(t *testing.T) {
 	// after the first, and any later growth is a learned reply.
 	body := chat([2]string{"system", text("hostile", 600)}, [2]string{"user", "call the tool"})
 	body["stream"] = true
+	// The fake replica always ends with a usage chunk: ask for it, so that the
+	// client gets every byte the replica sent (the router strips a usage chunk
+	// only when it asked for one the client did not).
+	body["stream_options"] = map[string]any{"include_usage": true}
 	payload, _ := json.Marshal(body)
 	finished := 0
 	// send streams one response through the router and checks that the

@@ -1,0 +1,123 @@
+package router
+
+import (
+	"bytes"
+	"io"
+
+	"github.com/valyala/fastjson"
+)
+
+// includeUsage is what withIncludeUsage adds to a streamed request's body.
+const includeUsage = `"stream_options":{"include_usage":true}`
+
+// withIncludeUsage returns a copy of a JSON object body that asks the
+// replica to end its stream with a usage chunk: the router reads the
+// engine's prompt and cached tokens from it. The body must not have a
+// stream_options key already (the client's choice is left alone).
+func withIncludeUsage(b []byte) *body {
+	i := bytes.IndexByte(b, '{') // the parser accepted an object: the first byte that is not space
+	rest := bytes.TrimLeft(b[i+1:], " \t\r\n")
+	n := len(b) + len(includeUsage) + 1
+	out := newBody(n)
+	w := append(out.b[:0], b[:i+1]...)
+	w = append(w, includeUsage...)
+	if len(rest) > 0 && rest[0] != '}' {
+		w = append(w, ',')
+	}
+	w = append(w, b[i+1:]...)
+	out.b = w
+	return out
+}
+
+// maxHeldEvent bounds the bytes usageStripper holds while it waits for the
+// end of an event; past it, it passes the rest of the stream through.
+const maxHeldEvent = 64 << 10
+
+// usageStripper passes an event stream through but for its usage chunk
+// (choices empty, usage set), which the replica sent because the router
+// asked for it and the client did not: the client sees the stream it would
+// have seen. It hands events on whole, as the replica flushed them.
+type usageStripper struct {
+	rc   io.ReadCloser
+	in   []byte // bytes read and not yet handed on: the current event
+	out  []byte // whole events ready to hand on
+	off  bool   // an event grew past maxHeldEvent: pass everything through
+	err  error  // the upstream's error, returned once out is drained
+	p    fastjson.Parser
+	read []byte
+}
+
+func newUsageStripper(rc io.ReadCloser) *usageStripper {
+	return &usageStripper{rc: rc, read: make([]byte, 32<<10)}
+}
+
+func (s *usageStripper) Read(p []byte) (int, error) {
+	for len(s.out) == 0 {
+		if s.err != nil {
+			if len(s.in) > 0 { // a last event without its blank line
+				s.out, s.in = s.in, nil
+				break
+			}
+			return 0, s.err
+		}
+		n, err := s.rc.Read(s.read)
+		s.err = err
+		if s.off {
+			s.out = append(s.out, s.read[:n]...)
+			continue
+		}
+		s.in = append(s.in, s.read[:n]...)
+		s.split()
+	}
+	n := copy(p, s.out)
+	s.out = s.out[n:]
+	if len(s.out) == 0 {
+		s.out = nil
+	}
+	return n, nil
+}
+
+// split moves every whole event of s.in to s.out, dropping a usage chunk.
+func (s *usageStripper) split() {
+	for {
+		end, sep := bytes.Index(s.in, []byte("\n\n")), 2
+		if e := bytes.Index(s.in, []byte("\r\n\r\n")); e >= 0 && (end < 0 || e < end) {
+			end, sep = e, 4
+		}
+		if end < 0 {
+			if len(s.in) > maxHeldEvent {
+				s.off = true
+				s.out = append(s.out, s.in...)
+				s.in = nil
+			}
+			return
+		}
+		ev := s.in[:end+sep]
+		if !s.usageChunk(ev) {
+			s.out = append(s.out, ev...)
+		}
+		s.in = s.in[end+sep:]
+	}
+}
+
+// usageChunk reports whether ev is a data event whose JSON has no choices
+// and a usage object.
+func (s *usageStripper) usageChunk(ev []byte) bool {
+	if !bytes.Contains(ev, []byte(`"usage"`)) {
+		return false
+	}
+	data, ok := bytes.CutPrefix(bytes.TrimSpace(ev), []byte("data:"))
+	if !ok {
+		return false
+	}
+	v, err := s.p.ParseBytes(bytes.TrimSpace(data))
+	if err != nil {
+		return false
+	}
+	ch := v.Get("choices")
+	u := v.Get("usage")
+	return ch != nil && ch.Type() == fastjson.TypeArray && len(ch.GetArray()) == 0 && u != nil && u.Type() == fastjson.TypeObject
+}
+
+// Close closes the upstream body.
+func (s *usageStripper) Close() error { return s.rc.Close() }
