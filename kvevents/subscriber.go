@@ -1,0 +1,376 @@
+package kvevents
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/go-zeromq/zmq4"
+)
+
+// SubscriberOptions configure a Subscriber. Endpoint and OnBatch are
+// required.
+type SubscriberOptions struct {
+	// Endpoint is the engine's PUB address, e.g. "tcp://10.0.0.5:5557".
+	Endpoint string
+	// ReplayEndpoint is the engine's replay ROUTER address; "" when it has
+	// none (then every gap is a reset).
+	ReplayEndpoint string
+	// Topic is the subscription, a prefix of the topic frame as in ZeroMQ;
+	// "" receives everything.
+	Topic string
+	// OnBatch receives each batch, in sequence order, from the Subscriber's
+	// one goroutine. The Batch is valid only during the call (its memory is
+	// reused for the next); copy what you keep. OnBatch must not call Close.
+	OnBatch func(seq uint64, b Batch)
+	// OnReset is called, from the same goroutine, when the batches delivered
+	// so far no longer describe the engine: a gap replay could not fill, or
+	// the engine restarted. The consumer should forget what it learned from
+	// this engine; delivery goes on from the current batch. May be nil.
+	OnReset func(reason string)
+	// ReplayTimeout bounds one replay: connecting, asking and receiving
+	// every batch up to the end marker. Default 2s.
+	ReplayTimeout time.Duration
+	// MaxReplay is the longest gap asked of replay, in batches; a longer one
+	// is a reset at once. Default 10000 (vLLM's default buffer_steps).
+	MaxReplay uint64
+	// ReconnectMin and ReconnectMax bound the wait between two connection
+	// attempts, doubling from Min to Max while they fail. Defaults 100ms, 5s.
+	ReconnectMin, ReconnectMax time.Duration
+	// Logger receives resets and connection failures (nil: slog.Default()).
+	Logger *slog.Logger
+}
+
+// Stats are a Subscriber's counters since it started.
+type Stats struct {
+	// Received counts the messages read from the PUB socket.
+	Received uint64
+	// Applied counts the batches given to OnBatch, live or replayed.
+	Applied uint64
+	// Replayed counts the applied batches that came from replay.
+	Replayed uint64
+	// Gaps counts the times a sequence number jumped forward.
+	Gaps uint64
+	// Resets counts the calls to OnReset (gaps not filled, restarts).
+	Resets uint64
+	// Malformed counts the messages and payloads that could not be read
+	// (wrong frames, a bad sequence frame, a payload Decode refused); they
+	// are skipped.
+	Malformed uint64
+	// Reconnects counts the connections made after the first.
+	Reconnects uint64
+}
+
+type counters struct {
+	received, applied, replayed, gaps, resets, malformed, reconnects atomic.Uint64
+}
+
+// Subscriber follows one engine's KV events: it connects a SUB socket (and
+// reconnects by itself when the connection drops), delivers the decoded
+// batches in sequence order, fills a gap from the engine's replay socket
+// before delivering anything after it, and calls OnReset when it cannot, or
+// when the sequence goes back (an engine restart). A malformed message is
+// counted and skipped. Stats, LastBatch and Silent are safe for concurrent
+// use; Close stops everything and waits for it.
+type Subscriber struct {
+	opts  SubscriberOptions
+	log   *slog.Logger
+	start time.Time
+	stop  chan struct{}
+	done  chan struct{}
+	c     counters
+	last  atomic.Int64 // unix ns of the last batch applied; 0 before any
+
+	mu      sync.Mutex
+	closed  bool
+	sock    zmq4.Socket // the current SUB socket
+	replayS zmq4.Socket // the replay DEALER while a replay runs
+
+	// Owned by the run goroutine.
+	dec  Decoder
+	have bool
+	next uint64
+}
+
+// NewSubscriber starts following an engine. It does not wait for the
+// connection: an engine not up yet is dialled again until Close.
+func NewSubscriber(opts SubscriberOptions) (*Subscriber, error) {
+	if opts.Endpoint == "" || opts.OnBatch == nil {
+		return nil, errors.New("kvevents: subscriber needs an endpoint and OnBatch")
+	}
+	if opts.ReplayTimeout <= 0 {
+		opts.ReplayTimeout = 2 * time.Second
+	}
+	if opts.MaxReplay == 0 {
+		opts.MaxReplay = 10000
+	}
+	if opts.ReconnectMin <= 0 {
+		opts.ReconnectMin = 100 * time.Millisecond
+	}
+	if opts.ReconnectMax < opts.ReconnectMin {
+		opts.ReconnectMax = max(5*time.Second, opts.ReconnectMin)
+	}
+	s := &Subscriber{
+		opts:  opts,
+		log:   opts.Logger,
+		start: time.Now(),
+		stop:  make(chan struct{}),
+		done:  make(chan struct{}),
+	}
+	if s.log == nil {
+		s.log = slog.Default()
+	}
+	go s.run()
+	return s, nil
+}
+
+// Stats returns the counters.
+func (s *Subscriber) Stats() Stats {
+	return Stats{
+		Received:   s.c.received.Load(),
+		Applied:    s.c.applied.Load(),
+		Replayed:   s.c.replayed.Load(),
+		Gaps:       s.c.gaps.Load(),
+		Resets:     s.c.resets.Load(),
+		Malformed:  s.c.malformed.Load(),
+		Reconnects: s.c.reconnects.Load(),
+	}
+}
+
+// LastBatch is when the last batch was applied; the zero Time before any.
+func (s *Subscriber) LastBatch() time.Time {
+	if ns := s.last.Load(); ns != 0 {
+		return time.Unix(0, ns)
+	}
+	return time.Time{}
+}
+
+// Silent reports whether no batch has been applied for longer than d (since
+// the Subscriber started, when none has been). An idle engine is silent too:
+// the consumer decides what silence means.
+func (s *Subscriber) Silent(d time.Duration) bool {
+	t := s.LastBatch()
+	if t.IsZero() {
+		t = s.start
+	}
+	return time.Since(t) > d
+}
+
+// Close stops the Subscriber and waits until its goroutine and sockets are
+// gone. No callback runs after Close returns. Close is idempotent.
+func (s *Subscriber) Close() error {
+	s.mu.Lock()
+	if !s.closed {
+		s.closed = true
+		close(s.stop)
+		if s.sock != nil {
+			s.sock.Close()
+		}
+		if s.replayS != nil {
+			s.replayS.Close()
+		}
+	}
+	s.mu.Unlock()
+	<-s.done
+	return nil
+}
+
+func (s *Subscriber) stopping() bool {
+	select {
+	case <-s.stop:
+		return true
+	default:
+		return false
+	}
+}
+
+// setSock records the socket Close must close; false once closed.
+func (s *Subscriber) setSock(dst *zmq4.Socket, sock zmq4.Socket) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed && sock != nil {
+		return false
+	}
+	*dst = sock
+	return true
+}
+
+var quietZMQ = zmq4.WithLogger(log.New(io.Discard, "", 0))
+
+func (s *Subscriber) run() {
+	defer close(s.done)
+	wait := s.opts.ReconnectMin
+	connected := false
+	timer := time.NewTimer(0)
+	<-timer.C
+	for {
+		sock := zmq4.NewSub(context.Background(), quietZMQ,
+			zmq4.WithDialerMaxRetries(0), zmq4.WithDialerTimeout(s.opts.ReconnectMax))
+		if !s.setSock(&s.sock, sock) {
+			closeAndDrain(sock)
+			return
+		}
+		err := sock.SetOption(zmq4.OptionSubscribe, s.opts.Topic)
+		if err == nil {
+			err = sock.Dial(guarded(s.opts.Endpoint))
+		}
+		if err == nil {
+			if connected {
+				s.c.reconnects.Add(1)
+			}
+			connected = true
+			wait = s.opts.ReconnectMin
+			err = s.receive(sock)
+		}
+		s.setSock(&s.sock, nil)
+		closeAndDrain(sock)
+		if s.stopping() {
+			return
+		}
+		s.log.Debug("kvevents: connection", "endpoint", s.opts.Endpoint, "err", err, "retry_in", wait)
+		timer.Reset(wait)
+		select {
+		case <-s.stop:
+			timer.Stop()
+			return
+		case <-timer.C:
+		}
+		wait = min(2*wait, s.opts.ReconnectMax)
+	}
+}
+
+// receive reads the SUB socket until it fails or is closed.
+func (s *Subscriber) receive(sock zmq4.Socket) error {
+	for {
+		msg, err := sock.Recv()
+		if err != nil {
+			return err
+		}
+		if s.stopping() {
+			return nil
+		}
+		s.c.received.Add(1)
+		if len(msg.Frames) != 3 {
+			s.c.malformed.Add(1)
+			continue
+		}
+		seq, err := readSeq(msg.Frames[1])
+		if err != nil {
+			s.c.malformed.Add(1)
+			continue
+		}
+		s.handle(seq, msg.Frames[2])
+	}
+}
+
+// handle orders one live batch against the ones before it.
+func (s *Subscriber) handle(seq uint64, payload []byte) {
+	switch {
+	case !s.have || seq == s.next:
+	case seq > s.next:
+		s.c.gaps.Add(1)
+		if !s.fill(s.next, seq) && !s.stopping() {
+			s.reset(fmt.Sprintf("gap: batches %d to %d missed and not replayed", s.next, seq-1))
+		}
+	default:
+		s.reset(fmt.Sprintf("engine restarted: batch %d after %d", seq, s.next-1))
+		if seq > 0 {
+			s.fill(0, seq) // what the new engine's buffer still has, if anything
+		}
+	}
+	if s.stopping() {
+		return
+	}
+	s.have, s.next = true, seq+1
+	s.deliver(seq, payload, false)
+}
+
+func (s *Subscriber) reset(reason string) {
+	s.c.resets.Add(1)
+	s.log.Warn("kvevents: reset", "endpoint", s.opts.Endpoint, "reason", reason)
+	if s.opts.OnReset != nil {
+		s.opts.OnReset(reason)
+	}
+}
+
+func (s *Subscriber) deliver(seq uint64, payload []byte, replayed bool) bool {
+	b, err := s.dec.Decode(payload)
+	if err != nil {
+		s.c.malformed.Add(1)
+		s.log.Debug("kvevents: malformed batch", "endpoint", s.opts.Endpoint, "seq", seq, "err", err)
+		return false
+	}
+	s.opts.OnBatch(seq, b)
+	s.c.applied.Add(1)
+	if replayed {
+		s.c.replayed.Add(1)
+	}
+	s.last.Store(time.Now().UnixNano())
+	return true
+}
+
+// fill asks the replay socket for batches from `from` on and delivers those
+// before `to`. It reports whether all of [from, to) were delivered.
+func (s *Subscriber) fill(from, to uint64) bool {
+	if s.opts.ReplayEndpoint == "" || to-from > s.opts.MaxReplay {
+		return false
+	}
+	d := zmq4.NewDealer(context.Background(), quietZMQ, zmq4.WithDialerMaxRetries(0),
+		zmq4.WithDialerTimeout(s.opts.ReplayTimeout), zmq4.WithTimeout(s.opts.ReplayTimeout))
+	if !s.setSock(&s.replayS, d) {
+		closeAndDrain(d)
+		return false
+	}
+	defer func() {
+		s.setSock(&s.replayS, nil)
+		closeAndDrain(d)
+	}()
+	timer := time.AfterFunc(s.opts.ReplayTimeout, func() { d.Close() })
+	defer timer.Stop()
+	if err := d.Dial(guarded(s.opts.ReplayEndpoint)); err != nil {
+		return false
+	}
+	if err := d.SendMulti(zmq4.NewMsgFrom([]byte{}, seqBytes(from))); err != nil {
+		return false
+	}
+	next, ok := from, true
+	for {
+		msg, err := d.Recv()
+		if err != nil || s.stopping() {
+			return false // timed out, closed, or the engine went away
+		}
+		f := msg.Frames
+		if len(f) == 3 && len(f[0]) == 0 {
+			f = f[1:] // the empty delimiter
+		}
+		if len(f) != 2 {
+			s.c.malformed.Add(1)
+			return false
+		}
+		if bytes.Equal(f[0], endSeq) {
+			return ok && next == to
+		}
+		seq, err := readSeq(f[0])
+		if err != nil {
+			s.c.malformed.Add(1)
+			return false
+		}
+		switch {
+		case !ok || seq < next || seq >= to:
+			// Before the gap, after it (it will come live), or past a hole.
+		case seq != next:
+			ok = false // the buffer no longer reaches back to next
+		case s.deliver(seq, f[1], true):
+			next++
+		default:
+			ok = false
+		}
+	}
+}
