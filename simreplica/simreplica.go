@@ -25,6 +25,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -40,6 +41,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/kvevents"
 )
 
 // Options configure a simulated replica. Zero fields take the defaults; a
@@ -77,6 +79,13 @@ type Options struct {
 	// it must return quickly (hand the event to a queue) and must not
 	// call back into the Server.
 	OnKVEvent func(KVEvent)
+	// KVEvents, if set, publishes the prefix cache's events over ZMQ as
+	// vLLM does with --kv-events-config (publisher zmq): a PUB socket at
+	// KVEvents.Endpoint, a replay socket at ReplayEndpoint, sequence
+	// numbers from 0 (see package kvevents). Use "tcp://127.0.0.1:0" for a
+	// free port and Server.KVEventsEndpoints to learn it. OnKVEvent still
+	// hears every event.
+	KVEvents *kvevents.PublisherOptions
 }
 
 func (o *Options) defaults() {
@@ -132,6 +141,8 @@ type model struct {
 // Server is one simulated replica.
 type Server struct {
 	o      Options
+	kv     *kvPublisher // nil unless Options.KVEvents
+	kvOnce sync.Once
 	mux    *http.ServeMux
 	sem    chan struct{}
 	tok    *Tokenizer
@@ -205,6 +216,18 @@ func New(o Options) (*Server, error) {
 	s.mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { s.complete(w, r, blockhash.Completion) })
 	s.mux.HandleFunc("POST /tokenize", s.tokenize)
 	s.mux.HandleFunc("POST /detokenize", s.detokenize)
+	if o.KVEvents != nil {
+		if s.kv, err = newKVPublisher(*o.KVEvents); err != nil {
+			return nil, err
+		}
+		user := o.OnKVEvent
+		s.o.OnKVEvent = func(ev KVEvent) {
+			if user != nil {
+				user(ev)
+			}
+			s.kv.send(ev)
+		}
+	}
 	return s, nil
 }
 
@@ -605,8 +628,30 @@ func Start(o Options, addr string) (*Running, error) {
 	return &Running{Server: s, URL: "http://" + ln.Addr().String(), srv: srv}, nil
 }
 
-// Close stops serving at once, cutting open connections.
-func (r *Running) Close() error { return r.srv.Close() }
+// Close stops serving at once, cutting open connections, and closes the
+// KV events sockets.
+func (r *Running) Close() error { return errors.Join(r.srv.Close(), r.Server.Close()) }
+
+// Close closes the KV events sockets, after sending what is queued; the
+// Server must not serve afterwards. Safe to call more than once.
+func (s *Server) Close() error {
+	var err error
+	s.kvOnce.Do(func() {
+		if s.kv != nil {
+			err = s.kv.close()
+		}
+	})
+	return err
+}
+
+// KVEventsEndpoints returns where the KV events are published and
+// replayed, or "" when they are not.
+func (s *Server) KVEventsEndpoints() (pub, replay string) {
+	if s.kv == nil {
+		return "", ""
+	}
+	return s.kv.pub.Endpoint(), s.kv.pub.ReplayEndpoint()
+}
 
 // Shutdown stops accepting and waits for requests in flight until ctx ends.
 func (r *Running) Shutdown(ctx context.Context) error { return r.srv.Shutdown(ctx) }

@@ -9,6 +9,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/signal"
@@ -20,6 +21,7 @@ import (
 	"github.com/spf13/viper"
 
 	"github.com/semroute/semroute/configs"
+	"github.com/semroute/semroute/kvevents"
 	"github.com/semroute/semroute/simreplica"
 )
 
@@ -128,24 +130,31 @@ func newDemo() *cobra.Command {
 
 func newSim() *cobra.Command {
 	var (
-		o      simreplica.Options
-		listen string
+		o                       simreplica.Options
+		listen                  string
+		kvEvents, kvReplay, top string
 	)
 	cmd := &cobra.Command{
 		Use:   "sim",
 		Short: "Run one simulated OpenAI-compatible replica with a prefix cache",
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if kvEvents != "" {
+				o.KVEvents = &kvevents.PublisherOptions{Endpoint: kvEvents, ReplayEndpoint: kvReplay, Topic: top}
+			}
 			r, err := simreplica.Start(o, listen)
 			if err != nil {
 				return err
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "simulated replica serving %s at %s\n", r.Options().Model, r.URL)
+			if pub, rep := r.KVEventsEndpoints(); pub != "" {
+				fmt.Fprintf(cmd.OutOrStdout(), "KV events published at %s (replay %s)\n", pub, rep)
+			}
 			ctx, stop := signalContext()
 			defer stop()
 			<-ctx.Done()
 			sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
-			return r.Shutdown(sctx)
+			return errors.Join(r.Shutdown(sctx), r.Server.Close())
 		},
 	}
 	f := cmd.Flags()
@@ -160,6 +169,10 @@ func newSim() *cobra.Command {
 	f.DurationVar(&o.InterToken, "inter-token", 2*time.Millisecond, "time per output token after the first")
 	f.IntVar(&o.OutputTokens, "output-tokens", 16, "output length when max_tokens is absent")
 	f.IntVar(&o.MaxOutputTokens, "max-output-tokens", 4096, "largest max_tokens accepted")
+	f.StringVar(&o.Tokenizer, "tokenizer", "bytes", "bytes (bytes-per-token estimate) or words (word pieces with a chat template, about 5-6 bytes a token)")
+	f.StringVar(&kvEvents, "kv-events", "", "publish vLLM KV events over ZMQ at this endpoint (e.g. tcp://127.0.0.1:5557); empty: off")
+	f.StringVar(&kvReplay, "kv-events-replay", "", "the KV events replay endpoint (e.g. tcp://127.0.0.1:5558)")
+	f.StringVar(&top, "kv-events-topic", "kv-events", "the KV events topic")
 	return cmd
 }
 
