@@ -1,12 +1,12 @@
 package router
 
 import (
-	"encoding/json"
 	"fmt"
 	"testing"
 	"time"
 
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/internal/benchdata"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
@@ -43,15 +43,5 @@ func (f *fixture) arms() []Arm { return []Arm{{Name: "default", Policy: f.pol, W
 
 // parseChat parses a chat of role, content pairs.
 func parseChat(t testing.TB, msgs ...string) *blockhash.Request {
-	t.Helper()
-	m := make([]map[string]string, 0, len(msgs)/2)
-	for i := 0; i+1 < len(msgs); i += 2 {
-		m = append(m, map[string]string{"role": msgs[i], "content": msgs[i+1]})
-	}
-	b, _ := json.Marshal(map[string]any{"model": "m", "messages": m})
-	r, err := blockhash.ParseChat(b, blockhash.Limits{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return r
+	return benchdata.ParseChat(t, msgs...)
 }

@@ -1,7 +1,6 @@
 package routing
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -12,6 +11,7 @@ import (
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
+	"github.com/semroute/semroute/internal/benchdata"
 	"github.com/semroute/semroute/replica"
 )
 
@@ -50,18 +50,9 @@ func (f *fixture) decide(req *blockhash.Request, session string, record bool) (*
 	return f.e.Decide(in, record)
 }
 
+// parseChat parses a chat of role, content pairs.
 func parseChat(t testing.TB, msgs ...string) *blockhash.Request {
-	t.Helper()
-	m := make([]map[string]string, 0, len(msgs)/2)
-	for i := 0; i+1 < len(msgs); i += 2 {
-		m = append(m, map[string]string{"role": msgs[i], "content": msgs[i+1]})
-	}
-	b, _ := json.Marshal(map[string]any{"model": "m", "messages": m})
-	r, err := blockhash.ParseChat(b, blockhash.Limits{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return r
+	return benchdata.ParseChat(t, msgs...)
 }
 
 func TestDecideSharedPrefixStaysUntilHot(t *testing.T) {

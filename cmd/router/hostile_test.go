@@ -52,6 +52,16 @@ func rawPost(t *testing.T, base, path string, body []byte) (int, []byte, http.He
 // fails its test instead of hanging it.
 var hostileClient = &http.Client{Timeout: 20 * time.Second}
 
+// routerOverSim serves a router over one fast simulated replica, "a", with
+// yaml (config keys) before its replica list.
+func routerOverSim(t *testing.T, yaml string) *running {
+	t.Helper()
+	sims := startSims(t, 1, fastSim)
+	cfg := filepath.Join(t.TempDir(), "router.yaml")
+	writeConfig(t, cfg, fmt.Sprintf("%sreplicas:\n  - {name: a, url: %q}\n", yaml, sims[0].URL))
+	return serveConfig(t, cfg)
+}
+
 // memAfterGC returns the memory statistics right after a collection.
 func memAfterGC() runtime.MemStats {
 	runtime.GC()
@@ -156,15 +166,8 @@ replicas:
 		urls = append(urls, rep.Url)
 	}
 	adminReq := func(path string) string {
-		req, _ := http.NewRequest(http.MethodGet, r.admin.url()+path, nil)
-		req.Header.Set("Authorization", "Bearer adm")
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return string(b)
+		_, body := adminCall(t, r.admin.url(), "adm", http.MethodGet, path, "")
+		return body
 	}
 	seen := strings.Join(urls, " ") + adminReq("/admin/replicas") + adminReq("/admin/config") + scrapeURL(t, r.http.url())
 	if strings.Contains(seen, "hunter2") || strings.Contains(seen, "user:") {
@@ -392,15 +395,7 @@ func TestReloadAppliesOrReportsEveryKey(t *testing.T) {
 	writeConfig(t, cfg, conf("old", 1<<20, "60s"))
 	r := serveConfig(t, cfg)
 	admin := func(token string) (int, string) {
-		req, _ := http.NewRequest(http.MethodGet, r.admin.url()+"/admin/config", nil)
-		req.Header.Set("Authorization", "Bearer "+token)
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp.StatusCode, string(b)
+		return adminCall(t, r.admin.url(), token, http.MethodGet, "/admin/config", "")
 	}
 	big := []byte(`{"model":"sim-model","max_tokens":2,"messages":[{"role":"user","content":"` + strings.Repeat("x", 8000) + `"}]}`)
 	if code, _, _ := rawPost(t, r.http.url(), "/v1/chat/completions", big); code != 200 {
@@ -485,10 +480,7 @@ func TestPassthroughSilentReplicaIsCutOff(t *testing.T) {
 // Item 9: a body declared larger than the limit is refused from its header,
 // before a byte of it is read, and Expect: 100-continue gets no 100.
 func TestOverLimitBodyRefusedFromHeader(t *testing.T) {
-	sims := startSims(t, 1, fastSim)
-	cfg := filepath.Join(t.TempDir(), "router.yaml")
-	writeConfig(t, cfg, fmt.Sprintf("limits: {max_body_bytes: 65536}\nreplicas:\n  - {name: a, url: %q}\n", sims[0].URL))
-	r := serveConfig(t, cfg)
+	r := routerOverSim(t, "limits: {max_body_bytes: 65536}\n")
 	for _, path := range []string{"/v1/chat/completions", "/v1/embeddings"} {
 		for _, expect := range []string{"", "Expect: 100-continue\r\n"} {
 			conn, err := net.Dial("tcp", r.http.addr)
@@ -521,15 +513,7 @@ func TestAdminAPIValidatesAndPersists(t *testing.T) {
 	writeConfig(t, cfg, file(""))
 	r := serveConfig(t, cfg)
 	call := func(method, path, body string) (int, string) {
-		req, _ := http.NewRequest(method, r.admin.url()+path, strings.NewReader(body))
-		req.Header.Set("Authorization", "Bearer adm")
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp.StatusCode, string(b)
+		return adminCall(t, r.admin.url(), "adm", method, path, body)
 	}
 	for name, body := range map[string]string{
 		"tiny weight":   fmt.Sprintf(`{"name":"x","url":%q,"weight":1e-308}`, sims[1].URL),
@@ -585,10 +569,7 @@ func TestAdminAPIValidatesAndPersists(t *testing.T) {
 // (The budget shared by large bodies parsed at once is tested in blockhash:
 // a parse is released before the response, so sockets cannot hold one.)
 func TestJSONValuesAreBounded(t *testing.T) {
-	sims := startSims(t, 1, fastSim)
-	cfg := filepath.Join(t.TempDir(), "router.yaml")
-	writeConfig(t, cfg, fmt.Sprintf("limits: {max_json_values: 8000, max_messages: 16384}\nreplicas:\n  - {name: a, url: %q}\n", sims[0].URL))
-	r := serveConfig(t, cfg)
+	r := routerOverSim(t, "limits: {max_json_values: 8000, max_messages: 16384}\n")
 	ids := func(n int) []byte {
 		return []byte(`{"model":"sim-model","max_tokens":1,"prompt":[` + strings.Repeat("1,", n-1) + `1]}`)
 	}
@@ -613,10 +594,7 @@ func TestJSONValuesAreBounded(t *testing.T) {
 // A client that declares a large body and sends it slowly holds only what
 // it sent: the router does not allocate the declared length up front.
 func TestDeclaredLengthDoesNotAllocate(t *testing.T) {
-	sims := startSims(t, 1, fastSim)
-	cfg := filepath.Join(t.TempDir(), "router.yaml")
-	writeConfig(t, cfg, fmt.Sprintf("replicas:\n  - {name: a, url: %q}\n", sims[0].URL))
-	r := serveConfig(t, cfg)
+	r := routerOverSim(t, "")
 	before := memAfterGC().HeapAlloc
 	const conns = 50
 	var held []net.Conn
@@ -649,10 +627,7 @@ func TestDeclaredLengthDoesNotAllocate(t *testing.T) {
 // checked from the call's headers), and one with it cannot make the router
 // build a message list past limits.max_messages.
 func TestGRPCLargeMessagesCostNothingUnauthenticated(t *testing.T) {
-	sims := startSims(t, 1, fastSim)
-	cfg := filepath.Join(t.TempDir(), "router.yaml")
-	writeConfig(t, cfg, fmt.Sprintf("grpc_listen: 127.0.0.1:0\ngrpc: {token: tok}\nreplicas:\n  - {name: a, url: %q}\n", sims[0].URL))
-	r := serveConfig(t, cfg)
+	r := routerOverSim(t, "grpc_listen: 127.0.0.1:0\ngrpc: {token: tok}\n")
 	// 3 Mi almost empty messages in a 15 MiB request: decoded, a few GB.
 	many := &pb.RouteRequest{Model: "sim-model", Input: &pb.RouteRequest_Messages{Messages: &pb.ChatMessages{
 		Messages: make([]*pb.ChatMessage, 3<<20)}}}

@@ -74,6 +74,23 @@ func serveConfigWith(t *testing.T, path string, prepare func(*app)) *running {
 	return r
 }
 
+// adminCall sends an admin API request with the bearer token (none when
+// empty) and returns the status and body.
+func adminCall(t *testing.T, base, token, method, path, body string) (int, string) {
+	t.Helper()
+	req, _ := http.NewRequest(method, base+path, strings.NewReader(body))
+	if token != "" {
+		req.Header.Set("Authorization", "Bearer "+token)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
 func startSims(t *testing.T, n int, o simreplica.Options) []*simreplica.Running {
 	t.Helper()
 	var out []*simreplica.Running
@@ -411,19 +428,8 @@ func TestAdminAPI(t *testing.T) {
 	cfg := filepath.Join(t.TempDir(), "router.yaml")
 	writeConfig(t, cfg, fmt.Sprintf("admin: {listen: 127.0.0.1:0, token: s3cret}\nreplicas:\n  - {name: a, url: %q}\n", sims[0].URL))
 	r := serveConfig(t, cfg)
-	admin := r.admin.url()
 	call := func(method, path, token, body string) (int, string) {
-		req, _ := http.NewRequest(method, admin+path, strings.NewReader(body))
-		if token != "" {
-			req.Header.Set("Authorization", "Bearer "+token)
-		}
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp.StatusCode, string(b)
+		return adminCall(t, r.admin.url(), token, method, path, body)
 	}
 	if code, _ := call("GET", "/admin/replicas", "", ""); code != 401 {
 		t.Fatalf("no token: %d", code)

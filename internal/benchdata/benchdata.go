@@ -1,11 +1,14 @@
-// Package benchdata makes the request bodies the benchmarks of several
-// packages share, so that their figures are about the same bodies.
+// Package benchdata makes the request bodies the tests and benchmarks of
+// several packages share, so that they are about the same bodies.
 package benchdata
 
 import (
 	"encoding/json"
 	"fmt"
 	"strings"
+	"testing"
+
+	"github.com/semroute/semroute/blockhash"
 )
 
 // ChatBody is a chat body of about tokens estimated tokens (4 bytes each):
@@ -25,4 +28,20 @@ func ChatBody(tokens int) []byte {
 		{"role": "user", "content": prose("document", tokens*3/4-16) + "\nWhat does it say?"},
 	}})
 	return b
+}
+
+// ParseChat parses a chat body of model "m" with the messages given as
+// role, content pairs, failing tb if it does not parse.
+func ParseChat(tb testing.TB, msgs ...string) *blockhash.Request {
+	tb.Helper()
+	m := make([]map[string]string, 0, len(msgs)/2)
+	for i := 0; i+1 < len(msgs); i += 2 {
+		m = append(m, map[string]string{"role": msgs[i], "content": msgs[i+1]})
+	}
+	b, _ := json.Marshal(map[string]any{"model": "m", "messages": m})
+	r, err := blockhash.ParseChat(b, blockhash.Limits{})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return r
 }
