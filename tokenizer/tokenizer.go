@@ -1,0 +1,189 @@
+// Package tokenizer gets a request's exact token ids from the engine
+// itself: vLLM's POST /tokenize, with the chat messages (so the model's
+// chat template applies) or the prompt. Answers are cached, so a request
+// seen again is not tokenized again, and a call is bounded in time: a slow
+// or failing tokenizer makes the caller route on its estimate rather than
+// wait.
+//
+// A Client is safe for concurrent use.
+package tokenizer
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"sync/atomic"
+	"time"
+
+	"github.com/cespare/xxhash/v2"
+	lru "github.com/hashicorp/golang-lru/v2"
+)
+
+// Options configure a Client. URL is required.
+type Options struct {
+	// URL is the base URL of a replica serving /tokenize (vLLM's OpenAI
+	// server), e.g. http://10.0.0.5:8000.
+	URL string
+	// Timeout bounds one call; past it the caller gets ErrSlow and routes
+	// on its estimate. Default 50ms.
+	Timeout time.Duration
+	// CacheTokens bounds the token ids kept in the cache, in tokens (4
+	// bytes each). Default 4 Mi tokens (16 MiB).
+	CacheTokens int
+	// MaxTokens refuses an answer longer than this many tokens (a broken
+	// or hostile replica). Default 1 Mi.
+	MaxTokens int
+	// Client sends the calls. Nil means a client of its own.
+	Client *http.Client
+}
+
+// ErrSlow is returned when the tokenizer did not answer within Timeout.
+var ErrSlow = errors.New("tokenizer: no answer in time")
+
+// Stats count a Client's calls.
+type Stats struct {
+	Hits, Calls, Failures, Slow int64
+}
+
+// Client tokenizes requests through a replica's /tokenize.
+type Client struct {
+	o     Options
+	cache *lru.Cache[uint64, []int32]
+	held  atomic.Int64 // tokens in the cache, approximately (evictions subtract)
+
+	hits, calls, failures, slow atomic.Int64
+}
+
+// New returns a Client.
+func New(o Options) (*Client, error) {
+	if o.URL == "" {
+		return nil, errors.New("tokenizer: URL is required")
+	}
+	if o.Timeout <= 0 {
+		o.Timeout = 50 * time.Millisecond
+	}
+	if o.CacheTokens <= 0 {
+		o.CacheTokens = 4 << 20
+	}
+	if o.MaxTokens <= 0 {
+		o.MaxTokens = 1 << 20
+	}
+	if o.Client == nil {
+		o.Client = &http.Client{}
+	}
+	c := &Client{o: o}
+	// The LRU is bounded by entries; the token bound is kept by evicting
+	// the oldest entries while the cache holds more tokens than allowed.
+	cache, err := lru.NewWithEvict[uint64, []int32](1<<16, func(_ uint64, v []int32) { c.held.Add(-int64(len(v))) })
+	if err != nil {
+		return nil, err
+	}
+	c.cache = cache
+	return c, nil
+}
+
+// Stats returns the calls counted so far.
+func (c *Client) Stats() Stats {
+	return Stats{Hits: c.hits.Load(), Calls: c.calls.Load(), Failures: c.failures.Load(), Slow: c.slow.Load()}
+}
+
+// request is the body of POST /tokenize: TokenizeChatRequest when Messages
+// is set, else TokenizeCompletionRequest.
+type request struct {
+	Model               string          `json:"model"`
+	Messages            json.RawMessage `json:"messages,omitempty"`
+	Prompt              json.RawMessage `json:"prompt,omitempty"`
+	AddGenerationPrompt *bool           `json:"add_generation_prompt,omitempty"`
+}
+
+// response is TokenizeResponse.
+type response struct {
+	Count       int     `json:"count"`
+	MaxModelLen int     `json:"max_model_len"`
+	Tokens      []int32 `json:"tokens"`
+}
+
+// Chat returns the token ids of a chat request's prompt: messages is the
+// request's "messages" JSON, rendered with the model's chat template and
+// the generation prompt, as the engine renders it to serve the request.
+func (c *Client) Chat(ctx context.Context, model string, messages []byte) ([]int32, error) {
+	yes := true
+	return c.tokenize(ctx, request{Model: model, Messages: messages, AddGenerationPrompt: &yes})
+}
+
+// Prompt returns the token ids of a completions request's prompt (a JSON
+// string).
+func (c *Client) Prompt(ctx context.Context, model string, prompt []byte) ([]int32, error) {
+	return c.tokenize(ctx, request{Model: model, Prompt: prompt})
+}
+
+func (c *Client) tokenize(ctx context.Context, r request) ([]int32, error) {
+	var d xxhash.Digest
+	d.Reset()
+	_, _ = d.WriteString(r.Model)
+	_, _ = d.Write([]byte{0, byte(len(r.Messages) & 1)})
+	_, _ = d.Write(r.Messages)
+	_, _ = d.Write(r.Prompt)
+	key := d.Sum64()
+	if ids, ok := c.cache.Get(key); ok {
+		c.hits.Add(1)
+		return ids, nil
+	}
+	c.calls.Add(1)
+	ids, err := c.call(ctx, r)
+	if err != nil {
+		if errors.Is(err, ErrSlow) {
+			c.slow.Add(1)
+		} else {
+			c.failures.Add(1)
+		}
+		return nil, err
+	}
+	if !c.cache.Contains(key) { // another call may have added it meanwhile
+		c.held.Add(int64(len(ids)))
+		c.cache.Add(key, ids)
+	}
+	for c.held.Load() > int64(c.o.CacheTokens) && c.cache.Len() > 1 {
+		c.cache.RemoveOldest()
+	}
+	return ids, nil
+}
+
+func (c *Client) call(ctx context.Context, r request) ([]int32, error) {
+	ctx, cancel := context.WithTimeout(ctx, c.o.Timeout)
+	defer cancel()
+	body, _ := json.Marshal(r)
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.o.URL+"/tokenize", bytes.NewReader(body))
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := c.o.Client.Do(req)
+	if err != nil {
+		if ctx.Err() == context.DeadlineExceeded {
+			return nil, ErrSlow
+		}
+		return nil, fmt.Errorf("tokenizer: %w", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
+		return nil, fmt.Errorf("tokenizer: /tokenize answered %d", resp.StatusCode)
+	}
+	var out response
+	// Token ids are at most 11 bytes each in JSON.
+	if err := json.NewDecoder(io.LimitReader(resp.Body, int64(c.o.MaxTokens)*12+4096)).Decode(&out); err != nil {
+		if ctx.Err() == context.DeadlineExceeded {
+			return nil, ErrSlow
+		}
+		return nil, fmt.Errorf("tokenizer: /tokenize answer: %w", err)
+	}
+	if len(out.Tokens) > c.o.MaxTokens || (out.Count != 0 && out.Count != len(out.Tokens)) {
+		return nil, fmt.Errorf("tokenizer: /tokenize answered %d tokens (count %d)", len(out.Tokens), out.Count)
+	}
+	return out.Tokens, nil
+}
