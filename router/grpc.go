@@ -242,6 +242,10 @@ func (g *GRPCService) Release(_ context.Context, in *pb.ReleaseRequest) (*pb.Rel
 	if in.GetDecisionId() == "" {
 		return nil, invalid(errors.New("decision_id is required"))
 	}
+	if in.GetPromptTokens() < 0 || in.GetOutputTokens() < 0 || in.GetCachedTokens() < 0 || in.GetCachedTokens() > in.GetPromptTokens() ||
+		!(in.GetTtftMs() >= 0 && in.GetTtftMs() < 1e9) || !(in.GetDurationMs() >= 0 && in.GetDurationMs() < 1e9) || in.GetStatus() < 0 || in.GetStatus() > 999 {
+		return nil, invalid(errors.New("token counts and times must not be negative (nor cached_tokens exceed prompt_tokens), status must be an HTTP status"))
+	}
 	err := g.core.Release(in.GetDecisionId(), Outcome{
 		Status: int(in.GetStatus()), PromptTokens: in.GetPromptTokens(), OutputTokens: in.GetOutputTokens(),
 		CachedTokens: in.GetCachedTokens(), TTFTNs: int64(in.GetTtftMs() * float64(time.Millisecond)),

@@ -98,7 +98,7 @@ func (m *Metrics) finished(rt *Routed, o *Outcome) {
 	if o.DurationNs > 0 {
 		m.duration.WithLabelValues(arm, pol, rep).Observe(float64(o.DurationNs) / 1e9)
 	}
-	if o.Status == 200 && o.PromptTokens > 0 { // the replica reported usage
+	if o.Status == 200 && o.PromptTokens > 0 && o.CachedTokens >= 0 { // the replica reported usage
 		predicted := float64(rt.Served.Match.Tokens)
 		m.predicted.WithLabelValues(arm, pol, rep).Add(predicted)
 		m.reported.WithLabelValues(arm, pol, rep).Add(float64(o.CachedTokens))

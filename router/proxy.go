@@ -21,6 +21,7 @@ import (
 type flight struct {
 	rt   *Routed  // the request, with or without a prompt
 	in   *url.URL // the client's request URL, which every attempt is aimed from
+	auth []string // the client's Authorization values
 	body *body    // the request body; the handler releases it
 	next int      // index in the ranking of the next candidate to try
 	// stripUsage says the router asked the replica for the stream's usage
@@ -43,7 +44,7 @@ func flightOf(ctx context.Context) *flight { f, _ := ctx.Value(flightKey{}).(*fl
 func (f *flight) current() *routing.Candidate { return f.rt.Served }
 
 func (s *Server) forward(w http.ResponseWriter, r *http.Request, f *flight) {
-	f.in = r.URL
+	f.in, f.auth = r.URL, r.Header.Values("Authorization")
 	r = r.WithContext(context.WithValue(r.Context(), flightKey{}, f))
 	br := f.body.reader()
 	f.readers = append(f.readers, br)
@@ -58,7 +59,8 @@ func (s *Server) forward(w http.ResponseWriter, r *http.Request, f *flight) {
 }
 
 func (s *Server) rewrite(pr *httputil.ProxyRequest) {
-	aim(pr.Out, pr.In.URL, flightOf(pr.In.Context()).current().Replica.URL)
+	f := flightOf(pr.In.Context())
+	aim(pr.Out, pr.In.URL, f.auth, f.current().Replica.URL)
 	pr.SetXForwarded()
 	if sc := trace.SpanContextFromContext(pr.In.Context()); sc.IsValid() {
 		s.o.Propagator.Inject(pr.In.Context(), propagation.HeaderCarrier(pr.Out.Header))
@@ -69,17 +71,22 @@ func (s *Server) rewrite(pr *httputil.ProxyRequest) {
 // u: its scheme, host and base path joined with the client's path and
 // query in, as httputil.ProxyRequest.SetURL joins them. A replica URL with
 // user information (http://user:pass@host) sends it as basic
-// authentication, in place of any Authorization the client sent.
-func aim(out *http.Request, in *url.URL, u *url.URL) {
+// authentication, in place of the client's Authorization (auth, the
+// client's values); a replica without gets the client's, so that a
+// failover never carries one replica's credentials to another.
+func aim(out *http.Request, in *url.URL, auth []string, u *url.URL) {
 	out.URL = new(url.URL)
 	*out.URL = *in
 	out.URL.User = nil
 	pr := httputil.ProxyRequest{Out: out}
 	pr.SetURL(u)
 	out.Host = u.Host
+	out.Header.Del("Authorization")
 	if u.User != nil {
 		pass, _ := u.User.Password()
 		out.SetBasicAuth(u.User.Username(), pass)
+	} else if len(auth) > 0 {
+		out.Header["Authorization"] = auth
 	}
 }
 
@@ -153,7 +160,7 @@ func (t *failover) RoundTrip(req *http.Request) (*http.Response, error) {
 		}
 		t.s.o.Logger.Warn("replica failed before answering; failing over", "replica", cur.Replica.Name, "err", err, "status", statusOf(resp))
 		req = req.Clone(req.Context())
-		aim(req, f.in, f.current().Replica.URL)
+		aim(req, f.in, f.auth, f.current().Replica.URL)
 		br := f.body.reader()
 		f.readers = append(f.readers, br)
 		req.Body = br

@@ -385,7 +385,7 @@ func intField(o *fastjson.Value, key string, dst *int64) error {
 		return nil
 	}
 	n, err := v.Int64()
-	if err != nil {
+	if err != nil || n < 0 { // a token count: never negative
 		return errShape
 	}
 	*dst = n

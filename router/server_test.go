@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
@@ -21,6 +22,17 @@ import (
 // serverFor is a Server over replicas at urls (named r0, r1, … in order)
 // under round robin, with o's timeouts, serving on a real socket.
 func serverFor(t *testing.T, o ServerOptions, urls ...string) (*httptest.Server, *routing.Engine) {
+	t.Helper()
+	return serverWith(t, o, nil, urls...)
+}
+
+// serverForMetrics is serverFor with the core's metrics set.
+func serverForMetrics(t *testing.T, m *Metrics, urls ...string) (*httptest.Server, *routing.Engine) {
+	t.Helper()
+	return serverWith(t, ServerOptions{}, m, urls...)
+}
+
+func serverWith(t *testing.T, o ServerOptions, m *Metrics, urls ...string) (*httptest.Server, *routing.Engine) {
 	t.Helper()
 	specs := make([]replica.Spec, len(urls))
 	for i, u := range urls {
@@ -31,7 +43,7 @@ func serverFor(t *testing.T, o ServerOptions, urls ...string) (*httptest.Server,
 		t.Fatal(err)
 	}
 	rr, _ := routing.NewPolicy("round_robin", routing.PolicyConfig{})
-	core, err := NewCore(CoreOptions{Engine: e, Arms: []Arm{{Name: "default", Policy: rr, Weight: 1}}})
+	core, err := NewCore(CoreOptions{Engine: e, Arms: []Arm{{Name: "default", Policy: rr, Weight: 1}}, Metrics: m})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -224,5 +236,61 @@ func TestServerAimsAtTheReplicasBaseAndCredentials(t *testing.T) {
 			t.Fatalf("the replica saw %+v", s)
 		}
 		req.Body = io.NopCloser(strings.NewReader(chatBody))
+	}
+}
+
+// TestServerFailoverCarriesNoCredentials: a replica with credentials that
+// answers 503 hands the request to one without, which gets the client's own
+// Authorization, not the first replica's.
+func TestServerFailoverCarriesNoCredentials(t *testing.T) {
+	got := make(chan string, 4)
+	busy := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got <- "busy " + r.Header.Get("Authorization")
+		w.WriteHeader(http.StatusServiceUnavailable)
+	}))
+	defer busy.Close()
+	good := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got <- "good " + r.Header.Get("Authorization")
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, `{"choices":[{"message":{"content":"hi"}}]}`)
+	}))
+	defer good.Close()
+	ts, _ := serverFor(t, ServerOptions{}, strings.Replace(busy.URL, "http://", "http://svc:s3cret@", 1), good.URL)
+	req, _ := http.NewRequest(http.MethodPost, ts.URL+"/v1/chat/completions", strings.NewReader(chatBody))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Authorization", "Bearer client-key")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if first, second := <-got, <-got; first != "busy Basic c3ZjOnMzY3JldA==" || second != "good Bearer client-key" {
+		t.Fatalf("replicas saw %q then %q", first, second)
+	}
+}
+
+// TestNegativeUsageIsRefused: a replica reporting negative token counts
+// does not take the router down (a metric counter cannot decrease).
+func TestNegativeUsageIsRefused(t *testing.T) {
+	bad := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = io.WriteString(w, `{"choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":3,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":-1}}}`)
+	}))
+	defer bad.Close()
+	reg := prometheus.NewRegistry()
+	m, err := NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts, e := serverForMetrics(t, m, bad.URL)
+	for range 3 {
+		resp := postChat(t, ts.URL)
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			t.Fatalf("status %d", resp.StatusCode)
+		}
+	}
+	if n := inFlight(e); n != 0 {
+		t.Fatalf("%d requests still in flight: a finish panicked", n)
 	}
 }

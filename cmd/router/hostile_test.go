@@ -652,3 +652,28 @@ func TestGRPCLargeMessagesCostNothingUnauthenticated(t *testing.T) {
 		t.Fatalf("3 Mi messages with the token: %.300v", err)
 	}
 }
+
+// A Release with negative counts is refused; it must not reach a metric
+// counter, which would panic and take the process down.
+func TestGRPCReleaseRefusesNegativeCounts(t *testing.T) {
+	r := routerOverSim(t, "grpc_listen: 127.0.0.1:0\ngrpc: {token: tok}\n")
+	c := pb.NewRouterClient(grpcClient(t, r.grpcAddr(), "tok"))
+	ctx := context.Background()
+	rt, err := c.Route(ctx, &pb.RouteRequest{Model: "sim-model", Input: &pb.RouteRequest_Prompt{Prompt: "hello"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, in := range []*pb.ReleaseRequest{
+		{DecisionId: rt.DecisionId, Status: 200, PromptTokens: 3, CachedTokens: -1},
+		{DecisionId: rt.DecisionId, Status: 200, PromptTokens: -3},
+		{DecisionId: rt.DecisionId, Status: 200, PromptTokens: 3, CachedTokens: 4},
+		{DecisionId: rt.DecisionId, Status: 200, TtftMs: -1},
+	} {
+		if _, err := c.Release(ctx, in); status.Code(err) != codes.InvalidArgument {
+			t.Fatalf("%v: %v", in, err)
+		}
+	}
+	if _, err := c.Release(ctx, &pb.ReleaseRequest{DecisionId: rt.DecisionId, Status: 200, PromptTokens: 3, CachedTokens: 1}); err != nil {
+		t.Fatalf("a valid release after the refused ones: %v", err)
+	}
+}
