@@ -153,3 +153,29 @@ func TestMembershipSourcesAndPrecedence(t *testing.T) {
 		t.Fatal("the file did not name a again")
 	}
 }
+
+// TestMembershipHandsOverALetGoReplica: a replica the admin API added, then
+// the file took over and later dropped, is the admin API's again.
+func TestMembershipHandsOverALetGoReplica(t *testing.T) {
+	m, pool, _ := member(t, "config", "admin", "dns")
+	ctx := context.Background()
+	admin := NewStatic("admin", []Spec{{Name: "r1", URL: "http://10.0.0.1:8000"}})
+	file := NewStatic("config", nil)
+	for _, src := range []Source{admin, file} {
+		if err := m.Reconcile(ctx, src); err != nil {
+			t.Fatal(err)
+		}
+	}
+	file.Set([]Spec{{Name: "r1", URL: "http://10.0.0.2:8000"}})
+	if err := m.Reconcile(ctx, file); err != nil || m.Owner("r1") != "config" {
+		t.Fatalf("the file did not take r1: %v", err)
+	}
+	file.Set(nil)
+	if err := m.Reconcile(ctx, file); err != nil {
+		t.Fatal(err)
+	}
+	r, ok := pool.Get("r1")
+	if !ok || m.Owner("r1") != "admin" || r.URL.Host != "10.0.0.1:8000" {
+		t.Fatalf("r1 after the file dropped it: present %v, owner %q", ok, m.Owner("r1"))
+	}
+}

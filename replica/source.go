@@ -103,6 +103,7 @@ type Membership struct {
 	mu    sync.Mutex
 	owner map[string]string // replica name → the source that owns it
 	specs map[string]Spec   // replica name → the spec it joined with
+	last  map[string][]Spec // source name → what it named at its last Reconcile
 }
 
 // NewMembership returns the membership of pool.
@@ -113,7 +114,7 @@ func NewMembership(pool *Pool, o MembershipOptions) *Membership {
 	if o.Logger == nil {
 		o.Logger = slog.Default()
 	}
-	return &Membership{o: o, pool: pool, owner: map[string]string{}, specs: map[string]Spec{}}
+	return &Membership{o: o, pool: pool, owner: map[string]string{}, specs: map[string]Spec{}, last: map[string][]Spec{}}
 }
 
 // rank is a source's strength: lower is stronger.
@@ -158,14 +159,43 @@ func (m *Membership) Reconcile(ctx context.Context, src Source) error {
 		m.owner[s.Name], m.specs[s.Name] = name, s
 		m.o.Logger.Info("replica joined", "replica", s.Name, "source", name)
 	}
+	m.last[name] = specs
 	for r, owner := range m.owner {
 		if owner == name && !want[r] {
 			m.removeLocked(r, "no longer named by "+name)
+			if err := m.handOverLocked(r); err != nil {
+				errs = append(errs, err)
+			}
 		}
 	}
 	if len(errs) > 0 {
 		return errs[0]
 	}
+	return nil
+}
+
+// handOverLocked gives the named replica, which its owner just let go, to
+// the strongest other source that named it at its last Reconcile, if any
+// (an admin-added replica the file took over and then dropped comes back
+// as the admin API's). m.mu is held.
+func (m *Membership) handOverLocked(name string) error {
+	best, bestRank := "", -1
+	var spec Spec
+	for src, specs := range m.last {
+		for _, s := range specs {
+			if s.Name == name && (bestRank < 0 || m.rank(src) < bestRank) {
+				best, bestRank, spec = src, m.rank(src), s
+			}
+		}
+	}
+	if best == "" {
+		return nil
+	}
+	if _, err := m.o.Add(spec); err != nil {
+		return fmt.Errorf("%s: replica %s: %w", best, name, err)
+	}
+	m.owner[name], m.specs[name] = best, spec
+	m.o.Logger.Info("replica joined", "replica", name, "source", best)
 	return nil
 }
 

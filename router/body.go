@@ -3,7 +3,6 @@ package router
 import (
 	"errors"
 	"io"
-	"slices"
 	"sync"
 	"sync/atomic"
 )
@@ -47,9 +46,15 @@ func (b *body) readAll(r io.Reader, n int64) error {
 		r = io.LimitReader(r, n)
 	}
 	buf := b.b[:0]
-	for {
-		if len(buf) == cap(buf) {
-			buf = slices.Grow(buf, max(cap(buf), 512))
+	for n < 0 || int64(len(buf)) < n {
+		if len(buf) == cap(buf) { // double, but not past the declared length
+			size := max(2*cap(buf), 512)
+			if n >= 0 {
+				size = int(min(int64(size), n))
+			}
+			grown := make([]byte, len(buf), size)
+			copy(grown, buf)
+			buf = grown
 		}
 		k, err := r.Read(buf[len(buf):cap(buf)])
 		buf = buf[:len(buf)+k]

@@ -126,3 +126,27 @@ func TestBodyCloseDuringWrite(t *testing.T) {
 		t.Fatalf("wrote %q, refs %d; want \"abc\", 0", w.got, b.refs.Load())
 	}
 }
+
+// TestReadAllGrowsToTheDeclaredLength: a body read as it arrives ends in a
+// buffer of its declared length (so that it can go back to the pool), and
+// one of unknown length in at most twice its size.
+func TestReadAllGrowsToTheDeclaredLength(t *testing.T) {
+	for _, size := range []int{100, 64 << 10, 100 << 10, 960 << 10, 3 << 20} {
+		data := bytes.Repeat([]byte("x"), size)
+		b := newBody(bodyPrealloc)
+		if err := b.readAll(bytes.NewReader(data), int64(size)); err != nil || !bytes.Equal(b.b, data) {
+			t.Fatalf("%d bytes declared: %v", size, err)
+		}
+		if size > bodyPrealloc && cap(b.b) != size {
+			t.Fatalf("%d bytes declared: buffer of %d", size, cap(b.b))
+		}
+		u := newBody(bodyPrealloc)
+		if err := u.readAll(bytes.NewReader(data), -1); err != nil || !bytes.Equal(u.b, data) || cap(u.b) > 2*max(size, bodyPrealloc) {
+			t.Fatalf("%d bytes of unknown length: %v, buffer of %d", size, err, cap(u.b))
+		}
+	}
+	short := newBody(bodyPrealloc)
+	if err := short.readAll(bytes.NewReader([]byte("abc")), 10); err != io.ErrUnexpectedEOF {
+		t.Fatalf("a short body: %v", err)
+	}
+}

@@ -52,6 +52,13 @@ func methodNotAllowed(w http.ResponseWriter, r *http.Request) {
 		r.Method + " is not allowed on " + r.URL.Path + "; use POST"})
 }
 
+// notRouted answers a path under a routed one (/v1/chat/completions/…):
+// there is no such route.
+func notRouted(w http.ResponseWriter, r *http.Request) {
+	writeError(w, apiError{http.StatusNotFound, "invalid_request_error", "unknown_route",
+		"no route " + r.URL.Path + "; use /v1/chat/completions or /v1/completions"})
+}
+
 func (s *Server) classify(err error) apiError {
 	var ie *blockhash.InputError
 	var tooBig *http.MaxBytesError

@@ -128,6 +128,10 @@ func NewServer(o ServerOptions) (*Server, error) {
 	// it would reach a replica unvalidated.
 	s.mux.HandleFunc("/v1/chat/completions", methodNotAllowed)
 	s.mux.HandleFunc("/v1/completions", methodNotAllowed)
+	// The routed paths with anything after them (a trailing slash) would
+	// reach a replica unvalidated through the pass-through route.
+	s.mux.HandleFunc("/v1/chat/completions/", notRouted)
+	s.mux.HandleFunc("/v1/completions/", notRouted)
 	s.mux.HandleFunc("GET /v1/models", s.models)
 	s.mux.HandleFunc("/v1/", s.passthrough)
 	s.mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok\n") })

@@ -38,13 +38,15 @@ const maxHeldEvent = 64 << 10
 // asked for it and the client did not: the client sees the stream it would
 // have seen. It hands events on whole, as the replica flushed them.
 type usageStripper struct {
-	rc   io.ReadCloser
-	in   []byte // bytes read and not yet handed on: the current event
-	out  []byte // whole events ready to hand on
-	off  bool   // an event grew past maxHeldEvent: pass everything through
-	err  error  // the upstream's error, returned once out is drained
-	p    fastjson.Parser
-	read []byte
+	rc  io.ReadCloser
+	in  []byte // bytes read and not yet handed on: the current event
+	out []byte // whole events ready to hand on
+	off bool   // an event grew past maxHeldEvent: pass everything through
+	// scanned is how much of in was searched for an event's end already.
+	scanned int
+	err     error // the upstream's error, returned once out is drained
+	p       fastjson.Parser
+	read    []byte
 }
 
 func newUsageStripper(rc io.ReadCloser) *usageStripper {
@@ -78,26 +80,59 @@ func (s *usageStripper) Read(p []byte) (int, error) {
 }
 
 // split moves every whole event of s.in to s.out, dropping a usage chunk.
+// It scans each byte once: s.scanned is where the last look stopped.
 func (s *usageStripper) split() {
 	for {
-		end, sep := bytes.Index(s.in, []byte("\n\n")), 2
-		if e := bytes.Index(s.in, []byte("\r\n\r\n")); e >= 0 && (end < 0 || e < end) {
-			end, sep = e, 4
-		}
+		end := eventEnd(s.in, s.scanned)
 		if end < 0 {
 			if len(s.in) > maxHeldEvent {
 				s.off = true
 				s.out = append(s.out, s.in...)
 				s.in = nil
 			}
+			s.scanned = max(len(s.in)-3, 0) // a blank line may straddle the next read
 			return
 		}
-		ev := s.in[:end+sep]
-		if !s.usageChunk(ev) {
+		if ev := s.in[:end]; !s.usageChunk(ev) {
 			s.out = append(s.out, ev...)
 		}
-		s.in = s.in[end+sep:]
+		s.in, s.scanned = s.in[end:], 0
 	}
+}
+
+// eventEnd returns the index just after the first blank line in b at or
+// after from (an event's end: "\n\n", "\r\r", "\r\n\r\n", or a mix, as
+// the event-stream format allows), or -1.
+func eventEnd(b []byte, from int) int {
+	for i := from; i < len(b); {
+		j := bytes.IndexAny(b[i:], "\r\n")
+		if j < 0 {
+			return -1
+		}
+		i += j
+		// One line ending at i; a second right after it ends the event.
+		next := i + 1
+		if b[i] == '\r' && next < len(b) && b[next] == '\n' {
+			next++
+		}
+		if next >= len(b) {
+			return -1
+		}
+		if b[next] == '\n' {
+			return next + 1
+		}
+		if b[next] == '\r' {
+			if next+1 < len(b) && b[next+1] == '\n' {
+				return next + 2
+			}
+			if next+1 >= len(b) {
+				return -1 // "\r\r" or the start of "\r\n": wait for one more byte
+			}
+			return next + 1
+		}
+		i = next
+	}
+	return -1
 }
 
 // usageChunk reports whether ev is a data event whose JSON has no choices

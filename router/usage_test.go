@@ -35,6 +35,7 @@ func TestUsageStripper(t *testing.T) {
 	cases := []struct{ name, in, want string }{
 		{"usage chunk dropped", content + usage + done, content + done},
 		{"crlf events", strings.ReplaceAll(content+usage+done, "\n", "\r\n"), strings.ReplaceAll(content+done, "\n", "\r\n")},
+		{"cr events", strings.ReplaceAll(content+usage+done, "\n", "\r"), strings.ReplaceAll(content+done, "\n", "\r")},
 		{"a chunk with choices kept", withUsageField + done, withUsageField + done},
 		{"unterminated last event kept", content + "data: {\"x\":1}", content + "data: {\"x\":1}"},
 		{"a giant event passes through", content + "data: " + strings.Repeat("x", maxHeldEvent+10) + usage, content + "data: " + strings.Repeat("x", maxHeldEvent+10) + usage},

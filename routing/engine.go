@@ -147,6 +147,7 @@ type Decision struct {
 	pooled  bool              // Blocks came from the block pool
 	learned []blockhash.Block // LearnReply's chain, from the block pool
 	scale   float64           // engine tokens per estimated token in Blocks (0 means 1)
+	exact   bool              // Blocks count token ids, not estimates
 }
 
 // Chosen returns the winning candidate.
@@ -192,8 +193,10 @@ type Request struct {
 	// them), so Recycle may take them back.
 	pooled bool
 	// scale is the engine tokens per estimated token Prepare applied to
-	// the blocks' Tokens (0 means 1).
+	// the blocks' Tokens (0 means 1); exact says the tokens were not
+	// estimated (token ids), so the engine's count teaches nothing.
 	scale float64
+	exact bool
 }
 
 // DetachText copies the request's text (kept for the matcher or prompt
@@ -210,7 +213,9 @@ func (r *Request) DetachText() {
 // decision made from it ends.
 func (e *Engine) Prepare(req *blockhash.Request, sessionID string, withText bool) Request {
 	in := Request{Blocks: e.split.Split(newBlocks(e.split.Count(req)), req), pooled: true, scale: 1}
-	if !tokenIDsOnly(req) { // token ids are counted exactly already
+	if tokenIDsOnly(req) { // token ids are counted exactly already: nothing to scale, nothing to learn
+		in.exact = true
+	} else {
 		in.scale = e.units.scale(req.Model)
 		scaleTokens(in.Blocks, in.scale)
 	}
@@ -246,6 +251,9 @@ func scaleTokens(blocks []blockhash.Block, scale float64) {
 // ObserveUsage learns the engine's unit for model from a finished request:
 // the engine reported prompt tokens for the prompt d was decided on.
 func (e *Engine) ObserveUsage(model string, d *Decision, promptTokens int) {
+	if d.exact {
+		return
+	}
 	scale := cmp.Or(d.scale, 1)
 	e.units.observe(model, float64(d.Tokens)/scale, promptTokens)
 }
@@ -264,7 +272,7 @@ func (e *Engine) Decide(ri Request, record bool) (*Decision, error) {
 	if pol == nil {
 		return nil, errors.New("routing: Request.Policy is required")
 	}
-	d := &Decision{Blocks: ri.Blocks, Key: ri.Key, Policy: pol.Name(), pooled: ri.pooled, scale: ri.scale}
+	d := &Decision{Blocks: ri.Blocks, Key: ri.Key, Policy: pol.Name(), pooled: ri.pooled, scale: ri.scale, exact: ri.exact}
 	for _, b := range ri.Blocks {
 		d.Tokens += int(b.Tokens)
 	}

@@ -338,13 +338,25 @@ func TestTokensInTheEnginesUnit(t *testing.T) {
 		t.Fatalf("the whole prompt matched %d of %d engine tokens", m.Tokens, d2.Tokens)
 	}
 	ids, _ := blockhash.ParseCompletion([]byte(`{"model":"m","prompt":[1,2,3,4,5,6,7,8]}`), blockhash.Limits{})
-	if in := f.e.Prepare(ids, "", false); in.Blocks[0].Tokens != 8 {
+	in := f.e.Prepare(ids, "", false)
+	if in.Blocks[0].Tokens != 8 {
 		t.Fatalf("token ids scaled to %d", in.Blocks[0].Tokens)
+	}
+	in.Policy = f.pol
+	di, err := f.e.Decide(in, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 40 { // exact counts teach nothing: the ratio stays
+		f.e.ObserveUsage("m", di, 8)
+	}
+	if s := f.e.TokenScale("m"); math.Abs(s-0.6) > 0.01 {
+		t.Fatalf("token-id requests moved the learned scale to %v", s)
 	}
 	for i := range maxModels + 10 {
 		f.e.ObserveUsage(fmt.Sprint("model-", i), d, 100)
 	}
-	if n := len(f.e.units.models); n != maxModels {
+	if n := len(*f.e.units.models.Load()); n != maxModels {
 		t.Fatalf("%d models learned, cap %d", n, maxModels)
 	}
 }

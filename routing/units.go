@@ -1,6 +1,7 @@
 package routing
 
 import (
+	"maps"
 	"math"
 	"sync"
 	"sync/atomic"
@@ -15,9 +16,8 @@ import (
 // absorbs the chat template's tokens. A model never observed scales by 1.
 // Safe for concurrent use.
 type units struct {
-	mu     sync.Mutex
-	models map[string]*atomic.Uint64 // float64 bits of the ratio
-	n      atomic.Int32              // len(models), read without the lock
+	mu     sync.Mutex                                // serialises adding a model
+	models atomic.Pointer[map[string]*atomic.Uint64] // copy-on-write: float64 bits of each ratio
 }
 
 // Bounds of the learned ratio, and of the models learned: model names come
@@ -28,18 +28,14 @@ const (
 	maxModels = 256
 )
 
-// scale returns the ratio learned for model, or 1.
+// scale returns the ratio learned for model, or 1. It takes no lock.
 func (u *units) scale(model string) float64 {
-	if u.n.Load() == 0 {
-		return 1
+	if m := u.models.Load(); m != nil {
+		if v := (*m)[model]; v != nil {
+			return math.Float64frombits(v.Load())
+		}
 	}
-	u.mu.Lock()
-	v := u.models[model]
-	u.mu.Unlock()
-	if v == nil {
-		return 1
-	}
-	return math.Float64frombits(v.Load())
+	return 1
 }
 
 // observe learns from one request: estimated splitter tokens against the
@@ -49,24 +45,14 @@ func (u *units) observe(model string, estimated float64, reported int) {
 		return
 	}
 	r := min(max(float64(reported)/estimated, minRatio), maxRatio)
-	u.mu.Lock()
-	v := u.models[model]
+	var v *atomic.Uint64
+	if m := u.models.Load(); m != nil {
+		v = (*m)[model]
+	}
 	if v == nil {
-		if len(u.models) >= maxModels {
-			u.mu.Unlock()
-			return
-		}
-		if u.models == nil {
-			u.models = map[string]*atomic.Uint64{}
-		}
-		v = &atomic.Uint64{}
-		v.Store(math.Float64bits(r)) // the first observation sets it
-		u.models[model] = v
-		u.n.Store(int32(len(u.models)))
-		u.mu.Unlock()
+		u.add(model, r)
 		return
 	}
-	u.mu.Unlock()
 	for {
 		old := v.Load()
 		avg := math.Float64frombits(old)
@@ -74,4 +60,23 @@ func (u *units) observe(model string, estimated float64, reported int) {
 			return
 		}
 	}
+}
+
+// add learns a model seen for the first time, with ratio r, unless
+// maxModels are known already.
+func (u *units) add(model string, r float64) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	old := u.models.Load()
+	if old != nil && ((*old)[model] != nil || len(*old) >= maxModels) {
+		return
+	}
+	next := map[string]*atomic.Uint64{}
+	if old != nil {
+		maps.Copy(next, *old)
+	}
+	v := &atomic.Uint64{}
+	v.Store(math.Float64bits(r)) // the first observation sets it
+	next[model] = v
+	u.models.Store(&next)
 }

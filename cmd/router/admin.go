@@ -232,14 +232,22 @@ func (a *app) applyFile() ([]string, error) {
 		pending = append(pending, "limits.max_body_bytes (the gRPC message size)")
 	}
 	old := a.current.Load()
-	if err := a.core.SetArms(arms); err != nil {
-		return nil, err
-	}
+	// The replicas first: if they cannot all be applied, the old list is
+	// put back and nothing else of the file applies.
 	a.file.Set(specsOf(cfg.Replicas))
 	if err := a.members.Reconcile(a.ctx, a.file); err != nil {
+		a.file.Set(specsOf(old.Replicas))
+		_ = a.members.Reconcile(a.ctx, a.file)
 		return nil, err
 	}
-	a.server.SetLimits(limitsOf(cfg.Limits))
+	if err := a.core.SetArms(arms); err != nil { // armsFor checked them: not reached
+		return nil, err
+	}
+	lim := limitsOf(cfg.Limits)
+	if cfg.Limits.MaxJSONValuesInFlight == old.Limits.MaxJSONValuesInFlight {
+		lim.Parse.Budget = a.server.CurrentLimits().Parse.Budget // parses in flight hold values in it
+	}
+	a.server.SetLimits(lim)
 	next := *old
 	next.Replicas, next.Limits = cfg.Replicas, cfg.Limits
 	next.Routing = mergeLiveRouting(old.Routing, cfg.Routing) // the others keep their running values
@@ -262,10 +270,14 @@ func mergeLiveRouting(old, cur configs.RoutingConfig) configs.RoutingConfig {
 // API is gone for good; one from the file or DNS comes back when its source
 // next names it (a reload, a DNS change).
 func (a *app) removeReplica(name string) error {
-	if a.admin.Delete(name) {
+	listed := a.admin.Delete(name) // the admin API no longer names it, whoever owns it
+	if a.members.Owner(name) == "admin" {
 		return a.members.Reconcile(a.ctx, a.admin)
 	}
-	return a.members.Remove(name)
+	if err := a.members.Remove(name); err != nil && !listed {
+		return err
+	}
+	return nil
 }
 
 // watch returns a loop that reloads the config whenever its file changes.

@@ -359,6 +359,13 @@ func TestRouterReadsTheBodyAsTheEngine(t *testing.T) {
 			}
 		}
 	}
+	// Paths under the routed ones do not slip through the pass-through route.
+	for _, p := range []string{"/v1/chat/completions/", "/v1/completions/x"} {
+		code, body, _ := rawPost(t, r.http.url(), p, []byte(`{"model":"sim-model","messages":"not validated","max_tokens":999999999999}`))
+		if code != http.StatusNotFound {
+			t.Fatalf("POST %s: %d %s", p, code, body)
+		}
+	}
 	// Dot segments sent encoded are refused, not passed on raw.
 	for _, p := range []string{"/v1/%2e%2e/metrics", "/v1/models/%2E%2E/%2e%2e/health", "/v1/%2e/models"} {
 		conn, err := net.Dial("tcp", r.http.addr)
