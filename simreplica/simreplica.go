@@ -59,7 +59,7 @@ type Options struct {
 	MaxOutputTokens int           // cap on max_tokens; default 4096
 	MaxBodyBytes    int64         // request body limit; default 32 MiB
 	// Tokenizer names the engine's tokenizer and chat template:
-	// TokenizerBytes (the default, "") or TokenizerWords. See Tokenizer.
+	// TokenizerWords (the default, "") or TokenizerBytes. See Tokenizer.
 	Tokenizer string
 	// LoRAs are adapters served besides Model: a request may name one as
 	// its model. Their blocks are other blocks than the base model's for
@@ -117,7 +117,7 @@ func (o *Options) defaults() {
 	}
 	def(&o.MaxModelLen, 1<<20)
 	if o.Tokenizer == "" {
-		o.Tokenizer = TokenizerBytes
+		o.Tokenizer = TokenizerWords
 	}
 }
 

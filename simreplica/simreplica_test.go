@@ -14,7 +14,7 @@ import (
 	"time"
 )
 
-var fast = Options{Overhead: time.Microsecond, PrefillPerToken: time.Nanosecond, InterToken: time.Microsecond, OutputTokens: 3}
+var fast = Options{Overhead: time.Microsecond, PrefillPerToken: time.Nanosecond, InterToken: time.Microsecond, OutputTokens: 3, Tokenizer: TokenizerBytes}
 
 func start(t *testing.T, o Options) *Running {
 	t.Helper()

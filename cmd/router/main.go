@@ -169,7 +169,7 @@ func newSim() *cobra.Command {
 	f.DurationVar(&o.InterToken, "inter-token", 2*time.Millisecond, "time per output token after the first")
 	f.IntVar(&o.OutputTokens, "output-tokens", 16, "output length when max_tokens is absent")
 	f.IntVar(&o.MaxOutputTokens, "max-output-tokens", 4096, "largest max_tokens accepted")
-	f.StringVar(&o.Tokenizer, "tokenizer", "bytes", "bytes (bytes-per-token estimate) or words (word pieces with a chat template, about 5-6 bytes a token)")
+	f.StringVar(&o.Tokenizer, "tokenizer", "words", "words (word pieces with a chat template, about 5-6 bytes a token) or bytes (--bytes-per-token bytes a token)")
 	f.StringVar(&kvEvents, "kv-events", "", "publish vLLM KV events over ZMQ at this endpoint (e.g. tcp://127.0.0.1:5557); empty: off")
 	f.StringVar(&kvReplay, "kv-events-replay", "", "the KV events replay endpoint (e.g. tcp://127.0.0.1:5558)")
 	f.StringVar(&top, "kv-events-topic", "kv-events", "the KV events topic")
