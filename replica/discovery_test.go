@@ -178,4 +178,21 @@ func TestMembershipHandsOverALetGoReplica(t *testing.T) {
 	if !ok || m.Owner("r1") != "admin" || r.URL.Host != "10.0.0.1:8000" {
 		t.Fatalf("r1 after the file dropped it: present %v, owner %q", ok, m.Owner("r1"))
 	}
+	// A drain follows the name across a hand-over.
+	if err := m.SetDraining("r1", true); err != nil {
+		t.Fatal(err)
+	}
+	file.Set([]Spec{{Name: "r1", URL: "http://10.0.0.3:8000"}})
+	if err := m.Reconcile(ctx, file); err != nil {
+		t.Fatal(err)
+	}
+	if r, _ := pool.Get("r1"); m.Owner("r1") != "config" || !r.Draining() {
+		t.Fatal("the drain was lost when the file took r1")
+	}
+	if err := m.SetDraining("r1", false); err != nil {
+		t.Fatal(err)
+	}
+	if r, _ := pool.Get("r1"); r.Draining() {
+		t.Fatal("undrain did not take")
+	}
 }

@@ -104,6 +104,9 @@ type Membership struct {
 	owner map[string]string // replica name → the source that owns it
 	specs map[string]Spec   // replica name → the spec it joined with
 	last  map[string][]Spec // source name → what it named at its last Reconcile
+	// drained names the replicas an operator drained: the state follows
+	// the name when a replica is replaced or changes hands.
+	drained map[string]bool
 }
 
 // NewMembership returns the membership of pool.
@@ -114,7 +117,8 @@ func NewMembership(pool *Pool, o MembershipOptions) *Membership {
 	if o.Logger == nil {
 		o.Logger = slog.Default()
 	}
-	return &Membership{o: o, pool: pool, owner: map[string]string{}, specs: map[string]Spec{}, last: map[string][]Spec{}}
+	return &Membership{o: o, pool: pool, owner: map[string]string{}, specs: map[string]Spec{}, last: map[string][]Spec{},
+		drained: map[string]bool{}}
 }
 
 // rank is a source's strength: lower is stronger.
@@ -152,7 +156,7 @@ func (m *Membership) Reconcile(ctx context.Context, src Source) error {
 		default:
 			m.removeLocked(s.Name, "replaced")
 		}
-		if _, err := m.o.Add(s); err != nil {
+		if err := m.addLocked(s); err != nil {
 			errs = append(errs, fmt.Errorf("%s: replica %s: %w", name, s.Name, err))
 			continue
 		}
@@ -191,11 +195,40 @@ func (m *Membership) handOverLocked(name string) error {
 	if best == "" {
 		return nil
 	}
-	if _, err := m.o.Add(spec); err != nil {
+	if err := m.addLocked(spec); err != nil {
 		return fmt.Errorf("%s: replica %s: %w", best, name, err)
 	}
 	m.owner[name], m.specs[name] = best, spec
 	m.o.Logger.Info("replica joined", "replica", name, "source", best)
+	return nil
+}
+
+// addLocked adds a replica, drained if an operator drained its name. m.mu
+// is held.
+func (m *Membership) addLocked(s Spec) error {
+	r, err := m.o.Add(s)
+	if err == nil && m.drained[s.Name] {
+		r.Drain()
+	}
+	return err
+}
+
+// SetDraining drains (or lets back) the named replica; the state follows
+// the name across replacements and hand-overs until changed here.
+func (m *Membership) SetDraining(name string, drain bool) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	r, ok := m.pool.Get(name)
+	if !ok {
+		return fmt.Errorf("no replica %q", name)
+	}
+	if drain {
+		r.Drain()
+		m.drained[name] = true
+	} else {
+		r.Undrain()
+		delete(m.drained, name)
+	}
 	return nil
 }
 

@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"errors"
 	"strconv"
-	"strings"
 	"time"
 	"unicode/utf8"
 
@@ -91,7 +90,9 @@ type authenticator struct{ token func() string }
 
 // check returns nil when method needs no token or md carries the right one.
 func (a authenticator) check(md metadata.MD, method string) error {
-	if a.token == nil || strings.HasPrefix(method, "/grpc.health.v1.Health/") {
+	// Probes need no token: Check only. Watch holds a stream (and its
+	// connection) open, so it takes the token like every other call.
+	if a.token == nil || method == "/grpc.health.v1.Health/Check" {
 		return nil
 	}
 	want := a.token()

@@ -184,9 +184,16 @@ func (s *Server) readBody(w http.ResponseWriter, r *http.Request) (*body, error)
 // A path with dot segments (sent percent-encoded, as %2e%2e, so that the
 // mux did not clean it) is refused: it would name another path upstream.
 func (s *Server) passthrough(w http.ResponseWriter, r *http.Request) {
-	if hasDotSegment(r.URL.Path) {
+	if hasDotSegment(r.URL.Path) || encodesSeparator(r.URL.RawPath) || strings.ContainsRune(r.URL.Path, '\\') {
 		writeError(w, apiError{http.StatusBadRequest, "invalid_request_error", "invalid_path",
-			"the path must not contain . or .. segments"})
+			"the path must not contain . or .. segments, nor an encoded / or \\"})
+		return
+	}
+	// A path that names a routed endpoint once a server decodes or trims it
+	// (chat%2Fcompletions, completions;x) must not reach a replica as a
+	// pass-through request, unvalidated.
+	if p := r.URL.Path; strings.HasPrefix(p, "/v1/chat/completions") || strings.HasPrefix(p, "/v1/completions") {
+		notRouted(w, r)
 		return
 	}
 	body, err := s.readBody(w, r)
@@ -201,6 +208,13 @@ func (s *Server) passthrough(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	s.forwardRouted(w, r, r.Context(), rt, body, false)
+}
+
+// encodesSeparator reports whether a raw (escaped) path encodes a / or a
+// \\ (%2F, %5C): a server that decodes before it routes reads another path.
+func encodesSeparator(raw string) bool {
+	u := strings.ToUpper(raw)
+	return strings.Contains(u, "%2F") || strings.Contains(u, "%5C")
 }
 
 // hasDotSegment reports whether the decoded path p has a "." or ".."

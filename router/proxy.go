@@ -95,27 +95,33 @@ func (s *Server) modifyResponse(resp *http.Response) error {
 	f.status = resp.StatusCode
 	c := f.current()
 	resp.Header.Set(HeaderReplica, c.Replica.Name)
-	body := resp.Body
-	if rt := f.rt; rt.req.PassThrough {
-		s.core.FirstByte(rt)
-	} else {
-		resp.Header.Set(HeaderMatchedTokens, strconv.Itoa(c.Match.Tokens))
-		sse := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
-		f.capture = &replyCapture{rc: resp.Body, limit: s.o.MaxReplyBytes, sse: sse,
-			first: func() { s.core.FirstByte(rt) }}
-		body = f.capture
-		if sse && f.stripUsage {
-			body = newUsageStripper(body)
-		}
-	}
 	// A replica silent for IdleTimeout while the proxy waits for its next
-	// chunk is cut off, and counted as failing: on every forwarded route.
-	resp.Body = newIdleBody(body, s.o.Timeouts.Idle, func() {
+	// bytes is cut off, and counted as failing: on every forwarded route.
+	// The timer wraps the replica's body itself, so it measures the
+	// replica's silence, not the time the layers above take to gather a
+	// whole event.
+	var body io.ReadCloser = newIdleBody(resp.Body, s.o.Timeouts.Idle, func() {
 		c.Replica.Fail(time.Now(), s.o.Ejection)
 		s.core.o.Metrics.UpstreamError(c.Replica.Name, "idle")
 		s.o.Logger.Warn("replica went silent mid-response; cutting it off", "replica", c.Replica.Name, "path", resp.Request.URL.Path)
 		f.cancel()
 	})
+	if rt := f.rt; rt.req.PassThrough {
+		s.core.FirstByte(rt)
+	} else {
+		resp.Header.Set(HeaderMatchedTokens, strconv.Itoa(c.Match.Tokens))
+		sse := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
+		f.capture = &replyCapture{rc: body, limit: s.o.MaxReplyBytes, sse: sse,
+			first: func() { s.core.FirstByte(rt) }}
+		body = f.capture
+		if sse && f.stripUsage {
+			body = newUsageStripper(body)
+			// The client gets fewer bytes than the replica sent.
+			resp.Header.Del("Content-Length")
+			resp.ContentLength = -1
+		}
+	}
+	resp.Body = body
 	return nil
 }
 

@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -302,4 +303,49 @@ func TestNegativeUsageIsRefused(t *testing.T) {
 		}
 	}
 	waitIdle(t, e) // a finish that panicked would leave them counted
+}
+
+// TestStrippedStreamTricklingAndLength: a replica that sends an event a few
+// bytes at a time, more slowly than an event takes as a whole but never
+// silent for the idle timeout, is not cut off while the usage stripper
+// gathers the event; and a stream that declares its length reaches the
+// client whole, its Content-Length dropped since the usage chunk is not.
+func TestStrippedStreamTricklingAndLength(t *testing.T) {
+	const ev = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n"
+	const usage = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1}}\n\n"
+	replicaSrv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		if r.URL.Query().Get("length") != "" {
+			all := ev + usage + "data: [DONE]\n\n"
+			w.Header().Set("Content-Length", strconv.Itoa(len(all)))
+			_, _ = io.WriteString(w, all)
+			return
+		}
+		for i := 0; i < len(ev); i += 8 { // 8 bytes every 40ms: 0.3 s for the event
+			_, _ = io.WriteString(w, ev[i:min(i+8, len(ev))])
+			w.(http.Flusher).Flush()
+			time.Sleep(40 * time.Millisecond)
+		}
+		_, _ = io.WriteString(w, usage+"data: [DONE]\n\n")
+	}))
+	defer replicaSrv.Close()
+	ts, e := serverFor(t, ServerOptions{Timeouts: limits.Timeouts{Idle: 150 * time.Millisecond}}, replicaSrv.URL)
+	for _, q := range []string{"", "?length=1"} {
+		body := `{"model":"m","stream":true,"messages":[{"role":"user","content":"hello"}]}`
+		resp, err := http.Post(ts.URL+"/v1/chat/completions"+q, "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if err != nil || string(got) != ev+"data: [DONE]\n\n" {
+			t.Fatalf("%q: %v, got %q", q, err, got)
+		}
+		if resp.ContentLength != -1 {
+			t.Fatalf("%q: Content-Length %d kept", q, resp.ContentLength)
+		}
+	}
+	if !e.Pool().Replicas()[0].Available(time.Now()) {
+		t.Fatal("the trickling replica was cut off and ejected")
+	}
 }

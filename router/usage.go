@@ -57,6 +57,10 @@ func (s *usageStripper) Read(p []byte) (int, error) {
 	for len(s.out) == 0 {
 		if s.err != nil {
 			if len(s.in) > 0 { // a last event without its blank line
+				if !s.off && s.usageChunk(s.in) {
+					s.in = nil
+					continue
+				}
 				s.out, s.in = s.in, nil
 				break
 			}

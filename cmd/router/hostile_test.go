@@ -359,11 +359,24 @@ func TestRouterReadsTheBodyAsTheEngine(t *testing.T) {
 			}
 		}
 	}
-	// Paths under the routed ones do not slip through the pass-through route.
-	for _, p := range []string{"/v1/chat/completions/", "/v1/completions/x"} {
-		code, body, _ := rawPost(t, r.http.url(), p, []byte(`{"model":"sim-model","messages":"not validated","max_tokens":999999999999}`))
-		if code != http.StatusNotFound {
-			t.Fatalf("POST %s: %d %s", p, code, body)
+	// Paths under the routed ones, or that a server decoding before it
+	// routes reads as them, do not slip through the pass-through route.
+	for _, p := range []string{"/v1/chat/completions/", "/v1/completions/x", "/v1/chat%2Fcompletions", "/v1/chat%2fcompletions",
+		"/v1/chat%5Ccompletions", "/v1/chat/completions%2F", "/v1/chat/completions;x", "/v1/completions%00"} {
+		conn, err := net.Dial("tcp", r.http.addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b := `{"model":"sim-model","messages":"not validated","max_tokens":999999999999}`
+		fmt.Fprintf(conn, "POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s", p, len(b), b)
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		conn.Close()
+		if resp.StatusCode != http.StatusNotFound && resp.StatusCode != http.StatusBadRequest {
+			t.Fatalf("POST %s: %d", p, resp.StatusCode)
 		}
 	}
 	// Dot segments sent encoded are refused, not passed on raw.

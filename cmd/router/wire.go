@@ -207,20 +207,11 @@ func (a *app) retire(r *replica.Replica) {
 }
 
 // drainReplica stops new traffic to a replica and keeps it listed; with
-// undrain false it lets traffic back. The state lasts until changed here,
-// across reloads, unless a reload replaces the replica (its URL, budget
-// or weight changed in the file).
+// drain false it lets traffic back. The state follows the replica's name
+// until changed here: across reloads, replacements and hand-overs between
+// the file and the admin API.
 func (a *app) drainReplica(name string, drain bool) error {
-	r, ok := a.pool.Get(name)
-	if !ok {
-		return fmt.Errorf("no replica %q", name)
-	}
-	if drain {
-		r.Drain()
-	} else {
-		r.Undrain()
-	}
-	return nil
+	return a.members.SetDraining(name, drain)
 }
 
 // grpcMaxConns bounds the gRPC listener's open connections.
