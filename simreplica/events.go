@@ -5,34 +5,23 @@ import (
 	"slices"
 
 	"github.com/cespare/xxhash/v2"
+	"github.com/semroute/semroute/kvevents"
 )
 
-// KVEventType is the kind of a KVEvent, one per vLLM KV-cache event.
-type KVEventType uint8
+// KVEventType is the kind of a KVEvent: vLLM's event tag, as package
+// kvevents names it.
+type KVEventType = kvevents.Kind
 
 // The KV-cache events, named as vLLM names them
-// (vllm/distributed/kv_events.py).
+// (vllm/distributed/kv_events.py): BlockStored when full blocks newly
+// enter the prefix cache, BlockRemoved when they leave it (evicted),
+// AllBlocksCleared when it is emptied (Restart, DropCache), as vLLM reports
+// a prefix-cache reset.
 const (
-	// BlockStored: full blocks newly entered the prefix cache.
-	BlockStored KVEventType = iota + 1
-	// BlockRemoved: blocks left the prefix cache (evicted).
-	BlockRemoved
-	// AllBlocksCleared: the prefix cache was emptied (Restart, DropCache),
-	// as vLLM reports a prefix-cache reset.
-	AllBlocksCleared
+	BlockStored      = kvevents.BlockStored
+	BlockRemoved     = kvevents.BlockRemoved
+	AllBlocksCleared = kvevents.AllBlocksCleared
 )
-
-func (t KVEventType) String() string {
-	switch t {
-	case BlockStored:
-		return "BlockStored"
-	case BlockRemoved:
-		return "BlockRemoved"
-	case AllBlocksCleared:
-		return "AllBlocksCleared"
-	}
-	return "KVEventType(?)"
-}
 
 // MediumGPU is the medium of every block the simulated replica caches, as
 // vLLM's MEDIUM_GPU.

@@ -51,10 +51,11 @@ func (p *kvPublisher) close() error {
 
 // wireEvent is ev as vLLM's publisher sends it.
 func wireEvent(ev KVEvent) kvevents.Event {
-	out := kvevents.Event{BlockHashes: ev.BlockHashes, Medium: ev.Medium}
-	switch ev.Type {
-	case BlockStored:
-		out.Kind = kvevents.BlockStored
+	if ev.Type == AllBlocksCleared {
+		return kvevents.Event{Kind: kvevents.AllBlocksCleared}
+	}
+	out := kvevents.Event{Kind: ev.Type, BlockHashes: ev.BlockHashes, Medium: ev.Medium}
+	if ev.Type == BlockStored {
 		if ev.ParentBlockHash != nil {
 			out.ParentHash, out.HasParent = *ev.ParentBlockHash, true
 		}
@@ -67,10 +68,6 @@ func wireEvent(ev KVEvent) kvevents.Event {
 		if ev.LoRAID > 0 {
 			out.LoraID, out.HasLoraID = int64(ev.LoRAID), true
 		}
-	case BlockRemoved:
-		out.Kind = kvevents.BlockRemoved
-	case AllBlocksCleared:
-		out = kvevents.Event{Kind: kvevents.AllBlocksCleared}
 	}
 	return out
 }
