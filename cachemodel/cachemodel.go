@@ -60,13 +60,26 @@ type Options struct {
 	// HotHalfLife is the half-life of each block's request rate, counted on
 	// every Record across all replicas (see Hot). Default 10s.
 	HotHalfLife time.Duration
+	// PendingTTL is how long a block routed to an event-driven replica
+	// (SetEventDriven) counts as cached there before the engine's event
+	// confirms it (Store): long enough for a burst of siblings to land
+	// together, short enough that a routing the engine never confirmed is
+	// soon forgotten. Default 2s.
+	PendingTTL time.Duration
+	// CPUCredit is the share of a block's weighted tokens credited in
+	// Match when the replica holds it only in CPU memory (Store with
+	// cpu set): loading it back is cheaper than recomputing it, dearer
+	// than a GPU hit. Default 0.5; negative means 0.
+	CPUCredit float64
 }
 
 // Model is the picture of every replica's cache.
 type Model struct {
-	policy  eviction.Factory
-	onEvict func(replica int, key uint64)
-	hotHalf float64 // nanoseconds
+	policy    eviction.Factory
+	onEvict   func(replica int, key uint64)
+	hotHalf   float64 // nanoseconds
+	pendTTL   int64   // nanoseconds
+	cpuCredit float64
 
 	// fleet counts every Record (one request) like a block's heat.
 	fleet node
@@ -82,6 +95,18 @@ type Model struct {
 type replicaState struct {
 	Stats
 	policy eviction.Policy
+	// events: the replica's engine confirms its blocks (SetEventDriven),
+	// so routing records mark them pending, listed oldest first in
+	// pending[phead:] until they expire.
+	events  bool
+	pending []pendingBlock
+	phead   int
+}
+
+// pendingBlock is a block a routing record marked pending, and when.
+type pendingBlock struct {
+	key uint64
+	at  int64
 }
 
 // New returns an empty model with no replicas.
@@ -92,7 +117,14 @@ func New(o Options) *Model {
 	if o.HotHalfLife <= 0 {
 		o.HotHalfLife = 10 * time.Second
 	}
-	return &Model{policy: o.Policy, onEvict: o.OnEvict, hotHalf: float64(o.HotHalfLife), nodes: make(map[uint64]*node),
+	if o.PendingTTL <= 0 {
+		o.PendingTTL = 2 * time.Second
+	}
+	if o.CPUCredit == 0 {
+		o.CPUCredit = 0.5
+	}
+	return &Model{policy: o.Policy, onEvict: o.OnEvict, hotHalf: float64(o.HotHalfLife), pendTTL: int64(o.PendingTTL),
+		cpuCredit: max(o.CPUCredit, 0), nodes: make(map[uint64]*node),
 		fleet: node{one: slot{replica: -1}}, more: map[*node][]slot{}}
 }
 
@@ -149,6 +181,7 @@ func (m *Model) clear(id int) {
 	st := m.replicas[id]
 	st.Blocks, st.Tokens = 0, 0
 	st.policy = m.policy()
+	st.pending, st.phead = nil, 0
 }
 
 // SetBudget changes a replica's token budget (0 = unlimited); the next Record
@@ -184,10 +217,13 @@ func (m *Model) Stats(id int) (s Stats, ok bool) {
 // Match writes, for every replica id, the longest prefix of blocks that the
 // replica holds into out[id], growing out if it is shorter than NumReplicas,
 // and returns it. Nothing after the first miss counts. w weights matched
-// tokens by kind; nil means UnitWeights. Match does not change recency.
+// tokens by the request's block kinds; nil means UnitWeights. A block the
+// replica holds only in CPU memory counts its full tokens but only
+// CPUCredit of its weight. Match does not change recency.
 //
-// Cost: O(matched blocks) map lookups, plus O(holders) work only where the set
-// of holders shrinks. It does not allocate when out is long enough.
+// Cost: O(holders) per matched block; it stops at the first block no
+// replica still matching holds. It does not allocate when out is long
+// enough.
 func (m *Model) Match(blocks []blockhash.Block, w *Weights, out []Match) []Match {
 	if w == nil {
 		w = UnitWeights()
@@ -199,9 +235,9 @@ func (m *Model) Match(blocks []blockhash.Block, w *Weights, out []Match) []Match
 	}
 	out = out[:len(m.replicas)]
 	clear(out)
-	var prevFirst *slot
-	var prevRest []slot
-	matched, tokens, weighted := 0, 0, 0.0 // of blocks[:i]
+	// out[r].Blocks == i exactly when replica r held blocks[:i]: a holder
+	// of block i extends its match only then, so a replica that misses a
+	// block keeps the match it had, whatever it holds further down.
 	for i := range blocks {
 		n := m.nodes[blocks[i].Hash]
 		if n == nil {
@@ -211,47 +247,31 @@ func (m *Model) Match(blocks []blockhash.Block, w *Weights, out []Match) []Match
 		if first == nil {
 			break
 		}
-		if prevFirst != nil && len(rest) < len(prevRest) {
-			settleLeavers(out, prevFirst, prevRest, first, rest, i, tokens, weighted)
+		tokens := int(blocks[i].Tokens) // the request's unit (the engine's, once learned)
+		weighted := w[blocks[i].Kind] * float64(blocks[i].Tokens)
+		advanced := m.advance(out, first, i, tokens, weighted)
+		for j := range rest {
+			advanced = m.advance(out, &rest[j], i, tokens, weighted) || advanced
 		}
-		prevFirst, prevRest = first, rest
-		// The request's own token counts: the unit it was estimated in
-		// (the engine's, once learned), not the one the block was first
-		// recorded in.
-		tokens += int(blocks[i].Tokens)
-		weighted += w[n.kind] * float64(blocks[i].Tokens)
-		matched = i + 1
-	}
-	if prevFirst != nil {
-		out[prevFirst.replica] = Match{Blocks: matched, Tokens: tokens, Weighted: weighted}
-		for j := range prevRest {
-			out[prevRest[j].replica] = Match{Blocks: matched, Tokens: tokens, Weighted: weighted}
+		if !advanced {
+			break
 		}
 	}
 	return out
 }
 
-// settleLeavers records a match of i blocks for every replica holding the
-// previous block (bFirst, bRest) but not this one (aFirst, aRest); holders
-// are sorted by replica.
-func settleLeavers(out []Match, bFirst *slot, bRest []slot, aFirst *slot, aRest []slot, i, tokens int, weighted float64) {
-	at := func(first *slot, rest []slot, k int) int32 {
-		if k == 0 {
-			return first.replica
-		}
-		return rest[k-1].replica
+// advance extends holder s's match by block i if it matched every block
+// before it, and reports whether it did.
+func (m *Model) advance(out []Match, s *slot, i, tokens int, weighted float64) bool {
+	o := &out[s.replica]
+	if s.flags == 0 || o.Blocks != i {
+		return false
 	}
-	j, na := 0, 1+len(aRest)
-	for k, nb := 0, 1+len(bRest); k < nb; k++ {
-		r := at(bFirst, bRest, k)
-		for j < na && at(aFirst, aRest, j) < r {
-			j++
-		}
-		if j < na && at(aFirst, aRest, j) == r {
-			continue
-		}
-		out[r] = Match{Blocks: i, Tokens: tokens, Weighted: weighted}
+	if s.flags&(fGPU|fPending) == 0 { // in CPU memory only
+		weighted *= m.cpuCredit
 	}
+	o.Blocks, o.Tokens, o.Weighted = i+1, o.Tokens+tokens, o.Weighted+weighted
+	return true
 }
 
 // Record caches blocks, a whole chain from block 0, on replica id at time now
@@ -274,27 +294,190 @@ func (m *Model) Record(id int, blocks []blockhash.Block, now int64) int {
 // of blocks evicted.
 func (m *Model) Extend(id int, blocks []blockhash.Block, from int, now int64) int {
 	m.mu.Lock()
-	evicted := m.record(id, blocks, from, now)
-	m.mu.Unlock()
-	if m.onEvict != nil {
-		for _, k := range evicted {
-			m.onEvict(id, k)
-		}
+	mark := fGPU
+	if m.valid(id) && m.replicas[id].events {
+		mark = fPending
 	}
+	evicted := m.record(id, nil, blocks, from, now, mark)
+	m.mu.Unlock()
+	m.evicted(id, evicted)
 	return len(evicted)
 }
 
-func (m *Model) record(id int, blocks []blockhash.Block, from int, now int64) []uint64 {
+func (m *Model) evicted(id int, keys []uint64) {
+	if m.onEvict != nil {
+		for _, k := range keys {
+			m.onEvict(id, k)
+		}
+	}
+}
+
+// Store records blocks the replica's engine reports it has cached (a KV
+// event): blocks is a chain whose first block follows the block keyed
+// parent (hasParent false: the first block starts a prompt), held in GPU
+// memory, or in CPU memory when cpu is set. It confirms blocks a routing
+// record marked pending and brings back dead ones; it is not a use of any
+// block (no hits, no heat). It reports false, and stores nothing, when the
+// replica does not hold the parent: the chain cannot be reached from a
+// prompt's start. Evictions to keep the budget are returned as by Extend.
+func (m *Model) Store(id int, parent uint64, hasParent bool, blocks []blockhash.Block, cpu bool, now int64) (ok bool, evicted int) {
+	m.mu.Lock()
+	var p *node
+	if hasParent {
+		p = m.nodes[parent]
+		if !m.valid(id) || p == nil {
+			m.mu.Unlock()
+			return false, 0
+		}
+		if _, held := m.find(p, int32(id)); !held {
+			m.mu.Unlock()
+			return false, 0
+		}
+	}
+	mark := fGPU
+	if cpu {
+		mark = fCPU
+	}
+	keys := m.record(id, p, blocks, len(blocks), now, mark)
+	m.mu.Unlock()
+	m.evicted(id, keys)
+	return true, len(keys)
+}
+
+// Remove records that the replica's engine dropped block key from GPU
+// memory, or from CPU memory when cpu is set (a KV event). Once the block
+// is in neither, the replica no longer holds it: Match stops there, even
+// for the blocks after it the replica still holds, as the engine's own
+// prefix lookup does. It reports whether the replica held the block in
+// that medium.
+func (m *Model) Remove(id int, key uint64, cpu bool) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if !m.valid(id) {
+		return false
+	}
+	n := m.nodes[key]
+	if n == nil {
+		return false
+	}
+	i, ok := m.find(n, int32(id))
+	if !ok {
+		return false
+	}
+	s := m.at(n, i)
+	bit := fGPU
+	if cpu {
+		bit = fCPU
+	}
+	if s.flags&bit == 0 {
+		return false
+	}
+	s.flags &^= bit
+	if s.flags&fGPU == 0 && !cpu {
+		s.flags &^= fPending // the engine has it no more, whatever was routed
+	}
+	if s.flags == 0 {
+		m.drop(m.replicas[id], int32(id), n, i)
+	}
+	return true
+}
+
+// SetEventDriven says whether replica id's engine reports its blocks
+// itself (KV events): if so, the blocks a routing record caches there
+// are pending, counted for PendingTTL unless Store confirms them. When it
+// stops (the events went silent), the pending blocks are taken as cached,
+// as on any other replica.
+func (m *Model) SetEventDriven(id int, on bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if !m.valid(id) {
+		return
+	}
+	st := m.replicas[id]
+	if st.events == on {
+		return
+	}
+	st.events = on
+	if on {
+		return
+	}
+	for _, p := range st.pending[st.phead:] {
+		if n := m.nodes[p.key]; n != nil {
+			if i, ok := m.find(n, int32(id)); ok {
+				if s := m.at(n, i); s.flags&fPending != 0 {
+					s.flags = s.flags&^fPending | fGPU
+				}
+			}
+		}
+	}
+	st.pending, st.phead = nil, 0
+}
+
+// ExpirePending forgets, on every replica, the pending blocks routed
+// before now − PendingTTL that no engine event confirmed. Routing records
+// expire their replica's pending blocks themselves; call this
+// periodically so that a replica no request goes to expires them too.
+func (m *Model) ExpirePending(now int64) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for id, st := range m.replicas {
+		if st != nil {
+			m.expire(st, int32(id), now)
+		}
+	}
+}
+
+// expire drops st's pending blocks older than the TTL. m.mu must be held.
+func (m *Model) expire(st *replicaState, rid int32, now int64) {
+	cut := now - m.pendTTL
+	for st.phead < len(st.pending) && st.pending[st.phead].at <= cut {
+		k := st.pending[st.phead].key
+		st.phead++
+		n := m.nodes[k]
+		if n == nil {
+			continue
+		}
+		i, ok := m.find(n, rid)
+		if !ok {
+			continue
+		}
+		s := m.at(n, i)
+		if s.flags&fPending == 0 {
+			continue
+		}
+		if s.flags &^= fPending; s.flags == 0 {
+			m.drop(st, rid, n, i)
+		}
+	}
+	if st.phead == len(st.pending) {
+		st.pending, st.phead = st.pending[:0], 0
+	} else if st.phead > 1024 && st.phead > len(st.pending)/2 {
+		st.pending = append(st.pending[:0], st.pending[st.phead:]...)
+		st.phead = 0
+	}
+}
+
+// record caches blocks[from:] on replica id as mark (fGPU, fCPU or
+// fPending), chained after parent (nil: blocks[0] starts a prompt) and
+// blocks[:from], and evicts down to the budget; it returns the evicted
+// keys. Blocks before from are not uses (see Extend). m.mu must be held.
+func (m *Model) record(id int, parent *node, blocks []blockhash.Block, from int, now int64, mark uint8) []uint64 {
 	if !m.valid(id) || len(blocks) == 0 {
 		return nil
 	}
 	st := m.replicas[id]
 	rid := int32(id)
-	if from == 0 {
+	if st.phead < len(st.pending) {
+		m.expire(st, rid, now)
+	}
+	if from == 0 && parent == nil {
 		m.warm(&m.fleet, now)
 	}
+	depth0 := 0
+	if parent != nil {
+		depth0 = int(parent.depth) + 1
+	}
 	admit, _ := st.policy.(eviction.Admitter)
-	var parent *node
 	parentFresh := false // parent was added by this call and never made evictable
 	last := len(blocks) - 1
 	for i, b := range blocks {
@@ -305,27 +488,37 @@ func (m *Model) record(id int, blocks []blockhash.Block, from int, now int64) []
 				m.warm(n, now)
 			}
 			if si, ok := m.find(n, rid); ok {
-				if !use {
-					parent, parentFresh = n, false // recorded by this request already
+				s := m.at(n, si)
+				if s.flags != 0 {
+					m.mark(st, s, b.Hash, mark, now)
+					if use {
+						s.lastUsed = now
+						s.hits++
+						st.policy.Touched(n.hash, n.info(s))
+					}
+					parent, parentFresh = n, false
 					continue
 				}
-				s := m.at(n, si)
-				s.lastUsed = now
-				s.hits++
-				st.policy.Touched(n.hash, n.info(s))
+				// A dead slot (the engine dropped it, not its children):
+				// cached again, it is held again; it has children, so it
+				// is no leaf.
+				s.flags, s.lastUsed, s.inserted = 0, now, now
+				m.mark(st, s, b.Hash, mark, now)
+				st.Blocks++
+				st.Tokens += int64(n.tokens)
 				parent, parentFresh = n, false
 				continue
 			}
 		}
 		tokens := clampTokens(b.Tokens)
 		if admit != nil && st.Budget > 0 &&
-			!admit.Admit(eviction.Info{Kind: b.Kind, Tokens: int32(tokens), Depth: int32(clampDepth(i)), LastUsed: now, Inserted: now}, st.Tokens, st.Budget) {
+			!admit.Admit(eviction.Info{Kind: b.Kind, Tokens: int32(tokens), Depth: int32(clampDepth(depth0 + i)), LastUsed: now, Inserted: now}, st.Tokens, st.Budget) {
 			last = i - 1
 			break
 		}
 		if n == nil {
 			n = m.newNode()
-			n.hash, n.parent, n.tokens, n.depth, n.kind = b.Hash, parent, tokens, clampDepth(i), b.Kind
+			n.hash, n.parent, n.tokens, n.depth, n.kind = b.Hash, parent, tokens, clampDepth(depth0+i), b.Kind
 			m.nodes[b.Hash] = n
 			if use {
 				m.warm(n, now)
@@ -333,13 +526,14 @@ func (m *Model) record(id int, blocks []blockhash.Block, from int, now int64) []
 		}
 		si, _ := m.find(n, rid)
 		m.insert(n, si, slot{replica: rid, lastUsed: now, inserted: now})
+		m.mark(st, m.at(n, si), b.Hash, mark, now)
 		st.Blocks++
 		st.Tokens += int64(n.tokens)
 		if parent != nil {
 			pi, _ := m.find(parent, rid)
 			ps := m.at(parent, pi)
 			ps.children++
-			if ps.children == 1 && !parentFresh {
+			if ps.children == 1 && !parentFresh && ps.flags != 0 {
 				st.policy.Removed(parent.hash)
 			}
 		}
@@ -361,6 +555,19 @@ func (m *Model) record(id int, blocks []blockhash.Block, from int, now int64) []
 	}
 	st.Evictions += int64(len(evicted))
 	return evicted
+}
+
+// mark sets flag on a held or revived slot s of block key: fPending only
+// where the engine has not confirmed the block, queued to expire; a
+// confirmation (fGPU, fCPU) ends pending.
+func (m *Model) mark(st *replicaState, s *slot, key uint64, flag uint8, now int64) {
+	switch {
+	case flag != fPending:
+		s.flags = s.flags&^fPending | flag
+	case s.flags&(fGPU|fCPU) == 0:
+		s.flags |= fPending
+		st.pending = append(st.pending, pendingBlock{key: key, at: now})
+	}
 }
 
 // Release records that a request using blocks on replica id finished at now,
@@ -419,28 +626,52 @@ func (m *Model) evict(st *replicaState, rid int32, k uint64) bool {
 		return false
 	}
 	i, ok := m.find(n, rid)
-	if !ok {
+	if !ok || m.at(n, i).flags == 0 {
 		return false
 	}
 	if e, ok := st.policy.(eviction.Evicted); ok {
 		e.Evicted(k, n.info(m.at(n, i)))
 	}
-	m.remove(n, i)
+	m.drop(st, rid, n, i)
+	return true
+}
+
+// drop ends replica rid's holding of n (its slot i, held until now; its
+// flags may be cleared already): the slot goes if it
+// has no children, and then so does every dead ancestor left without
+// children; otherwise it stays, dead. A parent left a leaf becomes
+// evictable. m.mu must be held.
+func (m *Model) drop(st *replicaState, rid int32, n *node, i int) {
+	s := m.at(n, i)
 	st.Blocks--
 	st.Tokens -= int64(n.tokens)
-	p := n.parent
-	if m.count(n) == 0 {
-		delete(m.nodes, k)
-		m.freeNode(n)
+	if s.children > 0 {
+		s.flags = 0 // dead: not a leaf, so not the policy's
+		return
 	}
-	if p != nil {
-		if pi, ok := m.find(p, rid); ok {
-			ps := m.at(p, pi)
-			ps.children--
-			if ps.children == 0 {
-				st.policy.Evictable(p.hash, p.info(ps))
-			}
+	st.policy.Removed(n.hash)
+	for {
+		m.remove(n, i)
+		p := n.parent
+		if m.count(n) == 0 {
+			delete(m.nodes, n.hash)
+			m.freeNode(n)
 		}
+		if p == nil {
+			return
+		}
+		pi, ok := m.find(p, rid)
+		if !ok {
+			return
+		}
+		ps := m.at(p, pi)
+		if ps.children--; ps.children > 0 {
+			return
+		}
+		if ps.flags != 0 {
+			st.policy.Evictable(p.hash, p.info(ps))
+			return
+		}
+		n, i = p, pi // a dead parent with no children left goes too
 	}
-	return true
 }

@@ -27,13 +27,29 @@ type node struct {
 // slot is one replica's holding of a block: 32 bytes.
 type slot struct {
 	replica  int32
-	children int32 // cached children on this replica
+	children int32 // cached children on this replica, dead ones included
 	hits     int32
+	// flags say where the block is (see fGPU): none means the slot is
+	// dead, kept only because the replica holds some of its children.
+	flags uint8
 	// lastUsed is when the block was last inserted or hit, or, for
 	// policies that order by free time, freed.
 	lastUsed int64
 	inserted int64
 }
+
+// Slot flags: where a replica holds a block. A routing record marks the
+// blocks it caches fGPU, or fPending on a replica whose engine confirms
+// its blocks itself (SetEventDriven) until Store confirms them or
+// PendingTTL passes; Store marks them fGPU or fCPU. A slot with no flag
+// is dead: the engine dropped the block while holding some of its
+// children, which no prefix lookup can reach any more; it goes when its
+// last child goes.
+const (
+	fGPU uint8 = 1 << iota
+	fCPU
+	fPending
+)
 
 // slabNodes is how many nodes are allocated at once.
 const slabNodes = 4096
@@ -180,7 +196,7 @@ func (m *Model) Hot(blocks []blockhash.Block, w *Weights, minUses, minShare floa
 		}
 		out.Blocks++
 		out.Tokens += int(b.Tokens) // the request's unit, as Match counts
-		out.Weighted += w[n.kind] * float64(b.Tokens)
+		out.Weighted += w[b.Kind] * float64(b.Tokens)
 	}
 	return out
 }
