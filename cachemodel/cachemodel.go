@@ -48,6 +48,9 @@ type Stats struct {
 	Tokens    int64 // their estimated tokens
 	Budget    int64 // token budget; 0 means unlimited
 	Evictions int64 // blocks evicted since the replica was added
+	// PendingExpired counts the routed blocks no engine event confirmed
+	// within PendingTTL (SetEventDriven).
+	PendingExpired int64
 }
 
 // Options configure a Model. The zero value is usable.
@@ -349,20 +352,20 @@ func (m *Model) Store(id int, parent uint64, hasParent bool, blocks []blockhash.
 // is in neither, the replica no longer holds it: Match stops there, even
 // for the blocks after it the replica still holds, as the engine's own
 // prefix lookup does. It reports whether the replica held the block in
-// that medium.
-func (m *Model) Remove(id int, key uint64, cpu bool) bool {
+// that medium, and whether it still holds it (in the other).
+func (m *Model) Remove(id int, key uint64, cpu bool) (removed, left bool) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if !m.valid(id) {
-		return false
+		return false, false
 	}
 	n := m.nodes[key]
 	if n == nil {
-		return false
+		return false, false
 	}
 	i, ok := m.find(n, int32(id))
 	if !ok {
-		return false
+		return false, false
 	}
 	s := m.at(n, i)
 	bit := fGPU
@@ -370,16 +373,17 @@ func (m *Model) Remove(id int, key uint64, cpu bool) bool {
 		bit = fCPU
 	}
 	if s.flags&bit == 0 {
-		return false
+		return false, s.flags != 0
 	}
 	s.flags &^= bit
-	if s.flags&fGPU == 0 && !cpu {
+	if !cpu {
 		s.flags &^= fPending // the engine has it no more, whatever was routed
 	}
 	if s.flags == 0 {
 		m.drop(m.replicas[id], int32(id), n, i)
+		return true, false
 	}
-	return true
+	return true, true
 }
 
 // SetEventDriven says whether replica id's engine reports its blocks
@@ -447,6 +451,7 @@ func (m *Model) expire(st *replicaState, rid int32, now int64) {
 		}
 		if s.flags &^= fPending; s.flags == 0 {
 			m.drop(st, rid, n, i)
+			st.PendingExpired++
 		}
 	}
 	if st.phead == len(st.pending) {
@@ -674,4 +679,41 @@ func (m *Model) drop(st *replicaState, rid int32, n *node, i int) {
 		}
 		n, i = p, pi // a dead parent with no children left goes too
 	}
+}
+
+// EventDriven reports whether replica id's blocks are confirmed by its
+// engine's events (SetEventDriven).
+func (m *Model) EventDriven(id int) bool {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	return m.valid(id) && m.replicas[id].events
+}
+
+// Shrink evicts at least tokens of replica id's blocks, in its policy's
+// order, as if its budget had been that much smaller: the engine reported
+// it had lost blocks the picture still held. It returns the tokens
+// evicted.
+func (m *Model) Shrink(id int, tokens int64) int64 {
+	m.mu.Lock()
+	if !m.valid(id) || tokens <= 0 {
+		m.mu.Unlock()
+		return 0
+	}
+	st := m.replicas[id]
+	before := st.Tokens
+	var evicted []uint64
+	for st.Tokens > before-tokens {
+		k, ok := st.policy.Victim()
+		if !ok {
+			break
+		}
+		if m.evict(st, int32(id), k) {
+			evicted = append(evicted, k)
+		}
+	}
+	st.Evictions += int64(len(evicted))
+	freed := before - st.Tokens
+	m.mu.Unlock()
+	m.evicted(id, evicted)
+	return freed
 }

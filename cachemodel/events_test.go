@@ -51,10 +51,10 @@ func TestRemoveInsideAChainStopsTheMatch(t *testing.T) {
 	c := chain("p", 5, 0)
 	m.Store(0, 0, false, c, false, 1)
 	m.Store(1, 0, false, c[:3], false, 1)
-	if !m.Remove(0, c[1].Hash, false) {
-		t.Fatal("remove of a held block reported false")
+	if removed, left := m.Remove(0, c[1].Hash, false); !removed || left {
+		t.Fatal("remove of a held block reported", removed, left)
 	}
-	if m.Remove(0, c[1].Hash, false) {
+	if removed, _ := m.Remove(0, c[1].Hash, false); removed {
 		t.Fatal("second remove reported true")
 	}
 	out := m.Match(c, nil, nil)
@@ -170,7 +170,7 @@ func TestBudgetEvictionWithDeadBlocks(t *testing.T) {
 	a := chain("a", 4, 0)
 	m.Store(0, 0, false, a, false, 1)
 	m.Remove(0, a[1].Hash, false) // a[1] dead, a[2:] held
-	if m.Remove(0, 12345, false) {
+	if removed, _ := m.Remove(0, 12345, false); removed {
 		t.Fatal("unknown block removed")
 	}
 	b := chain("b", 4, 0)

@@ -5,6 +5,7 @@ import (
 	"cmp"
 	"encoding/binary"
 	"errors"
+	"maps"
 	"math"
 	"sync"
 	"sync/atomic"
@@ -88,6 +89,11 @@ type Engine struct {
 	join func(replica.Spec) (int, error) // New's: gives a joining replica its cache picture
 
 	units units // engine tokens per estimated token, per model
+
+	adapters atomic.Pointer[map[string]bool] // NoteAdapter's, copy-on-write under mu
+
+	fbMu   sync.Mutex
+	fbBase map[int]int64 // Feedback: each replica's budget before any correction
 }
 
 // newEngine returns an Engine over split, cache and pool.
@@ -148,7 +154,15 @@ type Decision struct {
 	learned []blockhash.Block // LearnReply's chain, from the block pool
 	scale   float64           // engine tokens per estimated token in Blocks (0 means 1)
 	exact   bool              // Blocks count token ids, not estimates
+	// precise: Blocks are the engine's own token blocks of blockTokens ids
+	// (PrepareTokens), keyed as its KV events are.
+	precise     bool
+	blockTokens int
 }
+
+// Precise reports whether d was decided on the engine's own tokens
+// (PrepareTokens) rather than on an estimate.
+func (d *Decision) Precise() bool { return d.precise }
 
 // Chosen returns the winning candidate.
 func (d *Decision) Chosen() *Candidate { return &d.Ranked[0] }
@@ -197,6 +211,12 @@ type Request struct {
 	// estimated (token ids), so the engine's count teaches nothing.
 	scale float64
 	exact bool
+	// Tail is the prompt's tokens in no block (PrepareTokens: the last
+	// partial block), counted in the prompt's tokens.
+	Tail int
+	// blockTokens is the engine block size of a precise request (0: the
+	// splitter's).
+	blockTokens int
 }
 
 // DetachText copies the request's text (kept for the matcher or prompt
@@ -226,6 +246,53 @@ func (e *Engine) Prepare(req *blockhash.Request, sessionID string, withText bool
 		}
 	}
 	return in
+}
+
+// PrepareTokens makes the engine's Request from a prompt's exact engine
+// token ids (precise mode: ids from the engine's /tokenize), cut into
+// the engine's cache blocks of blockTokens ids and keyed as its KV events
+// are (blockhash.AppendTokenBlocks), under the LoRA adapter req.Model
+// names if it is one the engines reported (NoteAdapter). req gives the
+// kinds, the session key and the text; the ids are not kept.
+func (e *Engine) PrepareTokens(req *blockhash.Request, ids []int32, blockTokens int, sessionID string, withText bool) Request {
+	seed := blockhash.TokenSeed("")
+	if e.isAdapter(req.Model) {
+		seed = blockhash.TokenSeed(req.Model)
+	}
+	bl, tail := blockhash.AppendTokenBlocks(newBlocks(len(ids)/max(blockTokens, 1)), seed, ids, blockTokens, req)
+	in := Request{Blocks: bl, Tail: tail, pooled: true, scale: 1, exact: true, blockTokens: blockTokens}
+	in.Key = SessionKey(sessionID, req.User, in.Blocks)
+	if withText || e.o.Matcher != nil {
+		for i := range req.Parts {
+			in.Text = append(in.Text, req.Parts[i].Text)
+		}
+	}
+	return in
+}
+
+// NoteAdapter records that an engine serves LoRA adapter name (its KV
+// events named it), so that requests for it are keyed as its blocks are.
+// At most maxModels adapters are kept.
+func (e *Engine) NoteAdapter(name string) {
+	if name == "" || e.isAdapter(name) {
+		return
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	old := e.adapters.Load()
+	if old != nil && (len(*old) >= maxModels || (*old)[name]) {
+		return
+	}
+	next := map[string]bool{name: true}
+	if old != nil {
+		maps.Copy(next, *old)
+	}
+	e.adapters.Store(&next)
+}
+
+func (e *Engine) isAdapter(name string) bool {
+	m := e.adapters.Load()
+	return m != nil && (*m)[name]
 }
 
 // tokenIDsOnly reports whether every part of req is token ids.
@@ -272,7 +339,8 @@ func (e *Engine) Decide(ri Request, record bool) (*Decision, error) {
 	if pol == nil {
 		return nil, errors.New("routing: Request.Policy is required")
 	}
-	d := &Decision{Blocks: ri.Blocks, Key: ri.Key, Policy: pol.Name(), pooled: ri.pooled, scale: ri.scale, exact: ri.exact}
+	d := &Decision{Blocks: ri.Blocks, Key: ri.Key, Policy: pol.Name(), pooled: ri.pooled, scale: ri.scale, exact: ri.exact,
+		precise: ri.blockTokens > 0, blockTokens: ri.blockTokens, Tokens: ri.Tail}
 	for _, b := range ri.Blocks {
 		d.Tokens += int(b.Tokens)
 	}
@@ -328,7 +396,7 @@ func (e *Engine) preferDonor(d *Decision, text [][]byte) {
 }
 
 func (e *Engine) view(d *Decision) *View {
-	in := &View{Blocks: d.Blocks, Tokens: d.Tokens, Key: d.Key, BlockTokens: e.split.BlockTokens()}
+	in := &View{Blocks: d.Blocks, Tokens: d.Tokens, Key: d.Key, BlockTokens: cmp.Or(d.blockTokens, e.split.BlockTokens())}
 	for _, b := range d.Blocks {
 		in.Weighted += e.o.Weights[b.Kind] * float64(b.Tokens)
 	}
@@ -507,8 +575,12 @@ func (e *Engine) Done(d *Decision, c *Candidate) {
 // LearnReply caches the assistant's reply, chained after the request's
 // blocks, on replica r: it is the prefix of the conversation's next turn. It
 // returns the reply's blocks, valid until Recycle(d).
+//
+// A precise decision learns nothing: the reply's tokens as the next turn's
+// template renders them are not the ids generated, and an engine with KV
+// events reports what it cached itself.
 func (e *Engine) LearnReply(d *Decision, r *replica.Replica, reply []byte) []blockhash.Block {
-	if len(d.Blocks) == 0 {
+	if len(d.Blocks) == 0 || d.precise {
 		return nil
 	}
 	p := blockhash.Part{Role: blockhash.RoleAssistant, Base: blockhash.KindAssistantHistory, Text: reply}
@@ -523,4 +595,60 @@ func (e *Engine) LearnReply(d *Decision, r *replica.Replica, reply []byte) []blo
 	// made a prefix hot after half the uses it needs).
 	e.cache.Extend(r.ID, all, n, e.o.Now().UnixNano())
 	return all[n:]
+}
+
+// Feedback corrects the picture of a replica that reports no KV events
+// from what its engine said of d's prompt: cached is the prompt tokens it
+// found cached (usage.prompt_tokens_details.cached_tokens), against the
+// Match.Tokens the picture predicted on c, the candidate that served d.
+//
+// Fewer than predicted, by a block or more: the engine lost blocks the
+// picture still holds, so its simulated eviction lags the engine's. The
+// replica's oldest blocks are evicted from the picture to the amount of the
+// difference, and its budget shrinks by an eighth of it. More than
+// predicted: the engine keeps more than the picture does, so the budget
+// grows by an eighth of the difference. The budget stays within a
+// quarter and four times what it was before any feedback. The request's
+// own blocks are not trimmed: the engine has just computed and cached
+// them. Event-driven replicas are left alone: their events are the truth.
+// It returns the tokens evicted.
+func (e *Engine) Feedback(d *Decision, c *Candidate, cached int) int64 {
+	id := c.Replica.ID
+	if cached < 0 || e.cache.EventDriven(id) {
+		return 0
+	}
+	diff := int64(c.Match.Tokens - cached)
+	block := int64(cmp.Or(d.blockTokens, e.split.BlockTokens()))
+	if diff > -block && diff < block {
+		return 0
+	}
+	st, ok := e.cache.Stats(id)
+	if !ok || st.Budget == 0 {
+		if diff > 0 {
+			return e.cache.Shrink(id, diff)
+		}
+		return 0
+	}
+	e.fbMu.Lock()
+	if e.fbBase == nil {
+		e.fbBase = map[int]int64{}
+	}
+	base, seen := e.fbBase[id]
+	if !seen {
+		base = st.Budget
+		e.fbBase[id] = base
+	}
+	e.fbMu.Unlock()
+	budget := min(max(st.Budget-diff/8, base/4), base*4)
+	e.cache.SetBudget(id, budget)
+	if diff > 0 {
+		return e.cache.Shrink(id, diff)
+	}
+	return 0
+}
+
+func (e *Engine) forgetFeedback(id int) {
+	e.fbMu.Lock()
+	delete(e.fbBase, id)
+	e.fbMu.Unlock()
 }

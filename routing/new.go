@@ -48,6 +48,7 @@ func New(o Options) (*Engine, error) {
 		co.OnEvict = o.Engine.Matcher.Forget
 	}
 	cache := cachemodel.New(co)
+	var e *Engine
 	join := func(s replica.Spec) (int, error) {
 		budget := s.BudgetTokens
 		if budget == 0 && o.DefaultBudget > 0 {
@@ -56,13 +57,17 @@ func New(o Options) (*Engine, error) {
 				o.OnDefaultBudget(s.Name, budget)
 			}
 		}
-		return cache.AddReplica(s.Name, budget)
+		id, err := cache.AddReplica(s.Name, budget)
+		if err == nil && e != nil {
+			e.forgetFeedback(id) // a reused id starts from its own budget
+		}
+		return id, err
 	}
 	pool, err := replica.NewPool(o.Replicas, replica.Options{HalfLife: o.LoadHalfLife}, join)
 	if err != nil {
 		return nil, err
 	}
-	e, err := newEngine(o.Engine, split, cache, pool)
+	e, err = newEngine(o.Engine, split, cache, pool)
 	if err != nil {
 		return nil, err
 	}

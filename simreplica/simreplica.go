@@ -653,5 +653,9 @@ func (s *Server) KVEventsEndpoints() (pub, replay string) {
 	return s.kv.pub.Endpoint(), s.kv.pub.ReplayEndpoint()
 }
 
+// KVEventsSubscribed reports whether a subscriber is connected to the KV
+// events (a ZeroMQ subscriber misses what is published before it joins).
+func (s *Server) KVEventsSubscribed() bool { return s.kv != nil && s.kv.pub.Subscribed() }
+
 // Shutdown stops accepting and waits for requests in flight until ctx ends.
 func (r *Running) Shutdown(ctx context.Context) error { return r.srv.Shutdown(ctx) }

@@ -16,6 +16,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -28,6 +29,9 @@ type Options struct {
 	// URL is the base URL of a replica serving /tokenize (vLLM's OpenAI
 	// server), e.g. http://10.0.0.5:8000.
 	URL string
+	// Pick, if set instead of URL, chooses the replica to ask for each
+	// call (e.g. any healthy one); "" means none is available.
+	Pick func() string
 	// Timeout bounds one call; past it the caller gets ErrSlow and routes
 	// on its estimate. Default 50ms.
 	Timeout time.Duration
@@ -40,6 +44,9 @@ type Options struct {
 	// Client sends the calls. Nil means a client of its own.
 	Client *http.Client
 }
+
+// ErrNoReplica is returned when Pick finds no replica to ask.
+var ErrNoReplica = errors.New("tokenizer: no replica to ask")
 
 // ErrSlow is returned when the tokenizer did not answer within Timeout.
 var ErrSlow = errors.New("tokenizer: no answer in time")
@@ -60,8 +67,8 @@ type Client struct {
 
 // New returns a Client.
 func New(o Options) (*Client, error) {
-	if o.URL == "" {
-		return nil, errors.New("tokenizer: URL is required")
+	if o.URL == "" && o.Pick == nil {
+		return nil, errors.New("tokenizer: URL or Pick is required")
 	}
 	if o.Timeout <= 0 {
 		o.Timeout = 50 * time.Millisecond
@@ -94,10 +101,14 @@ func (c *Client) Stats() Stats {
 // request is the body of POST /tokenize: TokenizeChatRequest when Messages
 // is set, else TokenizeCompletionRequest.
 type request struct {
-	Model               string          `json:"model"`
-	Messages            json.RawMessage `json:"messages,omitempty"`
-	Prompt              json.RawMessage `json:"prompt,omitempty"`
-	AddGenerationPrompt *bool           `json:"add_generation_prompt,omitempty"`
+	Model                string          `json:"model"`
+	Messages             json.RawMessage `json:"messages,omitempty"`
+	Prompt               json.RawMessage `json:"prompt,omitempty"`
+	Tools                json.RawMessage `json:"tools,omitempty"`
+	AddGenerationPrompt  *bool           `json:"add_generation_prompt,omitempty"`
+	ContinueFinalMessage json.RawMessage `json:"continue_final_message,omitempty"`
+	ChatTemplate         json.RawMessage `json:"chat_template,omitempty"`
+	ChatTemplateKwargs   json.RawMessage `json:"chat_template_kwargs,omitempty"`
 }
 
 // response is TokenizeResponse.
@@ -115,6 +126,41 @@ func (c *Client) Chat(ctx context.Context, model string, messages []byte) ([]int
 	return c.tokenize(ctx, request{Model: model, Messages: messages, AddGenerationPrompt: &yes})
 }
 
+// Body returns the token ids of the prompt of an OpenAI request body, as
+// the engine renders it to serve the body: a chat body's messages, tools
+// and template options (add_generation_prompt, continue_final_message,
+// chat_template, chat_template_kwargs), else a completions body's prompt,
+// which must be one string. The body must be valid JSON (the router has
+// parsed it already).
+func (c *Client) Body(ctx context.Context, body []byte) ([]int32, error) {
+	var fields struct {
+		Model                string          `json:"model"`
+		Messages             json.RawMessage `json:"messages"`
+		Prompt               json.RawMessage `json:"prompt"`
+		Tools                json.RawMessage `json:"tools"`
+		AddGenerationPrompt  *bool           `json:"add_generation_prompt"`
+		ContinueFinalMessage json.RawMessage `json:"continue_final_message"`
+		ChatTemplate         json.RawMessage `json:"chat_template"`
+		ChatTemplateKwargs   json.RawMessage `json:"chat_template_kwargs"`
+	}
+	if err := json.Unmarshal(body, &fields); err != nil {
+		return nil, fmt.Errorf("tokenizer: %w", err)
+	}
+	if len(fields.Messages) > 0 {
+		yes := true
+		r := request{Model: fields.Model, Messages: fields.Messages, Tools: fields.Tools, AddGenerationPrompt: &yes,
+			ContinueFinalMessage: fields.ContinueFinalMessage, ChatTemplate: fields.ChatTemplate, ChatTemplateKwargs: fields.ChatTemplateKwargs}
+		if fields.AddGenerationPrompt != nil {
+			r.AddGenerationPrompt = fields.AddGenerationPrompt
+		}
+		return c.tokenize(ctx, r)
+	}
+	if len(fields.Prompt) == 0 || fields.Prompt[0] != '"' {
+		return nil, errors.New("tokenizer: only a chat body or a completions body with one prompt string can be tokenized")
+	}
+	return c.tokenize(ctx, request{Model: fields.Model, Prompt: fields.Prompt})
+}
+
 // Prompt returns the token ids of a completions request's prompt (a JSON
 // string).
 func (c *Client) Prompt(ctx context.Context, model string, prompt []byte) ([]int32, error) {
@@ -128,6 +174,13 @@ func (c *Client) tokenize(ctx context.Context, r request) ([]int32, error) {
 	_, _ = d.Write([]byte{0, byte(len(r.Messages) & 1)})
 	_, _ = d.Write(r.Messages)
 	_, _ = d.Write(r.Prompt)
+	for _, f := range [][]byte{r.Tools, r.ContinueFinalMessage, r.ChatTemplate, r.ChatTemplateKwargs} {
+		_, _ = d.Write([]byte{0})
+		_, _ = d.Write(f)
+	}
+	if r.AddGenerationPrompt != nil && !*r.AddGenerationPrompt {
+		_, _ = d.Write([]byte{1})
+	}
 	key := d.Sum64()
 	if ids, ok := c.cache.Get(key); ok {
 		c.hits.Add(1)
@@ -156,8 +209,14 @@ func (c *Client) tokenize(ctx context.Context, r request) ([]int32, error) {
 func (c *Client) call(ctx context.Context, r request) ([]int32, error) {
 	ctx, cancel := context.WithTimeout(ctx, c.o.Timeout)
 	defer cancel()
+	base := c.o.URL
+	if c.o.Pick != nil {
+		if base = c.o.Pick(); base == "" {
+			return nil, ErrNoReplica
+		}
+	}
 	body, _ := json.Marshal(r)
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.o.URL+"/tokenize", bytes.NewReader(body))
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimSuffix(base, "/")+"/tokenize", bytes.NewReader(body))
 	if err != nil {
 		return nil, err
 	}

@@ -1,0 +1,166 @@
+// Package kvsync keeps the cache picture of a replica right from its
+// engine's own KV events (vLLM's, see package kvevents): the blocks the
+// engine stores and removes become the replica's picture, keyed by the
+// token ids the events carry exactly as a precise request's blocks are
+// keyed (blockhash.TokenBlockHash), so that what the engine reports and
+// what a request looks up are the same blocks.
+//
+// The engine's own block hashes are opaque names: an Applier keeps, per
+// replica, the router key of every block the engine holds under its hash,
+// only to apply the engine's removals and to chain a stored block after
+// its parent.
+package kvsync
+
+import (
+	"strings"
+	"sync/atomic"
+
+	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/cachemodel"
+	"github.com/semroute/semroute/kvevents"
+)
+
+// DefaultMaxBlocks bounds the engine blocks an Applier tracks: past it
+// (an engine that never reports removals), the picture is reset.
+const DefaultMaxBlocks = 1 << 21
+
+// Counts are an Applier's counters since it was made.
+type Counts struct {
+	// Stored and Removed count the blocks applied.
+	Stored, Removed uint64
+	// Orphans counts stored blocks whose parent the picture does not know
+	// (stored before the router listened, or after a reset): their prefix
+	// is unknown, so they cannot be keyed and are skipped.
+	Orphans uint64
+	// Skipped counts events that could not be applied: token ids that do
+	// not fill their blocks, a block size other than the router's.
+	Skipped uint64
+	// Cleared counts AllBlocksCleared events and resets.
+	Cleared uint64
+}
+
+// Applier applies one replica's KV events to the cache picture. It is not
+// safe for concurrent use: one goroutine (the Subscriber's) applies; Counts
+// may be read from any.
+type Applier struct {
+	model     *cachemodel.Model
+	id        int
+	blockSize int
+	maxBlocks int
+	onLoRA    func(string)
+
+	keys     map[uint64]uint64 // engine block hash → router key, of the blocks the engine holds
+	lastLoRA string
+	buf      []blockhash.Block
+
+	stored, removed, orphans, skipped, cleared atomic.Uint64
+}
+
+// NewApplier returns an Applier for replica id of model, whose engine
+// caches blocks of blockSize tokens (the router's precise block size:
+// events of another size are skipped). onLoRA, if set, hears every LoRA
+// adapter named by a stored block. maxBlocks ≤ 0 means DefaultMaxBlocks.
+func NewApplier(model *cachemodel.Model, id, blockSize, maxBlocks int, onLoRA func(string)) *Applier {
+	if maxBlocks <= 0 {
+		maxBlocks = DefaultMaxBlocks
+	}
+	return &Applier{model: model, id: id, blockSize: blockSize, maxBlocks: maxBlocks, onLoRA: onLoRA, keys: map[uint64]uint64{}}
+}
+
+// Counts returns the counters.
+func (a *Applier) Counts() Counts {
+	return Counts{Stored: a.stored.Load(), Removed: a.removed.Load(), Orphans: a.orphans.Load(), Skipped: a.skipped.Load(), Cleared: a.cleared.Load()}
+}
+
+// Tracked returns the engine blocks tracked now.
+func (a *Applier) Tracked() int { return len(a.keys) }
+
+// Reset forgets the replica's picture and every key: the events no longer
+// describe the engine (a restart, a gap replay could not fill).
+func (a *Applier) Reset() {
+	a.model.Clear(a.id)
+	a.keys = map[uint64]uint64{}
+	a.cleared.Add(1)
+}
+
+// Apply applies a batch, at now (nanoseconds on the picture's clock).
+func (a *Applier) Apply(b *kvevents.Batch, now int64) {
+	for i := range b.Events {
+		e := &b.Events[i]
+		switch e.Kind {
+		case kvevents.BlockStored:
+			a.store(e, now)
+		case kvevents.BlockRemoved:
+			cpu := isCPU(e.Medium)
+			for _, h := range e.BlockHashes {
+				k, ok := a.keys[h]
+				if !ok {
+					continue
+				}
+				if _, left := a.model.Remove(a.id, k, cpu); !left {
+					delete(a.keys, h)
+				}
+				a.removed.Add(1)
+			}
+		case kvevents.AllBlocksCleared:
+			a.Reset()
+		}
+	}
+}
+
+// isCPU reports whether a medium is host memory: vLLM names the GPU "GPU"
+// (None in older versions); anything else (its offloading's "CPU", other
+// connectors' tiers) is a slower copy.
+func isCPU(medium string) bool {
+	return medium != "" && !strings.EqualFold(medium, "GPU")
+}
+
+func (a *Applier) store(e *kvevents.Event, now int64) {
+	n := len(e.BlockHashes)
+	if n == 0 {
+		return
+	}
+	if int(e.BlockSize) != a.blockSize || len(e.TokenIDs) != n*a.blockSize {
+		a.skipped.Add(1)
+		return
+	}
+	var parent uint64
+	hasParent := e.HasParent
+	if hasParent {
+		p, ok := a.keys[e.ParentHash]
+		if !ok {
+			a.orphans.Add(uint64(n))
+			return
+		}
+		parent = p
+	}
+	lora := e.LoraName
+	if lora != "" && lora != a.lastLoRA {
+		a.lastLoRA = lora
+		if a.onLoRA != nil {
+			a.onLoRA(lora)
+		}
+	}
+	h := parent
+	if !hasParent {
+		h = blockhash.TokenSeed(lora)
+	}
+	bl := a.buf[:0]
+	for j := 0; j < n; j++ {
+		h = blockhash.TokenBlockHash(h, e.TokenIDs[j*a.blockSize:(j+1)*a.blockSize])
+		bl = append(bl, blockhash.Block{Hash: h, Tokens: int32(a.blockSize), Kind: blockhash.KindOther})
+	}
+	a.buf = bl
+	cpu := isCPU(e.Medium)
+	if ok, _ := a.model.Store(a.id, parent, hasParent, bl, cpu, now); !ok {
+		a.orphans.Add(uint64(n)) // the parent left the picture (evicted there)
+		return
+	}
+	for j, eh := range e.BlockHashes {
+		a.keys[eh] = bl[j].Hash
+	}
+	a.stored.Add(uint64(n))
+	if len(a.keys) > a.maxBlocks {
+		a.Reset()
+	}
+}

@@ -1,0 +1,169 @@
+package kvsync
+
+import (
+	"cmp"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/semroute/semroute/cachemodel"
+	"github.com/semroute/semroute/kvevents"
+)
+
+// DefaultSilence is how long a replica's events may be silent, while
+// blocks routed to it go unconfirmed, before its picture falls back to
+// the approximate one.
+const DefaultSilence = 10 * time.Second
+
+// Options configure a Follower. Model, Endpoint and BlockSize are
+// required.
+type Options struct {
+	Model *cachemodel.Model
+	// ID and Name are the replica's in the picture and in logs.
+	ID   int
+	Name string
+	// Endpoint, ReplayEndpoint and Topic are the engine's KV events
+	// sockets (kvevents.SubscriberOptions).
+	Endpoint, ReplayEndpoint, Topic string
+	// BlockSize is the engine's block size in tokens, the router's precise
+	// block size.
+	BlockSize int
+	// MaxBlocks bounds the blocks tracked (DefaultMaxBlocks).
+	MaxBlocks int
+	// Silence: see DefaultSilence.
+	Silence time.Duration
+	// OnLoRA hears every adapter named by the events (Engine.NoteAdapter).
+	OnLoRA func(string)
+	// Now is the picture's clock. Nil means time.Now.
+	Now    func() time.Time
+	Logger *slog.Logger
+}
+
+// Stats describe a Follower.
+type Stats struct {
+	Counts
+	Subscriber kvevents.Stats
+	// Tracked is the engine blocks known now.
+	Tracked int
+	// Live is false while the replica's picture is the approximate one
+	// (its events went silent, or none came yet).
+	Live bool
+	// Fallbacks counts the times the events went silent.
+	Fallbacks uint64
+}
+
+// Follower follows one replica's KV events into the picture: it applies
+// every batch, clears the picture when the events stop describing the
+// engine (a restart, a gap its replay could not fill), and falls back to
+// the approximate picture for the replica while they are silent. Stats and
+// Close are safe for concurrent use.
+type Follower struct {
+	o   Options
+	ap  *Applier
+	sub *kvevents.Subscriber
+
+	mu        sync.Mutex // serialises the picture's mode changes
+	live      atomic.Bool
+	fallbacks atomic.Uint64
+	tracked   atomic.Int64
+	expiredAt int64 // the replica's PendingExpired at the last batch
+
+	stop  chan struct{}
+	done  chan struct{}
+	close sync.Once
+	err   error
+}
+
+// Follow starts following. The replica's picture becomes event-driven at
+// the first batch.
+func Follow(o Options) (*Follower, error) {
+	if o.Now == nil {
+		o.Now = time.Now
+	}
+	if o.Logger == nil {
+		o.Logger = slog.Default()
+	}
+	o.Silence = cmp.Or(o.Silence, DefaultSilence)
+	f := &Follower{o: o, ap: NewApplier(o.Model, o.ID, o.BlockSize, o.MaxBlocks, o.OnLoRA), stop: make(chan struct{}), done: make(chan struct{})}
+	sub, err := kvevents.NewSubscriber(kvevents.SubscriberOptions{
+		Endpoint: o.Endpoint, ReplayEndpoint: o.ReplayEndpoint, Topic: o.Topic,
+		OnBatch: f.batch, OnReset: f.reset, Logger: o.Logger.With("replica", o.Name),
+	})
+	if err != nil {
+		return nil, err
+	}
+	f.sub = sub
+	go f.watch()
+	return f, nil
+}
+
+func (f *Follower) batch(_ uint64, b kvevents.Batch) {
+	f.mu.Lock()
+	if !f.live.Load() {
+		f.o.Model.SetEventDriven(f.o.ID, true)
+		f.live.Store(true)
+		f.o.Logger.Info("KV events live: the replica's cache picture follows its engine", "replica", f.o.Name)
+	}
+	f.mu.Unlock()
+	f.ap.Apply(&b, f.o.Now().UnixNano())
+	f.tracked.Store(int64(f.ap.Tracked()))
+	if st, ok := f.o.Model.Stats(f.o.ID); ok {
+		atomic.StoreInt64(&f.expiredAt, st.PendingExpired)
+	}
+}
+
+func (f *Follower) reset(reason string) {
+	f.ap.Reset()
+	f.tracked.Store(0)
+	f.o.Logger.Warn("KV events: the replica's cache picture was cleared", "replica", f.o.Name, "reason", reason)
+}
+
+// watch expires pending blocks and falls back to the approximate picture
+// when the events are silent while routed blocks go unconfirmed (an idle
+// engine is silent too, and stays live).
+func (f *Follower) watch() {
+	defer close(f.done)
+	t := time.NewTicker(250 * time.Millisecond)
+	defer t.Stop()
+	for {
+		select {
+		case <-f.stop:
+			return
+		case <-t.C:
+		}
+		f.o.Model.ExpirePending(f.o.Now().UnixNano())
+		if !f.live.Load() || !f.sub.Silent(f.o.Silence) {
+			continue
+		}
+		st, ok := f.o.Model.Stats(f.o.ID)
+		if !ok || st.PendingExpired <= atomic.LoadInt64(&f.expiredAt) {
+			continue
+		}
+		f.mu.Lock()
+		if f.live.Load() && f.sub.Silent(f.o.Silence) {
+			f.o.Model.SetEventDriven(f.o.ID, false)
+			f.live.Store(false)
+			f.fallbacks.Add(1)
+			f.o.Logger.Warn("KV events silent while routed blocks went unconfirmed: the replica's cache picture falls back to the approximate one",
+				"replica", f.o.Name, "silent_for", f.o.Silence)
+		}
+		f.mu.Unlock()
+	}
+}
+
+// Stats returns the Follower's counters.
+func (f *Follower) Stats() Stats {
+	return Stats{Counts: f.ap.Counts(), Subscriber: f.sub.Stats(), Tracked: int(f.tracked.Load()), Live: f.live.Load(), Fallbacks: f.fallbacks.Load()}
+}
+
+// Close stops following; the replica's picture becomes approximate.
+func (f *Follower) Close() error {
+	f.close.Do(func() {
+		close(f.stop)
+		<-f.done
+		f.err = f.sub.Close()
+		f.o.Model.SetEventDriven(f.o.ID, false)
+	})
+	return f.err
+}
