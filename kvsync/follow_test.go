@@ -182,7 +182,7 @@ func TestEventFaults(t *testing.T) {
 	one := uint64(101)
 	p.Publish(kvevents.Batch{Events: []kvevents.Event{chainEvent([]uint64{100, 101}, nil, 0)}})
 	p.Drop(kvevents.Batch{Events: []kvevents.Event{chainEvent([]uint64{102, 103}, &one, 32)}}) // lost on the way
-	p.PublishRaw([]byte{0xc1, 0x00})                                                             // malformed
+	p.PublishRaw([]byte{0xc1, 0x00})                                                           // malformed
 	p.Publish(kvevents.Batch{Events: []kvevents.Event{{Kind: kvevents.BlockRemoved, BlockHashes: []uint64{999}, Medium: "GPU"}}})
 	waitFor(t, "the gap filled from replay", func() bool { return matched(a) == 4 })
 	st := f.Stats()
