@@ -23,6 +23,7 @@ import (
 	"github.com/semroute/semroute/monitor"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
+	"github.com/semroute/semroute/tokenizer"
 )
 
 // DemoYAML is the embedded configuration of `router demo`.
@@ -46,6 +47,7 @@ type Config struct {
 	Routing     RoutingConfig     `mapstructure:"routing" json:"routing"`
 	Blocks      BlocksConfig      `mapstructure:"blocks" json:"blocks"`
 	Cache       CacheConfig       `mapstructure:"cache" json:"cache"`
+	Tokenizer   TokenizerConfig   `mapstructure:"tokenizer" json:"tokenizer"`
 	Limits      LimitsConfig      `mapstructure:"limits" json:"limits"`
 	Health      HealthConfig      `mapstructure:"health" json:"health"`
 	Timeouts    TimeoutConfig     `mapstructure:"timeouts" json:"timeouts"`
@@ -215,6 +217,39 @@ type CacheConfig struct {
 	DefaultBudgetTokens int64  `mapstructure:"default_budget_tokens" json:"default_budget_tokens"`
 }
 
+// TokenizerConfig chooses how prompts are counted. Read at start only.
+type TokenizerConfig struct {
+	// Mode is "estimate" (the default: text cut by bytes per token, scaled
+	// to the engine's unit as its usage reports arrive) or "replica"
+	// (precise: every request's engine token ids from a replica's vLLM
+	// POST /tokenize, cut into the engine's blocks, keyed as its KV
+	// events are).
+	Mode string `mapstructure:"mode" json:"mode"`
+	// BlockTokens is the engine's KV block size in tokens (vLLM's
+	// --block-size). Default 16.
+	BlockTokens int `mapstructure:"block_tokens" json:"block_tokens"`
+	// Timeout bounds one /tokenize call; past it the request is routed on
+	// the estimate. Default 50ms.
+	Timeout time.Duration `mapstructure:"timeout" json:"timeout"`
+	// URL is the server to ask; empty means any available replica.
+	URL string `mapstructure:"url" json:"url"`
+	// CacheTokens bounds the token ids cached (4 bytes each). Default
+	// 4,194,304.
+	CacheTokens int `mapstructure:"cache_tokens" json:"cache_tokens"`
+}
+
+// KVEventsConfig is where a replica's engine publishes its KV events
+// (vLLM's --kv-events-config with the zmq publisher).
+type KVEventsConfig struct {
+	// Endpoint is the PUB socket, e.g. tcp://10.0.0.5:5557. Empty: none.
+	Endpoint string `mapstructure:"endpoint" json:"endpoint"`
+	// ReplayEndpoint is the replay socket, e.g. tcp://10.0.0.5:5558.
+	ReplayEndpoint string `mapstructure:"replay_endpoint" json:"replay_endpoint"`
+	// Topic is the topic subscribed to ("" receives all; vLLM's default
+	// topic is "").
+	Topic string `mapstructure:"topic" json:"topic"`
+}
+
 // LimitsConfig bounds request input. Reloadable.
 type LimitsConfig struct {
 	MaxBodyBytes    int64 `mapstructure:"max_body_bytes" json:"max_body_bytes"`
@@ -239,6 +274,9 @@ type Replica struct {
 	URL          string  `mapstructure:"url" json:"url"`
 	BudgetTokens int64   `mapstructure:"budget_tokens" json:"budget_tokens"`
 	Weight       float64 `mapstructure:"weight" json:"weight"`
+	// KVEvents, if set, keeps the replica's cache picture from its
+	// engine's KV events.
+	KVEvents KVEventsConfig `mapstructure:"kv_events" json:"kv_events"`
 }
 
 // DefaultBudgetTokens is the KV cache budget, in tokens, assumed for a
@@ -288,6 +326,11 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("blocks.bytes_per_token", blockhash.DefaultBytesPerToken)
 	v.SetDefault("cache.eviction", eviction.Default)
 	v.SetDefault("cache.default_budget_tokens", DefaultBudgetTokens)
+	v.SetDefault("tokenizer.mode", "estimate")
+	v.SetDefault("tokenizer.block_tokens", 16)
+	v.SetDefault("tokenizer.timeout", tokenizer.DefaultTimeout)
+	v.SetDefault("tokenizer.url", "")
+	v.SetDefault("tokenizer.cache_tokens", tokenizer.DefaultCacheTokens)
 	v.SetDefault("limits.max_body_bytes", limits.DefaultMaxBodyBytes)
 	v.SetDefault("limits.max_messages", limits.DefaultMaxMessages)
 	v.SetDefault("limits.max_header_bytes", limits.DefaultMaxHeaderBytes)

@@ -66,6 +66,7 @@ func (c *Config) Validate() error {
 	c.Routing.validate(&p)
 	c.Blocks.validate(&p)
 	c.Cache.validate(&p)
+	c.Tokenizer.validate(&p)
 	c.Limits.validate(&p)
 	c.Health.validate(&p)
 	c.Timeouts.validate(&p)
@@ -188,6 +189,28 @@ func (c CacheConfig) validate(p *problems) {
 	}
 }
 
+func (t TokenizerConfig) validate(p *problems) {
+	switch t.Mode {
+	case "", "estimate", "replica":
+	default:
+		p.bad("tokenizer.mode", "%q is not estimate or replica", t.Mode)
+	}
+	if t.BlockTokens < 0 || t.BlockTokens > 4096 {
+		p.bad("tokenizer.block_tokens", "%d is not in [1, 4096]", t.BlockTokens)
+	}
+	if t.Timeout < 0 {
+		p.bad("tokenizer.timeout", "must not be negative")
+	}
+	if t.CacheTokens < 0 {
+		p.bad("tokenizer.cache_tokens", "must not be negative")
+	}
+	if t.URL != "" {
+		if _, err := replica.ParseURL(t.URL); err != nil {
+			p.bad("tokenizer.url", "%v", err)
+		}
+	}
+}
+
 func (l LimitsConfig) validate(p *problems) {
 	if l.MaxBodyBytes < 1024 {
 		p.bad("limits.max_body_bytes", "must be at least 1024")
@@ -275,6 +298,14 @@ func (r Replica) check() []FieldError {
 	if err := replica.ValidateWeight(r.Weight); err != nil {
 		errs = append(errs, FieldError{"weight", err.Error()})
 	}
+	for _, f := range []struct{ name, v string }{{"kv_events.endpoint", r.KVEvents.Endpoint}, {"kv_events.replay_endpoint", r.KVEvents.ReplayEndpoint}} {
+		if f.v != "" && !strings.HasPrefix(f.v, "tcp://") && !strings.HasPrefix(f.v, "ipc://") {
+			errs = append(errs, FieldError{f.name, fmt.Sprintf("%q is not a tcp:// or ipc:// ZeroMQ address", f.v)})
+		}
+	}
+	if r.KVEvents.Endpoint == "" && r.KVEvents.ReplayEndpoint != "" {
+		errs = append(errs, FieldError{"kv_events.endpoint", "is required with kv_events.replay_endpoint"})
+	}
 	return errs
 }
 
@@ -293,5 +324,6 @@ func (r Replica) Validate() error {
 
 // Spec is the replica's pool spec.
 func (r Replica) Spec() replica.Spec {
-	return replica.Spec{Name: r.Name, URL: r.URL, BudgetTokens: r.BudgetTokens, Weight: r.Weight}
+	return replica.Spec{Name: r.Name, URL: r.URL, BudgetTokens: r.BudgetTokens, Weight: r.Weight,
+		KVEvents: replica.KVEvents{Endpoint: r.KVEvents.Endpoint, ReplayEndpoint: r.KVEvents.ReplayEndpoint, Topic: r.KVEvents.Topic}}
 }

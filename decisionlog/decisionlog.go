@@ -70,6 +70,9 @@ type Outcome struct {
 	// CachedTokens is usage.prompt_tokens_details.cached_tokens as the
 	// replica reported it.
 	CachedTokens int64 `json:"cached_tokens"`
+	// CachedReported says the replica reported CachedTokens (vLLM does
+	// only with --enable-prompt-tokens-details); not logged.
+	CachedReported bool `json:"-"`
 	// Replica is the replica that served the request (it differs from the
 	// decision's choice after a failover).
 	Replica string `json:"replica"`

@@ -27,6 +27,15 @@ type Spec struct {
 	// Weight scales the replica's share of load: a replica of weight 2 is
 	// considered half as loaded by the same work. Zero means 1.
 	Weight float64
+	// KVEvents is where the replica's engine publishes its KV events; the
+	// zero value: it publishes none.
+	KVEvents KVEvents
+}
+
+// KVEvents are the ZeroMQ addresses of an engine's KV events (vLLM's
+// --kv-events-config: endpoint, replay_endpoint, topic).
+type KVEvents struct {
+	Endpoint, ReplayEndpoint, Topic string
 }
 
 // Load is a replica's queued work, the load term of routing scores. Token

@@ -1,6 +1,7 @@
 package router
 
 import (
+	"cmp"
 	"container/list"
 	"context"
 	"encoding/binary"
@@ -18,6 +19,7 @@ import (
 	"github.com/semroute/semroute/decisionlog"
 	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/routing"
+	"github.com/semroute/semroute/tokenizer"
 )
 
 // Arm is one routing policy taking a share of traffic.
@@ -54,6 +56,19 @@ type CoreOptions struct {
 	Held limits.Held
 	// Metrics, if set, receives per-request metrics.
 	Metrics *Metrics
+	// Tokenizer, if set, is precise mode: each request is routed on the
+	// engine's own token ids, cut into blocks of BlockTokens (the engine's
+	// block size, default 16), as KV events key the engine's blocks. When
+	// it fails or is slow the request is routed on the estimate.
+	Tokenizer   Tokenizer
+	BlockTokens int
+}
+
+// Tokenizer gives the engine's token ids of an OpenAI request body
+// (tokenizer.Client: a replica's /tokenize). Errors are classed by
+// tokenizer.ErrSlow and tokenizer.ErrNoReplica.
+type Tokenizer interface {
+	Body(ctx context.Context, body []byte) ([]int32, error)
 }
 
 // Core is the routing core that the HTTP and gRPC front ends share: it
@@ -167,6 +182,38 @@ type CoreRequest struct {
 	PassThrough bool
 }
 
+// Prepare makes the engine's input for a parsed request whose body is
+// body: in precise mode (CoreOptions.Tokenizer) from the engine's token
+// ids, else, or when they cannot be had in time, from the estimate.
+// Requests given as token ids are exact already; a request with no body
+// (gRPC messages) is estimated.
+func (c *Core) Prepare(ctx context.Context, req *blockhash.Request, body []byte, session string) routing.Request {
+	if c.o.Tokenizer != nil && len(body) > 0 && !tokenIDsOnly(req) {
+		ids, err := c.o.Tokenizer.Body(ctx, body)
+		switch {
+		case err == nil && len(ids) > 0:
+			c.o.Metrics.Tokenized("ok")
+			return c.e.PrepareTokens(req, ids, cmp.Or(c.o.BlockTokens, 16), session, c.o.LogPrompts)
+		case errors.Is(err, tokenizer.ErrSlow):
+			c.o.Metrics.Tokenized("slow")
+		case errors.Is(err, tokenizer.ErrNoReplica):
+			c.o.Metrics.Tokenized("no_replica")
+		default:
+			c.o.Metrics.Tokenized("failed")
+		}
+	}
+	return c.e.Prepare(req, session, c.o.LogPrompts)
+}
+
+func tokenIDsOnly(req *blockhash.Request) bool {
+	for i := range req.Parts {
+		if req.Parts[i].Role != blockhash.RoleTokens {
+			return false
+		}
+	}
+	return len(req.Parts) > 0
+}
+
 // passThrough is the arm of requests without a prompt.
 var passThrough = &Arm{Name: "passthrough", Policy: routing.LeastLoad{}, Weight: 1}
 
@@ -246,6 +293,11 @@ func (c *Core) Finish(rt *Routed, o Outcome, reply []byte) {
 	c.e.Done(rt.Decision, rt.Served)
 	if o.PromptTokens > 0 && o.Status == 200 && !rt.req.PassThrough {
 		c.e.ObserveUsage(rt.req.Model, rt.Decision, int(o.PromptTokens))
+		if o.CachedReported {
+			if n := c.e.Feedback(rt.Decision, rt.Served, int(o.CachedTokens)); n > 0 {
+				c.o.Metrics.trimmed(rt, n)
+			}
+		}
 	}
 	var learned []blockhash.Block
 	if reply != nil {

@@ -177,7 +177,7 @@ func (g *GRPCService) request(in *pb.RouteRequest) (*blockhash.Request, error) {
 }
 
 // Route implements pb.RouterServer.
-func (g *GRPCService) Route(_ context.Context, in *pb.RouteRequest) (*pb.RouteResponse, error) {
+func (g *GRPCService) Route(ctx context.Context, in *pb.RouteRequest) (*pb.RouteResponse, error) {
 	req, err := g.request(in)
 	switch {
 	case errors.Is(err, blockhash.ErrBusy):
@@ -190,7 +190,7 @@ func (g *GRPCService) Route(_ context.Context, in *pb.RouteRequest) (*pb.RouteRe
 	if _, ok := in.GetInput().(*pb.RouteRequest_Blocks); ok {
 		ri = g.preSplit(req, in.GetSessionId())
 	} else {
-		ri = g.core.e.Prepare(req, in.GetSessionId(), g.core.o.LogPrompts)
+		ri = g.core.Prepare(ctx, req, in.GetOpenaiBody(), in.GetSessionId())
 	}
 	ri.DetachText() // a held decision logs its text after req is released
 	rt, err := g.core.Route(CoreRequest{Input: ri, Model: req.Model, Session: in.GetSessionId(), Tenant: in.GetTenantId(), DryRun: in.GetDryRun(), Route: "grpc"})
@@ -249,7 +249,9 @@ func (g *GRPCService) Release(_ context.Context, in *pb.ReleaseRequest) (*pb.Rel
 	}
 	err := g.core.Release(in.GetDecisionId(), Outcome{
 		Status: int(in.GetStatus()), PromptTokens: in.GetPromptTokens(), OutputTokens: in.GetOutputTokens(),
-		CachedTokens: in.GetCachedTokens(), TTFTNs: int64(in.GetTtftMs() * float64(time.Millisecond)),
+		// A cached_tokens of 0 is the field unset as often as a miss: only
+		// a positive count is taken as reported.
+		CachedTokens: in.GetCachedTokens(), CachedReported: in.GetCachedTokens() > 0, TTFTNs: int64(in.GetTtftMs() * float64(time.Millisecond)),
 		DurationNs: int64(in.GetDurationMs() * float64(time.Millisecond)),
 	})
 	if errors.Is(err, ErrUnknownDecision) {

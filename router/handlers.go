@@ -65,7 +65,7 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 	}
 	tctx := s.o.Propagator.Extract(r.Context(), propagation.HeaderCarrier(r.Header))
 	tctx, span := s.o.Tracer.Start(tctx, "semroute.route", trace.WithAttributes(attribute.String("semroute.route", route)))
-	in := s.e.Prepare(req, sid, s.core.o.LogPrompts)
+	in := s.core.Prepare(tctx, req, body.b, sid)
 	in.DetachText()
 	// A streamed request the client did not ask usage for asks for it
 	// upstream (the engine's prompt and cached tokens teach the router),
@@ -128,7 +128,7 @@ func (s *Server) finish(r *http.Request, f *flight, up trace.Span, aborted bool)
 	up.End()
 	var reply []byte
 	if c := f.capture; c != nil {
-		o.PromptTokens, o.OutputTokens, o.CachedTokens = c.tokens()
+		o.PromptTokens, o.OutputTokens, o.CachedTokens, o.CachedReported = c.tokens()
 		if rep, ok := c.reply(); ok && s.o.RecordReplies && f.status == http.StatusOK {
 			reply = rep
 		}

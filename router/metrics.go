@@ -17,6 +17,8 @@ type Metrics struct {
 	matchRatio     *prometheus.HistogramVec
 	predicted      *prometheus.CounterVec
 	reported       *prometheus.CounterVec
+	trimmedTokens  *prometheus.CounterVec
+	tokenizeN      *prometheus.CounterVec
 	predictionDiff *prometheus.HistogramVec
 	ttft           *prometheus.HistogramVec
 	duration       *prometheus.HistogramVec
@@ -47,6 +49,10 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Time from the routing decision to the replica's first response byte.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)}, apr),
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "semroute_upstream_duration_seconds",
 			Help: "Time from the routing decision to the end of the response.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 18)}, apr),
+		trimmedTokens: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_feedback_trimmed_tokens_total",
+			Help: "Tokens evicted from a replica's cache picture because its engine reported fewer cached tokens than predicted (replicas without KV events)."}, []string{"replica"}),
+		tokenizeN: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_tokenize_total",
+			Help: "Requests in precise mode by how their engine tokens were got: ok (from /tokenize or its cache), or estimated because the tokenizer was slow, failed or had no replica."}, []string{"result"}),
 		retries: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_retries_total",
 			Help: "Requests moved to another replica before any byte reached the client."}, ap),
 		upstreamErrors: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_upstream_errors_total",
@@ -54,7 +60,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		heldExpiredN: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_grpc_held_expired_total",
 			Help: "gRPC decisions never released, finished by reason: timeout (routing.release_after) or cap (grpc.max_held_decisions, the oldest first)."}, []string{"reason"}),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.reported, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors, m.heldExpiredN} {
+	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.reported, m.trimmedTokens, m.tokenizeN, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors, m.heldExpiredN} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -98,11 +104,25 @@ func (m *Metrics) finished(rt *Routed, o *Outcome) {
 	if o.DurationNs > 0 {
 		m.duration.WithLabelValues(arm, pol, rep).Observe(float64(o.DurationNs) / 1e9)
 	}
-	if o.Status == 200 && o.PromptTokens > 0 && o.CachedTokens >= 0 { // the replica reported usage
+	if o.Status == 200 && o.PromptTokens > 0 && o.CachedReported { // the replica reported cached tokens
 		predicted := float64(rt.Served.Match.Tokens)
 		m.predicted.WithLabelValues(arm, pol, rep).Add(predicted)
 		m.reported.WithLabelValues(arm, pol, rep).Add(float64(o.CachedTokens))
 		m.predictionDiff.WithLabelValues(arm, pol).Observe(predicted - float64(o.CachedTokens))
+	}
+}
+
+func (m *Metrics) trimmed(rt *Routed, tokens int64) {
+	if m != nil {
+		m.trimmedTokens.WithLabelValues(rt.Served.Replica.Name).Add(float64(tokens))
+	}
+}
+
+// Tokenized counts a precise-mode request by result ("ok", "slow",
+// "failed", "no_replica").
+func (m *Metrics) Tokenized(result string) {
+	if m != nil {
+		m.tokenizeN.WithLabelValues(result).Inc()
 	}
 }
 

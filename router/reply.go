@@ -64,6 +64,7 @@ type toolCall struct {
 // tokens.
 type usageJSON struct {
 	PromptTokens, CompletionTokens, CachedTokens int64
+	CachedReported                               bool // the usage had prompt_tokens_details.cached_tokens
 }
 
 func (c *replyCapture) Read(p []byte) (int, error) {
@@ -242,6 +243,7 @@ func (c *replyCapture) parse(data []byte) error {
 			intField(d, "cached_tokens", &usage.CachedTokens)); err != nil {
 			return err
 		}
+		usage.CachedReported = d != nil && !isNull(d.Get("cached_tokens"))
 	}
 	// text, content and the tool calls alias the parser's memory until the
 	// next parse.
@@ -418,8 +420,9 @@ func (c *replyCapture) reply() ([]byte, bool) {
 }
 
 // tokens returns the usage the replica reported: prompt, output and cached
-// prompt tokens (zeros when it reported none).
-func (c *replyCapture) tokens() (prompt, output, cached int64) {
+// prompt tokens (zeros when it reported none), and whether it reported
+// the cached ones.
+func (c *replyCapture) tokens() (prompt, output, cached int64, cachedReported bool) {
 	u := c.usage
-	return u.PromptTokens, u.CompletionTokens, u.CachedTokens
+	return u.PromptTokens, u.CompletionTokens, u.CachedTokens, u.CachedReported
 }

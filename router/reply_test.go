@@ -96,7 +96,7 @@ func TestReplyToolCallArgumentsShareTheCap(t *testing.T) {
 	if _, ok := c.reply(); ok {
 		t.Fatal("an over-cap reply was learned")
 	}
-	if p, o, _ := c.tokens(); p != 10 || o != 5 {
+	if p, o, _, _ := c.tokens(); p != 10 || o != 5 {
 		t.Fatalf("usage %d %d after the cap", p, o)
 	}
 
@@ -207,7 +207,7 @@ func TestReplyStreamedToolCallsRender(t *testing.T) {
 		if !ok || !bytes.Equal(got, want) {
 			t.Fatalf("step %d: reply %q %v, want %q", step, got, ok, want)
 		}
-		if p, o, _ := c.tokens(); p != 3 || o != 4 {
+		if p, o, _, _ := c.tokens(); p != 3 || o != 4 {
 			t.Fatalf("usage %d %d", p, o)
 		}
 		if c.retained() != len(got)-4 { // two NULs a call are rendering
@@ -253,7 +253,7 @@ func TestReplySSELineBounded(t *testing.T) {
 		if _, ok := c.reply(); ok || !c.bad {
 			t.Fatalf("step %d: a line over the cap was not refused", step)
 		}
-		if p, o, _ := c.tokens(); p != 7 || o != 8 {
+		if p, o, _, _ := c.tokens(); p != 7 || o != 8 {
 			t.Fatalf("step %d: usage %d %d after a long line", step, p, o)
 		}
 		c.release()
@@ -405,13 +405,13 @@ func TestReplyCapture(t *testing.T) {
 	// in one-byte reads parses the same.
 	u := &replyCapture{rc: io.NopCloser(strings.NewReader(`{"choices":[{"text":"x"}],"usage":{"prompt_tokens":9,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":4}}}`)), limit: 1 << 20}
 	io.Copy(io.Discard, u)
-	if p, o, c := u.tokens(); p != 9 || o != 2 || c != 4 {
+	if p, o, c, rep := u.tokens(); p != 9 || o != 2 || c != 4 || !rep {
 		t.Fatalf("usage %d %d %d", p, o, c)
 	}
 	stream := "data: {\"choices\":[{\"delta\":{\"content\":\"ab\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":1,\"prompt_tokens_details\":{\"cached_tokens\":3}}}\n\ndata: [DONE]\n\n"
 	sc := &replyCapture{rc: io.NopCloser(iotest.OneByteReader(strings.NewReader(stream))), sse: true, limit: 1 << 20}
 	io.Copy(io.Discard, sc)
-	if p, o, c := sc.tokens(); p != 5 || o != 1 || c != 3 {
+	if p, o, c, _ := sc.tokens(); p != 5 || o != 1 || c != 3 {
 		t.Fatalf("stream usage %d %d %d", p, o, c)
 	}
 	if r, ok := sc.reply(); !ok || string(r) != "ab" {

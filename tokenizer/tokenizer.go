@@ -45,6 +45,12 @@ type Options struct {
 	Client *http.Client
 }
 
+// Defaults of Options.
+const (
+	DefaultTimeout     = 50 * time.Millisecond
+	DefaultCacheTokens = 4 << 20
+)
+
 // ErrNoReplica is returned when Pick finds no replica to ask.
 var ErrNoReplica = errors.New("tokenizer: no replica to ask")
 
@@ -71,10 +77,10 @@ func New(o Options) (*Client, error) {
 		return nil, errors.New("tokenizer: URL or Pick is required")
 	}
 	if o.Timeout <= 0 {
-		o.Timeout = 50 * time.Millisecond
+		o.Timeout = DefaultTimeout
 	}
 	if o.CacheTokens <= 0 {
-		o.CacheTokens = 4 << 20
+		o.CacheTokens = DefaultCacheTokens
 	}
 	if o.MaxTokens <= 0 {
 		o.MaxTokens = 1 << 20

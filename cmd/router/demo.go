@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"crypto/rand"
 	"errors"
 	"fmt"
@@ -9,6 +10,7 @@ import (
 	"time"
 
 	"github.com/semroute/semroute/configs"
+	"github.com/semroute/semroute/kvevents"
 	"github.com/semroute/semroute/simreplica"
 )
 
@@ -17,7 +19,10 @@ type demoOptions struct {
 	replicas int
 	config   string // optional YAML merged over the embedded demo config
 	policy   string // optional routing policy override
-	sim      simreplica.Options
+	// picture is "events" (precise mode: the replicas publish KV events,
+	// the router tokenizes through them) or "" / "approximate".
+	picture string
+	sim     simreplica.Options
 	// grpcListen and decisionLog override the config's when set.
 	grpcListen  string
 	decisionLog string
@@ -63,6 +68,14 @@ func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
 	if o.decisionLog != "" {
 		v.Set("decision_log.path", o.decisionLog)
 	}
+	switch o.picture {
+	case "", "approximate":
+	case "events":
+		v.Set("tokenizer.mode", "replica")
+		o.sim.KVEvents = &kvevents.PublisherOptions{Endpoint: "tcp://127.0.0.1:0", ReplayEndpoint: "tcp://127.0.0.1:0", Topic: "kv-events"}
+	default:
+		return nil, fmt.Errorf("--picture %q is not events or approximate", o.picture)
+	}
 	d := &demo{}
 	var reps []configs.Replica
 	for i := 0; i < o.replicas; i++ {
@@ -73,9 +86,11 @@ func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
 		}
 		d.sims = append(d.sims, s)
 		so := s.Options()
-		reps = append(reps, configs.Replica{
-			Name: fmt.Sprintf("sim-%d", i), URL: s.URL, BudgetTokens: int64(so.NumBlocks * so.BlockSize),
-		})
+		rep := configs.Replica{Name: fmt.Sprintf("sim-%d", i), URL: s.URL, BudgetTokens: int64(so.NumBlocks * so.BlockSize)}
+		if pub, replay := s.KVEventsEndpoints(); pub != "" {
+			rep.KVEvents = configs.KVEventsConfig{Endpoint: pub, ReplayEndpoint: replay, Topic: "kv-events"}
+		}
+		reps = append(reps, rep)
 	}
 	v.Set("replicas", reps)
 	cfg, err := configs.Decode(v)
@@ -93,7 +108,8 @@ func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
 		return nil, err
 	}
 	d.router = d.run.http
-	log.Info("semroute demo listening", "addr", d.router.addr, "grpc", d.run.grpcAddr(), "replicas", len(reps), "policy", cfg.Routing.Policy)
+	log.Info("semroute demo listening", "addr", d.router.addr, "grpc", d.run.grpcAddr(), "replicas", len(reps), "policy", cfg.Routing.Policy,
+		"tokenizer", cfg.Tokenizer.Mode, "picture", cmp.Or(o.picture, "approximate"))
 	return d, nil
 }
 

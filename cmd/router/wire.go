@@ -45,6 +45,7 @@ type app struct {
 	server    *router.Server
 	decisions *decisionlog.Writer // nil when off
 	monitor   *monitor.Monitor
+	events    *followers
 	reg       *prometheus.Registry
 	reloads   *prometheus.CounterVec
 	current   atomic.Pointer[configs.Config]
@@ -131,6 +132,14 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	if copts.Metrics, err = router.NewMetrics(reg); err != nil {
 		return nil, err
 	}
+	precise := cfg.Tokenizer.Mode == "replica"
+	if precise {
+		tok, err := tokenizerFor(cfg.Tokenizer.URL, cfg.Tokenizer.Timeout, cfg.Tokenizer.CacheTokens, pool)
+		if err != nil {
+			return nil, fmt.Errorf("config: tokenizer: %w", err)
+		}
+		copts.Tokenizer, copts.BlockTokens = tok, cmp.Or(cfg.Tokenizer.BlockTokens, 16)
+	}
 	core, err := router.NewCore(copts)
 	if err != nil {
 		return nil, err
@@ -155,11 +164,21 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		file: replica.NewStatic("config", specsOf(cfg.Replicas)), admin: replica.NewStatic("admin", nil)}
 	a.current.Store(cfg)
 	a.ctx, a.stopCtx = context.WithCancel(context.Background())
+	a.events = newFollowers(cache, eng, cmp.Or(cfg.Tokenizer.BlockTokens, 16), precise, log)
+	reg.MustRegister(a.events)
 	a.members = replica.NewMembership(pool, replica.MembershipOptions{
-		Add: eng.AddReplica, Retire: a.retire, Precedence: []string{"config", "admin", "dns"}, Context: a.ctx, Logger: log,
+		Add: func(s replica.Spec) (*replica.Replica, error) {
+			r, err := eng.AddReplica(s)
+			if err == nil {
+				a.events.add(r, s)
+			}
+			return r, err
+		},
+		Retire: a.retire, Precedence: []string{"config", "admin", "dns"}, Context: a.ctx, Logger: log,
 	})
 	if err := a.members.Reconcile(a.ctx, a.file); err != nil {
 		a.stopCtx()
+		a.events.close()
 		return nil, fmt.Errorf("config: replicas: %w", err)
 	}
 	a.reloads = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_config_reloads_total",
@@ -202,6 +221,7 @@ func specsOf(rs []configs.Replica) []replica.Spec {
 // retire drops a removed replica's cache picture once nothing is in flight
 // on it, so that a later replica reusing its id starts clean.
 func (a *app) retire(r *replica.Replica) {
+	a.events.remove(r.ID)
 	a.cache.RemoveReplica(r.ID)
 	a.monitor.Forget(r)
 }
@@ -327,6 +347,7 @@ func (r *running) shutdown(grace time.Duration) error {
 	r.cancel()
 	r.app.stopCtx()
 	r.wg.Wait()
+	r.app.events.close()
 	if t, ok := http.DefaultTransport.(*http.Transport); ok {
 		t.CloseIdleConnections()
 	}

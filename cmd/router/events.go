@@ -1,0 +1,151 @@
+package main
+
+import (
+	"log/slog"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/semroute/semroute/cachemodel"
+	"github.com/semroute/semroute/kvsync"
+	"github.com/semroute/semroute/replica"
+	"github.com/semroute/semroute/routing"
+	"github.com/semroute/semroute/tokenizer"
+)
+
+// followers runs one kvsync.Follower per replica whose engine publishes
+// KV events, from when it joins the pool until it is retired.
+type followers struct {
+	cache     *cachemodel.Model
+	engine    *routing.Engine
+	blockSize int
+	precise   bool // tokenizer.mode is replica: requests are keyed as events are
+	log       *slog.Logger
+
+	mu sync.Mutex
+	by map[int]*followed // replica id →
+}
+
+type followed struct {
+	name string
+	f    *kvsync.Follower
+}
+
+func newFollowers(cache *cachemodel.Model, eng *routing.Engine, blockSize int, precise bool, log *slog.Logger) *followers {
+	return &followers{cache: cache, engine: eng, blockSize: blockSize, precise: precise, log: log, by: map[int]*followed{}}
+}
+
+// add starts following r's events if its spec names them.
+func (fs *followers) add(r *replica.Replica, s replica.Spec) {
+	ev := s.KVEvents
+	if ev.Endpoint == "" {
+		return
+	}
+	if !fs.precise {
+		fs.log.Warn("replica publishes KV events but tokenizer.mode is not replica: its events are ignored (they key blocks by engine tokens, which estimated requests do not have)",
+			"replica", r.Name)
+		return
+	}
+	f, err := kvsync.Follow(kvsync.Options{Model: fs.cache, ID: r.ID, Name: r.Name, Endpoint: ev.Endpoint, ReplayEndpoint: ev.ReplayEndpoint,
+		Topic: ev.Topic, BlockSize: fs.blockSize, OnLoRA: fs.engine.NoteAdapter, Logger: fs.log})
+	if err != nil {
+		fs.log.Error("KV events: cannot follow; the replica's picture stays approximate", "replica", r.Name, "err", err)
+		return
+	}
+	fs.mu.Lock()
+	old := fs.by[r.ID]
+	fs.by[r.ID] = &followed{name: r.Name, f: f}
+	fs.mu.Unlock()
+	if old != nil {
+		_ = old.f.Close()
+	}
+	fs.log.Info("KV events: following", "replica", r.Name, "endpoint", ev.Endpoint, "replay", ev.ReplayEndpoint)
+}
+
+// remove stops following replica id.
+func (fs *followers) remove(id int) {
+	fs.mu.Lock()
+	old := fs.by[id]
+	delete(fs.by, id)
+	fs.mu.Unlock()
+	if old != nil {
+		_ = old.f.Close()
+	}
+}
+
+// close stops every follower.
+func (fs *followers) close() {
+	fs.mu.Lock()
+	all := fs.by
+	fs.by = map[int]*followed{}
+	fs.mu.Unlock()
+	for _, f := range all {
+		_ = f.f.Close()
+	}
+}
+
+// tokenizerFor makes the precise mode's tokenizer: a fixed URL, or any
+// available replica.
+func tokenizerFor(url string, timeout time.Duration, cacheTokens int, pool *replica.Pool) (*tokenizer.Client, error) {
+	o := tokenizer.Options{URL: strings.TrimSuffix(url, "/"), Timeout: timeout, CacheTokens: cacheTokens}
+	if url == "" {
+		o.Pick = func() string {
+			now := time.Now()
+			for _, r := range pool.Replicas() {
+				if r.Available(now) {
+					return strings.TrimSuffix(r.URL.String(), "/")
+				}
+			}
+			return ""
+		}
+	}
+	return tokenizer.New(o)
+}
+
+var (
+	descEvLive      = prometheus.NewDesc("semroute_kv_events_live", "1 while the replica's cache picture follows its engine's KV events; 0 while it is the approximate one (no events yet, or silent).", []string{"replica"}, nil)
+	descEvBatches   = prometheus.NewDesc("semroute_kv_events_batches_total", "KV event batches applied (live or replayed).", []string{"replica"}, nil)
+	descEvReplayed  = prometheus.NewDesc("semroute_kv_events_replayed_batches_total", "KV event batches got from the replay socket to fill a gap.", []string{"replica"}, nil)
+	descEvBlocks    = prometheus.NewDesc("semroute_kv_events_blocks_total", "Blocks applied from KV events, by event: stored, removed, orphan (stored after a parent the router never saw: skipped).", []string{"replica", "event"}, nil)
+	descEvMalformed = prometheus.NewDesc("semroute_kv_events_malformed_total", "KV event messages that could not be read, skipped.", []string{"replica"}, nil)
+	descEvSkipped   = prometheus.NewDesc("semroute_kv_events_skipped_total", "KV events not applied: a block size other than tokenizer.block_tokens, or token ids not filling their blocks.", []string{"replica"}, nil)
+	descEvGaps      = prometheus.NewDesc("semroute_kv_events_gaps_total", "Sequence gaps in the replica's KV events.", []string{"replica"}, nil)
+	descEvResets    = prometheus.NewDesc("semroute_kv_events_resets_total", "Times the replica's picture was cleared: the engine restarted or cleared its cache, or a gap could not be filled.", []string{"replica"}, nil)
+	descEvFallbacks = prometheus.NewDesc("semroute_kv_events_fallbacks_total", "Times the replica's events went silent while routed blocks went unconfirmed, and its picture fell back to the approximate one.", []string{"replica"}, nil)
+	descEvTracked   = prometheus.NewDesc("semroute_kv_events_tracked_blocks", "Engine blocks known from the replica's KV events.", []string{"replica"}, nil)
+)
+
+func (fs *followers) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{descEvLive, descEvBatches, descEvReplayed, descEvBlocks, descEvMalformed, descEvSkipped, descEvGaps, descEvResets, descEvFallbacks, descEvTracked} {
+		ch <- d
+	}
+}
+
+func (fs *followers) Collect(ch chan<- prometheus.Metric) {
+	fs.mu.Lock()
+	list := make([]*followed, 0, len(fs.by))
+	for _, f := range fs.by {
+		list = append(list, f)
+	}
+	fs.mu.Unlock()
+	for _, f := range list {
+		st := f.f.Stats()
+		c := func(d *prometheus.Desc, v uint64, labels ...string) {
+			ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), append([]string{f.name}, labels...)...)
+		}
+		ch <- prometheus.MustNewConstMetric(descEvLive, prometheus.GaugeValue, b2f(st.Live), f.name)
+		ch <- prometheus.MustNewConstMetric(descEvTracked, prometheus.GaugeValue, float64(st.Tracked), f.name)
+		c(descEvBatches, st.Subscriber.Applied)
+		c(descEvReplayed, st.Subscriber.Replayed)
+		c(descEvBlocks, st.Stored, "stored")
+		c(descEvBlocks, st.Removed, "removed")
+		c(descEvBlocks, st.Orphans, "orphan")
+		c(descEvMalformed, st.Subscriber.Malformed)
+		c(descEvSkipped, st.Skipped)
+		c(descEvGaps, st.Subscriber.Gaps)
+		c(descEvResets, st.Cleared+st.Subscriber.Resets)
+		c(descEvFallbacks, st.Fallbacks)
+	}
+}
