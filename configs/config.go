@@ -215,6 +215,9 @@ type BlocksConfig struct {
 type CacheConfig struct {
 	Eviction            string `mapstructure:"eviction" json:"eviction"`
 	DefaultBudgetTokens int64  `mapstructure:"default_budget_tokens" json:"default_budget_tokens"`
+	// Feedback corrects the picture of a replica without KV events from
+	// the cached tokens its engine reports (default true).
+	Feedback bool `mapstructure:"feedback" json:"feedback"`
 }
 
 // TokenizerConfig chooses how prompts are counted. Read at start only.
@@ -326,6 +329,7 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("blocks.bytes_per_token", blockhash.DefaultBytesPerToken)
 	v.SetDefault("cache.eviction", eviction.Default)
 	v.SetDefault("cache.default_budget_tokens", DefaultBudgetTokens)
+	v.SetDefault("cache.feedback", true)
 	v.SetDefault("tokenizer.mode", "estimate")
 	v.SetDefault("tokenizer.block_tokens", 16)
 	v.SetDefault("tokenizer.timeout", tokenizer.DefaultTimeout)

@@ -62,6 +62,9 @@ type CoreOptions struct {
 	// it fails or is slow the request is routed on the estimate.
 	Tokenizer   Tokenizer
 	BlockTokens int
+	// Feedback corrects the picture of replicas without KV events from the
+	// cached tokens they report (routing.Engine.Feedback).
+	Feedback bool
 }
 
 // Tokenizer gives the engine's token ids of an OpenAI request body
@@ -293,7 +296,7 @@ func (c *Core) Finish(rt *Routed, o Outcome, reply []byte) {
 	c.e.Done(rt.Decision, rt.Served)
 	if o.PromptTokens > 0 && o.Status == 200 && !rt.req.PassThrough {
 		c.e.ObserveUsage(rt.req.Model, rt.Decision, int(o.PromptTokens))
-		if o.CachedReported {
+		if o.CachedReported && c.o.Feedback {
 			if n := c.e.Feedback(rt.Decision, rt.Served, int(o.CachedTokens)); n > 0 {
 				c.o.Metrics.trimmed(rt, n)
 			}

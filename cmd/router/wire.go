@@ -118,7 +118,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	cache, pool := eng.Cache(), eng.Pool()
 	var dl *decisionlog.Writer
 	copts := router.CoreOptions{Engine: eng, Arms: arms, Salt: cfg.Routing.ArmSalt,
-		RawIDs: cfg.DecisionLog.RawIDs, LogPrompts: cfg.DecisionLog.LogPrompts,
+		RawIDs: cfg.DecisionLog.RawIDs, LogPrompts: cfg.DecisionLog.LogPrompts, Feedback: cfg.Cache.Feedback,
 		Held: limits.Held{Max: cfg.GRPC.MaxHeldDecisions, MaxBlocks: cfg.GRPC.MaxHeldBlocks, ReleaseAfter: cfg.Routing.ReleaseAfter}}
 	if d := cfg.DecisionLog; d.Path != "" {
 		dl, err = decisionlog.Open(decisionlog.Options{Path: d.Path, MaxBytes: d.MaxBytes, MaxFiles: d.MaxFiles, Buffer: d.Buffer, FsyncInterval: d.FsyncInterval, Logger: log})
