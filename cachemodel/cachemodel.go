@@ -39,6 +39,12 @@ type Match struct {
 	Blocks   int     // matched blocks, from block 0
 	Tokens   int     // their tokens, as the request counts them (Block.Tokens)
 	Weighted float64 // Σ weight[kind] × tokens over the matched blocks
+	// Confirmed is the tokens of the matched blocks before the first one
+	// that is only pending (routed to an event-driven replica, not yet
+	// confirmed by its engine): what the engine is expected to report
+	// cached if the request were sent now. Tokens counts pending blocks
+	// too, so that siblings routed in a burst land together.
+	Confirmed int
 }
 
 // Stats describes one replica's picture.
@@ -272,6 +278,9 @@ func (m *Model) advance(out []Match, s *slot, i, tokens int, weighted float64) b
 	}
 	if s.flags&(fGPU|fPending) == 0 { // in CPU memory only
 		weighted *= m.cpuCredit
+	}
+	if s.flags&(fGPU|fCPU) != 0 && o.Confirmed == o.Tokens {
+		o.Confirmed += tokens
 	}
 	o.Blocks, o.Tokens, o.Weighted = i+1, o.Tokens+tokens, o.Weighted+weighted
 	return true

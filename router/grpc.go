@@ -203,7 +203,7 @@ func (g *GRPCService) Route(ctx context.Context, in *pb.RouteRequest) (*pb.Route
 	c := rt.Chosen()
 	out := &pb.RouteResponse{
 		DecisionId: rt.ID, Replica: c.Replica.Name, Url: c.Replica.PublicURL(), Arm: rt.Arm.Name, Policy: rt.Policy,
-		PredictedMatchedTokens: int64(c.Match.Tokens), TotalTokens: int64(rt.Tokens),
+		PredictedMatchedTokens: int64(c.Match.Confirmed), TotalTokens: int64(rt.Tokens),
 	}
 	for _, cand := range rt.Candidates {
 		out.Candidates = append(out.Candidates, &pb.Candidate{

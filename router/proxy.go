@@ -109,7 +109,7 @@ func (s *Server) modifyResponse(resp *http.Response) error {
 	if rt := f.rt; rt.req.PassThrough {
 		s.core.FirstByte(rt)
 	} else {
-		resp.Header.Set(HeaderMatchedTokens, strconv.Itoa(c.Match.Tokens))
+		resp.Header.Set(HeaderMatchedTokens, strconv.Itoa(c.Match.Confirmed))
 		sse := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
 		f.capture = &replyCapture{rc: body, limit: s.o.MaxReplyBytes, sse: sse,
 			first: func() { s.core.FirstByte(rt) }}

@@ -116,7 +116,7 @@ func (r *truthRun) pct(q float64) float64 {
 }
 
 // runTruth sends the workload through a demo of 4 replicas in one mode
-// with one policy, 8 requests at a time, and measures what the engines
+// with one policy, truthWorkers requests at a time, and measures what the engines
 // reported.
 func runTruth(t *testing.T, mode, policy string, work [][]byte) *truthRun {
 	t.Helper()
@@ -145,7 +145,7 @@ func runTruth(t *testing.T, mode, policy string, work [][]byte) *truthRun {
 	next := make(chan []byte)
 	var wg sync.WaitGroup
 	client := &http.Client{Timeout: 60 * time.Second}
-	for w := 0; w < 8; w++ {
+	for w := 0; w < truthWorkers; w++ {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -211,6 +211,9 @@ func runTruth(t *testing.T, mode, policy string, work [][]byte) *truthRun {
 // with reported hits only (approximate picture corrected by feedback),
 // within 10%.
 func TestEnginesTruthPredicts(t *testing.T) {
+	if n, _ := strconv.Atoi(os.Getenv("SEMROUTE_TRUTH_WORKERS")); n > 0 {
+		truthWorkers = n
+	}
 	work := truthWorkload(240, 1)
 	for _, c := range []struct {
 		mode  string
@@ -240,6 +243,9 @@ func TestEnginesTruthTable(t *testing.T) {
 	if n == 0 {
 		t.Skip("set SEMROUTE_TRUTH_TABLE=<requests> to measure")
 	}
+	if w, _ := strconv.Atoi(os.Getenv("SEMROUTE_TRUTH_WORKERS")); w > 0 {
+		truthWorkers = w
+	}
 	work := truthWorkload(n, 1)
 	var rows []*truthRun
 	for _, mode := range []string{"approximate", "feedback", "events"} {
@@ -256,3 +262,11 @@ func TestEnginesTruthTable(t *testing.T) {
 	}
 	t.Log(b.String())
 }
+
+// truthWorkers is how many requests are in flight at once. With one, the
+// events picture predicts the engines' cached tokens exactly (error 0.00%
+// on this workload); every request in flight widens the window between a
+// decision and the engine's own lookup, in which another request's blocks
+// evict what the decision matched: at 8, the error was +1.1% to +3.7%
+// over four runs (SEMROUTE_TRUTH_WORKERS=8).
+var truthWorkers = 4
