@@ -94,6 +94,7 @@ type Model struct {
 	fleet node
 
 	mu        sync.RWMutex
+	irregular int // slots whose flags are not just fGPU (see Match)
 	nodes     map[uint64]*node
 	slab      []node  // nodes not handed out yet
 	freeNodes []*node // nodes to reuse
@@ -244,7 +245,18 @@ func (m *Model) Match(blocks []blockhash.Block, w *Weights, out []Match) []Match
 	}
 	out = out[:len(m.replicas)]
 	clear(out)
-	// out[r].Blocks == i exactly when replica r held blocks[:i]: a holder
+	if m.irregular == 0 {
+		return m.matchNested(blocks, w, out)
+	}
+	return m.matchHoles(blocks, w, out)
+}
+
+// matchHoles is Match when some slots are not plainly held. m.mu must be
+// read-held and out cleared.
+func (m *Model) matchHoles(blocks []blockhash.Block, w *Weights, out []Match) []Match {
+	// Some slots are pending, CPU-only or dead, so a replica may be among
+	// a block's holders without matching it. out[r].Blocks == i exactly
+	// when replica r held blocks[:i]: a holder
 	// of block i extends its match only then, so a replica that misses a
 	// block keeps the match it had, whatever it holds further down.
 	for i := range blocks {
@@ -267,6 +279,65 @@ func (m *Model) Match(blocks []blockhash.Block, w *Weights, out []Match) []Match
 		}
 	}
 	return out
+}
+
+// matchNested is Match when every slot is plainly held on the GPU, as in
+// a picture no engine events feed: a replica's blocks are then a
+// prefix-closed subtree, so the holders of block i+1 are a subset of those
+// of block i, and only the replicas leaving the set need work. O(matched
+// blocks) map lookups, plus O(holders) only where the set shrinks.
+func (m *Model) matchNested(blocks []blockhash.Block, w *Weights, out []Match) []Match {
+	var prevFirst *slot
+	var prevRest []slot
+	matched, tokens, weighted := 0, 0, 0.0 // of blocks[:i]
+	for i := range blocks {
+		n := m.nodes[blocks[i].Hash]
+		if n == nil {
+			break
+		}
+		first, rest := m.holders(n)
+		if first == nil {
+			break
+		}
+		if prevFirst != nil && len(rest) < len(prevRest) {
+			settleLeavers(out, prevFirst, prevRest, first, rest, i, tokens, weighted)
+		}
+		prevFirst, prevRest = first, rest
+		tokens += int(blocks[i].Tokens)
+		weighted += w[blocks[i].Kind] * float64(blocks[i].Tokens)
+		matched = i + 1
+	}
+	if prevFirst != nil {
+		mt := Match{Blocks: matched, Tokens: tokens, Weighted: weighted, Confirmed: tokens}
+		out[prevFirst.replica] = mt
+		for j := range prevRest {
+			out[prevRest[j].replica] = mt
+		}
+	}
+	return out
+}
+
+// settleLeavers records a match of i blocks for every replica holding the
+// previous block (bFirst, bRest) but not this one (aFirst, aRest); holders
+// are sorted by replica.
+func settleLeavers(out []Match, bFirst *slot, bRest []slot, aFirst *slot, aRest []slot, i, tokens int, weighted float64) {
+	at := func(first *slot, rest []slot, k int) int32 {
+		if k == 0 {
+			return first.replica
+		}
+		return rest[k-1].replica
+	}
+	j, na := 0, 1+len(aRest)
+	for k, nb := 0, 1+len(bRest); k < nb; k++ {
+		r := at(bFirst, bRest, k)
+		for j < na && at(aFirst, aRest, j) < r {
+			j++
+		}
+		if j < na && at(aFirst, aRest, j) == r {
+			continue
+		}
+		out[r] = Match{Blocks: i, Tokens: tokens, Weighted: weighted, Confirmed: tokens}
+	}
 }
 
 // advance extends holder s's match by block i if it matched every block
@@ -384,10 +455,11 @@ func (m *Model) Remove(id int, key uint64, cpu bool) (removed, left bool) {
 	if s.flags&bit == 0 {
 		return false, s.flags != 0
 	}
-	s.flags &^= bit
+	f := s.flags &^ bit
 	if !cpu {
-		s.flags &^= fPending // the engine has it no more, whatever was routed
+		f &^= fPending // the engine has it no more, whatever was routed
 	}
+	m.setFlags(s, f)
 	if s.flags == 0 {
 		m.drop(m.replicas[id], int32(id), n, i)
 		return true, false
@@ -418,7 +490,7 @@ func (m *Model) SetEventDriven(id int, on bool) {
 		if n := m.nodes[p.key]; n != nil {
 			if i, ok := m.find(n, int32(id)); ok {
 				if s := m.at(n, i); s.flags&fPending != 0 {
-					s.flags = s.flags&^fPending | fGPU
+					m.setFlags(s, s.flags&^fPending|fGPU)
 				}
 			}
 		}
@@ -458,7 +530,7 @@ func (m *Model) expire(st *replicaState, rid int32, now int64) {
 		if s.flags&fPending == 0 {
 			continue
 		}
-		if s.flags &^= fPending; s.flags == 0 {
+		if m.setFlags(s, s.flags&^fPending); s.flags == 0 {
 			m.drop(st, rid, n, i)
 			st.PendingExpired++
 		}
@@ -516,7 +588,7 @@ func (m *Model) record(id int, parent *node, blocks []blockhash.Block, from int,
 				// A dead slot (the engine dropped it, not its children):
 				// cached again, it is held again; it has children, so it
 				// is no leaf.
-				s.flags, s.lastUsed, s.inserted = 0, now, now
+				s.lastUsed, s.inserted = now, now
 				m.mark(st, s, b.Hash, mark, now)
 				st.Blocks++
 				st.Tokens += int64(n.tokens)
@@ -571,15 +643,28 @@ func (m *Model) record(id int, parent *node, blocks []blockhash.Block, from int,
 	return evicted
 }
 
+// setFlags sets s's flags, counting the slots that are not plainly on
+// the GPU. m.mu must be held.
+func (m *Model) setFlags(s *slot, f uint8) {
+	if (s.flags != fGPU) != (f != fGPU) {
+		if f == fGPU {
+			m.irregular--
+		} else {
+			m.irregular++
+		}
+	}
+	s.flags = f
+}
+
 // mark sets flag on a held or revived slot s of block key: fPending only
 // where the engine has not confirmed the block, queued to expire; a
 // confirmation (fGPU, fCPU) ends pending.
 func (m *Model) mark(st *replicaState, s *slot, key uint64, flag uint8, now int64) {
 	switch {
 	case flag != fPending:
-		s.flags = s.flags&^fPending | flag
+		m.setFlags(s, s.flags&^fPending|flag)
 	case s.flags&(fGPU|fCPU) == 0:
-		s.flags |= fPending
+		m.setFlags(s, s.flags|fPending)
 		st.pending = append(st.pending, pendingBlock{key: key, at: now})
 	}
 }
@@ -660,7 +745,7 @@ func (m *Model) drop(st *replicaState, rid int32, n *node, i int) {
 	st.Blocks--
 	st.Tokens -= int64(n.tokens)
 	if s.children > 0 {
-		s.flags = 0 // dead: not a leaf, so not the policy's
+		m.setFlags(s, 0) // dead: not a leaf, so not the policy's
 		return
 	}
 	st.policy.Removed(n.hash)

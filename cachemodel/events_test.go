@@ -1,6 +1,7 @@
 package cachemodel
 
 import (
+	"fmt"
 	"testing"
 
 	"github.com/semroute/semroute/blockhash"
@@ -188,5 +189,42 @@ func TestBudgetEvictionWithDeadBlocks(t *testing.T) {
 	m.mu.RUnlock()
 	if left != 0 {
 		t.Fatalf("%d nodes left after clear", left)
+	}
+}
+
+// TestMatchPathsAgree: on a picture of routing records only, the nested
+// fast path and the path that handles holes give the same matches, and
+// the count of irregular slots returns to 0 once events' blocks are gone.
+func TestMatchPathsAgree(t *testing.T) {
+	m := New(Options{})
+	for r := 0; r < 5; r++ {
+		m.AddReplica("r", 200)
+	}
+	base := chain("p", 40, blockhash.KindSystem)
+	for i := 0; i < 300; i++ {
+		m.Record(i%5, extend(base, 1+(i*7)%40, i%4, fmt.Sprint(i)), int64(i))
+	}
+	for i := 0; i < 50; i++ {
+		req := extend(base, 1+(i*11)%40, 2, fmt.Sprint(i*3))
+		m.mu.RLock()
+		a := m.matchNested(req, UnitWeights(), make([]Match, 5))
+		b := m.matchHoles(req, UnitWeights(), make([]Match, 5))
+		m.mu.RUnlock()
+		for r := range a {
+			if a[r] != b[r] {
+				t.Fatalf("request %d replica %d: nested %+v, holes %+v", i, r, a[r], b[r])
+			}
+		}
+	}
+	c := chain("ev", 6, 0)
+	m.Store(0, 0, false, c, false, 1000)
+	m.Store(0, 0, false, c, true, 1000)
+	m.Remove(0, c[2].Hash, false)
+	if m.irregular == 0 {
+		t.Fatal("CPU copies and holes not counted")
+	}
+	m.Clear(0)
+	if m.irregular != 0 {
+		t.Fatalf("%d irregular slots left after clear", m.irregular)
 	}
 }

@@ -125,6 +125,9 @@ func (m *Model) find(n *node, rid int32) (int, bool) {
 
 // insert puts s at index i (from find) of n's holders.
 func (m *Model) insert(n *node, i int, s slot) {
+	if s.flags != fGPU {
+		m.irregular++
+	}
 	c := m.count(n)
 	if c == 0 {
 		n.one = s
@@ -140,6 +143,9 @@ func (m *Model) insert(n *node, i int, s slot) {
 
 // remove drops n's holder at index i.
 func (m *Model) remove(n *node, i int) {
+	if m.at(n, i).flags != fGPU {
+		m.irregular--
+	}
 	c := m.count(n)
 	for j := i; j < c-1; j++ {
 		*m.at(n, j) = *m.at(n, j+1)
