@@ -2,6 +2,7 @@ package simreplica
 
 import (
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/semroute/semroute/kvevents"
@@ -15,6 +16,7 @@ type kvPublisher struct {
 	pub  *kvevents.Publisher
 	ch   chan kvevents.Batch
 	done sync.WaitGroup
+	sent atomic.Uint64 // batches published
 }
 
 // kvQueue is how many batches may wait to be sent; past it the cache waits
@@ -32,6 +34,7 @@ func newKVPublisher(o kvevents.PublisherOptions) (*kvPublisher, error) {
 		defer p.done.Done()
 		for b := range p.ch {
 			_, _ = p.pub.Publish(b) // a send error loses the batch; replay can still serve it
+			p.sent.Add(1)
 		}
 	}()
 	return p, nil

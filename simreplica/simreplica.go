@@ -657,5 +657,13 @@ func (s *Server) KVEventsEndpoints() (pub, replay string) {
 // events (a ZeroMQ subscriber misses what is published before it joins).
 func (s *Server) KVEventsSubscribed() bool { return s.kv != nil && s.kv.pub.Subscribed() }
 
+// KVEventsPublished returns the KV event batches sent so far.
+func (s *Server) KVEventsPublished() uint64 {
+	if s.kv == nil {
+		return 0
+	}
+	return s.kv.sent.Load()
+}
+
 // Shutdown stops accepting and waits for requests in flight until ctx ends.
 func (r *Running) Shutdown(ctx context.Context) error { return r.srv.Shutdown(ctx) }

@@ -604,7 +604,8 @@ func TestE2EHostileInput(t *testing.T) {
 // TestDemoExampleHitsTheSecondTime: the request the demo prints (and the
 // README shows) hits the cache the second time it is sent.
 func TestDemoExampleHitsTheSecondTime(t *testing.T) {
-	d := startTestDemo(t, demoOptions{sim: fastSim})
+	d := startTestDemo(t, demoOptions{sim: fastSim, picture: "events"}) // as `router demo` runs
+	waitSubscribed(t, d)
 	var printed bytes.Buffer
 	printExample(&printed, d)
 	body := demoBody(d.sims[0].Options().Model)
@@ -642,10 +643,52 @@ func TestDemoExampleHitsTheSecondTime(t *testing.T) {
 		if r.status != 200 {
 			t.Fatalf("request %d: %d %s", i, r.status, b)
 		}
+		waitEventsApplied(t, d)
 	}
 	t.Logf("second: replica %s, matched %d, cached %d", second.replica, second.matched, second.cached)
-	if second.replica != first.replica || second.matched == 0 || second.cached == 0 {
+	if second.replica != first.replica || second.matched == 0 || second.matched != second.cached {
 		t.Fatalf("no cache hit the second time: first %s, second %s matched %d cached %d", first.replica, second.replica, second.matched, second.cached)
+	}
+}
+
+// waitSubscribed waits until every simulated replica's KV events have a
+// subscriber (a ZeroMQ subscriber misses what is published before).
+func waitSubscribed(t *testing.T, d *demo) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for _, s := range d.sims {
+		for !s.KVEventsSubscribed() {
+			if time.Now().After(deadline) {
+				t.Fatal("KV events never subscribed")
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+}
+
+// waitEventsApplied waits until the router has applied as many KV event
+// batches as the replicas published (each simulated event is a batch).
+func waitEventsApplied(t *testing.T, d *demo) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		applied := uint64(0)
+		d.app.events.mu.Lock()
+		for _, f := range d.app.events.by {
+			applied += f.f.Stats().Subscriber.Applied
+		}
+		d.app.events.mu.Unlock()
+		var published uint64
+		for _, s := range d.sims {
+			published += s.KVEventsPublished()
+		}
+		if applied >= published {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("KV events: %d batches applied of %d published", applied, published)
+		}
+		time.Sleep(2 * time.Millisecond)
 	}
 }
 
