@@ -161,13 +161,31 @@ td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child,th:f
 	fmt.Fprintf(&b, "<p>%d requests (%s), %d replicas of %d tokens, eviction %s; prefill %.1f ms + %.0f µs per uncached token; %.0f ms per output token; %d running sequences at most; speed-up %g; seed %d.</p>",
 		s.Requests, html.EscapeString(s.Format), s.Replicas, s.BudgetTokens, html.EscapeString(s.Model.Eviction),
 		s.Model.PrefillOverheadMS, s.Model.PrefillPerTokenUS, s.Model.InterTokenMS, s.Model.MaxRunning, s.Model.Speedup, s.Model.Seed)
-	b.WriteString("<table><tr><th>policy</th><th>token hit rate</th><th>÷ pooled</th><th>block hit rate</th><th>prefill tokens saved</th><th>TTFT mean ms</th><th>p50</th><th>p99</th><th>load imbalance</th></tr>")
+	pred := s.predictions()
+	b.WriteString("<table><tr><th>policy</th><th>token hit rate</th><th>÷ pooled</th><th>block hit rate</th><th>prefill tokens saved</th><th>TTFT mean ms</th><th>p50</th><th>p99</th><th>load imbalance</th>")
+	if pred {
+		b.WriteString("<th>picture</th><th>predicted cached tokens</th><th>actual cached tokens</th><th>prediction error</th><th>mean abs error</th>")
+	}
+	b.WriteString("</tr>")
 	for _, r := range s.all() {
-		fmt.Fprintf(&b, "<tr><td>%s</td><td>%.4f</td><td>%.3f</td><td>%.4f</td><td>%d</td><td>%.0f</td><td>%.0f</td><td>%.0f</td><td>%.3f</td></tr>",
+		fmt.Fprintf(&b, "<tr><td>%s</td><td>%.4f</td><td>%.3f</td><td>%.4f</td><td>%d</td><td>%.0f</td><td>%.0f</td><td>%.0f</td><td>%.3f</td>",
 			html.EscapeString(r.Name), r.TokenHitRate, r.TokenHitRate/math.Max(s.Pooled.TokenHitRate, 1e-12), r.BlockHitRate,
 			r.PrefillTokensSaved, r.TTFTMeanMS, r.TTFTP50MS, r.TTFTP99MS, r.LoadImbalance)
+		if p := r.Prediction; pred && p != nil {
+			fmt.Fprintf(&b, "<td>%s</td><td>%d</td><td>%d</td><td>%+.4f</td><td>%.4f</td>",
+				html.EscapeString(p.Picture), p.PredictedTokens, p.ActualTokens, p.Error, p.MeanAbsError)
+		} else if pred {
+			b.WriteString("<td></td><td></td><td></td><td></td><td></td>")
+		}
+		b.WriteString("</tr>")
 	}
-	b.WriteString("</table><h2>Token hit rate</h2>")
+	b.WriteString("</table>")
+	if pred {
+		b.WriteString("<p>Cached tokens are the engines' own (each replica's engine cache simulated apart from the router's picture). " +
+			"Prediction error: (Σ predicted − Σ actual) ÷ Σ actual, predicted being the picture's match on the chosen replica when routed, " +
+			"actual what the engine found when it scheduled the prefill; mean abs error: mean |predicted − actual| ÷ mean actual.</p>")
+	}
+	b.WriteString("<h2>Token hit rate</h2>")
 	b.WriteString(hitRateChart(s))
 	b.WriteString("<h2>Time to first token</h2>")
 	b.WriteString(ttftChart(s))

@@ -1,6 +1,7 @@
 package replay
 
 import (
+	"cmp"
 	"fmt"
 	"runtime"
 	"sync"
@@ -45,7 +46,66 @@ type Result struct {
 	LoadOverTime [][]float64 `json:"-"`
 	// TTFTQuantiles holds the TTFT (ms) at each percentile 0..100.
 	TTFTQuantiles []float64 `json:"-"`
-	rows          []row
+	// Prediction is set for a run with a picture mode (Run.Picture): the
+	// cached tokens, above, are then the engines' own.
+	Prediction *Prediction `json:"prediction,omitempty"`
+	rows       []row
+}
+
+// Prediction compares, request by request, the cached tokens the router's
+// picture predicted on the replica it chose (the served candidate's
+// Match.Tokens when it routed) with those the replica's engine found
+// cached when it scheduled the prefill.
+type Prediction struct {
+	Picture         string `json:"picture"`
+	PredictedTokens int64  `json:"predicted_cached_tokens"`
+	ActualTokens    int64  `json:"actual_cached_tokens"`
+	// Error is (Σ predicted − Σ actual) ÷ Σ actual: positive when the
+	// picture promised more than the engines had. (A Σ actual of 0 counts
+	// as 1.)
+	Error float64 `json:"relative_error"`
+	// MeanAbsError is the mean over requests of |predicted − actual|,
+	// divided by the mean actual: errors of both signs add up here.
+	MeanAbsError float64 `json:"mean_abs_error"`
+	// Over and Under count the requests predicted above and below what the
+	// engine found.
+	Over  int `json:"requests_over"`
+	Under int `json:"requests_under"`
+	// EngineEvictions counts the blocks the engines evicted.
+	EngineEvictions int64 `json:"engine_evicted_blocks"`
+	// Orphans counts, in the events mode, the blocks an engine stored that
+	// the picture could not chain: it had dropped their parent already.
+	Orphans int64 `json:"event_orphan_blocks"`
+	// PendingExpired counts, in the events mode, the routed blocks no
+	// engine event confirmed within the picture's PendingTTL.
+	PendingExpired int64 `json:"pending_expired_blocks"`
+}
+
+// predicted fills r.Prediction from each request's predicted and actual
+// cached tokens.
+func (r *Result) predicted(pred, actual []int) {
+	p := &Prediction{}
+	var abs int64
+	for i := range pred {
+		p.PredictedTokens += int64(pred[i])
+		p.ActualTokens += int64(actual[i])
+		if i < len(r.rows) {
+			r.rows[i].predicted = pred[i]
+		}
+		d := int64(pred[i] - actual[i])
+		switch {
+		case d > 0:
+			p.Over++
+			abs += d
+		case d < 0:
+			p.Under++
+			abs -= d
+		}
+	}
+	den := float64(max(p.ActualTokens, 1))
+	p.Error = float64(p.PredictedTokens-p.ActualTokens) / den
+	p.MeanAbsError = float64(abs) / den // Σ|d|/n ÷ Σa/n
+	r.Prediction = p
 }
 
 type row struct {
@@ -54,6 +114,7 @@ type row struct {
 	promptTokens int
 	cachedTokens int
 	ttftMS       float64
+	predicted    int
 }
 
 func (r *Result) finish(ttft []float64, reps []simReplica, rep, cached []int, reqs []Request) {
@@ -91,7 +152,7 @@ func (r *Result) finish(ttft []float64, reps []simReplica, rep, cached []int, re
 	}
 	r.rows = make([]row, len(reqs))
 	for i := range reqs {
-		r.rows[i] = row{float64(reqs[i].Arrival) / 1e6, rep[i], reqs[i].Tokens, cached[i], ttft[i]}
+		r.rows[i] = row{arrivalMS: float64(reqs[i].Arrival) / 1e6, replica: rep[i], promptTokens: reqs[i].Tokens, cachedTokens: cached[i], ttftMS: ttft[i]}
 	}
 }
 
@@ -139,6 +200,20 @@ type Run struct {
 	Config  *routing.PolicyConfig
 	Weights *cachemodel.Weights
 	Matcher bool
+	// Picture is how the router's cache picture learns what the engines
+	// hold: PictureApproximate, PictureFeedback or PictureEvents. Each
+	// simulates every replica's engine cache apart from the picture
+	// (engineCaches): cached tokens, hit rates and prefill times are then
+	// the engines', and Result.Prediction measures the picture's error.
+	//
+	// "" is the replay as it was before picture modes, and the figures
+	// the golden files and the README hold: the picture stands for the
+	// engines' caches (a request's cached tokens are what the picture
+	// matched on its replica), so there is no prediction error to measure.
+	// Its picture learns as PictureApproximate's does; the two differ in
+	// what the engines are taken to hold, and so in prefill times, load and
+	// the routing that follows.
+	Picture string
 }
 
 // Replay runs every run over reqs under model m, in parallel, plus the
@@ -161,6 +236,11 @@ func Replay(reqs []Request, m Model, runs []Run) (*Summary, error) {
 	type job struct {
 		i   int
 		run func() (*Result, error)
+	}
+	for _, r := range runs {
+		if err := checkPicture(r.Picture); err != nil {
+			return nil, fmt.Errorf("run %s: %w", cmp.Or(r.Label, r.Policy), err)
+		}
 	}
 	var jobs []job
 	results := make([]*Result, len(runs)+2)
@@ -258,10 +338,33 @@ func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
 	}
 	cache, pool := eng.Cache(), eng.Pool()
 	d := &engineDecider{m: m, reqs: reqs, eng: eng, pol: pol, cache: cache, pool: pool, clock: &clock,
-		ds: make([]*routing.Decision, len(reqs)), served: make([]*routing.Candidate, len(reqs))}
+		ds: make([]*routing.Decision, len(reqs)), served: make([]*routing.Candidate, len(reqs)), picture: run.Picture}
 	s := &sim{m: m, reqs: reqs, d: d, res: &Result{Name: label}}
+	if run.Picture != "" {
+		budgets := make([]int64, len(specs))
+		for i := range specs {
+			budgets[i] = specs[i].BudgetTokens
+		}
+		if s.engines, err = newEngineCaches(m, budgets); err != nil {
+			return nil, err
+		}
+		if run.Picture == PictureEvents {
+			s.engines.sink = d
+			for _, r := range pool.Replicas() {
+				cache.SetEventDriven(r.ID, true)
+			}
+		}
+	}
 	if err := s.run(pool); err != nil {
 		return nil, fmt.Errorf("%s: %w", label, err)
+	}
+	if p := s.res.Prediction; p != nil {
+		p.Picture, p.Orphans = run.Picture, d.orphans
+		for _, r := range pool.Replicas() {
+			if st, ok := cache.Stats(r.ID); ok {
+				p.PendingExpired += st.PendingExpired
+			}
+		}
 	}
 	return s.res, nil
 }

@@ -27,7 +27,7 @@ func (s *Summary) Write(dir string) error {
 		return err
 	}
 	for _, r := range s.all() {
-		if err := writeFile(filepath.Join(dir, "runs", r.Name+".csv"), r.CSV); err != nil {
+		if err := writeFile(filepath.Join(dir, "runs", r.FileName()+".csv"), r.CSV); err != nil {
 			return err
 		}
 	}
@@ -57,18 +57,63 @@ func (s *Summary) all() []*Result {
 	return append(out, s.Pooled, s.Infinite)
 }
 
+// FileName is the run's name made safe as a file name: a picture mode's
+// run is named policy/mode, written as policy_mode.
+func (r *Result) FileName() string {
+	return strings.NewReplacer("/", "_", "\\", "_").Replace(r.Name)
+}
+
 // CSV writes one line per request: arrival, replica, prompt and cached
-// tokens, time to first token.
+// tokens, time to first token, and for a run with a picture mode the
+// cached tokens the picture predicted.
 func (r *Result) CSV(w io.Writer) error {
-	if _, err := fmt.Fprintln(w, "arrival_ms,replica,prompt_tokens,cached_tokens,ttft_ms"); err != nil {
+	header := "arrival_ms,replica,prompt_tokens,cached_tokens,ttft_ms"
+	if r.Prediction != nil {
+		header += ",predicted_cached_tokens"
+	}
+	if _, err := fmt.Fprintln(w, header); err != nil {
 		return err
 	}
 	for _, x := range r.rows {
-		if _, err := fmt.Fprintf(w, "%.0f,%d,%d,%d,%.3f\n", x.arrivalMS, x.replica, x.promptTokens, x.cachedTokens, x.ttftMS); err != nil {
+		if _, err := fmt.Fprintf(w, "%.0f,%d,%d,%d,%.3f", x.arrivalMS, x.replica, x.promptTokens, x.cachedTokens, x.ttftMS); err != nil {
+			return err
+		}
+		if r.Prediction != nil {
+			if _, err := fmt.Fprintf(w, ",%d", x.predicted); err != nil {
+				return err
+			}
+		}
+		if _, err := io.WriteString(w, "\n"); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// predictions reports whether any run has a picture mode: the tables then
+// carry the prediction columns.
+func (s *Summary) predictions() bool {
+	for _, r := range s.all() {
+		if r.Prediction != nil {
+			return true
+		}
+	}
+	return false
+}
+
+// PredictionHeader is the header of the prediction columns TableRow's
+// table gains when a run has a picture mode (append it after
+// TableHeader's columns).
+const PredictionHeader = " picture | predicted cached tokens | actual cached tokens | prediction error | mean abs error |"
+
+// PredictionCells formats r's prediction columns (empty cells for runs
+// without a picture mode, as the references).
+func (r *Result) PredictionCells() string {
+	p := r.Prediction
+	if p == nil {
+		return " | | | | |"
+	}
+	return fmt.Sprintf(" %s | %d | %d | %+.4f | %.4f |", p.Picture, p.PredictedTokens, p.ActualTokens, p.Error, p.MeanAbsError)
 }
 
 // TableRow formats a result as a Markdown table row.
@@ -91,15 +136,25 @@ func (s *Summary) Markdown(w io.Writer) error {
 	fmt.Fprintf(&b, "%d requests (%s format), %d replicas of %d tokens, eviction %s; prefill %.1f ms + %.0f µs/token, %.0f ms/output token, %d running max; speed-up %g; seed %d; replay took %.1f s.\n\n",
 		s.Requests, s.Format, s.Replicas, s.BudgetTokens, s.Model.Eviction, s.Model.PrefillOverheadMS, s.Model.PrefillPerTokenUS,
 		s.Model.InterTokenMS, s.Model.MaxRunning, s.Model.Speedup, s.Model.Seed, s.WallSeconds)
-	b.WriteString(TableHeader + "\n")
-	for _, r := range s.Policies {
-		b.WriteString(r.TableRow(s.Pooled) + "\n")
+	pred := s.predictions()
+	if pred {
+		head, align, _ := strings.Cut(TableHeader, "\n")
+		b.WriteString(head + PredictionHeader + "\n" + align + "---|---:|---:|---:|---:|\n")
+	} else {
+		b.WriteString(TableHeader + "\n")
 	}
-	for _, r := range s.Extra {
-		b.WriteString(r.TableRow(s.Pooled) + "\n")
+	for _, r := range s.all() {
+		b.WriteString(r.TableRow(s.Pooled))
+		if pred {
+			b.WriteString(r.PredictionCells())
+		}
+		b.WriteString("\n")
 	}
-	b.WriteString(s.Pooled.TableRow(s.Pooled) + "\n")
-	b.WriteString(s.Infinite.TableRow(s.Pooled) + "\n")
+	if pred {
+		b.WriteString("\nCached tokens are the engines' own: each replica's engine cache is simulated apart from the router's picture. " +
+			"Prediction error is (Σ predicted − Σ actual) ÷ Σ actual, predicted being the picture's match on the replica chosen when the request was routed, " +
+			"actual what the engine found cached when it scheduled the prefill; mean abs error is the mean |predicted − actual| ÷ the mean actual.\n")
+	}
 	if len(s.Arms) > 0 {
 		b.WriteString("\n## Arms observed in the decision log\n\n| arm | policy | requests | TTFT p50 ms | TTFT p99 ms | cached token rate |\n|---|---|---:|---:|---:|---:|\n")
 		for _, a := range s.Arms {

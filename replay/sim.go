@@ -113,9 +113,12 @@ func (m *Model) defaults() error {
 // references.
 type decider interface {
 	// decide routes request i arriving at now and returns the replica and
-	// the tokens and blocks it had cached.
+	// the tokens and blocks it had cached: as the router's picture
+	// predicted it, when the run simulates the engines' caches apart.
 	decide(i int, now int64) (rep, cached, cachedBlocks int, err error)
-	prefillDone(i int, now int64)
+	// prefillDone: request i's prefill ended at now, the engine having
+	// found cached tokens of its prompt.
+	prefillDone(i int, now int64, cached int)
 	done(i int, now int64)
 	// kvTokens returns the KV tokens replica rep holds for running requests.
 	kvTokens(rep int, now int64) float64
@@ -177,6 +180,19 @@ type sim struct {
 	res   *Result
 	rep   []int // request → replica
 	cache []int // request → cached tokens
+	// engines, when set, are the engines' own caches (a picture mode):
+	// cache then holds what they found, pred what the picture predicted.
+	engines *engineCaches
+	pred    []int
+}
+
+// serve has the engine of replica r schedule request i at now and counts
+// the tokens and blocks it found cached.
+func (s *sim) serve(i, r int, now int64) {
+	tokens, blocks := s.engines.serve(r, s.reqs[i].Blocks, now)
+	s.cache[i] = tokens
+	s.res.CachedTokens += int64(tokens)
+	s.res.HitBlocks += int64(blocks)
 }
 
 func (s *sim) push(t int64, kind, req int) {
@@ -208,6 +224,9 @@ func (s *sim) startPrefill(r int, now int64) {
 	i := st.prefillQ[0]
 	st.prefillQ = st.prefillQ[1:]
 	st.prefilling = i
+	if s.engines != nil {
+		s.serve(i, r, now)
+	}
 	uncached := int64(s.reqs[i].Tokens - s.cache[i])
 	st.computed += uncached
 	b := 0
@@ -238,6 +257,9 @@ func (s *sim) run(pool *replica.Pool) error {
 	}
 	s.rep = make([]int, len(s.reqs))
 	s.cache = make([]int, len(s.reqs))
+	if s.engines != nil {
+		s.pred = make([]int, len(s.reqs))
+	}
 	ttft := make([]float64, len(s.reqs))
 	s.res.LoadOverTime = make([][]float64, buckets)
 	for b := range s.res.LoadOverTime {
@@ -257,19 +279,27 @@ func (s *sim) run(pool *replica.Pool) error {
 			if err != nil {
 				return fmt.Errorf("request %d: %w", i, err)
 			}
-			s.rep[i], s.cache[i] = r, cached
+			s.rep[i] = r
+			if s.engines != nil {
+				s.pred[i] = cached // the engine's own lookup comes when it schedules the prefill
+			} else {
+				s.cache[i] = cached
+				s.res.CachedTokens += int64(cached)
+				s.res.HitBlocks += int64(cachedBlocks)
+			}
 			s.res.Requests++
 			s.res.PromptTokens += int64(s.reqs[i].Tokens)
-			s.res.CachedTokens += int64(cached)
 			s.res.Blocks += int64(len(s.reqs[i].Blocks))
-			s.res.HitBlocks += int64(cachedBlocks)
 			ttft[i] = float64(-now) // completed at prefill done
 			if lg := s.reqs[i].Logged; lg != nil {
 				// A logged request keeps its live timing: first byte and end.
 				if pool != nil && lg.Chosen != pool.Replicas()[r].Name {
 					s.res.Changed++
 				}
-				s.reps[r].computed += int64(s.reqs[i].Tokens - cached)
+				if s.engines != nil {
+					s.serve(i, r, now)
+				}
+				s.reps[r].computed += int64(s.reqs[i].Tokens - s.cache[i])
 				s.reps[r].decoding++
 				s.observe(r, now, pool)
 				s.push(now+lg.TTFTNs, evPrefillDone, i)
@@ -280,7 +310,7 @@ func (s *sim) run(pool *replica.Pool) error {
 		case evPrefillDone:
 			r := s.rep[i]
 			ttft[i] += float64(now)
-			s.d.prefillDone(i, now)
+			s.d.prefillDone(i, now, s.cache[i])
 			if lg := s.reqs[i].Logged; lg != nil {
 				s.push(now-lg.TTFTNs+max(lg.DurationNs, lg.TTFTNs), evFinish, i)
 				continue
@@ -293,6 +323,9 @@ func (s *sim) run(pool *replica.Pool) error {
 			s.observe(r, now, pool)
 		case evFinish:
 			r := s.rep[i]
+			if s.engines != nil { // the engine ends the request before the router hears of it
+				s.engines.finish(r, s.reqs[i].Blocks, outputBlocks(&s.reqs[i], i, s.m.BlockTokens), now)
+			}
 			s.d.done(i, now)
 			st := &s.reps[r]
 			if s.reqs[i].Logged != nil {
@@ -316,6 +349,10 @@ func (s *sim) run(pool *replica.Pool) error {
 		ttft[i] /= 1e6 // ms
 	}
 	s.res.finish(ttft, s.reps, s.rep, s.cache, s.reqs)
+	if s.engines != nil {
+		s.res.predicted(s.pred, s.cache)
+		s.res.Prediction.EngineEvictions = s.engines.evict
+	}
 	return nil
 }
 
@@ -330,10 +367,17 @@ type engineDecider struct {
 	clock  *int64
 	ds     []*routing.Decision
 	served []*routing.Candidate
+	// picture is the run's picture mode ("" when the picture stands for
+	// the engines' caches).
+	picture string
+	orphans int64 // events: stored blocks whose parent the picture had lost
 }
 
 func (e *engineDecider) decide(i int, now int64) (int, int, int, error) {
 	*e.clock = now
+	if e.picture == PictureEvents {
+		e.cache.ExpirePending(now)
+	}
 	req := &e.reqs[i]
 	d, err := e.eng.Decide(routing.Request{Blocks: req.Blocks, Key: req.Key, Text: req.Text, Policy: e.pol}, true)
 	if err != nil {
@@ -344,10 +388,23 @@ func (e *engineDecider) decide(i int, now int64) (int, int, int, error) {
 	return c.Replica.ID, c.Match.Tokens, c.Match.Blocks, nil
 }
 
-func (e *engineDecider) prefillDone(i int, now int64) {
+func (e *engineDecider) prefillDone(i int, now int64, cached int) {
 	*e.clock = now
 	e.eng.PrefillDone(e.ds[i], e.served[i])
+	if e.picture == PictureFeedback {
+		e.eng.Feedback(e.ds[i], e.served[i], cached)
+	}
 }
+
+// stored and removed make the engine decider the events mode's cacheSink:
+// the engine's cache changes reach the picture as KV events would.
+func (e *engineDecider) stored(rep int, parent uint64, hasParent bool, blocks []blockhash.Block, now int64) {
+	if ok, _ := e.cache.Store(rep, parent, hasParent, blocks, false, now); !ok {
+		e.orphans += int64(len(blocks)) // as kvsync.Applier counts them
+	}
+}
+
+func (e *engineDecider) removed(rep int, key uint64) { e.cache.Remove(rep, key, false) }
 
 func (e *engineDecider) done(i int, now int64) {
 	*e.clock = now
@@ -390,7 +447,7 @@ func (p *pooledDecider) decide(i int, now int64) (int, int, int, error) {
 	return best, m.Tokens, m.Blocks, nil
 }
 
-func (p *pooledDecider) prefillDone(int, int64) {}
+func (p *pooledDecider) prefillDone(int, int64, int) {}
 
 func (p *pooledDecider) done(i int, now int64) {
 	p.cache.Release(0, p.reqs[i].Blocks, now)

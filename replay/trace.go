@@ -7,6 +7,12 @@
 // eviction policy) and its own replica model; nothing is shared between
 // runs, so runs are independent and execute in parallel. Everything is
 // deterministic for a given trace, model and seed.
+//
+// By default the router's cache model stands for the replicas' caches. A
+// run with a picture mode (Run.Picture: approximate, feedback, events)
+// simulates each replica's engine cache apart from it, and measures how
+// well the router's picture, learning in that mode, predicts the tokens
+// the engines really find cached (Result.Prediction).
 package replay
 
 import (

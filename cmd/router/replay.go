@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"fmt"
 	"os"
 	"strings"
@@ -19,6 +20,8 @@ import (
 func newReplay() *cobra.Command {
 	var (
 		trace, format, out, pols string
+		pictures                 string
+		sample                   int
 		blockTokens              int
 		m                        replay.Model
 		seed                     uint64
@@ -71,6 +74,9 @@ report.html to --out.`,
 			if err != nil {
 				return err
 			}
+			if sample > 0 && sample < len(reqs) {
+				reqs = reqs[:sample]
+			}
 			if blockTokens == 0 {
 				blockTokens = blockhash.DefaultBlockTokens
 			}
@@ -94,6 +100,21 @@ report.html to --out.`,
 					return mm
 				}
 				runs = append(runs, replay.Run{Label: "semantic+matcher", Policy: "semantic", Matcher: true})
+			}
+			modes, err := replay.ParsePictures(pictures)
+			if err != nil {
+				return err
+			}
+			if len(modes) > 0 { // every run once per mode, side by side: semantic/approximate, semantic/events, …
+				var each []replay.Run
+				for _, r := range runs {
+					for _, mode := range modes {
+						x := r
+						x.Label, x.Picture = cmp.Or(r.Label, r.Policy)+"/"+mode, mode
+						each = append(each, x)
+					}
+				}
+				runs = each
 			}
 			sum, err := replay.Replay(reqs, m, runs)
 			if err != nil {
@@ -134,6 +155,10 @@ report.html to --out.`,
 	f.DurationVar(&m.LoadHalfLife, "load-half-life", replica.DefaultHalfLife, "half-life of the recent-work signal")
 	f.BoolVar(&withMatcher, "matcher", false, "also run the semantic policy with the MinHash semantic matcher (useful on openai traces)")
 	f.BoolVar(&ablate, "ablations", false, "also run the semantic policy with unit kind weights and with load ignored")
+	f.StringVar(&pictures, "picture", "", "picture modes, comma-separated ("+strings.Join(replay.PictureModes, ",")+
+		"): simulate each replica's engine cache apart from the router's picture, run every policy once per mode, and report the picture's prediction error; "+
+		"empty: the picture stands for the engines' caches, as before picture modes")
+	f.IntVar(&sample, "requests", 0, "replay only the first this many requests of the trace (0: all)")
 	_ = cmd.MarkFlagRequired("trace")
 	return cmd
 }

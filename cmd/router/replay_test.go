@@ -96,3 +96,29 @@ func TestCLIBenchProxyRuns(t *testing.T) {
 		}
 	}
 }
+
+func TestCLIReplayPictures(t *testing.T) {
+	dir := t.TempDir()
+	trace := filepath.Join(dir, "m.jsonl")
+	os.WriteFile(trace, []byte(`{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0, 1]}
+{"timestamp": 10, "input_length": 700, "output_length": 5, "hash_ids": [0, 1]}
+{"timestamp": 20, "input_length": 700, "output_length": 5, "hash_ids": [0, 2]}
+`), 0o600)
+	out := runCLI(t, "replay", "--trace", trace, "--policies", "semantic,round_robin", "--picture", "approximate,events",
+		"--requests", "2", "--out", filepath.Join(dir, "r"))
+	for _, want := range []string{"| semantic/approximate |", "| semantic/events |", "| round_robin/events |", "| prediction error |", "2 requests (mooncake format)"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output lacks %q:\n%s", want, out)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(dir, "r", "runs", "semantic_events.csv")); err != nil {
+		t.Error(err)
+	}
+	root := newRoot()
+	root.SetArgs([]string{"replay", "--trace", trace, "--picture", "approximate,exact", "--out", filepath.Join(dir, "x")})
+	root.SetOut(new(bytes.Buffer))
+	root.SetErr(new(bytes.Buffer))
+	if err := root.Execute(); err == nil || !strings.Contains(err.Error(), `unknown picture mode "exact"`) {
+		t.Errorf("--picture approximate,exact: %v", err)
+	}
+}

@@ -1,0 +1,315 @@
+package replay
+
+import (
+	"encoding/binary"
+	"fmt"
+	"strings"
+
+	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/cachemodel"
+	"github.com/semroute/semroute/eviction"
+)
+
+// Picture modes: how the router's cache picture (its cachemodel.Model)
+// learns what the engines hold, in a run that simulates each engine's own
+// KV cache apart from that picture (Run.Picture).
+const (
+	// PictureApproximate: the picture learns only from the router's own
+	// routing (a routed prompt is taken as cached where it went, evicted by
+	// the picture's budget and policy), as the live router does for a
+	// replica that reports neither KV events nor cached tokens.
+	PictureApproximate = "approximate"
+	// PictureFeedback: as approximate, and after each prefill the cached
+	// tokens the engine found correct the picture (routing.Engine.Feedback),
+	// as the live router does from usage.prompt_tokens_details.cached_tokens.
+	PictureFeedback = "feedback"
+	// PictureEvents: the engine's own cache changes feed the picture, as
+	// vLLM's KV events do: every replica is event-driven, a block the engine
+	// caches is stored (cachemodel.Model.Store), a block it evicts removed
+	// (Remove), and routed blocks count only while pending (PendingTTL).
+	PictureEvents = "events"
+)
+
+// PictureModes are the picture modes, in the order reports list them.
+var PictureModes = []string{PictureApproximate, PictureFeedback, PictureEvents}
+
+// checkPicture validates a Run.Picture; "" (no engine simulated apart from
+// the picture) is valid.
+func checkPicture(p string) error {
+	if p == "" {
+		return nil
+	}
+	for _, m := range PictureModes {
+		if p == m {
+			return nil
+		}
+	}
+	return fmt.Errorf("unknown picture mode %q (have %s)", p, strings.Join(PictureModes, ", "))
+}
+
+// ParsePictures reads a comma-separated list of picture modes (a --picture
+// value), refusing unknown and repeated ones. An empty list is nil.
+func ParsePictures(s string) ([]string, error) {
+	var out []string
+	for _, p := range strings.Split(s, ",") {
+		if p = strings.TrimSpace(p); p == "" {
+			continue
+		}
+		if err := checkPicture(p); err != nil {
+			return nil, err
+		}
+		for _, q := range out {
+			if q == p {
+				return nil, fmt.Errorf("picture mode %q listed twice", p)
+			}
+		}
+		out = append(out, p)
+	}
+	return out, nil
+}
+
+// cacheSink hears an engine's cache changes as KV events would carry them.
+type cacheSink interface {
+	// stored: the engine cached blocks, a chain after the block keyed
+	// parent (hasParent false: blocks[0] starts a prompt).
+	stored(rep int, parent uint64, hasParent bool, blocks []blockhash.Block, now int64)
+	// removed: the engine evicted block key.
+	removed(rep int, key uint64)
+}
+
+// engineCaches are the simulated engines' own KV caches: what each replica
+// really holds, kept apart from the router's picture of it. An engine, as
+// vLLM's does:
+//
+//   - looks a request's prompt up in its cache when it schedules the
+//     prefill, not when the router routes it, and caches the prompt's
+//     blocks then;
+//   - never evicts a block a running request holds (pinned until the
+//     request finishes; vLLM evicts only from its free queue);
+//   - caches the full blocks of the tokens it generates, chained after the
+//     prompt: the trace's reply blocks where it shows them, otherwise one
+//     block of BlockTokens per whole block of output, under a key no prompt
+//     shares (the trace has no tokens to key them by), so they only take
+//     room;
+//   - evicts under the replica's budget and the model's eviction policy
+//     (the same the picture is told: the picture errs by what it does not
+//     see, not by a wrong budget).
+//
+// The engine keys blocks with the trace's block hashes, the same keys the
+// router's picture uses, so the events mode hands the picture the keys
+// directly. (The live router keys an engine's events from the token ids
+// they carry, kvsync.Applier; a trace has no token ids and needs none.)
+type engineCaches struct {
+	m     *Model
+	cache *cachemodel.Model
+	pins  []map[uint64]int32 // per replica: block → running requests holding it
+	next  map[uint64]int32   // the pins of the replica being added (policy factory)
+	gone  []goneBlock        // evictions heard by OnEvict, not yet passed on
+	sink  cacheSink          // the events mode's picture; nil otherwise
+	match []cachemodel.Match
+	all   []blockhash.Block
+	evict int64 // blocks evicted
+}
+
+type goneBlock struct {
+	rep int
+	key uint64
+}
+
+func newEngineCaches(m *Model, budgets []int64) (*engineCaches, error) {
+	inner, err := eviction.Lookup(m.Eviction)
+	if err != nil {
+		return nil, err
+	}
+	e := &engineCaches{m: m, pins: make([]map[uint64]int32, len(budgets))}
+	e.cache = cachemodel.New(cachemodel.Options{
+		Policy:  func() eviction.Policy { return newPinning(inner(), e.next) },
+		OnEvict: func(rep int, key uint64) { e.gone = append(e.gone, goneBlock{rep, key}) },
+	})
+	for r, b := range budgets {
+		e.pins[r] = map[uint64]int32{}
+		e.next = e.pins[r]
+		id, err := e.cache.AddReplica(fmt.Sprintf("engine-%d", r), b)
+		if err != nil {
+			return nil, err
+		}
+		if id != r {
+			return nil, fmt.Errorf("engine cache: replica %d got id %d", r, id)
+		}
+	}
+	e.next = nil
+	return e, nil
+}
+
+// held returns how many of blocks, from the first, replica rep holds.
+func (e *engineCaches) held(rep int, blocks []blockhash.Block) cachemodel.Match {
+	e.match = e.cache.Match(blocks, nil, e.match)
+	return e.match[rep]
+}
+
+// serve schedules a prompt on replica rep at now: it returns the tokens
+// and blocks the engine found cached, then pins the prompt's blocks and
+// caches them.
+func (e *engineCaches) serve(rep int, blocks []blockhash.Block, now int64) (tokens, nblocks int) {
+	hit := e.held(rep, blocks)
+	e.pin(rep, blocks, 1)
+	e.cache.Record(rep, blocks, now)
+	e.tell(rep, blocks, hit.Blocks, now)
+	return hit.Tokens, hit.Blocks
+}
+
+// finish ends a request on replica rep at now: the full blocks of its
+// output are cached after its prompt, and every block is freed.
+func (e *engineCaches) finish(rep int, prompt, output []blockhash.Block, now int64) {
+	all := append(append(e.all[:0], prompt...), output...)
+	e.all = all
+	if len(output) > 0 {
+		before := e.held(rep, all).Blocks
+		e.cache.Extend(rep, all, len(prompt), now)
+		e.tell(rep, all, before, now)
+	}
+	e.pin(rep, prompt, -1)
+	e.cache.Release(rep, all, now)
+}
+
+// tell passes what the last change did to the sink, in the order an engine
+// reports it: the blocks it evicted to make room, then the blocks of chain
+// it now holds from index from on (blocks before it it held already).
+func (e *engineCaches) tell(rep int, chain []blockhash.Block, from int, now int64) {
+	gone := e.gone
+	e.gone = e.gone[:0]
+	e.evict += int64(len(gone))
+	if e.sink == nil {
+		return
+	}
+	for _, g := range gone {
+		e.sink.removed(g.rep, g.key)
+	}
+	to := e.held(rep, chain).Blocks
+	if to <= from {
+		return
+	}
+	var parent uint64
+	if from > 0 {
+		parent = chain[from-1].Hash
+	}
+	e.sink.stored(rep, parent, from > 0, chain[from:to], now)
+}
+
+func (e *engineCaches) pin(rep int, blocks []blockhash.Block, delta int32) {
+	p := e.pins[rep]
+	for _, b := range blocks {
+		if n := p[b.Hash] + delta; n > 0 {
+			p[b.Hash] = n
+		} else {
+			delete(p, b.Hash)
+		}
+	}
+}
+
+// outputBlocks returns the blocks an engine caches for request i's output:
+// its reply's, when the trace shows it, else one block of blockTokens per
+// whole block of output tokens, keyed after the prompt and the request's
+// index so that no other request shares them.
+func outputBlocks(req *Request, i, blockTokens int) []blockhash.Block {
+	if req.Reply != nil {
+		return req.Reply
+	}
+	n := req.Output / max(blockTokens, 1)
+	if n == 0 {
+		return nil
+	}
+	h := blockhash.Seed("replay-output")
+	if len(req.Blocks) > 0 {
+		h = req.Blocks[len(req.Blocks)-1].Hash
+	}
+	out := make([]blockhash.Block, n)
+	var id [16]byte
+	binary.LittleEndian.PutUint64(id[:8], uint64(i))
+	for j := range out {
+		binary.LittleEndian.PutUint64(id[8:], uint64(j))
+		h = blockhash.ChainHash(h, blockhash.RoleAssistant, id[:])
+		out[j] = blockhash.Block{Hash: h, Tokens: int32(blockTokens), Kind: blockhash.KindAssistantHistory}
+	}
+	return out
+}
+
+// pinning keeps an eviction policy's victims off the blocks running
+// requests hold: it sets pinned candidates aside while it looks for a
+// victim and gives them back after. It forwards Admit and Evicted to the
+// policy when it has them; pinningFree adds Freed for policies that
+// observe frees (cachemodel treats those differently, so only they may
+// have it).
+type pinning struct {
+	eviction.Policy
+	pins  map[uint64]int32
+	infos map[uint64]eviction.Info // each candidate's latest Info, to give it back
+	aside []uint64
+}
+
+type pinningFree struct{ *pinning }
+
+func newPinning(p eviction.Policy, pins map[uint64]int32) eviction.Policy {
+	w := &pinning{Policy: p, pins: pins, infos: map[uint64]eviction.Info{}}
+	if _, ok := p.(eviction.FreeObserver); ok {
+		return pinningFree{w}
+	}
+	return w
+}
+
+func (p *pinning) Evictable(key uint64, info eviction.Info) {
+	p.infos[key] = info
+	p.Policy.Evictable(key, info)
+}
+
+func (p *pinning) Touched(key uint64, info eviction.Info) {
+	if _, ok := p.infos[key]; ok {
+		p.infos[key] = info
+	}
+	p.Policy.Touched(key, info)
+}
+
+func (p *pinning) Removed(key uint64) {
+	delete(p.infos, key)
+	p.Policy.Removed(key)
+}
+
+func (p *pinning) Victim() (uint64, bool) {
+	defer func() {
+		for _, k := range p.aside {
+			p.Policy.Evictable(k, p.infos[k])
+		}
+		p.aside = p.aside[:0]
+	}()
+	for {
+		k, ok := p.Policy.Victim()
+		if !ok {
+			return 0, false
+		}
+		if p.pins[k] == 0 {
+			delete(p.infos, k)
+			return k, true
+		}
+		p.aside = append(p.aside, k)
+	}
+}
+
+func (p *pinning) Admit(info eviction.Info, used, budget int64) bool {
+	if a, ok := p.Policy.(eviction.Admitter); ok {
+		return a.Admit(info, used, budget)
+	}
+	return true
+}
+
+func (p *pinning) Evicted(key uint64, info eviction.Info) {
+	if ev, ok := p.Policy.(eviction.Evicted); ok {
+		ev.Evicted(key, info)
+	}
+}
+
+func (p pinningFree) Freed(key uint64, info eviction.Info) {
+	if _, ok := p.infos[key]; ok {
+		p.infos[key] = info
+	}
+	p.Policy.(eviction.FreeObserver).Freed(key, info)
+}
