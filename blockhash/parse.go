@@ -160,6 +160,17 @@ var ErrBusy = errors.New("too many large request bodies are being parsed at once
 // alias until Release.
 var parsers fastjson.ParserPool
 
+// TokenIDsOnly reports whether the request's prompt is all token ids (a
+// completions body with token-id prompts): counted exactly already.
+func (r *Request) TokenIDsOnly() bool {
+	for i := range r.Parts {
+		if r.Parts[i].Role != RoleTokens {
+			return false
+		}
+	}
+	return len(r.Parts) > 0
+}
+
 // Release gives the memory that r's parts alias back for reuse by a later
 // parse, and the values it took back to its Budget. Neither r nor any
 // Part.Text of it may be used afterwards. Calling it is optional unless the

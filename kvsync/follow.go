@@ -67,7 +67,7 @@ type Follower struct {
 	live      atomic.Bool
 	fallbacks atomic.Uint64
 	tracked   atomic.Int64
-	expiredAt int64 // the replica's PendingExpired at the last batch
+	expiredAt atomic.Int64 // the replica's PendingExpired at the last batch
 
 	stop  chan struct{}
 	done  chan struct{}
@@ -99,17 +99,19 @@ func Follow(o Options) (*Follower, error) {
 }
 
 func (f *Follower) batch(_ uint64, b kvevents.Batch) {
-	f.mu.Lock()
-	if !f.live.Load() {
-		f.o.Model.SetEventDriven(f.o.ID, true)
-		f.live.Store(true)
-		f.o.Logger.Info("KV events live: the replica's cache picture follows its engine", "replica", f.o.Name)
+	if !f.live.Load() { // the lock only on the way back to live
+		f.mu.Lock()
+		if !f.live.Load() {
+			f.o.Model.SetEventDriven(f.o.ID, true)
+			f.live.Store(true)
+			f.o.Logger.Info("KV events live: the replica's cache picture follows its engine", "replica", f.o.Name)
+		}
+		f.mu.Unlock()
 	}
-	f.mu.Unlock()
 	f.ap.Apply(&b, f.o.Now().UnixNano())
 	f.tracked.Store(int64(f.ap.Tracked()))
 	if st, ok := f.o.Model.Stats(f.o.ID); ok {
-		atomic.StoreInt64(&f.expiredAt, st.PendingExpired)
+		f.expiredAt.Store(st.PendingExpired)
 	}
 }
 
@@ -137,7 +139,7 @@ func (f *Follower) watch() {
 			continue
 		}
 		st, ok := f.o.Model.Stats(f.o.ID)
-		if !ok || st.PendingExpired <= atomic.LoadInt64(&f.expiredAt) {
+		if !ok || st.PendingExpired <= f.expiredAt.Load() {
 			continue
 		}
 		f.mu.Lock()
@@ -151,6 +153,9 @@ func (f *Follower) watch() {
 		f.mu.Unlock()
 	}
 }
+
+// Name is the replica's name (Options.Name).
+func (f *Follower) Name() string { return f.o.Name }
 
 // Stats returns the Follower's counters.
 func (f *Follower) Stats() Stats {

@@ -191,7 +191,7 @@ type CoreRequest struct {
 // Requests given as token ids are exact already; a request with no body
 // (gRPC messages) is estimated.
 func (c *Core) Prepare(ctx context.Context, req *blockhash.Request, body []byte, session string) routing.Request {
-	if c.o.Tokenizer != nil && len(body) > 0 && !tokenIDsOnly(req) {
+	if c.o.Tokenizer != nil && len(body) > 0 && !req.TokenIDsOnly() {
 		ids, err := c.o.Tokenizer.Body(ctx, body)
 		switch {
 		case err == nil && len(ids) > 0:
@@ -206,15 +206,6 @@ func (c *Core) Prepare(ctx context.Context, req *blockhash.Request, body []byte,
 		}
 	}
 	return c.e.Prepare(req, session, c.o.LogPrompts)
-}
-
-func tokenIDsOnly(req *blockhash.Request) bool {
-	for i := range req.Parts {
-		if req.Parts[i].Role != blockhash.RoleTokens {
-			return false
-		}
-	}
-	return len(req.Parts) > 0
 }
 
 // passThrough is the arm of requests without a prompt.

@@ -233,18 +233,14 @@ func (r *Request) DetachText() {
 // decision made from it ends.
 func (e *Engine) Prepare(req *blockhash.Request, sessionID string, withText bool) Request {
 	in := Request{Blocks: e.split.Split(newBlocks(e.split.Count(req)), req), pooled: true, scale: 1}
-	if tokenIDsOnly(req) { // token ids are counted exactly already: nothing to scale, nothing to learn
+	if req.TokenIDsOnly() { // token ids are counted exactly already: nothing to scale, nothing to learn
 		in.exact = true
 	} else {
 		in.scale = e.units.scale(req.Model)
 		scaleTokens(in.Blocks, in.scale)
 	}
 	in.Key = SessionKey(sessionID, req.User, in.Blocks)
-	if withText || e.o.Matcher != nil {
-		for i := range req.Parts {
-			in.Text = append(in.Text, req.Parts[i].Text)
-		}
-	}
+	in.Text = e.text(req, withText)
 	return in
 }
 
@@ -262,12 +258,21 @@ func (e *Engine) PrepareTokens(req *blockhash.Request, ids []int32, blockTokens 
 	bl, tail := blockhash.AppendTokenBlocks(newBlocks(len(ids)/max(blockTokens, 1)), seed, ids, blockTokens, req)
 	in := Request{Blocks: bl, Tail: tail, pooled: true, scale: 1, exact: true, blockTokens: blockTokens}
 	in.Key = SessionKey(sessionID, req.User, in.Blocks)
-	if withText || e.o.Matcher != nil {
-		for i := range req.Parts {
-			in.Text = append(in.Text, req.Parts[i].Text)
-		}
-	}
+	in.Text = e.text(req, withText)
 	return in
+}
+
+// text returns req's parts' text when it is to be kept (withText, or a
+// matcher needs it), else nil.
+func (e *Engine) text(req *blockhash.Request, withText bool) [][]byte {
+	if (!withText && e.o.Matcher == nil) || len(req.Parts) == 0 {
+		return nil
+	}
+	text := make([][]byte, len(req.Parts))
+	for i := range req.Parts {
+		text[i] = req.Parts[i].Text
+	}
+	return text
 }
 
 // NoteAdapter records that an engine serves LoRA adapter name (its KV
@@ -293,16 +298,6 @@ func (e *Engine) NoteAdapter(name string) {
 func (e *Engine) isAdapter(name string) bool {
 	m := e.adapters.Load()
 	return m != nil && (*m)[name]
-}
-
-// tokenIDsOnly reports whether every part of req is token ids.
-func tokenIDsOnly(req *blockhash.Request) bool {
-	for i := range req.Parts {
-		if req.Parts[i].Role != blockhash.RoleTokens {
-			return false
-		}
-	}
-	return len(req.Parts) > 0
 }
 
 // scaleTokens turns estimated tokens into engine tokens, at least 1 a block.

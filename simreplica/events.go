@@ -1,10 +1,10 @@
 package simreplica
 
 import (
-	"encoding/binary"
 	"slices"
 
 	"github.com/cespare/xxhash/v2"
+	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/kvevents"
 )
 
@@ -84,23 +84,7 @@ func RootHash(model string) uint64 {
 // little-endian bytes followed by each id as 4 little-endian bytes. It is
 // the key of the prefix cache and the block hash of the KV events, chained
 // as vLLM chains its block hashes (hash(parent, token ids, extra keys)).
-func BlockHash(parent uint64, ids []int32) uint64 {
-	var buf [8 + 4*64]byte
-	binary.LittleEndian.PutUint64(buf[:8], parent)
-	var d xxhash.Digest
-	d.Reset()
-	n := 8
-	for _, id := range ids {
-		if n+4 > len(buf) {
-			_, _ = d.Write(buf[:n])
-			n = 0
-		}
-		binary.LittleEndian.PutUint32(buf[n:], uint32(id))
-		n += 4
-	}
-	_, _ = d.Write(buf[:n])
-	return d.Sum64()
-}
+func BlockHash(parent uint64, ids []int32) uint64 { return blockhash.TokenBlockHash(parent, ids) }
 
 // storeLocked enters a finished prefill's blocks (keys, the chained hashes
 // of the full blocks of ids) into the cache with s.mu held, and reports

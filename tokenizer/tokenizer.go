@@ -139,32 +139,22 @@ func (c *Client) Chat(ctx context.Context, model string, messages []byte) ([]int
 // which must be one string. The body must be valid JSON (the router has
 // parsed it already).
 func (c *Client) Body(ctx context.Context, body []byte) ([]int32, error) {
-	var fields struct {
-		Model                string          `json:"model"`
-		Messages             json.RawMessage `json:"messages"`
-		Prompt               json.RawMessage `json:"prompt"`
-		Tools                json.RawMessage `json:"tools"`
-		AddGenerationPrompt  *bool           `json:"add_generation_prompt"`
-		ContinueFinalMessage json.RawMessage `json:"continue_final_message"`
-		ChatTemplate         json.RawMessage `json:"chat_template"`
-		ChatTemplateKwargs   json.RawMessage `json:"chat_template_kwargs"`
-	}
-	if err := json.Unmarshal(body, &fields); err != nil {
+	var r request // the body's own fields under /tokenize's names
+	if err := json.Unmarshal(body, &r); err != nil {
 		return nil, fmt.Errorf("tokenizer: %w", err)
 	}
-	if len(fields.Messages) > 0 {
-		yes := true
-		r := request{Model: fields.Model, Messages: fields.Messages, Tools: fields.Tools, AddGenerationPrompt: &yes,
-			ContinueFinalMessage: fields.ContinueFinalMessage, ChatTemplate: fields.ChatTemplate, ChatTemplateKwargs: fields.ChatTemplateKwargs}
-		if fields.AddGenerationPrompt != nil {
-			r.AddGenerationPrompt = fields.AddGenerationPrompt
+	if len(r.Messages) > 0 {
+		if r.AddGenerationPrompt == nil {
+			yes := true
+			r.AddGenerationPrompt = &yes
 		}
+		r.Prompt = nil
 		return c.tokenize(ctx, r)
 	}
-	if len(fields.Prompt) == 0 || fields.Prompt[0] != '"' {
+	if len(r.Prompt) == 0 || r.Prompt[0] != '"' {
 		return nil, errors.New("tokenizer: only a chat body or a completions body with one prompt string can be tokenized")
 	}
-	return c.tokenize(ctx, request{Model: fields.Model, Prompt: fields.Prompt})
+	return c.tokenize(ctx, request{Model: r.Model, Prompt: r.Prompt})
 }
 
 // Prompt returns the token ids of a completions request's prompt (a JSON

@@ -675,7 +675,7 @@ func waitEventsApplied(t *testing.T, d *demo) {
 		applied := uint64(0)
 		d.app.events.mu.Lock()
 		for _, f := range d.app.events.by {
-			applied += f.f.Stats().Subscriber.Applied
+			applied += f.Stats().Subscriber.Applied
 		}
 		d.app.events.mu.Unlock()
 		var published uint64

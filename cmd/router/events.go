@@ -25,16 +25,11 @@ type followers struct {
 	log       *slog.Logger
 
 	mu sync.Mutex
-	by map[int]*followed // replica id →
-}
-
-type followed struct {
-	name string
-	f    *kvsync.Follower
+	by map[int]*kvsync.Follower // by replica id
 }
 
 func newFollowers(cache *cachemodel.Model, eng *routing.Engine, blockSize int, precise bool, log *slog.Logger) *followers {
-	return &followers{cache: cache, engine: eng, blockSize: blockSize, precise: precise, log: log, by: map[int]*followed{}}
+	return &followers{cache: cache, engine: eng, blockSize: blockSize, precise: precise, log: log, by: map[int]*kvsync.Follower{}}
 }
 
 // add starts following r's events if its spec names them.
@@ -56,10 +51,10 @@ func (fs *followers) add(r *replica.Replica, s replica.Spec) {
 	}
 	fs.mu.Lock()
 	old := fs.by[r.ID]
-	fs.by[r.ID] = &followed{name: r.Name, f: f}
+	fs.by[r.ID] = f
 	fs.mu.Unlock()
 	if old != nil {
-		_ = old.f.Close()
+		_ = old.Close()
 	}
 	fs.log.Info("KV events: following", "replica", r.Name, "endpoint", ev.Endpoint, "replay", ev.ReplayEndpoint)
 }
@@ -71,7 +66,7 @@ func (fs *followers) remove(id int) {
 	delete(fs.by, id)
 	fs.mu.Unlock()
 	if old != nil {
-		_ = old.f.Close()
+		_ = old.Close()
 	}
 }
 
@@ -79,10 +74,10 @@ func (fs *followers) remove(id int) {
 func (fs *followers) close() {
 	fs.mu.Lock()
 	all := fs.by
-	fs.by = map[int]*followed{}
+	fs.by = map[int]*kvsync.Follower{}
 	fs.mu.Unlock()
 	for _, f := range all {
-		_ = f.f.Close()
+		_ = f.Close()
 	}
 }
 
@@ -125,18 +120,18 @@ func (fs *followers) Describe(ch chan<- *prometheus.Desc) {
 
 func (fs *followers) Collect(ch chan<- prometheus.Metric) {
 	fs.mu.Lock()
-	list := make([]*followed, 0, len(fs.by))
+	list := make([]*kvsync.Follower, 0, len(fs.by))
 	for _, f := range fs.by {
 		list = append(list, f)
 	}
 	fs.mu.Unlock()
 	for _, f := range list {
-		st := f.f.Stats()
+		st, name := f.Stats(), f.Name()
 		c := func(d *prometheus.Desc, v uint64, labels ...string) {
-			ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), append([]string{f.name}, labels...)...)
+			ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), append([]string{name}, labels...)...)
 		}
-		ch <- prometheus.MustNewConstMetric(descEvLive, prometheus.GaugeValue, b2f(st.Live), f.name)
-		ch <- prometheus.MustNewConstMetric(descEvTracked, prometheus.GaugeValue, float64(st.Tracked), f.name)
+		ch <- prometheus.MustNewConstMetric(descEvLive, prometheus.GaugeValue, b2f(st.Live), name)
+		ch <- prometheus.MustNewConstMetric(descEvTracked, prometheus.GaugeValue, float64(st.Tracked), name)
 		c(descEvBatches, st.Subscriber.Applied)
 		c(descEvReplayed, st.Subscriber.Replayed)
 		c(descEvBlocks, st.Stored, "stored")
