@@ -48,7 +48,10 @@ func TestGCFloorPacesCollections(t *testing.T) {
 		runtime.GC()
 		time.Sleep(time.Millisecond)
 	}
-	floored := churn()
+	// Other tests' goroutines in this process may still be winding down
+	// and allocating: the fewest collections of three rounds is the
+	// floor's.
+	floored := min(churn(), churn(), churn())
 	stop()
 	t.Logf("192 MiB of garbage: %d collections without the floor, %d with it", unfloored, floored)
 	if unfloored < 4 || floored > 3 || floored*4 > unfloored {
