@@ -49,7 +49,7 @@ type Applier struct {
 	maxBlocks int
 	onLoRA    func(string)
 
-	keys     map[uint64]uint64 // engine block hash → router key, of the blocks the engine holds
+	keys     keyIndex // engine block hash → router key, of the blocks the engine holds
 	lastLoRA string
 	buf      []blockhash.Block
 
@@ -64,7 +64,7 @@ func NewApplier(model *cachemodel.Model, id, blockSize, maxBlocks int, onLoRA fu
 	if maxBlocks <= 0 {
 		maxBlocks = DefaultMaxBlocks
 	}
-	return &Applier{model: model, id: id, blockSize: blockSize, maxBlocks: maxBlocks, onLoRA: onLoRA, keys: map[uint64]uint64{}}
+	return &Applier{model: model, id: id, blockSize: blockSize, maxBlocks: maxBlocks, onLoRA: onLoRA, keys: newKeyIndex()}
 }
 
 // Counts returns the counters.
@@ -73,13 +73,13 @@ func (a *Applier) Counts() Counts {
 }
 
 // Tracked returns the engine blocks tracked now.
-func (a *Applier) Tracked() int { return len(a.keys) }
+func (a *Applier) Tracked() int { return a.keys.Len() }
 
 // Reset forgets the replica's picture and every key: the events no longer
 // describe the engine (a restart, a gap replay could not fill).
 func (a *Applier) Reset() {
 	a.model.Clear(a.id)
-	a.keys = map[uint64]uint64{}
+	a.keys = newKeyIndex()
 	a.cleared.Add(1)
 }
 
@@ -93,12 +93,12 @@ func (a *Applier) Apply(b *kvevents.Batch, now int64) {
 		case kvevents.BlockRemoved:
 			cpu := isCPU(e.Medium)
 			for _, h := range e.BlockHashes {
-				k, ok := a.keys[h]
+				k, ok := a.keys.Get(h)
 				if !ok {
 					continue
 				}
 				if _, left := a.model.Remove(a.id, k, cpu); !left {
-					delete(a.keys, h)
+					a.keys.Delete(h)
 				}
 				a.removed.Add(1)
 			}
@@ -127,7 +127,7 @@ func (a *Applier) store(e *kvevents.Event, now int64) {
 	var parent uint64
 	hasParent := e.HasParent
 	if hasParent {
-		p, ok := a.keys[e.ParentHash]
+		p, ok := a.keys.Get(e.ParentHash)
 		if !ok {
 			a.orphans.Add(uint64(n))
 			return
@@ -157,10 +157,10 @@ func (a *Applier) store(e *kvevents.Event, now int64) {
 		return
 	}
 	for j, eh := range e.BlockHashes {
-		a.keys[eh] = bl[j].Hash
+		a.keys.Put(eh, bl[j].Hash)
 	}
 	a.stored.Add(uint64(n))
-	if len(a.keys) > a.maxBlocks {
+	if a.keys.Len() > a.maxBlocks {
 		a.Reset()
 	}
 }
