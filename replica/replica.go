@@ -238,6 +238,17 @@ func (r *Replica) Fail(now time.Time, e Ejection) time.Duration {
 	return cool
 }
 
+// Eject takes the replica out of rotation until at least until, as
+// another router of the fleet ejected it (package cluster). It is not an
+// ejection of this router's: the cool-down of the next Fail is unchanged.
+func (r *Replica) Eject(until time.Time) {
+	r.hmu.Lock()
+	defer r.hmu.Unlock()
+	if u := until.UnixNano(); u > r.downUntil.Load() {
+		r.downUntil.Store(u)
+	}
+}
+
 // Checked records an active health check's result: fall consecutive
 // failures mark the replica down, rise consecutive successes mark it up.
 // It reports whether the replica's state changed.

@@ -101,7 +101,7 @@ func (s *Server) modifyResponse(resp *http.Response) error {
 	// replica's silence, not the time the layers above take to gather a
 	// whole event.
 	var body io.ReadCloser = newIdleBody(resp.Body, s.o.Timeouts.Idle, func() {
-		c.Replica.Fail(time.Now(), s.o.Ejection)
+		s.core.e.Fail(c.Replica, time.Now(), s.o.Ejection)
 		s.core.o.Metrics.UpstreamError(c.Replica.Name, "idle")
 		s.o.Logger.Warn("replica went silent mid-response; cutting it off", "replica", c.Replica.Name, "path", resp.Request.URL.Path)
 		f.cancel()
@@ -148,13 +148,13 @@ func (t *failover) RoundTrip(req *http.Request) (*http.Response, error) {
 		case err == nil && resp.StatusCode < 500:
 			return resp, nil
 		case err == nil:
-			cur.Replica.Fail(now, t.s.o.Ejection)
+			t.s.core.e.Fail(cur.Replica, now, t.s.o.Ejection)
 			t.s.core.o.Metrics.UpstreamError(cur.Replica.Name, "status_5xx")
 			if resp.StatusCode != http.StatusBadGateway && resp.StatusCode != http.StatusServiceUnavailable {
 				return resp, nil // other 5xx reach the client as they are
 			}
 		default:
-			cur.Replica.Fail(now, t.s.o.Ejection)
+			t.s.core.e.Fail(cur.Replica, now, t.s.o.Ejection)
 			t.s.core.o.Metrics.UpstreamError(cur.Replica.Name, errorKind(err))
 		}
 		if !t.moveOn(f) {

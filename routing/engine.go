@@ -94,6 +94,8 @@ type Engine struct {
 
 	fbMu   sync.Mutex
 	fbBase map[int]int64 // Feedback: each replica's budget before any correction
+
+	sync Sync // SetSync's; nil: a router alone
 }
 
 // newEngine returns an Engine over split, cache and pool.
@@ -149,6 +151,9 @@ type Decision struct {
 	// Work is the request's load on the replica now serving it (set by
 	// Commit).
 	Work replica.Work
+	// SyncID names the request to the engine's Sync (which sets it); 0
+	// without one.
+	SyncID uint64
 
 	pooled  bool              // Blocks came from the block pool
 	learned []blockhash.Block // LearnReply's chain, from the block pool
@@ -506,6 +511,9 @@ func (e *Engine) Commit(d *Decision, c *Candidate) {
 	e.cache.Record(c.Replica.ID, d.Blocks, e.o.Now().UnixNano())
 	d.Work = replica.Work{Prefill: int64(d.Tokens - c.Match.Tokens), Tokens: e.activate(c.Replica.ID, d.Blocks, 1)}
 	c.Replica.Begin(&d.Work)
+	if e.sync != nil {
+		e.sync.Committed(d, c)
+	}
 	if len(d.Blocks) == 0 {
 		return // no prompt (a pass-through request): not a prefill to average
 	}
@@ -554,7 +562,12 @@ func (e *Engine) activate(id int, blocks []blockhash.Block, delta int32) int64 {
 
 // PrefillDone reports that the replica serving d has finished its prefill
 // (the first token arrived).
-func (e *Engine) PrefillDone(d *Decision, c *Candidate) { c.Replica.PrefillDone(&d.Work, e.o.Now()) }
+func (e *Engine) PrefillDone(d *Decision, c *Candidate) {
+	c.Replica.PrefillDone(&d.Work, e.o.Now())
+	if e.sync != nil {
+		e.sync.PrefillDone(d, c)
+	}
+}
 
 // Done ends the work counted by Commit and tells the cache model the
 // request's blocks were freed.
@@ -565,6 +578,9 @@ func (e *Engine) Done(d *Decision, c *Candidate) {
 	}
 	c.Replica.End(&d.Work, now)
 	e.cache.Release(c.Replica.ID, d.Blocks, now.UnixNano())
+	if e.sync != nil {
+		e.sync.Done(d, c)
+	}
 }
 
 // LearnReply caches the assistant's reply, chained after the request's
@@ -589,6 +605,9 @@ func (e *Engine) LearnReply(d *Decision, r *replica.Replica, reply []byte) []blo
 	// reply extends them without counting the request a second time (which
 	// made a prefix hot after half the uses it needs).
 	e.cache.Extend(r.ID, all, n, e.o.Now().UnixNano())
+	if e.sync != nil {
+		e.sync.Learned(d, r, all, n)
+	}
 	return all[n:]
 }
 
