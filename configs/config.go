@@ -55,7 +55,40 @@ type Config struct {
 	Tracing     TracingConfig     `mapstructure:"tracing" json:"tracing"`
 	Discovery   DiscoveryConfig   `mapstructure:"discovery" json:"discovery"`
 	Runtime     RuntimeConfig     `mapstructure:"runtime" json:"runtime"`
+	Cluster     ClusterConfig     `mapstructure:"cluster" json:"cluster"`
 	Replicas    []Replica         `mapstructure:"replicas" json:"replicas"`
+}
+
+// ClusterConfig makes the router one of a fleet sharing one cache picture
+// over NATS (package cluster). No URLs: the router is alone. Read at start
+// only.
+type ClusterConfig struct {
+	// URLs of the NATS servers (nats://host:4222 or tls://…).
+	URLs []string `mapstructure:"urls" json:"urls"`
+	// ID names this router to its peers; default the host name (a pod's
+	// name in Kubernetes), which must differ between routers.
+	ID string `mapstructure:"id" json:"id"`
+	// Prefix starts the fleet's NATS subjects. Default "semroute".
+	Prefix string `mapstructure:"prefix" json:"prefix"`
+	// Credentials is a NATS credentials file (JWT and nkey seed); User
+	// and Password, or Token, are for servers with simple auth.
+	Credentials string `mapstructure:"credentials" json:"credentials"`
+	User        string `mapstructure:"user" json:"user"`
+	Password    string `mapstructure:"password" json:"-"`
+	Token       string `mapstructure:"token" json:"-"`
+	// TLS: a CA to trust, and a client certificate and key for servers
+	// that ask for one.
+	CAFile   string `mapstructure:"ca_file" json:"ca_file"`
+	CertFile string `mapstructure:"cert_file" json:"cert_file"`
+	KeyFile  string `mapstructure:"key_file" json:"key_file"`
+	// FlushInterval is how long a record may wait to be batched (default
+	// 2ms); BufferBytes bounds the records waiting (default 4 MiB: past it
+	// they are dropped and counted).
+	FlushInterval time.Duration `mapstructure:"flush_interval" json:"flush_interval"`
+	BufferBytes   int           `mapstructure:"buffer_bytes" json:"buffer_bytes"`
+	// PeerTimeout is the silence after which a peer is gone and its
+	// requests in flight stop counting (default 5s).
+	PeerTimeout time.Duration `mapstructure:"peer_timeout" json:"peer_timeout"`
 }
 
 // RuntimeConfig tunes the Go runtime under the router. Read at start only.

@@ -4,8 +4,10 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/url"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
@@ -73,6 +75,7 @@ func (c *Config) Validate() error {
 	c.Tracing.validate(&p)
 	c.Discovery.validate(&p)
 	c.Runtime.validate(&p)
+	c.Cluster.validate(&p)
 	p.hostPort("admin.listen", c.Admin.Listen, false)
 	c.validateReplicas(&p)
 	return errors.Join(p...)
@@ -208,6 +211,30 @@ func (t TokenizerConfig) validate(p *problems) {
 		if _, err := replica.ParseURL(t.URL); err != nil {
 			p.bad("tokenizer.url", "%v", err)
 		}
+	}
+}
+
+func (c ClusterConfig) validate(p *problems) {
+	for i, u := range c.URLs {
+		pu, err := url.Parse(u)
+		if err != nil || pu.Host == "" || (pu.Scheme != "nats" && pu.Scheme != "tls") {
+			p.bad(fmt.Sprintf("cluster.urls[%d]", i), "%q is not nats://host:port or tls://host:port", u)
+		}
+	}
+	if strings.ContainsAny(c.Prefix, " *>\t") {
+		p.bad("cluster.prefix", "%q has a space or a NATS wildcard", c.Prefix)
+	}
+	if strings.ContainsAny(c.ID, " *>.\t") {
+		p.bad("cluster.id", "%q has a space, a dot or a NATS wildcard", c.ID)
+	}
+	if c.FlushInterval < 0 || c.FlushInterval > time.Second {
+		p.bad("cluster.flush_interval", "%v is not in [0, 1s]", c.FlushInterval)
+	}
+	if c.BufferBytes < 0 || c.PeerTimeout < 0 {
+		p.bad("cluster", "buffer_bytes and peer_timeout must not be negative")
+	}
+	if (c.CertFile == "") != (c.KeyFile == "") {
+		p.bad("cluster.cert_file", "cert_file and key_file go together")
 	}
 }
 

@@ -72,6 +72,10 @@ type ServerOptions struct {
 	// traceparent still reaches the replica unchanged.
 	Tracer     trace.Tracer
 	Propagator propagation.TextMapPropagator
+	// Ready, if set, must report true for GET /readyz to say ready: a
+	// router of a fleet is not ready until its warm start has loaded the
+	// fleet's picture. Nil: ready once a replica is available.
+	Ready func() bool
 }
 
 // Server is the router's HTTP front end.
@@ -268,6 +272,11 @@ func (s *Server) models(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) ready(w http.ResponseWriter, _ *http.Request) {
+	if s.o.Ready != nil && !s.o.Ready() {
+		writeError(w, apiError{http.StatusServiceUnavailable, "service_unavailable", "warming_up",
+			"the router is loading the fleet's cache picture from a peer"})
+		return
+	}
 	now := time.Now()
 	for _, r := range s.e.Pool().Replicas() {
 		if r.Available(now) {

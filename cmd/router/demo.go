@@ -9,6 +9,10 @@ import (
 	"sync"
 	"time"
 
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/spf13/viper"
+
+	"github.com/semroute/semroute/cluster"
 	"github.com/semroute/semroute/configs"
 	"github.com/semroute/semroute/kvevents"
 	"github.com/semroute/semroute/simreplica"
@@ -17,8 +21,11 @@ import (
 type demoOptions struct {
 	listen   string
 	replicas int
-	config   string // optional YAML merged over the embedded demo config
-	policy   string // optional routing policy override
+	// routers > 1 runs that many routers sharing one picture over an
+	// embedded NATS server, behind a round-robin front on listen.
+	routers int
+	config  string // optional YAML merged over the embedded demo config
+	policy  string // optional routing policy override
 	// picture is "events" (precise mode: the replicas publish KV events,
 	// the router tokenizes through them) or "" / "approximate".
 	picture string
@@ -29,10 +36,14 @@ type demoOptions struct {
 }
 
 // demo is the router in front of simulated replicas, all in one process.
+// With several routers, app and run are the first; router is the front.
 type demo struct {
 	app      *app
 	run      *running
 	router   *listening
+	apps     []*app
+	runs     []*running
+	nats     *server.Server
 	sims     []*simreplica.Running
 	once     sync.Once
 	closeErr error
@@ -43,6 +54,10 @@ type demo struct {
 func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
 	if o.replicas < 1 || o.replicas > 256 {
 		return nil, fmt.Errorf("--replicas %d is not in [1, 256]", o.replicas)
+	}
+	o.routers = max(o.routers, 1)
+	if o.routers > 16 {
+		return nil, fmt.Errorf("--routers %d is not in [1, 16]", o.routers)
 	}
 	v := configs.NewViper()
 	if _, err := configs.LoadBytes(v, configs.DemoYAML); err != nil {
@@ -93,24 +108,72 @@ func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
 		reps = append(reps, rep)
 	}
 	v.Set("replicas", reps)
+	if o.routers == 1 {
+		if err := d.startRouter(v, logw, o.picture); err != nil {
+			d.close()
+			return nil, err
+		}
+		d.router = d.run.http
+		return d, nil
+	}
+	var err error
+	if d.nats, err = cluster.Serve("127.0.0.1", -1); err != nil {
+		d.close()
+		return nil, err
+	}
+	listen := v.GetString("listen")
+	v.Set("cluster.urls", []string{d.nats.ClientURL()})
+	v.Set("listen", "127.0.0.1:0")
+	for i := range o.routers {
+		v.Set("cluster.id", fmt.Sprintf("router-%d", i))
+		if i > 0 {
+			v.Set("grpc_listen", "") // the first router's only
+		}
+		if err := d.startRouter(v, logw, o.picture); err != nil {
+			d.close()
+			return nil, err
+		}
+	}
+	var urls []string
+	for _, r := range d.runs {
+		urls = append(urls, r.http.url())
+	}
+	if d.router, err = serve(listen, newFront(urls), d.app.log); err != nil {
+		d.close()
+		return nil, err
+	}
+	d.app.log.Info("semroute demo front listening: round robin over the routers", "addr", d.router.addr, "routers", urls, "nats", d.nats.ClientURL())
+	return d, nil
+}
+
+// startRouter builds and starts one router of the demo from v.
+func (d *demo) startRouter(v *viper.Viper, logw io.Writer, picture string) error {
 	cfg, err := configs.Decode(v)
 	if err != nil {
-		d.close()
-		return nil, err
+		return err
 	}
 	log := newLogger(cfg.Log, logw)
-	if d.app, err = build(cfg, log); err != nil {
-		d.close()
-		return nil, err
+	if id := cfg.Cluster.ID; id != "" {
+		log = log.With("router", id)
 	}
-	if d.run, err = d.app.start(); err != nil {
-		d.close()
-		return nil, err
+	a, err := build(cfg, log)
+	if err != nil {
+		return err
 	}
-	d.router = d.run.http
-	log.Info("semroute demo listening", "addr", d.router.addr, "grpc", d.run.grpcAddr(), "replicas", len(reps), "policy", cfg.Routing.Policy,
-		"tokenizer", cfg.Tokenizer.Mode, "picture", cmp.Or(o.picture, "approximate"))
-	return d, nil
+	run, err := a.start()
+	if err != nil {
+		if a.decisions != nil {
+			_ = a.decisions.Close()
+		}
+		return err
+	}
+	d.apps, d.runs = append(d.apps, a), append(d.runs, run)
+	if d.app == nil {
+		d.app, d.run = a, run
+	}
+	log.Info("semroute demo listening", "addr", run.http.addr, "grpc", run.grpcAddr(), "replicas", len(cfg.Replicas), "policy", cfg.Routing.Policy,
+		"tokenizer", cfg.Tokenizer.Mode, "picture", cmp.Or(picture, "approximate"))
+	return nil
 }
 
 // close stops the router and the replicas; it is safe to call more than once.
@@ -121,10 +184,14 @@ func (d *demo) close() error {
 
 func (d *demo) shutdown() error {
 	var errs []error
-	if d.run != nil {
-		errs = append(errs, d.run.stop(5*time.Second))
-	} else if d.app != nil && d.app.decisions != nil {
-		errs = append(errs, d.app.decisions.Close())
+	if d.router != nil && (len(d.runs) != 1 || d.router != d.run.http) {
+		errs = append(errs, d.router.stop(5*time.Second)) // the front
+	}
+	for _, r := range d.runs {
+		errs = append(errs, r.stop(5*time.Second))
+	}
+	if d.nats != nil {
+		d.nats.Shutdown()
 	}
 	for _, s := range d.sims {
 		errs = append(errs, s.Close())

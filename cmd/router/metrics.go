@@ -23,8 +23,8 @@ type replicaCollector struct {
 var (
 	descHealthy   = prometheus.NewDesc("semroute_replica_healthy", "1 if the replica passes its health checks and is not ejected.", []string{"replica"}, nil)
 	descDraining  = prometheus.NewDesc("semroute_replica_draining", "1 if the replica is draining.", []string{"replica"}, nil)
-	descInFlight  = prometheus.NewDesc("semroute_replica_in_flight", "Requests this router has in flight on the replica.", []string{"replica"}, nil)
-	descPending   = prometheus.NewDesc("semroute_replica_pending_prefill_tokens", "Estimated prefill tokens in flight on the replica.", []string{"replica"}, nil)
+	descInFlight  = prometheus.NewDesc("semroute_replica_in_flight", "Requests in flight on the replica: this router's and, in a fleet, its peers'.", []string{"replica"}, nil)
+	descPending   = prometheus.NewDesc("semroute_replica_pending_prefill_tokens", "Estimated prefill tokens in flight on the replica (this router's and its peers').", []string{"replica"}, nil)
 	descRunning   = prometheus.NewDesc("semroute_replica_running", "Running requests the replica reported (vllm:num_requests_running).", []string{"replica"}, nil)
 	descWaiting   = prometheus.NewDesc("semroute_replica_waiting", "Waiting requests the replica reported (vllm:num_requests_waiting).", []string{"replica"}, nil)
 	descKVUsage   = prometheus.NewDesc("semroute_replica_kv_cache_usage_ratio", "KV cache usage the replica reported, 0 to 1.", []string{"replica"}, nil)

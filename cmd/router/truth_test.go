@@ -140,18 +140,27 @@ func runTruth(t *testing.T, mode, policy string, work [][]byte) *truthRun {
 			}
 		}
 	}
-	run := &truthRun{mode: mode, policy: policy}
+	run := sendTruth(d.router.url(), work, truthWorkers, nil)
+	run.mode, run.policy = mode, policy
+	return run
+}
+
+// sendTruth sends work to url, workers requests at a time, and measures
+// what the engines reported; before sending request i it calls before(i)
+// when set.
+func sendTruth(url string, work [][]byte, workers int, before func(i int)) *truthRun {
+	run := &truthRun{}
 	var mu sync.Mutex
 	next := make(chan []byte)
 	var wg sync.WaitGroup
 	client := &http.Client{Timeout: 60 * time.Second}
-	for w := 0; w < truthWorkers; w++ {
+	for w := 0; w < workers; w++ {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			for body := range next {
 				start := time.Now()
-				resp, err := client.Post(d.router.url()+"/v1/chat/completions", "application/json", bytes.NewReader(body))
+				resp, err := client.Post(url+"/v1/chat/completions", "application/json", bytes.NewReader(body))
 				if err != nil {
 					mu.Lock()
 					run.errors++
@@ -197,7 +206,10 @@ func runTruth(t *testing.T, mode, policy string, work [][]byte) *truthRun {
 			}
 		}()
 	}
-	for _, b := range work {
+	for i, b := range work {
+		if before != nil {
+			before(i)
+		}
 		next <- b
 	}
 	close(next)

@@ -23,6 +23,7 @@ import (
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
+	"github.com/semroute/semroute/cluster"
 	"github.com/semroute/semroute/configs"
 	"github.com/semroute/semroute/decisionlog"
 	"github.com/semroute/semroute/eviction"
@@ -46,6 +47,7 @@ type app struct {
 	decisions *decisionlog.Writer // nil when off
 	monitor   *monitor.Monitor
 	events    *followers
+	fleet     *cluster.Fleet // nil: a router alone
 	reg       *prometheus.Registry
 	reloads   *prometheus.CounterVec
 	current   atomic.Pointer[configs.Config]
@@ -116,6 +118,10 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		return nil, fmt.Errorf("config: %w", err)
 	}
 	cache, pool := eng.Cache(), eng.Pool()
+	fleet, err := newFleet(cfg.Cluster, eng, log)
+	if err != nil {
+		return nil, err
+	}
 	var dl *decisionlog.Writer
 	copts := router.CoreOptions{Engine: eng, Arms: arms, Salt: cfg.Routing.ArmSalt,
 		RawIDs: cfg.DecisionLog.RawIDs, LogPrompts: cfg.DecisionLog.LogPrompts, Feedback: cfg.Cache.Feedback,
@@ -155,12 +161,16 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		Ejection: replica.Ejection{Base: cfg.Health.EjectBase, Max: cfg.Health.EjectMax, Forgive: cfg.Health.EjectForgive},
 		Timeouts: limits.Timeouts{Connect: cfg.Timeouts.Connect, FirstByte: cfg.Timeouts.FirstByte, Idle: cfg.Timeouts.Idle},
 		Metrics:  promhttp.HandlerFor(reg, promhttp.HandlerOpts{}),
+		Ready:    fleetReady(fleet),
 	})
 	if err != nil {
 		return nil, err
 	}
 	registerOps(reg, pool, cache, dl, core)
-	a := &app{cfg: cfg, log: log, cache: cache, pool: pool, engine: eng, core: core, server: srv, decisions: dl, reg: reg, stopTracing: stopTracing,
+	if fleet != nil {
+		reg.MustRegister(fleetMetrics{fleet})
+	}
+	a := &app{cfg: cfg, log: log, cache: cache, pool: pool, engine: eng, core: core, server: srv, decisions: dl, reg: reg, stopTracing: stopTracing, fleet: fleet,
 		file: replica.NewStatic("config", specsOf(cfg.Replicas)), admin: replica.NewStatic("admin", nil)}
 	a.current.Store(cfg)
 	a.ctx, a.stopCtx = context.WithCancel(context.Background())
@@ -254,6 +264,11 @@ type running struct {
 func (a *app) start() (*running, error) {
 	r := &running{app: a}
 	var err error
+	if a.fleet != nil { // before serving: /readyz waits for its warm start
+		if err := a.fleet.Start(a.ctx); err != nil {
+			return nil, err
+		}
+	}
 	if r.http, err = serve(a.cfg.Listen, a.server, a.log); err != nil {
 		return nil, err
 	}
@@ -281,6 +296,7 @@ func (a *app) start() (*running, error) {
 	}
 	ctx, cancel := context.WithCancel(a.ctx)
 	r.cancel = cancel
+
 	var wg sync.WaitGroup
 	r.wg = &wg
 	wg.Add(2)
@@ -343,6 +359,9 @@ func (r *running) shutdown(grace time.Duration) error {
 	}
 	if r.admin != nil {
 		errs = append(errs, r.admin.stop(grace))
+	}
+	if r.app.fleet != nil {
+		r.app.fleet.Close() // after the requests in flight ended: their ends reach the peers
 	}
 	r.cancel()
 	r.app.stopCtx()
