@@ -3,6 +3,7 @@ package replay
 import (
 	"cmp"
 	"fmt"
+	"math/rand/v2"
 	"runtime"
 	"sync"
 	"time"
@@ -214,6 +215,13 @@ type Run struct {
 	// what the engines are taken to hold, and so in prefill times, load and
 	// the routing that follows.
 	Picture string
+	// Routers > 1 sends each request to one of that many routers at
+	// random, as a Kubernetes Service would, each with its own picture and
+	// load; Sync says whether they share them (SyncNone or SyncShared,
+	// applied SyncDelay after the fact). It needs a Picture mode.
+	Routers   int
+	Sync      string
+	SyncDelay time.Duration
 }
 
 // Replay runs every run over reqs under model m, in parallel, plus the
@@ -239,6 +247,9 @@ func Replay(reqs []Request, m Model, runs []Run) (*Summary, error) {
 	}
 	for _, r := range runs {
 		if err := checkPicture(r.Picture); err != nil {
+			return nil, fmt.Errorf("run %s: %w", cmp.Or(r.Label, r.Policy), err)
+		}
+		if err := checkSync(r); err != nil {
 			return nil, fmt.Errorf("run %s: %w", cmp.Or(r.Label, r.Policy), err)
 		}
 	}
@@ -292,10 +303,80 @@ func Replay(reqs []Request, m Model, runs []Run) (*Summary, error) {
 }
 
 func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
-	label := run.Label
-	if label == "" {
-		label = run.Policy
+	label := cmp.Or(run.Label, run.Policy)
+	var clock int64
+	routers := max(run.Routers, 1)
+	rs := make([]*engineDecider, routers)
+	for k := range rs {
+		d, err := newEngineDecider(reqs, m, run, &clock)
+		if err != nil {
+			return nil, err
+		}
+		rs[k] = d
 	}
+	var d decider = rs[0]
+	var fleet *fleetDecider
+	if routers > 1 {
+		fleet = &fleetDecider{rs: rs, of: make([]int, len(reqs)), rng: rand.New(rand.NewPCG(m.Policy.Seed, uint64(routers))),
+			active: make([]float64, m.Replicas), tokens: make([]int64, len(reqs))}
+		if run.Sync == SyncShared {
+			fleet.sync = &fleetSync{rs: rs, delay: run.SyncDelay.Nanoseconds(), works: make([]map[uint64]*peerWork, routers)}
+			for k, r := range rs {
+				fleet.sync.works[k] = map[uint64]*peerWork{}
+				r.eng.SetSync(&sender{s: fleet.sync, from: k, now: &clock})
+			}
+		}
+		d = fleet
+	}
+	s := &sim{m: m, reqs: reqs, d: d, res: &Result{Name: label}}
+	var pools []*replica.Pool
+	for _, r := range rs {
+		pools = append(pools, r.pool)
+	}
+	if run.Picture != "" {
+		budgets := make([]int64, m.Replicas)
+		for i := range budgets {
+			budgets[i] = m.BudgetTokens
+			if len(m.Budgets) > 0 {
+				budgets[i] = m.Budgets[i]
+			}
+		}
+		var err error
+		if s.engines, err = newEngineCaches(m, budgets); err != nil {
+			return nil, err
+		}
+		if run.Picture == PictureEvents {
+			s.engines.sink = rs[0]
+			if fleet != nil {
+				s.engines.sink = fleet
+			}
+			for _, x := range rs {
+				for _, r := range x.pool.Replicas() {
+					x.cache.SetEventDriven(r.ID, true)
+				}
+			}
+		}
+	}
+	if err := s.run(pools...); err != nil {
+		return nil, fmt.Errorf("%s: %w", label, err)
+	}
+	if p := s.res.Prediction; p != nil {
+		p.Picture = run.Picture
+		for _, x := range rs {
+			p.Orphans += x.orphans
+			for _, r := range x.pool.Replicas() {
+				if st, ok := x.cache.Stats(r.ID); ok {
+					p.PendingExpired += st.PendingExpired
+				}
+			}
+		}
+	}
+	return s.res, nil
+}
+
+// newEngineDecider builds one router of a run: its engine, picture and
+// replica pool, on the shared clock.
+func newEngineDecider(reqs []Request, m *Model, run Run, clock *int64) (*engineDecider, error) {
 	cfg := m.Policy
 	if run.Config != nil {
 		cfg = *run.Config
@@ -322,7 +403,6 @@ func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
 			specs[i].BudgetTokens = m.Budgets[i]
 		}
 	}
-	var clock int64
 	weights := m.Weights
 	if run.Weights != nil {
 		weights = run.Weights
@@ -330,43 +410,14 @@ func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
 	eng, err := routing.New(routing.Options{
 		Replicas: specs, LoadHalfLife: m.LoadHalfLife, Eviction: evict, Split: blockhash.Options{BlockTokens: m.BlockTokens},
 		Engine: routing.EngineOptions{Weights: weights, Attempts: 1,
-			Now: func() time.Time { return time.Unix(0, clock) }, SharedActive: m.SharedActive,
+			Now: func() time.Time { return time.Unix(0, *clock) }, SharedActive: m.SharedActive,
 			Matcher: matcher, MatcherThreshold: m.MatcherThreshold},
 	})
 	if err != nil {
 		return nil, err
 	}
-	cache, pool := eng.Cache(), eng.Pool()
-	d := &engineDecider{m: m, reqs: reqs, eng: eng, pol: pol, cache: cache, pool: pool, clock: &clock,
-		ds: make([]*routing.Decision, len(reqs)), served: make([]*routing.Candidate, len(reqs)), picture: run.Picture}
-	s := &sim{m: m, reqs: reqs, d: d, res: &Result{Name: label}}
-	if run.Picture != "" {
-		budgets := make([]int64, len(specs))
-		for i := range specs {
-			budgets[i] = specs[i].BudgetTokens
-		}
-		if s.engines, err = newEngineCaches(m, budgets); err != nil {
-			return nil, err
-		}
-		if run.Picture == PictureEvents {
-			s.engines.sink = d
-			for _, r := range pool.Replicas() {
-				cache.SetEventDriven(r.ID, true)
-			}
-		}
-	}
-	if err := s.run(pool); err != nil {
-		return nil, fmt.Errorf("%s: %w", label, err)
-	}
-	if p := s.res.Prediction; p != nil {
-		p.Picture, p.Orphans = run.Picture, d.orphans
-		for _, r := range pool.Replicas() {
-			if st, ok := cache.Stats(r.ID); ok {
-				p.PendingExpired += st.PendingExpired
-			}
-		}
-	}
-	return s.res, nil
+	return &engineDecider{m: m, reqs: reqs, eng: eng, pol: pol, cache: eng.Cache(), pool: eng.Pool(), clock: clock,
+		ds: make([]*routing.Decision, len(reqs)), served: make([]*routing.Candidate, len(reqs)), picture: run.Picture}, nil
 }
 
 func runReference(reqs []Request, m *Model, name string, budget int64) (*Result, error) {
@@ -380,7 +431,7 @@ func runReference(reqs []Request, m *Model, name string, budget int64) (*Result,
 	}
 	s := &sim{m: m, reqs: reqs, res: &Result{Name: name}}
 	s.d = &pooledDecider{m: m, reqs: reqs, cache: cache, s: s}
-	if err := s.run(nil); err != nil {
+	if err := s.run(); err != nil {
 		return nil, err
 	}
 	return s.res, nil

@@ -200,8 +200,8 @@ func (s *sim) push(t int64, kind, req int) {
 	heap.Push(&s.q, event{t: t, seq: s.seq, kind: kind, req: req})
 }
 
-func (s *sim) observe(r int, now int64, pool *replica.Pool) {
-	if pool == nil {
+func (s *sim) observe(r int, now int64, pools []*replica.Pool) {
+	if len(pools) == 0 {
 		return
 	}
 	st := &s.reps[r]
@@ -213,7 +213,10 @@ func (s *sim) observe(r int, now int64, pool *replica.Pool) {
 	if s.m.BudgetTokens > 0 {
 		kv = s.d.kvTokens(r, now) / float64(s.m.BudgetTokens)
 	}
-	pool.Replicas()[r].Observe(replica.Observed{Running: running, Waiting: int64(len(st.admitQ) + len(st.prefillQ)), KVUsage: kv})
+	o := replica.Observed{Running: running, Waiting: int64(len(st.admitQ) + len(st.prefillQ)), KVUsage: kv}
+	for _, p := range pools { // every router scrapes the replica alike
+		p.Replicas()[r].Observe(o)
+	}
 }
 
 func (s *sim) startPrefill(r int, now int64) {
@@ -249,8 +252,9 @@ func (s *sim) admit(r, i int, now int64) {
 	s.startPrefill(r, now)
 }
 
-// run replays s.reqs and fills s.res.
-func (s *sim) run(pool *replica.Pool) error {
+// run replays s.reqs and fills s.res; pools are the routers' replica
+// pools (none for a reference), which observe the replicas' gauges.
+func (s *sim) run(pools ...*replica.Pool) error {
 	s.reps = make([]simReplica, s.m.Replicas)
 	for r := range s.reps {
 		s.reps[r].prefilling = -1
@@ -293,7 +297,7 @@ func (s *sim) run(pool *replica.Pool) error {
 			ttft[i] = float64(-now) // completed at prefill done
 			if lg := s.reqs[i].Logged; lg != nil {
 				// A logged request keeps its live timing: first byte and end.
-				if pool != nil && lg.Chosen != pool.Replicas()[r].Name {
+				if len(pools) > 0 && lg.Chosen != pools[0].Replicas()[r].Name {
 					s.res.Changed++
 				}
 				if s.engines != nil {
@@ -301,12 +305,12 @@ func (s *sim) run(pool *replica.Pool) error {
 				}
 				s.reps[r].computed += int64(s.reqs[i].Tokens - s.cache[i])
 				s.reps[r].decoding++
-				s.observe(r, now, pool)
+				s.observe(r, now, pools)
 				s.push(now+lg.TTFTNs, evPrefillDone, i)
 				continue
 			}
 			s.admit(r, i, now)
-			s.observe(r, now, pool)
+			s.observe(r, now, pools)
 		case evPrefillDone:
 			r := s.rep[i]
 			ttft[i] += float64(now)
@@ -320,7 +324,7 @@ func (s *sim) run(pool *replica.Pool) error {
 			st.decoding++
 			s.push(now+int64(s.reqs[i].Output)*int64(s.m.InterToken), evFinish, i)
 			s.startPrefill(r, now)
-			s.observe(r, now, pool)
+			s.observe(r, now, pools)
 		case evFinish:
 			r := s.rep[i]
 			if s.engines != nil { // the engine ends the request before the router hears of it
@@ -330,7 +334,7 @@ func (s *sim) run(pool *replica.Pool) error {
 			st := &s.reps[r]
 			if s.reqs[i].Logged != nil {
 				st.decoding--
-				s.observe(r, now, pool)
+				s.observe(r, now, pools)
 				continue
 			}
 			st.decoding--
@@ -342,7 +346,7 @@ func (s *sim) run(pool *replica.Pool) error {
 				st.prefillQ = append(st.prefillQ, j)
 				s.startPrefill(r, now)
 			}
-			s.observe(r, now, pool)
+			s.observe(r, now, pools)
 		}
 	}
 	for i := range ttft {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"time"
 
 	"github.com/semroute/semroute/eviction"
 	"github.com/semroute/semroute/replica"
@@ -21,6 +22,9 @@ func newReplay() *cobra.Command {
 	var (
 		trace, format, out, pols string
 		pictures                 string
+		routers                  int
+		syncs                    string
+		syncDelay                time.Duration
 		sample                   int
 		blockTokens              int
 		m                        replay.Model
@@ -105,12 +109,33 @@ report.html to --out.`,
 			if err != nil {
 				return err
 			}
+			if routers > 1 && len(modes) == 0 {
+				modes = []string{replay.PictureApproximate} // several pictures: none stands for the engines' caches
+			}
 			if len(modes) > 0 { // every run once per mode, side by side: semantic/approximate, semantic/events, …
 				var each []replay.Run
 				for _, r := range runs {
 					for _, mode := range modes {
 						x := r
 						x.Label, x.Picture = cmp.Or(r.Label, r.Policy)+"/"+mode, mode
+						each = append(each, x)
+					}
+				}
+				runs = each
+			}
+			if routers > 1 { // each run with one router, then with routers, per sync mode
+				var each []replay.Run
+				for _, r := range runs {
+					x := r
+					x.Label = cmp.Or(r.Label, r.Policy) + "/1-router"
+					each = append(each, x)
+					for _, sm := range strings.Split(syncs, ",") {
+						x := r
+						x.Routers, x.Sync = routers, strings.TrimSpace(sm)
+						if x.Sync == replay.SyncShared {
+							x.SyncDelay = syncDelay
+						}
+						x.Label = fmt.Sprintf("%s/%d-routers-%s", cmp.Or(r.Label, r.Policy), routers, x.Sync)
 						each = append(each, x)
 					}
 				}
@@ -158,6 +183,9 @@ report.html to --out.`,
 	f.StringVar(&pictures, "picture", "", "picture modes, comma-separated ("+strings.Join(replay.PictureModes, ",")+
 		"): simulate each replica's engine cache apart from the router's picture, run every policy once per mode, and report the picture's prediction error; "+
 		"empty: the picture stands for the engines' caches, as before picture modes")
+	f.IntVar(&routers, "routers", 1, "send each request to one of this many routers at random, as a Kubernetes Service would, and compare with one router (needs a picture mode; default approximate)")
+	f.StringVar(&syncs, "sync", "none,shared", "with --routers: whether the routers share their pictures and load (none, shared; comma-separated to compare)")
+	f.DurationVar(&syncDelay, "sync-delay", 5*time.Millisecond, "with --sync shared: the time a router's change takes to reach the others")
 	f.IntVar(&sample, "requests", 0, "replay only the first this many requests of the trace (0: all)")
 	_ = cmd.MarkFlagRequired("trace")
 	return cmd

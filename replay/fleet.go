@@ -1,0 +1,222 @@
+package replay
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"time"
+
+	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/replica"
+	"github.com/semroute/semroute/routing"
+)
+
+// Sync modes of a run with several routers (Run.Routers).
+const (
+	// SyncNone: each router sees only the requests sent to it.
+	SyncNone = "none"
+	// SyncShared: each router applies the others' decisions, load and
+	// learned replies Run.SyncDelay after they happen, as package cluster
+	// does over NATS.
+	SyncShared = "shared"
+)
+
+func checkSync(r Run) error {
+	switch {
+	case r.Routers <= 1:
+		if r.Sync != "" || r.SyncDelay != 0 {
+			return fmt.Errorf("sync %q without routers: set Routers > 1", r.Sync)
+		}
+		return nil
+	case r.Routers > 64:
+		return fmt.Errorf("%d routers: at most 64", r.Routers)
+	case r.Sync != SyncNone && r.Sync != SyncShared:
+		return fmt.Errorf("sync %q is not %s or %s", r.Sync, SyncNone, SyncShared)
+	case r.SyncDelay < 0:
+		return fmt.Errorf("negative sync delay %v", r.SyncDelay)
+	case r.Picture == "":
+		return fmt.Errorf("%d routers need a picture mode: with several pictures, none stands for the engines' caches", r.Routers)
+	}
+	return nil
+}
+
+// fleetDecider routes each request through one of several routers picked
+// at random, as a Kubernetes Service spreads connections; each router is
+// a whole engineDecider with its own picture and replica load.
+type fleetDecider struct {
+	rs   []*engineDecider
+	of   []int // request → router
+	rng  *rand.Rand
+	sync *fleetSync // nil: SyncNone
+	// active is each replica's prompt tokens in flight, from every router:
+	// the engine's KV usage gauge, which every router scrapes alike.
+	active []float64
+	tokens []int64 // request → its Work.Tokens
+}
+
+func (f *fleetDecider) decide(i int, now int64) (int, int, int, error) {
+	f.sync.flush(now)
+	k := f.rng.IntN(len(f.rs))
+	f.of[i] = k
+	r, cached, blocks, err := f.rs[k].decide(i, now)
+	if err == nil {
+		f.tokens[i] = f.rs[k].ds[i].Work.Tokens
+		f.active[r] += float64(f.tokens[i])
+	}
+	return r, cached, blocks, err
+}
+
+func (f *fleetDecider) prefillDone(i int, now int64, cached int) {
+	f.sync.flush(now)
+	f.rs[f.of[i]].prefillDone(i, now, cached)
+}
+
+func (f *fleetDecider) done(i int, now int64) {
+	f.sync.flush(now)
+	k := f.of[i]
+	d := f.rs[k]
+	rep := d.served[i].Replica.ID
+	f.active[rep] -= float64(f.tokens[i])
+	d.done(i, now)
+	if f.sync != nil && d.m.RecordReplies && d.reqs[i].Reply != nil {
+		all := append(append([]blockhash.Block(nil), d.reqs[i].Blocks...), d.reqs[i].Reply...)
+		f.sync.push(syncOp{t: now + f.sync.delay, from: k, kind: opExtend, rep: rep, blocks: all, n: len(d.reqs[i].Blocks)})
+	}
+}
+
+func (f *fleetDecider) kvTokens(rep int, _ int64) float64 { return f.active[rep] }
+
+// stored and removed: every router follows the engines' KV events itself.
+func (f *fleetDecider) stored(rep int, parent uint64, hasParent bool, blocks []blockhash.Block, now int64) {
+	for _, r := range f.rs {
+		r.stored(rep, parent, hasParent, blocks, now)
+	}
+}
+
+func (f *fleetDecider) removed(rep int, key uint64) {
+	for _, r := range f.rs {
+		r.removed(rep, key)
+	}
+}
+
+// pools returns every router's replica pool.
+func (f *fleetDecider) pools() []*replica.Pool {
+	out := make([]*replica.Pool, len(f.rs))
+	for i, r := range f.rs {
+		out[i] = r.pool
+	}
+	return out
+}
+
+// fleetSync carries each router's changes to the others after a delay:
+// the replay's stand-in for package cluster. Operations are applied in
+// the order made, each at its own time, before the next event of the
+// simulation at or after that time.
+type fleetSync struct {
+	rs    []*engineDecider
+	delay int64 // ns
+	q     []syncOp
+	head  int
+	next  uint64
+	// works[j][id] is router j's copy of another router's request id.
+	works []map[uint64]*peerWork
+}
+
+type peerWork struct {
+	rep    int
+	work   replica.Work
+	blocks []blockhash.Block
+}
+
+const (
+	opCommit = iota
+	opPrefill
+	opDone
+	opExtend
+)
+
+type syncOp struct {
+	t      int64
+	from   int
+	kind   int
+	id     uint64
+	rep    int
+	work   replica.Work
+	blocks []blockhash.Block
+	n      int // opExtend: the prompt's blocks
+}
+
+func (s *fleetSync) push(op syncOp) {
+	s.q = append(s.q, op) // one delay for all: queued in time order
+}
+
+// flush applies the operations due by now.
+func (s *fleetSync) flush(now int64) {
+	if s == nil {
+		return
+	}
+	for s.head < len(s.q) && s.q[s.head].t <= now {
+		op := &s.q[s.head]
+		for j, r := range s.rs {
+			if j != op.from {
+				s.apply(j, r, op)
+			}
+		}
+		s.q[s.head] = syncOp{}
+		s.head++
+	}
+	if s.head > 4096 && s.head*2 > len(s.q) {
+		s.q = append(s.q[:0], s.q[s.head:]...)
+		s.head = 0
+	}
+}
+
+func (s *fleetSync) apply(j int, r *engineDecider, op *syncOp) {
+	reps := r.pool.Replicas()
+	at := time.Unix(0, op.t)
+	switch op.kind {
+	case opCommit:
+		r.cache.Record(op.rep, op.blocks, op.t)
+		w := &peerWork{rep: op.rep, work: op.work, blocks: op.blocks}
+		reps[op.rep].Begin(&w.work)
+		s.works[j][op.id] = w
+	case opPrefill:
+		if w := s.works[j][op.id]; w != nil {
+			reps[w.rep].PrefillDone(&w.work, at)
+		}
+	case opDone:
+		if w := s.works[j][op.id]; w != nil {
+			reps[w.rep].End(&w.work, at)
+			r.cache.Release(w.rep, w.blocks, op.t)
+			delete(s.works[j], op.id)
+		}
+	case opExtend:
+		r.cache.Extend(op.rep, op.blocks, op.n, op.t)
+	}
+}
+
+// sender is one router's routing.Sync: it queues what the router does
+// for the others.
+type sender struct {
+	s    *fleetSync
+	from int
+	now  *int64
+}
+
+func (x *sender) Committed(d *routing.Decision, c *routing.Candidate) {
+	x.s.next++
+	d.SyncID = x.s.next
+	x.s.push(syncOp{t: *x.now + x.s.delay, from: x.from, kind: opCommit, id: d.SyncID, rep: c.Replica.ID,
+		work: replica.Work{Prefill: d.Work.Prefill, Tokens: d.Work.Tokens}, blocks: append([]blockhash.Block(nil), d.Blocks...)})
+}
+
+func (x *sender) PrefillDone(d *routing.Decision, _ *routing.Candidate) {
+	x.s.push(syncOp{t: *x.now + x.s.delay, from: x.from, kind: opPrefill, id: d.SyncID})
+}
+
+func (x *sender) Done(d *routing.Decision, _ *routing.Candidate) {
+	x.s.push(syncOp{t: *x.now + x.s.delay, from: x.from, kind: opDone, id: d.SyncID})
+}
+
+func (x *sender) Learned(*routing.Decision, *replica.Replica, []blockhash.Block, int) {} // the replay learns replies itself (fleetDecider.done)
+
+func (x *sender) Ejected(*replica.Replica, time.Duration) {} // no failures in a replay
