@@ -234,8 +234,8 @@ func (f *Fleet) Start(ctx context.Context) error {
 		nats.ReconnectWait(250 * time.Millisecond),
 		nats.ReconnectBufSize(-1), // records during an outage would be stale: drop and count them
 		nats.RetryOnFailedConnect(true),
-		nats.ConnectHandler(func(*nats.Conn) { f.up("connected") }),
-		nats.ReconnectHandler(func(*nats.Conn) { f.up("reconnected") }),
+		nats.ConnectHandler(func(nc *nats.Conn) { f.up(nc, "connected") }),
+		nats.ReconnectHandler(func(nc *nats.Conn) { f.up(nc, "reconnected") }),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
 			if f.connected.Swap(false) {
 				f.o.Logger.Warn("fleet: lost NATS; routing on this router's picture alone", "err", err)
@@ -271,7 +271,7 @@ func (f *Fleet) Start(ctx context.Context) error {
 	go f.flusher()
 	go f.keeper(ctx)
 	if nc.IsConnected() {
-		f.up("connected")
+		f.up(nc, "connected")
 	} else {
 		f.o.Logger.Warn("fleet: NATS unreachable; starting alone and retrying", "urls", f.o.URLs)
 		f.ready.Store(true)
@@ -280,11 +280,11 @@ func (f *Fleet) Start(ctx context.Context) error {
 }
 
 // up is called when the connection comes up: it asks for a warm start.
-func (f *Fleet) up(how string) {
+func (f *Fleet) up(nc *nats.Conn, how string) {
 	if f.connected.Swap(true) {
 		return
 	}
-	f.o.Logger.Info("fleet: "+how+" to NATS", "id", f.o.ID, "url", f.nc.ConnectedUrlRedacted())
+	f.o.Logger.Info("fleet: "+how+" to NATS", "id", f.o.ID, "url", nc.ConnectedUrlRedacted())
 	// Ends of requests may have been dropped while NATS was away: the
 	// peers forget this router's requests in flight rather than count
 	// them for ever.

@@ -19,6 +19,8 @@ import (
 
 	collectorpb "go.opentelemetry.io/proto/otlp/collector/trace/v1"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/semroute/semroute/cluster"
 )
 
 func TestTracingExportsSpansAndPropagatesTraceparent(t *testing.T) {
@@ -191,8 +193,13 @@ func TestMetricsTableIsExportedAndDeployUsesIt(t *testing.T) {
 	sims := startSims(t, 2, fastSim)
 	dir := t.TempDir()
 	cfg := filepath.Join(dir, "router.yaml")
-	body := fmt.Sprintf("decision_log: {path: %q}\nhealth: {scrape_interval: 50ms}\nreplicas:\n  - {name: a, url: %q}\n  - {name: b, url: %q}\n",
-		filepath.Join(dir, "d.jsonl"), sims[0].URL, sims[1].URL)
+	ns, err := cluster.Serve("127.0.0.1", -1) // a fleet of one: the fleet's metrics too
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(ns.Shutdown)
+	body := fmt.Sprintf("decision_log: {path: %q}\nhealth: {scrape_interval: 50ms}\ncluster: {urls: [%q], id: ops}\nreplicas:\n  - {name: a, url: %q}\n  - {name: b, url: %q}\n",
+		filepath.Join(dir, "d.jsonl"), ns.ClientURL(), sims[0].URL, sims[1].URL)
 	writeConfig(t, cfg, body)
 	r := serveConfig(t, cfg)
 	for i := 0; i < 20; i++ {
