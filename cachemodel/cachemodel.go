@@ -3,11 +3,12 @@
 // records which replicas hold it, plus a token budget per replica enforced by
 // a pluggable eviction policy.
 //
-// Because a block's hash names its whole prefix, the tree is stored as a map
-// from hash to node with parent links. A replica's blocks are always a
-// prefix-closed subtree (blocks are inserted with their whole prefix and only
-// a replica's leaves are evicted), which is what makes Match cheap: the set of
-// replicas holding block i+1 is a subset of those holding block i.
+// Because a block's hash names its whole prefix, the tree is stored as an
+// index from hash to node (nodeTable) with parent links. A replica's blocks
+// are always a prefix-closed subtree (blocks are inserted with their whole
+// prefix and only a replica's leaves are evicted), which is what makes Match
+// cheap: the set of replicas holding block i+1 is a subset of those holding
+// block i.
 //
 // A Model is safe for concurrent use: Match takes a read lock; Record, Clear
 // and the replica calls take the write lock.
@@ -94,10 +95,8 @@ type Model struct {
 	fleet node
 
 	mu        sync.RWMutex
-	irregular int // slots whose flags are not just fGPU (see Match)
-	nodes     map[uint64]*node
-	slab      []node  // nodes not handed out yet
-	freeNodes []*node // nodes to reuse
+	irregular int       // slots whose flags are not just fGPU (see Match)
+	nodes     nodeTable // by block hash
 	more      map[*node][]slot
 	replicas  []*replicaState // by id; nil where removed
 }
@@ -134,7 +133,7 @@ func New(o Options) *Model {
 		o.CPUCredit = 0.5
 	}
 	return &Model{policy: o.Policy, onEvict: o.OnEvict, hotHalf: float64(o.HotHalfLife), pendTTL: int64(o.PendingTTL),
-		cpuCredit: max(o.CPUCredit, 0), nodes: make(map[uint64]*node),
+		cpuCredit: max(o.CPUCredit, 0), nodes: newNodeTable(),
 		fleet: node{one: slot{replica: -1}}, more: map[*node][]slot{}}
 }
 
@@ -179,15 +178,14 @@ func (m *Model) Clear(id int) {
 }
 
 func (m *Model) clear(id int) {
-	for h, n := range m.nodes {
+	m.nodes.each(func(n *node) {
 		if i, ok := m.find(n, int32(id)); ok {
 			m.remove(n, i)
 			if m.count(n) == 0 {
-				delete(m.nodes, h)
 				m.freeNode(n)
 			}
 		}
-	}
+	})
 	st := m.replicas[id]
 	st.Blocks, st.Tokens = 0, 0
 	st.policy = m.policy()
@@ -260,7 +258,7 @@ func (m *Model) matchHoles(blocks []blockhash.Block, w *Weights, out []Match) []
 	// of block i extends its match only then, so a replica that misses a
 	// block keeps the match it had, whatever it holds further down.
 	for i := range blocks {
-		n := m.nodes[blocks[i].Hash]
+		n := m.nodes.get(blocks[i].Hash)
 		if n == nil {
 			break
 		}
@@ -285,13 +283,13 @@ func (m *Model) matchHoles(blocks []blockhash.Block, w *Weights, out []Match) []
 // a picture no engine events feed: a replica's blocks are then a
 // prefix-closed subtree, so the holders of block i+1 are a subset of those
 // of block i, and only the replicas leaving the set need work. O(matched
-// blocks) map lookups, plus O(holders) only where the set shrinks.
+// blocks) index lookups, plus O(holders) only where the set shrinks.
 func (m *Model) matchNested(blocks []blockhash.Block, w *Weights, out []Match) []Match {
 	var prevFirst *slot
 	var prevRest []slot
 	matched, tokens, weighted := 0, 0, 0.0 // of blocks[:i]
 	for i := range blocks {
-		n := m.nodes[blocks[i].Hash]
+		n := m.nodes.get(blocks[i].Hash)
 		if n == nil {
 			break
 		}
@@ -407,7 +405,7 @@ func (m *Model) Store(id int, parent uint64, hasParent bool, blocks []blockhash.
 	m.mu.Lock()
 	var p *node
 	if hasParent {
-		p = m.nodes[parent]
+		p = m.nodes.get(parent)
 		if !m.valid(id) || p == nil {
 			m.mu.Unlock()
 			return false, 0
@@ -439,7 +437,7 @@ func (m *Model) Remove(id int, key uint64, cpu bool) (removed, left bool) {
 	if !m.valid(id) {
 		return false, false
 	}
-	n := m.nodes[key]
+	n := m.nodes.get(key)
 	if n == nil {
 		return false, false
 	}
@@ -487,7 +485,7 @@ func (m *Model) SetEventDriven(id int, on bool) {
 		return
 	}
 	for _, p := range st.pending[st.phead:] {
-		if n := m.nodes[p.key]; n != nil {
+		if n := m.nodes.get(p.key); n != nil {
 			if i, ok := m.find(n, int32(id)); ok {
 				if s := m.at(n, i); s.flags&fPending != 0 {
 					m.setFlags(s, s.flags&^fPending|fGPU)
@@ -518,7 +516,7 @@ func (m *Model) expire(st *replicaState, rid int32, now int64) {
 	for st.phead < len(st.pending) && st.pending[st.phead].at <= cut {
 		k := st.pending[st.phead].key
 		st.phead++
-		n := m.nodes[k]
+		n := m.nodes.get(k)
 		if n == nil {
 			continue
 		}
@@ -567,7 +565,7 @@ func (m *Model) record(id int, parent *node, blocks []blockhash.Block, from int,
 	parentFresh := false // parent was added by this call and never made evictable
 	last := len(blocks) - 1
 	for i, b := range blocks {
-		n := m.nodes[b.Hash]
+		n := m.nodes.get(b.Hash)
 		use := i >= from // a block of the prefix is not a new use
 		if n != nil {
 			if use {
@@ -603,9 +601,8 @@ func (m *Model) record(id int, parent *node, blocks []blockhash.Block, from int,
 			break
 		}
 		if n == nil {
-			n = m.newNode()
-			n.hash, n.parent, n.tokens, n.depth, n.kind = b.Hash, parent, tokens, clampDepth(depth0+i), b.Kind
-			m.nodes[b.Hash] = n
+			n = m.nodes.add(b.Hash)
+			n.parent, n.tokens, n.depth, n.kind = parent, tokens, clampDepth(depth0+i), b.Kind
 			if use {
 				m.warm(n, now)
 			}
@@ -685,7 +682,7 @@ func (m *Model) Release(id int, blocks []blockhash.Block, now int64) {
 		return
 	}
 	for _, b := range blocks {
-		n := m.nodes[b.Hash]
+		n := m.nodes.get(b.Hash)
 		if n == nil {
 			return
 		}
@@ -720,7 +717,7 @@ func (m *Model) Sizes(out []int64) []int64 {
 // evict drops replica rid's slot of block k, which the policy chose as a
 // leaf, and reports whether it was there.
 func (m *Model) evict(st *replicaState, rid int32, k uint64) bool {
-	n := m.nodes[k]
+	n := m.nodes.get(k)
 	if n == nil {
 		return false
 	}
@@ -753,7 +750,6 @@ func (m *Model) drop(st *replicaState, rid int32, n *node, i int) {
 		m.remove(n, i)
 		p := n.parent
 		if m.count(n) == 0 {
-			delete(m.nodes, n.hash)
 			m.freeNode(n)
 		}
 		if p == nil {

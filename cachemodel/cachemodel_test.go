@@ -148,8 +148,8 @@ func TestClearRemoveAndReuseIDs(t *testing.T) {
 		t.Fatalf("after Clear: %+v", got)
 	}
 	m.RemoveReplica(1)
-	if len(m.nodes) != 0 {
-		t.Fatalf("%d nodes left with no holder", len(m.nodes))
+	if m.nodes.len() != 0 {
+		t.Fatalf("%d nodes left with no holder", m.nodes.len())
 	}
 	id, _ := m.AddReplica("new", 0)
 	if id != 1 {

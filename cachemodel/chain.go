@@ -15,7 +15,7 @@ import (
 func (m *Model) Chain(key uint64, dst []blockhash.Block) ([]blockhash.Block, bool) {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
-	n := m.nodes[key]
+	n := m.nodes.get(key)
 	if n == nil {
 		return dst, false
 	}
@@ -43,13 +43,13 @@ func (m *Model) Held(id int, fn func(parent uint64, hasParent bool, b blockhash.
 		cpu bool
 	}
 	var all []held
-	for _, n := range m.nodes {
+	m.nodes.each(func(n *node) {
 		if i, ok := m.find(n, int32(id)); ok {
 			if f := m.at(n, i).flags; f&(fGPU|fCPU) != 0 {
 				all = append(all, held{n, f&fGPU == 0})
 			}
 		}
-	}
+	})
 	slices.SortFunc(all, func(a, b held) int { return cmp.Compare(a.n.depth, b.n.depth) })
 	for _, h := range all {
 		var parent uint64

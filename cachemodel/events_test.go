@@ -69,7 +69,7 @@ func TestRemoveInsideAChainStopsTheMatch(t *testing.T) {
 		m.Remove(0, c[i].Hash, false)
 	}
 	m.mu.RLock()
-	n := m.nodes[c[1].Hash]
+	n := m.nodes.get(c[1].Hash)
 	_, held := m.find(n, 0)
 	m.mu.RUnlock()
 	if held {
@@ -185,7 +185,7 @@ func TestBudgetEvictionWithDeadBlocks(t *testing.T) {
 		t.Fatalf("after clear %+v", s)
 	}
 	m.mu.RLock()
-	left := len(m.nodes)
+	left := m.nodes.len()
 	m.mu.RUnlock()
 	if left != 0 {
 		t.Fatalf("%d nodes left after clear", left)

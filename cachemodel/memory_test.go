@@ -61,4 +61,7 @@ func TestNodeLayout(t *testing.T) {
 	if n, s := unsafe.Sizeof(node{}), unsafe.Sizeof(slot{}); n != 64 || s != 32 {
 		t.Fatalf("node is %d bytes and slot %d; the cache picture's size assumes 64 and 32", n, s)
 	}
+	if s := unsafe.Sizeof(ixSlot{}); s != 6 {
+		t.Fatalf("the node index's slot is %d bytes; the cache picture's size assumes 6", s)
+	}
 }

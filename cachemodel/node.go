@@ -8,7 +8,7 @@ import (
 	"github.com/semroute/semroute/eviction"
 )
 
-// node is one block of the shared tree: 64 bytes, allocated from slabs.
+// node is one block of the shared tree: 64 bytes, in nodeTable's slabs.
 // Its holders (the replicas caching it, sorted by replica id) are one
 // inline slot plus, for the few blocks several replicas hold, a slice in
 // the model's side table (Model.more).
@@ -51,31 +51,11 @@ const (
 	fPending
 )
 
-// slabNodes is how many nodes are allocated at once.
-const slabNodes = 4096
-
-// newNode returns a cleared node, reusing a freed one when it can.
-// m.mu must be held.
-func (m *Model) newNode() *node {
-	if k := len(m.freeNodes); k > 0 {
-		n := m.freeNodes[k-1]
-		m.freeNodes = m.freeNodes[:k-1]
-		return n
-	}
-	if len(m.slab) == 0 {
-		m.slab = make([]node, slabNodes)
-	}
-	n := &m.slab[0]
-	m.slab = m.slab[1:]
-	n.one.replica = -1
-	return n
-}
-
-// freeNode clears n, which no replica holds any more, for reuse.
+// freeNode forgets n, which no replica holds any more, and keeps it for
+// reuse. m.mu must be held.
 func (m *Model) freeNode(n *node) {
 	delete(m.more, n)
-	*n = node{one: slot{replica: -1}}
-	m.freeNodes = append(m.freeNodes, n)
+	m.nodes.remove(n)
 }
 
 func clampTokens(t int32) uint16 { return uint16(min(max(t, 1), math.MaxUint16)) }
@@ -196,7 +176,7 @@ func (m *Model) Hot(blocks []blockhash.Block, w *Weights, minUses, minShare floa
 	threshold := max(minUses, minShare*m.heatAt(&m.fleet, now))
 	var out Match
 	for _, b := range blocks {
-		n := m.nodes[b.Hash]
+		n := m.nodes.get(b.Hash)
 		if n == nil || m.heatAt(n, now) < threshold {
 			break
 		}
