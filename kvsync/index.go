@@ -36,7 +36,7 @@ type keyIndex struct {
 const (
 	keyShardBits = 6
 	keyShards    = 1 << keyShardBits
-	keyMinSlots  = 8 // the fewest slots a shard holding anything has
+	keyMinSlots  = 8 // the fewest slots a shard has once used
 )
 
 type keyShard struct {
@@ -234,10 +234,7 @@ func (s *keyShard) delete(mk uint64) bool {
 		i = j
 	}
 	s.slots[i] = keySlot{}
-	switch s.n--; {
-	case s.n == 0:
-		s.slots = nil
-	case s.n*4 < c && c > keyMinSlots:
+	if s.n--; s.n*4 < c && c > keyMinSlots {
 		s.resize(max(keyMinSlots, 2*s.n))
 	}
 	return true
