@@ -45,8 +45,11 @@ const (
 
 	ixShardBits = 8
 	ixShards    = 1 << ixShardBits
-	ixMinSlots  = 8   // the fewest slots a shard has once used
-	ixMaxDist   = 254 // past it a shard grows: see ixSlot.dist
+	// ixMinSlots is the fewest slots a shard has once used (384 bytes):
+	// with fewer, the shards of a small picture, a few nodes each, would
+	// grow and shrink as often as its blocks come and go.
+	ixMinSlots = 64
+	ixMaxDist  = 254 // past it a shard grows: see ixSlot.dist
 )
 
 type ixShard struct {
