@@ -3,6 +3,8 @@ package cachemodel
 import (
 	"math/bits"
 	"math/rand/v2"
+
+	"github.com/semroute/semroute/internal/mix"
 )
 
 // nodeTable holds the tree's nodes and finds them by block hash, in about
@@ -75,15 +77,7 @@ func (e ixSlot) handle() uint32 { return uint32(e.hi)<<16 | uint32(e.lo) }
 func newNodeTable() nodeTable { return nodeTable{seed: rand.Uint64()} }
 
 // mix is the index's hash: murmur3's finalizer of the seeded block hash.
-func (t *nodeTable) mix(k uint64) uint64 {
-	k ^= t.seed
-	k ^= k >> 33
-	k *= 0xff51afd7ed558ccd
-	k ^= k >> 33
-	k *= 0xc4ceb9fe1a85ec53
-	k ^= k >> 33
-	return k
-}
+func (t *nodeTable) mix(k uint64) uint64 { return mix.Fmix64(k ^ t.seed) }
 
 func (t *nodeTable) shardOf(mk uint64) *ixShard { return &t.shard[mk>>(64-ixShardBits)] }
 

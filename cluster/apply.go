@@ -7,6 +7,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/replica"
 )
 
 // maxHeld bounds the bytes of peers' batches kept while a warm start
@@ -94,7 +95,7 @@ func (f *Fleet) apply(p *peer, r *record, now time.Time) {
 		if len(p.flight) >= maxFlights {
 			return
 		}
-		fl := &flight{r: rep, work: replicaWork(r.prefill, r.tokens)}
+		fl := &flight{r: rep, work: replica.Work{Prefill: r.prefill, Tokens: r.tokens}}
 		if len(all) > 0 {
 			fl.last, fl.has = all[len(all)-1].Hash, true
 		}

@@ -508,7 +508,3 @@ func (f *Fleet) Ejected(r *replica.Replica, cool time.Duration) {
 }
 
 var _ routing.Sync = (*Fleet)(nil)
-
-func replicaWork(prefill, tokens int64) replica.Work {
-	return replica.Work{Prefill: prefill, Tokens: tokens}
-}

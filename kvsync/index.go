@@ -3,6 +3,8 @@ package kvsync
 import (
 	"math/bits"
 	"math/rand/v2"
+
+	"github.com/semroute/semroute/internal/mix"
 )
 
 // keyIndex maps an engine's block hashes to router keys in 16-byte slots:
@@ -53,15 +55,7 @@ func newKeyIndex() keyIndex { return keyIndex{seed: rand.Uint64()} }
 
 // mix is the index's hash: murmur3's finalizer of the seeded hash, a
 // bijection of the 64-bit words that maps 0 to 0.
-func (x *keyIndex) mix(h uint64) uint64 {
-	k := h ^ x.seed
-	k ^= k >> 33
-	k *= 0xff51afd7ed558ccd
-	k ^= k >> 33
-	k *= 0xc4ceb9fe1a85ec53
-	k ^= k >> 33
-	return k
-}
+func (x *keyIndex) mix(h uint64) uint64 { return mix.Fmix64(h ^ x.seed) }
 
 func (x *keyIndex) shard(mk uint64) *keyShard { return &x.shards[mk>>(64-keyShardBits)] }
 

@@ -98,15 +98,6 @@ func (f *fleetDecider) removed(rep int, key uint64) {
 	}
 }
 
-// pools returns every router's replica pool.
-func (f *fleetDecider) pools() []*replica.Pool {
-	out := make([]*replica.Pool, len(f.rs))
-	for i, r := range f.rs {
-		out[i] = r.pool
-	}
-	return out
-}
-
 // fleetSync carries each router's changes to the others after a delay:
 // the replay's stand-in for package cluster. Operations are applied in
 // the order made, each at its own time, before the next event of the
