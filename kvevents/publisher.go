@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log"
+	"net"
 	"sync"
 
 	"github.com/go-zeromq/zmq4"
@@ -198,9 +199,14 @@ func (p *Publisher) serveReplay() {
 	}
 }
 
-// Close closes the sockets and waits for the replay server to stop.
+// Close closes the sockets and waits for the replay server to stop. A
+// connection zmq4 already closed (its subscriber hung up and a send failed)
+// is not an error of Close.
 func (p *Publisher) Close() error {
 	err := p.pub.Close()
+	if errors.Is(err, net.ErrClosed) {
+		err = nil
+	}
 	if p.replay != nil {
 		closeAndDrain(p.replay)
 	}

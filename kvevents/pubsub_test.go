@@ -475,3 +475,28 @@ func BenchmarkSubscriber(b *testing.B) {
 		b.Fatalf("stats %+v", st)
 	}
 }
+
+// A publisher whose subscribers hung up first closes without an error: the
+// connections zmq4 already closed are not a failure of Close.
+func TestPublisherCloseAfterSubscriberLeft(t *testing.T) {
+	for i := range 20 {
+		pub, err := NewPublisher(PublisherOptions{Endpoint: "tcp://127.0.0.1:0", ReplayEndpoint: "tcp://127.0.0.1:0"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, err := NewSubscriber(SubscriberOptions{Endpoint: pub.Endpoint(), ReplayEndpoint: pub.ReplayEndpoint(),
+			OnBatch: func(uint64, Batch) {}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, "the subscription", pub.Subscribed)
+		s.Close()
+		for range i % 4 { // a send to the gone subscriber has zmq4 close its end
+			pub.Publish(batchFor(1))
+			time.Sleep(time.Millisecond)
+		}
+		if err := pub.Close(); err != nil {
+			t.Fatalf("round %d: Close after the subscriber left: %v", i, err)
+		}
+	}
+}
