@@ -15,8 +15,11 @@
 // first, so the head of a prompt outlives its tail as in vLLM. Options.OnKVEvent
 // hears every block stored, evicted or cleared, as vLLM's KV events report
 // them. Time to first token is Overhead + PrefillPerToken × uncached prompt
-// tokens; every further token takes InterToken. At most MaxRunning requests
-// run; the rest wait. POST /tokenize and /detokenize answer as vLLM's do.
+// tokens; every further token takes InterToken. Prefills take turns in
+// arrival order (one replica computes PrefillPerToken⁻¹ prompt tokens a
+// second however many requests it holds), and a request looks the cache up
+// when its turn comes, so it waits behind the prefills queued before it. At
+// most MaxRunning requests run; the rest wait. POST /tokenize and /detokenize answer as vLLM's do.
 //
 // A Server is safe for concurrent use.
 package simreplica
@@ -145,8 +148,10 @@ type Server struct {
 	kvOnce sync.Once
 	mux    *http.ServeMux
 	sem    chan struct{}
-	tok    *Tokenizer
-	models map[string]model
+	// prefill is the one prompt computation at a time (see prefillQueue).
+	prefill prefillQueue
+	tok     *Tokenizer
+	models  map[string]model
 
 	mu      sync.Mutex
 	cache   *lru.LRU[uint64, struct{}]
@@ -434,18 +439,26 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	s.requests.Add(1)
 	ctx := r.Context()
 
-	// Wait for a running slot.
+	// Wait for a running slot, then for the prefill turn: until it comes
+	// the request is waiting, as in vLLM's scheduler, and the cache is
+	// looked up only then.
 	s.waiting.Inc()
 	select {
 	case s.sem <- struct{}{}:
-		s.waiting.Dec()
 	case <-ctx.Done():
 		s.waiting.Dec()
 		s.cancelled.Add(1)
 		return
 	}
+	defer func() { <-s.sem }()
+	if !s.prefill.acquire(ctx) {
+		s.waiting.Dec()
+		s.cancelled.Add(1)
+		return
+	}
+	s.waiting.Dec()
 	s.running.Inc()
-	defer func() { <-s.sem; s.running.Dec() }()
+	defer s.running.Dec()
 
 	keys, tokens, cached := s.lookup(sc.ids, m, sc.keys)
 	sc.keys = keys
@@ -457,11 +470,15 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	s.queries.Add(int64(tokens))
 	s.hits.Add(int64(cached))
 	s.promptTotal.Add(int64(tokens - cached))
-	if !sleep(ctx, s.o.Overhead+time.Duration(tokens-cached)*s.o.PrefillPerToken) {
+	computed := sleep(ctx, time.Duration(tokens-cached)*s.o.PrefillPerToken)
+	if computed {
+		s.store(keys, sc.ids, m)
+	}
+	s.prefill.release()
+	if !computed || !sleep(ctx, s.o.Overhead) {
 		s.cancelled.Add(1)
 		return
 	}
-	s.store(keys, sc.ids, m)
 
 	g := &generation{
 		s: s, model: m.name, ep: ep, req: req, tokens: tokens, cached: cached, out: outTokens,

@@ -317,3 +317,63 @@ func TestKVUsageCountsRunningRequestsOnly(t *testing.T) {
 		t.Fatalf("usage after the request: %s", u)
 	}
 }
+
+// Prefills take turns: two prompts sent together are computed one after
+// the other, the second waits (vllm:num_requests_waiting) while the first
+// computes, and when its turn comes it finds the first one's blocks cached,
+// as a vLLM scheduler's second request does.
+func TestPrefillsTakeTurns(t *testing.T) {
+	o := fast
+	o.PrefillPerToken = 200 * time.Microsecond // 1,000 tokens: 200 ms
+	r := start(t, o)
+	sys := strings.Repeat("a", 4000)
+	first := make(chan usage, 1)
+	go func() { _, u, _ := call(t, r, "/v1/chat/completions", chatBody(sys, "one")); first <- u }()
+	deadline := time.Now().Add(5 * time.Second)
+	for r.Stats().Requests != 1 {
+		if time.Now().After(deadline) {
+			t.Fatal("the first request never arrived")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	second := make(chan usage, 1)
+	go func() { _, u, _ := call(t, r, "/v1/chat/completions", chatBody(sys, "two")); second <- u }()
+	for {
+		m := metricValues(t, r)
+		if m["vllm:num_requests_waiting"] == "1" && m["vllm:num_requests_running"] == "1" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the second request is not waiting behind the first's prefill: %v", m)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if u := <-first; u.Details.Cached != 0 {
+		t.Fatalf("first: %+v", u)
+	}
+	if u := <-second; u.Details.Cached != 992 {
+		t.Fatalf("second, queued behind the first: %+v, want its 992 shared tokens cached", u)
+	}
+}
+
+// metricValues reads the replica's /metrics: name → value of its first
+// labelled sample.
+func metricValues(t *testing.T, r *Running) map[string]string {
+	t.Helper()
+	resp, err := http.Get(r.URL + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	out := map[string]string{}
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		line := sc.Text()
+		if i := strings.IndexByte(line, '{'); i > 0 && !strings.HasPrefix(line, "#") {
+			if _, ok := out[line[:i]]; !ok {
+				out[line[:i]] = line[strings.LastIndex(line, " ")+1:]
+			}
+		}
+	}
+	return out
+}

@@ -250,6 +250,9 @@ func TestEnginesTruthPredicts(t *testing.T) {
 // table of BENCHMARKS.md (engine's truth). It takes minutes: run it with
 //
 //	SEMROUTE_TRUTH_TABLE=600 go test -run TestEnginesTruthTable -v -timeout 30m ./cmd/router
+//
+// SEMROUTE_TRUTH_MODES and SEMROUTE_TRUTH_POLICIES (comma-separated) run a
+// subset; SEMROUTE_ROUTING_* set the routers' parameters as in production.
 func TestEnginesTruthTable(t *testing.T) {
 	n, _ := strconv.Atoi(os.Getenv("SEMROUTE_TRUTH_TABLE"))
 	if n == 0 {
@@ -259,9 +262,16 @@ func TestEnginesTruthTable(t *testing.T) {
 		truthWorkers = w
 	}
 	work := truthWorkload(n, 1)
+	modes, policies := []string{"approximate", "feedback", "events"}, []string{"round_robin", "llmd", "sglang", "dynamo", "semantic"}
+	if v := os.Getenv("SEMROUTE_TRUTH_MODES"); v != "" { // a subset, to measure one change
+		modes = strings.Split(v, ",")
+	}
+	if v := os.Getenv("SEMROUTE_TRUTH_POLICIES"); v != "" {
+		policies = strings.Split(v, ",")
+	}
 	var rows []*truthRun
-	for _, mode := range []string{"approximate", "feedback", "events"} {
-		for _, pol := range []string{"round_robin", "llmd", "sglang", "dynamo", "semantic"} {
+	for _, mode := range modes {
+		for _, pol := range policies {
 			r := runTruth(t, mode, pol, work)
 			rows = append(rows, r)
 			t.Logf("%s %s done", mode, pol)
