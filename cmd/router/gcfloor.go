@@ -3,7 +3,9 @@ package main
 import (
 	"fmt"
 	"os"
+	"runtime"
 	"runtime/debug"
+	"time"
 
 	"github.com/bytedance/gopkg/util/gctuner"
 
@@ -35,6 +37,27 @@ func startGCFloor(c configs.RuntimeConfig) (desc string, stop func()) {
 	gctuner.Tuning(uint64(c.GCFloorMB) << 20)
 	return fmt.Sprintf("%d MiB", c.GCFloorMB), func() {
 		gctuner.Tuning(0)
+		finalizersRan()
 		debug.SetGCPercent(prev)
+	}
+}
+
+// finalizersRan returns once every finalizer queued before it has run.
+// gctuner sets GOGC from a finalizer: one that was already running when
+// Tuning(0) stopped it would otherwise undo the restore that follows.
+// Finalizers run one at a time, in one goroutine, so a new object's
+// finalizer runs after them.
+func finalizersRan() {
+	done := make(chan struct{})
+	marker := new([16]byte)
+	runtime.SetFinalizer(marker, func(*[16]byte) { close(done) })
+	marker = nil
+	for {
+		runtime.GC()
+		select {
+		case <-done:
+			return
+		case <-time.After(10 * time.Millisecond):
+		}
 	}
 }
