@@ -26,10 +26,16 @@ const maxErrorMessage = 512
 // writeError is the one place that turns errors into HTTP statuses and
 // OpenAI-style bodies. The message is cut to maxErrorMessage bytes.
 func writeError(w http.ResponseWriter, e apiError) {
-	e.msg = truncate(e.msg, maxErrorMessage)
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(e.status)
-	_ = json.NewEncoder(w).Encode(map[string]any{"error": map[string]any{"message": e.msg, "type": e.typ, "code": e.code}})
+	_, _ = w.Write(errorJSON(e))
+}
+
+// errorJSON is e's body in OpenAI's error shape, its message truncated to
+// maxErrorMessage bytes, ending with a newline.
+func errorJSON(e apiError) []byte {
+	b, _ := json.Marshal(map[string]any{"error": map[string]any{"message": truncate(e.msg, maxErrorMessage), "type": e.typ, "code": e.code}})
+	return append(b, '\n')
 }
 
 // truncate cuts s to at most n bytes on a UTF-8 boundary, marking the cut.
@@ -59,7 +65,11 @@ func notRouted(w http.ResponseWriter, r *http.Request) {
 		"no route " + r.URL.Path + "; use /v1/chat/completions or /v1/completions"})
 }
 
-func (s *Server) classify(err error) apiError {
+func (s *Server) classify(err error) apiError { return classify(err) }
+
+// classify turns an error of reading, parsing, routing or forwarding a
+// request into the status and OpenAI-shaped error the client gets.
+func classify(err error) apiError {
 	var ie *blockhash.InputError
 	var tooBig *http.MaxBytesError
 	switch {

@@ -9,6 +9,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/health"
@@ -46,6 +47,9 @@ type GRPCOptions struct {
 	// empty token, means no token is asked for (the transport, e.g. mTLS,
 	// must then authenticate).
 	Token func() string
+	// ExtProc configures the endpoint picker (Envoy's ext_proc protocol),
+	// served beside the Router service; its Limits are the ones above.
+	ExtProc ExtProcOptions
 }
 
 // Bounds of the gRPC server: streams per connection, the handshake, and
@@ -56,7 +60,8 @@ const (
 	grpcIdle       = 2 * time.Minute
 )
 
-// NewGRPCServer returns a gRPC server with the Router service, the standard
+// NewGRPCServer returns a gRPC server with the Router service, the
+// endpoint picker of Envoy's ext_proc protocol (ExtProcService), the standard
 // health service (serving; it needs no token, so that probes work) and
 // server reflection registered. The token is checked when a call's headers
 // arrive, before its message is read, so an unauthenticated caller costs
@@ -77,9 +82,13 @@ func NewGRPCServer(core *Core, o GRPCOptions, opts ...grpc.ServerOption) *grpc.S
 	}, opts...)
 	s := grpc.NewServer(opts...)
 	pb.RegisterRouterServer(s, &GRPCService{core: core, limits: o.Limits})
+	ep := o.ExtProc
+	ep.Limits = o.Limits
+	extprocv3.RegisterExternalProcessorServer(s, NewExtProcService(core, ep))
 	hs := health.NewServer()
 	hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 	hs.SetServingStatus(pb.Router_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
+	hs.SetServingStatus(extprocv3.ExternalProcessor_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
 	healthpb.RegisterHealthServer(s, hs)
 	reflection.Register(s)
 	return s

@@ -22,7 +22,12 @@ import (
 // checkBody rejects a routed request's body before parsing: a content type
 // other than JSON (415), or bytes that are not UTF-8 (400).
 func checkBody(r *http.Request, body []byte) *apiError {
-	if ct := r.Header.Get("Content-Type"); ct != "" {
+	return checkBodyType(r.Header.Get("Content-Type"), body)
+}
+
+// checkBodyType is checkBody given the Content-Type header's value.
+func checkBodyType(ct string, body []byte) *apiError {
+	if ct != "" {
 		mt, _, err := mime.ParseMediaType(ct)
 		if err != nil || (mt != "application/json" && !strings.HasSuffix(mt, "+json")) {
 			return &apiError{http.StatusUnsupportedMediaType, "invalid_request_error", "unsupported_media_type",

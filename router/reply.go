@@ -69,29 +69,36 @@ type usageJSON struct {
 
 func (c *replyCapture) Read(p []byte) (int, error) {
 	n, err := c.rc.Read(p)
-	if n > 0 {
+	c.feed(p[:n], err == io.EOF)
+	return n, err
+}
+
+// feed takes the next bytes of the body; eof says the body ended with
+// them. Read feeds what it reads; a front end that is handed the body in
+// chunks (ext_proc) feeds them itself, with rc nil.
+func (c *replyCapture) feed(p []byte, eof bool) {
+	if len(p) > 0 {
 		if c.first != nil {
 			c.first()
 			c.first = nil
 		}
 		if c.sse {
-			c.feedSSE(p[:n])
+			c.feedSSE(p)
 		} else if !c.over {
-			if c.buf.Len()+n > c.limit {
+			if c.buf.Len()+len(p) > c.limit {
 				c.markOver()
 				c.buf = bytes.Buffer{}
 			} else {
-				c.buf.Write(p[:n])
+				c.buf.Write(p)
 			}
 		}
 	}
-	if err == io.EOF {
+	if eof && !c.eof {
 		c.eof = true
 		if !c.sse && !c.over {
 			c.parseJSON()
 		}
 	}
-	return n, err
 }
 
 func (c *replyCapture) Close() error { return c.rc.Close() }

@@ -83,6 +83,27 @@ func (s *usageStripper) Read(p []byte) (int, error) {
 	return n, nil
 }
 
+// push is Read for a front end handed the stream in chunks (ext_proc):
+// it takes the next bytes, eof saying the stream ended with them, and
+// returns what the client gets of what was pushed so far (whole events
+// only, but at the end).
+func (s *usageStripper) push(p []byte, eof bool) []byte {
+	if s.off {
+		return p
+	}
+	s.in = append(s.in, p...)
+	s.split()
+	if eof && len(s.in) > 0 {
+		if !s.usageChunk(s.in) {
+			s.out = append(s.out, s.in...)
+		}
+		s.in = nil
+	}
+	out := s.out
+	s.out = nil
+	return out
+}
+
 // split moves every whole event of s.in to s.out, dropping a usage chunk.
 // It scans each byte once: s.scanned is where the last look stopped.
 func (s *usageStripper) split() {

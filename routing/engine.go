@@ -208,6 +208,9 @@ type Request struct {
 	// Policy scores the candidates: the request's A/B arm's, or the
 	// replay run's. Required by Decide.
 	Policy Policy
+	// Allow, if set, says which replicas may take the request (a gateway's
+	// subset hint); the others are not candidates. Nil allows all.
+	Allow func(*replica.Replica) bool
 	// pooled says Blocks came from the engine's block pool (Prepare made
 	// them), so Recycle may take them back.
 	pooled bool
@@ -344,7 +347,7 @@ func (e *Engine) Decide(ri Request, record bool) (*Decision, error) {
 	for _, b := range ri.Blocks {
 		d.Tokens += int(b.Tokens)
 	}
-	in, err := e.rank(d, pol)
+	in, err := e.rank(d, pol, ri.Allow)
 	if err != nil {
 		return nil, err
 	}
@@ -407,9 +410,10 @@ func (e *Engine) view(d *Decision) *View {
 	return in
 }
 
-// rank scores the available replicas with pol and keeps the best Attempts;
+// rank scores the available replicas that allow admits (all, if nil) with
+// pol and keeps the best Attempts;
 // it returns what the policy was told.
-func (e *Engine) rank(d *Decision, pol Policy) (*View, error) {
+func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool) (*View, error) {
 	now := e.o.Now()
 	reps := e.pool.Replicas()
 	sc, _ := scratchPool.Get().(*scratch)
@@ -423,7 +427,7 @@ func (e *Engine) rank(d *Decision, pol Policy) (*View, error) {
 	d.Candidates = newCandidates(len(reps))
 	n := 0
 	for _, r := range reps {
-		if !r.Available(now) {
+		if !r.Available(now) || (allow != nil && !allow(r)) {
 			continue
 		}
 		c := &d.Candidates[n] // filled in place: a candidate is ~120 bytes

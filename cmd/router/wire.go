@@ -290,7 +290,8 @@ func (a *app) start() (*running, error) {
 		}
 		r.grpc = router.NewGRPCServer(a.core, router.GRPCOptions{
 			Limits: a.server.CurrentLimits,
-			Token:  func() string { return a.current.Load().GRPC.Token },
+			Token:   func() string { return a.current.Load().GRPC.Token },
+			ExtProc: router.ExtProcOptions{RecordReplies: a.cfg.Routing.RecordReplies, Logger: a.log},
 		}, grpc.MaxRecvMsgSize(int(a.cfg.Limits.MaxBodyBytes)), creds)
 		go func() { _ = r.grpc.Serve(r.grpcLn) }()
 	}

@@ -1,0 +1,432 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/semroute/semroute/router"
+)
+
+// envoy plays Envoy's side of the ext_proc protocol against a router's
+// endpoint picker, and Envoy's forwarding: it sends the request to the
+// endpoint picked, over HTTP, and streams the response back through the
+// picker, as an ext_proc filter in FULL_DUPLEX_STREAMED (or BUFFERED) mode
+// does.
+type envoy struct {
+	t      *testing.T
+	client extprocv3.ExternalProcessorClient
+	mode   filterv3.ProcessingMode_BodySendMode
+	// chunk is the size of the body chunks sent to the picker.
+	chunk int
+}
+
+// newEnvoy connects to d's gRPC listener with its token, as Envoy does with
+// the grpc_service's initial_metadata.
+func newEnvoy(t *testing.T, d *demo) *envoy {
+	t.Helper()
+	return &envoy{t: t, client: extprocv3.NewExternalProcessorClient(dial(t, d)), mode: filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, chunk: 700}
+}
+
+// picked is what the picker answered and, when forwarded, what came back.
+type picked struct {
+	dest      string            // the destination header
+	meta      string            // envoy.lb / x-gateway-destination-endpoint
+	immediate int               // the status of an immediate response; 0: none
+	errBody   []byte            // its body
+	status    int               // the replica's status
+	respHdr   map[string]string // headers the picker set on the response
+	body      []byte            // the response body the client gets
+}
+
+func hdrs(kv ...string) *corev3.HeaderMap {
+	m := &corev3.HeaderMap{}
+	for i := 0; i < len(kv); i += 2 {
+		m.Headers = append(m.Headers, &corev3.HeaderValue{Key: kv[i], RawValue: []byte(kv[i+1])})
+	}
+	return m
+}
+
+func subsetMD(endpoints ...string) *corev3.Metadata {
+	vals := make([]*structpb.Value, len(endpoints))
+	for i, e := range endpoints {
+		vals[i] = structpb.NewStringValue(e)
+	}
+	return &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{router.MetadataSubset: {Fields: map[string]*structpb.Value{
+		router.KeySubset: structpb.NewListValue(&structpb.ListValue{Values: vals})}}}}
+}
+
+// do sends one request through the picker: headers, the body in chunks,
+// then (if forward) the request to the first endpoint picked, and its
+// response back through the picker. served, if set, overrides the
+// endpoint Envoy reports as served (and forwards to).
+func (e *envoy) do(path string, body []byte, hdr map[string]string, md *corev3.Metadata, forward bool, served string) picked {
+	t := e.t
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	st, err := e.client.Process(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kv := []string{":method", "POST", ":path", path, ":authority", "gateway", "content-type", "application/json"}
+	for k, v := range hdr {
+		kv = append(kv, strings.ToLower(k), v)
+	}
+	send := func(r *extprocv3.ProcessingRequest) {
+		t.Helper()
+		if err := st.Send(r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	recv := func() *extprocv3.ProcessingResponse {
+		t.Helper()
+		r, err := st.Recv()
+		if err != nil {
+			t.Fatalf("recv: %v", err)
+		}
+		return r
+	}
+	send(&extprocv3.ProcessingRequest{MetadataContext: md,
+		ProtocolConfig: &extprocv3.ProtocolConfiguration{RequestBodyMode: e.mode, ResponseBodyMode: e.mode},
+		Request:        &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: hdrs(kv...)}}})
+	var p picked
+	var upstream []byte
+	var common *extprocv3.CommonResponse
+	var meta *structpb.Struct
+	take := func(r *extprocv3.ProcessingResponse) bool { // false: an immediate response ended it
+		if ir := r.GetImmediateResponse(); ir != nil {
+			p.immediate, p.errBody = int(ir.GetStatus().GetCode()), ir.GetBody()
+			return false
+		}
+		if r.GetDynamicMetadata() != nil {
+			meta = r.GetDynamicMetadata()
+		}
+		return true
+	}
+	if e.mode == filterv3.ProcessingMode_BUFFERED {
+		r := recv()
+		if !take(r) {
+			return p
+		}
+		send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: body, EndOfStream: true}}})
+		r = recv()
+		if !take(r) {
+			return p
+		}
+		common = r.GetRequestBody().GetResponse()
+		upstream = body
+		if b := common.GetBodyMutation().GetBody(); b != nil {
+			upstream = b
+		}
+	} else {
+		for i := 0; i < len(body); i += e.chunk {
+			end := min(i+e.chunk, len(body))
+			send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{
+				Body: body[i:end], EndOfStream: end == len(body)}}})
+		}
+		r := recv()
+		if !take(r) {
+			return p
+		}
+		if r.GetRequestHeaders() == nil {
+			t.Fatalf("first answer is not the request headers': %v", r)
+		}
+		common = r.GetRequestHeaders().GetResponse()
+		if !common.GetClearRouteCache() {
+			t.Fatal("the headers answer does not clear the route cache")
+		}
+		for {
+			r := recv()
+			sb := r.GetRequestBody().GetResponse().GetBodyMutation().GetStreamedResponse()
+			if sb == nil {
+				t.Fatalf("expected a streamed request body, got %v", r)
+			}
+			upstream = append(upstream, sb.GetBody()...)
+			if sb.GetEndOfStream() {
+				break
+			}
+		}
+	}
+	for _, h := range common.GetHeaderMutation().GetSetHeaders() {
+		if h.GetHeader().GetKey() == router.HeaderDestination {
+			p.dest = string(h.GetHeader().GetRawValue())
+		}
+	}
+	p.meta = meta.GetFields()[router.MetadataLB].GetStructValue().GetFields()[router.HeaderDestination].GetStringValue()
+	if !forward {
+		st.CloseSend()
+		return p
+	}
+	// Forward as Envoy would, to the first endpoint (or the one it says
+	// it served from).
+	target := strings.Split(p.dest, ",")[0]
+	if served != "" {
+		target = served
+	}
+	resp, err := http.Post("http://"+target+path, "application/json", bytes.NewReader(upstream))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	p.status = resp.StatusCode
+	rh := []string{":status", strconv.Itoa(resp.StatusCode), "content-type", resp.Header.Get("Content-Type")}
+	send(&extprocv3.ProcessingRequest{
+		MetadataContext: &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{router.MetadataLB: {Fields: map[string]*structpb.Value{
+			router.KeyServed: structpb.NewStringValue(target)}}}},
+		Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{Headers: hdrs(rh...)}}})
+	r := recv()
+	p.respHdr = map[string]string{}
+	for _, h := range r.GetResponseHeaders().GetResponse().GetHeaderMutation().GetSetHeaders() {
+		p.respHdr[h.GetHeader().GetKey()] = string(h.GetHeader().GetRawValue())
+	}
+	buf := make([]byte, 512) // small reads: several body chunks per response
+	for {
+		n, rerr := resp.Body.Read(buf)
+		eos := rerr == io.EOF
+		if n == 0 && !eos {
+			if rerr != nil {
+				t.Fatal(rerr)
+			}
+			continue
+		}
+		send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{
+			Body: bytes.Clone(buf[:n]), EndOfStream: eos}}})
+		if e.mode == filterv3.ProcessingMode_BUFFERED {
+			r := recv()
+			if b := r.GetResponseBody().GetResponse().GetBodyMutation().GetBody(); b != nil {
+				p.body = append(p.body, b...)
+			} else {
+				p.body = append(p.body, buf[:n]...)
+			}
+		} else {
+			for { // the echo of this chunk: one or more streamed responses, or none
+				r := recv()
+				sb := r.GetResponseBody().GetResponse().GetBodyMutation().GetStreamedResponse()
+				if sb == nil {
+					t.Fatalf("expected a streamed response body, got %v", r)
+				}
+				p.body = append(p.body, sb.GetBody()...)
+				if sb.GetEndOfStream() || len(sb.GetBody()) > 0 || !eos {
+					break
+				}
+			}
+		}
+		if eos {
+			break
+		}
+	}
+	st.CloseSend()
+	if _, err := st.Recv(); err != io.EOF {
+		t.Fatalf("the picker did not end the stream: %v", err)
+	}
+	return p
+}
+
+// endpoints maps each simulated replica's endpoint to its name.
+func endpoints(d *demo) map[string]string {
+	out := map[string]string{}
+	for _, r := range d.app.core.Engine().Pool().Replicas() {
+		out[router.Endpoint(r)] = r.Name
+	}
+	return out
+}
+
+// The endpoint picker routes exactly as the HTTP front end does: two
+// identical routers in front of identical replicas, one fed over HTTP and
+// one through Envoy's ext_proc protocol, make the same choices with the
+// same matched tokens over a workload of shared prompts and multi-turn
+// chats whose replies must be learned, streamed and not.
+func TestExtProcRoutesAsTheHTTPPathDoes(t *testing.T) {
+	httpd := startTestDemo(t, demoOptions{sim: fastSim})
+	epd := startTestDemo(t, demoOptions{sim: fastSim, grpcListen: "127.0.0.1:0"})
+	env := newEnvoy(t, epd)
+	names := endpoints(epd)
+
+	type turn struct {
+		body    map[string]any
+		session string
+	}
+	var work []turn
+	for s := 0; s < 6; s++ {
+		sys := text(fmt.Sprintf("assistant %d", s%3), 400)
+		msgs := [][2]string{{"system", sys}}
+		for k := 0; k < 3; k++ {
+			msgs = append(msgs, [2]string{"user", text(fmt.Sprintf("question %d.%d", s, k), 40)})
+			b := chat(msgs...)
+			b["max_tokens"] = 6
+			if (s+k)%2 == 1 {
+				b["stream"] = true
+			}
+			work = append(work, turn{b, fmt.Sprintf("s%d", s)})
+			msgs = append(msgs, [2]string{"assistant", ""}) // filled from the reply below
+		}
+	}
+	replies := map[string][]string{} // session → replies so far, per path
+	learned := 0
+	for i, w := range work {
+		// Fill the assistant turns with the replies this session got.
+		msgs := w.body["messages"].([]map[string]string)
+		k := 0
+		for _, m := range msgs {
+			if m["role"] == "assistant" {
+				m["content"] = replies[w.session][k]
+				k++
+			}
+		}
+		b, _ := json.Marshal(w.body)
+		hr := post(t, httpd, "/v1/chat/completions", b, map[string]string{"X-Session-ID": w.session})
+		mustOK(t, hr)
+		p := env.do("/v1/chat/completions", b, map[string]string{"X-Session-ID": w.session}, nil, true, "")
+		if p.immediate != 0 || p.status != 200 {
+			t.Fatalf("request %d: immediate %d status %d: %s", i, p.immediate, p.status, p.errBody)
+		}
+		if p.dest != p.meta {
+			t.Fatalf("request %d: header %q and metadata %q differ", i, p.dest, p.meta)
+		}
+		dests := strings.Split(p.dest, ",")
+		if len(dests) != 3 {
+			t.Fatalf("request %d: destination %q: want the choice and 2 fallbacks", i, p.dest)
+		}
+		if got := names[dests[0]]; got != hr.replica {
+			t.Fatalf("request %d: ext_proc picked %s (%s), the HTTP path %s", i, got, p.dest, hr.replica)
+		}
+		if p.respHdr[router.HeaderReplica] != hr.replica || p.respHdr[router.HeaderMatchedTokens] != strconv.Itoa(hr.matched) {
+			t.Fatalf("request %d: ext_proc response headers %v, HTTP path replica %s matched %d", i, p.respHdr, hr.replica, hr.matched)
+		}
+		if k > 0 && hr.matched > 0 {
+			learned++
+		}
+		// The client sees what it would have seen over HTTP: no usage chunk
+		// it did not ask for.
+		if w.body["stream"] == true && bytes.Contains(p.body, []byte(`"usage"`)) {
+			t.Fatalf("request %d: a stream whose client did not ask for usage got it: %s", i, p.body)
+		}
+		reply := assistantText(t, p.body, w.body["stream"] == true)
+		if want := assistantText(t, hr.body, w.body["stream"] == true); reply == "" || (reply != want && w.body["stream"] != true) {
+			t.Fatalf("request %d: reply %q over ext_proc, %q over HTTP", i, reply, want)
+		}
+		replies[w.session] = append(replies[w.session], reply)
+	}
+	if learned < 6 {
+		t.Fatalf("only %d later turns matched anything", learned)
+	}
+}
+
+// assistantText returns a response's assistant text (a stream's deltas
+// joined).
+func assistantText(t *testing.T, body []byte, stream bool) string {
+	t.Helper()
+	if !stream {
+		var r struct {
+			Choices []struct {
+				Message struct{ Content string } `json:"message"`
+			} `json:"choices"`
+		}
+		if err := json.Unmarshal(body, &r); err != nil || len(r.Choices) == 0 {
+			t.Fatalf("not a completion: %s", body)
+		}
+		return r.Choices[0].Message.Content
+	}
+	var sb strings.Builder
+	for _, line := range strings.Split(string(body), "\n") {
+		data, ok := strings.CutPrefix(line, "data: ")
+		if !ok || data == "[DONE]" {
+			continue
+		}
+		var c struct {
+			Choices []struct {
+				Delta struct{ Content string } `json:"delta"`
+			} `json:"choices"`
+		}
+		if json.Unmarshal([]byte(data), &c) == nil && len(c.Choices) > 0 {
+			sb.WriteString(c.Choices[0].Delta.Content)
+		}
+	}
+	return sb.String()
+}
+
+// The gateway's subset hint limits the choice; an empty subset, or one
+// naming no replica of the pool, is a 503 from the picker itself; a bad
+// body is a 400 and a request without a body is routed by load; the
+// buffered body mode works too; the health service serves ext_proc.
+func TestExtProcSubsetErrorsAndModes(t *testing.T) {
+	d := startTestDemo(t, demoOptions{sim: fastSim, grpcListen: "127.0.0.1:0"})
+	env := newEnvoy(t, d)
+	names := endpoints(d)
+	var eps []string
+	for ep := range names {
+		eps = append(eps, ep)
+	}
+	body, _ := json.Marshal(chat([2]string{"system", text("subset", 300)}, [2]string{"user", "hello"}))
+
+	// The subset hint: whatever is cached elsewhere, only these two.
+	for i := 0; i < 4; i++ {
+		p := env.do("/v1/chat/completions", body, nil, subsetMD(eps[1], eps[2]), true, "")
+		dests := strings.Split(p.dest, ",")
+		if p.status != 200 || len(dests) != 2 {
+			t.Fatalf("subset of 2: status %d destination %q", p.status, p.dest)
+		}
+		for _, dst := range dests {
+			if dst != eps[1] && dst != eps[2] {
+				t.Fatalf("subset %v: picked %q", eps[1:3], p.dest)
+			}
+		}
+	}
+	// A subset named by address alone.
+	host := eps[3][:strings.LastIndex(eps[3], ":")]
+	if p := env.do("/v1/chat/completions", body, nil, subsetMD(host), false, ""); !strings.HasPrefix(p.dest, host+":") {
+		t.Fatalf("subset %q: picked %q", host, p.dest)
+	}
+	for _, md := range []*corev3.Metadata{subsetMD(), subsetMD("10.255.255.1:8000")} {
+		p := env.do("/v1/chat/completions", body, nil, md, false, "")
+		if p.immediate != http.StatusServiceUnavailable || !bytes.Contains(p.errBody, []byte(`"no_replica"`)) {
+			t.Fatalf("no endpoint in the subset: immediate %d %s", p.immediate, p.errBody)
+		}
+	}
+	if p := env.do("/v1/chat/completions", []byte(`{"model":"sim-model","messages":"nope"}`), nil, nil, false, ""); p.immediate != 400 ||
+		!bytes.Contains(p.errBody, []byte(`"invalid_request_error"`)) {
+		t.Fatalf("bad body: immediate %d %s", p.immediate, p.errBody)
+	}
+	// Buffered mode: the headers are answered at once, the destination comes
+	// with the body's answer.
+	env.mode = filterv3.ProcessingMode_BUFFERED
+	p := env.do("/v1/chat/completions", body, nil, nil, true, "")
+	if p.status != 200 || names[strings.Split(p.dest, ",")[0]] == "" || p.dest != p.meta {
+		t.Fatalf("buffered: status %d destination %q meta %q", p.status, p.dest, p.meta)
+	}
+	// A fallback served: the request's load and reply move there.
+	env.mode = filterv3.ProcessingMode_FULL_DUPLEX_STREAMED
+	fresh, _ := json.Marshal(chat([2]string{"system", text("fallback", 300)}, [2]string{"user", "hi"}))
+	p = env.do("/v1/chat/completions", fresh, nil, nil, true, "")
+	dests := strings.Split(p.dest, ",")
+	again := env.do("/v1/chat/completions", fresh, nil, nil, true, dests[1])
+	if again.respHdr[router.HeaderReplica] != names[dests[1]] {
+		t.Fatalf("served by the fallback %s: response says %v", names[dests[1]], again.respHdr)
+	}
+	// Health: the ext_proc service reports serving.
+	conn, err := grpc.NewClient(d.run.grpcAddr(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	hr, err := healthpb.NewHealthClient(conn).Check(context.Background(), &healthpb.HealthCheckRequest{Service: extprocv3.ExternalProcessor_ServiceDesc.ServiceName})
+	if err != nil || hr.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+		t.Fatalf("health of ext_proc: %v %v", hr, err)
+	}
+}
