@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"cmp"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -12,6 +13,7 @@ import (
 	"math"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -41,7 +43,10 @@ type Options struct {
 	OnRestart func(r *replica.Replica)
 	// OnChange is called when an active check changes a replica's state.
 	OnChange func(r *replica.Replica, up bool)
-	Logger   *slog.Logger
+	// OnAdapters is called with the LoRA adapters a replica's /v1/models
+	// lists, each time they are read.
+	OnAdapters func(r *replica.Replica, adapters []string)
+	Logger     *slog.Logger
 }
 
 // Monitor runs active health checks and metric scrapes against a pool's
@@ -101,6 +106,7 @@ func (m *Monitor) Run(ctx context.Context) {
 	each(m.Check)
 	if scrape != nil {
 		each(m.Scrape)
+		each(m.RefreshModels)
 	}
 	for {
 		select {
@@ -110,6 +116,7 @@ func (m *Monitor) Run(ctx context.Context) {
 			each(m.Check)
 		case <-scrape:
 			each(m.Scrape)
+			each(m.RefreshModels)
 		}
 	}
 }
@@ -151,6 +158,7 @@ const (
 	metricCacheConfig = "vllm:cache_config_info"
 	metricQueries     = "vllm:prefix_cache_queries"
 	metricPrompt      = "vllm:prompt_tokens"
+	metricLoRA        = "vllm:lora_requests_info"
 )
 
 // Scrape reads r's /metrics once and records its load gauges; it may learn
@@ -189,6 +197,12 @@ type Scraped struct {
 	// tokens) used to detect restarts; HasCounter says whether one was found.
 	Counter    float64
 	HasCounter bool
+	// LoRA says vllm:lora_requests_info was found: its latest sample (the
+	// largest value, a timestamp) gives the adapters running and waiting
+	// and max_lora.
+	LoRA                     bool
+	LoRARunning, LoRAWaiting []string
+	MaxLoRA                  int
 }
 
 // wanted are the metric families the router reads; a scrape parses only
@@ -196,6 +210,7 @@ type Scraped struct {
 var wanted = map[string]bool{
 	metricRunning: true, metricWaiting: true, metricKVUsage: true, metricGPUKVUsage: true, metricCacheConfig: true,
 	metricQueries: true, metricQueries + "_total": true, metricPrompt: true, metricPrompt + "_total": true,
+	metricLoRA: true,
 }
 
 // maxMetricLine bounds one exposition line the router keeps: 64 KiB.
@@ -298,12 +313,47 @@ func ParseMetrics(rd io.Reader) (Scraped, error) {
 			}
 		}
 	}
+	if f, ok := fams[metricLoRA]; ok && len(f.GetMetric()) > 0 {
+		latest := f.GetMetric()[0]
+		for _, mm := range f.GetMetric()[1:] {
+			if value(mm) > value(latest) {
+				latest = mm
+			}
+		}
+		out.LoRA = true
+		for _, l := range latest.GetLabel() {
+			switch l.GetName() {
+			case "running_lora_adapters":
+				out.LoRARunning = adapterList(l.GetValue())
+			case "waiting_lora_adapters":
+				out.LoRAWaiting = adapterList(l.GetValue())
+			case "max_lora":
+				out.MaxLoRA, _ = strconv.Atoi(l.GetValue())
+				out.MaxLoRA = max(out.MaxLoRA, 0)
+			}
+		}
+	}
 	if v, ok := sum(metricQueries); ok {
 		out.Counter, out.HasCounter = v, true
 	} else if v, ok := sum(metricPrompt); ok {
 		out.Counter, out.HasCounter = v, true
 	}
 	return out, nil
+}
+
+// maxAdapters bounds the adapters read from one label or one /v1/models.
+const maxAdapters = 1024
+
+// adapterList splits a comma-separated adapter list ("a,b", or "a, b" as
+// the protocol's example writes it), at most maxAdapters names.
+func adapterList(s string) []string {
+	var out []string
+	for _, a := range strings.Split(s, ",") {
+		if a = strings.TrimSpace(a); a != "" && len(out) < maxAdapters {
+			out = append(out, a)
+		}
+	}
+	return out
 }
 
 func value(m *dto.Metric) float64 {
@@ -320,6 +370,9 @@ func value(m *dto.Metric) float64 {
 
 func (m *Monitor) apply(r *replica.Replica, s Scraped) {
 	r.Observe(s.Observed)
+	if s.LoRA {
+		r.SetLoRA(s.LoRARunning, s.LoRAWaiting, s.MaxLoRA)
+	}
 	if r.Budget() == 0 && s.Blocks > 0 && s.BlockSize > 0 && s.Blocks <= replica.MaxBudgetTokens/s.BlockSize {
 		r.SetBudget(s.Blocks * s.BlockSize)
 		if m.o.OnBudget != nil {
@@ -339,6 +392,61 @@ func (m *Monitor) apply(r *replica.Replica, s Scraped) {
 			m.o.OnRestart(r)
 		}
 	}
+}
+
+// RefreshModels reads r's GET /v1/models once and records the models it
+// serves, and which are LoRA adapters (an entry with a parent, as vLLM
+// lists them). A replica that does not answer keeps what was known.
+func (m *Monitor) RefreshModels(ctx context.Context, r *replica.Replica) {
+	ctx, cancel := context.WithTimeout(ctx, m.o.CheckTimeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, r.URL.JoinPath("/v1/models").String(), nil)
+	if err != nil {
+		return
+	}
+	resp, err := m.o.Client.Do(req)
+	if err != nil {
+		return
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return
+	}
+	served, adapters, err := ParseModels(io.LimitReader(resp.Body, 4<<20))
+	if err != nil {
+		m.o.Logger.Warn("replica models unreadable", "replica", r.Name, "err", err)
+		return
+	}
+	r.SetServed(served, adapters)
+	if m.o.OnAdapters != nil && len(adapters) > 0 {
+		m.o.OnAdapters(r, adapters)
+	}
+}
+
+// ParseModels reads an OpenAI model list ({"data":[{"id":…,"parent":…}]}):
+// the ids, at most maxAdapters of them, and the ids of the entries with a
+// parent (vLLM's LoRA adapters).
+func ParseModels(rd io.Reader) (served, adapters []string, err error) {
+	var list struct {
+		Data []struct {
+			ID     string  `json:"id"`
+			Parent *string `json:"parent"`
+		} `json:"data"`
+	}
+	if err := json.NewDecoder(rd).Decode(&list); err != nil {
+		return nil, nil, fmt.Errorf("read models: %w", err)
+	}
+	served = []string{}
+	for _, d := range list.Data {
+		if d.ID == "" || len(served) >= maxAdapters {
+			continue
+		}
+		served = append(served, d.ID)
+		if d.Parent != nil && *d.Parent != "" {
+			adapters = append(adapters, d.ID)
+		}
+	}
+	return served, adapters, nil
 }
 
 // Forget drops what the monitor remembers of r (after it left the pool).

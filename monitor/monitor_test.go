@@ -138,3 +138,25 @@ func FuzzParseMetrics(f *testing.F) {
 		_, _ = ParseMetrics(strings.NewReader(string(b))) // must not panic
 	})
 }
+
+// The adapters come from the latest sample of vllm:lora_requests_info (the
+// largest value: a timestamp), names comma-separated with or without
+// spaces; /v1/models's entries with a parent are the adapters.
+func TestParseLoRAAndModels(t *testing.T) {
+	s, err := ParseMetrics(strings.NewReader(`# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="old",waiting_lora_adapters=""} 1700000000.5
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql, chat",waiting_lora_adapters="math"} 1700000009.25
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1700000001
+`))
+	if err != nil || !s.LoRA || strings.Join(s.LoRARunning, "|") != "sql|chat" || strings.Join(s.LoRAWaiting, "|") != "math" || s.MaxLoRA != 2 {
+		t.Fatalf("%+v %v", s, err)
+	}
+	served, adapters, err := ParseModels(strings.NewReader(`{"object":"list","data":[
+		{"id":"base","root":"/m","parent":null},{"id":"sql","root":"/a","parent":"base"},{"id":""}]}`))
+	if err != nil || strings.Join(served, ",") != "base,sql" || strings.Join(adapters, ",") != "sql" {
+		t.Fatalf("%v %v %v", served, adapters, err)
+	}
+	if _, _, err := ParseModels(strings.NewReader(`{"data":`)); err == nil {
+		t.Fatal("a broken model list parsed")
+	}
+}

@@ -93,6 +93,7 @@ type Replica struct {
 	// nanoseconds; 0 when up.
 	downUntil atomic.Int64
 	observed  atomic.Pointer[Observed]
+	models    atomic.Pointer[Models] // nil, or Served nil: not known yet
 	// activeDown is set by failed active health checks; draining by an
 	// operator removing the replica.
 	activeDown atomic.Bool

@@ -72,6 +72,7 @@ func (s *Server) classify(err error) apiError { return classify(err) }
 func classify(err error) apiError {
 	var ie *blockhash.InputError
 	var tooBig *http.MaxBytesError
+	var um *routing.UnknownModelError
 	switch {
 	case errors.As(err, &tooBig):
 		return apiError{http.StatusRequestEntityTooLarge, "invalid_request_error", "body_too_large",
@@ -82,6 +83,10 @@ func classify(err error) apiError {
 		return apiError{http.StatusServiceUnavailable, "server_busy", "parse_budget", err.Error()}
 	case errors.Is(err, routing.ErrNoReplica):
 		return apiError{http.StatusServiceUnavailable, "service_unavailable", "no_replica", "no replica is available to serve the request"}
+	case errors.As(err, &um):
+		// OpenAI's answer for a model that does not exist.
+		return apiError{http.StatusNotFound, "invalid_request_error", "model_not_found",
+			"The model `" + um.Model + "` does not exist or you do not have access to it."}
 	}
 	return apiError{http.StatusBadGateway, "upstream_error", "upstream_unreachable", err.Error()}
 }

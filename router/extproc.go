@@ -2,6 +2,7 @@ package router
 
 import (
 	"context"
+	"errors"
 	"io"
 	"log/slog"
 	"net"
@@ -274,7 +275,7 @@ func (st *epStream) route(noBody bool) (bool, error) {
 		lim := st.s.o.Limits()
 		req, err := blockhash.Parse(ep, st.body, lim.Parse)
 		if err != nil {
-			return st.reject(classify(err))
+			return st.reject(shedOr(err))
 		}
 		if req.MaxTokens > lim.MaxOutputTokens {
 			req.Release()
@@ -329,6 +330,16 @@ func (st *epStream) route(noBody bool) (bool, error) {
 	}
 	return false, st.send(&extprocv3.ProcessingResponse{DynamicMetadata: meta, Response: &extprocv3.ProcessingResponse_RequestBody{
 		RequestBody: &extprocv3.BodyResponse{Response: common}}})
+}
+
+// shedOr classifies err as the HTTP front end does, but for a request shed
+// because the router is saturated (its parse budget is spent), which the
+// endpoint-picker protocol answers with 429: the gateway may retry it.
+func shedOr(err error) apiError {
+	if errors.Is(err, blockhash.ErrBusy) {
+		return apiError{http.StatusTooManyRequests, "rate_limit_exceeded", "shed", err.Error()}
+	}
+	return classify(err)
 }
 
 // sendBody sends b back as streamed body responses of at most extProcChunk

@@ -47,6 +47,10 @@ type GRPCOptions struct {
 	// empty token, means no token is asked for (the transport, e.g. mTLS,
 	// must then authenticate).
 	Token func() string
+	// ExtProcOpen, if set and true, lets the endpoint picker's calls in
+	// without the token (gateways call it without credentials). Called per
+	// call.
+	ExtProcOpen func() bool
 	// ExtProc configures the endpoint picker (Envoy's ext_proc protocol),
 	// served beside the Router service; its Limits are the ones above.
 	ExtProc ExtProcOptions
@@ -69,7 +73,7 @@ const (
 // streams, must finish its handshake in 10 s, and is closed after 2 minutes
 // without a call. opts are passed to grpc.NewServer after these.
 func NewGRPCServer(core *Core, o GRPCOptions, opts ...grpc.ServerOption) *grpc.Server {
-	auth := authenticator{token: o.Token}
+	auth := authenticator{token: o.Token, extProcOpen: o.ExtProcOpen}
 	if o.Limits == nil {
 		l := limits.Request{}.WithDefaults()
 		o.Limits = func() limits.Request { return l }
@@ -95,13 +99,19 @@ func NewGRPCServer(core *Core, o GRPCOptions, opts ...grpc.ServerOption) *grpc.S
 }
 
 // authenticator checks each call's bearer token, in constant time.
-type authenticator struct{ token func() string }
+type authenticator struct {
+	token       func() string
+	extProcOpen func() bool
+}
 
 // check returns nil when method needs no token or md carries the right one.
 func (a authenticator) check(md metadata.MD, method string) error {
 	// Probes need no token: Check only. Watch holds a stream (and its
 	// connection) open, so it takes the token like every other call.
 	if a.token == nil || method == "/grpc.health.v1.Health/Check" {
+		return nil
+	}
+	if a.extProcOpen != nil && method == "/"+extprocv3.ExternalProcessor_ServiceDesc.ServiceName+"/Process" && a.extProcOpen() {
 		return nil
 	}
 	want := a.token()
@@ -206,6 +216,8 @@ func (g *GRPCService) Route(ctx context.Context, in *pb.RouteRequest) (*pb.Route
 	switch {
 	case errors.Is(err, routing.ErrNoReplica):
 		return nil, status.Error(codes.Unavailable, err.Error())
+	case errors.Is(err, routing.ErrUnknownModel):
+		return nil, status.Error(codes.NotFound, err.Error())
 	case err != nil:
 		return nil, status.Error(codes.Internal, err.Error())
 	}
@@ -244,6 +256,7 @@ func (g *GRPCService) preSplit(req *blockhash.Request, session string) routing.R
 		}
 	}
 	ri.Key = routing.SessionKey(session, "", ri.Blocks)
+	ri.Model = req.Model
 	return ri
 }
 

@@ -33,8 +33,8 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	apr := []string{"arm", "policy", "replica"}
 	m := &Metrics{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_requests_total",
-			Help: "Routed requests by route, final status code (0: no response), arm and policy."},
-			[]string{"route", "code", "arm", "policy"}),
+			Help: "Routed requests by route, final status code (0: no response), arm, policy and model (one a replica reports serving; \"other\" for a model no replica listed, \"none\" without one)."},
+			[]string{"route", "code", "arm", "policy", "model"}),
 		decision: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "semroute_routing_decision_seconds",
 			Help: "Time to decide where a request goes: split, hash, match, score, rank.", Buckets: prometheus.ExponentialBuckets(5e-6, 2, 16)}, ap),
 		matchRatio: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "semroute_predicted_match_ratio",
@@ -46,7 +46,8 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		predictionDiff: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "semroute_cached_tokens_prediction_error_tokens",
 			Help: "Per request: predicted minus reported cached tokens.", Buckets: []float64{-16384, -4096, -1024, -256, -64, -16, 0, 16, 64, 256, 1024, 4096, 16384}}, ap),
 		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "semroute_upstream_ttft_seconds",
-			Help: "Time from the routing decision to the replica's first response byte.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)}, apr),
+			Help: "Time from the routing decision to the replica's first response byte, by arm, policy, replica and model (as semroute_requests_total's).", Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)},
+			[]string{"arm", "policy", "replica", "model"}),
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "semroute_upstream_duration_seconds",
 			Help: "Time from the routing decision to the end of the response.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 18)}, apr),
 		trimmedTokens: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_feedback_trimmed_tokens_total",
@@ -97,9 +98,10 @@ func (m *Metrics) finished(rt *Routed, o *Outcome) {
 	if route == "" {
 		route = "other"
 	}
-	m.requests.WithLabelValues(route, strconv.Itoa(o.Status), arm, pol).Inc()
+	model := modelLabel(rt)
+	m.requests.WithLabelValues(route, strconv.Itoa(o.Status), arm, pol, model).Inc()
 	if o.TTFTNs > 0 {
-		m.ttft.WithLabelValues(arm, pol, rep).Observe(float64(o.TTFTNs) / 1e9)
+		m.ttft.WithLabelValues(arm, pol, rep, model).Observe(float64(o.TTFTNs) / 1e9)
 	}
 	if o.DurationNs > 0 {
 		m.duration.WithLabelValues(arm, pol, rep).Observe(float64(o.DurationNs) / 1e9)
@@ -110,6 +112,19 @@ func (m *Metrics) finished(rt *Routed, o *Outcome) {
 		m.reported.WithLabelValues(arm, pol, rep).Add(float64(o.CachedTokens))
 		m.predictionDiff.WithLabelValues(arm, pol).Observe(predicted - float64(o.CachedTokens))
 	}
+}
+
+// modelLabel is a request's model as a metric label: the model if the
+// replica that served it lists it (so that clients cannot mint series),
+// "other" if not, "none" without a model.
+func modelLabel(rt *Routed) string {
+	switch model := rt.req.Model; {
+	case model == "":
+		return "none"
+	case rt.Served.Replica.Models() != nil && rt.Served.Replica.Models().Serves(model):
+		return model
+	}
+	return "other"
 }
 
 func (m *Metrics) trimmed(rt *Routed, tokens int64) {

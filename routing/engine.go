@@ -5,6 +5,7 @@ import (
 	"cmp"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"maps"
 	"math"
 	"sync"
@@ -26,6 +27,19 @@ const (
 
 // ErrNoReplica means no replica is available to take the request.
 var ErrNoReplica = errors.New("no replica available")
+
+// ErrUnknownModel means no replica serves the request's model: every
+// replica's models are known (replica.Models) and none lists it. Decide
+// returns it as an *UnknownModelError.
+var ErrUnknownModel = errors.New("no replica serves the model")
+
+// UnknownModelError names the model no replica serves.
+type UnknownModelError struct{ Model string }
+
+func (e *UnknownModelError) Error() string {
+	return fmt.Sprintf("no replica serves the model %q", e.Model)
+}
+func (e *UnknownModelError) Is(target error) bool { return target == ErrUnknownModel }
 
 // EngineOptions configure an Engine (see New). The zero value is usable:
 // the routing policy is not the engine's, but each Request's (its A/B arm's,
@@ -211,6 +225,11 @@ type Request struct {
 	// Allow, if set, says which replicas may take the request (a gateway's
 	// subset hint); the others are not candidates. Nil allows all.
 	Allow func(*replica.Replica) bool
+	// Model is the model the request names. A replica whose models are
+	// known and do not include it is not a candidate; among those that
+	// serve it as a LoRA adapter, the ones with it loaded rank first, then
+	// the ones with room for it (replica.Models.AdapterTier). Empty: any.
+	Model string
 	// pooled says Blocks came from the engine's block pool (Prepare made
 	// them), so Recycle may take them back.
 	pooled bool
@@ -240,7 +259,7 @@ func (r *Request) DetachText() {
 // its block list is the engine's, and Recycle takes it back when the
 // decision made from it ends.
 func (e *Engine) Prepare(req *blockhash.Request, sessionID string, withText bool) Request {
-	in := Request{Blocks: e.split.Split(newBlocks(e.split.Count(req)), req), pooled: true, scale: 1}
+	in := Request{Blocks: e.split.Split(newBlocks(e.split.Count(req)), req), pooled: true, scale: 1, Model: req.Model}
 	if req.TokenIDsOnly() { // token ids are counted exactly already: nothing to scale, nothing to learn
 		in.exact = true
 	} else {
@@ -264,7 +283,7 @@ func (e *Engine) PrepareTokens(req *blockhash.Request, ids []int32, blockTokens 
 		seed = blockhash.TokenSeed(req.Model)
 	}
 	bl, tail := blockhash.AppendTokenBlocks(newBlocks(len(ids)/max(blockTokens, 1)), seed, ids, blockTokens, req)
-	in := Request{Blocks: bl, Tail: tail, pooled: true, scale: 1, exact: true, blockTokens: blockTokens}
+	in := Request{Blocks: bl, Tail: tail, pooled: true, scale: 1, exact: true, blockTokens: blockTokens, Model: req.Model}
 	in.Key = SessionKey(sessionID, req.User, in.Blocks)
 	in.Text = e.text(req, withText)
 	return in
@@ -347,7 +366,7 @@ func (e *Engine) Decide(ri Request, record bool) (*Decision, error) {
 	for _, b := range ri.Blocks {
 		d.Tokens += int(b.Tokens)
 	}
-	in, err := e.rank(d, pol, ri.Allow)
+	in, err := e.rank(d, pol, ri.Allow, ri.Model)
 	if err != nil {
 		return nil, err
 	}
@@ -413,7 +432,7 @@ func (e *Engine) view(d *Decision) *View {
 // rank scores the available replicas that allow admits (all, if nil) with
 // pol and keeps the best Attempts;
 // it returns what the policy was told.
-func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool) (*View, error) {
+func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool, model string) (*View, error) {
 	now := e.o.Now()
 	reps := e.pool.Replicas()
 	sc, _ := scratchPool.Get().(*scratch)
@@ -426,7 +445,17 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 	matches, sizes := sc.matches, sc.sizes
 	d.Candidates = newCandidates(len(reps))
 	n := 0
+	unknown, served, adapters := false, false, false // of the pool: is the model served at all?
 	for _, r := range reps {
+		if m := r.Models(); model != "" && m != nil {
+			if !m.Serves(model) {
+				continue
+			}
+			served = true
+			adapters = adapters || len(m.Adapters) > 0
+		} else {
+			unknown = true
+		}
 		if !r.Available(now) || (allow != nil && !allow(r)) {
 			continue
 		}
@@ -439,13 +468,27 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 	}
 	d.Candidates = d.Candidates[:n]
 	if len(d.Candidates) == 0 {
+		if model != "" && !unknown && !served {
+			return nil, &UnknownModelError{Model: model}
+		}
 		return nil, ErrNoReplica
 	}
 	in := e.view(d)
 	pol.Score(in, d.Candidates)
+	if adapters {
+		for i := range d.Candidates {
+			if m := d.Candidates[i].Replica.Models(); m != nil {
+				d.Candidates[i].Tier += m.AdapterTier(model) << adapterTierShift
+			}
+		}
+	}
 	d.Ranked = rank(d.Candidates, d.Key, e.o.Attempts)
 	return in, nil
 }
+
+// adapterTierShift puts a LoRA adapter's tier (loaded, room, neither)
+// above every tier a policy sets (least_load's in-flight counts included).
+const adapterTierShift = 40
 
 // scratch is a decision's per-replica working memory, reused across
 // decisions.

@@ -69,6 +69,11 @@ type Options struct {
 	// the same tokens, and their KV events carry the adapter's name and
 	// id (1 + its index here).
 	LoRAs []string
+	// MaxLoRAs is vLLM's --max-loras, reported as max_lora in
+	// vllm:lora_requests_info (the adapters of running and waiting
+	// requests); default 1. The replica does not hold a request back for
+	// it.
+	MaxLoRAs int
 	// MaxModelLen is the context length: a request whose prompt and
 	// max_tokens together exceed it is refused with 400, as vLLM refuses
 	// it; /tokenize and /v1/models report it. Default 1,048,576.
@@ -119,6 +124,7 @@ func (o *Options) defaults() {
 		o.MaxBodyBytes = 32 << 20
 	}
 	def(&o.MaxModelLen, 1<<20)
+	def(&o.MaxLoRAs, 1)
 	if o.Tokenizer == "" {
 		o.Tokenizer = TokenizerWords
 	}
@@ -150,6 +156,7 @@ type Server struct {
 	sem    chan struct{}
 	// prefill is the one prompt computation at a time (see prefillQueue).
 	prefill prefillQueue
+	lora    *loraUse // nil without LoRAs
 	tok     *Tokenizer
 	models  map[string]model
 
@@ -213,6 +220,9 @@ func New(o Options) (*Server, error) {
 		[]string{"block_size", "num_gpu_blocks"})
 	info.WithLabelValues(fmt.Sprint(o.BlockSize), fmt.Sprint(o.NumBlocks)).Set(1)
 	reg.MustRegister(info)
+	if len(o.LoRAs) > 0 {
+		s.lora = newLoRAUse(reg, o.MaxLoRAs)
+	}
 
 	s.mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	s.mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
@@ -443,22 +453,26 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	// the request is waiting, as in vLLM's scheduler, and the cache is
 	// looked up only then.
 	s.waiting.Inc()
+	s.loraAdd(m.lora, 1, 0)
 	select {
 	case s.sem <- struct{}{}:
 	case <-ctx.Done():
 		s.waiting.Dec()
+		s.loraAdd(m.lora, -1, 0)
 		s.cancelled.Add(1)
 		return
 	}
 	defer func() { <-s.sem }()
 	if !s.prefill.acquire(ctx) {
 		s.waiting.Dec()
+		s.loraAdd(m.lora, -1, 0)
 		s.cancelled.Add(1)
 		return
 	}
 	s.waiting.Dec()
 	s.running.Inc()
-	defer s.running.Dec()
+	s.loraAdd(m.lora, -1, 1)
+	defer func() { s.running.Dec(); s.loraAdd(m.lora, 0, -1) }()
 
 	keys, tokens, cached := s.lookup(sc.ids, m, sc.keys)
 	sc.keys = keys
@@ -503,6 +517,12 @@ func keys0(keys []uint64) uint64 {
 		return 0
 	}
 	return keys[len(keys)-1]
+}
+
+func (s *Server) loraAdd(adapter string, wait, run int) {
+	if s.lora != nil {
+		s.lora.add(adapter, wait, run)
+	}
 }
 
 // sleep waits d or until ctx ends; it reports whether d passed.

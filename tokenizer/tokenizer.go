@@ -30,8 +30,9 @@ type Options struct {
 	// server), e.g. http://10.0.0.5:8000.
 	URL string
 	// Pick, if set instead of URL, chooses the replica to ask for each
-	// call (e.g. any healthy one); "" means none is available.
-	Pick func() string
+	// call, given the request's model (e.g. any healthy one serving it);
+	// "" means none is available.
+	Pick func(model string) string
 	// Timeout bounds one call; past it the caller gets ErrSlow and routes
 	// on its estimate. Default 50ms.
 	Timeout time.Duration
@@ -207,7 +208,7 @@ func (c *Client) call(ctx context.Context, r request) ([]int32, error) {
 	defer cancel()
 	base := c.o.URL
 	if c.o.Pick != nil {
-		if base = c.o.Pick(); base == "" {
+		if base = c.o.Pick(r.Model); base == "" {
 			return nil, ErrNoReplica
 		}
 	}

@@ -30,6 +30,10 @@ type demoOptions struct {
 	// the router tokenizes through them) or "" / "approximate".
 	picture string
 	sim     simreplica.Options
+	// models, if set, are served in turn: replica i serves models[i mod
+	// len(models)]. simFor, if set, adjusts replica i's options (tests).
+	models []string
+	simFor func(i int, o *simreplica.Options)
 	// grpcListen and decisionLog override the config's when set.
 	grpcListen  string
 	decisionLog string
@@ -94,13 +98,20 @@ func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
 	d := &demo{}
 	var reps []configs.Replica
 	for i := 0; i < o.replicas; i++ {
-		s, err := simreplica.Start(o.sim, "127.0.0.1:0")
+		so := o.sim
+		if len(o.models) > 0 {
+			so.Model = o.models[i%len(o.models)]
+		}
+		if o.simFor != nil {
+			o.simFor(i, &so)
+		}
+		s, err := simreplica.Start(so, "127.0.0.1:0")
 		if err != nil {
 			d.close()
 			return nil, err
 		}
 		d.sims = append(d.sims, s)
-		so := s.Options()
+		so = s.Options()
 		rep := configs.Replica{Name: fmt.Sprintf("sim-%d", i), URL: s.URL, BudgetTokens: int64(so.NumBlocks * so.BlockSize)}
 		if pub, replay := s.KVEventsEndpoints(); pub != "" {
 			rep.KVEvents = configs.KVEventsConfig{Endpoint: pub, ReplayEndpoint: replay, Topic: "kv-events"}

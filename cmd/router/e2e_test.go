@@ -536,14 +536,14 @@ func TestE2EMetricsCarryArmAndPolicy(t *testing.T) {
 	}
 	body := scrape(t, d)
 	for _, want := range []string{
-		`semroute_requests_total{arm="a",code="200",policy="semantic",route="chat"}`,
-		`semroute_requests_total{arm="b",code="200",policy="least_load",route="chat"}`,
+		`semroute_requests_total{arm="a",code="200",model="sim-model",policy="semantic",route="chat"}`,
+		`semroute_requests_total{arm="b",code="200",model="sim-model",policy="least_load",route="chat"}`,
 		`semroute_routing_decision_seconds_count{arm="a",policy="semantic"}`,
 		`semroute_predicted_match_ratio_count{arm="b",policy="least_load"}`,
 		`semroute_predicted_cached_tokens_total{arm="a",policy="semantic",replica="`,
 		`semroute_reported_cached_tokens_total{arm="a",policy="semantic",replica="`,
 		`semroute_cached_tokens_prediction_error_tokens_count{arm="a",policy="semantic"}`,
-		`semroute_upstream_ttft_seconds_count{arm="a",policy="semantic",replica="`,
+		`semroute_upstream_ttft_seconds_count{arm="a",model="sim-model",policy="semantic",replica="`,
 		`semroute_upstream_duration_seconds_count{arm="b",policy="least_load",replica="`,
 	} {
 		if !strings.Contains(body, want) {

@@ -81,15 +81,16 @@ func (fs *followers) close() {
 	}
 }
 
-// tokenizerFor makes the precise mode's tokenizer: a fixed URL, or any
-// available replica.
+// tokenizerFor makes the precise mode's tokenizer: a fixed URL, or an
+// available replica that serves the request's model (its chat template and
+// vocabulary are the model's), else one whose models are not known yet.
 func tokenizerFor(url string, timeout time.Duration, cacheTokens int, pool *replica.Pool) (*tokenizer.Client, error) {
 	o := tokenizer.Options{URL: strings.TrimSuffix(url, "/"), Timeout: timeout, CacheTokens: cacheTokens}
 	if url == "" {
-		o.Pick = func() string {
+		o.Pick = func(model string) string {
 			now := time.Now()
 			for _, r := range pool.Replicas() {
-				if r.Available(now) {
+				if m := r.Models(); r.Available(now) && (m == nil || m.Serves(model)) {
 					return strings.TrimSuffix(r.URL.String(), "/")
 				}
 			}

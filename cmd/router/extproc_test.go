@@ -430,3 +430,17 @@ func TestExtProcSubsetErrorsAndModes(t *testing.T) {
 		t.Fatalf("health of ext_proc: %v %v", hr, err)
 	}
 }
+
+// waitModels waits until the router knows what every replica serves.
+func waitModels(t *testing.T, d *demo) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for _, r := range d.app.core.Engine().Pool().Replicas() {
+		for r.Models() == nil {
+			if time.Now().After(deadline) {
+				t.Fatalf("the models of %s are not known", r.Name)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+}

@@ -119,6 +119,7 @@ func newDemo() *cobra.Command {
 	}
 	cmd.Flags().StringVar(&o.listen, "listen", "127.0.0.1:8080", "address to serve the OpenAI API on")
 	cmd.Flags().IntVar(&o.replicas, "replicas", 4, "number of simulated replicas")
+	cmd.Flags().StringSliceVar(&o.models, "models", nil, "models the simulated replicas serve, in turn (replica i serves models[i mod len]); default sim-model")
 	cmd.Flags().IntVar(&o.routers, "routers", 1, "number of routers sharing one picture over an embedded NATS server, behind a round-robin front on --listen")
 	cmd.Flags().StringVar(&o.picture, "picture", "events", "how the router knows the replicas' caches: events (precise: the engine's tokens from /tokenize and its KV events over ZMQ) or approximate (estimated tokens, corrected by reported hits)")
 	cmd.Flags().StringVar(&o.config, "config", "", "YAML config overriding the embedded demo config")

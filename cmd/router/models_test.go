@@ -1,0 +1,144 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/semroute/semroute/simreplica"
+)
+
+// Two models on four replicas (two each) and a LoRA adapter of one of
+// them: no request reaches a replica that does not serve its model (the
+// simulated replicas, as vLLM, refuse a model they do not serve with 404);
+// a model nobody serves is a 404 in OpenAI's shape that touches no replica;
+// the adapter's requests go to the replica that has it loaded while it
+// does; /v1/models lists each model once.
+func TestE2EModelAwarePools(t *testing.T) {
+	cfg := filepath.Join(t.TempDir(), "models.yaml")
+	os.WriteFile(cfg, []byte("health:\n  scrape_interval: 50ms\n"), 0o600)
+	sim := fastSim
+	sim.InterToken = 5 * time.Millisecond
+	d := startTestDemo(t, demoOptions{sim: sim, config: cfg, models: []string{"alpha", "beta"},
+		simFor: func(i int, o *simreplica.Options) {
+			if o.Model == "alpha" {
+				o.LoRAs = []string{"alpha-sql"} // registered on both alpha replicas
+			}
+		}})
+	waitModels(t, d)
+	serves := map[string][]string{"alpha": {"sim-0", "sim-2"}, "alpha-sql": {"sim-0", "sim-2"}, "beta": {"sim-1", "sim-3"}}
+
+	// Mixed traffic, four at a time.
+	var wg sync.WaitGroup
+	errs := make(chan string, 64)
+	for i := 0; i < 48; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			model := []string{"alpha", "beta", "alpha-sql"}[i%3]
+			b := chat([2]string{"system", text(fmt.Sprintf("%s system %d", model, i%4), 200)}, [2]string{"user", fmt.Sprint("q", i)})
+			b["model"] = model
+			r := post(t, d, "/v1/chat/completions", b, nil)
+			if r.status != 200 || !contains(serves[model], r.replica) {
+				errs <- fmt.Sprintf("%s went to %s: %d %s", model, r.replica, r.status, r.body)
+			}
+		}()
+		if i%4 == 3 {
+			wg.Wait()
+		}
+	}
+	wg.Wait()
+	close(errs)
+	for e := range errs {
+		t.Error(e)
+	}
+	var before int64
+	for _, s := range d.sims {
+		before += s.Stats().Requests
+	}
+	if before != 48 {
+		t.Fatalf("the replicas admitted %d requests of 48", before)
+	}
+
+	// A model nobody serves.
+	b := chat([2]string{"user", "hi"})
+	b["model"] = "gamma"
+	r := post(t, d, "/v1/chat/completions", b, nil)
+	var e struct {
+		Error struct{ Message, Type, Code string }
+	}
+	if r.status != http.StatusNotFound || json.Unmarshal(r.body, &e) != nil || e.Error.Code != "model_not_found" ||
+		e.Error.Type != "invalid_request_error" || !strings.Contains(e.Error.Message, "`gamma` does not exist") {
+		t.Fatalf("unknown model: %d %s", r.status, r.body)
+	}
+	var after int64
+	for _, s := range d.sims {
+		after += s.Stats().Requests
+	}
+	if after != before {
+		t.Fatalf("an unknown model reached a replica")
+	}
+
+	// The adapter: a long stream loads it on one replica; while it runs,
+	// every other request for it goes there, whatever its prompt.
+	long := chat([2]string{"user", text("long adapter stream", 50)})
+	long["model"], long["stream"], long["max_tokens"] = "alpha-sql", true, 400 // 2 s
+	first := make(chan result, 1)
+	go func() { first <- post(t, d, "/v1/chat/completions", long, nil) }()
+	var loaded string
+	deadline := time.Now().Add(5 * time.Second)
+	for loaded == "" {
+		for _, rep := range d.app.core.Engine().Pool().Replicas() {
+			if m := rep.Models(); m != nil && contains(m.Running, "alpha-sql") {
+				loaded = rep.Name
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the router never saw the adapter running")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	for i := 0; i < 8; i++ {
+		b := chat([2]string{"system", text(fmt.Sprint("other prompt ", i), 200)}, [2]string{"user", "x"})
+		b["model"] = "alpha-sql"
+		if r := post(t, d, "/v1/chat/completions", b, nil); r.status != 200 || r.replica != loaded {
+			t.Fatalf("adapter request %d went to %s (%d), the adapter is loaded on %s", i, r.replica, r.status, loaded)
+		}
+	}
+	if r := <-first; r.status != 200 || r.replica != loaded {
+		t.Fatalf("the long stream: %d on %s", r.status, r.replica)
+	}
+
+	// /v1/models: each model once.
+	resp, err := http.Get(d.router.url() + "/v1/models")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var list struct {
+		Data []struct{ ID string } `json:"data"`
+	}
+	json.NewDecoder(resp.Body).Decode(&list)
+	var ids []string
+	for _, m := range list.Data {
+		ids = append(ids, m.ID)
+	}
+	if strings.Join(ids, ",") != "alpha,alpha-sql,beta" {
+		t.Fatalf("/v1/models: %v", ids)
+	}
+}
+
+func contains(list []string, s string) bool {
+	for _, x := range list {
+		if x == s {
+			return true
+		}
+	}
+	return false
+}

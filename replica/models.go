@@ -1,0 +1,77 @@
+package replica
+
+import "slices"
+
+// Models is what a replica serves, as it reports it: the ids of its
+// GET /v1/models (the base model under its served name, and each LoRA
+// adapter it has registered), and the adapters of its running and waiting
+// requests with the most it runs at once (vLLM's vllm:lora_requests_info:
+// running_lora_adapters, waiting_lora_adapters, max_lora). It is immutable
+// once set on a Replica.
+type Models struct {
+	// Served are the model ids the replica answers to; Adapters the ones
+	// among them that are LoRA adapters (their /v1/models entry has a
+	// parent).
+	Served, Adapters []string
+	// Running and Waiting are the adapters in use and queued; MaxLoRA is
+	// how many adapters a batch may hold (0: unknown).
+	Running, Waiting []string
+	MaxLoRA          int
+}
+
+// Serves reports whether the replica answers to model.
+func (m *Models) Serves(model string) bool { return slices.Contains(m.Served, model) }
+
+// AdapterTier ranks the replica for a request naming model: 0 when the
+// model is not one of its adapters or the adapter is loaded (running or
+// waiting), 1 when it has room to load it (fewer running adapters than
+// MaxLoRA, or MaxLoRA unknown), 2 when it would have to evict another.
+func (m *Models) AdapterTier(model string) int64 {
+	switch {
+	case !slices.Contains(m.Adapters, model), slices.Contains(m.Running, model), slices.Contains(m.Waiting, model):
+		return 0
+	case m.MaxLoRA == 0 || len(m.Running) < m.MaxLoRA:
+		return 1
+	}
+	return 2
+}
+
+// SetServed records the models the replica answers to, and which of them
+// are adapters (the monitor's refresh of /v1/models), keeping what
+// SetLoRA recorded.
+func (r *Replica) SetServed(served, adapters []string) {
+	for {
+		old := r.models.Load()
+		next := &Models{Served: served, Adapters: adapters}
+		if old != nil {
+			next.Running, next.Waiting, next.MaxLoRA = old.Running, old.Waiting, old.MaxLoRA
+		}
+		if r.models.CompareAndSwap(old, next) {
+			return
+		}
+	}
+}
+
+// SetLoRA records the adapters in use from the replica's metrics, keeping
+// the models it serves.
+func (r *Replica) SetLoRA(running, waiting []string, maxLoRA int) {
+	for {
+		old := r.models.Load()
+		next := &Models{Running: running, Waiting: waiting, MaxLoRA: maxLoRA}
+		if old != nil {
+			next.Served, next.Adapters = old.Served, old.Adapters
+		}
+		if r.models.CompareAndSwap(old, next) {
+			return
+		}
+	}
+}
+
+// Models returns what the replica serves, or nil until it is known.
+func (r *Replica) Models() *Models {
+	m := r.models.Load()
+	if m == nil || m.Served == nil {
+		return nil
+	}
+	return m
+}
