@@ -159,6 +159,11 @@ type GRPCConfig struct {
 	TLSCertFile     string `mapstructure:"tls_cert_file" json:"tls_cert_file"`
 	TLSKeyFile      string `mapstructure:"tls_key_file" json:"tls_key_file"`
 	TLSClientCAFile string `mapstructure:"tls_client_ca_file" json:"tls_client_ca_file"`
+	// ExtProcWithoutToken lets the endpoint picker (Envoy's ext_proc
+	// service) be called without the token: the gateways of the Gateway
+	// API Inference Extension call their picker over TLS without
+	// credentials. The Router service still takes the token. Reloadable.
+	ExtProcWithoutToken bool `mapstructure:"ext_proc_without_token" json:"ext_proc_without_token"`
 	// MaxHeldDecisions and MaxHeldBlocks cap the Route decisions awaiting
 	// Release and the prompt blocks they keep; past either, the oldest is
 	// finished as expired.
@@ -349,6 +354,7 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("grpc.tls_cert_file", "")
 	v.SetDefault("grpc.tls_key_file", "")
 	v.SetDefault("grpc.tls_client_ca_file", "")
+	v.SetDefault("grpc.ext_proc_without_token", false)
 	v.SetDefault("grpc.max_held_decisions", limits.DefaultMaxHeld)
 	v.SetDefault("grpc.max_held_blocks", limits.DefaultMaxHeldBlocks)
 	v.SetDefault("decision_log.path", "")

@@ -200,6 +200,11 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		ScrapeInterval: scrapeInterval(h.ScrapeInterval), Logger: log,
 		OnBudget:  func(r *replica.Replica, tokens int64) { cache.SetBudget(r.ID, tokens) },
 		OnRestart: func(r *replica.Replica) { cache.Clear(r.ID) },
+		OnAdapters: func(_ *replica.Replica, adapters []string) {
+			for _, a := range adapters {
+				eng.NoteAdapter(a) // precise mode keys an adapter's blocks as its engine does
+			}
+		},
 	})
 	return a, nil
 }
@@ -289,9 +294,10 @@ func (a *app) start() (*running, error) {
 			return nil, err
 		}
 		r.grpc = router.NewGRPCServer(a.core, router.GRPCOptions{
-			Limits: a.server.CurrentLimits,
-			Token:   func() string { return a.current.Load().GRPC.Token },
-			ExtProc: router.ExtProcOptions{RecordReplies: a.cfg.Routing.RecordReplies, Logger: a.log},
+			Limits:      a.server.CurrentLimits,
+			Token:       func() string { return a.current.Load().GRPC.Token },
+			ExtProcOpen: func() bool { return a.current.Load().GRPC.ExtProcWithoutToken },
+			ExtProc:     router.ExtProcOptions{RecordReplies: a.cfg.Routing.RecordReplies, Logger: a.log},
 		}, grpc.MaxRecvMsgSize(int(a.cfg.Limits.MaxBodyBytes)), creds)
 		go func() { _ = r.grpc.Serve(r.grpcLn) }()
 	}

@@ -1,0 +1,85 @@
+package main
+
+import (
+	"encoding/json"
+	"os"
+	"testing"
+
+	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
+	_ "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	_ "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/router/v3"
+	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
+	_ "github.com/envoyproxy/go-control-plane/envoy/extensions/load_balancing_policies/least_request/v3"
+	_ "github.com/envoyproxy/go-control-plane/envoy/extensions/load_balancing_policies/override_host/v3"
+	_ "github.com/envoyproxy/go-control-plane/envoy/extensions/upstreams/http/v3"
+	"go.yaml.in/yaml/v3"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/anypb"
+
+	extprocfilterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+
+	"github.com/semroute/semroute/router"
+)
+
+// The example Envoy configuration is Envoy's API, field for field: it
+// decodes into a Bootstrap with every typed config known (an unknown field
+// or type fails), passes go-control-plane's validation rules, and its
+// ext_proc filter asks for what the endpoint picker needs.
+func TestDeployEnvoyConfig(t *testing.T) {
+	raw, err := os.ReadFile("../../deploy/envoy/envoy.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var doc any
+	if err := yaml.Unmarshal(raw, &doc); err != nil {
+		t.Fatal(err)
+	}
+	js, err := json.Marshal(doc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var b bootstrapv3.Bootstrap
+	if err := protojson.Unmarshal(js, &b); err != nil {
+		t.Fatalf("not Envoy's bootstrap: %v", err)
+	}
+	if err := b.ValidateAll(); err != nil {
+		t.Fatalf("Envoy's validation rules: %v", err)
+	}
+	// Every typed config inside, validated too.
+	var hcm hcmv3.HttpConnectionManager
+	if err := b.GetStaticResources().GetListeners()[0].GetFilterChains()[0].GetFilters()[0].GetTypedConfig().UnmarshalTo(&hcm); err != nil {
+		t.Fatal(err)
+	}
+	if err := hcm.ValidateAll(); err != nil {
+		t.Fatal(err)
+	}
+	var ep extprocfilterv3.ExternalProcessor
+	if err := hcm.GetHttpFilters()[0].GetTypedConfig().UnmarshalTo(&ep); err != nil {
+		t.Fatal(err)
+	}
+	if err := ep.ValidateAll(); err != nil {
+		t.Fatal(err)
+	}
+	pm := ep.GetProcessingMode()
+	if pm.GetRequestBodyMode() != extprocfilterv3.ProcessingMode_FULL_DUPLEX_STREAMED || pm.GetRequestTrailerMode() != extprocfilterv3.ProcessingMode_SEND {
+		t.Fatalf("processing mode %v", pm)
+	}
+	ns := ep.GetMetadataOptions()
+	if !contains(ns.GetForwardingNamespaces().GetUntyped(), router.MetadataSubset) || !contains(ns.GetReceivingNamespaces().GetUntyped(), router.MetadataLB) {
+		t.Fatalf("metadata namespaces %v", ns)
+	}
+	for _, c := range b.GetStaticResources().GetClusters() {
+		for _, p := range c.GetLoadBalancingPolicy().GetPolicies() {
+			m, err := anypb.UnmarshalNew(p.GetTypedExtensionConfig().GetTypedConfig(), proto.UnmarshalOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if v, ok := m.(interface{ ValidateAll() error }); ok {
+				if err := v.ValidateAll(); err != nil {
+					t.Fatalf("%s: %v", c.GetName(), err)
+				}
+			}
+		}
+	}
+}
