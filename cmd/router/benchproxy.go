@@ -8,15 +8,18 @@ import (
 	"io"
 	"log"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httputil"
-	"net/url"
+	neturl "net/url"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"sort"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"text/tabwriter"
 	"time"
 
@@ -34,6 +37,8 @@ type benchOptions struct {
 	concurrency []int         // client counts tried for throughput; the best is reported
 	duration    time.Duration // throughput phase per client count
 	sizes       []int         // request body sizes in bytes
+	tpRounds    int           // throughput rounds per client count; medians over them are reported
+	nginx       string        // nginx binary: "auto" (PATH or /usr/sbin), a path, or "off"
 }
 
 // benchResult is one target's figures in one case.
@@ -52,17 +57,20 @@ func newBenchProxy() *cobra.Command {
 	var sizes, conc, target, upstream string
 	cmd := &cobra.Command{
 		Use:   "benchproxy",
-		Short: "Measure the latency the router adds over a plain reverse proxy, in front of an instant simulated replica",
-		Long: `Starts one simulated replica that answers at once, the router in front of it, and a
-plain httputil.ReverseProxy in front of it, each in its own process on 127.0.0.1 (as
-they would run in production: one's garbage collection does not pause another), and
-drives each with the same load generator in this process (the plain proxy has the
-router's proxy settings: immediate flushing and pooled buffers): --rounds rounds of
-sequential requests for latency, interleaved across the three so they meet the same
-background noise (p50, p99, and added latency: the proxy's minus the replica's own in
-the same round; each the median over the rounds), then concurrent clients for
-throughput (the best over --concurrency). Bodies of each --sizes, streaming and not.
-After each case, the router's added p99 as a multiple of the plain proxy's.
+		Short: "Measure the latency and CPU the router adds, beside a plain Go reverse proxy and nginx, in front of an instant simulated replica",
+		Long: `Starts one simulated replica that answers at once, and in front of it the router, a
+plain httputil.ReverseProxy with the router's proxy settings (immediate flushing, pooled
+buffers), and nginx if it is installed (keep-alive upstream connections, proxy_buffering
+off; --nginx), each in its own processes on 127.0.0.1, and drives them all with the same
+load generator in this process. Every request is a new prompt (numbered), so the router
+records every block. --rounds rounds of sequential requests for latency, interleaved
+across the targets so they meet the same background noise (p50, p99, and added latency:
+the target's minus the replica's own in the same round; each the median over the
+rounds); then, for each --concurrency, --throughput-rounds rounds of --duration each,
+the targets interleaved, for requests per second and the CPU time each target's
+processes spent per request (from /proc/PID/stat; the replica's own is not counted).
+Bodies of each --sizes, streaming and not. After the table, the router against the
+plain proxy (added p99) and against nginx (CPU per request, requests/s, added p50).
 Everything shares this machine's cores.`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if target != "" {
@@ -82,8 +90,8 @@ Everything shares this machine's cores.`,
 				}
 				o.sizes = append(o.sizes, n)
 			}
-			if o.requests < 1 || o.rounds < 1 {
-				return fmt.Errorf("--requests and --rounds must be at least 1")
+			if o.requests < 1 || o.rounds < 1 || o.tpRounds < 1 {
+				return fmt.Errorf("--requests, --rounds and --throughput-rounds must be at least 1")
 			}
 			return runBenchProxy(cmd.OutOrStdout(), o)
 		},
@@ -91,8 +99,10 @@ Everything shares this machine's cores.`,
 	f := cmd.Flags()
 	f.IntVar(&o.requests, "requests", 5000, "sequential requests per target in each latency round")
 	f.IntVar(&o.rounds, "rounds", 5, "latency rounds; p50, p99 and added latency are medians over them")
-	f.StringVar(&conc, "concurrency", "8,32,128", "concurrent client counts to try for throughput, comma-separated; the best is reported")
-	f.DurationVar(&o.duration, "duration", 2*time.Second, "throughput phase per client count")
+	f.StringVar(&conc, "concurrency", "8,64", "concurrent client counts of the throughput phases, comma-separated; each is reported")
+	f.DurationVar(&o.duration, "duration", 2*time.Second, "one throughput phase (per target, client count and round)")
+	f.IntVar(&o.tpRounds, "throughput-rounds", 3, "throughput rounds, the targets interleaved in each; requests/s and CPU per request are medians over them")
+	f.StringVar(&o.nginx, "nginx", "auto", `nginx to measure beside the router: "auto" (on PATH or /usr/sbin/nginx, skipped if absent; deploy/bench/install-nginx.sh installs it), a path, or "off"`)
 	f.StringVar(&sizes, "sizes", "1024,131072", "request body sizes in bytes, comma-separated")
 	// The targets run in child processes of this command (see startBenchTarget).
 	f.StringVar(&target, "serve-target", "", "internal: serve one target (replica, plain or router) and print its URL")
@@ -102,41 +112,91 @@ Everything shares this machine's cores.`,
 	return cmd
 }
 
-func benchBody(size int, stream bool) []byte {
+// benchBody returns a chat request body of at most size bytes whose first
+// message starts with uniqueDigits zeros at the returned offset: bodyGen
+// numbers each copy there, so that every prompt is new to a cache.
+func benchBody(size int, stream bool) (body []byte, at int) {
 	pad := strings.Repeat("lorem ipsum dolor sit amet ", size/27+1)
 	for {
 		b, _ := json.Marshal(map[string]any{"model": "sim-model", "stream": stream, "max_tokens": 8,
-			"messages": []map[string]string{{"role": "user", "content": pad}}})
+			"messages": []map[string]string{{"role": "user", "content": strings.Repeat("0", uniqueDigits) + " " + pad}}})
 		if len(b) <= size {
-			return b
+			return b, bytes.Index(b, []byte(`"content":"`)) + len(`"content":"`)
 		}
 		pad = pad[:len(pad)-(len(b)-size)]
 	}
 }
 
+const uniqueDigits = 12
+
+// bodyGen hands out copies of a body, each numbered at its offset: every
+// request of a benchmark is a new prompt, as the router meets them in the
+// worst case (nothing cached, every block recorded). Safe for concurrent
+// use.
+type bodyGen struct {
+	tmpl []byte
+	at   int
+	n    atomic.Uint64
+}
+
+func (g *bodyGen) next() []byte {
+	b := bytes.Clone(g.tmpl)
+	v := g.n.Add(1)
+	for i := g.at + uniqueDigits - 1; i >= g.at; i-- {
+		b[i] = byte('0' + v%10)
+		v /= 10
+	}
+	return b
+}
+
+// benchTarget is one server under test: where it listens, and the
+// processes whose CPU it spends.
+type benchTarget struct {
+	name, url string
+	pids      func() []int
+}
+
 func runBenchProxy(out io.Writer, o benchOptions) error {
-	var targets []struct{ name, url string }
+	var targets []benchTarget
 	for _, t := range []struct{ name, role string }{{"replica", "replica"}, {"plain proxy", "plain"}, {"router", "router"}} {
 		up := ""
 		if len(targets) > 0 {
 			up = targets[0].url
 		}
-		u, stop, err := startBenchTarget(t.role, up)
+		u, pid, stop, err := startBenchTarget(t.role, up)
 		if err != nil {
 			return fmt.Errorf("starting the %s: %w", t.name, err)
 		}
 		defer stop()
-		targets = append(targets, struct{ name, url string }{t.name, u})
+		targets = append(targets, benchTarget{t.name, u, func() []int { return []int{pid} }})
+	}
+	if o.nginx != "off" {
+		bin, err := findNginx(o.nginx)
+		if err != nil {
+			return err
+		}
+		if bin == "" {
+			fmt.Fprintln(out, "nginx: not found (deploy/bench/install-nginx.sh installs it); measuring without it")
+		} else {
+			u, pids, stop, err := startNginx(bin, targets[0].url)
+			if err != nil {
+				return fmt.Errorf("starting nginx: %w", err)
+			}
+			defer stop()
+			// Beside the router: the comparison the table is read for.
+			targets = append(targets[:2], benchTarget{"nginx", u, pids}, targets[2])
+		}
 	}
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 1024, MaxConnsPerHost: 0}}
 	defer client.CloseIdleConnections()
 
 	tw := tabwriter.NewWriter(out, 2, 4, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "body\tmode\ttarget\tp50\tp99\tadded p50\tadded p99\tbest req/s\tat clients\terrors\t")
+	fmt.Fprintln(tw, "body\tmode\ttarget\tp50\tp99\tadded p50\tadded p99\tclients\treq/s\tCPU/req\terrors\t")
 	var ratios []string
 	for _, size := range o.sizes {
 		for _, stream := range []bool{false, true} {
-			body := benchBody(size, stream)
+			tmpl, at := benchBody(size, stream)
+			gen := &bodyGen{tmpl: tmpl, at: at}
 			mode := "whole"
 			if stream {
 				mode = "stream"
@@ -145,26 +205,25 @@ func runBenchProxy(out io.Writer, o benchOptions) error {
 			for i, t := range targets {
 				urls[i] = t.url
 			}
-			res := benchLatency(client, urls, body, o.requests, o.rounds)
-			for i, t := range targets {
-				var errs int64
-				res[i].throughput, res[i].atClients, errs = benchThroughput(client, t.url, body, o)
-				res[i].errors += errs // latency and throughput phases together
-			}
-			for i, t := range targets {
-				added50, added99 := "", ""
-				if i > 0 {
-					added50 = res[i].added50.Round(time.Microsecond).String()
-					added99 = res[i].added99.Round(time.Microsecond).String()
+			res := benchLatency(client, urls, gen, o.requests, o.rounds)
+			for _, clients := range o.concurrency {
+				tp := benchThroughput(client, targets, gen, clients, o)
+				for i, t := range targets {
+					added50, added99 := "", ""
+					if i > 0 {
+						added50 = res[i].added50.Round(time.Microsecond).String()
+						added99 = res[i].added99.Round(time.Microsecond).String()
+					}
+					cpu := "n/a"
+					if tp[i].cpuPerReq > 0 {
+						cpu = tp[i].cpuPerReq.Round(time.Microsecond).String()
+					}
+					fmt.Fprintf(tw, "%d B\t%s\t%s\t%v\t%v\t%s\t%s\t%d\t%.0f\t%s\t%d\t\n", len(tmpl), mode, t.name,
+						res[i].p50.Round(time.Microsecond), res[i].p99.Round(time.Microsecond), added50, added99,
+						clients, tp[i].throughput, cpu, res[i].errors+tp[i].errors)
 				}
-				fmt.Fprintf(tw, "%d B\t%s\t%s\t%v\t%v\t%s\t%s\t%.0f\t%d\t%d\t\n", len(body), mode, t.name,
-					res[i].p50.Round(time.Microsecond), res[i].p99.Round(time.Microsecond), added50, added99, res[i].throughput, res[i].atClients, res[i].errors)
+				ratios = append(ratios, benchRatios(targets, res, tp, len(tmpl), mode, clients, clients == o.concurrency[0])...)
 			}
-			ratio := "n/a (the plain proxy added no p99)"
-			if res[1].added99 > 0 {
-				ratio = fmt.Sprintf("%.2f×", float64(res[2].added99)/float64(res[1].added99))
-			}
-			ratios = append(ratios, fmt.Sprintf("router added p99 / plain proxy added p99, %d B %s: %s", len(body), mode, ratio))
 		}
 	}
 	if err := tw.Flush(); err != nil {
@@ -174,26 +233,49 @@ func runBenchProxy(out io.Writer, o benchOptions) error {
 	return err
 }
 
+// benchRatios states the router against the plain proxy and, if measured,
+// against nginx: added p99, requests per second and CPU per request.
+func benchRatios(targets []benchTarget, res []benchResult, tp []benchThroughputResult, size int, mode string, clients int, first bool) []string {
+	idx := map[string]int{}
+	for i, t := range targets {
+		idx[t.name] = i
+	}
+	r := idx["router"]
+	var out []string
+	if p := idx["plain proxy"]; res[p].added99 > 0 && first {
+		out = append(out, fmt.Sprintf("%d B %s: router added p99 ÷ plain proxy's: %.2f×", size, mode, float64(res[r].added99)/float64(res[p].added99)))
+	}
+	if n, ok := idx["nginx"]; ok && tp[n].cpuPerReq > 0 && tp[n].throughput > 0 {
+		line := fmt.Sprintf("%d B %s, %d clients: router ÷ nginx: CPU per request %.2f×, requests/s %.2f×", size, mode, clients,
+			float64(tp[r].cpuPerReq)/float64(tp[n].cpuPerReq), tp[r].throughput/tp[n].throughput)
+		if res[n].added50 > 0 {
+			line += fmt.Sprintf(", added p50 %.2f×", float64(res[r].added50)/float64(res[n].added50))
+		}
+		out = append(out, line)
+	}
+	return out
+}
+
 // startBenchTarget runs `router benchproxy --serve-target role` as a child
 // process and returns the URL it serves. stop closes the child's stdin, which
 // ends it, and waits; a child whose parent dies sees the same end of input.
-func startBenchTarget(role, upstream string) (url string, stop func(), err error) {
+func startBenchTarget(role, upstream string) (url string, pid int, stop func(), err error) {
 	exe, err := os.Executable()
 	if err != nil {
-		return "", nil, err
+		return "", 0, nil, err
 	}
 	cmd := exec.Command(exe, "benchproxy", "--serve-target", role, "--upstream", upstream)
 	cmd.Stderr = os.Stderr
 	in, err := cmd.StdinPipe()
 	if err != nil {
-		return "", nil, err
+		return "", 0, nil, err
 	}
 	outp, err := cmd.StdoutPipe()
 	if err != nil {
-		return "", nil, err
+		return "", 0, nil, err
 	}
 	if err := cmd.Start(); err != nil {
-		return "", nil, err
+		return "", 0, nil, err
 	}
 	stop = func() {
 		in.Close()
@@ -218,13 +300,13 @@ func startBenchTarget(role, upstream string) (url string, stop func(), err error
 	select {
 	case u, ok := <-line:
 		if ok && strings.HasPrefix(u, "http://") {
-			return u, stop, nil
+			return u, cmd.Process.Pid, stop, nil
 		}
 		stop()
-		return "", nil, fmt.Errorf("the %s process printed %q, not its URL", role, u)
+		return "", 0, nil, fmt.Errorf("the %s process printed %q, not its URL", role, u)
 	case <-time.After(30 * time.Second):
 		stop()
-		return "", nil, fmt.Errorf("the %s process did not start within 30s", role)
+		return "", 0, nil, fmt.Errorf("the %s process did not start within 30s", role)
 	}
 }
 
@@ -243,7 +325,7 @@ func serveBenchTarget(role, upstream string, out io.Writer, in io.Reader) error 
 		}
 		u, stop = sim.URL, func() { _ = sim.Close() }
 	case "plain":
-		target, err := url.Parse(upstream)
+		target, err := neturl.Parse(upstream)
 		if err != nil || target.Host == "" {
 			return fmt.Errorf("--upstream %q is not a URL", upstream)
 		}
@@ -320,11 +402,11 @@ func benchOnce(client *http.Client, u string, body []byte) error {
 // added latency: its own minus the replica's (the first URL's) in that
 // round. The result is the median over rounds of each, so that one noisy
 // stretch of a shared machine does not decide a tail.
-func benchLatency(client *http.Client, urls []string, body []byte, n, rounds int) []benchResult {
+func benchLatency(client *http.Client, urls []string, gen *bodyGen, n, rounds int) []benchResult {
 	res := make([]benchResult, len(urls))
 	for i := 0; i < 50; i++ { // warm up connections
 		for _, u := range urls {
-			_ = benchOnce(client, u, body)
+			_ = benchOnce(client, u, gen.next())
 		}
 	}
 	var p50, p99, add50, add99 = make([][]time.Duration, len(urls)), make([][]time.Duration, len(urls)),
@@ -333,6 +415,7 @@ func benchLatency(client *http.Client, urls []string, body []byte, n, rounds int
 		lat := make([][]time.Duration, len(urls))
 		for i := 0; i < n; i++ {
 			for t, u := range urls {
+				body := gen.next()
 				t0 := time.Now()
 				if err := benchOnce(client, u, body); err != nil {
 					res[t].errors++
@@ -378,31 +461,213 @@ func median(ds []time.Duration) time.Duration {
 	return s[len(s)/2]
 }
 
-// benchThroughput returns the best requests per second over the client
-// counts, the count that reached it, and the errors.
-func benchThroughput(client *http.Client, u string, body []byte, o benchOptions) (best float64, at int, errors int64) {
-	for _, clients := range o.concurrency {
-		var done, errs atomic.Int64
-		deadline := time.Now().Add(o.duration)
-		var wg sync.WaitGroup
-		for c := 0; c < clients; c++ {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for time.Now().Before(deadline) {
-					if err := benchOnce(client, u, body); err != nil {
-						errs.Add(1)
-						continue
+// benchThroughputResult is one target's throughput at a client count: the
+// medians over the rounds of its requests per second and of the CPU its
+// processes spent per request (0: not measured), and the errors.
+type benchThroughputResult struct {
+	throughput float64
+	cpuPerReq  time.Duration
+	errors     int64
+}
+
+// benchThroughput drives each target with clients concurrent clients for
+// o.duration, --rounds times, the targets interleaved within each round so
+// that they meet the same background noise, and reads each target's CPU
+// time from /proc before and after its phase.
+func benchThroughput(client *http.Client, targets []benchTarget, gen *bodyGen, clients int, o benchOptions) []benchThroughputResult {
+	out := make([]benchThroughputResult, len(targets))
+	tps, cpus := make([][]float64, len(targets)), make([][]time.Duration, len(targets))
+	for range o.tpRounds {
+		for i, t := range targets {
+			cpu0, okCPU := cpuTime(t.pids())
+			var done, errs atomic.Int64
+			start := time.Now()
+			deadline := start.Add(o.duration)
+			var wg sync.WaitGroup
+			for c := 0; c < clients; c++ {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					for time.Now().Before(deadline) {
+						if err := benchOnce(client, t.url, gen.next()); err != nil {
+							errs.Add(1)
+							continue
+						}
+						done.Add(1)
 					}
-					done.Add(1)
-				}
-			}()
+				}()
+			}
+			wg.Wait()
+			elapsed := time.Since(start)
+			cpu1, okCPU1 := cpuTime(t.pids())
+			tps[i] = append(tps[i], float64(done.Load())/elapsed.Seconds())
+			if okCPU && okCPU1 && done.Load() > 0 {
+				cpus[i] = append(cpus[i], (cpu1-cpu0)/time.Duration(done.Load()))
+			}
+			out[i].errors += errs.Load()
 		}
-		wg.Wait()
-		if tp := float64(done.Load()) / o.duration.Seconds(); tp > best {
-			best, at = tp, clients
-		}
-		errors += errs.Load()
 	}
-	return best, at, errors
+	for i := range targets {
+		sort.Float64s(tps[i])
+		out[i].throughput = tps[i][len(tps[i])/2]
+		out[i].cpuPerReq = median(cpus[i])
+	}
+	return out
+}
+
+// cpuTime returns the user and system CPU time the processes pids have
+// spent, from /proc/PID/stat (utime and stime, in clock ticks of 1/100 s:
+// Linux's USER_HZ); false where /proc cannot tell (not Linux).
+func cpuTime(pids []int) (time.Duration, bool) {
+	var total time.Duration
+	for _, pid := range pids {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			return 0, false
+		}
+		// The command name (field 2) may hold spaces: count from after it.
+		rest := b[bytes.LastIndexByte(b, ')')+2:]
+		f := strings.Fields(string(rest))
+		if len(f) < 13 {
+			return 0, false
+		}
+		var ut, st int64
+		fmt.Sscan(f[11], &ut) // field 14, utime
+		fmt.Sscan(f[12], &st) // field 15, stime
+		total += time.Duration(ut+st) * 10 * time.Millisecond
+	}
+	return total, true
+}
+
+// findNginx returns the nginx binary to measure: --nginx's path, or with
+// "auto" the one on PATH or at /usr/sbin/nginx, or "" when there is none.
+func findNginx(flag string) (string, error) {
+	if flag != "auto" {
+		if _, err := os.Stat(flag); err != nil {
+			return "", fmt.Errorf("--nginx %s: %w", flag, err)
+		}
+		return flag, nil
+	}
+	if p, err := exec.LookPath("nginx"); err == nil {
+		return p, nil
+	}
+	if _, err := os.Stat("/usr/sbin/nginx"); err == nil {
+		return "/usr/sbin/nginx", nil
+	}
+	return "", nil
+}
+
+// nginxConf is nginx as a user would put it in front of vLLM: keep-alive
+// connections to the upstream, no response buffering (streams pass at
+// once), request bodies held in memory, no access log (the router's request
+// log is off in the benchmark too). %[1]s is the prefix directory, %[2]s
+// the listen address, %[3]s the upstream host:port.
+const nginxConf = `daemon off;
+worker_processes auto;
+pid %[1]s/nginx.pid;
+error_log %[1]s/error.log warn;
+events { worker_connections 4096; }
+http {
+    access_log off;
+    client_body_temp_path %[1]s/body;
+    proxy_temp_path %[1]s/proxy;
+    fastcgi_temp_path %[1]s/fastcgi;
+    uwsgi_temp_path %[1]s/uwsgi;
+    scgi_temp_path %[1]s/scgi;
+    client_max_body_size 64m;
+    client_body_buffer_size 1m;
+    keepalive_requests 1000000;
+    upstream replica {
+        server %[3]s;
+        keepalive 256;
+        keepalive_requests 1000000;
+    }
+    server {
+        listen %[2]s;
+        location / {
+            proxy_pass http://replica;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }
+    }
+}
+`
+
+// startNginx runs nginx in front of upstream on a free port of 127.0.0.1,
+// with its own prefix directory; pids lists its master and workers.
+func startNginx(bin, upstream string) (url string, pids func() []int, stop func(), err error) {
+	dir, err := os.MkdirTemp("", "semroute-nginx")
+	if err != nil {
+		return "", nil, nil, err
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", nil, nil, err
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	up, err := neturl.Parse(upstream)
+	if err != nil {
+		return "", nil, nil, err
+	}
+	conf := filepath.Join(dir, "nginx.conf")
+	if err := os.WriteFile(conf, []byte(fmt.Sprintf(nginxConf, dir, addr, up.Host)), 0o600); err != nil {
+		return "", nil, nil, err
+	}
+	cmd := exec.Command(bin, "-p", dir, "-c", conf, "-e", filepath.Join(dir, "error.log"))
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		return "", nil, nil, err
+	}
+	stop = func() {
+		_ = cmd.Process.Signal(syscall.SIGQUIT) // graceful: the workers end too
+		done := make(chan struct{})
+		go func() { _ = cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			_ = cmd.Process.Kill()
+			<-done
+		}
+		os.RemoveAll(dir)
+	}
+	master := cmd.Process.Pid
+	pids = func() []int { return append([]int{master}, childPIDs(master)...) }
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		if c, err := net.DialTimeout("tcp", addr, 100*time.Millisecond); err == nil {
+			c.Close()
+			return "http://" + addr, pids, stop, nil
+		}
+		if time.Now().After(deadline) {
+			stop()
+			return "", nil, nil, fmt.Errorf("nginx did not listen on %s within 10s (see %s/error.log)", addr, dir)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// childPIDs returns the processes whose parent is pid (nginx's workers).
+func childPIDs(pid int) []int {
+	ents, _ := os.ReadDir("/proc")
+	var out []int
+	for _, e := range ents {
+		var p int
+		if _, err := fmt.Sscan(e.Name(), &p); err != nil {
+			continue
+		}
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", p))
+		if err != nil {
+			continue
+		}
+		f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+2:]))
+		var ppid int
+		if len(f) > 1 {
+			fmt.Sscan(f[1], &ppid)
+		}
+		if ppid == pid {
+			out = append(out, p)
+		}
+	}
+	return out
 }
