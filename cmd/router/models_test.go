@@ -86,7 +86,23 @@ func TestE2EModelAwarePools(t *testing.T) {
 	}
 
 	// The adapter: a long stream loads it on one replica; while it runs,
-	// every other request for it goes there, whatever its prompt.
+	// every other request for it goes there, whatever its prompt. First the
+	// router's picture of the adapters must have caught up with the end of
+	// the traffic above (the metrics are scraped every 50 ms).
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		busy := false
+		for _, rep := range d.app.core.Engine().Pool().Replicas() {
+			if m := rep.Models(); m != nil && (len(m.Running) > 0 || len(m.Waiting) > 0) {
+				busy = true
+			}
+		}
+		if !busy {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the adapters still look busy 5 s after the traffic ended")
+		}
+	}
 	long := chat([2]string{"user", text("long adapter stream", 50)})
 	long["model"], long["stream"], long["max_tokens"] = "alpha-sql", true, 400 // 2 s
 	first := make(chan result, 1)

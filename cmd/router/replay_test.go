@@ -78,17 +78,23 @@ func TestCLIReplayMooncakeAndErrors(t *testing.T) {
 
 func TestCLIBenchProxyRuns(t *testing.T) {
 	t.Setenv("SEMROUTE_TEST_MAIN", "1") // the targets' processes run this binary as the router (TestMain)
-	out := runCLI(t, "benchproxy", "--sizes", "1024", "--requests", "20", "--rounds", "2", "--duration", "50ms", "--concurrency", "2,4")
-	for _, want := range []string{"replica", "plain proxy", "router", "stream", "whole"} {
+	out := runCLI(t, "benchproxy", "--sizes", "1024", "--requests", "20", "--rounds", "2", "--duration", "50ms", "--concurrency", "2,4",
+		"--throughput-rounds", "1")
+	for _, want := range []string{"replica", "plain proxy", "router", "stream", "whole", "CPU/req", "1024 B whole: router added p99 ÷ plain proxy's: "} {
 		if !strings.Contains(out, want) {
 			t.Fatalf("output lacks %q:\n%s", want, out)
 		}
 	}
-	if !strings.Contains(out, "router added p99 / plain proxy added p99, ") {
-		t.Fatalf("output lacks the ratios:\n%s", out)
+	// nginx is measured where it is installed (deploy/bench/install-nginx.sh).
+	if bin, _ := findNginx("auto"); bin != "" {
+		if !strings.Contains(out, "1024 B whole, 4 clients: router ÷ nginx: CPU per request ") {
+			t.Fatalf("nginx is installed, the output lacks the comparison:\n%s", out)
+		}
+	} else if !strings.Contains(out, "nginx: not found") {
+		t.Fatalf("nginx is not installed, and the output does not say so:\n%s", out)
 	}
 	for _, line := range strings.Split(out, "\n") {
-		if strings.HasPrefix(line, "router added p99") {
+		if strings.Contains(line, "÷") || strings.HasPrefix(line, "nginx:") {
 			continue
 		}
 		if f := strings.Fields(line); len(f) > 0 && f[len(f)-1] != "0" && f[len(f)-1] != "errors" {
