@@ -57,6 +57,8 @@ type Monitor struct {
 
 	mu   sync.Mutex
 	last map[*replica.Replica]float64 // last prefix-cache query counter, for restarts
+
+	refreshing sync.Map // *replica.Replica → true while its /v1/models is being read
 }
 
 // New returns a monitor of p.
@@ -314,14 +316,18 @@ func ParseMetrics(rd io.Reader) (Scraped, error) {
 		}
 	}
 	if f, ok := fams[metricLoRA]; ok && len(f.GetMetric()) > 0 {
-		latest := f.GetMetric()[0]
-		for _, mm := range f.GetMetric()[1:] {
-			if value(mm) > value(latest) {
+		var latest *dto.Metric
+		for _, mm := range f.GetMetric() {
+			v := value(mm)
+			if math.IsNaN(v) || math.IsInf(v, 0) {
+				continue // not a time: it would never be passed
+			}
+			if latest == nil || v > value(latest) {
 				latest = mm
 			}
 		}
-		out.LoRA = true
-		for _, l := range latest.GetLabel() {
+		out.LoRA = latest != nil
+		for _, l := range latest.GetLabel() { // nil-safe: none
 			switch l.GetName() {
 			case "running_lora_adapters":
 				out.LoRARunning = adapterList(l.GetValue())
@@ -398,6 +404,10 @@ func (m *Monitor) apply(r *replica.Replica, s Scraped) {
 // serves, and which are LoRA adapters (an entry with a parent, as vLLM
 // lists them). A replica that does not answer keeps what was known.
 func (m *Monitor) RefreshModels(ctx context.Context, r *replica.Replica) {
+	if _, busy := m.refreshing.LoadOrStore(r, true); busy {
+		return // the last refresh is still out: answers must not land out of order
+	}
+	defer m.refreshing.Delete(r)
 	ctx, cancel := context.WithTimeout(ctx, m.o.CheckTimeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, r.URL.JoinPath("/v1/models").String(), nil)
@@ -412,7 +422,7 @@ func (m *Monitor) RefreshModels(ctx context.Context, r *replica.Replica) {
 	if resp.StatusCode != http.StatusOK {
 		return
 	}
-	served, adapters, err := ParseModels(io.LimitReader(resp.Body, 4<<20))
+	served, adapters, err := ParseModels(io.LimitReader(resp.Body, 1<<20))
 	if err != nil {
 		m.o.Logger.Warn("replica models unreadable", "replica", r.Name, "err", err)
 		return
@@ -423,30 +433,54 @@ func (m *Monitor) RefreshModels(ctx context.Context, r *replica.Replica) {
 	}
 }
 
-// ParseModels reads an OpenAI model list ({"data":[{"id":…,"parent":…}]}):
-// the ids, at most maxAdapters of them, and the ids of the entries with a
-// parent (vLLM's LoRA adapters).
+// ParseModels reads an OpenAI model list ({"data":[{"id":…,"parent":…}]})
+// as it streams: the ids, and the ids of the entries with a parent (vLLM's
+// LoRA adapters). It stops after maxAdapters entries, so a hostile list
+// costs no more than that; a list without "data" is an error (the models
+// stay unknown rather than become none).
 func ParseModels(rd io.Reader) (served, adapters []string, err error) {
-	var list struct {
-		Data []struct {
-			ID     string  `json:"id"`
-			Parent *string `json:"parent"`
-		} `json:"data"`
+	dec := json.NewDecoder(rd)
+	bad := func(what string) ([]string, []string, error) {
+		return nil, nil, fmt.Errorf("read models: %s", what)
 	}
-	if err := json.NewDecoder(rd).Decode(&list); err != nil {
-		return nil, nil, fmt.Errorf("read models: %w", err)
+	if t, err := dec.Token(); err != nil || t != json.Delim('{') {
+		return bad("not a JSON object")
 	}
-	served = []string{}
-	for _, d := range list.Data {
-		if d.ID == "" || len(served) >= maxAdapters {
+	for dec.More() {
+		key, err := dec.Token()
+		if err != nil {
+			return bad(err.Error())
+		}
+		if key != "data" {
+			var skip json.RawMessage
+			if err := dec.Decode(&skip); err != nil {
+				return bad(err.Error())
+			}
 			continue
 		}
-		served = append(served, d.ID)
-		if d.Parent != nil && *d.Parent != "" {
-			adapters = append(adapters, d.ID)
+		if t, err := dec.Token(); err != nil || t != json.Delim('[') {
+			return bad(`"data" is not a list`)
 		}
+		served = []string{}
+		for n := 0; dec.More() && n < maxAdapters; n++ {
+			var d struct {
+				ID     string  `json:"id"`
+				Parent *string `json:"parent"`
+			}
+			if err := dec.Decode(&d); err != nil {
+				return bad(err.Error())
+			}
+			if d.ID == "" {
+				continue
+			}
+			served = append(served, d.ID)
+			if d.Parent != nil && *d.Parent != "" {
+				adapters = append(adapters, d.ID)
+			}
+		}
+		return served, adapters, nil // the rest, if any, is past the cap
 	}
-	return served, adapters, nil
+	return bad(`no "data" list`)
 }
 
 // Forget drops what the monitor remembers of r (after it left the pool).

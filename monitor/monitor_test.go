@@ -156,7 +156,28 @@ vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapt
 	if err != nil || strings.Join(served, ",") != "base,sql" || strings.Join(adapters, ",") != "sql" {
 		t.Fatalf("%v %v %v", served, adapters, err)
 	}
-	if _, _, err := ParseModels(strings.NewReader(`{"data":`)); err == nil {
-		t.Fatal("a broken model list parsed")
+	// Without a list the models stay unknown (an error), not none.
+	for _, bad := range []string{`{"data":`, `{}`, `null`, `{"data":null}`, `{"object":"list"}`, `{"error":{"message":"x"}}`, `[]`} {
+		if _, _, err := ParseModels(strings.NewReader(bad)); err == nil {
+			t.Fatalf("%s parsed as a model list", bad)
+		}
+	}
+	// A huge list is read up to the cap only.
+	var b strings.Builder
+	b.WriteString(`{"data":[`)
+	for i := 0; i < 100000; i++ {
+		fmt.Fprintf(&b, `{"id":"m%d"},`, i)
+	}
+	b.WriteString(`{}]}`)
+	if served, _, err := ParseModels(strings.NewReader(b.String())); err != nil || len(served) != maxAdapters {
+		t.Fatalf("a list of 100,000: %d read, %v", len(served), err)
+	}
+	// A NaN sample is not the latest.
+	s, _ = ParseMetrics(strings.NewReader(`# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="1",running_lora_adapters="stale",waiting_lora_adapters=""} NaN
+vllm:lora_requests_info{max_lora="1",running_lora_adapters="now",waiting_lora_adapters=""} 1700000000
+`))
+	if strings.Join(s.LoRARunning, ",") != "now" {
+		t.Fatalf("NaN first: running %v", s.LoRARunning)
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/url"
 	"strconv"
 	"strings"
 	"time"
@@ -88,6 +89,12 @@ type ExtProcOptions struct {
 	// RecordReplies and MaxReplyBytes: as ServerOptions'.
 	RecordReplies bool
 	MaxReplyBytes int
+	// Timeouts bound a stream's silences, as the HTTP front end's bound a
+	// replica's: FirstByte from the request's routing to the response's
+	// headers, Idle between any other messages. A stream silent for longer
+	// is ended (and its request with it): a gateway that went away, or a
+	// client that holds streams open, does not hold load on a replica.
+	Timeouts limits.Timeouts
 	// Logger receives one info line per request (as the HTTP front end's)
 	// and protocol warnings. Nil means slog.Default().
 	Logger *slog.Logger
@@ -105,6 +112,7 @@ func NewExtProcService(core *Core, o ExtProcOptions) *ExtProcService {
 	if o.Logger == nil {
 		o.Logger = slog.Default()
 	}
+	o.Timeouts = o.Timeouts.WithDefaults()
 	return &ExtProcService{core: core, o: o}
 }
 
@@ -131,14 +139,69 @@ type epStream struct {
 	path, method, contentType, session, tenant string
 	subset                                     []string // the gateway's subset hint; nil: none
 	body                                       []byte
-	routedAt                                   bool // the request was routed (rt set, or answered)
+	// sawHeaders, sawBody and bodyEOS: what of the request has come; routed:
+	// it was routed (rt set) or answered.
+	sawHeaders, sawBody, bodyEOS, routedAt bool
 
 	rt      *Routed
 	status  int
 	capture *replyCapture
 	strip   *usageStripper
 	respEOS bool
+	sawResp bool // the response's headers came
 	start   time.Time
+
+	msgs  chan recvd // from the stream's reader
+	timer *time.Timer
+}
+
+// recvd is one Recv's result.
+type recvd struct {
+	req *extprocv3.ProcessingRequest
+	err error
+}
+
+// errSilent ends a stream silent past its bound.
+var errSilent = status.Error(codes.DeadlineExceeded, "ext_proc: the stream was silent for too long")
+
+// recv returns the stream's next message, or errSilent when none came in
+// the silence allowed at this point of the request (see
+// ExtProcOptions.Timeouts). A reader goroutine receives; it ends with the
+// stream, which ends when Process returns.
+func (st *epStream) recv() (*extprocv3.ProcessingRequest, error) {
+	if st.msgs == nil {
+		st.msgs = make(chan recvd, 1)
+		go func() {
+			for {
+				req, err := st.srv.Recv()
+				select {
+				case st.msgs <- recvd{req, err}:
+				case <-st.srv.Context().Done(): // Process returned
+					return
+				}
+				if err != nil {
+					return
+				}
+			}
+		}()
+	}
+	bound := st.s.o.Timeouts.Idle
+	if st.rt != nil && !st.sawResp {
+		bound = st.s.o.Timeouts.FirstByte
+	}
+	if st.timer == nil {
+		st.timer = time.NewTimer(bound)
+	} else {
+		st.timer.Reset(bound)
+	}
+	select {
+	case m := <-st.msgs:
+		return m.req, m.err
+	case <-st.srv.Context().Done(): // the gateway cancelled, or went away
+		return nil, status.FromContextError(st.srv.Context().Err()).Err()
+	case <-st.timer.C:
+		return nil, errSilent
+	}
 }
 
 // Process implements extprocv3.ExternalProcessorServer.
@@ -146,17 +209,19 @@ func (s *ExtProcService) Process(srv extprocv3.ExternalProcessor_ProcessServer) 
 	st := &epStream{s: s, srv: srv, reqMode: filterv3.ProcessingMode_FULL_DUPLEX_STREAMED,
 		respMode: filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, start: time.Now()}
 	defer st.finish()
+	first := true
 	for {
-		req, err := srv.Recv()
+		req, err := st.recv()
 		if err == io.EOF || status.Code(err) == codes.Canceled {
 			return nil
 		}
 		if err != nil {
 			return err
 		}
-		if pc := req.GetProtocolConfig(); pc != nil {
+		if pc := req.GetProtocolConfig(); pc != nil && first { // set in the initial message only
 			st.reqMode, st.respMode = pc.GetRequestBodyMode(), pc.GetResponseBodyMode()
 		}
+		first = false
 		done, err := st.handle(req)
 		if err != nil || done {
 			return err
@@ -173,6 +238,9 @@ func (st *epStream) handle(req *extprocv3.ProcessingRequest) (done bool, err err
 	case *extprocv3.ProcessingRequest_RequestBody:
 		return st.requestBody(v.RequestBody)
 	case *extprocv3.ProcessingRequest_RequestTrailers:
+		if !st.sawHeaders {
+			return false, status.Error(codes.FailedPrecondition, "ext_proc: request trailers before the headers")
+		}
 		if !st.routedAt { // the body ended without end_of_stream: trailers end it
 			if done, err := st.route(false); done || err != nil {
 				return done, err
@@ -203,6 +271,10 @@ func (st *epStream) handle(req *extprocv3.ProcessingRequest) (done bool, err err
 }
 
 func (st *epStream) requestHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadata) (bool, error) {
+	if st.sawHeaders {
+		return false, status.Error(codes.FailedPrecondition, "ext_proc: request headers twice on one stream")
+	}
+	st.sawHeaders = true
 	for _, hv := range h.GetHeaders().GetHeaders() {
 		v := headerValue(hv)
 		switch strings.ToLower(hv.GetKey()) {
@@ -236,17 +308,27 @@ func (st *epStream) requestHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadata
 }
 
 func (st *epStream) requestBody(b *extprocv3.HttpBody) (bool, error) {
-	if st.routedAt {
+	switch {
+	case !st.sawHeaders:
+		return false, status.Error(codes.FailedPrecondition, "ext_proc: request body before the headers")
+	case st.routedAt:
 		return false, status.Error(codes.FailedPrecondition, "ext_proc: request body after the request was routed")
 	}
 	if limit := st.s.o.Limits().MaxBodyBytes; int64(len(st.body)+len(b.GetBody())) > limit {
 		return st.reject(classify(&http.MaxBytesError{Limit: limit}))
 	}
+	st.sawBody, st.bodyEOS = true, b.GetEndOfStream()
 	st.body = append(st.body, b.GetBody()...)
-	if !b.GetEndOfStream() {
-		if st.reqMode == filterv3.ProcessingMode_BUFFERED_PARTIAL {
-			return st.route(false) // Envoy sent all it will buffer
-		}
+	switch {
+	case st.bodyEOS:
+	case st.reqMode == filterv3.ProcessingMode_BUFFERED:
+		// The whole body, followed by trailers (Envoy's onTrailers sends a
+		// buffered body without end_of_stream and waits for its answer).
+	case st.reqMode == filterv3.ProcessingMode_BUFFERED_PARTIAL:
+		// Envoy sent what fit in its buffer: the prompt is cut short.
+		return st.reject(apiError{http.StatusRequestEntityTooLarge, "invalid_request_error", "body_too_large",
+			"the request body is larger than the gateway's ext_proc buffer (BUFFERED_PARTIAL): raise its limit, or use FULL_DUPLEX_STREAMED"})
+	default:
 		return false, nil
 	}
 	return st.route(false)
@@ -264,9 +346,22 @@ func (st *epStream) route(noBody bool) (bool, error) {
 	}
 	fwd := st.body
 	var ep blockhash.Endpoint
-	routed := st.method == http.MethodPost && (st.path == "/v1/chat/completions" || st.path == "/v1/completions")
 	if st.path == "/v1/completions" {
 		ep = blockhash.Completion
+	}
+	routed := st.path == "/v1/chat/completions" || st.path == "/v1/completions"
+	if routed && st.method != http.MethodPost {
+		return st.reject(apiError{http.StatusMethodNotAllowed, "invalid_request_error", "method_not_allowed",
+			"use POST for " + st.path})
+	}
+	if !routed { // as the HTTP front end's pass-through, with the same guards
+		decoded, err := url.PathUnescape(st.path)
+		if err != nil {
+			return st.reject(apiError{http.StatusBadRequest, "invalid_request_error", "invalid_path", "the path is not valid percent-encoding"})
+		}
+		if e := checkPassPath(decoded, st.path); e != nil {
+			return st.reject(*e)
+		}
 	}
 	if routed {
 		if e := checkBodyType(st.contentType, st.body); e != nil {
@@ -287,9 +382,11 @@ func (st *epStream) route(noBody bool) (bool, error) {
 		in.Input.Allow = allow
 		in.Input.DetachText()
 		in.Model, in.Route = req.Model, "ext_proc"
-		if req.Stream && !req.StreamOptions {
+		if req.Stream && !req.StreamOptions && st.respMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
 			// As the HTTP front end: the replica is asked for the stream's
-			// usage, and its usage chunk is taken out of the client's stream.
+			// usage, and its usage chunk is taken out of the client's stream
+			// (in the full-duplex response mode only: in the others the
+			// picker cannot hold back what it takes out, or sees no body).
 			fwd = withIncludeUsage(st.body).b
 			st.strip = newUsageStripper(nil)
 		}
@@ -318,10 +415,11 @@ func (st *epStream) route(noBody bool) (bool, error) {
 	if noBody || st.reqMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
 		err := st.send(&extprocv3.ProcessingResponse{DynamicMetadata: meta, Response: &extprocv3.ProcessingResponse_RequestHeaders{
 			RequestHeaders: &extprocv3.HeadersResponse{Response: common}}})
-		if err != nil || noBody {
+		if err != nil || noBody || !st.sawBody {
 			return false, err
 		}
-		return false, st.sendBody(true, fwd, true)
+		// end_of_stream only if the body's did: else trailers follow.
+		return false, st.sendBody(true, fwd, st.bodyEOS)
 	}
 	// Buffered: the headers were answered; the body's answer carries the
 	// destination, and the body if it changed.
@@ -364,6 +462,7 @@ func (st *epStream) sendBody(request bool, b []byte, eos bool) error {
 }
 
 func (st *epStream) responseHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadata) error {
+	st.sawResp = true
 	sse := false
 	for _, hv := range h.GetHeaders().GetHeaders() {
 		switch strings.ToLower(hv.GetKey()) {

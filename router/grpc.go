@@ -59,9 +59,11 @@ type GRPCOptions struct {
 // Bounds of the gRPC server: streams per connection, the handshake, and
 // an idle connection's life.
 const (
-	grpcMaxStreams = 100
-	grpcHandshake  = 10 * time.Second
-	grpcIdle       = 2 * time.Minute
+	grpcMaxStreams  = 100
+	grpcHandshake   = 10 * time.Second
+	grpcIdle        = 2 * time.Minute
+	grpcPing        = 30 * time.Second
+	grpcPingTimeout = 10 * time.Second
 )
 
 // NewGRPCServer returns a gRPC server with the Router service, the
@@ -70,8 +72,9 @@ const (
 // server reflection registered. The token is checked when a call's headers
 // arrive, before its message is read, so an unauthenticated caller costs
 // no message decoding; a connection carries at most 100 concurrent
-// streams, must finish its handshake in 10 s, and is closed after 2 minutes
-// without a call. opts are passed to grpc.NewServer after these.
+// streams, must finish its handshake in 10 s, is pinged after 30 s without
+// traffic (and closed if the ping goes unanswered for 10 s), and is closed
+// after 2 minutes without a call. opts are passed to grpc.NewServer after these.
 func NewGRPCServer(core *Core, o GRPCOptions, opts ...grpc.ServerOption) *grpc.Server {
 	auth := authenticator{token: o.Token, extProcOpen: o.ExtProcOpen}
 	if o.Limits == nil {
@@ -82,7 +85,10 @@ func NewGRPCServer(core *Core, o GRPCOptions, opts ...grpc.ServerOption) *grpc.S
 		grpc.InTapHandle(auth.tap),
 		grpc.MaxConcurrentStreams(grpcMaxStreams),
 		grpc.ConnectionTimeout(grpcHandshake),
-		grpc.KeepaliveParams(keepalive.ServerParameters{MaxConnectionIdle: grpcIdle}),
+		// Pings find a connection whose peer is gone (a half-open gateway
+		// connection would otherwise hold its streams' load for grpc-go's
+		// default two hours).
+		grpc.KeepaliveParams(keepalive.ServerParameters{MaxConnectionIdle: grpcIdle, Time: grpcPing, Timeout: grpcPingTimeout}),
 	}, opts...)
 	s := grpc.NewServer(opts...)
 	pb.RegisterRouterServer(s, &GRPCService{core: core, limits: o.Limits})

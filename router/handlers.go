@@ -189,16 +189,8 @@ func (s *Server) readBody(w http.ResponseWriter, r *http.Request) (*body, error)
 // A path with dot segments (sent percent-encoded, as %2e%2e, so that the
 // mux did not clean it) is refused: it would name another path upstream.
 func (s *Server) passthrough(w http.ResponseWriter, r *http.Request) {
-	if hasDotSegment(r.URL.Path) || encodesSeparator(r.URL.RawPath) || strings.ContainsRune(r.URL.Path, '\\') {
-		writeError(w, apiError{http.StatusBadRequest, "invalid_request_error", "invalid_path",
-			"the path must not contain . or .. segments, nor an encoded / or \\"})
-		return
-	}
-	// A path that names a routed endpoint once a server decodes or trims it
-	// (chat%2Fcompletions, completions;x) must not reach a replica as a
-	// pass-through request, unvalidated.
-	if p := r.URL.Path; strings.HasPrefix(p, "/v1/chat/completions") || strings.HasPrefix(p, "/v1/completions") {
-		notRouted(w, r)
+	if e := checkPassPath(r.URL.Path, r.URL.RawPath); e != nil {
+		writeError(w, *e)
 		return
 	}
 	body, err := s.readBody(w, r)
@@ -213,6 +205,25 @@ func (s *Server) passthrough(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	s.forwardRouted(w, r, r.Context(), rt, body, false)
+}
+
+// checkPassPath refuses a path that is not to be passed through to a
+// replica unvalidated: one with dot segments (sent percent-encoded, as
+// %2e%2e, so that no server cleaned it), an encoded / or \, or a backslash
+// (each names another path once a server decodes it), and one that names
+// a routed endpoint once a server decodes or trims it (chat%2Fcompletions,
+// completions;x, chat/completions/): those must be routed and validated.
+// path is the decoded path, raw the escaped one ("" if the same).
+func checkPassPath(path, raw string) *apiError {
+	if hasDotSegment(path) || encodesSeparator(raw) || strings.ContainsRune(path, '\\') {
+		return &apiError{http.StatusBadRequest, "invalid_request_error", "invalid_path",
+			"the path must not contain . or .. segments, nor an encoded / or \\"}
+	}
+	if strings.HasPrefix(path, "/v1/chat/completions") || strings.HasPrefix(path, "/v1/completions") {
+		return &apiError{http.StatusNotFound, "invalid_request_error", "unknown_route",
+			"no route " + path + "; use /v1/chat/completions or /v1/completions"}
+	}
+	return nil
 }
 
 // encodesSeparator reports whether a raw (escaped) path encodes a / or a

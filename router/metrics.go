@@ -5,6 +5,7 @@ import (
 	"net"
 	"strconv"
 	"strings"
+	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -25,7 +26,16 @@ type Metrics struct {
 	retries        *prometheus.CounterVec
 	upstreamErrors *prometheus.CounterVec
 	heldExpiredN   *prometheus.CounterVec
+	modelTTFT      *prometheus.HistogramVec
+
+	mu     sync.Mutex
+	models map[string]bool // the model label values given out (at most maxModelLabels)
 }
+
+// maxModelLabels bounds the values of the model label over the process's
+// life: a replica whose models change (adapters loaded and unloaded, or a
+// hostile one) cannot grow the series without end; past it, "other".
+const maxModelLabels = 64
 
 // NewMetrics registers the metrics with reg.
 func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
@@ -46,8 +56,10 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		predictionDiff: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "semroute_cached_tokens_prediction_error_tokens",
 			Help: "Per request: predicted minus reported cached tokens.", Buckets: []float64{-16384, -4096, -1024, -256, -64, -16, 0, 16, 64, 256, 1024, 4096, 16384}}, ap),
 		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "semroute_upstream_ttft_seconds",
-			Help: "Time from the routing decision to the replica's first response byte, by arm, policy, replica and model (as semroute_requests_total's).", Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)},
-			[]string{"arm", "policy", "replica", "model"}),
+			Help: "Time from the routing decision to the replica's first response byte.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)}, apr),
+		modelTTFT: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "semroute_model_ttft_seconds",
+			Help: "Time from the routing decision to the first response byte, by model (as semroute_requests_total's).", Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)},
+			[]string{"model"}),
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "semroute_upstream_duration_seconds",
 			Help: "Time from the routing decision to the end of the response.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 18)}, apr),
 		trimmedTokens: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_feedback_trimmed_tokens_total",
@@ -61,7 +73,8 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		heldExpiredN: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_grpc_held_expired_total",
 			Help: "gRPC decisions never released, finished by reason: timeout (routing.release_after) or cap (grpc.max_held_decisions, the oldest first)."}, []string{"reason"}),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.reported, m.trimmedTokens, m.tokenizeN, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors, m.heldExpiredN} {
+	m.models = map[string]bool{}
+	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.reported, m.trimmedTokens, m.tokenizeN, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors, m.heldExpiredN, m.modelTTFT} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -98,10 +111,11 @@ func (m *Metrics) finished(rt *Routed, o *Outcome) {
 	if route == "" {
 		route = "other"
 	}
-	model := modelLabel(rt)
+	model := m.modelLabel(rt)
 	m.requests.WithLabelValues(route, strconv.Itoa(o.Status), arm, pol, model).Inc()
 	if o.TTFTNs > 0 {
-		m.ttft.WithLabelValues(arm, pol, rep, model).Observe(float64(o.TTFTNs) / 1e9)
+		m.ttft.WithLabelValues(arm, pol, rep).Observe(float64(o.TTFTNs) / 1e9)
+		m.modelTTFT.WithLabelValues(model).Observe(float64(o.TTFTNs) / 1e9)
 	}
 	if o.DurationNs > 0 {
 		m.duration.WithLabelValues(arm, pol, rep).Observe(float64(o.DurationNs) / 1e9)
@@ -115,16 +129,26 @@ func (m *Metrics) finished(rt *Routed, o *Outcome) {
 }
 
 // modelLabel is a request's model as a metric label: the model if the
-// replica that served it lists it (so that clients cannot mint series),
-// "other" if not, "none" without a model.
-func modelLabel(rt *Routed) string {
-	switch model := rt.req.Model; {
-	case model == "":
+// replica that served it lists it (so that clients cannot mint series) and
+// the label has room (maxModelLabels), "other" if not, "none" without a
+// model.
+func (m *Metrics) modelLabel(rt *Routed) string {
+	model := rt.req.Model
+	if model == "" {
 		return "none"
-	case rt.Served.Replica.Models() != nil && rt.Served.Replica.Models().Serves(model):
-		return model
 	}
-	return "other"
+	if ms := rt.Served.Replica.Models(); ms == nil || !ms.Serves(model) {
+		return "other"
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if !m.models[model] {
+		if len(m.models) >= maxModelLabels {
+			return "other"
+		}
+		m.models[model] = true
+	}
+	return model
 }
 
 func (m *Metrics) trimmed(rt *Routed, tokens int64) {

@@ -118,9 +118,9 @@ func NewServer(o ServerOptions) (*Server, error) {
 	s := &Server{o: o, core: o.Core, e: o.Core.Engine(), mux: http.NewServeMux(), client: &http.Client{Transport: o.Transport}}
 	s.SetLimits(o.Limits)
 	s.proxy = &httputil.ReverseProxy{
-		BufferPool:     &bufferPool{},
-		Rewrite:        s.rewrite,
-		Transport:      &failover{s: s, next: o.Transport},
+		BufferPool: &bufferPool{},
+		Rewrite:    s.rewrite,
+		Transport:  &failover{s: s, next: o.Transport},
 		// No periodic flush: ReverseProxy flushes each write of an event
 		// stream (text/event-stream) or of a body of unknown length at once,
 		// and a whole answer of known length goes out in as few writes as

@@ -543,7 +543,8 @@ func TestE2EMetricsCarryArmAndPolicy(t *testing.T) {
 		`semroute_predicted_cached_tokens_total{arm="a",policy="semantic",replica="`,
 		`semroute_reported_cached_tokens_total{arm="a",policy="semantic",replica="`,
 		`semroute_cached_tokens_prediction_error_tokens_count{arm="a",policy="semantic"}`,
-		`semroute_upstream_ttft_seconds_count{arm="a",model="sim-model",policy="semantic",replica="`,
+		`semroute_upstream_ttft_seconds_count{arm="a",policy="semantic",replica="`,
+		`semroute_model_ttft_seconds_count{model="sim-model"}`,
 		`semroute_upstream_duration_seconds_count{arm="b",policy="least_load",replica="`,
 	} {
 		if !strings.Contains(body, want) {

@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -16,8 +18,10 @@ import (
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/semroute/semroute/router"
@@ -443,4 +447,184 @@ func waitModels(t *testing.T, d *demo) {
 			time.Sleep(5 * time.Millisecond)
 		}
 	}
+}
+
+// rawStream is one ext_proc stream driven message by message.
+type rawStream struct {
+	t      *testing.T
+	st     extprocv3.ExternalProcessor_ProcessClient
+	cancel context.CancelFunc
+	got    chan *extprocv3.ProcessingResponse
+	end    chan error
+}
+
+func openRaw(t *testing.T, conn *grpc.ClientConn) *rawStream {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	st, err := extprocv3.NewExternalProcessorClient(conn).Process(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &rawStream{t: t, st: st, cancel: cancel, got: make(chan *extprocv3.ProcessingResponse, 256), end: make(chan error, 1)}
+	go func() {
+		for {
+			m, err := st.Recv()
+			if err != nil {
+				r.end <- err
+				return
+			}
+			r.got <- m
+		}
+	}()
+	return r
+}
+
+func (r *rawStream) headers(mode filterv3.ProcessingMode_BodySendMode, respMode filterv3.ProcessingMode_BodySendMode, eos bool, kv ...string) {
+	_ = r.st.Send(&extprocv3.ProcessingRequest{
+		ProtocolConfig: &extprocv3.ProtocolConfiguration{RequestBodyMode: mode, ResponseBodyMode: respMode},
+		Request:        &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: hdrs(kv...), EndOfStream: eos}}})
+}
+
+func (r *rawStream) body(b []byte, eos bool) {
+	_ = r.st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: b, EndOfStream: eos}}})
+}
+
+func (r *rawStream) trailers() {
+	_ = r.st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestTrailers{RequestTrailers: &extprocv3.HttpTrailers{}}})
+}
+
+// wait returns the answers that came within d, and how the stream ended
+// (nil: still open).
+func (r *rawStream) wait(d time.Duration) (out []*extprocv3.ProcessingResponse, ended error) {
+	deadline := time.After(d)
+	for {
+		select {
+		case m := <-r.got:
+			out = append(out, m)
+		case err := <-r.end:
+			for len(r.got) > 0 {
+				out = append(out, <-r.got)
+			}
+			return out, err
+		case <-deadline:
+			return out, nil
+		}
+	}
+}
+
+func inFlight(d *demo) int64 {
+	var n int64
+	for _, r := range d.app.core.Engine().Pool().Replicas() {
+		n += r.Load(time.Now()).InFlight
+	}
+	return n
+}
+
+// A gateway that breaks the protocol's order gets an error, and whatever it
+// sends, every request it routed ends with its stream: no load is left on a
+// replica. Found by attacking the picker (a second headers message routed
+// the request again, and the first decision never ended).
+func TestExtProcHostileOrdersLeaveNoLoad(t *testing.T) {
+	d := startTestDemo(t, demoOptions{sim: fastSim, grpcListen: "127.0.0.1:0"})
+	conn := dial(t, d)
+	body, _ := json.Marshal(chat([2]string{"user", "hello"}))
+	post := []string{":method", "POST", ":path", "/v1/chat/completions", "content-type", "application/json"}
+	get := []string{":method", "GET", ":path", "/v1/models"}
+	const fd, buf = filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, filterv3.ProcessingMode_BUFFERED
+	cases := map[string]func(r *rawStream){
+		"headers twice without a body": func(r *rawStream) { r.headers(fd, fd, true, get...); r.headers(fd, fd, true, get...) },
+		"routed, then headers again": func(r *rawStream) {
+			r.headers(fd, fd, false, post...)
+			r.body(body, true)
+			r.headers(fd, fd, true, get...)
+		},
+		"body before headers":       func(r *rawStream) { r.body(body, true); r.headers(fd, fd, true, get...) },
+		"trailers before headers":   func(r *rawStream) { r.trailers(); r.headers(fd, fd, true, get...) },
+		"body after routing":        func(r *rawStream) { r.headers(fd, fd, false, post...); r.body(body, true); r.body(body, true) },
+		"cut before the body ended": func(r *rawStream) { r.headers(fd, fd, false, post...); r.body(body[:5], false) },
+	}
+	for name, run := range cases {
+		r := openRaw(t, conn)
+		run(r)
+		time.Sleep(20 * time.Millisecond)
+		r.cancel()
+		r.wait(2 * time.Second)
+		waitNoLoad(t, d, name)
+	}
+
+	// Buffered, with trailers: Envoy sends the whole body without
+	// end_of_stream and waits for the answer before the trailers.
+	r := openRaw(t, conn)
+	r.headers(buf, buf, false, post...)
+	r.body(body, false)
+	got, _ := r.wait(300 * time.Millisecond)
+	if len(got) != 2 || got[0].GetRequestHeaders() == nil || got[1].GetRequestBody() == nil {
+		t.Fatalf("buffered body with trailers to come: answers %v", got)
+	}
+	r.cancel()
+	waitNoLoad(t, d, "buffered with trailers")
+
+	// Full duplex, the body ended by trailers: the body's answer does not
+	// claim end_of_stream; a request without any body gets no body answer.
+	r = openRaw(t, conn)
+	r.headers(fd, fd, false, post...)
+	r.body(body, false)
+	r.trailers()
+	got, _ = r.wait(300 * time.Millisecond)
+	var eos, trailersAnswered bool
+	for _, m := range got {
+		eos = eos || m.GetRequestBody().GetResponse().GetBodyMutation().GetStreamedResponse().GetEndOfStream()
+		trailersAnswered = trailersAnswered || m.GetRequestTrailers() != nil
+	}
+	if eos || !trailersAnswered {
+		t.Fatalf("body ended by trailers: end_of_stream %v, trailers answered %v: %v", eos, trailersAnswered, got)
+	}
+	r.cancel()
+	waitNoLoad(t, d, "body ended by trailers")
+
+	// Paths the HTTP front end refuses to pass through are refused here too.
+	for path, want := range map[string]int{"/v1/chat%2Fcompletions": 400, "/v1/chat/completions/": 404, "/v1/%2e%2e/admin": 400, "/v1/completions;x": 404} {
+		r := openRaw(t, conn)
+		r.headers(fd, fd, false, ":method", "POST", ":path", path, "content-type", "application/json")
+		r.body(body, true)
+		got, _ := r.wait(300 * time.Millisecond)
+		if len(got) == 0 || int(got[0].GetImmediateResponse().GetStatus().GetCode()) != want {
+			t.Fatalf("%s: %v, want an immediate %d", path, got, want)
+		}
+		r.cancel()
+	}
+	waitNoLoad(t, d, "the end")
+}
+
+// waitNoLoad waits for every request in flight on d's replicas to end.
+func waitNoLoad(t *testing.T, d *demo, what string) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for inFlight(d) != 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: %d requests still in flight after their streams ended", what, inFlight(d))
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// A stream silent past its bound is ended, and its request with it: a
+// gateway that went away, or a client holding streams open, holds no load.
+func TestExtProcSilentStreamEnds(t *testing.T) {
+	cfg := filepath.Join(t.TempDir(), "t.yaml")
+	os.WriteFile(cfg, []byte("timeouts:\n  first_byte: 300ms\n  idle: 300ms\n"), 0o600)
+	d := startTestDemo(t, demoOptions{sim: fastSim, grpcListen: "127.0.0.1:0", config: cfg})
+	r := openRaw(t, dial(t, d))
+	body, _ := json.Marshal(chat([2]string{"user", "hello"}))
+	r.headers(filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, false,
+		":method", "POST", ":path", "/v1/chat/completions", "content-type", "application/json")
+	r.body(body, true)
+	if got, _ := r.wait(100 * time.Millisecond); len(got) == 0 || inFlight(d) != 1 {
+		t.Fatalf("not routed: %v, %d in flight", got, inFlight(d))
+	}
+	_, ended := r.wait(3 * time.Second)
+	if status.Code(ended) != codes.DeadlineExceeded {
+		t.Fatalf("a silent stream ended with %v", ended)
+	}
+	waitNoLoad(t, d, "the silent stream")
 }

@@ -297,7 +297,8 @@ func (a *app) start() (*running, error) {
 			Limits:      a.server.CurrentLimits,
 			Token:       func() string { return a.current.Load().GRPC.Token },
 			ExtProcOpen: func() bool { return a.current.Load().GRPC.ExtProcWithoutToken },
-			ExtProc:     router.ExtProcOptions{RecordReplies: a.cfg.Routing.RecordReplies, Logger: a.log},
+			ExtProc: router.ExtProcOptions{RecordReplies: a.cfg.Routing.RecordReplies, Logger: a.log,
+				Timeouts: limits.Timeouts{FirstByte: a.cfg.Timeouts.FirstByte, Idle: a.cfg.Timeouts.Idle}},
 		}, grpc.MaxRecvMsgSize(int(a.cfg.Limits.MaxBodyBytes)), creds)
 		go func() { _ = r.grpc.Serve(r.grpcLn) }()
 	}
