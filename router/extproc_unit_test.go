@@ -8,6 +8,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc/metadata"
 
+	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
@@ -71,5 +72,16 @@ func TestModelLabelBounded(t *testing.T) {
 	}
 	if l := label("g2-m49"); l != "other" {
 		t.Fatalf("past the cap: %q", l)
+	}
+}
+
+// A request shed because the router's parse budget is spent is a 429 to the
+// gateway (the protocol's "dropped" answer), not the HTTP front end's 503.
+func TestExtProcShedIs429(t *testing.T) {
+	if e := shedOr(fmt.Errorf("parse: %w", blockhash.ErrBusy)); e.status != 429 || e.code != "shed" {
+		t.Fatalf("shed: %+v", e)
+	}
+	if e := shedOr(routing.ErrNoReplica); e.status != 503 {
+		t.Fatalf("no replica: %+v", e)
 	}
 }
