@@ -168,24 +168,38 @@ const (
 func (m *Monitor) Scrape(ctx context.Context, r *replica.Replica) {
 	ctx, cancel := context.WithTimeout(ctx, m.o.CheckTimeout)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, r.URL.JoinPath("/metrics").String(), nil)
-	if err != nil {
+	body, ok := m.get(ctx, r, "/metrics", 8<<20)
+	if !ok {
 		return
 	}
-	resp, err := m.o.Client.Do(req)
-	if err != nil {
-		return
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return
-	}
-	fams, err := ParseMetrics(io.LimitReader(resp.Body, 8<<20))
+	defer body.Close()
+	fams, err := ParseMetrics(body)
 	if err != nil {
 		m.o.Logger.Warn("replica metrics unreadable", "replica", r.Name, "err", err)
 		return
 	}
 	m.apply(r, fams)
+}
+
+// get sends GET path to r and returns the body of a 200 answer, read up to
+// limit bytes; false when there is none (the caller keeps what it knew).
+func (m *Monitor) get(ctx context.Context, r *replica.Replica, path string, limit int64) (io.ReadCloser, bool) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, r.URL.JoinPath(path).String(), nil)
+	if err != nil {
+		return nil, false
+	}
+	resp, err := m.o.Client.Do(req)
+	if err != nil {
+		return nil, false
+	}
+	if resp.StatusCode != http.StatusOK {
+		resp.Body.Close()
+		return nil, false
+	}
+	return struct {
+		io.Reader
+		io.Closer
+	}{io.LimitReader(resp.Body, limit), resp.Body}, true
 }
 
 // Scraped are the values a scrape found; a missing metric is NaN-free zero
@@ -410,19 +424,12 @@ func (m *Monitor) RefreshModels(ctx context.Context, r *replica.Replica) {
 	defer m.refreshing.Delete(r)
 	ctx, cancel := context.WithTimeout(ctx, m.o.CheckTimeout)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, r.URL.JoinPath("/v1/models").String(), nil)
-	if err != nil {
+	body, ok := m.get(ctx, r, "/v1/models", 1<<20)
+	if !ok {
 		return
 	}
-	resp, err := m.o.Client.Do(req)
-	if err != nil {
-		return
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return
-	}
-	served, adapters, err := ParseModels(io.LimitReader(resp.Body, 1<<20))
+	defer body.Close()
+	served, adapters, err := ParseModels(body)
 	if err != nil {
 		m.o.Logger.Warn("replica models unreadable", "replica", r.Name, "err", err)
 		return

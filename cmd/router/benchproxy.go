@@ -283,14 +283,7 @@ func startBenchTarget(role, upstream string) (url string, pid int, stop func(), 
 	}
 	stop = func() {
 		in.Close()
-		done := make(chan struct{})
-		go func() { _ = cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(10 * time.Second):
-			_ = cmd.Process.Kill()
-			<-done
-		}
+		waitOrKill(cmd)
 	}
 	line := make(chan string, 1)
 	go func() {
@@ -311,6 +304,18 @@ func startBenchTarget(role, upstream string) (url string, pid int, stop func(), 
 	case <-time.After(30 * time.Second):
 		stop()
 		return "", 0, nil, fmt.Errorf("the %s process did not start within 30s", role)
+	}
+}
+
+// waitOrKill waits for cmd, asked to end, for 10 s, then kills it.
+func waitOrKill(cmd *exec.Cmd) {
+	done := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		_ = cmd.Process.Kill()
+		<-done
 	}
 }
 
@@ -627,14 +632,7 @@ func startNginx(bin, upstream string) (url string, pids func() []int, stop func(
 	}
 	stop = func() {
 		_ = cmd.Process.Signal(syscall.SIGQUIT) // graceful: the workers end too
-		done := make(chan struct{})
-		go func() { _ = cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(10 * time.Second):
-			_ = cmd.Process.Kill()
-			<-done
-		}
+		waitOrKill(cmd)
 		os.RemoveAll(dir)
 	}
 	master := cmd.Process.Pid
