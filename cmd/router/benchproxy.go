@@ -15,6 +15,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -184,7 +185,7 @@ func runBenchProxy(out io.Writer, o benchOptions) error {
 			}
 			defer stop()
 			// Beside the router: the comparison the table is read for.
-			targets = append(targets[:2], benchTarget{"nginx", u, pids}, targets[2])
+			targets = slices.Insert(targets, 2, benchTarget{"nginx", u, pids})
 		}
 	}
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 1024, MaxConnsPerHost: 0}}
