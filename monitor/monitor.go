@@ -196,10 +196,19 @@ func (m *Monitor) get(ctx context.Context, r *replica.Replica, path string, limi
 		resp.Body.Close()
 		return nil, false
 	}
-	return struct {
-		io.Reader
-		io.Closer
-	}{io.LimitReader(resp.Body, limit), resp.Body}, true
+	return &limitedBody{io.LimitReader(resp.Body, limit), resp.Body}, true
+}
+
+// limitedBody reads a response body up to a limit; Close reads what is
+// left of it (within the limit) so that the connection is kept for reuse.
+type limitedBody struct {
+	io.Reader
+	body io.ReadCloser
+}
+
+func (b *limitedBody) Close() error {
+	_, _ = io.Copy(io.Discard, b.Reader)
+	return b.body.Close()
 }
 
 // Scraped are the values a scrape found; a missing metric is NaN-free zero
@@ -442,9 +451,10 @@ func (m *Monitor) RefreshModels(ctx context.Context, r *replica.Replica) {
 
 // ParseModels reads an OpenAI model list ({"data":[{"id":…,"parent":…}]})
 // as it streams: the ids, and the ids of the entries with a parent (vLLM's
-// LoRA adapters). It stops after maxAdapters entries, so a hostile list
-// costs no more than that; a list without "data" is an error (the models
-// stay unknown rather than become none).
+// LoRA adapters). It reads at most maxAdapters entries, so a hostile list
+// costs no more than that; a longer list, or one without "data", is an
+// error: the models stay unknown (any request may go there) rather than
+// become a wrong list.
 func ParseModels(rd io.Reader) (served, adapters []string, err error) {
 	dec := json.NewDecoder(rd)
 	bad := func(what string) ([]string, []string, error) {
@@ -485,7 +495,12 @@ func ParseModels(rd io.Reader) (served, adapters []string, err error) {
 				adapters = append(adapters, d.ID)
 			}
 		}
-		return served, adapters, nil // the rest, if any, is past the cap
+		if dec.More() {
+			// Past the cap the list is not known whole: a model beyond it
+			// would look unserved. The models stay unknown instead.
+			return bad(fmt.Sprintf("more than %d models", maxAdapters))
+		}
+		return served, adapters, nil
 	}
 	return bad(`no "data" list`)
 }

@@ -1,13 +1,12 @@
 package replica
 
-import "slices"
-
 // Models is what a replica serves, as it reports it: the ids of its
 // GET /v1/models (the base model under its served name, and each LoRA
 // adapter it has registered), and the adapters of its running and waiting
 // requests with the most it runs at once (vLLM's vllm:lora_requests_info:
 // running_lora_adapters, waiting_lora_adapters, max_lora). It is immutable
-// once set on a Replica.
+// once set on a Replica; its lookups are map reads, as they run for every
+// replica of every decision.
 type Models struct {
 	// Served are the model ids the replica answers to; Adapters the ones
 	// among them that are LoRA adapters (their /v1/models entry has a
@@ -17,18 +16,43 @@ type Models struct {
 	// how many adapters a batch may hold (0: unknown).
 	Running, Waiting []string
 	MaxLoRA          int
+
+	flags map[string]uint8 // id → modelServed | modelAdapter | modelLoaded
+}
+
+const (
+	modelServed uint8 = 1 << iota
+	modelAdapter
+	modelLoaded // running or waiting
+)
+
+func newModels(served, adapters, running, waiting []string, maxLoRA int) *Models {
+	m := &Models{Served: served, Adapters: adapters, Running: running, Waiting: waiting, MaxLoRA: maxLoRA,
+		flags: make(map[string]uint8, len(served))}
+	for _, id := range served {
+		m.flags[id] |= modelServed
+	}
+	for _, id := range adapters {
+		m.flags[id] |= modelAdapter
+	}
+	for _, l := range [][]string{running, waiting} {
+		for _, id := range l {
+			m.flags[id] |= modelLoaded
+		}
+	}
+	return m
 }
 
 // Serves reports whether the replica answers to model.
-func (m *Models) Serves(model string) bool { return slices.Contains(m.Served, model) }
+func (m *Models) Serves(model string) bool { return m.flags[model]&modelServed != 0 }
 
-// AdapterTier ranks the replica for a request naming model: 0 when the
+// AdapterRank ranks the replica for a request naming model: 0 when the
 // model is not one of its adapters or the adapter is loaded (running or
 // waiting), 1 when it has room to load it (fewer running adapters than
 // MaxLoRA, or MaxLoRA unknown), 2 when it would have to evict another.
-func (m *Models) AdapterTier(model string) int64 {
-	switch {
-	case !slices.Contains(m.Adapters, model), slices.Contains(m.Running, model), slices.Contains(m.Waiting, model):
+func (m *Models) AdapterRank(model string) int8 {
+	switch f := m.flags[model]; {
+	case f&modelAdapter == 0, f&modelLoaded != 0:
 		return 0
 	case m.MaxLoRA == 0 || len(m.Running) < m.MaxLoRA:
 		return 1
@@ -42,9 +66,11 @@ func (m *Models) AdapterTier(model string) int64 {
 func (r *Replica) SetServed(served, adapters []string) {
 	for {
 		old := r.models.Load()
-		next := &Models{Served: served, Adapters: adapters}
+		var next *Models
 		if old != nil {
-			next.Running, next.Waiting, next.MaxLoRA = old.Running, old.Waiting, old.MaxLoRA
+			next = newModels(served, adapters, old.Running, old.Waiting, old.MaxLoRA)
+		} else {
+			next = newModels(served, adapters, nil, nil, 0)
 		}
 		if r.models.CompareAndSwap(old, next) {
 			return
@@ -57,9 +83,11 @@ func (r *Replica) SetServed(served, adapters []string) {
 func (r *Replica) SetLoRA(running, waiting []string, maxLoRA int) {
 	for {
 		old := r.models.Load()
-		next := &Models{Running: running, Waiting: waiting, MaxLoRA: maxLoRA}
+		var next *Models
 		if old != nil {
-			next.Served, next.Adapters = old.Served, old.Adapters
+			next = newModels(old.Served, old.Adapters, running, waiting, maxLoRA)
+		} else {
+			next = newModels(nil, nil, running, waiting, maxLoRA)
 		}
 		if r.models.CompareAndSwap(old, next) {
 			return

@@ -124,8 +124,9 @@ func NewServer(o ServerOptions) (*Server, error) {
 		// No periodic flush: ReverseProxy flushes each write of an event
 		// stream (text/event-stream) or of a body of unknown length at once,
 		// and a whole answer of known length goes out in as few writes as
-		// its size allows. Flushing every copy of a JSON answer was 17% of
-		// the CPU of a 1 KB request (BENCHMARKS.md, CPU per request).
+		// its size allows (flushing every copy of a JSON answer was a
+		// chunked write and a syscall each: 17% of the router's CPU in a
+		// profile of 1 KB requests, BENCHMARKS.md, "Beside nginx").
 		FlushInterval:  0,
 		ModifyResponse: s.modifyResponse,
 		ErrorHandler:   s.proxyError,

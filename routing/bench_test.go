@@ -49,6 +49,58 @@ func BenchmarkDecide(b *testing.B) {
 	}
 }
 
+// BenchmarkDecideModels is BenchmarkDecide at 1k and 8k tokens and 1,024
+// replicas, each serving a base model and 32 LoRA adapters (two running),
+// for a request naming the base model and one naming an adapter: what the
+// model filter and the adapter ranks add to a decision.
+func BenchmarkDecideModels(b *testing.B) {
+	for _, tokens := range []int{1 << 10, 8 << 10} {
+		for _, model := range []string{"none", "base", "adapter-7"} {
+			b.Run(fmt.Sprintf("tokens=%dk/replicas=1024/model=%s", tokens>>10, model), func(b *testing.B) {
+				f := newFixture(b, 1024, "semantic")
+				served, adapters := []string{"base"}, []string(nil)
+				for i := 0; i < 32; i++ {
+					served = append(served, fmt.Sprint("adapter-", i))
+					adapters = append(adapters, fmt.Sprint("adapter-", i))
+				}
+				for _, r := range f.pool.Replicas() {
+					if model != "none" {
+						r.SetServed(served, adapters)
+						r.SetLoRA([]string{fmt.Sprint("adapter-", r.ID%32), fmt.Sprint("adapter-", (r.ID+1)%32)}, nil, 4)
+					}
+				}
+				f.e.NoteAdapter("adapter-7")
+				body := benchdata.ChatBody(tokens)
+				req, err := blockhash.ParseChat(body, blockhash.Limits{})
+				if err != nil {
+					b.Fatal(err)
+				}
+				blocks := f.e.Splitter().Split(nil, req)
+				for _, r := range f.pool.Replicas() {
+					f.cache.Record(r.ID, blocks[:len(blocks)*(r.ID%8+1)/8], 1)
+				}
+				b.ReportAllocs()
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					req, err := blockhash.ParseChat(body, blockhash.Limits{})
+					if err != nil {
+						b.Fatal(err)
+					}
+					if model != "none" {
+						req.Model = model
+					}
+					d, err := f.decide(req, "", false)
+					if err != nil {
+						b.Fatal(err)
+					}
+					f.e.Recycle(d)
+					req.Release()
+				}
+			})
+		}
+	}
+}
+
 // BenchmarkParse measures parsing the body alone (fastjson: validate,
 // parse, unescape the content in place), releasing each request as the
 // server does.

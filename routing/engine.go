@@ -228,7 +228,7 @@ type Request struct {
 	// Model is the model the request names. A replica whose models are
 	// known and do not include it is not a candidate; among those that
 	// serve it as a LoRA adapter, the ones with it loaded rank first, then
-	// the ones with room for it (replica.Models.AdapterTier). Empty: any.
+	// the ones with room for it (replica.Models.AdapterRank). Empty: any.
 	Model string
 	// pooled says Blocks came from the engine's block pool (Prepare made
 	// them), so Recycle may take them back.
@@ -445,50 +445,49 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 	matches, sizes := sc.matches, sc.sizes
 	d.Candidates = newCandidates(len(reps))
 	n := 0
-	unknown, served, adapters := false, false, false // of the pool: is the model served at all?
+	// Of the pool: is the model served at all, are some replicas' models
+	// known, is it an adapter somewhere (its replicas are then ranked).
+	unknown, known, served := false, false, false
+	adapter := model != "" && e.isAdapter(model)
 	for _, r := range reps {
+		var rank int8
 		if m := r.Models(); model != "" && m != nil {
+			known = true
 			if !m.Serves(model) {
 				continue
 			}
 			served = true
-			adapters = adapters || len(m.Adapters) > 0
+			if adapter {
+				rank = m.AdapterRank(model)
+			}
 		} else {
 			unknown = true
+			if adapter {
+				rank = 2 // it may not serve the adapter at all: after those known to
+			}
 		}
 		if !r.Available(now) || (allow != nil && !allow(r)) {
 			continue
 		}
 		c := &d.Candidates[n] // filled in place: a candidate is ~120 bytes
 		n++
-		c.Replica, c.Load = r, r.Load(now)
+		c.Replica, c.Load, c.adapter = r, r.Load(now), rank
 		if r.ID < len(matches) {
 			c.Match, c.CacheTokens = matches[r.ID], sizes[r.ID]
 		}
 	}
 	d.Candidates = d.Candidates[:n]
 	if len(d.Candidates) == 0 {
-		if model != "" && !unknown && !served {
+		if model != "" && known && !unknown && !served {
 			return nil, &UnknownModelError{Model: model}
 		}
 		return nil, ErrNoReplica
 	}
 	in := e.view(d)
 	pol.Score(in, d.Candidates)
-	if adapters {
-		for i := range d.Candidates {
-			if m := d.Candidates[i].Replica.Models(); m != nil {
-				d.Candidates[i].Tier += m.AdapterTier(model) << adapterTierShift
-			}
-		}
-	}
 	d.Ranked = rank(d.Candidates, d.Key, e.o.Attempts)
 	return in, nil
 }
-
-// adapterTierShift puts a LoRA adapter's tier (loaded, room, neither)
-// above every tier a policy sets (least_load's in-flight counts included).
-const adapterTierShift = 40
 
 // scratch is a decision's per-replica working memory, reused across
 // decisions.

@@ -2,6 +2,7 @@ package routing
 
 import (
 	"errors"
+	"fmt"
 	"testing"
 )
 
@@ -50,7 +51,9 @@ func TestDecideByModel(t *testing.T) {
 	if _, err := req("beta"); !errors.Is(err, ErrNoReplica) {
 		t.Fatalf("beta, its replicas drained: %v", err)
 	}
-	// The adapter: loaded on reps[2] ranks it first; then room.
+	// The adapter (as the monitor tells the engine): loaded on reps[2]
+	// ranks it first; then room.
+	f.e.NoteAdapter("alpha-sql")
 	reps[2].SetLoRA([]string{"alpha-sql"}, nil, 1)
 	reps[0].SetLoRA(nil, nil, 1)
 	d, err := req("alpha-sql")
@@ -61,8 +64,55 @@ func TestDecideByModel(t *testing.T) {
 	if d, _ := req("alpha-sql"); d.Chosen().Replica != reps[0] {
 		t.Fatalf("room on r0, none on r2: chose %s", d.Chosen().Replica.Name)
 	}
-	// The base model is not an adapter: no tier.
-	if d, _ := req("alpha"); d.Chosen().Tier >= 1<<adapterTierShift {
-		t.Fatalf("base model tier %d", d.Chosen().Tier)
+	// The base model is not an adapter: no adapter rank.
+	if d, _ := req("alpha"); d.Chosen().adapter != 0 {
+		t.Fatalf("base model adapter rank %d", d.Chosen().adapter)
+	}
+}
+
+// An adapter's rank is its own sort key, before the policy's tiers: with
+// power_of_two (whose unsampled replicas take the largest tier) it once
+// overflowed into the best rank. A replica whose models are unknown ranks
+// after those known to have room; an empty pool is no replica, not an
+// unknown model.
+func TestAdapterRankWithTiersAndUnknowns(t *testing.T) {
+	f := newFixture(t, 8, "power_of_two")
+	reps := f.pool.Replicas()
+	for _, r := range reps {
+		r.SetServed([]string{"base", "sql"}, []string{"sql"})
+		r.SetLoRA(nil, nil, 1)
+	}
+	f.e.NoteAdapter("sql")
+	for i := 0; i < 100; i++ {
+		r := parseChat(t, "user", "q")
+		r.Model = "sql"
+		d, err := f.decide(r, "s", false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c := d.Chosen(); c.Reason == "not sampled" {
+			t.Fatalf("decision %d chose a replica power_of_two did not sample (tier %d)", i, c.Tier)
+		}
+	}
+
+	g := newFixture(t, 2, "semantic")
+	r0 := g.pool.Replicas()[0] // r1's models stay unknown
+	r0.SetServed([]string{"base", "sql"}, []string{"sql"})
+	r0.SetLoRA([]string{"other"}, nil, 2) // room for one more
+	g.e.NoteAdapter("sql")
+	for i := 0; i < 20; i++ {
+		r := parseChat(t, "user", fmt.Sprint("q", i))
+		r.Model = "sql"
+		if d, _ := g.decide(r, fmt.Sprint("s", i), false); d.Chosen().Replica != r0 {
+			t.Fatalf("request %d went to %s, whose models are unknown, not to r0 with room", i, d.Chosen().Replica.Name)
+		}
+	}
+
+	empty := newFixture(t, 1, "semantic")
+	empty.pool.Remove(empty.pool.Replicas()[0].Name)
+	r := parseChat(t, "user", "q")
+	r.Model = "base"
+	if _, err := empty.decide(r, "s", false); !errors.Is(err, ErrNoReplica) {
+		t.Fatalf("an empty pool: %v", err)
 	}
 }

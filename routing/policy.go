@@ -52,6 +52,10 @@ type Candidate struct {
 	// Reason is a short word on why the score is what it is ("match",
 	// "miss", "spill", ...), for logs and the decision API.
 	Reason string
+	// adapter ranks a LoRA adapter's replicas before any tier: 0 with it
+	// loaded (or not an adapter request), 1 with room for it, 2 else (see
+	// replica.Models.AdapterRank). The engine sets it; policies do not see it.
+	adapter int8
 }
 
 // Policy scores candidates. Score sets every candidate's Score (lower wins)
@@ -305,11 +309,12 @@ func (LeastLoad) Score(_ *View, cands []Candidate) {
 func rank(cands []Candidate, key uint64, k int) []Candidate {
 	k = min(k, len(cands))
 	type entry struct {
-		j      int
-		tier   int64
-		score  float64
-		rv     uint64
-		rvDone bool
+		j       int
+		adapter int8
+		tier    int64
+		score   float64
+		rv      uint64
+		rvDone  bool
 	}
 	weight := func(e *entry) uint64 {
 		if !e.rvDone {
@@ -318,6 +323,9 @@ func rank(cands []Candidate, key uint64, k int) []Candidate {
 		return e.rv
 	}
 	better := func(a, b *entry) bool {
+		if a.adapter != b.adapter {
+			return a.adapter < b.adapter
+		}
 		if a.tier != b.tier {
 			return a.tier < b.tier
 		}
@@ -329,7 +337,7 @@ func rank(cands []Candidate, key uint64, k int) []Candidate {
 		top = make([]entry, 0, k+1)
 	}
 	for j := range cands {
-		e := entry{j: j, tier: cands[j].Tier, score: math.Round(cands[j].Score)}
+		e := entry{j: j, adapter: cands[j].adapter, tier: cands[j].Tier, score: math.Round(cands[j].Score)}
 		if len(top) == k && !better(&e, &top[k-1]) {
 			continue
 		}

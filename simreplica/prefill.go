@@ -6,12 +6,13 @@ import (
 	"sync"
 )
 
-// prefillQueue serializes prefills in arrival order, as an engine's
-// scheduler does: a replica computes one prompt's uncached tokens at a
-// time (vLLM's steps share max_num_batched_tokens among the prefills they
+// prefillQueue serializes prefills in arrival order, a simplification of
+// an engine's scheduler: a replica computes one prompt's uncached tokens at
+// a time (vLLM's steps share max_num_batched_tokens among the prefills they
 // hold, so what one replica computes per second is bounded however many
-// requests it runs), and a request that waits behind another finds that
-// one's blocks cached when its turn comes. The zero value is an idle
+// requests it runs; short prompts that share a step finish together there,
+// one after the other here), and a request that waits behind another finds
+// that one's blocks cached when its turn comes. The zero value is an idle
 // queue; it is safe for concurrent use.
 type prefillQueue struct {
 	mu   sync.Mutex

@@ -18,8 +18,10 @@
 // tokens; every further token takes InterToken. Prefills take turns in
 // arrival order (one replica computes PrefillPerToken⁻¹ prompt tokens a
 // second however many requests it holds), and a request looks the cache up
-// when its turn comes, so it waits behind the prefills queued before it. At
-// most MaxRunning requests run; the rest wait. POST /tokenize and /detokenize answer as vLLM's do.
+// when its turn comes, so it waits behind the prefills queued before it: a
+// simplification of vLLM's scheduler, which shares each step's token budget
+// among several prefills and lets decoding slow them. At most MaxRunning
+// requests run; the rest wait. POST /tokenize and /detokenize answer as vLLM's do.
 //
 // A Server is safe for concurrent use.
 package simreplica
@@ -484,11 +486,14 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	s.queries.Add(int64(tokens))
 	s.hits.Add(int64(cached))
 	s.promptTotal.Add(int64(tokens - cached))
-	computed := sleep(ctx, time.Duration(tokens-cached)*s.o.PrefillPerToken)
-	if computed {
-		s.store(keys, sc.ids, m)
-	}
-	s.prefill.release()
+	computed := func() bool {
+		defer s.prefill.release() // whatever happens, the next prefill's turn comes
+		ok := sleep(ctx, time.Duration(tokens-cached)*s.o.PrefillPerToken)
+		if ok {
+			s.store(keys, sc.ids, m)
+		}
+		return ok
+	}()
 	if !computed || !sleep(ctx, s.o.Overhead) {
 		s.cancelled.Add(1)
 		return

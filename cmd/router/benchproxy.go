@@ -35,7 +35,7 @@ import (
 type benchOptions struct {
 	requests    int           // sequential requests per target per round, for latency
 	rounds      int           // latency rounds; the medians over them are reported
-	concurrency []int         // client counts tried for throughput; the best is reported
+	concurrency []int         // client counts of the throughput phases; each is reported
 	duration    time.Duration // throughput phase per client count
 	sizes       []int         // request body sizes in bytes
 	tpRounds    int           // throughput rounds per client count; medians over them are reported
@@ -48,8 +48,6 @@ type benchResult struct {
 	// added50, added99 are the medians over the rounds of the target's
 	// p50 and p99 minus the replica's in the same round.
 	added50, added99 time.Duration
-	throughput       float64 // the highest requests per second over the client counts
-	atClients        int     // the client count that reached it
 	errors           int64
 }
 
@@ -482,14 +480,17 @@ type benchThroughputResult struct {
 }
 
 // benchThroughput drives each target with clients concurrent clients for
-// o.duration, --rounds times, the targets interleaved within each round so
-// that they meet the same background noise, and reads each target's CPU
-// time from /proc before and after its phase.
+// o.duration, --throughput-rounds times, the targets interleaved within
+// each round (each round starting at the next target, so that none always
+// runs first) so that they meet the same background noise, and reads each
+// target's CPU time from /proc before and after its phase.
 func benchThroughput(client *http.Client, targets []benchTarget, gen *bodyGen, clients int, o benchOptions) []benchThroughputResult {
 	out := make([]benchThroughputResult, len(targets))
 	tps, cpus := make([][]float64, len(targets)), make([][]time.Duration, len(targets))
-	for range o.tpRounds {
-		for i, t := range targets {
+	for round := range o.tpRounds {
+		for n := range targets {
+			i := (round + n) % len(targets)
+			t := targets[i]
 			cpu0, okCPU := cpuTime(t.pids())
 			var done, errs atomic.Int64
 			start := time.Now()
@@ -610,6 +611,11 @@ http {
 func startNginx(bin, upstream string) (url string, pids func() []int, stop func(), err error) {
 	dir, err := os.MkdirTemp("", "semroute-nginx")
 	if err != nil {
+		return "", nil, nil, err
+	}
+	// nginx's workers run as an unprivileged user when it starts as root:
+	// they must reach the body and proxy directories under the prefix.
+	if err := os.Chmod(dir, 0o755); err != nil {
 		return "", nil, nil, err
 	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")

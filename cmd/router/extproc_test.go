@@ -619,8 +619,12 @@ func TestExtProcSilentStreamEnds(t *testing.T) {
 	r.headers(filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, false,
 		":method", "POST", ":path", "/v1/chat/completions", "content-type", "application/json")
 	r.body(body, true)
-	if got, _ := r.wait(100 * time.Millisecond); len(got) == 0 || inFlight(d) != 1 {
-		t.Fatalf("not routed: %v, %d in flight", got, inFlight(d))
+	deadline := time.Now().Add(5 * time.Second)
+	for inFlight(d) != 1 {
+		if time.Now().After(deadline) {
+			t.Fatalf("not routed: %d in flight", inFlight(d))
+		}
+		time.Sleep(2 * time.Millisecond)
 	}
 	_, ended := r.wait(3 * time.Second)
 	if status.Code(ended) != codes.DeadlineExceeded {
