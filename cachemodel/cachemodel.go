@@ -94,6 +94,9 @@ type Model struct {
 	// fleet counts every Record (one request) like a block's heat.
 	fleet node
 
+	// noShortcut makes Extend walk the whole chain (tests compare the two).
+	noShortcut bool
+
 	mu        sync.RWMutex
 	irregular int       // slots whose flags are not just fGPU (see Match)
 	nodes     nodeTable // by block hash
@@ -379,10 +382,37 @@ func (m *Model) Extend(id int, blocks []blockhash.Block, from int, now int64) in
 	if m.valid(id) && m.replicas[id].events {
 		mark = fPending
 	}
-	evicted := m.record(id, nil, blocks, from, now, mark)
+	var evicted []uint64
+	if n := m.heldPrefix(id, blocks, from, mark); n != nil {
+		// The prompt is held whole: only the reply's blocks are new.
+		evicted = m.record(id, n, blocks[from:], 0, now, mark)
+	} else {
+		evicted = m.record(id, nil, blocks, from, now, mark)
+	}
 	m.mu.Unlock()
 	m.evicted(id, evicted)
 	return len(evicted)
+}
+
+// heldPrefix returns the node of blocks[from-1] when Extend may start
+// there instead of walking blocks[:from] again (2,048 lookups for a 128K
+// prompt): every slot of the picture is plainly in GPU memory (no pending,
+// CPU or dead slot anywhere, m.irregular == 0), so the picture is closed
+// under prefixes — a held block's ancestors are held, as only leaves are
+// evicted — and the walk would change nothing before from; and replica id
+// holds blocks[from-1]. Otherwise nil. m.mu must be held.
+func (m *Model) heldPrefix(id int, blocks []blockhash.Block, from int, mark uint8) *node {
+	if m.noShortcut || from <= 0 || from > len(blocks) || mark != fGPU || m.irregular != 0 || !m.valid(id) {
+		return nil
+	}
+	n := m.nodes.get(blocks[from-1].Hash)
+	if n == nil {
+		return nil
+	}
+	if i, ok := m.find(n, int32(id)); ok && m.at(n, i).flags == fGPU {
+		return n
+	}
+	return nil
 }
 
 func (m *Model) evicted(id int, keys []uint64) {

@@ -1,0 +1,145 @@
+package cachemodel
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"testing"
+
+	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/eviction"
+)
+
+// Extend's shortcut (start at the held prompt's last block instead of
+// walking the prompt again) changes nothing: two models fed the same random
+// records, replies, releases, shrinks, clears and engine events — one
+// taking the shortcut where it may, one always walking — evict the same
+// blocks in the same order and hold the same picture, under LRU and vLLM's
+// eviction.
+func TestExtendShortcutChangesNothing(t *testing.T) {
+	for _, pol := range []struct {
+		name string
+		f    eviction.Factory
+	}{{"lru", func() eviction.Policy { return eviction.NewLRU() }}, {"vllm", eviction.NewVLLM}} {
+		t.Run(pol.name, func(t *testing.T) {
+			var evA, evB []string
+			a := New(Options{Policy: pol.f, OnEvict: func(r int, k uint64) { evA = append(evA, fmt.Sprint(r, k)) }})
+			b := New(Options{Policy: pol.f, OnEvict: func(r int, k uint64) { evB = append(evB, fmt.Sprint(r, k)) }})
+			b.noShortcut = true
+			for _, m := range []*Model{a, b} {
+				m.AddReplica("r0", 300)
+				m.AddReplica("r1", 200)
+			}
+			rng := rand.New(rand.NewPCG(1, 2))
+			base := chain("system", 40, 0)
+			var prompts [][]blockhash.Block
+			shortcuts := 0
+			for step := 0; step < 4000; step++ {
+				id := rng.IntN(2)
+				now := int64(step)
+				var p []blockhash.Block
+				switch op := rng.IntN(100); {
+				case op < 40 || len(prompts) == 0: // a new prompt
+					p = extend(base, 1+rng.IntN(len(base)), 1+rng.IntN(30), fmt.Sprint("p", step))
+					prompts = append(prompts, p)
+					a.Record(id, p, now)
+					b.Record(id, p, now)
+				case op < 80: // a reply learned after a prompt: mostly the last one
+					p = prompts[len(prompts)-1]
+					if rng.IntN(4) == 0 {
+						p = prompts[rng.IntN(len(prompts))]
+					}
+					full := extend(p, len(p), 1+rng.IntN(20), fmt.Sprint("r", step))
+					if a.heldPrefix(id, full, len(p), fGPU) != nil {
+						shortcuts++
+					}
+					a.Extend(id, full, len(p), now)
+					b.Extend(id, full, len(p), now)
+					prompts = append(prompts, full)
+				case op < 88:
+					p = prompts[rng.IntN(len(prompts))]
+					a.Release(id, p, now)
+					b.Release(id, p, now)
+				case op < 95:
+					n := int64(1 + rng.IntN(60))
+					a.Shrink(id, n)
+					b.Shrink(id, n)
+				case op < 96 && step > 3000: // the engine drops a block, maybe with children: a dead slot
+					p = prompts[rng.IntN(len(prompts))]
+					k := p[rng.IntN(len(p))].Hash
+					a.Remove(id, k, false)
+					b.Remove(id, k, false)
+				case op >= 98:
+					a.Clear(id)
+					b.Clear(id)
+				}
+				if !slices.Equal(evA, evB) {
+					t.Fatalf("step %d: evictions differ:\n%v\n%v", step, evA[max(0, len(evA)-5):], evB[max(0, len(evB)-5):])
+				}
+				for r := 0; r < 2; r++ {
+					sa, _ := a.Stats(r)
+					sb, _ := b.Stats(r)
+					if sa != sb {
+						t.Fatalf("step %d: replica %d stats %+v and %+v", step, r, sa, sb)
+					}
+				}
+				if p != nil {
+					ma, mb := a.Match(p, nil, nil), b.Match(p, nil, nil)
+					if fmt.Sprint(ma) != fmt.Sprint(mb) {
+						t.Fatalf("step %d: matches %v and %v", step, ma, mb)
+					}
+				}
+			}
+			if shortcuts < 100 {
+				t.Fatalf("only %d replies took the shortcut: the test does not exercise it", shortcuts)
+			}
+		})
+	}
+}
+
+// A prompt whose middle the engine dropped (a dead slot under live
+// children) is walked, not skipped: Extend brings the dead block back.
+func TestExtendRevivesADeadPrefix(t *testing.T) {
+	m := New(Options{})
+	m.AddReplica("r", 1000)
+	p := chain("p", 5, 0)
+	m.Record(0, p, 1)
+	if removed, left := m.Remove(0, p[2].Hash, false); !removed || left {
+		t.Fatalf("remove: %v %v", removed, left)
+	}
+	full := extend(p, 5, 3, "reply")
+	m.Extend(0, full, 5, 2)
+	if st, _ := m.Stats(0); st.Blocks != 8 {
+		t.Fatalf("%d blocks held, want the 5 of the prompt (the dropped one cached again) and 3 of the reply", st.Blocks)
+	}
+}
+
+// BenchmarkExtend learns a 16-block reply after a prompt of 128 or 2,048
+// blocks the replica holds, walking the prompt again or starting at its
+// last block.
+func BenchmarkExtend(b *testing.B) {
+	for _, blocks := range []int{128, 2048} {
+		for _, walk := range []bool{true, false} {
+			name := "shortcut"
+			if walk {
+				name = "walk"
+			}
+			b.Run(fmt.Sprintf("prompt=%d/%s", blocks, name), func(b *testing.B) {
+				m := New(Options{})
+				m.noShortcut = walk
+				m.AddReplica("r", int64(blocks)*64)
+				p := chain("prompt", blocks, 0)
+				m.Record(0, p, 1)
+				replies := make([][]blockhash.Block, 64)
+				for i := range replies {
+					replies[i] = extend(p, blocks, 16, fmt.Sprint(i))
+				}
+				b.ReportAllocs()
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					m.Extend(0, replies[i%len(replies)], blocks, int64(i+2))
+				}
+			})
+		}
+	}
+}
