@@ -383,15 +383,16 @@ func (m *Model) Extend(id int, blocks []blockhash.Block, from int, now int64) in
 		mark = fPending
 	}
 	var evicted []uint64
+	var count int
 	if n := m.heldPrefix(id, blocks, from, mark); n != nil {
 		// The prompt is held whole: only the reply's blocks are new.
-		evicted = m.record(id, n, blocks[from:], 0, now, mark)
+		evicted, count = m.record(id, n, blocks[from:], 0, now, mark)
 	} else {
-		evicted = m.record(id, nil, blocks, from, now, mark)
+		evicted, count = m.record(id, nil, blocks, from, now, mark)
 	}
 	m.mu.Unlock()
 	m.evicted(id, evicted)
-	return len(evicted)
+	return count
 }
 
 // heldPrefix returns the node of blocks[from-1] when Extend may start
@@ -449,10 +450,10 @@ func (m *Model) Store(id int, parent uint64, hasParent bool, blocks []blockhash.
 	if cpu {
 		mark = fCPU
 	}
-	keys := m.record(id, p, blocks, len(blocks), now, mark)
+	keys, count := m.record(id, p, blocks, len(blocks), now, mark)
 	m.mu.Unlock()
 	m.evicted(id, keys)
-	return true, len(keys)
+	return true, count
 }
 
 // Remove records that the replica's engine dropped block key from GPU
@@ -575,9 +576,9 @@ func (m *Model) expire(st *replicaState, rid int32, now int64) {
 // fPending), chained after parent (nil: blocks[0] starts a prompt) and
 // blocks[:from], and evicts down to the budget; it returns the evicted
 // keys. Blocks before from are not uses (see Extend). m.mu must be held.
-func (m *Model) record(id int, parent *node, blocks []blockhash.Block, from int, now int64, mark uint8) []uint64 {
+func (m *Model) record(id int, parent *node, blocks []blockhash.Block, from int, now int64, mark uint8) (evicted []uint64, count int) {
 	if !m.valid(id) || len(blocks) == 0 {
-		return nil
+		return nil, 0
 	}
 	st := m.replicas[id]
 	rid := int32(id)
@@ -656,18 +657,20 @@ func (m *Model) record(id int, parent *node, blocks []blockhash.Block, from int,
 		pi, _ := m.find(parent, rid)
 		st.policy.Evictable(parent.hash, parent.info(m.at(parent, pi)))
 	}
-	var evicted []uint64
 	for st.Budget > 0 && st.Tokens > st.Budget {
 		k, ok := st.policy.Victim()
 		if !ok {
 			break
 		}
 		if m.evict(st, rid, k) {
-			evicted = append(evicted, k)
+			count++
+			if m.onEvict != nil { // the keys are kept only for the callback
+				evicted = append(evicted, k)
+			}
 		}
 	}
-	st.Evictions += int64(len(evicted))
-	return evicted
+	st.Evictions += int64(count)
+	return evicted, count
 }
 
 // setFlags sets s's flags, counting the slots that are not plainly on
@@ -828,10 +831,12 @@ func (m *Model) Shrink(id int, tokens int64) int64 {
 			break
 		}
 		if m.evict(st, int32(id), k) {
-			evicted = append(evicted, k)
+			st.Evictions++
+			if m.onEvict != nil {
+				evicted = append(evicted, k)
+			}
 		}
 	}
-	st.Evictions += int64(len(evicted))
 	freed := before - st.Tokens
 	m.mu.Unlock()
 	m.evicted(id, evicted)
