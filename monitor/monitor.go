@@ -57,6 +57,9 @@ type Monitor struct {
 
 	mu   sync.Mutex
 	last map[*replica.Replica]float64 // last prefix-cache query counter, for restarts
+	// refreshingAll and lastRefreshAll pace RefreshAllModels.
+	refreshingAll  bool
+	lastRefreshAll time.Time
 
 	refreshing sync.Map // *replica.Replica → true while its /v1/models is being read
 }
@@ -448,6 +451,34 @@ func (m *Monitor) RefreshModels(ctx context.Context, r *replica.Replica) {
 		m.o.OnAdapters(r, adapters)
 	}
 }
+
+// RefreshAllModels reads every replica's /v1/models now, and returns when
+// all have answered or ctx ends: a request naming a model no replica lists
+// may name an adapter loaded since the last scrape. At most one runs at a
+// time, and not within minModelsRefresh of the last: a flood of unknown
+// models costs the replicas one refresh a second, and a caller that finds
+// one running or too recent returns at once.
+func (m *Monitor) RefreshAllModels(ctx context.Context) {
+	m.mu.Lock()
+	if m.refreshingAll || time.Since(m.lastRefreshAll) < minModelsRefresh {
+		m.mu.Unlock()
+		return
+	}
+	m.refreshingAll = true
+	m.mu.Unlock()
+	var wg sync.WaitGroup
+	for _, r := range m.pool.Replicas() {
+		wg.Add(1)
+		go func() { defer wg.Done(); m.RefreshModels(ctx, r) }()
+	}
+	wg.Wait()
+	m.mu.Lock()
+	m.refreshingAll, m.lastRefreshAll = false, time.Now()
+	m.mu.Unlock()
+}
+
+// minModelsRefresh is the least time between two RefreshAllModels.
+const minModelsRefresh = time.Second
 
 // ParseModels reads an OpenAI model list ({"data":[{"id":…,"parent":…}]})
 // as it streams: the ids, and the ids of the entries with a parent (vLLM's

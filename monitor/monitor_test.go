@@ -181,3 +181,30 @@ vllm:lora_requests_info{max_lora="1",running_lora_adapters="now",waiting_lora_ad
 		t.Fatalf("NaN first: running %v", s.LoRARunning)
 	}
 }
+
+// RefreshAllModels reads every replica's models, at most once a second
+// however often it is asked.
+func TestRefreshAllModelsPaced(t *testing.T) {
+	var hits atomic.Int64
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/v1/models" {
+			hits.Add(1)
+			fmt.Fprint(w, `{"data":[{"id":"m"}]}`)
+		}
+	}))
+	defer srv.Close()
+	p, err := replica.NewPool([]replica.Spec{{Name: "a", URL: srv.URL}, {Name: "b", URL: srv.URL}}, replica.Options{}, func(replica.Spec) (int, error) { return 0, nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := New(p, Options{})
+	for i := 0; i < 50; i++ {
+		m.RefreshAllModels(context.Background())
+	}
+	if n := hits.Load(); n != 2 {
+		t.Fatalf("%d model reads for 50 refreshes of 2 replicas, want 2", n)
+	}
+	if ms := p.Replicas()[0].Models(); ms == nil || !ms.Serves("m") {
+		t.Fatalf("models not recorded: %+v", ms)
+	}
+}

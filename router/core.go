@@ -65,6 +65,11 @@ type CoreOptions struct {
 	// Feedback corrects the picture of replicas without KV events from the
 	// cached tokens they report (routing.Engine.Feedback).
 	Feedback bool
+	// RefreshModels, if set, reads the replicas' models again (paced by
+	// its implementation): a request for a model no replica lists is
+	// decided once more after it, before it is refused, since the model
+	// may be an adapter loaded since the last scrape.
+	RefreshModels func(context.Context)
 }
 
 // Tokenizer gives the engine's token ids of an OpenAI request body
@@ -208,6 +213,10 @@ func (c *Core) Prepare(ctx context.Context, req *blockhash.Request, body []byte,
 	return c.e.Prepare(req, session, c.o.LogPrompts)
 }
 
+// modelsRefreshWait bounds how long a request for an unknown model waits
+// for the replicas' model lists.
+const modelsRefreshWait = 2 * time.Second
+
 // passThrough is the arm of requests without a prompt.
 var passThrough = &Arm{Name: "passthrough", Policy: routing.LeastLoad{}, Weight: 1}
 
@@ -234,6 +243,12 @@ func (c *Core) Route(req CoreRequest) (*Routed, error) {
 	start := c.e.Now()
 	t0 := time.Now()
 	d, err := c.e.Decide(req.Input, !req.DryRun)
+	if errors.Is(err, routing.ErrUnknownModel) && c.o.RefreshModels != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), modelsRefreshWait)
+		c.o.RefreshModels(ctx)
+		cancel()
+		d, err = c.e.Decide(req.Input, !req.DryRun)
+	}
 	if err != nil {
 		return nil, err
 	}

@@ -71,6 +71,11 @@ type Options struct {
 	// the same tokens, and their KV events carry the adapter's name and
 	// id (1 + its index here).
 	LoRAs []string
+	// EnableLoRA is vLLM's --enable-lora (implied by LoRAs): adapters may
+	// also be loaded and unloaded while serving, through POST
+	// /v1/load_lora_adapter and /v1/unload_lora_adapter, as vLLM allows
+	// with VLLM_ALLOW_RUNTIME_LORA_UPDATING.
+	EnableLoRA bool
 	// MaxLoRAs is vLLM's --max-loras, reported as max_lora in
 	// vllm:lora_requests_info (the adapters of running and waiting
 	// requests); default 1. The replica does not hold a request back for
@@ -160,7 +165,11 @@ type Server struct {
 	prefill prefillQueue
 	lora    *loraUse // nil without LoRAs
 	tok     *Tokenizer
-	models  map[string]model
+
+	modelsMu sync.RWMutex
+	models   map[string]model // guarded by modelsMu: adapters come and go
+	loras    []string         // the adapters, in the order they came
+	loraIDs  int              // the last adapter id given
 
 	mu      sync.Mutex
 	cache   *lru.LRU[uint64, struct{}]
@@ -200,6 +209,7 @@ func New(o Options) (*Server, error) {
 		}
 		s.models[name] = model{name: name, lora: name, loraID: i + 1, root: RootHash(name)}
 	}
+	s.loras, s.loraIDs = slices.Clone(o.LoRAs), len(o.LoRAs)
 	reg := prometheus.NewRegistry()
 	lbl := prometheus.Labels{"model_name": o.Model}
 	g := func(name, help string) prometheus.Gauge {
@@ -222,8 +232,10 @@ func New(o Options) (*Server, error) {
 		[]string{"block_size", "num_gpu_blocks"})
 	info.WithLabelValues(fmt.Sprint(o.BlockSize), fmt.Sprint(o.NumBlocks)).Set(1)
 	reg.MustRegister(info)
-	if len(o.LoRAs) > 0 {
+	if len(o.LoRAs) > 0 || o.EnableLoRA {
 		s.lora = newLoRAUse(reg, o.MaxLoRAs)
+		s.mux.HandleFunc("POST /v1/load_lora_adapter", s.loadLoRA)
+		s.mux.HandleFunc("POST /v1/unload_lora_adapter", s.unloadLoRA)
 	}
 
 	s.mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
@@ -307,7 +319,10 @@ func (s *Server) CachedBlocks() int {
 func (s *Server) listModels(w http.ResponseWriter, _ *http.Request) {
 	data := []map[string]any{{"id": s.o.Model, "object": "model", "created": 0, "owned_by": "semroute-sim",
 		"root": s.o.Model, "parent": nil, "max_model_len": s.o.MaxModelLen}}
-	for _, name := range s.o.LoRAs {
+	s.modelsMu.RLock()
+	loras := slices.Clone(s.loras)
+	s.modelsMu.RUnlock()
+	for _, name := range loras {
 		data = append(data, map[string]any{"id": name, "object": "model", "created": 0, "owned_by": "semroute-sim",
 			"root": name, "parent": s.o.Model, "max_model_len": s.o.MaxModelLen})
 	}
@@ -316,8 +331,59 @@ func (s *Server) listModels(w http.ResponseWriter, _ *http.Request) {
 
 // model returns the served model a request names.
 func (s *Server) model(name string) (model, bool) {
+	s.modelsMu.RLock()
 	m, ok := s.models[name]
+	s.modelsMu.RUnlock()
 	return m, ok
+}
+
+// loadLoRA answers POST /v1/load_lora_adapter as vLLM does
+// ({"lora_name", "lora_path"}): the adapter is served from now on.
+func (s *Server) loadLoRA(w http.ResponseWriter, r *http.Request) {
+	var req struct {
+		Name string `json:"lora_name"`
+		Path string `json:"lora_path"`
+	}
+	if err := json.NewDecoder(io.LimitReader(r.Body, 64<<10)).Decode(&req); err != nil || req.Name == "" || req.Path == "" {
+		writeError(w, http.StatusBadRequest, "BadRequestError", "Both 'lora_name' and 'lora_path' must be provided.")
+		return
+	}
+	s.modelsMu.Lock()
+	if _, dup := s.models[req.Name]; dup {
+		s.modelsMu.Unlock()
+		writeError(w, http.StatusBadRequest, "BadRequestError", fmt.Sprintf("The lora adapter '%s' has already been loaded.", req.Name))
+		return
+	}
+	s.loraIDs++
+	s.models[req.Name] = model{name: req.Name, lora: req.Name, loraID: s.loraIDs, root: RootHash(req.Name)}
+	s.loras = append(s.loras, req.Name)
+	s.modelsMu.Unlock()
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	fmt.Fprintf(w, "Success: LoRA adapter '%s' added successfully.", req.Name)
+}
+
+// unloadLoRA answers POST /v1/unload_lora_adapter as vLLM does
+// ({"lora_name"}).
+func (s *Server) unloadLoRA(w http.ResponseWriter, r *http.Request) {
+	var req struct {
+		Name string `json:"lora_name"`
+	}
+	if err := json.NewDecoder(io.LimitReader(r.Body, 64<<10)).Decode(&req); err != nil || req.Name == "" {
+		writeError(w, http.StatusBadRequest, "BadRequestError", "'lora_name' needs to be provided to unload a LoRA adapter.")
+		return
+	}
+	s.modelsMu.Lock()
+	m, ok := s.models[req.Name]
+	if !ok || m.lora == "" {
+		s.modelsMu.Unlock()
+		writeError(w, http.StatusNotFound, "NotFoundError", fmt.Sprintf("The lora adapter '%s' cannot be found.", req.Name))
+		return
+	}
+	delete(s.models, req.Name)
+	s.loras = slices.DeleteFunc(s.loras, func(n string) bool { return n == req.Name })
+	s.modelsMu.Unlock()
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	fmt.Fprintf(w, "Success: LoRA adapter '%s' removed successfully.", req.Name)
 }
 
 func modelNotFound(w http.ResponseWriter, name string) {

@@ -396,3 +396,40 @@ func metricValues(t *testing.T, r *Running) map[string]string {
 	}
 	return out
 }
+
+// Adapters load and unload while serving, with vLLM's answers.
+func TestRuntimeLoRA(t *testing.T) {
+	o := fast
+	o.EnableLoRA = true
+	r := start(t, o)
+	post := func(path, body string) int {
+		resp, err := http.Post(r.URL+path, "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	chat := `{"model":"sql","messages":[{"role":"user","content":"q"}]}`
+	if code := post("/v1/chat/completions", chat); code != 404 {
+		t.Fatalf("before loading: %d", code)
+	}
+	if code := post("/v1/load_lora_adapter", `{"lora_name":"sql","lora_path":"/a"}`); code != 200 {
+		t.Fatalf("load: %d", code)
+	}
+	if code := post("/v1/load_lora_adapter", `{"lora_name":"sql","lora_path":"/a"}`); code != 400 {
+		t.Fatalf("load twice: %d", code)
+	}
+	if code := post("/v1/chat/completions", chat); code != 200 {
+		t.Fatalf("after loading: %d", code)
+	}
+	if code := post("/v1/unload_lora_adapter", `{"lora_name":"sql"}`); code != 200 {
+		t.Fatalf("unload: %d", code)
+	}
+	if code := post("/v1/unload_lora_adapter", `{"lora_name":"sim-model"}`); code != 404 {
+		t.Fatalf("unload the base model: %d", code)
+	}
+	if code := post("/v1/chat/completions", chat); code != 404 {
+		t.Fatalf("after unloading: %d", code)
+	}
+}

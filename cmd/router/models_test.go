@@ -158,3 +158,29 @@ func contains(list []string, s string) bool {
 	}
 	return false
 }
+
+// An adapter loaded while serving (vLLM's /v1/load_lora_adapter) is
+// routed at once, not after the next scrape: a request for a model no
+// replica lists has the lists read again before it is refused.
+func TestE2EAdapterLoadedAtRuntime(t *testing.T) {
+	cfg := filepath.Join(t.TempDir(), "models.yaml")
+	os.WriteFile(cfg, []byte("health:\n  scrape_interval: 1h\n"), 0o600) // only the first scrape, at start
+	d := startTestDemo(t, demoOptions{sim: fastSim, config: cfg, models: []string{"alpha", "beta"},
+		simFor: func(i int, o *simreplica.Options) { o.EnableLoRA = o.Model == "alpha" }})
+	waitModels(t, d)
+	b := chat([2]string{"user", "hi"})
+	b["model"] = "alpha-new"
+	if r := post(t, d, "/v1/chat/completions", b, nil); r.status != http.StatusNotFound {
+		t.Fatalf("before the adapter is loaded: %d %s", r.status, r.body)
+	}
+	resp, err := http.Post(d.sims[2].URL+"/v1/load_lora_adapter", "application/json",
+		strings.NewReader(`{"lora_name":"alpha-new","lora_path":"/adapters/new"}`))
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("load: %v %v", resp, err)
+	}
+	resp.Body.Close()
+	time.Sleep(1100 * time.Millisecond) // the refreshes are paced at one a second
+	if r := post(t, d, "/v1/chat/completions", b, nil); r.status != 200 || r.replica != "sim-2" {
+		t.Fatalf("after the adapter was loaded on sim-2: %d on %s: %s", r.status, r.replica, r.body)
+	}
+}

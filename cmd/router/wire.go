@@ -146,6 +146,14 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		}
 		copts.Tokenizer, copts.BlockTokens = tok, cmp.Or(cfg.Tokenizer.BlockTokens, 16)
 	}
+	// The monitor is made below, once the app is: a request for a model no
+	// replica lists has the replicas' lists read again first.
+	var mon *monitor.Monitor
+	copts.RefreshModels = func(ctx context.Context) {
+		if mon != nil {
+			mon.RefreshAllModels(ctx)
+		}
+	}
 	core, err := router.NewCore(copts)
 	if err != nil {
 		return nil, err
@@ -206,6 +214,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 			}
 		},
 	})
+	mon = a.monitor
 	return a, nil
 }
 
