@@ -27,7 +27,7 @@ func checkBody(r *http.Request, body []byte) *apiError {
 
 // checkBodyType is checkBody given the Content-Type header's value.
 func checkBodyType(ct string, body []byte) *apiError {
-	if ct != "" {
+	if ct != "" && ct != "application/json" { // the common case, without parsing
 		mt, _, err := mime.ParseMediaType(ct)
 		if err != nil || (mt != "application/json" && !strings.HasSuffix(mt, "+json")) {
 			return &apiError{http.StatusUnsupportedMediaType, "invalid_request_error", "unsupported_media_type",
@@ -68,8 +68,13 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 	if ep == blockhash.Completion {
 		route = "completions"
 	}
-	tctx := s.o.Propagator.Extract(r.Context(), propagation.HeaderCarrier(r.Header))
-	tctx, span := s.o.Tracer.Start(tctx, "semroute.route", trace.WithAttributes(attribute.String("semroute.route", route)))
+	// Without a tracer no span is made (an incoming traceparent reaches the
+	// replica with the other headers, unchanged).
+	tctx, span := r.Context(), trace.SpanFromContext(r.Context())
+	if s.tracing {
+		tctx = s.o.Propagator.Extract(tctx, propagation.HeaderCarrier(r.Header))
+		tctx, span = s.o.Tracer.Start(tctx, "semroute.route", trace.WithAttributes(attribute.String("semroute.route", route)))
+	}
 	in := s.core.Prepare(tctx, req, body.b, sid)
 	in.DetachText()
 	// A streamed request the client did not ask usage for asks for it
@@ -88,9 +93,11 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 		writeError(w, s.classify(err))
 		return
 	}
-	span.SetAttributes(attribute.String("semroute.decision_id", rt.ID), attribute.String("semroute.arm", rt.Arm.Name),
-		attribute.String("semroute.policy", rt.Policy), attribute.String("semroute.replica", rt.Chosen().Replica.Name),
-		attribute.Int("semroute.prompt_tokens", rt.Tokens), attribute.Int("semroute.matched_tokens", rt.Chosen().Match.Tokens))
+	if s.tracing {
+		span.SetAttributes(attribute.String("semroute.decision_id", rt.ID), attribute.String("semroute.arm", rt.Arm.Name),
+			attribute.String("semroute.policy", rt.Policy), attribute.String("semroute.replica", rt.Chosen().Replica.Name),
+			attribute.Int("semroute.prompt_tokens", rt.Tokens), attribute.Int("semroute.matched_tokens", rt.Chosen().Match.Tokens))
+	}
 	span.End()
 	w.Header().Set(HeaderArm, rt.Arm.Name)
 	s.forwardRouted(w, r, tctx, rt, fwd, strip)
@@ -100,10 +107,13 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 // down its ranking) and ends it, however its response ends: every request,
 // with a prompt or not, has this one lifecycle.
 func (s *Server) forwardRouted(w http.ResponseWriter, r *http.Request, tctx context.Context, rt *Routed, body *body, stripUsage bool) {
-	_, up := s.o.Tracer.Start(tctx, "semroute.upstream", trace.WithSpanKind(trace.SpanKindClient))
 	ctx, cancel := context.WithCancel(r.Context()) // the client's context: leaving cancels upstream
 	defer cancel()
-	ctx = trace.ContextWithSpan(ctx, up)
+	up := trace.SpanFromContext(tctx)
+	if s.tracing {
+		_, up = s.o.Tracer.Start(tctx, "semroute.upstream", trace.WithSpanKind(trace.SpanKindClient))
+		ctx = trace.ContextWithSpan(ctx, up)
+	}
 	f := &flight{rt: rt, body: body, next: 1, cancel: cancel, stripUsage: stripUsage}
 	// ReverseProxy panics with http.ErrAbortHandler when a response breaks
 	// off part-way (the client left, or the replica's stream broke); the
@@ -126,11 +136,13 @@ func (s *Server) finish(r *http.Request, f *flight, up trace.Span, aborted bool)
 			o.Status, f.status = 499, 499
 		}
 	}
-	up.SetAttributes(attribute.String("semroute.replica", rt.Served.Replica.Name), attribute.Int("http.response.status_code", f.status))
-	if f.status >= 500 || f.status == 0 || aborted {
-		up.SetStatus(codes.Error, "upstream status "+strconv.Itoa(f.status))
+	if s.tracing {
+		up.SetAttributes(attribute.String("semroute.replica", rt.Served.Replica.Name), attribute.Int("http.response.status_code", f.status))
+		if f.status >= 500 || f.status == 0 || aborted {
+			up.SetStatus(codes.Error, "upstream status "+strconv.Itoa(f.status))
+		}
+		up.End()
 	}
-	up.End()
 	var reply []byte
 	if c := f.capture; c != nil {
 		o.PromptTokens, o.OutputTokens, o.CachedTokens, o.CachedReported = c.tokens()

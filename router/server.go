@@ -88,6 +88,8 @@ type Server struct {
 	mux    *http.ServeMux
 	// client is used for the /v1/models fan-out.
 	client *http.Client
+	// tracing: ServerOptions.Tracer was given; without one no span is made.
+	tracing bool
 }
 
 // NewServer returns the HTTP front end.
@@ -104,6 +106,7 @@ func NewServer(o ServerOptions) (*Server, error) {
 	o.Timeouts = o.Timeouts.WithDefaults()
 	o.ModelsTimeout = cmp.Or(max(o.ModelsTimeout, 0), 3*time.Second)
 	o.Logger = cmp.Or(o.Logger, slog.Default())
+	tracing := o.Tracer != nil
 	if o.Tracer == nil {
 		o.Tracer = noop.NewTracerProvider().Tracer("semroute")
 	}
@@ -115,7 +118,7 @@ func NewServer(o ServerOptions) (*Server, error) {
 		t.ResponseHeaderTimeout = o.Timeouts.FirstByte
 		t.MaxResponseHeaderBytes = maxResponseHeaderBytes
 	}
-	s := &Server{o: o, core: o.Core, e: o.Core.Engine(), mux: http.NewServeMux(), client: &http.Client{Transport: o.Transport}}
+	s := &Server{o: o, core: o.Core, e: o.Core.Engine(), mux: http.NewServeMux(), client: &http.Client{Transport: o.Transport}, tracing: tracing}
 	s.SetLimits(o.Limits)
 	s.proxy = &httputil.ReverseProxy{
 		BufferPool: &bufferPool{},
