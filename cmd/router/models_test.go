@@ -184,3 +184,16 @@ func TestE2EAdapterLoadedAtRuntime(t *testing.T) {
 		t.Fatalf("after the adapter was loaded on sim-2: %d on %s: %s", r.status, r.replica, r.body)
 	}
 }
+
+// Without a tracer the router makes no span, and a client's traceparent
+// reaches the replica unchanged.
+func TestTraceparentPassesThroughWithoutTracing(t *testing.T) {
+	d := startTestDemo(t, demoOptions{sim: fastSim, replicas: 1})
+	const tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+	if r := post(t, d, "/v1/chat/completions", chat([2]string{"user", "hi"}), map[string]string{"traceparent": tp}); r.status != 200 {
+		t.Fatalf("%d %s", r.status, r.body)
+	}
+	if got := d.sims[0].LastTraceparent(); got != tp {
+		t.Fatalf("the replica saw traceparent %q, want %q", got, tp)
+	}
+}
