@@ -170,14 +170,23 @@ type bufferPool struct{ p sync.Pool }
 // proxies measured against it.
 func NewBufferPool() httputil.BufferPool { return &bufferPool{} }
 
+// proxyBuf is the size of the proxy's copy buffers. They are pooled as
+// array pointers, which a []byte converts back to without allocating (a
+// *[]byte per Put would allocate each time).
+const proxyBuf = 32 << 10
+
 func (b *bufferPool) Get() []byte {
-	if v, ok := b.p.Get().(*[]byte); ok {
-		return *v
+	if v, ok := b.p.Get().(*[proxyBuf]byte); ok {
+		return v[:]
 	}
-	return make([]byte, 32<<10)
+	return make([]byte, proxyBuf)
 }
 
-func (b *bufferPool) Put(buf []byte) { b.p.Put(&buf) }
+func (b *bufferPool) Put(buf []byte) {
+	if cap(buf) >= proxyBuf {
+		b.p.Put((*[proxyBuf]byte)(buf[:proxyBuf]))
+	}
+}
 
 // SetLimits replaces the limits; requests already reading keep theirs.
 // Safe to call while serving.

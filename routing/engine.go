@@ -498,33 +498,59 @@ type scratch struct {
 
 var scratchPool sync.Pool // *scratch
 
+// slicePool lends slices and takes them back without allocating in a
+// steady state: a slice travels in a *[]T box, and an emptied box waits in
+// a second pool for the next slice given back (putting &s for each slice
+// would allocate the box every time). Safe for concurrent use.
+type slicePool[T any] struct{ full, empty sync.Pool }
+
+func (p *slicePool[T]) get() ([]T, bool) {
+	b, ok := p.full.Get().(*[]T)
+	if !ok {
+		return nil, false
+	}
+	s := *b
+	*b = nil
+	p.empty.Put(b)
+	return s, true
+}
+
+func (p *slicePool[T]) put(s []T) {
+	b, _ := p.empty.Get().(*[]T)
+	if b == nil {
+		b = new([]T)
+	}
+	*b = s
+	p.full.Put(b)
+}
+
 // candidatePool holds candidate lists given back by Recycle.
-var candidatePool sync.Pool // *[]Candidate
+var candidatePool slicePool[Candidate]
 
 // newCandidates returns a zeroed candidate list of length n, reusing a
 // recycled one when it is long enough.
 func newCandidates(n int) []Candidate {
-	if p, ok := candidatePool.Get().(*[]Candidate); ok && cap(*p) >= n {
-		return (*p)[:n] // Recycle zeroed it
+	if c, ok := candidatePool.get(); ok && cap(c) >= n {
+		return c[:n] // Recycle zeroed it
 	}
 	return make([]Candidate, n)
 }
 
 // blockPool holds block lists given back by Recycle.
-var blockPool sync.Pool // *[]blockhash.Block
+var blockPool slicePool[blockhash.Block]
 
 // newBlocks returns an empty block list with room for n blocks, reusing a
 // recycled one when it is large enough.
 func newBlocks(n int) []blockhash.Block {
-	if p, ok := blockPool.Get().(*[]blockhash.Block); ok && cap(*p) >= n {
-		return (*p)[:0]
+	if b, ok := blockPool.get(); ok && cap(b) >= n {
+		return b[:0]
 	}
 	return make([]blockhash.Block, 0, n)
 }
 
 func putBlocks(b []blockhash.Block) {
 	if cap(b) > 0 {
-		blockPool.Put(&b)
+		blockPool.put(b)
 	}
 }
 
@@ -541,7 +567,7 @@ func (e *Engine) Recycle(d *Decision) {
 		c := d.Candidates[:cap(d.Candidates)]
 		clear(c)
 		d.Candidates = nil
-		candidatePool.Put(&c)
+		candidatePool.put(c)
 	}
 	if d.pooled {
 		putBlocks(d.Blocks)
