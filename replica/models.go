@@ -64,32 +64,29 @@ func (m *Models) AdapterRank(model string) int8 {
 // are adapters (the monitor's refresh of /v1/models), keeping what
 // SetLoRA recorded.
 func (r *Replica) SetServed(served, adapters []string) {
-	for {
-		old := r.models.Load()
-		var next *Models
-		if old != nil {
-			next = newModels(served, adapters, old.Running, old.Waiting, old.MaxLoRA)
-		} else {
-			next = newModels(served, adapters, nil, nil, 0)
-		}
-		if r.models.CompareAndSwap(old, next) {
-			return
-		}
-	}
+	r.updateModels(func(old *Models) *Models {
+		return newModels(served, adapters, old.Running, old.Waiting, old.MaxLoRA)
+	})
 }
 
 // SetLoRA records the adapters in use from the replica's metrics, keeping
 // the models it serves.
 func (r *Replica) SetLoRA(running, waiting []string, maxLoRA int) {
+	r.updateModels(func(old *Models) *Models {
+		return newModels(old.Served, old.Adapters, running, waiting, maxLoRA)
+	})
+}
+
+// updateModels replaces the replica's Models with next(the current ones,
+// or empty ones), retrying if another update came first.
+func (r *Replica) updateModels(next func(old *Models) *Models) {
 	for {
 		old := r.models.Load()
-		var next *Models
-		if old != nil {
-			next = newModels(old.Served, old.Adapters, running, waiting, maxLoRA)
-		} else {
-			next = newModels(nil, nil, running, waiting, maxLoRA)
+		cur := old
+		if cur == nil {
+			cur = &Models{}
 		}
-		if r.models.CompareAndSwap(old, next) {
+		if r.models.CompareAndSwap(old, next(cur)) {
 			return
 		}
 	}

@@ -137,7 +137,7 @@ type epStream struct {
 	reqMode, respMode filterv3.ProcessingMode_BodySendMode
 
 	path, method, contentType, session, tenant string
-	subset                                     []string // the gateway's subset hint; nil: none
+	subset                                     *endpointSet // the gateway's subset hint; nil: none
 	body                                       []byte
 	// sawHeaders, sawBody and bodyEOS: what of the request has come; routed:
 	// it was routed (rt set) or answered.
@@ -255,7 +255,7 @@ func (st *epStream) handle(req *extprocv3.ProcessingRequest) (done bool, err err
 	case *extprocv3.ProcessingRequest_ResponseTrailers:
 		st.respEOS = true
 		if st.strip != nil { // a last event the stream did not end with a blank line
-			if rest := st.strip.push(nil, true); len(rest) > 0 && st.respMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
+			if rest := st.strip.push(nil, true); len(rest) > 0 { // (strip is full-duplex only)
 				if err := st.sendBody(false, rest, false); err != nil {
 					return false, err
 				}
@@ -341,8 +341,9 @@ func (st *epStream) route(noBody bool) (bool, error) {
 	st.routedAt = true
 	core := st.s.core
 	in := CoreRequest{Session: st.session, Tenant: st.tenant}
+	var allow func(*replica.Replica) bool
 	if sub := st.subset; sub != nil {
-		in.Input.Allow = func(r *replica.Replica) bool { return inSubset(sub, Endpoint(r)) }
+		allow = func(r *replica.Replica) bool { return sub.has(Endpoint(r)) }
 	}
 	fwd := st.body
 	var ep blockhash.Endpoint
@@ -377,9 +378,7 @@ func (st *epStream) route(noBody bool) (bool, error) {
 			return st.reject(apiError{http.StatusBadRequest, "invalid_request_error", "invalid_request",
 				"max_tokens: " + strconv.Itoa(req.MaxTokens) + " is more than the limit of " + strconv.Itoa(lim.MaxOutputTokens)})
 		}
-		allow := in.Input.Allow
 		in.Input = core.Prepare(st.srv.Context(), req, st.body, st.session)
-		in.Input.Allow = allow
 		in.Input.DetachText()
 		in.Model, in.Route = req.Model, "ext_proc"
 		if req.Stream && !req.StreamOptions && st.respMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
@@ -394,6 +393,7 @@ func (st *epStream) route(noBody bool) (bool, error) {
 	} else {
 		in.PassThrough, in.Route = true, "passthrough"
 	}
+	in.Input.Allow = allow
 	rt, err := core.Route(in)
 	if err != nil {
 		return st.reject(classify(err))
@@ -506,11 +506,12 @@ func (st *epStream) responseHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadat
 // request's work and learned reply move to that replica.
 func (st *epStream) moveTo(served string) {
 	rt := st.rt
-	if inSubset([]string{served}, Endpoint(rt.Served.Replica)) {
+	at := newEndpointSet([]string{served})
+	if at.has(Endpoint(rt.Served.Replica)) {
 		return
 	}
 	for i := range rt.Ranked {
-		if inSubset([]string{served}, Endpoint(rt.Ranked[i].Replica)) {
+		if at.has(Endpoint(rt.Ranked[i].Replica)) {
 			st.s.core.Failover(rt, i)
 			return
 		}
@@ -531,12 +532,10 @@ func (st *epStream) responseBody(b *extprocv3.HttpBody) error {
 	if st.respMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
 		return st.sendBody(false, out, eos)
 	}
-	common := &extprocv3.CommonResponse{}
-	if st.strip != nil && string(out) != string(chunk) {
-		common.BodyMutation = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: out}}
-	}
+	// The other modes: the body passes unchanged (nothing is stripped
+	// there: see route).
 	return st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{
-		ResponseBody: &extprocv3.BodyResponse{Response: common}}})
+		ResponseBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{}}}})
 }
 
 // reject answers the request with an error of the picker's own, which
@@ -570,20 +569,7 @@ func (st *epStream) finish() {
 			o.Status = 499
 		}
 	}
-	var reply []byte
-	if c := st.capture; c != nil {
-		o.PromptTokens, o.OutputTokens, o.CachedTokens, o.CachedReported = c.tokens()
-		if rep, ok := c.reply(); ok && st.s.o.RecordReplies && st.status == http.StatusOK {
-			reply = rep
-		}
-		c.release()
-	}
-	st.s.core.Finish(rt, o, reply)
-	st.s.o.Logger.LogAttrs(context.Background(), slog.LevelInfo, "request",
-		slog.String("id", rt.ID), slog.String("arm", rt.Arm.Name), slog.String("path", st.path), slog.String("front", "ext_proc"),
-		slog.String("replica", rt.Served.Replica.Name), slog.Int("status", o.Status), slog.Int("prompt_tokens", rt.Tokens),
-		slog.Int("matched_tokens", rt.Served.Match.Tokens), slog.Int64("cached_tokens", o.CachedTokens),
-		slog.String("reason", rt.Served.Reason), slog.Duration("ttft", rt.ttft()), slog.Duration("duration", time.Since(st.start)))
+	endRouted(context.Background(), st.s.core, st.s.o.Logger, st.s.o.RecordReplies, rt, o, st.capture, st.path, "ext_proc", time.Since(st.start))
 }
 
 // headerValue is a header's value: Envoy sends it in raw_value.
@@ -603,7 +589,7 @@ func setHeader(k, v string) *corev3.HeaderValueOption {
 // MetadataSubset / KeySubset (a list of strings; a comma-separated string
 // is read too), or nil when there is none. An empty list is an empty,
 // non-nil subset: no endpoint may be picked.
-func subsetHint(md *corev3.Metadata) []string {
+func subsetHint(md *corev3.Metadata) *endpointSet {
 	ns, ok := md.GetFilterMetadata()[MetadataSubset]
 	if !ok {
 		return nil
@@ -612,7 +598,7 @@ func subsetHint(md *corev3.Metadata) []string {
 	if !ok {
 		return nil
 	}
-	out := []string{}
+	var out []string
 	switch x := v.GetKind().(type) {
 	case *structpb.Value_ListValue:
 		for _, e := range x.ListValue.GetValues() {
@@ -627,7 +613,7 @@ func subsetHint(md *corev3.Metadata) []string {
 			}
 		}
 	}
-	return out
+	return newEndpointSet(out)
 }
 
 // servedEndpoint returns the endpoint the proxy reports as served, or "".
@@ -635,17 +621,34 @@ func servedEndpoint(md *corev3.Metadata) string {
 	return md.GetFilterMetadata()[MetadataLB].GetFields()[KeyServed].GetStringValue()
 }
 
-// inSubset reports whether endpoint ("host:port") is in list: the same
-// endpoint, or an entry that names its host alone.
-func inSubset(list []string, endpoint string) bool {
-	host, _, _ := net.SplitHostPort(endpoint)
+// endpointSet is a set of endpoints, built once per request so that
+// testing each replica against it is a map read: "host:port" entries, and
+// entries that name a host alone (which admit any port of it). A nil set
+// is no set; an empty one admits nothing.
+type endpointSet struct {
+	full, hosts map[string]struct{}
+}
+
+// newEndpointSet returns the set of list's entries.
+func newEndpointSet(list []string) *endpointSet {
+	set := &endpointSet{full: map[string]struct{}{}, hosts: map[string]struct{}{}}
 	for _, e := range list {
-		if e == endpoint {
-			return true
-		}
-		if _, _, err := net.SplitHostPort(e); err != nil && strings.Trim(e, "[]") == host { // a host alone
-			return true
+		if _, _, err := net.SplitHostPort(e); err != nil { // a host alone
+			set.hosts[strings.Trim(e, "[]")] = struct{}{}
+		} else {
+			set.full[e] = struct{}{}
 		}
 	}
-	return false
+	return set
+}
+
+// has reports whether endpoint ("host:port") is in the set, by itself or
+// by its host.
+func (s *endpointSet) has(endpoint string) bool {
+	if _, ok := s.full[endpoint]; ok {
+		return true
+	}
+	host, _, _ := net.SplitHostPort(endpoint)
+	_, ok := s.hosts[host]
+	return ok
 }

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"time"
 	"unicode/utf8"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -143,20 +144,34 @@ func (s *Server) finish(r *http.Request, f *flight, up trace.Span, aborted bool)
 		}
 		up.End()
 	}
+	endRouted(r.Context(), s.core, s.o.Logger, s.o.RecordReplies, rt, o, f.capture, r.URL.Path, "", s.e.Now().Sub(rt.start))
+}
+
+// endRouted ends a routed request as every front end does: the usage its
+// capture read (c may be nil) and the reply, learned only from a whole 200
+// answer and when recordReplies; Core.Finish; the request's log line
+// (front, if not "", names a front end other than HTTP; duration is the
+// request's).
+func endRouted(ctx context.Context, core *Core, log *slog.Logger, recordReplies bool, rt *Routed, o Outcome, c *replyCapture,
+	path, front string, duration time.Duration) {
 	var reply []byte
-	if c := f.capture; c != nil {
+	if c != nil {
 		o.PromptTokens, o.OutputTokens, o.CachedTokens, o.CachedReported = c.tokens()
-		if rep, ok := c.reply(); ok && s.o.RecordReplies && f.status == http.StatusOK {
+		if rep, ok := c.reply(); ok && recordReplies && o.Status == http.StatusOK {
 			reply = rep
 		}
 		c.release()
 	}
-	s.core.Finish(rt, o, reply)
-	s.o.Logger.LogAttrs(r.Context(), slog.LevelInfo, "request",
-		slog.String("id", rt.ID), slog.String("arm", rt.Arm.Name), slog.String("path", r.URL.Path),
-		slog.String("replica", rt.Served.Replica.Name), slog.Int("status", f.status), slog.Int("prompt_tokens", rt.Tokens),
+	core.Finish(rt, o, reply)
+	var buf [12]slog.Attr // on the stack: the line costs no allocation of its own
+	attrs := append(buf[:0], slog.String("id", rt.ID), slog.String("arm", rt.Arm.Name), slog.String("path", path))
+	if front != "" {
+		attrs = append(attrs, slog.String("front", front))
+	}
+	log.LogAttrs(ctx, slog.LevelInfo, "request", append(attrs,
+		slog.String("replica", rt.Served.Replica.Name), slog.Int("status", o.Status), slog.Int("prompt_tokens", rt.Tokens),
 		slog.Int("matched_tokens", rt.Served.Match.Tokens), slog.Int64("cached_tokens", o.CachedTokens),
-		slog.String("reason", rt.Served.Reason), slog.Duration("ttft", rt.ttft()), slog.Duration("duration", s.e.Now().Sub(rt.start)))
+		slog.String("reason", rt.Served.Reason), slog.Duration("ttft", rt.ttft()), slog.Duration("duration", duration))...)
 }
 
 // readBody reads a request's body, up to MaxBodyBytes, into a pooled

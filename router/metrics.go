@@ -28,7 +28,7 @@ type Metrics struct {
 	heldExpiredN   *prometheus.CounterVec
 	modelTTFT      *prometheus.HistogramVec
 
-	mu     sync.Mutex
+	mu     sync.RWMutex
 	models map[string]bool // the model label values given out (at most maxModelLabels)
 }
 
@@ -139,6 +139,12 @@ func (m *Metrics) modelLabel(rt *Routed) string {
 	}
 	if ms := rt.Served.Replica.Models(); ms == nil || !ms.Serves(model) {
 		return "other"
+	}
+	m.mu.RLock()
+	given := m.models[model]
+	m.mu.RUnlock()
+	if given { // the common case: a read
+		return model
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()

@@ -451,19 +451,21 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 	adapter := model != "" && e.isAdapter(model)
 	for _, r := range reps {
 		var rank int8
-		if m := r.Models(); model != "" && m != nil {
-			known = true
-			if !m.Serves(model) {
-				continue
-			}
-			served = true
-			if adapter {
-				rank = m.AdapterRank(model)
-			}
-		} else {
-			unknown = true
-			if adapter {
-				rank = 2 // it may not serve the adapter at all: after those known to
+		if model != "" { // (no model: no lookup)
+			if m := r.Models(); m != nil {
+				known = true
+				if !m.Serves(model) {
+					continue
+				}
+				served = true
+				if adapter {
+					rank = m.AdapterRank(model)
+				}
+			} else {
+				unknown = true
+				if adapter {
+					rank = 2 // it may not serve the adapter at all: after those known to
+				}
 			}
 		}
 		if !r.Available(now) || (allow != nil && !allow(r)) {

@@ -533,13 +533,7 @@ func benchThroughput(client *http.Client, targets []benchTarget, gen *bodyGen, c
 func cpuTime(pids []int) (time.Duration, bool) {
 	var total time.Duration
 	for _, pid := range pids {
-		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-		if err != nil {
-			return 0, false
-		}
-		// The command name (field 2) may hold spaces: count from after it.
-		rest := b[bytes.LastIndexByte(b, ')')+2:]
-		f := strings.Fields(string(rest))
+		f := procStat(pid)
 		if len(f) < 13 {
 			return 0, false
 		}
@@ -657,6 +651,18 @@ func startNginx(bin, upstream string) (url string, pids func() []int, stop func(
 	}
 }
 
+// procStat returns the fields of /proc/PID/stat after the command name
+// (field 3, the state, first), or nil. The name may hold spaces and
+// parentheses: the fields start after its last ')'.
+func procStat(pid int) []string {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	i := bytes.LastIndexByte(b, ')')
+	if err != nil || i < 0 || i+2 > len(b) {
+		return nil
+	}
+	return strings.Fields(string(b[i+2:]))
+}
+
 // childPIDs returns the processes whose parent is pid (nginx's workers).
 func childPIDs(pid int) []int {
 	ents, _ := os.ReadDir("/proc")
@@ -666,11 +672,7 @@ func childPIDs(pid int) []int {
 		if _, err := fmt.Sscan(e.Name(), &p); err != nil {
 			continue
 		}
-		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", p))
-		if err != nil {
-			continue
-		}
-		f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+2:]))
+		f := procStat(p)
 		var ppid int
 		if len(f) > 1 {
 			fmt.Sscan(f[1], &ppid)
