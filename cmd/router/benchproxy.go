@@ -15,6 +15,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime/pprof"
 	"slices"
 	"sort"
 	"strings"
@@ -40,6 +41,7 @@ type benchOptions struct {
 	sizes       []int         // request body sizes in bytes
 	tpRounds    int           // throughput rounds per client count; medians over them are reported
 	nginx       string        // nginx binary: "auto" (PATH or /usr/sbin), a path, or "off"
+	cpuProfile  string        // file for the router's CPU profile over the whole run; "": none
 }
 
 // benchResult is one target's figures in one case.
@@ -53,7 +55,7 @@ type benchResult struct {
 
 func newBenchProxy() *cobra.Command {
 	o := benchOptions{}
-	var sizes, conc, target, upstream string
+	var sizes, conc, target, upstream, profile string
 	cmd := &cobra.Command{
 		Use:   "benchproxy",
 		Short: "Measure the latency and CPU the router adds, beside a plain Go reverse proxy and nginx, in front of an instant simulated replica",
@@ -73,7 +75,7 @@ plain proxy (added p99) and against nginx (CPU per request, requests/s, added p5
 Everything shares this machine's cores.`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if target != "" {
-				return serveBenchTarget(target, upstream, cmd.OutOrStdout(), cmd.InOrStdin())
+				return serveBenchTarget(target, upstream, profile, cmd.OutOrStdout(), cmd.InOrStdin())
 			}
 			for _, c := range strings.Split(conc, ",") {
 				var n int
@@ -103,9 +105,12 @@ Everything shares this machine's cores.`,
 	f.IntVar(&o.tpRounds, "throughput-rounds", 3, "throughput rounds, the targets interleaved in each; requests/s and CPU per request are medians over them")
 	f.StringVar(&o.nginx, "nginx", "auto", `nginx to measure beside the router: "auto" (on PATH or /usr/sbin/nginx, skipped if absent; deploy/bench/install-nginx.sh installs it), a path, or "off"`)
 	f.StringVar(&sizes, "sizes", "1024,131072", "request body sizes in bytes, comma-separated")
+	f.StringVar(&o.cpuProfile, "cpuprofile", "", "write the router process's CPU profile over the whole run to this file (go tool pprof reads it)")
 	// The targets run in child processes of this command (see startBenchTarget).
 	f.StringVar(&target, "serve-target", "", "internal: serve one target (replica, plain or router) and print its URL")
 	f.StringVar(&upstream, "upstream", "", "internal: the replica's URL, for --serve-target plain or router")
+	f.StringVar(&profile, "profile", "", "internal: the CPU profile file, for --serve-target router")
+	_ = f.MarkHidden("profile")
 	_ = f.MarkHidden("serve-target")
 	_ = f.MarkHidden("upstream")
 	return cmd
@@ -162,7 +167,11 @@ func runBenchProxy(out io.Writer, o benchOptions) error {
 		if len(targets) > 0 {
 			up = targets[0].url
 		}
-		u, pid, stop, err := startBenchTarget(t.role, up)
+		var profile string
+		if t.role == "router" {
+			profile = o.cpuProfile
+		}
+		u, pid, stop, err := startBenchTarget(t.role, up, profile)
 		if err != nil {
 			return fmt.Errorf("starting the %s: %w", t.name, err)
 		}
@@ -262,12 +271,12 @@ func benchRatios(targets []benchTarget, res []benchResult, tp []benchThroughputR
 // startBenchTarget runs `router benchproxy --serve-target role` as a child
 // process and returns the URL it serves. stop closes the child's stdin, which
 // ends it, and waits; a child whose parent dies sees the same end of input.
-func startBenchTarget(role, upstream string) (url string, pid int, stop func(), err error) {
+func startBenchTarget(role, upstream, profile string) (url string, pid int, stop func(), err error) {
 	exe, err := os.Executable()
 	if err != nil {
 		return "", 0, nil, err
 	}
-	cmd := exec.Command(exe, "benchproxy", "--serve-target", role, "--upstream", upstream)
+	cmd := exec.Command(exe, "benchproxy", "--serve-target", role, "--upstream", upstream, "--profile", profile)
 	cmd.Stderr = os.Stderr
 	in, err := cmd.StdinPipe()
 	if err != nil {
@@ -320,7 +329,7 @@ func waitOrKill(cmd *exec.Cmd) {
 
 // serveBenchTarget serves one benchmark target in this process, prints its
 // URL, and serves until in ends.
-func serveBenchTarget(role, upstream string, out io.Writer, in io.Reader) error {
+func serveBenchTarget(role, upstream, profile string, out io.Writer, in io.Reader) error {
 	var (
 		u    string
 		stop func()
@@ -382,7 +391,12 @@ func serveBenchTarget(role, upstream string, out io.Writer, in io.Reader) error 
 			return err
 		}
 		_, stopFloor := startGCFloor(cfg.Runtime) // as router serve does
-		u, stop = r.http.url(), func() { _ = r.stop(5 * time.Second); stopFloor() }
+		stopProfile, err := startCPUProfile(profile)
+		if err != nil {
+			_ = r.stop(time.Second)
+			return err
+		}
+		u, stop = r.http.url(), func() { stopProfile(); _ = r.stop(5 * time.Second); stopFloor() }
 	default:
 		return fmt.Errorf("--serve-target %q: want replica, plain or router", role)
 	}
@@ -682,4 +696,21 @@ func childPIDs(pid int) []int {
 		}
 	}
 	return out
+}
+
+// startCPUProfile profiles this process's CPU into file until the returned
+// stop; with file "", it does nothing.
+func startCPUProfile(file string) (stop func(), err error) {
+	if file == "" {
+		return func() {}, nil
+	}
+	f, err := os.Create(file)
+	if err != nil {
+		return nil, err
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return func() { pprof.StopCPUProfile(); f.Close() }, nil
 }
