@@ -50,6 +50,13 @@ func (s *Server) forward(w http.ResponseWriter, r *http.Request, f *flight) {
 	f.readers = append(f.readers, br)
 	r.Body = br
 	r.ContentLength = int64(len(f.body.b))
+	// A pooled connection the replica closed as the request went out is
+	// sent again (upstream.go): the body is read afresh.
+	r.GetBody = func() (io.ReadCloser, error) {
+		br := f.body.reader()
+		f.readers = append(f.readers, br)
+		return br, nil
+	}
 	defer func() { // also when the proxy panics with http.ErrAbortHandler
 		for _, br := range f.readers {
 			br.Close()

@@ -38,8 +38,9 @@ const (
 // ServerOptions configure the HTTP front end. Core is required.
 type ServerOptions struct {
 	Core *Core
-	// Transport sends requests to replicas. Nil means a clone of
-	// http.DefaultTransport.
+	// Transport sends requests to replicas. Nil means the router's own
+	// (upstream.go): plain-HTTP replicas over its pooled connections, https
+	// ones through a clone of http.DefaultTransport.
 	Transport http.RoundTripper
 	// Limits bound each request; SetLimits changes them while serving.
 	Limits limits.Request
@@ -97,10 +98,10 @@ func NewServer(o ServerOptions) (*Server, error) {
 	if o.Core == nil {
 		return nil, errors.New("router: ServerOptions.Core is required")
 	}
+	var std *http.Transport // the replicas' lists and tokenizers are asked through it
 	if o.Transport == nil {
-		t := http.DefaultTransport.(*http.Transport).Clone()
-		t.MaxIdleConnsPerHost = 256
-		o.Transport = t
+		std = http.DefaultTransport.(*http.Transport).Clone()
+		std.MaxIdleConnsPerHost = maxIdlePerReplica
 	}
 	o.MaxReplyBytes = cmp.Or(max(o.MaxReplyBytes, 0), limits.DefaultMaxReplyBytes)
 	o.Timeouts = o.Timeouts.WithDefaults()
@@ -114,11 +115,19 @@ func NewServer(o ServerOptions) (*Server, error) {
 		o.Propagator = propagation.TraceContext{}
 	}
 	if t, ok := o.Transport.(*http.Transport); ok {
-		t.DialContext = (&net.Dialer{Timeout: o.Timeouts.Connect, KeepAlive: 30 * time.Second}).DialContext
-		t.ResponseHeaderTimeout = o.Timeouts.FirstByte
-		t.MaxResponseHeaderBytes = maxResponseHeaderBytes
+		std = t
 	}
-	s := &Server{o: o, core: o.Core, e: o.Core.Engine(), mux: http.NewServeMux(), client: &http.Client{Transport: o.Transport}, tracing: tracing}
+	if std != nil {
+		std.DialContext = (&net.Dialer{Timeout: o.Timeouts.Connect, KeepAlive: 30 * time.Second}).DialContext
+		std.ResponseHeaderTimeout = o.Timeouts.FirstByte
+		std.MaxResponseHeaderBytes = maxResponseHeaderBytes
+	}
+	client := &http.Client{Transport: o.Transport}
+	if o.Transport == nil {
+		o.Transport = newUpstream(std, o.Timeouts.Connect, o.Timeouts.FirstByte, maxResponseHeaderBytes, maxIdlePerReplica)
+		client.Transport = std
+	}
+	s := &Server{o: o, core: o.Core, e: o.Core.Engine(), mux: http.NewServeMux(), client: client, tracing: tracing}
 	s.SetLimits(o.Limits)
 	s.proxy = &httputil.ReverseProxy{
 		BufferPool: &bufferPool{},
@@ -158,6 +167,10 @@ func NewServer(o ServerOptions) (*Server, error) {
 // maxResponseHeaderBytes bounds a replica's response headers (net/http's
 // default is 10 MB): a replica is not a browser talking to the world.
 const maxResponseHeaderBytes = 256 << 10
+
+// maxIdlePerReplica bounds the idle keep-alive connections kept to one
+// replica.
+const maxIdlePerReplica = 256
 
 // maxModelsPerReplica bounds the models read from one replica's /v1/models.
 const maxModelsPerReplica = 1024

@@ -1,0 +1,337 @@
+package router
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+func testUpstream(t *testing.T) *upstream {
+	t.Helper()
+	std := http.DefaultTransport.(*http.Transport).Clone()
+	u := newUpstream(std, time.Second, 5*time.Second, maxResponseHeaderBytes, 4)
+	u.proxied = false
+	t.Cleanup(u.CloseIdleConnections)
+	return u
+}
+
+// post sends body to url through u with a rewindable body, as the router's
+// proxy does, and returns the status and body of the answer.
+func post(t *testing.T, u *upstream, ctx context.Context, url, body string) (int, string, error) {
+	t.Helper()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err := u.RoundTrip(req)
+	if err != nil {
+		return 0, "", err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b), err
+}
+
+// countConns counts the connections a test server accepts.
+func countConns(srv *httptest.Server) *atomic.Int32 {
+	var n atomic.Int32
+	srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+		if s == http.StateNew {
+			n.Add(1)
+		}
+	}
+	return &n
+}
+
+func TestUpstreamReusesConnections(t *testing.T) {
+	for _, chunked := range []bool{false, true} {
+		srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			b, _ := io.ReadAll(r.Body)
+			if chunked {
+				w.Write(b[:1])
+				w.(http.Flusher).Flush() // no length: chunked
+				w.Write(b[1:])
+				return
+			}
+			w.Write(b)
+		}))
+		conns := countConns(srv)
+		srv.Start()
+		u := testUpstream(t)
+		for i := range 5 {
+			body := strings.Repeat("x", 10+i)
+			code, got, err := post(t, u, context.Background(), srv.URL+"/echo", body)
+			if err != nil || code != 200 || got != body {
+				t.Fatalf("chunked=%v request %d: %d %q %v", chunked, i, code, got, err)
+			}
+		}
+		if n := conns.Load(); n != 1 {
+			t.Errorf("chunked=%v: 5 sequential requests opened %d connections, want 1", chunked, n)
+		}
+		srv.Close()
+	}
+}
+
+// oneShotServer answers each connection's first request with 200 "ok" and
+// closes the connection without saying so (no Connection: close), as a
+// replica whose keep-alive timer fired does. It counts connections.
+func oneShotServer(t *testing.T) (url string, conns *atomic.Int32) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	conns = new(atomic.Int32)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			conns.Add(1)
+			go func() {
+				defer c.Close()
+				req, err := http.ReadRequest(bufio.NewReader(c))
+				if err != nil {
+					return
+				}
+				io.Copy(io.Discard, req.Body)
+				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+			}()
+		}
+	}()
+	return "http://" + ln.Addr().String(), conns
+}
+
+func TestUpstreamSendsAgainWhenAPooledConnectionWasClosed(t *testing.T) {
+	url, conns := oneShotServer(t)
+	u := testUpstream(t)
+	for i := range 3 {
+		// At once: the pooled connection is trusted, the write or read
+		// fails, and the request goes again on a new connection.
+		code, got, err := post(t, u, context.Background(), url, "hello")
+		if err != nil || code != 200 || got != "ok" {
+			t.Fatalf("request %d: %d %q %v", i, code, got, err)
+		}
+	}
+	if n := conns.Load(); n != 3 {
+		t.Errorf("connections = %d, want 3 (one per request)", n)
+	}
+}
+
+func TestUpstreamChecksAConnectionIdleForLong(t *testing.T) {
+	url, conns := oneShotServer(t)
+	u := testUpstream(t)
+	if _, _, err := post(t, u, context.Background(), url, "a"); err != nil {
+		t.Fatal(err)
+	}
+	// Idle past upCheckAfter: the closed connection is seen before use, so
+	// the request does not need the body again.
+	u.mu.Lock()
+	for _, pc := range u.idle[strings.TrimPrefix(url, "http://")] {
+		pc.since = pc.since.Add(-2 * upCheckAfter)
+	}
+	u.mu.Unlock()
+	req, _ := http.NewRequest(http.MethodPost, url, strings.NewReader("b"))
+	req.GetBody = nil // cannot be sent twice
+	resp, err := u.RoundTrip(req)
+	if err != nil {
+		t.Fatalf("a connection closed while idle was used: %v", err)
+	}
+	resp.Body.Close()
+	if n := conns.Load(); n != 2 {
+		t.Errorf("connections = %d, want 2", n)
+	}
+}
+
+func TestUpstreamCancelClosesTheConnection(t *testing.T) {
+	gone := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body) // net/http watches for a close once the body is read
+		<-r.Context().Done() // the router's connection closed: the replica stops
+		close(gone)
+	}))
+	defer srv.Close()
+	u := testUpstream(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	errc := make(chan error, 1)
+	go func() { _, _, err := post(t, u, ctx, srv.URL, "x"); errc <- err }()
+	time.Sleep(50 * time.Millisecond)
+	cancel()
+	select {
+	case err := <-errc:
+		if !errors.Is(err, context.Canceled) {
+			t.Errorf("err = %v, want context.Canceled", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("RoundTrip did not return after its context was cancelled")
+	}
+	select {
+	case <-gone:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the replica did not see the connection close")
+	}
+}
+
+func TestUpstreamEarlyCloseDoesNotPool(t *testing.T) {
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		for range 100 {
+			if _, err := w.Write(bytes.Repeat([]byte("data: x\n\n"), 100)); err != nil {
+				return
+			}
+			w.(http.Flusher).Flush()
+		}
+	}))
+	conns := countConns(srv)
+	srv.Start()
+	defer srv.Close()
+	u := testUpstream(t)
+	req, _ := http.NewRequest(http.MethodPost, srv.URL, strings.NewReader("x"))
+	resp, err := u.RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Read(make([]byte, 10))
+	resp.Body.Close() // the client left mid-stream
+	if code, _, err := post(t, u, context.Background(), srv.URL, "y"); err != nil || code != 200 {
+		t.Fatal(code, err)
+	}
+	if n := conns.Load(); n != 2 {
+		t.Errorf("connections = %d, want 2: a body closed early must not be pooled", n)
+	}
+}
+
+// rawServer answers every request on every connection with reply.
+func rawServer(t *testing.T, reply func(c net.Conn)) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	t.Cleanup(func() { ln.Close(); wg.Wait() })
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer c.Close()
+				br := bufio.NewReader(c)
+				for {
+					req, err := http.ReadRequest(br)
+					if err != nil {
+						return
+					}
+					io.Copy(io.Discard, req.Body)
+					reply(c)
+				}
+			}()
+		}
+	}()
+	return "http://" + ln.Addr().String()
+}
+
+func TestUpstreamSkipsInterimAnswers(t *testing.T) {
+	url := rawServer(t, func(c net.Conn) {
+		io.WriteString(c, "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 4\r\n\r\ndone")
+	})
+	code, got, err := post(t, testUpstream(t), context.Background(), url, "x")
+	if err != nil || code != 201 || got != "done" {
+		t.Fatalf("%d %q %v, want 201 \"done\"", code, got, err)
+	}
+}
+
+func TestUpstreamBoundsResponseHeaders(t *testing.T) {
+	url := rawServer(t, func(c net.Conn) {
+		io.WriteString(c, "HTTP/1.1 200 OK\r\n")
+		line := "X-Big: " + strings.Repeat("a", 1000) + "\r\n"
+		for range maxResponseHeaderBytes/len(line) + 2 {
+			if _, err := io.WriteString(c, line); err != nil {
+				return
+			}
+		}
+		io.WriteString(c, "Content-Length: 0\r\n\r\n")
+	})
+	_, _, err := post(t, testUpstream(t), context.Background(), url, "x")
+	if !errors.Is(err, errUpstreamHeaders) {
+		t.Fatalf("err = %v, want %v", err, errUpstreamHeaders)
+	}
+}
+
+func TestUpstreamFirstByteTimeout(t *testing.T) {
+	release := make(chan struct{})
+	defer close(release)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.ReadAll(r.Body)
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	}))
+	defer srv.Close()
+	u := testUpstream(t)
+	u.firstByte = 100 * time.Millisecond
+	start := time.Now()
+	_, _, err := post(t, u, context.Background(), srv.URL, "x")
+	var ne net.Error
+	if !errors.As(err, &ne) || !ne.Timeout() {
+		t.Fatalf("err = %v, want a timeout", err)
+	}
+	if d := time.Since(start); d > 3*time.Second {
+		t.Errorf("timed out after %v", d)
+	}
+}
+
+func TestUpstreamSendsHeadersAndBody(t *testing.T) {
+	var got *http.Request
+	var gotBody []byte
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got = r.Clone(context.Background())
+		gotBody, _ = io.ReadAll(r.Body)
+	}))
+	defer srv.Close()
+	body := strings.Repeat("b", 100<<10) // larger than the write buffer
+	req, _ := http.NewRequest(http.MethodPost, srv.URL+"/v1/x?q=1", strings.NewReader(body))
+	req.Host = "replica.example"
+	req.Header.Set("Authorization", "Bearer k")
+	req.Header.Set("Expect", "100-continue") // the body is sent whole: nothing waits
+	req.Header["User-Agent"] = []string{""}
+	resp, err := testUpstream(t).RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if got.URL.RequestURI() != "/v1/x?q=1" || got.Host != "replica.example" || got.Header.Get("Authorization") != "Bearer k" ||
+		got.Header.Get("Expect") != "" || got.UserAgent() != "" || got.ContentLength != int64(len(body)) || string(gotBody) != body {
+		t.Errorf("replica got %s %s host %q auth %q expect %q ua %q length %d, body %d bytes",
+			got.Method, got.URL, got.Host, got.Header.Get("Authorization"), got.Header.Get("Expect"), got.UserAgent(), got.ContentLength, len(gotBody))
+	}
+}
+
+func TestUpstreamHTTPSGoesToTheFallback(t *testing.T) {
+	srv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "tls") }))
+	defer srv.Close()
+	u := testUpstream(t)
+	u.fallback = srv.Client().Transport
+	code, got, err := post(t, u, context.Background(), srv.URL, "x")
+	if err != nil || code != 200 || got != "tls" {
+		t.Fatalf("%d %q %v", code, got, err)
+	}
+}
