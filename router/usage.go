@@ -3,6 +3,7 @@ package router
 import (
 	"bytes"
 	"io"
+	"slices"
 
 	"github.com/valyala/fastjson"
 )
@@ -46,11 +47,26 @@ type usageStripper struct {
 	scanned int
 	err     error // the upstream's error, returned once out is drained
 	p       fastjson.Parser
-	read    []byte
 }
 
 func newUsageStripper(rc io.ReadCloser) *usageStripper {
-	return &usageStripper{rc: rc, read: make([]byte, 32<<10)}
+	return &usageStripper{rc: rc}
+}
+
+// stripRead is the room a read from the replica is given: events are
+// small, and the slices the stripper reads into grow as it needs.
+const stripRead = 4 << 10
+
+// readInto reads from the replica into the spare room of *dst, growing it
+// first when it has little.
+func (s *usageStripper) readInto(dst *[]byte) error {
+	b := *dst
+	if cap(b)-len(b) < stripRead/2 {
+		b = slices.Grow(b, stripRead)
+	}
+	n, err := s.rc.Read(b[len(b):cap(b)])
+	*dst = b[:len(b)+n]
+	return err
 }
 
 func (s *usageStripper) Read(p []byte) (int, error) {
@@ -66,13 +82,11 @@ func (s *usageStripper) Read(p []byte) (int, error) {
 			}
 			return 0, s.err
 		}
-		n, err := s.rc.Read(s.read)
-		s.err = err
 		if s.off {
-			s.out = append(s.out, s.read[:n]...)
+			s.err = s.readInto(&s.out)
 			continue
 		}
-		s.in = append(s.in, s.read[:n]...)
+		s.err = s.readInto(&s.in)
 		s.split()
 	}
 	n := copy(p, s.out)
