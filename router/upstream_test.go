@@ -158,7 +158,7 @@ func TestUpstreamChecksAConnectionIdleForLong(t *testing.T) {
 func TestUpstreamCancelClosesTheConnection(t *testing.T) {
 	gone := make(chan struct{})
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		io.ReadAll(r.Body) // net/http watches for a close once the body is read
+		io.ReadAll(r.Body)   // net/http watches for a close once the body is read
 		<-r.Context().Done() // the router's connection closed: the replica stops
 		close(gone)
 	}))
