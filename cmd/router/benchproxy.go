@@ -42,6 +42,7 @@ type benchOptions struct {
 	tpRounds    int           // throughput rounds per client count; medians over them are reported
 	nginx       string        // nginx binary: "auto" (PATH or /usr/sbin), a path, or "off"
 	cpuProfile  string        // file for the router's CPU profile over the whole run; "": none
+	modes       []bool        // stream or not, in order
 }
 
 // benchResult is one target's figures in one case.
@@ -55,7 +56,7 @@ type benchResult struct {
 
 func newBenchProxy() *cobra.Command {
 	o := benchOptions{}
-	var sizes, conc, target, upstream, profile string
+	var sizes, conc, target, upstream, profile, modes string
 	cmd := &cobra.Command{
 		Use:   "benchproxy",
 		Short: "Measure the latency and CPU the router adds, beside a plain Go reverse proxy and nginx, in front of an instant simulated replica",
@@ -91,6 +92,16 @@ Everything shares this machine's cores.`,
 				}
 				o.sizes = append(o.sizes, n)
 			}
+			for _, m := range strings.Split(modes, ",") {
+				switch strings.TrimSpace(m) {
+				case "whole":
+					o.modes = append(o.modes, false)
+				case "stream":
+					o.modes = append(o.modes, true)
+				default:
+					return fmt.Errorf("--modes: %q is neither whole nor stream", m)
+				}
+			}
 			if o.requests < 1 || o.rounds < 1 || o.tpRounds < 1 {
 				return fmt.Errorf("--requests, --rounds and --throughput-rounds must be at least 1")
 			}
@@ -105,6 +116,7 @@ Everything shares this machine's cores.`,
 	f.IntVar(&o.tpRounds, "throughput-rounds", 3, "throughput rounds, the targets interleaved in each; requests/s and CPU per request are medians over them")
 	f.StringVar(&o.nginx, "nginx", "auto", `nginx to measure beside the router: "auto" (on PATH or /usr/sbin/nginx, skipped if absent; deploy/bench/install-nginx.sh installs it), a path, or "off"`)
 	f.StringVar(&sizes, "sizes", "1024,131072", "request body sizes in bytes, comma-separated")
+	f.StringVar(&modes, "modes", "whole,stream", "answers measured, comma-separated: whole (one JSON body) and stream (server-sent events)")
 	f.StringVar(&o.cpuProfile, "cpuprofile", "", "write the router process's CPU profile over the whole run to this file (go tool pprof reads it)")
 	// The targets run in child processes of this command (see startBenchTarget).
 	f.StringVar(&target, "serve-target", "", "internal: serve one target (replica, plain or router) and print its URL")
@@ -202,7 +214,7 @@ func runBenchProxy(out io.Writer, o benchOptions) error {
 	fmt.Fprintln(tw, "body\tmode\ttarget\tp50\tp99\tadded p50\tadded p99\tclients\treq/s\tCPU/req\terrors\t")
 	var ratios []string
 	for _, size := range o.sizes {
-		for _, stream := range []bool{false, true} {
+		for _, stream := range o.modes {
 			tmpl, at := benchBody(size, stream)
 			gen := &bodyGen{tmpl: tmpl, at: at}
 			mode := "whole"
