@@ -15,18 +15,26 @@ import (
 )
 
 // upstream is the router's transport to plain-HTTP replicas: HTTP/1.1 over
-// pooled keep-alive connections, with the whole exchange — write the
-// request, read the response headers, read the body — in the calling
-// goroutine. http.Transport runs a reader and a writer goroutine for each
-// connection and hands every request and response between them over
-// channels; at 1 KB that machinery was about a third of the router's CPU
-// (BENCHMARKS.md, "Beside nginx"). Requests it does not serve — https
-// replicas, or any replica when HTTP_PROXY is set — go to fallback.
+// pooled keep-alive connections, with the exchange — write the request,
+// read the response headers, read the body — in the calling goroutine.
+// http.Transport runs a reader and a writer goroutine for each connection
+// and hands every request and response between them over channels; at
+// 1 KB that machinery was about a third of the router's CPU (BENCHMARKS.md,
+// "Beside nginx"). Requests it does not serve — https replicas, any
+// replica when HTTP_PROXY is set, bodies of unknown length, upgrades — go
+// to fallback.
 //
 // Responses come from http.ReadResponse, so framing (Content-Length,
 // chunked, close-delimited) is net/http's. A request's context cancels it
 // at any point: its connection's deadline is moved to the past, which ends
-// a blocked write or read, and the connection is closed rather than pooled.
+// a blocked write or read, and the connection is closed rather than
+// pooled. Without a reader goroutine nothing watches an idle connection,
+// so a connection is pooled only when nothing is left to read on it, is
+// checked with a non-blocking peek before each reuse (bytes the replica
+// sent unasked are never read as the next answer), and idle ones are
+// swept every sweepEvery. A request is sent again only when it did not go
+// out whole; a body over concurrentWrite is written beside the read of the
+// answer, so that an early answer (413) is not lost.
 //
 // Safe for concurrent use.
 type upstream struct {
@@ -37,20 +45,32 @@ type upstream struct {
 	maxIdle   int           // idle connections kept per replica
 	proxied   bool          // HTTP_PROXY is set: everything goes to fallback
 
-	mu   sync.Mutex
-	idle map[string][]*upConn // by host:port, most recently used last
+	mu         sync.Mutex
+	idle       map[string][]*upConn // by host:port, most recently used last
+	sweeping   bool                 // a sweep is scheduled
+	sweepEvery time.Duration        // sweepEvery, but in tests
 }
 
 // upIdleTimeout is how long a pooled connection may idle before it is
-// closed instead of reused (http.DefaultTransport's IdleConnTimeout).
+// closed (http.DefaultTransport's IdleConnTimeout).
 const upIdleTimeout = 90 * time.Second
 
-// upCheckAfter is how long a pooled connection may idle before it is
-// checked for a close from the replica before reuse: vLLM's server
-// (uvicorn) closes keep-alive connections after 5 s of idling. A connection
-// used more recently is trusted, and a close that races the request is
-// retried once on a new connection.
-const upCheckAfter = time.Second
+// sweepEvery is how often idle connections are looked at while there are
+// any: those the replica closed (vLLM's server, uvicorn, closes keep-alive
+// connections after 5 s of idling) or idle past upIdleTimeout are closed,
+// so that neither they nor a departed replica's keep file descriptors.
+const sweepEvery = 5 * time.Second
+
+// concurrentWrite is the body size above which the request is written
+// beside the read of the answer, as http.Transport does for every
+// request: a replica may answer (413, 400) and stop reading before a large
+// body is all sent, and that answer must reach the client. Smaller bodies
+// fit the socket's buffers and are written first, in the same goroutine.
+const concurrentWrite = 64 << 10
+
+// earlyAnswerWait bounds the wait for an answer the replica may have sent
+// before a small request's write failed.
+const earlyAnswerWait = 100 * time.Millisecond
 
 func newUpstream(t *http.Transport, connect, firstByte time.Duration, maxHeader, maxIdle int) *upstream {
 	return &upstream{
@@ -61,6 +81,8 @@ func newUpstream(t *http.Transport, connect, firstByte time.Duration, maxHeader,
 		maxIdle:   maxIdle,
 		proxied:   os.Getenv("HTTP_PROXY") != "" || os.Getenv("http_proxy") != "",
 		idle:      make(map[string][]*upConn),
+
+		sweepEvery: sweepEvery,
 	}
 }
 
@@ -73,7 +95,7 @@ type upConn struct {
 	bw     *bufio.Writer
 	host   string
 	reused bool      // it served a request before
-	since  time.Time // when it went idle
+	since  time.Time // when it last went idle
 }
 
 // capReader reads from c, at most n bytes while n >= 0.
@@ -99,12 +121,12 @@ func (r *capReader) Read(p []byte) (int, error) {
 	return n, err
 }
 
-// errNoAnswer marks a pooled connection that failed before any answer:
-// the replica closed it while it idled.
-var errNoAnswer = errors.New("router: pooled connection closed by the replica")
+// errUnsent marks a request that did not go out whole: the replica cannot
+// have acted on it, so it may be sent again.
+var errUnsent = errors.New("router: request not sent whole")
 
 func (t *upstream) RoundTrip(req *http.Request) (*http.Response, error) {
-	if req.URL.Scheme != "http" || t.proxied {
+	if !t.serves(req) {
 		return t.fallback.RoundTrip(req)
 	}
 	ctx := req.Context()
@@ -119,11 +141,12 @@ func (t *upstream) RoundTrip(req *http.Request) (*http.Response, error) {
 			return resp, nil
 		}
 		pc.c.Close()
-		if retried || !errors.Is(err, errNoAnswer) || req.GetBody == nil || ctx.Err() != nil {
+		if retried || !pc.reused || !errors.Is(err, errUnsent) || req.GetBody == nil || ctx.Err() != nil {
 			return nil, errors.Unwrap(err)
 		}
-		// The replica closed a pooled connection as the request went out:
-		// nothing was answered, so it goes again on a new connection.
+		// A pooled connection the replica closed as the request went out
+		// (after the check in get): nothing reached it whole, so the
+		// request goes again on a new connection.
 		body, gerr := req.GetBody()
 		if gerr != nil {
 			return nil, errors.Unwrap(err)
@@ -131,6 +154,15 @@ func (t *upstream) RoundTrip(req *http.Request) (*http.Response, error) {
 		req = req.Clone(ctx)
 		req.Body = body
 	}
+}
+
+// serves reports whether req is one this transport sends itself: plain
+// HTTP, no proxy, a body of known length, and no protocol upgrade.
+func (t *upstream) serves(req *http.Request) bool {
+	hasBody := req.Body != nil && req.Body != http.NoBody
+	return req.URL.Scheme == "http" && !t.proxied &&
+		req.ContentLength >= 0 && (req.ContentLength > 0 || !hasBody) &&
+		req.Header.Get("Upgrade") == ""
 }
 
 func closeReqBody(req *http.Request) {
@@ -143,48 +175,92 @@ func closeReqBody(req *http.Request) {
 var pastDeadline = time.Unix(1, 0)
 
 // exchange writes req on pc and reads the response headers. Its errors
-// are *wrapped around their cause; on a reused connection, before any
-// response byte, they are marked errNoAnswer.
+// are *wrapped around their cause, and marked errUnsent when the request
+// did not go out whole.
 func (t *upstream) exchange(ctx context.Context, pc *upConn, req *http.Request) (*http.Response, error) {
 	stop := context.AfterFunc(ctx, func() { _ = pc.c.SetDeadline(pastDeadline) })
-	fail := func(err error) (*http.Response, error) {
+	fail := func(mark, err error) (*http.Response, error) {
 		stop()
 		if ctx.Err() != nil {
-			err = ctx.Err()
-		} else if pc.reused && pc.lim.n == t.maxHeader && noAnswer(err) {
-			return nil, &wrapped{errNoAnswer, err}
+			mark, err = ctx.Err(), ctx.Err()
 		}
-		return nil, &wrapped{err, err}
+		return nil, &wrapped{mark, err}
 	}
-	pc.lim.n = t.maxHeader // and nothing read yet
-	err := writeRequest(pc.bw, req)
-	closeReqBody(req)
-	if err != nil {
-		return fail(err)
+	pc.lim.n = t.maxHeader
+	var wrote chan error // the write of a large body, beside the read
+	if req.ContentLength > concurrentWrite {
+		wrote = make(chan error, 1)
+		go func() {
+			err := writeRequest(pc.bw, req)
+			closeReqBody(req)
+			wrote <- err
+		}()
+	} else {
+		err := writeRequest(pc.bw, req)
+		closeReqBody(req)
+		if err != nil {
+			// The replica may have answered before it stopped reading.
+			if ctx.Err() == nil {
+				_ = pc.c.SetReadDeadline(time.Now().Add(earlyAnswerWait))
+				if resp, rerr := t.readResponse(pc, req); rerr == nil {
+					return t.answer(ctx, pc, req, resp, stop, false)
+				}
+			}
+			return fail(errUnsent, err)
+		}
 	}
 	if t.firstByte > 0 {
 		_ = pc.c.SetReadDeadline(time.Now().Add(t.firstByte))
 	}
-	var resp *http.Response
+	resp, err := t.readResponse(pc, req)
+	if err != nil {
+		return fail(err, err) // a large body's writer ends as the caller closes the connection
+	}
+	keep := true
+	if wrote != nil {
+		select {
+		case werr := <-wrote:
+			keep = werr == nil
+		default:
+			// The answer came before the body went out: the connection
+			// closes when the answer ends, which ends the write.
+			keep = false
+		}
+	}
+	return t.answer(ctx, pc, req, resp, stop, keep)
+}
+
+// errUpstreamSwitch is a replica's 101 to a request that asked for no
+// upgrade (those go to the fallback).
+var errUpstreamSwitch = errors.New("router: replica switched protocols unasked")
+
+// readResponse reads the answer's headers from pc, past interim answers
+// (100 Continue, 103 Early Hints). A 101 is an error: nothing this
+// transport sends asks to switch protocols.
+func (t *upstream) readResponse(pc *upConn, req *http.Request) (*http.Response, error) {
 	for {
-		if resp, err = http.ReadResponse(pc.br, req); err != nil {
-			return fail(err)
-		}
-		// Interim answers (100 Continue, 103 Early Hints) come before the
-		// real one; 101 would switch protocols, which a replica has no
-		// reason to, and reaches the client as an answer.
-		if resp.StatusCode < 100 || resp.StatusCode >= 200 || resp.StatusCode == http.StatusSwitchingProtocols {
-			break
+		resp, err := http.ReadResponse(pc.br, req)
+		switch {
+		case err != nil:
+			return nil, err
+		case resp.StatusCode == http.StatusSwitchingProtocols:
+			return nil, errUpstreamSwitch
+		case resp.StatusCode >= 200 || resp.StatusCode < 100:
+			return resp, nil
 		}
 	}
+}
+
+// answer readies resp for the caller: no header cap or deadline on the
+// body's reads, and a body that pools pc at its end when keep, neither
+// side asked to close, and the context did not fire.
+func (t *upstream) answer(ctx context.Context, pc *upConn, req *http.Request, resp *http.Response, stop func() bool, keep bool) (*http.Response, error) {
 	pc.lim.n = -1
-	if t.firstByte > 0 {
-		_ = pc.c.SetReadDeadline(time.Time{})
-		if ctx.Err() != nil { // cancelled as the deadline was cleared
-			_ = pc.c.SetDeadline(pastDeadline)
-		}
+	_ = pc.c.SetReadDeadline(time.Time{})
+	if ctx.Err() != nil { // cancelled as the deadline was cleared
+		_ = pc.c.SetDeadline(pastDeadline)
 	}
-	resp.Body = &upBody{rc: resp.Body, pc: pc, t: t, stop: stop, keep: !resp.Close && !req.Close}
+	resp.Body = &upBody{rc: resp.Body, pc: pc, t: t, stop: stop, keep: keep && !resp.Close && !req.Close}
 	return resp, nil
 }
 
@@ -206,14 +282,23 @@ func noAnswer(err error) bool {
 }
 
 // hopHeaders are written by writeRequest itself, or not at all: the
-// request's body is complete, so nothing waits for 100 Continue.
+// request's body is complete, so nothing waits for 100 Continue, and an
+// upgrade goes to the fallback (upstream.serves).
 var hopHeaders = map[string]bool{
-	"Host": true, "User-Agent": true, "Content-Length": true, "Transfer-Encoding": true,
+	"Host": true, "Content-Length": true, "Transfer-Encoding": true,
 	"Trailer": true, "Connection": true, "Expect": true,
 }
 
-// writeRequest writes req as HTTP/1.1 with its whole body and flushes.
-// Header values are net/http's to sanitise (Header.WriteSubset).
+// hopHeadersNoUA are hopHeaders and an empty User-Agent, which says to
+// send none.
+var hopHeadersNoUA = map[string]bool{
+	"Host": true, "Content-Length": true, "Transfer-Encoding": true,
+	"Trailer": true, "Connection": true, "Expect": true, "User-Agent": true,
+}
+
+// writeRequest writes req as HTTP/1.1 with its whole body (of length
+// req.ContentLength; upstream.serves) and flushes. Header values are
+// net/http's to sanitise (Header.WriteSubset).
 func writeRequest(bw *bufio.Writer, req *http.Request) error {
 	host := req.Host
 	if host == "" {
@@ -225,25 +310,26 @@ func writeRequest(bw *bufio.Writer, req *http.Request) error {
 	bw.WriteString(" HTTP/1.1\r\nHost: ")
 	bw.WriteString(host)
 	bw.WriteString("\r\n")
-	if ua := req.Header.Get("User-Agent"); ua != "" {
-		bw.WriteString("User-Agent: ")
-		bw.WriteString(ua)
-		bw.WriteString("\r\n")
-	}
 	if req.Close {
 		bw.WriteString("Connection: close\r\n")
 	}
-	if req.Body != nil && req.Body != http.NoBody || req.ContentLength > 0 {
-		var n [20]byte
+	// As http.Transport: a length for any body, and 0 for a POST, PUT or
+	// PATCH without one.
+	if n := req.ContentLength; n > 0 || req.Method == http.MethodPost || req.Method == http.MethodPut || req.Method == http.MethodPatch {
+		var b [20]byte
 		bw.WriteString("Content-Length: ")
-		bw.Write(strconv.AppendInt(n[:0], req.ContentLength, 10))
+		bw.Write(strconv.AppendInt(b[:0], n, 10))
 		bw.WriteString("\r\n")
 	}
-	if err := req.Header.WriteSubset(bw, hopHeaders); err != nil {
+	skip := hopHeaders
+	if ua, ok := req.Header["User-Agent"]; ok && (len(ua) == 0 || ua[0] == "") {
+		skip = hopHeadersNoUA
+	}
+	if err := req.Header.WriteSubset(bw, skip); err != nil {
 		return err
 	}
 	bw.WriteString("\r\n")
-	if req.Body != nil && req.ContentLength > 0 {
+	if req.ContentLength > 0 {
 		var n int64
 		var err error
 		if wt, ok := req.Body.(io.WriterTo); ok {
@@ -263,9 +349,9 @@ func writeRequest(bw *bufio.Writer, req *http.Request) error {
 	return bw.Flush()
 }
 
-// get returns a pooled connection to host, or dials one.
+// get returns a pooled connection to host that is still open, or dials
+// one.
 func (t *upstream) get(ctx context.Context, host string) (*upConn, error) {
-	now := time.Now()
 	for {
 		t.mu.Lock()
 		l := t.idle[host]
@@ -277,8 +363,10 @@ func (t *upstream) get(ctx context.Context, host string) (*upConn, error) {
 		l[len(l)-1] = nil
 		t.idle[host] = l[:len(l)-1]
 		t.mu.Unlock()
-		idle := now.Sub(pc.since)
-		if idle < upCheckAfter || idle < upIdleTimeout && pc.alive() {
+		// Every time: bytes from the replica on an idle connection (a
+		// close, or an answer nobody asked for) must never be read as
+		// this request's answer.
+		if pc.alive() {
 			return pc, nil
 		}
 		pc.c.Close()
@@ -300,27 +388,58 @@ func (pc *upConn) alive() bool {
 	return pc.br.Buffered() == 0 && peekIdle(pc.c)
 }
 
-// put pools pc for reuse, or closes it when the pool for its host is full.
-// Connections idle past upIdleTimeout are closed on the way.
+// put pools pc for reuse, or closes it when it holds bytes past the answer
+// or the pool for its host is full.
 func (t *upstream) put(pc *upConn) {
+	if pc.br.Buffered() != 0 {
+		pc.c.Close()
+		return
+	}
 	pc.reused, pc.since = true, time.Now()
 	t.mu.Lock()
 	l := t.idle[pc.host]
-	var stale *upConn
-	if len(l) > 0 && pc.since.Sub(l[0].since) > upIdleTimeout {
-		stale = l[0]
-		l = append(l[:0], l[1:]...)
-	}
 	full := len(l) >= t.maxIdle
 	if !full {
-		l = append(l, pc)
+		t.idle[pc.host] = append(l, pc)
+		if !t.sweeping {
+			t.sweeping = true
+			time.AfterFunc(t.sweepEvery, t.sweep)
+		}
 	}
-	t.idle[pc.host] = l
 	t.mu.Unlock()
-	if stale != nil {
-		stale.c.Close()
-	}
 	if full {
+		pc.c.Close()
+	}
+}
+
+// sweep closes the idle connections the replica closed or that idled past
+// upIdleTimeout, forgets hosts left without any, and comes back in
+// sweepEvery while any are left.
+func (t *upstream) sweep() {
+	now := time.Now()
+	var dead []*upConn
+	t.mu.Lock()
+	for host, l := range t.idle {
+		keep := l[:0]
+		for _, pc := range l {
+			if now.Sub(pc.since) < upIdleTimeout && pc.alive() {
+				keep = append(keep, pc)
+			} else {
+				dead = append(dead, pc)
+			}
+		}
+		clear(l[len(keep):])
+		if len(keep) == 0 {
+			delete(t.idle, host)
+		} else {
+			t.idle[host] = keep
+		}
+	}
+	if t.sweeping = len(t.idle) > 0; t.sweeping {
+		time.AfterFunc(t.sweepEvery, t.sweep)
+	}
+	t.mu.Unlock()
+	for _, pc := range dead {
 		pc.c.Close()
 	}
 }
