@@ -11,7 +11,6 @@
 package eviction
 
 import (
-	"container/heap"
 	"fmt"
 	"math"
 	"sort"
@@ -429,24 +428,76 @@ func (h *prioHeap) Swap(i, j int) {
 	h.items[i], h.items[j] = h.items[j], h.items[i]
 	h.items[i].pos, h.items[j].pos = i, j
 }
-func (h *prioHeap) Push(x any) {
-	it := x.(*item)
+
+// The heap's operations are container/heap's, step for step (so the
+// order of victims, ties included, is the same), on the concrete type: no
+// interface call per comparison and swap. Eviction runs them for every
+// block a full picture records.
+
+func (h *prioHeap) push(it *item) {
 	it.pos = len(h.items)
 	h.items = append(h.items, it)
+	h.up(it.pos)
 }
-func (h *prioHeap) Pop() any {
+
+// removeAt takes the item at position i out of the heap.
+func (h *prioHeap) removeAt(i int) *item {
 	n := len(h.items) - 1
+	if n != i {
+		h.Swap(i, n)
+		if !h.down(i, n) {
+			h.up(i)
+		}
+	}
 	it := h.items[n]
 	h.items[n] = nil
 	h.items = h.items[:n]
 	return it
 }
 
+// fix restores the heap after the item at i changed priority.
+func (h *prioHeap) fix(i int) {
+	if !h.down(i, len(h.items)) {
+		h.up(i)
+	}
+}
+
+func (h *prioHeap) up(j int) {
+	for {
+		i := (j - 1) / 2 // parent
+		if i == j || !h.Less(j, i) {
+			break
+		}
+		h.Swap(i, j)
+		j = i
+	}
+}
+
+func (h *prioHeap) down(i0, n int) bool {
+	i := i0
+	for {
+		j1 := 2*i + 1
+		if j1 >= n || j1 < 0 { // j1 < 0 after int overflow
+			break
+		}
+		j := j1 // left child
+		if j2 := j1 + 1; j2 < n && h.Less(j2, j1) {
+			j = j2 // right child
+		}
+		if !h.Less(j, i) {
+			break
+		}
+		h.Swap(i, j)
+		i = j
+	}
+	return i > i0
+}
+
 // set inserts key or moves it to the new priority.
 func (h *prioHeap) set(key uint64, p prio) {
 	if it, ok := h.index[key]; ok {
 		it.p = p
-		heap.Fix(h, it.pos)
+		h.fix(it.pos)
 		return
 	}
 	var it *item
@@ -457,20 +508,20 @@ func (h *prioHeap) set(key uint64, p prio) {
 		it = &item{key: key, p: p}
 	}
 	h.index[key] = it
-	heap.Push(h, it)
+	h.push(it)
 }
 
 // update moves key to the new priority if it is present.
 func (h *prioHeap) update(key uint64, p prio) {
 	if it, ok := h.index[key]; ok {
 		it.p = p
-		heap.Fix(h, it.pos)
+		h.fix(it.pos)
 	}
 }
 
 func (h *prioHeap) remove(key uint64) {
 	if it, ok := h.index[key]; ok {
-		heap.Remove(h, it.pos)
+		h.removeAt(it.pos)
 		delete(h.index, key)
 		h.recycle(it)
 	}
@@ -480,7 +531,7 @@ func (h *prioHeap) pop() (uint64, bool) {
 	if len(h.items) == 0 {
 		return 0, false
 	}
-	it := heap.Pop(h).(*item)
+	it := h.removeAt(0)
 	key := it.key
 	delete(h.index, key)
 	h.recycle(it)
