@@ -10,7 +10,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -88,31 +87,11 @@ func TestUpstreamReusesConnections(t *testing.T) {
 // replica whose keep-alive timer fired does. It counts connections.
 func oneShotServer(t *testing.T) (url string, conns *atomic.Int32) {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	conns = new(atomic.Int32)
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			conns.Add(1)
-			go func() {
-				defer c.Close()
-				req, err := http.ReadRequest(bufio.NewReader(c))
-				if err != nil {
-					return
-				}
-				io.Copy(io.Discard, req.Body)
-				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-			}()
-		}
-	}()
-	return "http://" + ln.Addr().String(), conns
+	s := newScripted(t, true, func(c net.Conn, _ *bufio.Reader, _ *http.Request, _ int) bool {
+		io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		return false
+	})
+	return s.url, &s.conns
 }
 
 // brokenConn is a connection whose writes fail once broken is set, as a
@@ -265,37 +244,10 @@ func TestUpstreamEarlyCloseDoesNotPool(t *testing.T) {
 // rawServer answers every request on every connection with reply.
 func rawServer(t *testing.T, reply func(c net.Conn)) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var wg sync.WaitGroup
-	t.Cleanup(func() { ln.Close(); wg.Wait() })
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer c.Close()
-				br := bufio.NewReader(c)
-				for {
-					req, err := http.ReadRequest(br)
-					if err != nil {
-						return
-					}
-					io.Copy(io.Discard, req.Body)
-					reply(c)
-				}
-			}()
-		}
-	}()
-	return "http://" + ln.Addr().String()
+	return newScripted(t, true, func(c net.Conn, _ *bufio.Reader, _ *http.Request, _ int) bool {
+		reply(c)
+		return true
+	}).url
 }
 
 func TestUpstreamSkipsInterimAnswers(t *testing.T) {
