@@ -260,7 +260,7 @@ func (t *upstream) answer(ctx context.Context, pc *upConn, req *http.Request, re
 	if ctx.Err() != nil { // cancelled as the deadline was cleared
 		_ = pc.c.SetDeadline(pastDeadline)
 	}
-	resp.Body = &upBody{rc: resp.Body, pc: pc, t: t, stop: stop, keep: keep && !resp.Close && !req.Close}
+	resp.Body = &upBody{rc: resp.Body, ctx: ctx, pc: pc, t: t, stop: stop, keep: keep && !resp.Close && !req.Close}
 	return resp, nil
 }
 
@@ -465,6 +465,7 @@ func (t *upstream) CloseIdleConnections() {
 // which tells the replica to stop generating.
 type upBody struct {
 	rc   io.ReadCloser
+	ctx  context.Context // the request's
 	pc   *upConn
 	t    *upstream
 	stop func() bool // stops the context's watch; false once it fired
@@ -474,8 +475,14 @@ type upBody struct {
 
 func (b *upBody) Read(p []byte) (int, error) {
 	n, err := b.rc.Read(p)
-	if err == io.EOF {
+	switch {
+	case err == io.EOF:
 		b.finish(true)
+	case err != nil && b.ctx.Err() != nil:
+		// Cancelled (the client left, or the replica went silent): the
+		// past deadline's timeout is not the replica's fault, and reads
+		// as http.Transport's would.
+		err = b.ctx.Err()
 	}
 	return n, err
 }
