@@ -88,7 +88,16 @@ func classify(err error) apiError {
 		return apiError{http.StatusNotFound, "invalid_request_error", "model_not_found",
 			"The model `" + um.Model + "` does not exist or you do not have access to it."}
 	}
-	return apiError{http.StatusBadGateway, "upstream_error", "upstream_unreachable", err.Error()}
+	// The cause is logged, not told: it names the router's and the
+	// replica's addresses.
+	msg := "the replica closed the connection or sent an invalid answer"
+	switch errorKind(err) {
+	case "connect":
+		msg = "could not connect to the replica"
+	case "timeout":
+		msg = "the replica did not answer in time"
+	}
+	return apiError{http.StatusBadGateway, "upstream_error", "upstream_unreachable", msg}
 }
 
 func (s *Server) proxyError(w http.ResponseWriter, r *http.Request, err error) {

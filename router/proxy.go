@@ -46,23 +46,41 @@ func (f *flight) current() *routing.Candidate { return f.rt.Served }
 func (s *Server) forward(w http.ResponseWriter, r *http.Request, f *flight) {
 	f.in, f.auth = r.URL, r.Header.Values("Authorization")
 	r = r.WithContext(context.WithValue(r.Context(), flightKey{}, f))
-	br := f.body.reader()
-	f.readers = append(f.readers, br)
-	r.Body = br
+	// The body each attempt sends is the flight's (failover.RoundTrip):
+	// ReverseProxy wraps the one it is given in a reader without WriteTo,
+	// which the transport would copy 4 KiB at a time.
+	r.Body = http.NoBody
 	r.ContentLength = int64(len(f.body.b))
 	// A pooled connection the replica closed as the request went out is
 	// sent again (upstream.go): the body is read afresh.
-	r.GetBody = func() (io.ReadCloser, error) {
-		br := f.body.reader()
-		f.readers = append(f.readers, br)
-		return br, nil
-	}
+	r.GetBody = func() (io.ReadCloser, error) { return f.bodyReader(), nil }
 	defer func() { // also when the proxy panics with http.ErrAbortHandler
 		for _, br := range f.readers {
 			br.Close()
 		}
 	}()
 	s.proxy.ServeHTTP(w, r)
+}
+
+// bodyReader returns a new reader of the request body, closed when the
+// proxy returns. Called on the handler's goroutine only.
+func (f *flight) bodyReader() io.ReadCloser {
+	br := f.body.reader()
+	f.readers = append(f.readers, br)
+	return br
+}
+
+// withBody returns a shallow copy of req that sends the flight's body, or
+// none when it is empty.
+func withBody(req *http.Request, f *flight) *http.Request {
+	out := new(http.Request)
+	*out = *req
+	if n := len(f.body.b); n > 0 {
+		out.Body, out.ContentLength = f.bodyReader(), int64(n)
+	} else {
+		out.Body, out.ContentLength = nil, 0
+	}
+	return out
 }
 
 func (s *Server) rewrite(pr *httputil.ProxyRequest) {
@@ -144,6 +162,7 @@ type failover struct {
 
 func (t *failover) RoundTrip(req *http.Request) (*http.Response, error) {
 	f := flightOf(req.Context())
+	req = withBody(req, f)
 	for {
 		resp, err := t.next.RoundTrip(req)
 		if req.Context().Err() != nil { // the client left
@@ -168,15 +187,13 @@ func (t *failover) RoundTrip(req *http.Request) (*http.Response, error) {
 			return resp, err
 		}
 		if resp != nil {
-			_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
+			// Not drained: a replica that stalls mid-answer would hold the
+			// request here, with no timer running.
 			resp.Body.Close()
 		}
 		t.s.o.Logger.Warn("replica failed before answering; failing over", "replica", cur.Replica.Name, "err", err, "status", statusOf(resp))
-		req = req.Clone(req.Context())
+		req = withBody(req.Clone(req.Context()), f)
 		aim(req, f.in, f.auth, f.current().Replica.URL)
-		br := f.body.reader()
-		f.readers = append(f.readers, br)
-		req.Body = br
 	}
 }
 

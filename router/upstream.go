@@ -43,10 +43,12 @@ type upstream struct {
 	firstByte time.Duration // bounds the wait for response headers after the request is written; 0: none
 	maxHeader int           // bytes of response headers read at most
 	maxIdle   int           // idle connections kept per replica
+	maxTotal  int           // idle connections kept over all replicas
 	proxied   bool          // HTTP_PROXY is set: everything goes to fallback
 
 	mu         sync.Mutex
 	idle       map[string][]*upConn // by host:port, most recently used last
+	nIdle      int                  // idle connections over all replicas
 	sweeping   bool                 // a sweep is scheduled
 	sweepEvery time.Duration        // sweepEvery, but in tests
 }
@@ -60,6 +62,10 @@ const upIdleTimeout = 90 * time.Second
 // connections after 5 s of idling) or idle past upIdleTimeout are closed,
 // so that neither they nor a departed replica's keep file descriptors.
 const sweepEvery = 5 * time.Second
+
+// maxIdleTotal bounds the idle connections kept over all replicas (4 per
+// replica for 256 replicas; http.DefaultTransport keeps 100).
+const maxIdleTotal = 1024
 
 // concurrentWrite is the body size above which the request is written
 // beside the read of the answer, as http.Transport does for every
@@ -79,6 +85,7 @@ func newUpstream(t *http.Transport, connect, firstByte time.Duration, maxHeader,
 		firstByte: firstByte,
 		maxHeader: maxHeader,
 		maxIdle:   maxIdle,
+		maxTotal:  maxIdleTotal,
 		proxied:   os.Getenv("HTTP_PROXY") != "" || os.Getenv("http_proxy") != "",
 		idle:      make(map[string][]*upConn),
 
@@ -130,8 +137,12 @@ func (t *upstream) RoundTrip(req *http.Request) (*http.Response, error) {
 		return t.fallback.RoundTrip(req)
 	}
 	ctx := req.Context()
+	host := req.URL.Host
+	if req.URL.Port() == "" { // http://replica, as http.Transport reads it
+		host = net.JoinHostPort(req.URL.Hostname(), "80")
+	}
 	for retried := false; ; retried = true {
-		pc, err := t.get(ctx, req.URL.Host)
+		pc, err := t.get(ctx, host)
 		if err != nil {
 			closeReqBody(req)
 			return nil, err
@@ -201,7 +212,7 @@ func (t *upstream) exchange(ctx context.Context, pc *upConn, req *http.Request) 
 		if err != nil {
 			// The replica may have answered before it stopped reading.
 			if ctx.Err() == nil {
-				_ = pc.c.SetReadDeadline(time.Now().Add(earlyAnswerWait))
+				pc.readDeadline(ctx, earlyAnswerWait)
 				if resp, rerr := t.readResponse(pc, req); rerr == nil {
 					return t.answer(ctx, pc, req, resp, stop, false)
 				}
@@ -210,7 +221,7 @@ func (t *upstream) exchange(ctx context.Context, pc *upConn, req *http.Request) 
 		}
 	}
 	if t.firstByte > 0 {
-		_ = pc.c.SetReadDeadline(time.Now().Add(t.firstByte))
+		pc.readDeadline(ctx, t.firstByte)
 	}
 	resp, err := t.readResponse(pc, req)
 	if err != nil {
@@ -233,6 +244,16 @@ func (t *upstream) exchange(ctx context.Context, pc *upConn, req *http.Request) 
 // errUpstreamSwitch is a replica's 101 to a request that asked for no
 // upgrade (those go to the fallback).
 var errUpstreamSwitch = errors.New("router: replica switched protocols unasked")
+
+// readDeadline bounds pc's reads to d from now, unless ctx is done: a
+// deadline set just after the context's watch moved it to the past would
+// undo the cancel.
+func (pc *upConn) readDeadline(ctx context.Context, d time.Duration) {
+	_ = pc.c.SetReadDeadline(time.Now().Add(d))
+	if ctx.Err() != nil {
+		_ = pc.c.SetDeadline(pastDeadline)
+	}
+}
 
 // readResponse reads the answer's headers from pc, past interim answers
 // (100 Continue, 103 Early Hints). A 101 is an error: nothing this
@@ -362,6 +383,7 @@ func (t *upstream) get(ctx context.Context, host string) (*upConn, error) {
 		pc := l[len(l)-1]
 		l[len(l)-1] = nil
 		t.idle[host] = l[:len(l)-1]
+		t.nIdle--
 		t.mu.Unlock()
 		// Every time: bytes from the replica on an idle connection (a
 		// close, or an answer nobody asked for) must never be read as
@@ -389,7 +411,7 @@ func (pc *upConn) alive() bool {
 }
 
 // put pools pc for reuse, or closes it when it holds bytes past the answer
-// or the pool for its host is full.
+// or the pool for its host, or the whole pool, is full.
 func (t *upstream) put(pc *upConn) {
 	if pc.br.Buffered() != 0 {
 		pc.c.Close()
@@ -398,9 +420,10 @@ func (t *upstream) put(pc *upConn) {
 	pc.reused, pc.since = true, time.Now()
 	t.mu.Lock()
 	l := t.idle[pc.host]
-	full := len(l) >= t.maxIdle
+	full := len(l) >= t.maxIdle || t.nIdle >= t.maxTotal
 	if !full {
 		t.idle[pc.host] = append(l, pc)
+		t.nIdle++
 		if !t.sweeping {
 			t.sweeping = true
 			time.AfterFunc(t.sweepEvery, t.sweep)
@@ -429,6 +452,7 @@ func (t *upstream) sweep() {
 			}
 		}
 		clear(l[len(keep):])
+		t.nIdle -= len(l) - len(keep)
 		if len(keep) == 0 {
 			delete(t.idle, host)
 		} else {
@@ -449,6 +473,7 @@ func (t *upstream) CloseIdleConnections() {
 	t.mu.Lock()
 	idle := t.idle
 	t.idle = make(map[string][]*upConn)
+	t.nIdle = 0
 	t.mu.Unlock()
 	for _, l := range idle {
 		for _, pc := range l {

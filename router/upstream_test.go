@@ -241,6 +241,15 @@ func TestUpstreamEarlyCloseDoesNotPool(t *testing.T) {
 	}
 }
 
+// rawOne serves one request on each connection, then closes it.
+func rawOne(t *testing.T, serve func(c net.Conn, br *bufio.Reader, req *http.Request)) string {
+	t.Helper()
+	return newScripted(t, true, func(c net.Conn, br *bufio.Reader, req *http.Request, _ int) bool {
+		serve(c, br, req)
+		return false
+	}).url
+}
+
 // rawServer answers every request on every connection with reply.
 func rawServer(t *testing.T, reply func(c net.Conn)) string {
 	t.Helper()
