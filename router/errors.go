@@ -8,6 +8,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/routing"
 )
 
@@ -60,12 +61,23 @@ func methodNotAllowed(w http.ResponseWriter, r *http.Request) {
 
 // notRouted answers a path under a routed one (/v1/chat/completions/…):
 // there is no such route.
-func notRouted(w http.ResponseWriter, r *http.Request) {
-	writeError(w, apiError{http.StatusNotFound, "invalid_request_error", "unknown_route",
-		"no route " + r.URL.Path + "; use /v1/chat/completions or /v1/completions"})
+func notRouted(w http.ResponseWriter, r *http.Request) { writeError(w, unknownRoute(r.URL.Path)) }
+
+// unknownRoute is the error for a path under a routed one.
+func unknownRoute(path string) apiError {
+	return apiError{http.StatusNotFound, "invalid_request_error", "unknown_route",
+		"no route " + path + "; use /v1/chat/completions or /v1/completions"}
 }
 
-func (s *Server) classify(err error) apiError { return classify(err) }
+// maxTokensError is the error for a request asking more output tokens than
+// the limits allow, or nil.
+func maxTokensError(asked int, lim *limits.Request) *apiError {
+	if asked <= lim.MaxOutputTokens {
+		return nil
+	}
+	return &apiError{http.StatusBadRequest, "invalid_request_error", "invalid_request",
+		"max_tokens: " + strconv.Itoa(asked) + " is more than the limit of " + strconv.Itoa(lim.MaxOutputTokens)}
+}
 
 // classify turns an error of reading, parsing, routing or forwarding a
 // request into the status and OpenAI-shaped error the client gets.
@@ -108,7 +120,7 @@ func (s *Server) proxyError(w http.ResponseWriter, r *http.Request, err error) {
 		}
 		return
 	}
-	e := s.classify(err)
+	e := classify(err)
 	if f != nil {
 		f.status = e.status
 		w.Header().Set(HeaderReplica, f.current().Replica.Name)

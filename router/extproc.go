@@ -139,17 +139,20 @@ type epStream struct {
 	path, method, contentType, session, tenant string
 	subset                                     *endpointSet // the gateway's subset hint; nil: none
 	body                                       []byte
-	// sawHeaders, sawBody and bodyEOS: what of the request has come; routed:
-	// it was routed (rt set) or answered.
-	sawHeaders, sawBody, bodyEOS, routedAt bool
+	// sawHeaders, sawBody and bodyEOS: what of the request has come. Once
+	// it is routed, rt is set (a request answered instead ends the stream).
+	sawHeaders, sawBody, bodyEOS bool
 
 	rt      *Routed
 	status  int
 	capture *replyCapture
-	strip   *usageStripper
-	respEOS bool
-	sawResp bool // the response's headers came
-	start   time.Time
+	// stripUsage: the router asked the replica for a stream's usage chunk;
+	// strip takes it out of the response, if it is a stream.
+	stripUsage bool
+	strip      *usageStripper
+	respEOS    bool
+	sawResp    bool // the response's headers came
+	start      time.Time
 
 	msgs  chan recvd // from the stream's reader
 	timer *time.Timer
@@ -241,7 +244,7 @@ func (st *epStream) handle(req *extprocv3.ProcessingRequest) (done bool, err err
 		if !st.sawHeaders {
 			return false, status.Error(codes.FailedPrecondition, "ext_proc: request trailers before the headers")
 		}
-		if !st.routedAt { // the body ended without end_of_stream: trailers end it
+		if st.rt == nil { // the body ended without end_of_stream: trailers end it
 			if done, err := st.route(false); done || err != nil {
 				return done, err
 			}
@@ -311,7 +314,7 @@ func (st *epStream) requestBody(b *extprocv3.HttpBody) (bool, error) {
 	switch {
 	case !st.sawHeaders:
 		return false, status.Error(codes.FailedPrecondition, "ext_proc: request body before the headers")
-	case st.routedAt:
+	case st.rt != nil:
 		return false, status.Error(codes.FailedPrecondition, "ext_proc: request body after the request was routed")
 	}
 	if limit := st.s.o.Limits().MaxBodyBytes; int64(len(st.body)+len(b.GetBody())) > limit {
@@ -338,7 +341,6 @@ func (st *epStream) requestBody(b *extprocv3.HttpBody) (bool, error) {
 // sends the proxy its destination (with the body, in full-duplex mode);
 // noBody says the headers ended the request.
 func (st *epStream) route(noBody bool) (bool, error) {
-	st.routedAt = true
 	core := st.s.core
 	in := CoreRequest{Session: st.session, Tenant: st.tenant}
 	var allow func(*replica.Replica) bool
@@ -350,12 +352,8 @@ func (st *epStream) route(noBody bool) (bool, error) {
 	if st.path == "/v1/completions" {
 		ep = blockhash.Completion
 	}
-	routed := st.path == "/v1/chat/completions" || st.path == "/v1/completions"
-	if routed && st.method != http.MethodPost {
-		return st.reject(apiError{http.StatusMethodNotAllowed, "invalid_request_error", "method_not_allowed",
-			"use POST for " + st.path})
-	}
-	if !routed { // as the HTTP front end's pass-through, with the same guards
+	if st.path != "/v1/chat/completions" && st.path != "/v1/completions" {
+		// As the HTTP front end's pass-through, with the same guards.
 		decoded, err := url.PathUnescape(st.path)
 		if err != nil {
 			return st.reject(apiError{http.StatusBadRequest, "invalid_request_error", "invalid_path", "the path is not valid percent-encoding"})
@@ -363,8 +361,12 @@ func (st *epStream) route(noBody bool) (bool, error) {
 		if e := checkPassPath(decoded, st.path); e != nil {
 			return st.reject(*e)
 		}
-	}
-	if routed {
+		in.PassThrough, in.Route = true, "passthrough"
+	} else {
+		if st.method != http.MethodPost {
+			return st.reject(apiError{http.StatusMethodNotAllowed, "invalid_request_error", "method_not_allowed",
+				"use POST for " + st.path})
+		}
 		if e := checkBodyType(st.contentType, st.body); e != nil {
 			return st.reject(*e)
 		}
@@ -373,10 +375,9 @@ func (st *epStream) route(noBody bool) (bool, error) {
 		if err != nil {
 			return st.reject(shedOr(err))
 		}
-		if req.MaxTokens > lim.MaxOutputTokens {
+		if e := maxTokensError(req.MaxTokens, &lim); e != nil {
 			req.Release()
-			return st.reject(apiError{http.StatusBadRequest, "invalid_request_error", "invalid_request",
-				"max_tokens: " + strconv.Itoa(req.MaxTokens) + " is more than the limit of " + strconv.Itoa(lim.MaxOutputTokens)})
+			return st.reject(*e)
 		}
 		in.Input = core.Prepare(st.srv.Context(), req, st.body, st.session)
 		in.Input.DetachText()
@@ -387,11 +388,9 @@ func (st *epStream) route(noBody bool) (bool, error) {
 			// (in the full-duplex response mode only: in the others the
 			// picker cannot hold back what it takes out, or sees no body).
 			fwd = withIncludeUsage(st.body).b
-			st.strip = newUsageStripper(nil)
+			st.stripUsage = true
 		}
 		req.Release()
-	} else {
-		in.PassThrough, in.Route = true, "passthrough"
 	}
 	in.Input.Allow = allow
 	rt, err := core.Route(in)
@@ -484,8 +483,8 @@ func (st *epStream) responseHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadat
 		} else {
 			st.s.core.FirstByte(rt)
 		}
-		if st.strip != nil && !sse {
-			st.strip = nil // not a stream after all: nothing to take out
+		if st.stripUsage && sse { // a stream: its usage chunk comes out
+			st.strip = newUsageStripper(nil)
 		}
 		resp.Response = &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: set}}
 		if st.strip != nil {
@@ -541,7 +540,6 @@ func (st *epStream) responseBody(b *extprocv3.HttpBody) error {
 // reject answers the request with an error of the picker's own, which
 // ends the stream.
 func (st *epStream) reject(e apiError) (bool, error) {
-	st.status = e.status
 	body := errorJSON(e)
 	err := st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ImmediateResponse{
 		ImmediateResponse: &extprocv3.ImmediateResponse{

@@ -117,7 +117,7 @@ func (a authenticator) check(md metadata.MD, method string) error {
 	if a.token == nil || method == "/grpc.health.v1.Health/Check" {
 		return nil
 	}
-	if a.extProcOpen != nil && method == "/"+extprocv3.ExternalProcessor_ServiceDesc.ServiceName+"/Process" && a.extProcOpen() {
+	if a.extProcOpen != nil && method == extprocv3.ExternalProcessor_Process_FullMethodName && a.extProcOpen() {
 		return nil
 	}
 	want := a.token()

@@ -20,13 +20,9 @@ import (
 	"github.com/semroute/semroute/blockhash"
 )
 
-// checkBody rejects a routed request's body before parsing: a content type
-// other than JSON (415), or bytes that are not UTF-8 (400).
-func checkBody(r *http.Request, body []byte) *apiError {
-	return checkBodyType(r.Header.Get("Content-Type"), body)
-}
-
-// checkBodyType is checkBody given the Content-Type header's value.
+// checkBodyType rejects a routed request's body before parsing, given its
+// Content-Type header's value: a content type other than JSON (415), or
+// bytes that are not UTF-8 (400).
 func checkBodyType(ct string, body []byte) *apiError {
 	if ct != "" && ct != "application/json" { // the common case, without parsing
 		mt, _, err := mime.ParseMediaType(ct)
@@ -44,24 +40,23 @@ func checkBodyType(ct string, body []byte) *apiError {
 func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.Endpoint) {
 	body, err := s.readBody(w, r)
 	if err != nil {
-		writeError(w, s.classify(err))
+		writeError(w, classify(err))
 		return
 	}
 	defer body.release()
-	if e := checkBody(r, body.b); e != nil {
+	if e := checkBodyType(r.Header.Get("Content-Type"), body.b); e != nil {
 		writeError(w, *e)
 		return
 	}
 	lim := s.limits.Load()
 	req, err := blockhash.Parse(ep, body.b, lim.Parse)
 	if err != nil {
-		writeError(w, s.classify(err))
+		writeError(w, classify(err))
 		return
 	}
 	defer req.Release() // on the error paths; released early below
-	if req.MaxTokens > lim.MaxOutputTokens {
-		writeError(w, apiError{http.StatusBadRequest, "invalid_request_error", "invalid_request",
-			"max_tokens: " + strconv.Itoa(req.MaxTokens) + " is more than the limit of " + strconv.Itoa(lim.MaxOutputTokens)})
+	if e := maxTokensError(req.MaxTokens, lim); e != nil {
+		writeError(w, *e)
 		return
 	}
 	sid, tenant := r.Header.Get(HeaderSessionID), r.Header.Get(HeaderTenantID)
@@ -91,7 +86,7 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 	if err != nil {
 		span.SetStatus(codes.Error, err.Error())
 		span.End()
-		writeError(w, s.classify(err))
+		writeError(w, classify(err))
 		return
 	}
 	if s.tracing {
@@ -121,7 +116,7 @@ func (s *Server) forwardRouted(w http.ResponseWriter, r *http.Request, tctx cont
 	// request's work must end all the same, so its bookkeeping is deferred.
 	done := false
 	defer func() { s.finish(r, f, up, !done) }()
-	s.forward(w, r.WithContext(ctx), f)
+	s.forward(w, r, ctx, f)
 	done = true
 }
 
@@ -222,13 +217,13 @@ func (s *Server) passthrough(w http.ResponseWriter, r *http.Request) {
 	}
 	body, err := s.readBody(w, r)
 	if err != nil {
-		writeError(w, s.classify(err))
+		writeError(w, classify(err))
 		return
 	}
 	defer body.release()
 	rt, err := s.core.Route(CoreRequest{PassThrough: true, Route: "passthrough"})
 	if err != nil {
-		writeError(w, s.classify(err))
+		writeError(w, classify(err))
 		return
 	}
 	s.forwardRouted(w, r, r.Context(), rt, body, false)
@@ -247,8 +242,8 @@ func checkPassPath(path, raw string) *apiError {
 			"the path must not contain . or .. segments, nor an encoded / or \\"}
 	}
 	if strings.HasPrefix(path, "/v1/chat/completions") || strings.HasPrefix(path, "/v1/completions") {
-		return &apiError{http.StatusNotFound, "invalid_request_error", "unknown_route",
-			"no route " + path + "; use /v1/chat/completions or /v1/completions"}
+		e := unknownRoute(path)
+		return &e
 	}
 	return nil
 }

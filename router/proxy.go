@@ -43,10 +43,12 @@ func flightOf(ctx context.Context) *flight { f, _ := ctx.Value(flightKey{}).(*fl
 // current returns the candidate now carrying the request.
 func (f *flight) current() *routing.Candidate { return f.rt.Served }
 
-func (s *Server) forward(w http.ResponseWriter, r *http.Request, f *flight) {
+// forward proxies r, under ctx (r's context, or one derived from it), to
+// f's replica.
+func (s *Server) forward(w http.ResponseWriter, r *http.Request, ctx context.Context, f *flight) {
 	f.in, f.auth = r.URL, r.Header.Values("Authorization")
-	r = r.WithContext(context.WithValue(r.Context(), flightKey{}, f))
-	// The body each attempt sends is the flight's (failover.RoundTrip):
+	r = r.WithContext(context.WithValue(ctx, flightKey{}, f))
+	// The body each attempt sends is the flight's (rewrite, failover):
 	// ReverseProxy wraps the one it is given in a reader without WriteTo,
 	// which the transport would copy 4 KiB at a time.
 	r.Body = http.NoBody
@@ -70,21 +72,19 @@ func (f *flight) bodyReader() io.ReadCloser {
 	return br
 }
 
-// withBody returns a shallow copy of req that sends the flight's body, or
-// none when it is empty.
-func withBody(req *http.Request, f *flight) *http.Request {
-	out := new(http.Request)
-	*out = *req
+// setBody makes out, an attempt's request, send the flight's body, or none
+// when it is empty.
+func (f *flight) setBody(out *http.Request) {
 	if n := len(f.body.b); n > 0 {
 		out.Body, out.ContentLength = f.bodyReader(), int64(n)
 	} else {
 		out.Body, out.ContentLength = nil, 0
 	}
-	return out
 }
 
 func (s *Server) rewrite(pr *httputil.ProxyRequest) {
 	f := flightOf(pr.In.Context())
+	f.setBody(pr.Out)
 	aim(pr.Out, pr.In.URL, f.auth, f.current().Replica.URL)
 	pr.SetXForwarded()
 	if sc := trace.SpanContextFromContext(pr.In.Context()); sc.IsValid() {
@@ -162,7 +162,6 @@ type failover struct {
 
 func (t *failover) RoundTrip(req *http.Request) (*http.Response, error) {
 	f := flightOf(req.Context())
-	req = withBody(req, f)
 	for {
 		resp, err := t.next.RoundTrip(req)
 		if req.Context().Err() != nil { // the client left
@@ -192,7 +191,8 @@ func (t *failover) RoundTrip(req *http.Request) (*http.Response, error) {
 			resp.Body.Close()
 		}
 		t.s.o.Logger.Warn("replica failed before answering; failing over", "replica", cur.Replica.Name, "err", err, "status", statusOf(resp))
-		req = withBody(req.Clone(req.Context()), f)
+		req = req.Clone(req.Context())
+		f.setBody(req)
 		aim(req, f.in, f.auth, f.current().Replica.URL)
 	}
 }

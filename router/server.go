@@ -18,7 +18,6 @@ import (
 
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
-	"go.opentelemetry.io/otel/trace/noop"
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/limits"
@@ -98,7 +97,10 @@ func NewServer(o ServerOptions) (*Server, error) {
 	if o.Core == nil {
 		return nil, errors.New("router: ServerOptions.Core is required")
 	}
-	var std *http.Transport // the replicas' lists and tokenizers are asked through it
+	// std is the net/http transport the router configures: the given one,
+	// or a clone of the default for its own transport to fall back on and
+	// for the replicas' model lists.
+	std, _ := o.Transport.(*http.Transport)
 	if o.Transport == nil {
 		std = http.DefaultTransport.(*http.Transport).Clone()
 		std.MaxIdleConnsPerHost = maxIdlePerReplica
@@ -108,14 +110,8 @@ func NewServer(o ServerOptions) (*Server, error) {
 	o.ModelsTimeout = cmp.Or(max(o.ModelsTimeout, 0), 3*time.Second)
 	o.Logger = cmp.Or(o.Logger, slog.Default())
 	tracing := o.Tracer != nil
-	if o.Tracer == nil {
-		o.Tracer = noop.NewTracerProvider().Tracer("semroute")
-	}
 	if o.Propagator == nil {
 		o.Propagator = propagation.TraceContext{}
-	}
-	if t, ok := o.Transport.(*http.Transport); ok {
-		std = t
 	}
 	if std != nil {
 		std.DialContext = (&net.Dialer{Timeout: o.Timeouts.Connect, KeepAlive: 30 * time.Second}).DialContext
@@ -124,7 +120,7 @@ func NewServer(o ServerOptions) (*Server, error) {
 	}
 	client := &http.Client{Transport: o.Transport}
 	if o.Transport == nil {
-		o.Transport = newUpstream(std, o.Timeouts.Connect, o.Timeouts.FirstByte, maxResponseHeaderBytes, maxIdlePerReplica)
+		o.Transport = newUpstream(std, o.Timeouts.FirstByte, maxResponseHeaderBytes, maxIdlePerReplica)
 		client.Transport = std
 	}
 	s := &Server{o: o, core: o.Core, e: o.Core.Engine(), mux: http.NewServeMux(), client: client, tracing: tracing}
@@ -286,7 +282,7 @@ func (s *Server) models(w http.ResponseWriter, r *http.Request) {
 	}
 	wg.Wait()
 	if len(seen) == 0 {
-		writeError(w, s.classify(routing.ErrNoReplica))
+		writeError(w, classify(routing.ErrNoReplica))
 		return
 	}
 	ids := make([]string, 0, len(seen))
@@ -315,5 +311,5 @@ func (s *Server) ready(w http.ResponseWriter, _ *http.Request) {
 			return
 		}
 	}
-	writeError(w, s.classify(routing.ErrNoReplica))
+	writeError(w, classify(routing.ErrNoReplica))
 }

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"os"
@@ -78,9 +79,11 @@ const concurrentWrite = 64 << 10
 // before a small request's write failed.
 const earlyAnswerWait = 100 * time.Millisecond
 
-func newUpstream(t *http.Transport, connect, firstByte time.Duration, maxHeader, maxIdle int) *upstream {
+// newUpstream returns the transport, dialling as t does and sending to t
+// what it does not serve.
+func newUpstream(t *http.Transport, firstByte time.Duration, maxHeader, maxIdle int) *upstream {
 	return &upstream{
-		dial:      (&net.Dialer{Timeout: connect, KeepAlive: 30 * time.Second}).DialContext,
+		dial:      t.DialContext,
 		fallback:  t,
 		firstByte: firstByte,
 		maxHeader: maxHeader,
@@ -128,9 +131,12 @@ func (r *capReader) Read(p []byte) (int, error) {
 	return n, err
 }
 
-// errUnsent marks a request that did not go out whole: the replica cannot
-// have acted on it, so it may be sent again.
-var errUnsent = errors.New("router: request not sent whole")
+// unsentError is the error of a request that did not go out whole: the
+// replica cannot have acted on it, so it may be sent again.
+type unsentError struct{ err error }
+
+func (e *unsentError) Error() string { return e.err.Error() }
+func (e *unsentError) Unwrap() error { return e.err }
 
 func (t *upstream) RoundTrip(req *http.Request) (*http.Response, error) {
 	if !t.serves(req) {
@@ -152,15 +158,19 @@ func (t *upstream) RoundTrip(req *http.Request) (*http.Response, error) {
 			return resp, nil
 		}
 		pc.c.Close()
-		if retried || !pc.reused || !errors.Is(err, errUnsent) || req.GetBody == nil || ctx.Err() != nil {
-			return nil, errors.Unwrap(err)
+		unsent, ok := err.(*unsentError)
+		if !ok {
+			return nil, err
+		}
+		if retried || !pc.reused || req.GetBody == nil || ctx.Err() != nil {
+			return nil, unsent.err
 		}
 		// A pooled connection the replica closed as the request went out
 		// (after the check in get): nothing reached it whole, so the
 		// request goes again on a new connection.
 		body, gerr := req.GetBody()
 		if gerr != nil {
-			return nil, errors.Unwrap(err)
+			return nil, unsent.err
 		}
 		req = req.Clone(ctx)
 		req.Body = body
@@ -185,17 +195,17 @@ func closeReqBody(req *http.Request) {
 // pastDeadline ends any blocked read or write on a connection at once.
 var pastDeadline = time.Unix(1, 0)
 
-// exchange writes req on pc and reads the response headers. Its errors
-// are *wrapped around their cause, and marked errUnsent when the request
-// did not go out whole.
+// exchange writes req on pc and reads the response headers. An error is
+// the context's once it is done, and an *unsentError when the request did
+// not go out whole.
 func (t *upstream) exchange(ctx context.Context, pc *upConn, req *http.Request) (*http.Response, error) {
 	stop := context.AfterFunc(ctx, func() { _ = pc.c.SetDeadline(pastDeadline) })
-	fail := func(mark, err error) (*http.Response, error) {
+	fail := func(err error) (*http.Response, error) {
 		stop()
 		if ctx.Err() != nil {
-			mark, err = ctx.Err(), ctx.Err()
+			err = ctx.Err()
 		}
-		return nil, &wrapped{mark, err}
+		return nil, err
 	}
 	pc.lim.n = t.maxHeader
 	var wrote chan error // the write of a large body, beside the read
@@ -217,7 +227,7 @@ func (t *upstream) exchange(ctx context.Context, pc *upConn, req *http.Request) 
 					return t.answer(ctx, pc, req, resp, stop, false)
 				}
 			}
-			return fail(errUnsent, err)
+			return fail(&unsentError{err})
 		}
 	}
 	if t.firstByte > 0 {
@@ -225,7 +235,7 @@ func (t *upstream) exchange(ctx context.Context, pc *upConn, req *http.Request) 
 	}
 	resp, err := t.readResponse(pc, req)
 	if err != nil {
-		return fail(err, err) // a large body's writer ends as the caller closes the connection
+		return fail(err) // a large body's writer ends as the caller closes the connection
 	}
 	keep := true
 	if wrote != nil {
@@ -285,23 +295,6 @@ func (t *upstream) answer(ctx context.Context, pc *upConn, req *http.Request, re
 	return resp, nil
 }
 
-// wrapped is an error that Is its mark and unwraps to its cause.
-type wrapped struct{ mark, cause error }
-
-func (w *wrapped) Error() string        { return w.cause.Error() }
-func (w *wrapped) Is(target error) bool { return target == w.mark }
-func (w *wrapped) Unwrap() error        { return w.cause }
-
-// noAnswer reports whether err is what a connection the peer had closed
-// gives: EOF, or a reset or broken pipe.
-func noAnswer(err error) bool {
-	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
-		return true
-	}
-	var op *net.OpError
-	return errors.As(err, &op) && !op.Timeout()
-}
-
 // hopHeaders are written by writeRequest itself, or not at all: the
 // request's body is complete, so nothing waits for 100 Continue, and an
 // upgrade goes to the fallback (upstream.serves).
@@ -312,10 +305,11 @@ var hopHeaders = map[string]bool{
 
 // hopHeadersNoUA are hopHeaders and an empty User-Agent, which says to
 // send none.
-var hopHeadersNoUA = map[string]bool{
-	"Host": true, "Content-Length": true, "Transfer-Encoding": true,
-	"Trailer": true, "Connection": true, "Expect": true, "User-Agent": true,
-}
+var hopHeadersNoUA = func() map[string]bool {
+	m := maps.Clone(hopHeaders)
+	m["User-Agent"] = true
+	return m
+}()
 
 // writeRequest writes req as HTTP/1.1 with its whole body (of length
 // req.ContentLength; upstream.serves) and flushes. Header values are

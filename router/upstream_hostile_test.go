@@ -441,7 +441,7 @@ func BenchmarkUpstreamRoundTrip(b *testing.B) {
 	}
 	b.Run("upstream", func(b *testing.B) {
 		std := http.DefaultTransport.(*http.Transport).Clone()
-		u := newUpstream(std, time.Second, 5*time.Second, maxResponseHeaderBytes, 4)
+		u := newUpstream(std, 5*time.Second, maxResponseHeaderBytes, 4)
 		u.proxied = false
 		defer u.CloseIdleConnections()
 		run(b, u)

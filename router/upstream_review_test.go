@@ -483,7 +483,7 @@ func TestUpstreamBodyWriteSyscalls(t *testing.T) {
 	defer srv.Close()
 	var n atomic.Int32
 	std := http.DefaultTransport.(*http.Transport).Clone()
-	u := newUpstream(std, 0, 0, maxResponseHeaderBytes, 4)
+	u := newUpstream(std, 0, maxResponseHeaderBytes, 4)
 	u.proxied = false
 	d := u.dial
 	u.dial = func(ctx context.Context, network, addr string) (net.Conn, error) {

@@ -19,7 +19,7 @@ import (
 func testUpstream(t *testing.T) *upstream {
 	t.Helper()
 	std := http.DefaultTransport.(*http.Transport).Clone()
-	u := newUpstream(std, time.Second, 5*time.Second, maxResponseHeaderBytes, 4)
+	u := newUpstream(std, 5*time.Second, maxResponseHeaderBytes, 4)
 	u.proxied = false
 	t.Cleanup(u.CloseIdleConnections)
 	return u

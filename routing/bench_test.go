@@ -18,32 +18,7 @@ func BenchmarkDecide(b *testing.B) {
 	for _, tokens := range []int{1 << 10, 8 << 10, 32 << 10, 128 << 10} {
 		for _, replicas := range []int{8, 64, 1024} {
 			b.Run(fmt.Sprintf("tokens=%dk/replicas=%d", tokens>>10, replicas), func(b *testing.B) {
-				f := newFixture(b, replicas, "semantic")
-				body := benchdata.ChatBody(tokens)
-				req, err := blockhash.ParseChat(body, blockhash.Limits{})
-				if err != nil {
-					b.Fatal(err)
-				}
-				blocks := f.e.Splitter().Split(nil, req)
-				for _, r := range f.pool.Replicas() {
-					n := len(blocks) * (r.ID%8 + 1) / 8
-					f.cache.Record(r.ID, blocks[:n], 1)
-				}
-				b.SetBytes(int64(len(body)))
-				b.ReportAllocs()
-				b.ResetTimer()
-				for i := 0; i < b.N; i++ {
-					req, err := blockhash.ParseChat(body, blockhash.Limits{})
-					if err != nil {
-						b.Fatal(err)
-					}
-					d, err := f.decide(req, "", false)
-					if err != nil {
-						b.Fatal(err)
-					}
-					f.e.Recycle(d) // as Core.Finish does
-					req.Release()
-				}
+				benchDecide(b, newFixture(b, replicas, "semantic"), tokens, "", true)
 			})
 		}
 	}
@@ -63,41 +38,54 @@ func BenchmarkDecideModels(b *testing.B) {
 					served = append(served, fmt.Sprint("adapter-", i))
 					adapters = append(adapters, fmt.Sprint("adapter-", i))
 				}
-				for _, r := range f.pool.Replicas() {
-					if model != "none" {
+				named := model // the request's model; "" for none
+				if model == "none" {
+					named = ""
+				} else {
+					for _, r := range f.pool.Replicas() {
 						r.SetServed(served, adapters)
 						r.SetLoRA([]string{fmt.Sprint("adapter-", r.ID%32), fmt.Sprint("adapter-", (r.ID+1)%32)}, nil, 4)
 					}
 				}
 				f.e.NoteAdapter("adapter-7")
-				body := benchdata.ChatBody(tokens)
-				req, err := blockhash.ParseChat(body, blockhash.Limits{})
-				if err != nil {
-					b.Fatal(err)
-				}
-				blocks := f.e.Splitter().Split(nil, req)
-				for _, r := range f.pool.Replicas() {
-					f.cache.Record(r.ID, blocks[:len(blocks)*(r.ID%8+1)/8], 1)
-				}
-				b.ReportAllocs()
-				b.ResetTimer()
-				for i := 0; i < b.N; i++ {
-					req, err := blockhash.ParseChat(body, blockhash.Limits{})
-					if err != nil {
-						b.Fatal(err)
-					}
-					if model != "none" {
-						req.Model = model
-					}
-					d, err := f.decide(req, "", false)
-					if err != nil {
-						b.Fatal(err)
-					}
-					f.e.Recycle(d)
-					req.Release()
-				}
+				benchDecide(b, f, tokens, named, false)
 			})
 		}
+	}
+}
+
+// benchDecide times decisions on f for a chat body of about tokens tokens,
+// naming model unless it is "", after replica r was given the first
+// (r%8+1)/8 of the prompt; setBytes reports the body's bytes per decision.
+func benchDecide(b *testing.B, f *fixture, tokens int, model string, setBytes bool) {
+	body := benchdata.ChatBody(tokens)
+	req, err := blockhash.ParseChat(body, blockhash.Limits{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	blocks := f.e.Splitter().Split(nil, req)
+	for _, r := range f.pool.Replicas() {
+		f.cache.Record(r.ID, blocks[:len(blocks)*(r.ID%8+1)/8], 1)
+	}
+	if setBytes {
+		b.SetBytes(int64(len(body)))
+	}
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		req, err := blockhash.ParseChat(body, blockhash.Limits{})
+		if err != nil {
+			b.Fatal(err)
+		}
+		if model != "" {
+			req.Model = model
+		}
+		d, err := f.decide(req, "", false)
+		if err != nil {
+			b.Fatal(err)
+		}
+		f.e.Recycle(d) // as Core.Finish does
+		req.Release()
 	}
 }
 

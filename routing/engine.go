@@ -446,14 +446,13 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 	d.Candidates = newCandidates(len(reps))
 	n := 0
 	// Of the pool: is the model served at all, are some replicas' models
-	// known, is it an adapter somewhere (its replicas are then ranked).
-	unknown, known, served := false, false, false
+	// unknown, is it an adapter somewhere (its replicas are then ranked).
+	unknown, served := false, false
 	adapter := model != "" && e.isAdapter(model)
 	for _, r := range reps {
 		var rank int8
 		if model != "" { // (no model: no lookup)
 			if m := r.Models(); m != nil {
-				known = true
 				if !m.Serves(model) {
 					continue
 				}
@@ -480,7 +479,7 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 	}
 	d.Candidates = d.Candidates[:n]
 	if len(d.Candidates) == 0 {
-		if model != "" && known && !unknown && !served {
+		if model != "" && len(reps) > 0 && !unknown && !served { // every replica's models known, none serves it
 			return nil, &UnknownModelError{Model: model}
 		}
 		return nil, ErrNoReplica
