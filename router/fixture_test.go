@@ -20,10 +20,17 @@ type fixture struct {
 
 func newFixture(t testing.TB, replicas int, policy string) *fixture {
 	t.Helper()
+	return newFixtureBudget(t, replicas, policy, 0)
+}
+
+// newFixtureBudget is newFixture with each replica's picture holding at
+// most budget tokens (0: no bound).
+func newFixtureBudget(t testing.TB, replicas int, policy string, budget int64) *fixture {
+	t.Helper()
 	f := &fixture{now: time.Unix(1000, 0)}
 	specs := make([]replica.Spec, replicas)
 	for i := range specs {
-		specs[i] = replica.Spec{Name: fmt.Sprint("r", i), URL: fmt.Sprintf("http://127.0.0.1:%d", 9000+i)}
+		specs[i] = replica.Spec{Name: fmt.Sprint("r", i), URL: fmt.Sprintf("http://127.0.0.1:%d", 9000+i), BudgetTokens: budget}
 	}
 	pol, err := routing.NewPolicy(policy, routing.PolicyConfig{})
 	if err != nil {
