@@ -181,10 +181,11 @@ func (p *sizeLRU) Touched(key uint64, info Info)   { p.h.update(key, p.prio(info
 func (p *sizeLRU) Removed(key uint64)              { p.h.remove(key) }
 func (p *sizeLRU) Len() int                        { return p.h.Len() }
 func (p *sizeLRU) Victim() (uint64, bool) {
-	if p.h.Len() == 0 {
+	it := p.h.min()
+	if it == nil {
 		return 0, false
 	}
-	p.l = p.h.items[0].p.a
+	p.l = it.p.a
 	return p.h.pop()
 }
 
@@ -384,6 +385,15 @@ type prioHeap struct {
 	// request otherwise allocates an item for each (a chain evicted leaf
 	// first reuses one or two). At most maxFreeItems are kept (12 KiB).
 	free []*item
+	// hole is set when the root was popped and its place not yet filled:
+	// items[0] is stale. Eviction pops a leaf and then, nearly always,
+	// makes its parent a leaf; the parent goes into the hole and sinks
+	// from there, often not at all, where a pop and a push would each
+	// walk the heap's height. Every other operation settles the hole
+	// first, as container/heap's Pop would have. The order is a strict
+	// total one (ties go to the lower key), so the minimum, and so every
+	// victim, is the same whatever the heap's layout.
+	hole bool
 }
 
 const maxFreeItems = 256
@@ -411,7 +421,40 @@ type item struct {
 
 func newPrioHeap() prioHeap { return prioHeap{index: make(map[uint64]*item)} }
 
-func (h *prioHeap) Len() int { return len(h.items) }
+func (h *prioHeap) Len() int {
+	if h.hole {
+		return len(h.items) - 1
+	}
+	return len(h.items)
+}
+
+// settle fills a popped root's hole with the last item, as container/heap's
+// Pop does.
+func (h *prioHeap) settle() {
+	if !h.hole {
+		return
+	}
+	h.hole = false
+	n := len(h.items) - 1
+	if n > 0 {
+		h.items[0] = h.items[n]
+		h.items[0].pos = 0
+	}
+	h.items[n] = nil
+	h.items = h.items[:n]
+	if n > 1 {
+		h.down(0, n)
+	}
+}
+
+// min returns the candidate with the lowest priority, or nil.
+func (h *prioHeap) min() *item {
+	h.settle()
+	if len(h.items) == 0 {
+		return nil
+	}
+	return h.items[0]
+}
 func (h *prioHeap) Less(i, j int) bool {
 	x, y := h.items[i], h.items[j]
 	switch {
@@ -496,6 +539,7 @@ func (h *prioHeap) down(i0, n int) bool {
 // set inserts key or moves it to the new priority.
 func (h *prioHeap) set(key uint64, p prio) {
 	if it, ok := h.index[key]; ok {
+		h.settle()
 		it.p = p
 		h.fix(it.pos)
 		return
@@ -508,12 +552,20 @@ func (h *prioHeap) set(key uint64, p prio) {
 		it = &item{key: key, p: p}
 	}
 	h.index[key] = it
+	if h.hole { // into the popped root's place, and down from there
+		h.hole = false
+		it.pos = 0
+		h.items[0] = it
+		h.down(0, len(h.items))
+		return
+	}
 	h.push(it)
 }
 
 // update moves key to the new priority if it is present.
 func (h *prioHeap) update(key uint64, p prio) {
 	if it, ok := h.index[key]; ok {
+		h.settle()
 		it.p = p
 		h.fix(it.pos)
 	}
@@ -521,18 +573,21 @@ func (h *prioHeap) update(key uint64, p prio) {
 
 func (h *prioHeap) remove(key uint64) {
 	if it, ok := h.index[key]; ok {
+		h.settle()
 		h.removeAt(it.pos)
 		delete(h.index, key)
 		h.recycle(it)
 	}
 }
 
+// pop removes and returns the lowest key, leaving its place a hole.
 func (h *prioHeap) pop() (uint64, bool) {
-	if len(h.items) == 0 {
+	it := h.min()
+	if it == nil {
 		return 0, false
 	}
-	it := h.removeAt(0)
 	key := it.key
+	h.hole = true
 	delete(h.index, key)
 	h.recycle(it)
 	return key, true

@@ -529,3 +529,60 @@ func TestPrioHeapReusesItems(t *testing.T) {
 		t.Fatalf("%.0f allocations for 64 set/pop rounds", allocs)
 	}
 }
+
+// TestPrioHeapAgainstScan: over random sets, updates, removals and pops —
+// pops followed at once by a set, as eviction does when a leaf's parent
+// becomes a leaf, half the time — the heap pops what a scan for the
+// lowest (a, b, c, key) finds, and Len counts what is held.
+func TestPrioHeapAgainstScan(t *testing.T) {
+	rng := rand.New(rand.NewSource(7))
+	h := newPrioHeap()
+	ref := map[uint64]prio{}
+	less := func(k1 uint64, p1 prio, k2 uint64, p2 prio) bool {
+		if p1 != p2 {
+			return p1.a < p2.a || p1.a == p2.a && (p1.b < p2.b || p1.b == p2.b && p1.c < p2.c)
+		}
+		return k1 < k2
+	}
+	randPrio := func() prio { return prio{a: float64(rng.Intn(4)), b: int64(rng.Intn(8)), c: int64(rng.Intn(3))} }
+	for op := 0; op < 200000; op++ {
+		k := uint64(rng.Intn(64))
+		switch r := rng.Intn(10); {
+		case r < 4:
+			p := randPrio()
+			h.set(k, p)
+			ref[k] = p
+		case r < 5:
+			p := randPrio()
+			h.update(k, p)
+			if _, ok := ref[k]; ok {
+				ref[k] = p
+			}
+		case r < 6:
+			h.remove(k)
+			delete(ref, k)
+		default:
+			var want uint64
+			found := false
+			for rk, rp := range ref {
+				if !found || less(rk, rp, want, ref[want]) {
+					want, found = rk, true
+				}
+			}
+			got, ok := h.pop()
+			if ok != found || got != want {
+				t.Fatalf("op %d: pop %d,%v, want %d,%v", op, got, ok, want, found)
+			}
+			delete(ref, want)
+			if found && rng.Intn(2) == 0 { // the parent becomes a leaf
+				k := uint64(64 + rng.Intn(64))
+				p := randPrio()
+				h.set(k, p)
+				ref[k] = p
+			}
+		}
+		if h.Len() != len(ref) {
+			t.Fatalf("op %d: Len %d, want %d", op, h.Len(), len(ref))
+		}
+	}
+}
