@@ -490,7 +490,7 @@ func (m *Model) Remove(id int, key uint64, cpu bool) (removed, left bool) {
 	}
 	m.setFlags(s, f)
 	if s.flags == 0 {
-		m.drop(m.replicas[id], int32(id), n, i)
+		m.drop(m.replicas[id], int32(id), n, i, false)
 		return true, false
 	}
 	return true, true
@@ -560,7 +560,7 @@ func (m *Model) expire(st *replicaState, rid int32, now int64) {
 			continue
 		}
 		if m.setFlags(s, s.flags&^fPending); s.flags == 0 {
-			m.drop(st, rid, n, i)
+			m.drop(st, rid, n, i, false)
 			st.PendingExpired++
 		}
 	}
@@ -711,21 +711,44 @@ func (m *Model) Release(id int, blocks []blockhash.Block, now int64) {
 		return
 	}
 	fo, ok := m.replicas[id].policy.(eviction.FreeObserver)
-	if !ok {
+	if !ok || len(blocks) == 0 {
 		return
+	}
+	rid := int32(id)
+	// Only a leaf is the policy's: the others' recency waits in lastUsed
+	// until they become leaves (drop), so they are not told.
+	free := func(n *node, s *slot) {
+		s.lastUsed = max(s.lastUsed, now)
+		if s.children == 0 {
+			fo.Freed(n.hash, n.info(s))
+		}
+	}
+	// Held whole, as a prompt usually is, the chain is walked up from its
+	// last block by parent pointers, without a lookup a block: as in
+	// heldPrefix, with every slot plainly on the GPU a held block's
+	// ancestors are held.
+	if m.irregular == 0 && !m.noShortcut {
+		if n := m.nodes.get(blocks[len(blocks)-1].Hash); n != nil {
+			if _, ok := m.find(n, rid); ok {
+				for i := len(blocks) - 1; i >= 0 && n != nil; i-- {
+					si, _ := m.find(n, rid)
+					free(n, m.at(n, si))
+					n = n.parent
+				}
+				return
+			}
+		}
 	}
 	for _, b := range blocks {
 		n := m.nodes.get(b.Hash)
 		if n == nil {
 			return
 		}
-		si, ok := m.find(n, int32(id))
+		si, ok := m.find(n, rid)
 		if !ok {
 			return
 		}
-		s := m.at(n, si)
-		s.lastUsed = max(s.lastUsed, now)
-		fo.Freed(n.hash, n.info(s))
+		free(n, m.at(n, si))
 	}
 }
 
@@ -761,7 +784,7 @@ func (m *Model) evict(st *replicaState, rid int32, k uint64) bool {
 	if e, ok := st.policy.(eviction.Evicted); ok {
 		e.Evicted(k, n.info(m.at(n, i)))
 	}
-	m.drop(st, rid, n, i)
+	m.drop(st, rid, n, i, true)
 	return true
 }
 
@@ -769,8 +792,9 @@ func (m *Model) evict(st *replicaState, rid int32, k uint64) bool {
 // flags may be cleared already): the slot goes if it
 // has no children, and then so does every dead ancestor left without
 // children; otherwise it stays, dead. A parent left a leaf becomes
-// evictable. m.mu must be held.
-func (m *Model) drop(st *replicaState, rid int32, n *node, i int) {
+// evictable. victim says the policy gave n as its victim, so holds it no
+// more. m.mu must be held.
+func (m *Model) drop(st *replicaState, rid int32, n *node, i int, victim bool) {
 	s := m.at(n, i)
 	st.Blocks--
 	st.Tokens -= int64(n.tokens)
@@ -778,7 +802,9 @@ func (m *Model) drop(st *replicaState, rid int32, n *node, i int) {
 		m.setFlags(s, 0) // dead: not a leaf, so not the policy's
 		return
 	}
-	st.policy.Removed(n.hash)
+	if !victim {
+		st.policy.Removed(n.hash)
+	}
 	for {
 		m.remove(n, i)
 		p := n.parent
