@@ -726,12 +726,17 @@ func (m *Model) Release(id int, blocks []blockhash.Block, now int64) {
 	// Held whole, as a prompt usually is, the chain is walked up from its
 	// last block by parent pointers, without a lookup a block: as in
 	// heldPrefix, with every slot plainly on the GPU a held block's
-	// ancestors are held.
+	// ancestors are held. (A block stored without its parent — a bad
+	// peer's snapshot, a hash collision — breaks that: the walk stops at
+	// the first ancestor the replica does not hold.)
 	if m.irregular == 0 && !m.noShortcut {
 		if n := m.nodes.get(blocks[len(blocks)-1].Hash); n != nil {
 			if _, ok := m.find(n, rid); ok {
 				for i := len(blocks) - 1; i >= 0 && n != nil; i-- {
-					si, _ := m.find(n, rid)
+					si, ok := m.find(n, rid)
+					if !ok {
+						return
+					}
 					free(n, m.at(n, si))
 					n = n.parent
 				}

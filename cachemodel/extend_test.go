@@ -143,3 +143,38 @@ func BenchmarkExtend(b *testing.B) {
 		}
 	}
 }
+
+// A replica that holds a block but not its parent (a Store with
+// hasParent=false of a block the tree has under a parent, as a bad peer's
+// snapshot or a key collision would make) while every slot is plainly on
+// the GPU: Release's walk up from the last block neither panics nor
+// touches the other replica's slots. (Found by a helper's review.)
+func TestReleaseWalkUnheldAncestor(t *testing.T) {
+	for _, rid := range []int{0, 1} {
+		m := New(Options{Policy: eviction.NewVLLM})
+		m.AddReplica("a", 0)
+		m.AddReplica("b", 0)
+		c := chain("p", 3, 0)
+		other := 1 - rid
+		m.Record(other, c, 1)
+		if ok, _ := m.Store(rid, 0, false, c[2:], false, 2); !ok {
+			t.Fatal("store")
+		}
+		if m.irregular != 0 {
+			t.Fatal("a slot is not plainly on the GPU: the walk up is not taken")
+		}
+		func() {
+			defer func() {
+				if r := recover(); r != nil {
+					t.Errorf("rid %d: Release panicked: %v", rid, r)
+				}
+			}()
+			m.Release(rid, c, 99)
+		}()
+		n := m.nodes.get(c[1].Hash)
+		i, _ := m.find(n, int32(other))
+		if got := m.at(n, i).lastUsed; got != 1 {
+			t.Errorf("rid %d: replica %d's slot of block 1 has lastUsed %d, want 1 (written by the other replica's Release)", rid, other, got)
+		}
+	}
+}
