@@ -378,21 +378,41 @@ func (m *Model) Record(id int, blocks []blockhash.Block, now int64) int {
 // of blocks evicted.
 func (m *Model) Extend(id int, blocks []blockhash.Block, from int, now int64) int {
 	m.mu.Lock()
-	mark := fGPU
-	if m.valid(id) && m.replicas[id].events {
-		mark = fPending
-	}
+	mark := m.routedMark(id)
 	var evicted []uint64
 	var count int
 	if n := m.heldPrefix(id, blocks, from, mark); n != nil {
 		// The prompt is held whole: only the reply's blocks are new.
-		evicted, count = m.record(id, n, blocks[from:], 0, now, mark)
+		evicted, count, _ = m.record(id, n, blocks[from:], 0, now, mark, false)
 	} else {
-		evicted, count = m.record(id, nil, blocks, from, now, mark)
+		evicted, count, _ = m.record(id, nil, blocks, from, now, mark, false)
 	}
 	m.mu.Unlock()
 	m.evicted(id, evicted)
 	return count
+}
+
+// Commit is Record for a request replica id starts to run: its blocks
+// are also pinned until Done, as vLLM holds a running request's blocks
+// out of its free queue, so that the picture does not evict a prompt
+// while the engine still computes with it. It returns the blocks evicted
+// and how many blocks, from the first, it pinned (fewer than len(blocks)
+// when an eviction.Admitter refused one), which Done must be given.
+func (m *Model) Commit(id int, blocks []blockhash.Block, now int64) (evicted, pinned int) {
+	m.mu.Lock()
+	keys, count, pinned := m.record(id, nil, blocks, 0, now, m.routedMark(id), true)
+	m.mu.Unlock()
+	m.evicted(id, keys)
+	return count, pinned
+}
+
+// routedMark is the flag a routing record sets on replica id's blocks.
+// m.mu must be held.
+func (m *Model) routedMark(id int) uint8 {
+	if m.valid(id) && m.replicas[id].events {
+		return fPending
+	}
+	return fGPU
 }
 
 // heldPrefix returns the node of blocks[from-1] when Extend may start
@@ -450,7 +470,7 @@ func (m *Model) Store(id int, parent uint64, hasParent bool, blocks []blockhash.
 	if cpu {
 		mark = fCPU
 	}
-	keys, count := m.record(id, p, blocks, len(blocks), now, mark)
+	keys, count, _ := m.record(id, p, blocks, len(blocks), now, mark, false)
 	m.mu.Unlock()
 	m.evicted(id, keys)
 	return true, count
@@ -576,9 +596,12 @@ func (m *Model) expire(st *replicaState, rid int32, now int64) {
 // fPending), chained after parent (nil: blocks[0] starts a prompt) and
 // blocks[:from], and evicts down to the budget; it returns the evicted
 // keys. Blocks before from are not uses (see Extend). m.mu must be held.
-func (m *Model) record(id int, parent *node, blocks []blockhash.Block, from int, now int64, mark uint8) (evicted []uint64, count int) {
+//
+// With pin, every block the call goes through (all of blocks, but for an
+// Admitter's refusal) gains a pin; pinned is how many.
+func (m *Model) record(id int, parent *node, blocks []blockhash.Block, from int, now int64, mark uint8, pin bool) (evicted []uint64, count, pinned int) {
 	if !m.valid(id) || len(blocks) == 0 {
-		return nil, 0
+		return nil, 0, 0
 	}
 	st := m.replicas[id]
 	rid := int32(id)
@@ -611,6 +634,12 @@ func (m *Model) record(id int, parent *node, blocks []blockhash.Block, from int,
 						s.hits++
 						st.policy.Touched(n.hash, n.info(s))
 					}
+					if pin {
+						if s.pins == 0 && s.children == 0 { // a candidate until now
+							st.policy.Removed(n.hash)
+						}
+						s.pins = min(s.pins+1, maxPins)
+					}
 					parent, parentFresh = n, false
 					continue
 				}
@@ -619,6 +648,9 @@ func (m *Model) record(id int, parent *node, blocks []blockhash.Block, from int,
 				// is no leaf.
 				s.lastUsed, s.inserted = now, now
 				m.mark(st, s, b.Hash, mark, now)
+				if pin {
+					s.pins = min(s.pins+1, maxPins)
+				}
 				st.Blocks++
 				st.Tokens += int64(n.tokens)
 				parent, parentFresh = n, false
@@ -639,7 +671,11 @@ func (m *Model) record(id int, parent *node, blocks []blockhash.Block, from int,
 			}
 		}
 		si, _ := m.find(n, rid)
-		m.insert(n, si, slot{replica: rid, lastUsed: now, inserted: now})
+		var pins uint16
+		if pin {
+			pins = 1
+		}
+		m.insert(n, si, slot{replica: rid, lastUsed: now, inserted: now, pins: pins})
 		m.mark(st, m.at(n, si), b.Hash, mark, now)
 		st.Blocks++
 		st.Tokens += int64(n.tokens)
@@ -653,9 +689,12 @@ func (m *Model) record(id int, parent *node, blocks []blockhash.Block, from int,
 		}
 		parent, parentFresh = n, true
 	}
-	if parentFresh && last >= 0 { // the deepest new block is a leaf
+	if parentFresh && last >= 0 && !pin { // the deepest new block is a leaf
 		pi, _ := m.find(parent, rid)
 		st.policy.Evictable(parent.hash, parent.info(m.at(parent, pi)))
+	}
+	if pin {
+		pinned = last + 1
 	}
 	for st.Budget > 0 && st.Tokens > st.Budget {
 		k, ok := st.policy.Victim()
@@ -670,7 +709,7 @@ func (m *Model) record(id int, parent *node, blocks []blockhash.Block, from int,
 		}
 	}
 	st.Evictions += int64(count)
-	return evicted, count
+	return evicted, count, pinned
 }
 
 // setFlags sets s's flags, counting the slots that are not plainly on
@@ -702,58 +741,89 @@ func (m *Model) mark(st *replicaState, s *slot, key uint64, flag uint8, now int6
 // Release records that a request using blocks on replica id finished at now,
 // for policies that order blocks by when they were freed
 // (eviction.FreeObserver): for them a block's recency is the later of its
-// last use and its last free. Other policies do not see it. Blocks the
-// replica no longer holds are skipped.
+// last use and its last free. Other policies do not see it. It stops at
+// the first block the replica no longer holds.
 func (m *Model) Release(id int, blocks []blockhash.Block, now int64) {
+	m.Done(id, blocks, 0, now)
+}
+
+// Done is Release for a request Commit started: the first pinned of its
+// blocks (Commit's count) lose the request's pin, and a leaf left with
+// none becomes a candidate for eviction again. Every one of them is
+// unpinned that the replica still holds, wherever the release stops.
+func (m *Model) Done(id int, blocks []blockhash.Block, pinned int, now int64) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if !m.valid(id) {
 		return
 	}
-	fo, ok := m.replicas[id].policy.(eviction.FreeObserver)
-	if !ok || len(blocks) == 0 {
+	st := m.replicas[id]
+	fo, _ := st.policy.(eviction.FreeObserver)
+	pinned = min(max(pinned, 0), len(blocks))
+	if fo == nil && pinned == 0 || len(blocks) == 0 {
 		return
 	}
 	rid := int32(id)
-	// Only a leaf is the policy's: the others' recency waits in lastUsed
-	// until they become leaves (drop), so they are not told.
-	free := func(n *node, s *slot) {
-		s.lastUsed = max(s.lastUsed, now)
-		if s.children == 0 {
-			fo.Freed(n.hash, n.info(s))
-		}
-	}
 	// Held whole, as a prompt usually is, the chain is walked up from its
 	// last block by parent pointers, without a lookup a block: as in
 	// heldPrefix, with every slot plainly on the GPU a held block's
 	// ancestors are held. (A block stored without its parent — a bad
-	// peer's snapshot, a hash collision — breaks that: the walk stops at
-	// the first ancestor the replica does not hold.)
+	// peer's snapshot, a hash collision — breaks that: the rest is then
+	// walked down from the first block.)
+	rest := len(blocks)
 	if m.irregular == 0 && !m.noShortcut {
-		if n := m.nodes.get(blocks[len(blocks)-1].Hash); n != nil {
+		if n := m.nodes.get(blocks[rest-1].Hash); n != nil {
 			if _, ok := m.find(n, rid); ok {
-				for i := len(blocks) - 1; i >= 0 && n != nil; i-- {
+				for ; rest > 0 && n != nil; rest-- {
 					si, ok := m.find(n, rid)
 					if !ok {
-						return
+						break
 					}
-					free(n, m.at(n, si))
+					m.done(st, fo, n, m.at(n, si), rest-1 < pinned, now)
 					n = n.parent
 				}
-				return
+				if rest == 0 {
+					return
+				}
 			}
 		}
 	}
-	for _, b := range blocks {
+	freeing := fo
+	for i, b := range blocks[:rest] {
+		if freeing == nil && i >= pinned {
+			return
+		}
+		var s *slot
 		n := m.nodes.get(b.Hash)
-		if n == nil {
+		if n != nil {
+			if si, ok := m.find(n, rid); ok {
+				s = m.at(n, si)
+			}
+		}
+		if s == nil {
+			freeing = nil // freeing stops at the first block not held
+			continue
+		}
+		m.done(st, freeing, n, s, i < pinned, now)
+	}
+}
+
+// done ends one request's use of n, held in slot s: its free time goes to
+// fo (if not nil), and with unpin its pin goes. Only a leaf that is not
+// pinned is the policy's: the others' recency waits in lastUsed until
+// they become candidates. m.mu must be held.
+func (m *Model) done(st *replicaState, fo eviction.FreeObserver, n *node, s *slot, unpin bool, now int64) {
+	if fo != nil {
+		s.lastUsed = max(s.lastUsed, now)
+	}
+	if unpin && s.pins > 0 {
+		if s.pins--; s.pins == 0 && s.children == 0 && s.flags != 0 {
+			st.policy.Evictable(n.hash, n.info(s))
 			return
 		}
-		si, ok := m.find(n, rid)
-		if !ok {
-			return
-		}
-		free(n, m.at(n, si))
+	}
+	if fo != nil && s.children == 0 && s.pins == 0 {
+		fo.Freed(n.hash, n.info(s))
 	}
 }
 
@@ -828,7 +898,9 @@ func (m *Model) drop(st *replicaState, rid int32, n *node, i int, victim bool) {
 			return
 		}
 		if ps.flags != 0 {
-			st.policy.Evictable(p.hash, p.info(ps))
+			if ps.pins == 0 {
+				st.policy.Evictable(p.hash, p.info(ps))
+			}
 			return
 		}
 		n, i = p, pi // a dead parent with no children left goes too

@@ -10,12 +10,12 @@ import (
 	"github.com/semroute/semroute/eviction"
 )
 
-// Extend's shortcut (start at the held prompt's last block instead of
-// walking the prompt again) changes nothing: two models fed the same random
-// records, replies, releases, shrinks, clears and engine events — one
-// taking the shortcut where it may, one always walking — evict the same
-// blocks in the same order and hold the same picture, under LRU and vLLM's
-// eviction.
+// Extend's and Done's shortcuts (start at the held prompt's last block
+// instead of walking the prompt again) change nothing: two models fed the
+// same random records, running requests (Commit to Done), replies,
+// releases, shrinks, clears and engine events — one taking the shortcuts
+// where it may, one always walking — evict the same blocks in the same
+// order and hold the same picture, under LRU and vLLM's eviction.
 func TestExtendShortcutChangesNothing(t *testing.T) {
 	for _, pol := range []struct {
 		name string
@@ -33,15 +33,30 @@ func TestExtendShortcutChangesNothing(t *testing.T) {
 			rng := rand.New(rand.NewPCG(1, 2))
 			base := chain("system", 40, 0)
 			var prompts [][]blockhash.Block
+			type run struct {
+				id int
+				p  []blockhash.Block
+				n  int
+			}
+			var running []run
 			shortcuts := 0
 			for step := 0; step < 4000; step++ {
 				id := rng.IntN(2)
 				now := int64(step)
 				var p []blockhash.Block
 				switch op := rng.IntN(100); {
-				case op < 40 || len(prompts) == 0: // a new prompt
+				case op < 40 || len(prompts) == 0: // a new prompt, half of them running until done
 					p = extend(base, 1+rng.IntN(len(base)), 1+rng.IntN(30), fmt.Sprint("p", step))
 					prompts = append(prompts, p)
+					if rng.IntN(2) == 0 {
+						_, na := a.Commit(id, p, now)
+						_, nb := b.Commit(id, p, now)
+						if na != nb {
+							t.Fatalf("step %d: pinned %d and %d", step, na, nb)
+						}
+						running = append(running, run{id, p, na})
+						break
+					}
 					a.Record(id, p, now)
 					b.Record(id, p, now)
 				case op < 80: // a reply learned after a prompt: mostly the last one
@@ -56,6 +71,13 @@ func TestExtendShortcutChangesNothing(t *testing.T) {
 					a.Extend(id, full, len(p), now)
 					b.Extend(id, full, len(p), now)
 					prompts = append(prompts, full)
+				case op < 88 && len(running) > 0 && rng.IntN(2) == 0: // a running request is done
+					k := rng.IntN(len(running))
+					r := running[k]
+					running = append(running[:k], running[k+1:]...)
+					a.Done(r.id, r.p, r.n, now)
+					b.Done(r.id, r.p, r.n, now)
+					p = r.p
 				case op < 88:
 					p = prompts[rng.IntN(len(prompts))]
 					a.Release(id, p, now)

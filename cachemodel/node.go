@@ -24,6 +24,9 @@ type node struct {
 	one    slot // the first holder; replica −1 when the block has none
 }
 
+// maxPins is where a slot's pin count saturates.
+const maxPins = math.MaxUint16
+
 // slot is one replica's holding of a block: 32 bytes.
 type slot struct {
 	replica  int32
@@ -32,6 +35,10 @@ type slot struct {
 	// flags say where the block is (see fGPU): none means the slot is
 	// dead, kept only because the replica holds some of its children.
 	flags uint8
+	// pins counts the running requests using the block (Commit to Done),
+	// saturating at 65,535: the engine does not evict their blocks, so a
+	// pinned leaf is not the policy's candidate until its last pin goes.
+	pins uint16
 	// lastUsed is when the block was last inserted or hit, or, for
 	// policies that order by free time, freed.
 	lastUsed int64

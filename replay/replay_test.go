@@ -106,6 +106,30 @@ func lruReference(reqs []Request, replicas int, budget int64) (cached []int, tot
 	return cached, total
 }
 
+// TestRunningPromptPinned: a running request's blocks are not evicted,
+// as vLLM keeps them off its free queue. On one replica of 3 blocks, a
+// prompt that runs for seconds (100 output tokens) keeps its blocks while
+// a second prompt records; a third request asking for the first prompt
+// while it still runs finds it whole. Without pins the second prompt
+// evicted the first, least recently used, and the third found nothing.
+func TestRunningPromptPinned(t *testing.T) {
+	reqs := mooncake(t, 2,
+		`{"timestamp": 0, "input_length": 6, "output_length": 100, "hash_ids": [1, 2, 3]}`,
+		`{"timestamp": 50, "input_length": 6, "output_length": 1, "hash_ids": [4, 5, 6]}`,
+		`{"timestamp": 100, "input_length": 6, "output_length": 1, "hash_ids": [1, 2, 3]}`)
+	sum, err := Replay(reqs, Model{Replicas: 1, BudgetTokens: 6, BlockTokens: 2, Eviction: "lru"}, []Run{{Policy: "round_robin"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []int
+	for _, r := range sum.Policies[0].rows {
+		got = append(got, r.cachedTokens)
+	}
+	if fmt.Sprint(got) != "[0 0 6]" {
+		t.Fatalf("cached %v, want [0 0 6]: the running prompt kept whole", got)
+	}
+}
+
 func TestRoundRobinIsPlainLRUByHand(t *testing.T) {
 	// Two replicas of 3 blocks (6 tokens), blocks of 2 tokens. Worked by
 	// hand (replica: cache after the request, cached tokens):
@@ -117,15 +141,17 @@ func TestRoundRobinIsPlainLRUByHand(t *testing.T) {
 	//  5 r1 [7 8]     miss            evict 4, 2        0
 	//  6 r0 [1 2 4]   hits 1 2        evict 3           4
 	//  7 r1 [1 2 4]   hits 1          evict 8, 7        2
+	// A second apart, so that each request has finished before the next
+	// (a running request's blocks are pinned: see TestRunningPromptPinned).
 	reqs := mooncake(t, 2,
 		`{"timestamp": 0, "input_length": 6, "output_length": 1, "hash_ids": [1, 2, 3]}`,
-		`{"timestamp": 1, "input_length": 6, "output_length": 1, "hash_ids": [1, 2, 4]}`,
-		`{"timestamp": 2, "input_length": 6, "output_length": 1, "hash_ids": [1, 2, 5]}`,
-		`{"timestamp": 3, "input_length": 8, "output_length": 1, "hash_ids": [1, 2, 4, 6]}`,
-		`{"timestamp": 4, "input_length": 6, "output_length": 1, "hash_ids": [1, 2, 3]}`,
-		`{"timestamp": 5, "input_length": 4, "output_length": 1, "hash_ids": [7, 8]}`,
-		`{"timestamp": 6, "input_length": 6, "output_length": 1, "hash_ids": [1, 2, 4]}`,
-		`{"timestamp": 7, "input_length": 6, "output_length": 1, "hash_ids": [1, 2, 4]}`)
+		`{"timestamp": 1000, "input_length": 6, "output_length": 1, "hash_ids": [1, 2, 4]}`,
+		`{"timestamp": 2000, "input_length": 6, "output_length": 1, "hash_ids": [1, 2, 5]}`,
+		`{"timestamp": 3000, "input_length": 8, "output_length": 1, "hash_ids": [1, 2, 4, 6]}`,
+		`{"timestamp": 4000, "input_length": 6, "output_length": 1, "hash_ids": [1, 2, 3]}`,
+		`{"timestamp": 5000, "input_length": 4, "output_length": 1, "hash_ids": [7, 8]}`,
+		`{"timestamp": 6000, "input_length": 6, "output_length": 1, "hash_ids": [1, 2, 4]}`,
+		`{"timestamp": 7000, "input_length": 6, "output_length": 1, "hash_ids": [1, 2, 4]}`)
 	want := []int{0, 0, 4, 6, 4, 0, 4, 2}
 	sum, err := Replay(reqs, Model{Replicas: 2, BudgetTokens: 6, BlockTokens: 2, Eviction: "lru"}, []Run{{Policy: "round_robin"}})
 	if err != nil {

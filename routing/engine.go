@@ -177,6 +177,9 @@ type Decision struct {
 	// (PrepareTokens), keyed as its KV events are.
 	precise     bool
 	blockTokens int
+	// pinned is how many of Blocks Commit pinned on the serving replica's
+	// picture, for Done to unpin; 0 once done.
+	pinned int
 }
 
 // Precise reports whether d was decided on the engine's own tokens
@@ -579,9 +582,11 @@ func (e *Engine) Recycle(d *Decision) {
 }
 
 // Commit caches d's blocks on c's replica and counts the request's work
-// there. Call Done with the same candidate when the request ends.
+// there; the blocks stay pinned in the picture (not evicted, as vLLM keeps
+// a running request's blocks) until Done. Call Done with the same
+// candidate when the request ends.
 func (e *Engine) Commit(d *Decision, c *Candidate) {
-	e.cache.Record(c.Replica.ID, d.Blocks, e.o.Now().UnixNano())
+	_, d.pinned = e.cache.Commit(c.Replica.ID, d.Blocks, e.o.Now().UnixNano())
 	d.Work = replica.Work{Prefill: int64(d.Tokens - c.Match.Tokens), Tokens: e.activate(c.Replica.ID, d.Blocks, 1)}
 	c.Replica.Begin(&d.Work)
 	if e.sync != nil {
@@ -650,7 +655,8 @@ func (e *Engine) Done(d *Decision, c *Candidate) {
 		d.Work.Tokens = e.activate(c.Replica.ID, d.Blocks, -1)
 	}
 	c.Replica.End(&d.Work, now)
-	e.cache.Release(c.Replica.ID, d.Blocks, now.UnixNano())
+	e.cache.Done(c.Replica.ID, d.Blocks, d.pinned, now.UnixNano())
+	d.pinned = 0
 	if e.sync != nil {
 		e.sync.Done(d, c)
 	}
