@@ -98,6 +98,7 @@ type Model struct {
 	noShortcut bool
 
 	mu        sync.RWMutex
+	epochs    uint64    // the last replicaState.epoch handed out
 	irregular int       // slots whose flags are not just fGPU (see Match)
 	nodes     nodeTable // by block hash
 	more      map[*node][]slot
@@ -113,6 +114,10 @@ type replicaState struct {
 	events  bool
 	pending []pendingBlock
 	phead   int
+	// epoch names the picture the replica's pins belong to: a Clear (or
+	// a new replica in a reused id) starts another, and a Done with Pins
+	// of an older one unpins nothing.
+	epoch uint64
 }
 
 // pendingBlock is a block a routing record marked pending, and when.
@@ -149,7 +154,8 @@ func (m *Model) AddReplica(name string, budgetTokens int64) (int, error) {
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	st := &replicaState{Stats: Stats{Name: name, Budget: budgetTokens}, policy: m.policy()}
+	m.epochs++
+	st := &replicaState{Stats: Stats{Name: name, Budget: budgetTokens}, policy: m.policy(), epoch: m.epochs}
 	for id, r := range m.replicas {
 		if r == nil {
 			m.replicas[id] = st
@@ -193,6 +199,8 @@ func (m *Model) clear(id int) {
 	st.Blocks, st.Tokens = 0, 0
 	st.policy = m.policy()
 	st.pending, st.phead = nil, 0
+	m.epochs++
+	st.epoch = m.epochs
 }
 
 // SetBudget changes a replica's token budget (0 = unlimited); the next Record
@@ -396,15 +404,28 @@ func (m *Model) Extend(id int, blocks []blockhash.Block, from int, now int64) in
 // are also pinned until Done, as vLLM holds a running request's blocks
 // out of its free queue, so that the picture does not evict a prompt
 // while the engine still computes with it. It returns the blocks evicted
-// and how many blocks, from the first, it pinned (fewer than len(blocks)
-// when an eviction.Admitter refused one), which Done must be given.
-func (m *Model) Commit(id int, blocks []blockhash.Block, now int64) (evicted, pinned int) {
+// and the pins, which Done must be given.
+func (m *Model) Commit(id int, blocks []blockhash.Block, now int64) (evicted int, pins Pins) {
 	m.mu.Lock()
-	keys, count, pinned := m.record(id, nil, blocks, 0, now, m.routedMark(id), true)
+	keys, count, n := m.record(id, nil, blocks, 0, now, m.routedMark(id), true)
+	if n > 0 {
+		pins = Pins{n: n, epoch: m.replicas[id].epoch}
+	}
 	m.mu.Unlock()
 	m.evicted(id, keys)
-	return count, pinned
+	return count, pins
 }
+
+// Pins is what one Commit pinned, for Done to unpin. The zero value pins
+// nothing.
+type Pins struct {
+	n     int    // blocks pinned, from the first
+	epoch uint64 // the replica's picture they were pinned in
+}
+
+// Blocks returns how many blocks, from the first, are pinned: all of the
+// committed ones but for an eviction.Admitter's refusal.
+func (p Pins) Blocks() int { return p.n }
 
 // routedMark is the flag a routing record sets on replica id's blocks.
 // m.mu must be held.
@@ -454,6 +475,13 @@ func (m *Model) evicted(id int, keys []uint64) {
 // prompt's start. Evictions to keep the budget are returned as by Extend.
 func (m *Model) Store(id int, parent uint64, hasParent bool, blocks []blockhash.Block, cpu bool, now int64) (ok bool, evicted int) {
 	m.mu.Lock()
+	if m.valid(id) {
+		// Expiring pending blocks may drop the parent: before it is looked
+		// up, not in record after.
+		if st := m.replicas[id]; st.phead < len(st.pending) {
+			m.expire(st, int32(id), now)
+		}
+	}
 	var p *node
 	if hasParent {
 		p = m.nodes.get(parent)
@@ -638,7 +666,9 @@ func (m *Model) record(id int, parent *node, blocks []blockhash.Block, from int,
 						if s.pins == 0 && s.children == 0 { // a candidate until now
 							st.policy.Removed(n.hash)
 						}
-						s.pins = min(s.pins+1, maxPins)
+						if s.pins < maxPins {
+							s.pins++
+						}
 					}
 					parent, parentFresh = n, false
 					continue
@@ -648,8 +678,8 @@ func (m *Model) record(id int, parent *node, blocks []blockhash.Block, from int,
 				// is no leaf.
 				s.lastUsed, s.inserted = now, now
 				m.mark(st, s, b.Hash, mark, now)
-				if pin {
-					s.pins = min(s.pins+1, maxPins)
+				if pin && s.pins < maxPins {
+					s.pins++
 				}
 				st.Blocks++
 				st.Tokens += int64(n.tokens)
@@ -744,14 +774,15 @@ func (m *Model) mark(st *replicaState, s *slot, key uint64, flag uint8, now int6
 // last use and its last free. Other policies do not see it. It stops at
 // the first block the replica no longer holds.
 func (m *Model) Release(id int, blocks []blockhash.Block, now int64) {
-	m.Done(id, blocks, 0, now)
+	m.Done(id, blocks, Pins{}, now)
 }
 
-// Done is Release for a request Commit started: the first pinned of its
-// blocks (Commit's count) lose the request's pin, and a leaf left with
-// none becomes a candidate for eviction again. Every one of them is
-// unpinned that the replica still holds, wherever the release stops.
-func (m *Model) Done(id int, blocks []blockhash.Block, pinned int, now int64) {
+// Done is Release for a request Commit started: the blocks Commit pinned
+// lose the request's pin, and a leaf left with none becomes a candidate
+// for eviction again. Every one of them is unpinned that the replica
+// still holds, wherever the release stops; none is if the replica's
+// picture was cleared since (the pins went with it).
+func (m *Model) Done(id int, blocks []blockhash.Block, pins Pins, now int64) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if !m.valid(id) {
@@ -759,7 +790,10 @@ func (m *Model) Done(id int, blocks []blockhash.Block, pinned int, now int64) {
 	}
 	st := m.replicas[id]
 	fo, _ := st.policy.(eviction.FreeObserver)
-	pinned = min(max(pinned, 0), len(blocks))
+	pinned := 0
+	if pins.epoch == st.epoch {
+		pinned = min(pins.n, len(blocks))
+	}
 	if fo == nil && pinned == 0 || len(blocks) == 0 {
 		return
 	}

@@ -3,6 +3,7 @@ package cachemodel
 import (
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/semroute/semroute/blockhash"
 )
@@ -226,5 +227,27 @@ func TestMatchPathsAgree(t *testing.T) {
 	m.Clear(0)
 	if m.irregular != 0 {
 		t.Fatalf("%d irregular slots left after clear", m.irregular)
+	}
+}
+
+// The engine reports a block after one it had cached already (so sent no
+// event for it) more than PendingTTL after the router marked that parent
+// pending: expiring pending blocks drops the parent, which Store must see
+// before it chains to it, not after (it indexed a slot that was gone, and
+// the router crashed). (Found by a helper's review.)
+func TestStoreAfterItsPendingParentExpired(t *testing.T) {
+	m := New(Options{PendingTTL: time.Second})
+	m.AddReplica("a", 0)
+	m.AddReplica("b", 0)
+	m.SetEventDriven(1, true)
+	z := chain("z", 2, 0)
+	m.Record(0, z[:1], 0) // another replica holds z[0], so its node stays
+	m.Record(1, z[:1], 0) // routed to b: pending there
+	ok, _ := m.Store(1, z[0].Hash, true, z[1:], false, int64(2*time.Second))
+	if ok {
+		t.Fatal("stored after a parent b no longer holds")
+	}
+	if got := matchOf(m, z, 1).Blocks; got != 0 {
+		t.Fatalf("b matches %d blocks, want 0", got)
 	}
 }

@@ -36,7 +36,7 @@ func TestExtendShortcutChangesNothing(t *testing.T) {
 			type run struct {
 				id int
 				p  []blockhash.Block
-				n  int
+				n  Pins
 			}
 			var running []run
 			shortcuts := 0

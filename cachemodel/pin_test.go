@@ -1,6 +1,8 @@
 package cachemodel
 
 import (
+	"fmt"
+	"math/rand/v2"
 	"testing"
 
 	"github.com/semroute/semroute/blockhash"
@@ -19,8 +21,9 @@ func TestCommitPinsUntilDone(t *testing.T) {
 	m := New(Options{Policy: eviction.NewVLLM})
 	m.AddReplica("r", 6)
 	a, b, c := chain("a", 4, 0), chain("b", 4, 0), chain("c", 2, 0)
-	if _, pinned := m.Commit(0, a, 1); pinned != 4 {
-		t.Fatalf("pinned %d of 4", pinned)
+	_, pa := m.Commit(0, a, 1)
+	if pa.Blocks() != 4 {
+		t.Fatalf("pinned %d of 4", pa.Blocks())
 	}
 	_, pb := m.Commit(0, b, 2)
 	if got := held(m, a); got != 4 {
@@ -29,7 +32,7 @@ func TestCommitPinsUntilDone(t *testing.T) {
 	if st, _ := m.Stats(0); st.Tokens != 8 || st.Evictions != 0 {
 		t.Fatalf("stats %+v, want 8 tokens over the budget of 6 and no eviction", st)
 	}
-	m.Done(0, a, 4, 3)
+	m.Done(0, a, pa, 3)
 	m.Record(0, c, 4) // 10 tokens: 4 to evict, all of done a, tail first
 	if got := held(m, a); got != 0 {
 		t.Fatalf("done a holds %d blocks, want 0", got)
@@ -103,8 +106,8 @@ func TestCommitPinsWhatItCaches(t *testing.T) {
 	m := New(Options{Policy: func() eviction.Policy { return refuseAfter{eviction.NewLRU(), 2} }})
 	m.AddReplica("r", 100)
 	p := chain("p", 5, 0)
-	if _, n := m.Commit(0, p, 1); n != 2 {
-		t.Fatalf("pinned %d, want the 2 blocks admitted", n)
+	if _, n := m.Commit(0, p, 1); n.Blocks() != 2 {
+		t.Fatalf("pinned %d, want the 2 blocks admitted", n.Blocks())
 	}
 }
 
@@ -115,3 +118,232 @@ type refuseAfter struct {
 }
 
 func (r refuseAfter) Admit(_ eviction.Info, used, _ int64) bool { return used < r.n }
+
+// tracked wraps a policy and remembers its candidate set.
+type tracked struct {
+	eviction.Policy
+	set map[uint64]bool
+}
+
+func (p *tracked) Evictable(k uint64, i eviction.Info) { p.set[k] = true; p.Policy.Evictable(k, i) }
+func (p *tracked) Removed(k uint64)                    { delete(p.set, k); p.Policy.Removed(k) }
+func (p *tracked) Victim() (uint64, bool) {
+	k, ok := p.Policy.Victim()
+	if ok {
+		delete(p.set, k)
+	}
+	return k, ok
+}
+
+type trackedFO struct{ *tracked }
+
+func (p trackedFO) Freed(k uint64, i eviction.Info) { p.Policy.(eviction.FreeObserver).Freed(k, i) }
+
+func trackedFactory(inner eviction.Factory) eviction.Factory {
+	return func() eviction.Policy {
+		t := &tracked{Policy: inner(), set: map[uint64]bool{}}
+		if _, ok := t.Policy.(eviction.FreeObserver); ok {
+			return trackedFO{t}
+		}
+		return t
+	}
+}
+
+func setOf(p eviction.Policy) map[uint64]bool {
+	switch x := p.(type) {
+	case *tracked:
+		return x.set
+	case trackedFO:
+		return x.set
+	case trackedAdmit:
+		return x.set
+	}
+	panic("untracked policy")
+}
+
+// checkCandidates: the policy's keys are exactly the held, childless,
+// unpinned slots; returns total pins left.
+func (m *Model) checkCandidates(t *testing.T, step int) (pins int) {
+	t.Helper()
+	for id, st := range m.replicas {
+		if st == nil {
+			continue
+		}
+		want := map[uint64]bool{}
+		m.nodes.each(func(n *node) {
+			if i, ok := m.find(n, int32(id)); ok {
+				s := m.at(n, i)
+				pins += int(s.pins)
+				if s.flags != 0 && s.children == 0 && s.pins == 0 {
+					want[n.hash] = true
+				}
+			}
+		})
+		got := setOf(st.policy)
+		for k := range want {
+			if !got[k] {
+				t.Fatalf("step %d replica %d: unpinned leaf %x is not a candidate (never evictable)", step, id, k)
+			}
+		}
+		for k := range got {
+			if !want[k] {
+				t.Fatalf("step %d replica %d: key %x is a candidate but not an unpinned held leaf", step, id, k)
+			}
+		}
+		if st.policy.Len() != len(got) {
+			t.Fatalf("step %d: policy Len %d, tracked %d", step, st.policy.Len(), len(got))
+		}
+	}
+	return pins
+}
+
+// TestPinInvariantRandom: over random commits, dones, records, replies,
+// releases, engine events, shrinks, budget changes and clears, under LRU,
+// vLLM's order, the adaptive policy and an admitter that refuses blocks,
+// the policy's candidates are exactly the held, childless, unpinned slots
+// after every step; once every request is done no pin is left and the
+// picture evicts down to its budget. (Written by a helper attacking the
+// pins.)
+func TestPinInvariantRandom(t *testing.T) {
+	for _, pol := range []struct {
+		name string
+		f    eviction.Factory
+	}{
+		{"lru", trackedFactory(func() eviction.Policy { return eviction.NewLRU() })},
+		{"vllm", trackedFactory(eviction.NewVLLM)},
+		{"adaptive", trackedFactory(func() eviction.Policy { return eviction.NewAdaptiveKind(eviction.AdaptiveParams{}) })},
+		{"admit", func() eviction.Policy {
+			return trackedAdmit{&tracked{Policy: eviction.NewLRU(), set: map[uint64]bool{}}}
+		}},
+	} {
+		for seed := uint64(1); seed <= 6; seed++ {
+			t.Run(fmt.Sprint(pol.name, seed), func(t *testing.T) {
+				m := New(Options{Policy: pol.f, PendingTTL: 50})
+				m.noShortcut = seed%5 == 0
+				m.AddReplica("a", 400)
+				m.AddReplica("b", 300)
+				rng := rand.New(rand.NewPCG(seed, 7))
+				base := chain("sys", 20, 0)
+				var prompts [][]blockhash.Block
+				type run struct {
+					id int
+					n  Pins
+					p  []blockhash.Block
+				}
+				var running []run
+				for step := 0; step < 3000; step++ {
+					id := rng.IntN(2)
+					now := int64(step * 10)
+					switch op := rng.IntN(100); {
+					case op < 30 || len(prompts) == 0:
+						p := extend(base, 1+rng.IntN(len(base)), 1+rng.IntN(20), fmt.Sprint("p", step))
+						prompts = append(prompts, p)
+						_, n := m.Commit(id, p, now)
+						running = append(running, run{id, n, p})
+					case op < 40:
+						p := prompts[rng.IntN(len(prompts))]
+						_, n := m.Commit(id, p, now)
+						running = append(running, run{id, n, p})
+					case op < 55 && len(running) > 0:
+						k := rng.IntN(len(running))
+						r := running[k]
+						running = append(running[:k], running[k+1:]...)
+						m.Done(r.id, r.p, r.n, now)
+						if rng.IntN(2) == 0 {
+							m.Extend(r.id, extend(r.p, len(r.p), 1+rng.IntN(5), fmt.Sprint("r", step)), len(r.p), now)
+						}
+					case op < 62:
+						m.Record(id, prompts[rng.IntN(len(prompts))], now)
+					case op < 66:
+						m.Release(id, prompts[rng.IntN(len(prompts))], now)
+					case op < 72:
+						p := prompts[rng.IntN(len(prompts))]
+						j := rng.IntN(len(p))
+						if j == 0 {
+							m.Store(id, 0, false, p[j:j+1+rng.IntN(len(p)-j)], rng.IntN(4) == 0, now)
+						} else {
+							m.Store(id, p[j-1].Hash, true, p[j:j+1+rng.IntN(len(p)-j)], rng.IntN(4) == 0, now)
+						}
+					case op < 80:
+						p := prompts[rng.IntN(len(prompts))]
+						m.Remove(id, p[rng.IntN(len(p))].Hash, rng.IntN(3) == 0)
+					case op < 84:
+						m.Shrink(id, int64(1+rng.IntN(100)))
+					case op < 88:
+						m.SetEventDriven(id, rng.IntN(2) == 0)
+					case op < 92:
+						m.ExpirePending(now)
+					case op < 94:
+						m.SetBudget(id, int64(50+rng.IntN(500)))
+					case op < 95:
+						m.Clear(id)
+					}
+					m.checkCandidates(t, step)
+				}
+				for _, r := range running {
+					m.Done(r.id, r.p, r.n, 1e9)
+				}
+				if pins := m.checkCandidates(t, -1); pins != 0 {
+					t.Fatalf("%d pins left after every request was done", pins)
+				}
+				for id := 0; id < 2; id++ {
+					m.SetBudget(id, 10)
+					m.Record(id, chain("last", 1, 0), 2e9)
+					if st, _ := m.Stats(id); st.Tokens > 10 {
+						t.Fatalf("replica %d holds %d tokens over a budget of 10 after every request was done", id, st.Tokens)
+					}
+				}
+			})
+		}
+	}
+}
+
+type trackedAdmit struct{ *tracked }
+
+func (p trackedAdmit) Admit(i eviction.Info, used, budget int64) bool {
+	return used < budget*3/4 || i.Depth < 22
+}
+
+// 65,536 running requests of one prompt: the count saturates rather than
+// wrapping to 0 (which left the leaf out of the policy for good), and once
+// all are done the block is evicted. (Found by a helper's review.)
+func TestPinCountSaturates(t *testing.T) {
+	m := New(Options{Policy: eviction.NewVLLM})
+	m.AddReplica("r", 4)
+	p := chain("hot", 1, 0)
+	const running = 1 << 16
+	ns := make([]Pins, running)
+	for i := range ns {
+		_, ns[i] = m.Commit(0, p, int64(i))
+	}
+	n := m.nodes.get(p[0].Hash)
+	if s := m.at(n, 0); s.pins != maxPins {
+		t.Fatalf("%d running requests: pins = %d, want saturated at %d", running, s.pins, maxPins)
+	}
+	for i := range ns {
+		m.Done(0, p, ns[i], int64(running+i))
+	}
+	m.Record(0, chain("other", 8, 0), 1<<20)
+	if got := held(m, p); got != 0 {
+		t.Fatalf("the prompt, done by every request, holds %d block: never evicted", got)
+	}
+}
+
+// A request running across a Clear (a replica restart, kvsync's reset on
+// AllBlocksCleared or an event gap) unpins nothing when it ends: its pins
+// went with the clear, and the pins now there are a later request's.
+// (Found by a helper's review.)
+func TestDoneAfterClearUnpinsNothing(t *testing.T) {
+	m := New(Options{Policy: eviction.NewVLLM})
+	m.AddReplica("r", 6)
+	p := chain("p", 4, 0)
+	_, n1 := m.Commit(0, p, 1) // request 1 running
+	m.Clear(0)                 // the engine restarted
+	_, n2 := m.Commit(0, p, 2) // request 2, same prompt, running
+	m.Done(0, p, n1, 3)        // request 1 ends
+	m.Record(0, chain("q", 4, 0), 4)
+	if got := held(m, p); got != 4 {
+		t.Fatalf("request 2 still runs, yet its prompt holds %d of 4 blocks: request 1's Done took its pins", got)
+	}
+	m.Done(0, p, n2, 5)
+}

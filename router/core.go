@@ -290,6 +290,12 @@ func (c *Core) Failover(rt *Routed, next int) bool {
 	return true
 }
 
+// EngineDone reports that the replica's answer to rt has ended whole:
+// the engine is done with the prompt's blocks, which the picture may now
+// evict, though the client may still be reading. Finish does it if this
+// was not called.
+func (c *Core) EngineDone(rt *Routed) { c.e.Release(rt.Decision, rt.Served) }
+
 // Outcome is how a routed request ended, as the front end saw it.
 type Outcome = decisionlog.Outcome
 

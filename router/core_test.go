@@ -1,11 +1,14 @@
 package router
 
 import (
+	"fmt"
+	"math/rand/v2"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/decisionlog"
 	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/routing"
@@ -138,4 +141,79 @@ func TestArmsValidateAndSplit(t *testing.T) {
 	if rt.Policy != rt.Arm.Policy.Name() {
 		t.Fatalf("decided by %s in arm %s (%s)", rt.Policy, rt.Arm.Name, rt.Arm.Policy.Name())
 	}
+}
+
+// Every Core lifecycle (Finish, Failover then Finish, Hold then Release,
+// Hold then expiry by cap or timeout, EngineDone before Finish) ends with
+// nothing pinned: once all are over, one more record brings every
+// replica's picture down to its budget. (Written by a helper attacking the
+// pins.)
+func TestCoreLifecyclesLeaveNoPins(t *testing.T) {
+	const budget = 300
+	f := newFixtureBudget(t, 3, "semantic", budget)
+	c := newCore(t, f, CoreOptions{Held: limits.Held{Max: 5, ReleaseAfter: time.Minute}})
+	rng := rand.New(rand.NewPCG(1, 1))
+	var ids []string
+	for i := 0; i < 300; i++ {
+		req := parseChat(t, "system", strings.Repeat(fmt.Sprint("sys", i%40, " "), 200), "user", fmt.Sprint("q", i))
+		rt, err := c.Route(CoreRequest{Input: f.e.Prepare(req, fmt.Sprint("s", i), false), Model: "m"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		switch rng.IntN(5) {
+		case 0:
+			c.Finish(rt, Outcome{Status: 200}, []byte("reply "+fmt.Sprint(i)))
+		case 1:
+			for n := 1; c.Failover(rt, n); n++ {
+			}
+			c.Finish(rt, Outcome{Status: 502}, nil)
+		case 2:
+			c.EngineDone(rt)
+			c.EngineDone(rt) // twice: the second does nothing
+			c.Finish(rt, Outcome{Status: 200}, []byte("reply "+fmt.Sprint(i)))
+		default:
+			c.Hold(rt)
+			ids = append(ids, rt.ID)
+			if rng.IntN(2) == 0 {
+				_ = c.Release(ids[rng.IntN(len(ids))], Outcome{Status: 200})
+			}
+		}
+		f.now = f.now.Add(time.Second)
+	}
+	f.now = f.now.Add(time.Hour)
+	c.Expire(f.now)
+	if n, _ := c.Held(); n != 0 {
+		t.Fatalf("%d still held", n)
+	}
+	for id := 0; id < 3; id++ {
+		f.e.Cache().Record(id, f.e.Prepare(parseChat(t, "user", "last"), "z", false).Blocks, f.now.UnixNano())
+		if st, _ := f.e.Cache().Stats(id); st.Tokens > budget {
+			t.Errorf("replica %d: %d tokens over a budget of %d with nothing in flight", id, st.Tokens, budget)
+		}
+	}
+}
+
+// EngineDone (the replica's answer ended, the client still reading) lets
+// the picture evict the prompt before Finish: a slow client does not hold
+// the engine's blocks in the picture.
+func TestEngineDoneUnpinsBeforeFinish(t *testing.T) {
+	f := newFixtureBudget(t, 1, "semantic", 2000)
+	c := newCore(t, f, CoreOptions{})
+	route := func(text string) *Routed {
+		rt, err := c.Route(CoreRequest{Input: f.e.Prepare(parseChat(t, "user", text), "", false), Model: "m"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return rt
+	}
+	slow := route(strings.Repeat("a slow client's prompt. ", 300))
+	blocks := append([]blockhash.Block(nil), slow.Blocks...)
+	c.EngineDone(slow)
+	f.now = f.now.Add(time.Second)
+	next := route(strings.Repeat("another prompt entirely. ", 400)) // more than the budget alone
+	if got := f.e.Cache().Match(blocks, nil, nil)[0].Blocks; got != 0 {
+		t.Fatalf("the first prompt, its answer ended, holds %d blocks after a second prompt filled the picture: still pinned", got)
+	}
+	c.Finish(slow, Outcome{Status: 200}, nil)
+	c.Finish(next, Outcome{Status: 200}, nil)
 }

@@ -137,7 +137,7 @@ func (s *Server) modifyResponse(resp *http.Response) error {
 		resp.Header.Set(HeaderMatchedTokens, strconv.Itoa(c.Match.Confirmed))
 		sse := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
 		f.capture = &replyCapture{rc: body, limit: s.o.MaxReplyBytes, sse: sse,
-			first: func() { s.core.FirstByte(rt) }}
+			first: func() { s.core.FirstByte(rt) }, end: func() { s.core.EngineDone(rt) }}
 		body = f.capture
 		if sse && f.stripUsage {
 			body = newUsageStripper(body)

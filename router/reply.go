@@ -28,7 +28,8 @@ type replyCapture struct {
 	rc    io.ReadCloser
 	sse   bool
 	limit int
-	first func() // may be nil
+	first func() // called at the first byte; may be nil
+	end   func() // called when the body has ended whole; may be nil
 
 	buf     bytes.Buffer // JSON body, or the current partial SSE line (at most limit bytes)
 	skip    bool         // discarding the rest of an SSE line longer than limit
@@ -97,6 +98,10 @@ func (c *replyCapture) feed(p []byte, eof bool) {
 		c.eof = true
 		if !c.sse && !c.over {
 			c.parseJSON()
+		}
+		if c.end != nil {
+			c.end()
+			c.end = nil
 		}
 	}
 }

@@ -2,6 +2,7 @@ package router
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"io"
 	"strings"
@@ -416,5 +417,25 @@ func TestReplyCapture(t *testing.T) {
 	}
 	if r, ok := sc.reply(); !ok || string(r) != "ab" {
 		t.Fatalf("stream reply %q %v", r, ok)
+	}
+}
+
+// The capture says once when the replica's body has ended whole (the
+// engine is done with the request), and not for a body cut short.
+func TestReplyCaptureEnd(t *testing.T) {
+	for _, tc := range []struct {
+		body io.Reader
+		want int
+	}{
+		{strings.NewReader(`{"choices":[{"message":{"content":"hi"}}]}`), 1},
+		{io.MultiReader(strings.NewReader(`{"choices":[{"message":`), iotest.ErrReader(errors.New("connection reset"))), 0},
+	} {
+		ends := 0
+		c := &replyCapture{rc: io.NopCloser(tc.body), limit: 1 << 20, end: func() { ends++ }}
+		_, _ = io.Copy(io.Discard, c)
+		_, _ = c.Read(make([]byte, 8)) // a read past the end
+		if ends != tc.want {
+			t.Fatalf("end called %d times, want %d", ends, tc.want)
+		}
 	}
 }

@@ -177,9 +177,10 @@ type Decision struct {
 	// (PrepareTokens), keyed as its KV events are.
 	precise     bool
 	blockTokens int
-	// pinned is how many of Blocks Commit pinned on the serving replica's
-	// picture, for Done to unpin; 0 once done.
-	pinned int
+	// pins are what Commit pinned of Blocks on the serving replica's
+	// picture, for Release to unpin; released once it did.
+	pins     cachemodel.Pins
+	released bool
 }
 
 // Precise reports whether d was decided on the engine's own tokens
@@ -586,7 +587,8 @@ func (e *Engine) Recycle(d *Decision) {
 // a running request's blocks) until Done. Call Done with the same
 // candidate when the request ends.
 func (e *Engine) Commit(d *Decision, c *Candidate) {
-	_, d.pinned = e.cache.Commit(c.Replica.ID, d.Blocks, e.o.Now().UnixNano())
+	_, d.pins = e.cache.Commit(c.Replica.ID, d.Blocks, e.o.Now().UnixNano())
+	d.released = false
 	d.Work = replica.Work{Prefill: int64(d.Tokens - c.Match.Tokens), Tokens: e.activate(c.Replica.ID, d.Blocks, 1)}
 	c.Replica.Begin(&d.Work)
 	if e.sync != nil {
@@ -647,16 +649,32 @@ func (e *Engine) PrefillDone(d *Decision, c *Candidate) {
 	}
 }
 
-// Done ends the work counted by Commit and tells the cache model the
-// request's blocks were freed.
+// Release tells the cache model that the engine is done with d's blocks
+// on c's replica: the answer has ended upstream, though the client may
+// still be reading it. Their pins go and their free time is recorded, as
+// vLLM frees a request's blocks when it finishes. Done does it if it was
+// not done; calling it again does nothing. Not safe for use concurrent
+// with Done or Commit on d.
+func (e *Engine) Release(d *Decision, c *Candidate) { e.release(d, c, e.o.Now()) }
+
+func (e *Engine) release(d *Decision, c *Candidate, now time.Time) {
+	if d.released {
+		return
+	}
+	d.released = true
+	e.cache.Done(c.Replica.ID, d.Blocks, d.pins, now.UnixNano())
+	d.pins = cachemodel.Pins{}
+}
+
+// Done ends the work counted by Commit and, unless Release did, tells the
+// cache model the request's blocks were freed.
 func (e *Engine) Done(d *Decision, c *Candidate) {
 	now := e.o.Now()
 	if e.active != nil {
 		d.Work.Tokens = e.activate(c.Replica.ID, d.Blocks, -1)
 	}
 	c.Replica.End(&d.Work, now)
-	e.cache.Done(c.Replica.ID, d.Blocks, d.pinned, now.UnixNano())
-	d.pinned = 0
+	e.release(d, c, now)
 	if e.sync != nil {
 		e.sync.Done(d, c)
 	}
