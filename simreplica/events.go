@@ -95,8 +95,18 @@ func BlockHash(parent uint64, ids []int32) uint64 { return blockhash.TokenBlockH
 // its new blocks evict other prompts' blocks, not its own (a running
 // request's blocks cannot be evicted in vLLM); then all are refreshed tail
 // first, so the head of the prompt is the most recently used and outlives
-// its tail, as in vLLM's free-block queue.
-func (s *Server) storeLocked(keys []uint64, ids []int32, m model) {
+// its tail, as in vLLM's free-block queue. The blocks other running
+// requests use are not evicted: when too few others are free, only the
+// prompt's head that fits is cached. It returns the keys cached, a prefix
+// of keys.
+func (s *Server) storeLocked(keys []uint64, ids []int32, m model) []uint64 {
+	others := len(s.pins) // blocks in use, the prompt's own ones taken out below
+	for _, k := range keys {
+		if s.pins[k] > 0 {
+			others--
+		}
+	}
+	keys = keys[:min(len(keys), max(s.o.NumBlocks-others, 0))]
 	hook := s.o.OnKVEvent
 	var fresh []bool // fresh[i]: keys[i] was not cached before (hook only)
 	if hook != nil {
@@ -111,15 +121,17 @@ func (s *Server) storeLocked(keys []uint64, ids []int32, m model) {
 	for i := len(keys) - 1; i >= 0; i-- {
 		k := keys[i]
 		if !s.cache.Contains(k) && s.cache.Len() >= s.o.NumBlocks {
-			if old, _, ok := s.cache.RemoveOldest(); ok {
-				evicted = append(evicted, old)
+			old, ok := s.evictLocked()
+			if !ok {
+				continue // every block is in use: this one is not cached
 			}
+			evicted = append(evicted, old)
 		}
 		s.cache.Add(k, struct{}{})
 	}
 	s.evicted = evicted[:0]
 	if hook == nil {
-		return
+		return keys
 	}
 	// A block is reported removed if it was cached before this store (a
 	// block of this prompt added and evicted within it, when the prompt
@@ -164,4 +176,5 @@ func (s *Server) storeLocked(keys []uint64, ids []int32, m model) {
 		hook(ev)
 		i = j
 	}
+	return keys
 }

@@ -174,6 +174,11 @@ type Server struct {
 	mu      sync.Mutex
 	cache   *lru.LRU[uint64, struct{}]
 	evicted []uint64 // storeLocked's scratch
+	// pins counts the running requests using each cached block: vLLM
+	// does not evict a running request's blocks. epoch changes when the
+	// cache is dropped, and the pins with it.
+	pins  map[uint64]int32
+	epoch uint64
 
 	requests, completed, cancelled, promptTokens, cachedTokens atomic.Int64
 	// Counters exported to /metrics; Restart zeroes them, as a restarted
@@ -201,7 +206,7 @@ func New(o Options) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{o: o, cache: c, sem: make(chan struct{}, o.MaxRunning), mux: http.NewServeMux(), tok: tok,
+	s := &Server{o: o, cache: c, pins: map[uint64]int32{}, sem: make(chan struct{}, o.MaxRunning), mux: http.NewServeMux(), tok: tok,
 		models: map[string]model{o.Model: {name: o.Model, root: RootHash(o.Model)}}}
 	for i, name := range o.LoRAs {
 		if _, dup := s.models[name]; dup || name == "" {
@@ -302,6 +307,8 @@ func (s *Server) DropCache() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.cache.Purge()
+	clear(s.pins)
+	s.epoch++
 	if s.o.OnKVEvent != nil {
 		s.o.OnKVEvent(KVEvent{Type: AllBlocksCleared})
 	}
@@ -451,11 +458,48 @@ func (s *Server) lookup(ids []int32, m model, keys []uint64) (_ []uint64, tokens
 	return keys, tokens, cached
 }
 
-// store caches a prompt's blocks: see storeLocked.
-func (s *Server) store(keys []uint64, ids []int32, m model) {
+// store caches a prompt's blocks (see storeLocked) and pins those cached
+// for the running request; the returned func unpins them when it ends.
+func (s *Server) store(keys []uint64, ids []int32, m model) (unpin func()) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.storeLocked(keys, ids, m)
+	held := slices.Clone(s.storeLocked(keys, ids, m))
+	for _, k := range held {
+		s.pins[k]++
+	}
+	epoch := s.epoch
+	return func() {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		if s.epoch != epoch {
+			return // the cache was dropped, and the pins with it
+		}
+		for _, k := range held {
+			if s.pins[k]--; s.pins[k] <= 0 {
+				delete(s.pins, k)
+			}
+		}
+	}
+}
+
+// evictLocked evicts the least recently used block no running request
+// uses and returns it; ok is false when every block is in use. Blocks in
+// use it passes over become the most recently used, as vLLM puts a
+// request's blocks at the tail of its free queue when it ends. s.mu must
+// be held.
+func (s *Server) evictLocked() (key uint64, ok bool) {
+	for range s.cache.Len() {
+		k, _, ok := s.cache.GetOldest()
+		if !ok {
+			return 0, false
+		}
+		if s.pins[k] == 0 {
+			s.cache.Remove(k)
+			return k, true
+		}
+		s.cache.Get(k)
+	}
+	return 0, false
 }
 
 // hold counts blocks as held by a running request (negative: released)
@@ -552,14 +596,18 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	s.queries.Add(int64(tokens))
 	s.hits.Add(int64(cached))
 	s.promptTotal.Add(int64(tokens - cached))
+	var unpin func()
 	computed := func() bool {
 		defer s.prefill.release() // whatever happens, the next prefill's turn comes
 		ok := sleep(ctx, time.Duration(tokens-cached)*s.o.PrefillPerToken)
 		if ok {
-			s.store(keys, sc.ids, m)
+			unpin = s.store(keys, sc.ids, m)
 		}
 		return ok
 	}()
+	if unpin != nil {
+		defer unpin()
+	}
 	if !computed || !sleep(ctx, s.o.Overhead) {
 		s.cancelled.Add(1)
 		return

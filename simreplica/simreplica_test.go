@@ -433,3 +433,35 @@ func TestRuntimeLoRA(t *testing.T) {
 		t.Fatalf("after unloading: %d", code)
 	}
 }
+
+// A running request's blocks are not evicted, as in vLLM: while a request
+// for prompt a still decodes, a second prompt b that does not fit beside
+// it caches only its head, and a third request for a, still running,
+// finds a whole. Once a's request ends, b's next request evicts it.
+func TestRunningRequestsBlocksPinned(t *testing.T) {
+	o := fast
+	o.NumBlocks = 80 // 1,280 tokens: room for one 1,000-token prompt
+	o.InterToken = 10 * time.Millisecond
+	r := start(t, o)
+	a, b := strings.Repeat("a", 4000), strings.Repeat("b", 4000)
+	long := func(system string) string {
+		body, _ := json.Marshal(map[string]any{"model": "sim-model", "max_tokens": 40, "messages": []map[string]string{
+			{"role": "system", "content": system}, {"role": "user", "content": "x"}}})
+		return string(body)
+	}
+	done := make(chan struct{})
+	go func() { defer close(done); call(t, r, "/v1/chat/completions", long(a)) }() // runs 400 ms
+	for r.CachedBlocks() == 0 {                                                    // a's prefill stored
+		time.Sleep(time.Millisecond)
+	}
+	call(t, r, "/v1/chat/completions", chatBody(b, "x"))
+	if _, u, _ := call(t, r, "/v1/chat/completions", chatBody(a, "y")); u.Details.Cached != 62*16 {
+		t.Fatalf("a while its first request runs: %+v, want all 62 full blocks (992 tokens) cached", u)
+	}
+	<-done
+	call(t, r, "/v1/chat/completions", chatBody(b, "x"))
+	call(t, r, "/v1/chat/completions", chatBody(b, "x"))
+	if _, u, _ := call(t, r, "/v1/chat/completions", chatBody(a, "z")); u.Details.Cached == 62*16 {
+		t.Fatalf("a after its requests ended and b was used twice: %+v, want part of it evicted", u)
+	}
+}
