@@ -77,25 +77,35 @@ func (f *Fleet) apply(p *peer, r *record, now time.Time) {
 			f.unresolved.Add(1)
 			return
 		}
+		if old := p.flight[r.req]; old != nil && r.typ == recRoute {
+			f.end(p, old, now) // before resolve: both use f.scratch
+			delete(p.flight, r.req)
+		}
 		all, ok := f.resolve(&r.chain)
-		if ok && len(all) > 0 {
-			if r.typ == recReply {
+		if r.typ == recReply {
+			if ok && len(all) > 0 {
 				cache.Extend(rep.ID, all, r.chain.prefix, now.UnixNano())
+			}
+			return
+		}
+		tracked := len(p.flight) < maxFlights // an untracked request would never be unpinned
+		fl := &flight{r: rep, work: replica.Work{Prefill: r.prefill, Tokens: r.tokens}}
+		if ok && len(all) > 0 {
+			if tracked && p.keys+len(all) <= maxPinnedKeys {
+				if _, fl.pins = cache.Commit(rep.ID, all, now.UnixNano()); fl.pins.Blocks() > 0 {
+					fl.keys = make([]uint64, fl.pins.Blocks())
+					for i := range fl.keys {
+						fl.keys[i] = all[i].Hash
+					}
+					p.keys += len(fl.keys)
+				}
 			} else {
 				cache.Record(rep.ID, all, now.UnixNano())
 			}
 		}
-		if r.typ == recReply {
+		if !tracked {
 			return
 		}
-		if old := p.flight[r.req]; old != nil {
-			old.r.End(&old.work, now)
-			delete(p.flight, r.req)
-		}
-		if len(p.flight) >= maxFlights {
-			return
-		}
-		fl := &flight{r: rep, work: replica.Work{Prefill: r.prefill, Tokens: r.tokens}}
 		if len(all) > 0 {
 			fl.last, fl.has = all[len(all)-1].Hash, true
 		}
@@ -111,13 +121,7 @@ func (f *Fleet) apply(p *peer, r *record, now time.Time) {
 			return
 		}
 		delete(p.flight, r.req)
-		fl.r.End(&fl.work, now)
-		if fl.has {
-			if chain, ok := cache.Chain(fl.last, f.scratch[:0]); ok {
-				cache.Release(fl.r.ID, chain, now.UnixNano())
-				f.scratch = chain[:0]
-			}
-		}
+		f.end(p, fl, now)
 	case recEject:
 		if rep, ok := pool.Get(r.replica); ok {
 			rep.Eject(now.Add(time.Duration(min(r.cool, uint64(time.Hour/time.Millisecond))) * time.Millisecond))

@@ -47,6 +47,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/cachemodel"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
@@ -188,6 +189,7 @@ type peer struct {
 	seq    uint64
 	seen   time.Time
 	flight map[uint64]*flight // its requests in flight, by its request id
+	keys   int                // the flights' pinned keys, all together
 }
 
 // flight is a peer's request in flight on one of our replicas.
@@ -196,10 +198,20 @@ type flight struct {
 	work replica.Work
 	last uint64 // key of the request's last block, to release its chain
 	has  bool
+	// pins are what the request pinned in this picture, as its own
+	// router's picture pins it (cachemodel.Model.Commit), and keys the
+	// pinned blocks' keys, so that they are unpinned even if the chain
+	// can no longer be rebuilt from the picture.
+	pins cachemodel.Pins
+	keys []uint64
 }
 
 // maxFlights bounds the requests in flight kept per peer.
 const maxFlights = 1 << 16
+
+// maxPinnedKeys bounds the keys of pinned blocks kept per peer (32 MiB):
+// past it a peer's requests are recorded without pins.
+const maxPinnedKeys = 1 << 22
 
 // New returns a member of the fleet for eng, not yet connected (Start).
 // It does not set itself as eng's Sync: Start does.
@@ -463,8 +475,31 @@ func (f *Fleet) expire() {
 // endAll ends every request p has in flight. f.amu must be held.
 func (f *Fleet) endAll(p *peer, now time.Time) {
 	for id, fl := range p.flight {
-		fl.r.End(&fl.work, now)
+		f.end(p, fl, now)
 		delete(p.flight, id)
+	}
+}
+
+// end ends p's request in flight fl: its work stops counting, and its
+// blocks are freed in the picture (and unpinned). f.amu must be held.
+func (f *Fleet) end(p *peer, fl *flight, now time.Time) {
+	fl.r.End(&fl.work, now)
+	cache := f.eng.Cache()
+	if fl.keys != nil {
+		p.keys -= len(fl.keys)
+		blocks := f.scratch[:0]
+		for _, k := range fl.keys {
+			blocks = append(blocks, blockhash.Block{Hash: k})
+		}
+		cache.Done(fl.r.ID, blocks, fl.pins, now.UnixNano())
+		f.scratch = blocks[:0]
+		return
+	}
+	if fl.has {
+		if chain, ok := cache.Chain(fl.last, f.scratch[:0]); ok {
+			cache.Release(fl.r.ID, chain, now.UnixNano())
+			f.scratch = chain[:0]
+		}
 	}
 }
 

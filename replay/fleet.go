@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/cachemodel"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
@@ -116,6 +117,7 @@ type peerWork struct {
 	rep    int
 	work   replica.Work
 	blocks []blockhash.Block
+	pins   cachemodel.Pins
 }
 
 const (
@@ -166,8 +168,8 @@ func (s *fleetSync) apply(j int, r *engineDecider, op *syncOp) {
 	at := time.Unix(0, op.t)
 	switch op.kind {
 	case opCommit:
-		r.cache.Record(op.rep, op.blocks, op.t)
-		w := &peerWork{rep: op.rep, work: op.work, blocks: op.blocks}
+		_, pins := r.cache.Commit(op.rep, op.blocks, op.t) // pinned as in cluster's apply
+		w := &peerWork{rep: op.rep, work: op.work, blocks: op.blocks, pins: pins}
 		reps[op.rep].Begin(&w.work)
 		s.works[j][op.id] = w
 	case opPrefill:
@@ -177,7 +179,7 @@ func (s *fleetSync) apply(j int, r *engineDecider, op *syncOp) {
 	case opDone:
 		if w := s.works[j][op.id]; w != nil {
 			reps[w.rep].End(&w.work, at)
-			r.cache.Release(w.rep, w.blocks, op.t)
+			r.cache.Done(w.rep, w.blocks, w.pins, op.t)
 			delete(s.works[j], op.id)
 		}
 	case opExtend:
