@@ -474,9 +474,13 @@ func (s *Server) store(keys []uint64, ids []int32, m model) (unpin func()) {
 		if s.epoch != epoch {
 			return // the cache was dropped, and the pins with it
 		}
-		for _, k := range held {
+		// The blocks no other request uses are freed tail first, as vLLM
+		// queues them, so that a block goes before its parent.
+		for i := len(held) - 1; i >= 0; i-- {
+			k := held[i]
 			if s.pins[k]--; s.pins[k] <= 0 {
 				delete(s.pins, k)
+				s.cache.Get(k)
 			}
 		}
 	}

@@ -465,3 +465,45 @@ func TestRunningRequestsBlocksPinned(t *testing.T) {
 		t.Fatalf("a after its requests ended and b was used twice: %+v, want part of it evicted", u)
 	}
 }
+
+// A block is not left cached without its parent when requests sharing a
+// prefix end: eviction passes over a running request's blocks by making
+// them the most recently used, which can make a child newer than its
+// parent; a request's blocks are freed tail first when it ends, as vLLM
+// queues them, so the child goes first again. (Found by a helper's
+// review.)
+func TestNoOrphanAfterPinnedBlocksFreed(t *testing.T) {
+	o := fast
+	o.NumBlocks = 4
+	s, err := New(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := s.models["sim-model"]
+	block := func(a, b int32) []int32 {
+		out := make([]int32, 16)
+		for i := range out {
+			out[i] = a*1000 + b*16 + int32(i)
+		}
+		return out
+	}
+	ids := func(tags ...int32) ([]uint64, []int32) {
+		var out []int32
+		for _, g := range tags {
+			out = append(out, block(g, 0)...)
+		}
+		return chain("sim-model", out), out
+	}
+	ka, ia := ids(1, 2)
+	kb, ib := ids(1, 3)
+	kc, ic := ids(4, 5)
+	kd, id := ids(6)
+	endA := s.store(ka, ia, m) // a0, a1 pinned while A runs
+	s.store(kb, ib, m)()       // B shares a0 and ends
+	s.store(kc, ic, m)()       // passes over pinned a1, making it the newest
+	endA()
+	s.store(kd, id, m)() // evicts one block
+	if !s.cache.Contains(ka[0]) && s.cache.Contains(ka[1]) {
+		t.Fatal("a1 cached without its parent a0: no lookup can reach it")
+	}
+}
