@@ -145,6 +145,7 @@ type TimeoutConfig struct {
 	Connect       time.Duration `mapstructure:"connect" json:"connect"`
 	FirstByte     time.Duration `mapstructure:"first_byte" json:"first_byte"`
 	Idle          time.Duration `mapstructure:"idle" json:"idle"`
+	ClientWrite   time.Duration `mapstructure:"client_write" json:"client_write"`
 	ShutdownGrace time.Duration `mapstructure:"shutdown_grace" json:"shutdown_grace"`
 }
 
@@ -392,6 +393,7 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("timeouts.connect", limits.DefaultConnect)
 	v.SetDefault("timeouts.first_byte", limits.DefaultFirstByte)
 	v.SetDefault("timeouts.idle", limits.DefaultIdle)
+	v.SetDefault("timeouts.client_write", limits.DefaultClientWrite)
 	v.SetDefault("timeouts.shutdown_grace", "30s")
 	v.SetDefault("tracing.otlp_endpoint", "")
 	v.SetDefault("tracing.service_name", "semroute")

@@ -264,8 +264,8 @@ func (h HealthConfig) validate(p *problems) {
 }
 
 func (t TimeoutConfig) validate(p *problems) {
-	if t.Connect <= 0 || t.FirstByte <= 0 || t.Idle <= 0 || t.ShutdownGrace < 0 {
-		p.bad("timeouts", "connect, first_byte and idle must be positive, shutdown_grace not negative")
+	if t.Connect <= 0 || t.FirstByte <= 0 || t.Idle <= 0 || t.ClientWrite <= 0 || t.ShutdownGrace < 0 {
+		p.bad("timeouts", "connect, first_byte, idle and client_write must be positive, shutdown_grace not negative")
 	}
 }
 

@@ -55,13 +55,18 @@ type Timeouts struct {
 	// headers (a non-streaming answer's come when it is complete); Idle the
 	// silence between response chunks, on every forwarded route.
 	Connect, FirstByte, Idle time.Duration
+	// ClientWrite bounds each write of the answer to the client: a client
+	// that stops reading is cut off after it, and the replica's request
+	// cancelled, rather than hold both for good.
+	ClientWrite time.Duration
 }
 
 // Defaults of Timeouts.
 const (
-	DefaultConnect   = 5 * time.Second
-	DefaultFirstByte = 300 * time.Second
-	DefaultIdle      = 60 * time.Second
+	DefaultConnect     = 5 * time.Second
+	DefaultFirstByte   = 300 * time.Second
+	DefaultIdle        = 60 * time.Second
+	DefaultClientWrite = 60 * time.Second
 )
 
 // WithDefaults returns t with zero fields set to their defaults.
@@ -69,6 +74,7 @@ func (t Timeouts) WithDefaults() Timeouts {
 	t.Connect = cmp.Or(max(t.Connect, 0), DefaultConnect)
 	t.FirstByte = cmp.Or(max(t.FirstByte, 0), DefaultFirstByte)
 	t.Idle = cmp.Or(max(t.Idle, 0), DefaultIdle)
+	t.ClientWrite = cmp.Or(max(t.ClientWrite, 0), DefaultClientWrite)
 	return t
 }
 

@@ -61,8 +61,31 @@ func (s *Server) forward(w http.ResponseWriter, r *http.Request, ctx context.Con
 			br.Close()
 		}
 	}()
-	s.proxy.ServeHTTP(w, r)
+	s.proxy.ServeHTTP(&deadlineWriter{ResponseWriter: w, rc: http.NewResponseController(w), d: s.o.Timeouts.ClientWrite}, r)
 }
+
+// deadlineWriter gives each write of the answer to the client, and each
+// flush, d to complete: a client that stops reading fails the write, which
+// ends the proxying and cancels the replica's request, instead of holding
+// both until the client leaves.
+type deadlineWriter struct {
+	http.ResponseWriter
+	rc *http.ResponseController
+	d  time.Duration
+}
+
+func (w *deadlineWriter) Write(p []byte) (int, error) {
+	_ = w.rc.SetWriteDeadline(time.Now().Add(w.d))
+	return w.ResponseWriter.Write(p)
+}
+
+func (w *deadlineWriter) FlushError() error {
+	_ = w.rc.SetWriteDeadline(time.Now().Add(w.d))
+	return w.rc.Flush()
+}
+
+// Unwrap lets http.ResponseController reach the server's writer.
+func (w *deadlineWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 
 // bodyReader returns a new reader of the request body, closed when the
 // proxy returns. Called on the handler's goroutine only.

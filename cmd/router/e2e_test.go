@@ -10,6 +10,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -737,5 +738,54 @@ func TestStreamingUsageIsLearnedAndHidden(t *testing.T) {
 	t.Logf("cached tokens the replicas reported over 3 streams that did not ask: %.0f", reported)
 	if got := stream(true); !strings.Contains(got, `"choices":[],`) || !strings.Contains(got, `"cached_tokens"`) {
 		t.Fatalf("the usage chunk asked for is missing: %q", got)
+	}
+}
+
+// A client that stops reading a long stream is cut off after
+// timeouts.client_write, and the replica's request cancelled: before, the
+// router's write blocked for as long as the client kept the connection,
+// holding the request, its upstream connection and its load.
+func TestE2EClientThatStopsReadingIsCutOff(t *testing.T) {
+	sim := fastSim
+	sim.InterToken = -1 // as fast as it can: megabytes of stream
+	sim.MaxOutputTokens = 400000
+	cfg := filepath.Join(t.TempDir(), "write.yaml")
+	if err := os.WriteFile(cfg, []byte("timeouts:\n  client_write: 300ms\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	d := startTestDemo(t, demoOptions{sim: sim, config: cfg})
+	conn, err := net.Dial("tcp", strings.TrimPrefix(d.router.url(), "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	_ = conn.(*net.TCPConn).SetReadBuffer(4096)
+	body := `{"model":"sim-model","stream":true,"max_tokens":400000,"messages":[{"role":"user","content":"stream a lot"}]}`
+	fmt.Fprintf(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	status := make([]byte, 12)
+	if _, err := io.ReadFull(conn, status); err != nil || string(status) != "HTTP/1.1 200" { // then no more reading
+		_ = conn.SetReadDeadline(time.Now().Add(time.Second))
+		rest, _ := io.ReadAll(conn)
+		t.Fatalf("answer %q, %v: %s", status, err, rest)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for totalStats(d).Cancelled == 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the replica's request was never cancelled with the client not reading: %+v", totalStats(d))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	for {
+		inFlight := int64(0)
+		for _, r := range d.app.pool.Replicas() {
+			inFlight += r.Load(time.Now()).InFlight
+		}
+		if inFlight == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the router still counts %d request(s) in flight", inFlight)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }

@@ -167,9 +167,10 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		Core:   core, Limits: limitsOf(cfg.Limits),
 		RecordReplies: cfg.Routing.RecordReplies, Logger: log,
 		Ejection: replica.Ejection{Base: cfg.Health.EjectBase, Max: cfg.Health.EjectMax, Forgive: cfg.Health.EjectForgive},
-		Timeouts: limits.Timeouts{Connect: cfg.Timeouts.Connect, FirstByte: cfg.Timeouts.FirstByte, Idle: cfg.Timeouts.Idle},
-		Metrics:  promhttp.HandlerFor(reg, promhttp.HandlerOpts{}),
-		Ready:    fleetReady(fleet),
+		Timeouts: limits.Timeouts{Connect: cfg.Timeouts.Connect, FirstByte: cfg.Timeouts.FirstByte, Idle: cfg.Timeouts.Idle,
+			ClientWrite: cfg.Timeouts.ClientWrite},
+		Metrics: promhttp.HandlerFor(reg, promhttp.HandlerOpts{}),
+		Ready:   fleetReady(fleet),
 	})
 	if err != nil {
 		return nil, err
