@@ -307,13 +307,7 @@ func TestGapForgetsPeerLoad(t *testing.T) {
 		t.Fatal(err)
 	}
 	r, _ := e.Pool().Get("a")
-	batch := func(seq uint64, recs ...[]byte) []byte {
-		b := appendHeader(nil, header{sender: "peer", epoch: 1, seq: seq, count: len(recs)})
-		for _, r := range recs {
-			b = append(b, r...)
-		}
-		return b
-	}
+	batch := peerBatch
 	route := func(req uint64) []byte {
 		b := appendStr(appendUv([]byte{recRoute}, req), "a")
 		return appendChain(appendUv(appendUv(b, 50), 100), nil, 0)
@@ -340,6 +334,15 @@ func TestGapForgetsPeerLoad(t *testing.T) {
 	if st := f.Stats(); st.Malformed != 1 {
 		t.Fatalf("malformed %d", st.Malformed)
 	}
+}
+
+// peerBatch is batch seq of records from the peer "peer" (epoch 1).
+func peerBatch(seq uint64, recs ...[]byte) []byte {
+	b := appendHeader(nil, header{sender: "peer", epoch: 1, seq: seq, count: len(recs)})
+	for _, r := range recs {
+		b = append(b, r...)
+	}
+	return b
 }
 
 func testLogger() *slog.Logger {

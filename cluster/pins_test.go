@@ -22,13 +22,7 @@ func TestPeerRequestsPinned(t *testing.T) {
 		t.Fatal(err)
 	}
 	r, _ := e.Pool().Get("a")
-	batch := func(seq uint64, recs ...[]byte) []byte {
-		b := appendHeader(nil, header{sender: "peer", epoch: 1, seq: seq, count: len(recs)})
-		for _, r := range recs {
-			b = append(b, r...)
-		}
-		return b
-	}
+	batch := peerBatch
 	apply := func(b []byte) {
 		f.amu.Lock()
 		f.applyBatch(b, "")

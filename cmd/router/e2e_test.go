@@ -295,19 +295,7 @@ func TestE2EClientDisconnectCancelsUpstream(t *testing.T) {
 		t.Fatalf("the request completed: %+v", s)
 	}
 	// The router ended the request's work too: no replica still counts it.
-	for {
-		inFlight := int64(0)
-		for _, r := range d.app.pool.Replicas() {
-			inFlight += r.Load(time.Now()).InFlight
-		}
-		if inFlight == 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the router still counts %d request(s) in flight after the client left", inFlight)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	waitNoneInFlight(t, d, deadline)
 	if m := scrape(t, d); !strings.Contains(m, `code="499"`) {
 		t.Fatal("the request that broke off is not counted with code 499 in semroute_requests_total")
 	}
@@ -775,17 +763,24 @@ func TestE2EClientThatStopsReadingIsCutOff(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+	waitNoneInFlight(t, d, deadline)
+}
+
+// waitNoneInFlight waits until no replica of d's router counts a request
+// in flight, failing t at deadline.
+func waitNoneInFlight(t *testing.T, d *demo, deadline time.Time) {
+	t.Helper()
 	for {
 		inFlight := int64(0)
 		for _, r := range d.app.pool.Replicas() {
 			inFlight += r.Load(time.Now()).InFlight
 		}
 		if inFlight == 0 {
-			break
+			return
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("the router still counts %d request(s) in flight", inFlight)
 		}
-		time.Sleep(20 * time.Millisecond)
+		time.Sleep(10 * time.Millisecond)
 	}
 }
