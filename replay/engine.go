@@ -100,15 +100,14 @@ type cacheSink interface {
 // directly. (The live router keys an engine's events from the token ids
 // they carry, kvsync.Applier; a trace has no token ids and needs none.)
 type engineCaches struct {
-	m     *Model
-	cache *cachemodel.Model
-	pins  []map[uint64]int32 // per replica: block → running requests holding it
-	next  map[uint64]int32   // the pins of the replica being added (policy factory)
-	gone  []goneBlock        // evictions heard by OnEvict, not yet passed on
-	sink  cacheSink          // the events mode's picture; nil otherwise
-	match []cachemodel.Match
-	all   []blockhash.Block
-	evict int64 // blocks evicted
+	m       *Model
+	cache   *cachemodel.Model
+	running map[int]cachemodel.Pins // by request: the blocks its engine holds while it runs
+	gone    []goneBlock             // evictions heard by OnEvict, not yet passed on
+	sink    cacheSink               // the events mode's picture; nil otherwise
+	match   []cachemodel.Match
+	all     []blockhash.Block
+	evict   int64 // blocks evicted
 }
 
 type goneBlock struct {
@@ -121,14 +120,12 @@ func newEngineCaches(m *Model, budgets []int64) (*engineCaches, error) {
 	if err != nil {
 		return nil, err
 	}
-	e := &engineCaches{m: m, pins: make([]map[uint64]int32, len(budgets))}
+	e := &engineCaches{m: m, running: map[int]cachemodel.Pins{}}
 	e.cache = cachemodel.New(cachemodel.Options{
-		Policy:  func() eviction.Policy { return newPinning(inner(), e.next) },
+		Policy:  inner,
 		OnEvict: func(rep int, key uint64) { e.gone = append(e.gone, goneBlock{rep, key}) },
 	})
 	for r, b := range budgets {
-		e.pins[r] = map[uint64]int32{}
-		e.next = e.pins[r]
 		id, err := e.cache.AddReplica(fmt.Sprintf("engine-%d", r), b)
 		if err != nil {
 			return nil, err
@@ -137,7 +134,6 @@ func newEngineCaches(m *Model, budgets []int64) (*engineCaches, error) {
 			return nil, fmt.Errorf("engine cache: replica %d got id %d", r, id)
 		}
 	}
-	e.next = nil
 	return e, nil
 }
 
@@ -147,20 +143,20 @@ func (e *engineCaches) held(rep int, blocks []blockhash.Block) cachemodel.Match 
 	return e.match[rep]
 }
 
-// serve schedules a prompt on replica rep at now: it returns the tokens
-// and blocks the engine found cached, then pins the prompt's blocks and
-// caches them.
-func (e *engineCaches) serve(rep int, blocks []blockhash.Block, now int64) (tokens, nblocks int) {
+// serve schedules request i's prompt on replica rep at now: it returns
+// the tokens and blocks the engine found cached, then caches the prompt's
+// blocks, pinned while the request runs (an engine does not evict a
+// running request's blocks).
+func (e *engineCaches) serve(i, rep int, blocks []blockhash.Block, now int64) (tokens, nblocks int) {
 	hit := e.held(rep, blocks)
-	e.pin(rep, blocks, 1)
-	e.cache.Record(rep, blocks, now)
+	_, e.running[i] = e.cache.Commit(rep, blocks, now)
 	e.tell(rep, blocks, hit.Blocks, now)
 	return hit.Tokens, hit.Blocks
 }
 
-// finish ends a request on replica rep at now: the full blocks of its
+// finish ends request i on replica rep at now: the full blocks of its
 // output are cached after its prompt, and every block is freed.
-func (e *engineCaches) finish(rep int, prompt, output []blockhash.Block, now int64) {
+func (e *engineCaches) finish(i, rep int, prompt, output []blockhash.Block, now int64) {
 	all := append(append(e.all[:0], prompt...), output...)
 	e.all = all
 	if len(output) > 0 {
@@ -168,8 +164,8 @@ func (e *engineCaches) finish(rep int, prompt, output []blockhash.Block, now int
 		e.cache.Extend(rep, all, len(prompt), now)
 		e.tell(rep, all, before, now)
 	}
-	e.pin(rep, prompt, -1)
-	e.cache.Release(rep, all, now)
+	e.cache.Done(rep, all, e.running[i], now)
+	delete(e.running, i)
 }
 
 // tell passes what the last change did to the sink, in the order an engine
@@ -194,17 +190,6 @@ func (e *engineCaches) tell(rep int, chain []blockhash.Block, from int, now int6
 		parent = chain[from-1].Hash
 	}
 	e.sink.stored(rep, parent, from > 0, chain[from:to], now)
-}
-
-func (e *engineCaches) pin(rep int, blocks []blockhash.Block, delta int32) {
-	p := e.pins[rep]
-	for _, b := range blocks {
-		if n := p[b.Hash] + delta; n > 0 {
-			p[b.Hash] = n
-		} else {
-			delete(p, b.Hash)
-		}
-	}
 }
 
 // outputBlocks returns the blocks an engine caches for request i's output:
@@ -232,84 +217,4 @@ func outputBlocks(req *Request, i, blockTokens int) []blockhash.Block {
 		out[j] = blockhash.Block{Hash: h, Tokens: int32(blockTokens), Kind: blockhash.KindAssistantHistory}
 	}
 	return out
-}
-
-// pinning keeps an eviction policy's victims off the blocks running
-// requests hold: it sets pinned candidates aside while it looks for a
-// victim and gives them back after. It forwards Admit and Evicted to the
-// policy when it has them; pinningFree adds Freed for policies that
-// observe frees (cachemodel treats those differently, so only they may
-// have it).
-type pinning struct {
-	eviction.Policy
-	pins  map[uint64]int32
-	infos map[uint64]eviction.Info // each candidate's latest Info, to give it back
-	aside []uint64
-}
-
-type pinningFree struct{ *pinning }
-
-func newPinning(p eviction.Policy, pins map[uint64]int32) eviction.Policy {
-	w := &pinning{Policy: p, pins: pins, infos: map[uint64]eviction.Info{}}
-	if _, ok := p.(eviction.FreeObserver); ok {
-		return pinningFree{w}
-	}
-	return w
-}
-
-func (p *pinning) Evictable(key uint64, info eviction.Info) {
-	p.infos[key] = info
-	p.Policy.Evictable(key, info)
-}
-
-func (p *pinning) Touched(key uint64, info eviction.Info) {
-	if _, ok := p.infos[key]; ok {
-		p.infos[key] = info
-	}
-	p.Policy.Touched(key, info)
-}
-
-func (p *pinning) Removed(key uint64) {
-	delete(p.infos, key)
-	p.Policy.Removed(key)
-}
-
-func (p *pinning) Victim() (uint64, bool) {
-	defer func() {
-		for _, k := range p.aside {
-			p.Policy.Evictable(k, p.infos[k])
-		}
-		p.aside = p.aside[:0]
-	}()
-	for {
-		k, ok := p.Policy.Victim()
-		if !ok {
-			return 0, false
-		}
-		if p.pins[k] == 0 {
-			delete(p.infos, k)
-			return k, true
-		}
-		p.aside = append(p.aside, k)
-	}
-}
-
-func (p *pinning) Admit(info eviction.Info, used, budget int64) bool {
-	if a, ok := p.Policy.(eviction.Admitter); ok {
-		return a.Admit(info, used, budget)
-	}
-	return true
-}
-
-func (p *pinning) Evicted(key uint64, info eviction.Info) {
-	if ev, ok := p.Policy.(eviction.Evicted); ok {
-		ev.Evicted(key, info)
-	}
-}
-
-func (p pinningFree) Freed(key uint64, info eviction.Info) {
-	if _, ok := p.infos[key]; ok {
-		p.infos[key] = info
-	}
-	p.Policy.(eviction.FreeObserver).Freed(key, info)
 }
