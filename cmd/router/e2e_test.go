@@ -784,3 +784,39 @@ func waitNoneInFlight(t *testing.T, d *demo, deadline time.Time) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// The write deadline a request's answer set does not outlive it: the next
+// request on the same keep-alive connection, arriving after
+// timeouts.client_write has passed, gets its answer — here an error
+// answer, which is not written through the proxy.
+func TestE2EWriteDeadlineDoesNotOutliveItsRequest(t *testing.T) {
+	cfg := filepath.Join(t.TempDir(), "write.yaml")
+	if err := os.WriteFile(cfg, []byte("timeouts:\n  client_write: 200ms\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	d := startTestDemo(t, demoOptions{sim: fastSim, config: cfg})
+	// One raw connection, so that no client library retries on another.
+	conn, err := net.Dial("tcp", strings.TrimPrefix(d.router.url(), "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	br := bufio.NewReader(conn)
+	post := func(body string) (int, error) {
+		fmt.Fprintf(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			return 0, err
+		}
+		defer resp.Body.Close()
+		_, err = io.ReadAll(resp.Body)
+		return resp.StatusCode, err
+	}
+	if code, err := post(`{"model":"sim-model","messages":[{"role":"user","content":"hi"}]}`); code != 200 || err != nil {
+		t.Fatalf("first request: %d %v", code, err)
+	}
+	time.Sleep(400 * time.Millisecond) // past the first answer's write deadline, on the same connection
+	if code, err := post(`{"model":"sim-model","messages":[`); code != 400 || err != nil {
+		t.Fatalf("a bad request on the kept-alive connection: %d %v, want its 400", code, err)
+	}
+}
