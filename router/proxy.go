@@ -61,7 +61,12 @@ func (s *Server) forward(w http.ResponseWriter, r *http.Request, ctx context.Con
 			br.Close()
 		}
 	}()
-	s.proxy.ServeHTTP(&deadlineWriter{ResponseWriter: w, rc: http.NewResponseController(w), d: s.o.Timeouts.ClientWrite}, r)
+	dw := &deadlineWriter{ResponseWriter: w, rc: http.NewResponseController(w), d: s.o.Timeouts.ClientWrite}
+	s.proxy.ServeHTTP(dw, r)
+	// The answer's last bytes go out after the handler returns: they get
+	// their own d, not what is left of the last write's (the replica may
+	// have been slow to end its stream).
+	_ = dw.rc.SetWriteDeadline(time.Now().Add(dw.d))
 }
 
 // deadlineWriter gives each write of the answer to the client, and each

@@ -349,3 +349,23 @@ func TestStrippedStreamTricklingAndLength(t *testing.T) {
 		t.Fatal("the trickling replica was cut off and ejected")
 	}
 }
+
+// A stream whose replica is slower than timeouts.client_write to end it
+// after its last event is not cut off: the bytes that close the answer,
+// written after the proxy returns, get a deadline of their own. (Found by
+// a helper's review.)
+func TestClientWriteDeadlineRenewedForTheEnd(t *testing.T) {
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: [DONE]\n\n")
+		w.(http.Flusher).Flush()
+		time.Sleep(600 * time.Millisecond)
+	}))
+	defer up.Close()
+	ts, _ := serverFor(t, ServerOptions{Timeouts: limits.Timeouts{ClientWrite: 200 * time.Millisecond}}, up.URL)
+	resp := postChat(t, ts.URL)
+	defer resp.Body.Close()
+	if b, err := io.ReadAll(resp.Body); err != nil {
+		t.Fatalf("the stream, whole to its [DONE], ended in an error: %q: %v", b, err)
+	}
+}
