@@ -737,16 +737,7 @@ func TestE2EClientThatStopsReadingIsCutOff(t *testing.T) {
 	sim := fastSim
 	sim.InterToken = -1 // as fast as it can: megabytes of stream
 	sim.MaxOutputTokens = 400000
-	cfg := filepath.Join(t.TempDir(), "write.yaml")
-	if err := os.WriteFile(cfg, []byte("timeouts:\n  client_write: 300ms\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	d := startTestDemo(t, demoOptions{sim: sim, config: cfg})
-	conn, err := net.Dial("tcp", strings.TrimPrefix(d.router.url(), "http://"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
+	d, conn := demoWithClientWrite(t, sim, "300ms")
 	_ = conn.(*net.TCPConn).SetReadBuffer(4096)
 	body := `{"model":"sim-model","stream":true,"max_tokens":400000,"messages":[{"role":"user","content":"stream a lot"}]}`
 	fmt.Fprintf(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
@@ -790,17 +781,8 @@ func waitNoneInFlight(t *testing.T, d *demo, deadline time.Time) {
 // timeouts.client_write has passed, gets its answer — here an error
 // answer, which is not written through the proxy.
 func TestE2EWriteDeadlineDoesNotOutliveItsRequest(t *testing.T) {
-	cfg := filepath.Join(t.TempDir(), "write.yaml")
-	if err := os.WriteFile(cfg, []byte("timeouts:\n  client_write: 200ms\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	d := startTestDemo(t, demoOptions{sim: fastSim, config: cfg})
 	// One raw connection, so that no client library retries on another.
-	conn, err := net.Dial("tcp", strings.TrimPrefix(d.router.url(), "http://"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
+	_, conn := demoWithClientWrite(t, fastSim, "200ms")
 	br := bufio.NewReader(conn)
 	post := func(body string) (int, error) {
 		fmt.Fprintf(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
@@ -819,4 +801,21 @@ func TestE2EWriteDeadlineDoesNotOutliveItsRequest(t *testing.T) {
 	if code, err := post(`{"model":"sim-model","messages":[`); code != 400 || err != nil {
 		t.Fatalf("a bad request on the kept-alive connection: %d %v, want its 400", code, err)
 	}
+}
+
+// demoWithClientWrite starts a demo of sim replicas whose router has
+// timeouts.client_write d, and a raw connection to it, closed with t.
+func demoWithClientWrite(t *testing.T, sim simreplica.Options, d string) (*demo, net.Conn) {
+	t.Helper()
+	cfg := filepath.Join(t.TempDir(), "write.yaml")
+	if err := os.WriteFile(cfg, []byte("timeouts:\n  client_write: "+d+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	dm := startTestDemo(t, demoOptions{sim: sim, config: cfg})
+	conn, err := net.Dial("tcp", strings.TrimPrefix(dm.router.url(), "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return dm, conn
 }
