@@ -663,12 +663,10 @@ func (m *Model) record(id int, parent *node, blocks []blockhash.Block, from int,
 						st.policy.Touched(n.hash, n.info(s))
 					}
 					if pin {
-						if s.pins == 0 && s.children == 0 { // a candidate until now
+						if s.candidate() { // until now
 							st.policy.Removed(n.hash)
 						}
-						if s.pins < maxPins {
-							s.pins++
-						}
+						s.pin()
 					}
 					parent, parentFresh = n, false
 					continue
@@ -678,8 +676,8 @@ func (m *Model) record(id int, parent *node, blocks []blockhash.Block, from int,
 				// is no leaf.
 				s.lastUsed, s.inserted = now, now
 				m.mark(st, s, b.Hash, mark, now)
-				if pin && s.pins < maxPins {
-					s.pins++
+				if pin {
+					s.pin()
 				}
 				st.Blocks++
 				st.Tokens += int64(n.tokens)
@@ -726,7 +724,18 @@ func (m *Model) record(id int, parent *node, blocks []blockhash.Block, from int,
 	if pin {
 		pinned = last + 1
 	}
-	for st.Budget > 0 && st.Tokens > st.Budget {
+	if st.Budget > 0 {
+		evicted, count = m.evictTo(st, rid, st.Budget)
+	}
+	return evicted, count, pinned
+}
+
+// evictTo evicts replica rid's blocks in its policy's order until it holds
+// at most tokens, or nothing is left to evict. It returns the keys evicted
+// (only when there is an OnEvict to give them to) and how many. m.mu must
+// be held.
+func (m *Model) evictTo(st *replicaState, rid int32, tokens int64) (evicted []uint64, count int) {
+	for st.Tokens > tokens {
 		k, ok := st.policy.Victim()
 		if !ok {
 			break
@@ -739,7 +748,7 @@ func (m *Model) record(id int, parent *node, blocks []blockhash.Block, from int,
 		}
 	}
 	st.Evictions += int64(count)
-	return evicted, count, pinned
+	return evicted, count
 }
 
 // setFlags sets s's flags, counting the slots that are not plainly on
@@ -806,20 +815,16 @@ func (m *Model) Done(id int, blocks []blockhash.Block, pins Pins, now int64) {
 	// walked down from the first block.)
 	rest := len(blocks)
 	if m.irregular == 0 && !m.noShortcut {
-		if n := m.nodes.get(blocks[rest-1].Hash); n != nil {
-			if _, ok := m.find(n, rid); ok {
-				for ; rest > 0 && n != nil; rest-- {
-					si, ok := m.find(n, rid)
-					if !ok {
-						break
-					}
-					m.done(st, fo, n, m.at(n, si), rest-1 < pinned, now)
-					n = n.parent
-				}
-				if rest == 0 {
-					return
-				}
+		for n := m.nodes.get(blocks[rest-1].Hash); rest > 0 && n != nil; rest-- {
+			si, ok := m.find(n, rid)
+			if !ok {
+				break
 			}
+			m.done(st, fo, n, m.at(n, si), rest-1 < pinned, now)
+			n = n.parent
+		}
+		if rest == 0 {
+			return
 		}
 	}
 	freeing := fo
@@ -851,12 +856,12 @@ func (m *Model) done(st *replicaState, fo eviction.FreeObserver, n *node, s *slo
 		s.lastUsed = max(s.lastUsed, now)
 	}
 	if unpin && s.pins > 0 {
-		if s.pins--; s.pins == 0 && s.children == 0 && s.flags != 0 {
+		if s.pins--; s.candidate() {
 			st.policy.Evictable(n.hash, n.info(s))
 			return
 		}
 	}
-	if fo != nil && s.children == 0 && s.pins == 0 {
+	if fo != nil && s.candidate() {
 		fo.Freed(n.hash, n.info(s))
 	}
 }
@@ -932,7 +937,7 @@ func (m *Model) drop(st *replicaState, rid int32, n *node, i int, victim bool) {
 			return
 		}
 		if ps.flags != 0 {
-			if ps.pins == 0 {
+			if ps.candidate() {
 				st.policy.Evictable(p.hash, p.info(ps))
 			}
 			return
@@ -961,19 +966,7 @@ func (m *Model) Shrink(id int, tokens int64) int64 {
 	}
 	st := m.replicas[id]
 	before := st.Tokens
-	var evicted []uint64
-	for st.Tokens > before-tokens {
-		k, ok := st.policy.Victim()
-		if !ok {
-			break
-		}
-		if m.evict(st, int32(id), k) {
-			st.Evictions++
-			if m.onEvict != nil {
-				evicted = append(evicted, k)
-			}
-		}
-	}
+	evicted, _ := m.evictTo(st, int32(id), before-tokens)
 	freed := before - st.Tokens
 	m.mu.Unlock()
 	m.evicted(id, evicted)

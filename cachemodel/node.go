@@ -45,6 +45,17 @@ type slot struct {
 	inserted int64
 }
 
+// candidate reports whether s is its replica's policy's to evict: held,
+// a leaf (no cached children) and not pinned by a running request.
+func (s *slot) candidate() bool { return s.flags != 0 && s.children == 0 && s.pins == 0 }
+
+// pin counts one more running request using the block, saturating.
+func (s *slot) pin() {
+	if s.pins < maxPins {
+		s.pins++
+	}
+}
+
 // Slot flags: where a replica holds a block. A routing record marks the
 // blocks it caches fGPU, or fPending on a replica whose engine confirms
 // its blocks itself (SetEventDriven) until Store confirms them or
