@@ -12,6 +12,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/semroute/semroute/internal/testnet"
 )
 
 // scripted is a raw replica: serve is called for each request read on a
@@ -28,69 +30,32 @@ type scripted struct {
 
 func newScripted(t testing.TB, readBody bool, serve func(c net.Conn, br *bufio.Reader, req *http.Request, i int) bool) *scripted {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := &scripted{url: "http://" + ln.Addr().String()}
-	var wg sync.WaitGroup
-	var cmu sync.Mutex
-	var all []net.Conn
-	s.closeAll = func() {
-		cmu.Lock()
-		defer cmu.Unlock()
-		for _, c := range all {
-			c.Close()
-		}
-	}
-	t.Cleanup(func() {
-		ln.Close()
-		cmu.Lock()
-		for _, c := range all {
-			c.Close()
-		}
-		cmu.Unlock()
-		wg.Wait()
-	})
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.Accept()
+	s := &scripted{}
+	addr, closeAll := testnet.Serve(t, func(c net.Conn) {
+		s.conns.Add(1)
+		defer c.Close()
+		br := bufio.NewReader(c)
+		for i := 0; ; i++ {
+			req, err := http.ReadRequest(br)
 			if err != nil {
 				return
 			}
-			cmu.Lock()
-			all = append(all, c)
-			cmu.Unlock()
-			s.conns.Add(1)
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer c.Close()
-				br := bufio.NewReader(c)
-				for i := 0; ; i++ {
-					req, err := http.ReadRequest(br)
-					if err != nil {
-						return
-					}
-					var b []byte
-					if readBody {
-						b, _ = io.ReadAll(req.Body)
-					}
-					s.reqs.Add(1)
-					s.mu.Lock()
-					if len(s.seen) < 64 { // a benchmark sends many
-						s.seen = append(s.seen, req.Method+" "+req.URL.Path+" "+string(b))
-					}
-					s.mu.Unlock()
-					if !serve(c, br, req, int(s.reqs.Load())-1) {
-						return
-					}
-				}
-			}()
+			var b []byte
+			if readBody {
+				b, _ = io.ReadAll(req.Body)
+			}
+			s.reqs.Add(1)
+			s.mu.Lock()
+			if len(s.seen) < 64 { // a benchmark sends many
+				s.seen = append(s.seen, req.Method+" "+req.URL.Path+" "+string(b))
+			}
+			s.mu.Unlock()
+			if !serve(c, br, req, int(s.reqs.Load())-1) {
+				return
+			}
 		}
-	}()
+	})
+	s.url, s.closeAll = "http://"+addr, closeAll
 	return s
 }
 
@@ -118,6 +83,11 @@ func do(t *testing.T, rt http.RoundTripper, method, url, body string) (int, stri
 		rd = strings.NewReader(body)
 	}
 	req, _ := http.NewRequest(method, url, rd)
+	return roundTrip(rt, req)
+}
+
+// roundTrip sends req through rt and reads the whole answer.
+func roundTrip(rt http.RoundTripper, req *http.Request) (int, string, error) {
 	resp, err := rt.RoundTrip(req)
 	if err != nil {
 		return 0, "", err
@@ -125,6 +95,16 @@ func do(t *testing.T, rt http.RoundTripper, method, url, body string) (int, stri
 	defer resp.Body.Close()
 	b, err := io.ReadAll(resp.Body)
 	return resp.StatusCode, string(b), err
+}
+
+// burst posts "x" to url n times at once through rt and waits for all.
+func burst(t *testing.T, rt http.RoundTripper, url string, n int) {
+	var wg sync.WaitGroup
+	for range n {
+		wg.Add(1)
+		go func() { defer wg.Done(); do(t, rt, "POST", url, "x") }()
+	}
+	wg.Wait()
 }
 
 // A1: a replica sends more bytes than its Content-Length. The surplus is a
@@ -267,12 +247,7 @@ func TestUpstreamHostileClosedIdleConnsStayPooled(t *testing.T) {
 			return false
 		})
 		before := fds(t)
-		var wg sync.WaitGroup
-		for range 50 {
-			wg.Add(1)
-			go func() { defer wg.Done(); do(t, rt, "POST", s.url+"/x", "x") }()
-		}
-		wg.Wait()
+		burst(t, rt, s.url+"/x", 50)
 		time.Sleep(500 * time.Millisecond) // all 50 closed by the replica
 		after := fds(t)
 		t.Logf("fds before %d, after the replica closed all: %d (connections %d)", before, after, s.conns.Load())
@@ -395,12 +370,7 @@ func TestUpstreamHostileClosedIdleConnsStayPooled256(t *testing.T) {
 			return true
 		})
 		before := fds(t)
-		var wg sync.WaitGroup
-		for range 200 {
-			wg.Add(1)
-			go func() { defer wg.Done(); do(t, rt, "POST", s.url+"/x", "x") }()
-		}
-		wg.Wait()
+		burst(t, rt, s.url+"/x", 200)
 		mid := fds(t)
 		// The replica (uvicorn, 5 s keep-alive) closes every idle connection:
 		// here, the test's server-side close of all its accepted conns.

@@ -266,90 +266,82 @@ func TestUpstreamReplicaURLWithoutPort(t *testing.T) {
 // leaves although a second, healthy replica is there. The failed answer is
 // now closed undrained.
 func TestUpstreamFailoverDrainStalls(t *testing.T) {
-	for _, which := range []string{"upstream", "http.Transport"} {
-		t.Run(which, func(t *testing.T) {
-			done := make(chan struct{})
-			bad := rawOne(t, func(c net.Conn, br *bufio.Reader, req *http.Request) {
-				io.WriteString(c, "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 100\r\n\r\n{")
-				select {
-				case <-time.After(5 * time.Second):
-				case <-done:
-				}
-			})
-			t.Cleanup(func() { close(done) })
-			good := rawOne(t, func(c net.Conn, br *bufio.Reader, req *http.Request) {
-				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
-			})
-			o := ServerOptions{Timeouts: limits.Timeouts{FirstByte: 500 * time.Millisecond, Idle: 500 * time.Millisecond}}
-			if which == "http.Transport" {
-				o.Transport = http.DefaultTransport.(*http.Transport).Clone()
-			}
-			ts, _ := serverFor(t, o, bad, good)
-			c := &http.Client{Timeout: 3 * time.Second}
-			start := time.Now()
-			resp, err := c.Post(ts.URL+"/v1/chat/completions", "application/json", strings.NewReader(chatBody))
-			if err != nil {
-				t.Fatalf("no answer after %v (idle and first-byte timeouts are 0.5 s): %v", time.Since(start).Round(time.Millisecond), err)
-			}
-			resp.Body.Close()
-			if resp.StatusCode != 200 {
-				t.Errorf("%d after %v, want the healthy replica's 200", resp.StatusCode, time.Since(start))
+	serverTransports(t, func(t *testing.T, tr http.RoundTripper) {
+		done := make(chan struct{})
+		bad := rawOne(t, func(c net.Conn, br *bufio.Reader, req *http.Request) {
+			io.WriteString(c, "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 100\r\n\r\n{")
+			select {
+			case <-time.After(5 * time.Second):
+			case <-done:
 			}
 		})
-	}
+		t.Cleanup(func() { close(done) })
+		good := rawOne(t, func(c net.Conn, br *bufio.Reader, req *http.Request) {
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+		})
+		o := ServerOptions{Timeouts: limits.Timeouts{FirstByte: 500 * time.Millisecond, Idle: 500 * time.Millisecond}}
+		o.Transport = tr
+		ts, _ := serverFor(t, o, bad, good)
+		c := &http.Client{Timeout: 3 * time.Second}
+		start := time.Now()
+		resp, err := c.Post(ts.URL+"/v1/chat/completions", "application/json", strings.NewReader(chatBody))
+		if err != nil {
+			t.Fatalf("no answer after %v (idle and first-byte timeouts are 0.5 s): %v", time.Since(start).Round(time.Millisecond), err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			t.Errorf("%d after %v, want the healthy replica's 200", resp.StatusCode, time.Since(start))
+		}
+	})
 }
 
 // TestUpstreamStreamFlushTrailers: a streamed answer (chunked SSE with a
 // trailer, usage chunk stripped): each event reaches the client before the
 // replica sends the next, the usage chunk is not seen, the trailer is.
 func TestUpstreamStreamFlushTrailers(t *testing.T) {
-	for _, which := range []string{"upstream", "http.Transport"} {
-		t.Run(which, func(t *testing.T) {
-			next := make(chan struct{})
-			url := rawOne(t, func(c net.Conn, br *bufio.Reader, req *http.Request) {
-				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTrailer: X-End\r\nTransfer-Encoding: chunked\r\n\r\n")
-				chunk := func(s string) { io.WriteString(c, strings.ToUpper(strconvHex(len(s)))+"\r\n"+s+"\r\n") }
-				for i := range 3 {
-					chunk("data: {\"choices\":[{\"delta\":{\"content\":\"" + string(rune('a'+i)) + "\"}}]}\n\n")
-					select {
-					case <-next:
-					case <-time.After(2 * time.Second):
-						return
-					}
-				}
-				chunk("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3}}\n\n")
-				chunk("data: [DONE]\n\n")
-				io.WriteString(c, "0\r\nX-End: yes\r\n\r\n")
-			})
-			o := ServerOptions{}
-			if which == "http.Transport" {
-				o.Transport = http.DefaultTransport.(*http.Transport).Clone()
-			}
-			ts, _ := serverFor(t, o, url)
-			resp, err := http.Post(ts.URL+"/v1/chat/completions", "application/json",
-				strings.NewReader(`{"model":"m","stream":true,"messages":[{"role":"user","content":"hello"}]}`))
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer resp.Body.Close()
-			br := bufio.NewReader(resp.Body)
+	serverTransports(t, func(t *testing.T, tr http.RoundTripper) {
+		next := make(chan struct{})
+		url := rawOne(t, func(c net.Conn, br *bufio.Reader, req *http.Request) {
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTrailer: X-End\r\nTransfer-Encoding: chunked\r\n\r\n")
+			chunk := func(s string) { io.WriteString(c, strings.ToUpper(strconvHex(len(s)))+"\r\n"+s+"\r\n") }
 			for i := range 3 {
-				line, err := br.ReadString('\n')
-				if err != nil || !strings.Contains(line, string(rune('a'+i))) {
-					t.Fatalf("event %d: %q %v", i, line, err)
+				chunk("data: {\"choices\":[{\"delta\":{\"content\":\"" + string(rune('a'+i)) + "\"}}]}\n\n")
+				select {
+				case <-next:
+				case <-time.After(2 * time.Second):
+					return
 				}
-				br.ReadString('\n')
-				next <- struct{}{}
 			}
-			rest, _ := io.ReadAll(br)
-			if strings.Contains(string(rest), "usage") || !strings.Contains(string(rest), "[DONE]") {
-				t.Errorf("rest %q", rest)
-			}
-			if resp.Trailer.Get("X-End") != "yes" {
-				t.Errorf("trailer %v", resp.Trailer)
-			}
+			chunk("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3}}\n\n")
+			chunk("data: [DONE]\n\n")
+			io.WriteString(c, "0\r\nX-End: yes\r\n\r\n")
 		})
-	}
+		o := ServerOptions{}
+		o.Transport = tr
+		ts, _ := serverFor(t, o, url)
+		resp, err := http.Post(ts.URL+"/v1/chat/completions", "application/json",
+			strings.NewReader(`{"model":"m","stream":true,"messages":[{"role":"user","content":"hello"}]}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		br := bufio.NewReader(resp.Body)
+		for i := range 3 {
+			line, err := br.ReadString('\n')
+			if err != nil || !strings.Contains(line, string(rune('a'+i))) {
+				t.Fatalf("event %d: %q %v", i, line, err)
+			}
+			br.ReadString('\n')
+			next <- struct{}{}
+		}
+		rest, _ := io.ReadAll(br)
+		if strings.Contains(string(rest), "usage") || !strings.Contains(string(rest), "[DONE]") {
+			t.Errorf("rest %q", rest)
+		}
+		if resp.Trailer.Get("X-End") != "yes" {
+			t.Errorf("trailer %v", resp.Trailer)
+		}
+	})
 }
 
 func strconvHex(n int) string {
@@ -505,5 +497,19 @@ func TestUpstreamBodyWriteSyscalls(t *testing.T) {
 	t.Logf("a %d-byte request went out in %d writes", len(body), n.Load())
 	if n.Load() > 3 {
 		t.Errorf("%d writes for one %d KiB request", n.Load(), len(body)>>10)
+	}
+}
+
+// serverTransports runs f with tr nil (the router's own transport to
+// replicas) and with a clone of http.DefaultTransport.
+func serverTransports(t *testing.T, f func(t *testing.T, tr http.RoundTripper)) {
+	for _, which := range []string{"upstream", "http.Transport"} {
+		t.Run(which, func(t *testing.T) {
+			var tr http.RoundTripper
+			if which == "http.Transport" {
+				tr = http.DefaultTransport.(*http.Transport).Clone()
+			}
+			f(t, tr)
+		})
 	}
 }

@@ -33,13 +33,7 @@ func post(t *testing.T, u *upstream, ctx context.Context, url, body string) (int
 	if err != nil {
 		t.Fatal(err)
 	}
-	resp, err := u.RoundTrip(req)
-	if err != nil {
-		return 0, "", err
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	return resp.StatusCode, string(b), err
+	return roundTrip(u, req)
 }
 
 // countConns counts the connections a test server accepts.

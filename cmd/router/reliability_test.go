@@ -9,7 +9,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -24,6 +23,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/semroute/semroute/configs"
+	"github.com/semroute/semroute/internal/testnet"
 	"github.com/semroute/semroute/simreplica"
 )
 
@@ -207,31 +207,7 @@ func TestFailingReplicaEjectedThenReadmitted(t *testing.T) {
 
 func TestHangingReplicaFailsOverWithinFirstByteTimeout(t *testing.T) {
 	// A replica that accepts connections and never answers.
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var held []net.Conn
-	var mu sync.Mutex
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			held = append(held, c)
-			mu.Unlock()
-		}
-	}()
-	t.Cleanup(func() {
-		ln.Close()
-		mu.Lock()
-		for _, c := range held {
-			c.Close()
-		}
-		mu.Unlock()
-	})
+	hanging, _ := testnet.Serve(t, nil)
 	sims := startSims(t, 2, fastSim)
 	cfg := filepath.Join(t.TempDir(), "router.yaml")
 	writeConfig(t, cfg, fmt.Sprintf(`routing: {policy: round_robin}
@@ -241,7 +217,7 @@ replicas:
   - {name: hang, url: "http://%s"}
   - {name: a, url: %q}
   - {name: b, url: %q}
-`, ln.Addr(), sims[0].URL, sims[1].URL))
+`, hanging, sims[0].URL, sims[1].URL))
 	r := serveConfig(t, cfg)
 	worst := time.Duration(0)
 	for i := 0; i < 6; i++ {

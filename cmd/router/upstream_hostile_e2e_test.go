@@ -10,64 +10,40 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/semroute/semroute/internal/testnet"
 )
 
 // rawReplica serves health checks itself and hands every other request to
 // serve (n counts them from 0 over all connections); false closes.
 func rawReplica(t *testing.T, readBody bool, serve func(c net.Conn, req *http.Request, body []byte, n int) bool) (string, *atomic.Int32) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
 	var n atomic.Int32
-	var mu sync.Mutex
-	var conns []net.Conn
-	t.Cleanup(func() {
-		ln.Close()
-		mu.Lock()
-		for _, c := range conns {
-			c.Close()
-		}
-		mu.Unlock()
-	})
-	go func() {
+	addr, _ := testnet.Serve(t, func(c net.Conn) {
+		defer c.Close()
+		br := bufio.NewReader(c)
 		for {
-			c, err := ln.Accept()
+			req, err := http.ReadRequest(br)
 			if err != nil {
 				return
 			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-			go func() {
-				defer c.Close()
-				br := bufio.NewReader(c)
-				for {
-					req, err := http.ReadRequest(br)
-					if err != nil {
-						return
-					}
-					if !strings.HasPrefix(req.URL.Path, "/v1/") || req.Method == "GET" {
-						io.Copy(io.Discard, req.Body)
-						io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"data\":[]}")
-						continue
-					}
-					var b []byte
-					if readBody {
-						b, _ = io.ReadAll(req.Body)
-					}
-					if !serve(c, req, b, int(n.Add(1))-1) {
-						return
-					}
-				}
-			}()
+			if !strings.HasPrefix(req.URL.Path, "/v1/") || req.Method == "GET" {
+				io.Copy(io.Discard, req.Body)
+				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"data\":[]}")
+				continue
+			}
+			var b []byte
+			if readBody {
+				b, _ = io.ReadAll(req.Body)
+			}
+			if !serve(c, req, b, int(n.Add(1))-1) {
+				return
+			}
 		}
-	}()
-	return "http://" + ln.Addr().String(), &n
+	})
+	return "http://" + addr, &n
 }
 
 func routerOver(t *testing.T, url string) *running {
@@ -140,12 +116,13 @@ func TestUpstreamHostileE2EEarlyAnswerLost(t *testing.T) {
 // rest of the body: the request hangs until the client leaves.
 func TestUpstreamHostileE2EEarlyAnswerHangs(t *testing.T) {
 	done := make(chan struct{})
-	t.Cleanup(func() { close(done) })
 	url, _ := rawReplica(t, false, func(c net.Conn, req *http.Request, body []byte, n int) bool {
 		io.WriteString(c, "HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
 		<-done
 		return false
 	})
+	t.Cleanup(func() { close(done) }) // before rawReplica's cleanup waits for the handler
+
 	r := routerOver(t, url)
 	big := `{"input":"` + strings.Repeat("x", 8<<20) + `"}`
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
