@@ -61,8 +61,33 @@ type Monitor struct {
 	refreshingAll  bool
 	lastRefreshAll time.Time
 
-	refreshing sync.Map // *replica.Replica → true while its /v1/models is being read
+	out sync.Map // probe → true while that read of that replica is out
 }
+
+// probe names one kind of read of one replica. At most one of each is out
+// at a time: answers that landed out of order would set a replica's
+// state back (a stale "no adapter running", a counter that went back and
+// read as a restart that clears its cache picture). A tick that finds
+// the last read still out skips it, as Prometheus skips a scrape.
+type probe struct {
+	r    *replica.Replica
+	kind uint8 // probeCheck, probeScrape, probeModels
+}
+
+const (
+	probeCheck uint8 = iota
+	probeScrape
+	probeModels
+)
+
+// claim marks the read kind of r out, or reports false when it already
+// is; the caller releases it when the read ends.
+func (m *Monitor) claim(r *replica.Replica, kind uint8) bool {
+	_, busy := m.out.LoadOrStore(probe{r, kind}, true)
+	return !busy
+}
+
+func (m *Monitor) release(r *replica.Replica, kind uint8) { m.out.Delete(probe{r, kind}) }
 
 // New returns a monitor of p.
 // Defaults of Options.
@@ -126,8 +151,13 @@ func (m *Monitor) Run(ctx context.Context) {
 	}
 }
 
-// Check runs one active health check of r.
+// Check runs one active health check of r, unless the last one is still
+// out.
 func (m *Monitor) Check(ctx context.Context, r *replica.Replica) {
+	if !m.claim(r, probeCheck) {
+		return
+	}
+	defer m.release(r, probeCheck)
 	ctx, cancel := context.WithTimeout(ctx, m.o.CheckTimeout)
 	defer cancel()
 	ok := false
@@ -167,8 +197,13 @@ const (
 )
 
 // Scrape reads r's /metrics once and records its load gauges; it may learn
-// its budget and detect a restart.
+// its budget and detect a restart. It does nothing while the last scrape
+// of r is still out.
 func (m *Monitor) Scrape(ctx context.Context, r *replica.Replica) {
+	if !m.claim(r, probeScrape) {
+		return
+	}
+	defer m.release(r, probeScrape)
 	ctx, cancel := context.WithTimeout(ctx, m.o.CheckTimeout)
 	defer cancel()
 	body, ok := m.get(ctx, r, "/metrics", 8<<20)
@@ -430,10 +465,10 @@ func (m *Monitor) apply(r *replica.Replica, s Scraped) {
 // serves, and which are LoRA adapters (an entry with a parent, as vLLM
 // lists them). A replica that does not answer keeps what was known.
 func (m *Monitor) RefreshModels(ctx context.Context, r *replica.Replica) {
-	if _, busy := m.refreshing.LoadOrStore(r, true); busy {
-		return // the last refresh is still out: answers must not land out of order
+	if !m.claim(r, probeModels) {
+		return
 	}
-	defer m.refreshing.Delete(r)
+	defer m.release(r, probeModels)
 	ctx, cancel := context.WithTimeout(ctx, m.o.CheckTimeout)
 	defer cancel()
 	body, ok := m.get(ctx, r, "/v1/models", 1<<20)

@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -206,5 +207,50 @@ func TestRefreshAllModelsPaced(t *testing.T) {
 	}
 	if ms := p.Replicas()[0].Models(); ms == nil || !ms.Serves("m") {
 		t.Fatalf("models not recorded: %+v", ms)
+	}
+}
+
+// A scrape that is still out when the next tick comes is not overlapped:
+// the newer answer would land first and the older one after it, setting
+// the replica back (here its counter, which would read as a restart that
+// clears its cache picture).
+func TestScrapesOfAReplicaDoNotOverlap(t *testing.T) {
+	var hits atomic.Int64
+	release := make(chan struct{})
+	arrived := make(chan struct{}, 1)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/metrics" {
+			return
+		}
+		n := hits.Add(1)
+		if n == 1 { // the slow first scrape, of the older state
+			arrived <- struct{}{}
+			<-release
+			fmt.Fprintf(w, vllmMetrics, 900)
+			return
+		}
+		fmt.Fprintf(w, vllmMetrics, 1000)
+	}))
+	defer srv.Close()
+	var once sync.Once
+	free := func() { once.Do(func() { close(release) }) }
+	defer free() // before srv.Close, which waits for the handler
+	p, _ := replica.NewPool([]replica.Spec{{Name: "a", URL: srv.URL}}, replica.Options{}, func(replica.Spec) (int, error) { return 0, nil })
+	r := p.Replicas()[0]
+	var restarts atomic.Int32
+	m := New(p, Options{CheckTimeout: 10 * time.Second, OnRestart: func(*replica.Replica) { restarts.Add(1) }})
+	ctx := context.Background()
+	first := make(chan struct{})
+	go func() { m.Scrape(ctx, r); close(first) }()
+	<-arrived
+	m.Scrape(ctx, r) // the next tick, while the first is out
+	if n := hits.Load(); n != 1 {
+		t.Fatalf("a second scrape went out while the first was: %d reads", n)
+	}
+	free()
+	<-first
+	m.Scrape(ctx, r)
+	if n := hits.Load(); n != 2 || restarts.Load() != 0 {
+		t.Fatalf("%d reads, %d restarts; want 2 reads and no restart", n, restarts.Load())
 	}
 }
