@@ -335,7 +335,9 @@ func FuzzParseSplit(f *testing.F) {
 		}
 		estimate := 0
 		for i := range r.Parts {
-			estimate += s.partTokens(&r.Parts[i])
+			p, n := &r.Parts[i], 0
+			p.eachSeg(func(from, to int) { n += s.segTokens(p, to-from) })
+			estimate += max(n, 1)
 		}
 		if tokens != estimate {
 			t.Fatalf("blocks hold %d tokens, the parts' estimate is %d", tokens, estimate)

@@ -66,6 +66,8 @@ func ParseKind(name string) (Kind, error) {
 //     that carries a document marker (<document, <context, "Context:",
 //     "Document:", "[doc", "Source:"), every block but the last is
 //     KindRetrievedContext: the pasted document comes first and the question last.
+//     Each content part of a message is judged apart (Part.Segs), and one of
+//     at least a block followed by another part is a document whole.
 //   - Otherwise a block of the last user message is KindUserQuery, of an earlier
 //     user message KindUserHistory, and of a completions prompt KindOther.
 const longDocTokens = 512

@@ -61,6 +61,12 @@ type Part struct {
 	// Tokens holds token ids when Role is RoleTokens; Text is then their
 	// 4-byte little-endian encoding.
 	Tokens int
+	// Segs are the offsets in Text where a message's second and later
+	// content parts begin (nil for a message that is one string): each
+	// content part is a segment of its own, cut into blocks from its own
+	// start, so that a document sent as a content part makes the same
+	// blocks wherever it appears (see Block.Seg).
+	Segs []int32
 }
 
 // Request is the routing-relevant content of an OpenAI request body.
@@ -446,11 +452,11 @@ func (r *Request) chat(b *body, lim Limits) error {
 		default:
 			return inputErr(fmt.Sprintf("messages[%d].role", i), "unknown role %s", quoted(m.role, 64))
 		}
-		text, err := m.text(i)
+		text, segs, err := m.text(i)
 		if err != nil {
 			return err
 		}
-		p.Text = text
+		p.Text, p.Segs = text, segs
 		r.Parts = append(r.Parts, p)
 	}
 	return nil
@@ -532,10 +538,12 @@ func (m *message) read(v *fastjson.Value, i int) error {
 // calls]. An assistant reply recorded by the router (see AssistantText)
 // renders to the same bytes as the same reply sent back in the next request.
 // A message that is one string and nothing else aliases the parser's memory.
-func (m *message) text(i int) ([]byte, error) {
+// segs are where its second and later content parts begin (Part.Segs).
+func (m *message) text(i int) (_ []byte, segs []int32, _ error) {
 	c := m.content
 	if c != nil && c.Type() == fastjson.TypeString && len(m.name) == 0 && len(m.toolCalls) == 0 {
-		return c.StringBytes()
+		b, err := c.StringBytes()
+		return b, nil, err
 	}
 	var buf []byte
 	if len(m.name) > 0 {
@@ -550,13 +558,16 @@ func (m *message) text(i int) ([]byte, error) {
 	case c.Type() == fastjson.TypeArray:
 		parts, _ := c.Array()
 		for j, part := range parts {
+			if j > 0 && len(buf) > 0 && (len(segs) == 0 || int(segs[len(segs)-1]) < len(buf)) {
+				segs = append(segs, int32(len(buf)))
+			}
 			var err error
 			if buf, err = appendContentPart(buf, part, i, j); err != nil {
-				return nil, err
+				return nil, nil, err
 			}
 		}
 	default:
-		return nil, inputErr(fmt.Sprintf("messages[%d].content", i), "must be a string, an array of content parts, or null")
+		return nil, nil, inputErr(fmt.Sprintf("messages[%d].content", i), "must be a string, an array of content parts, or null")
 	}
 	for _, tc := range m.toolCalls {
 		buf = append(buf, 0)
@@ -564,7 +575,7 @@ func (m *message) text(i int) ([]byte, error) {
 		buf = append(buf, 0)
 		buf = append(buf, tc[1]...)
 	}
-	return buf, nil
+	return buf, segs, nil
 }
 
 // appendContentPart appends one content part's routing bytes: a text part's

@@ -16,6 +16,14 @@ type Block struct {
 	Tokens int32
 	// Kind is the block's semantic type; not part of Hash.
 	Kind Kind
+	// Seg is the block's key within its segment (a message, or one of a
+	// message's content parts): chained from the segment's own start, not
+	// from the prompt's, so that the same segment has the same Seg keys
+	// wherever it appears in whatever prompt. It names what an engine
+	// that reuses KV beyond the exact prefix (CacheBlend's position-
+	// independent segments) may reuse. 0 unless the splitter computes it
+	// (Options.Segments).
+	Seg uint64
 }
 
 // Options configure a Splitter. The zero value means the defaults.
@@ -25,12 +33,16 @@ type Options struct {
 	// BytesPerToken is the token estimate: one token per this many bytes of
 	// text. Default 4.
 	BytesPerToken int
+	// Segments: compute each block's Block.Seg (a second hash of the
+	// prompt's bytes). Off, Seg is 0.
+	Segments bool
 }
 
 // Splitter cuts requests into blocks. It is immutable and safe for concurrent use.
 type Splitter struct {
 	blockTokens   int
 	bytesPerToken int
+	segments      bool
 }
 
 // Defaults for Options.
@@ -53,8 +65,15 @@ func NewSplitter(o Options) (*Splitter, error) {
 	if o.BytesPerToken < 1 || o.BytesPerToken > 64 {
 		return nil, fmt.Errorf("bytes per token %d out of range [1, 64]", o.BytesPerToken)
 	}
-	return &Splitter{blockTokens: o.BlockTokens, bytesPerToken: o.BytesPerToken}, nil
+	return &Splitter{blockTokens: o.BlockTokens, bytesPerToken: o.BytesPerToken, segments: o.Segments}, nil
 }
+
+// Segments reports whether the splitter computes Block.Seg.
+func (s *Splitter) Segments() bool { return s.segments }
+
+// SegSeed is the hash that chains before a segment's first block in
+// Block.Seg.
+var SegSeed = xxhash.Sum64String("semroute segment")
 
 // BlockTokens returns the block size in estimated tokens.
 func (s *Splitter) BlockTokens() int { return s.blockTokens }
@@ -103,14 +122,32 @@ func (s *Splitter) CountPart(p *Part) int {
 	if p.Role == RoleTokens {
 		step = 4 * s.blockTokens
 	}
-	return max((len(p.Text)+step-1)/step, 1)
+	n := 0
+	p.eachSeg(func(from, to int) { n += (to - from + step - 1) / step })
+	return max(n, 1)
 }
 
-func (s *Splitter) partTokens(p *Part) int {
-	if p.Role == RoleTokens {
-		return max(p.Tokens, 1)
+// eachSeg calls f with the bounds of each non-empty segment of p's text
+// (Segs), in order.
+func (p *Part) eachSeg(f func(from, to int)) {
+	from := 0
+	for _, at := range p.Segs {
+		if a := min(max(int(at), from), len(p.Text)); a > from {
+			f(from, a)
+			from = a
+		}
 	}
-	return max((len(p.Text)+s.bytesPerToken-1)/s.bytesPerToken, 1)
+	if from < len(p.Text) {
+		f(from, len(p.Text))
+	}
+}
+
+// segTokens returns the estimated tokens of n bytes of p's text.
+func (s *Splitter) segTokens(p *Part, n int) int {
+	if p.Role == RoleTokens {
+		return max(n/4, 1)
+	}
+	return max((n+s.bytesPerToken-1)/s.bytesPerToken, 1)
 }
 
 // AppendPart appends the blocks of one part, chained after parent, to dst.
@@ -127,28 +164,43 @@ func (s *Splitter) AppendPart(dst []Block, parent uint64, p *Part) []Block {
 		return append(dst, Block{Hash: ChainHash(parent, p.Role, nil), Tokens: 1, Kind: p.Base})
 	}
 	refine := p.Role == RoleUser || p.Role == RolePrompt
-	doc := refine && p.Role == RoleUser && looksLikeDocument(text, s.partTokens(p))
 	// Blocks are searched for ``` fences only in a part that has one.
 	fenced := refine && bytes.Contains(text, fence)
 	inFence := false
 	h := parent
-	for off := 0; off < len(text); off += step {
-		end := min(off+step, len(text))
-		b := text[off:end]
-		h = ChainHash(h, p.Role, b)
-		k := p.Base
-		if refine {
-			switch {
-			case fenced && looksLikeCode(b, inFence), !fenced && symbolDense(b):
-				k = KindCode
-			case doc && end < len(text):
-				k = KindRetrievedContext
+	last := len(text) // where the last segment ends
+	p.eachSeg(func(from, to int) {
+		seg := text[from:to]
+		// A segment that reads as a document, or a content part of at
+		// least a block followed by another, is retrieved context: all of
+		// it unless it ends the part (then its last block is the question
+		// asked about it).
+		doc := refine && p.Role == RoleUser &&
+			(looksLikeDocument(seg, s.segTokens(p, len(seg))) || (to < last && len(seg) >= step))
+		sh := SegSeed
+		for off := from; off < to; off += step {
+			end := min(off+step, to)
+			b := text[off:end]
+			h = ChainHash(h, p.Role, b)
+			var sk uint64
+			if s.segments {
+				sh = ChainHash(sh, p.Role, b)
+				sk = sh
 			}
-			if fenced && bytes.Count(b, fence)%2 == 1 {
-				inFence = !inFence
+			k := p.Base
+			if refine {
+				switch {
+				case fenced && looksLikeCode(b, inFence), !fenced && symbolDense(b):
+					k = KindCode
+				case doc && (end < to || to < last):
+					k = KindRetrievedContext
+				}
+				if fenced && bytes.Count(b, fence)%2 == 1 {
+					inFence = !inFence
+				}
 			}
+			dst = append(dst, Block{Hash: h, Tokens: int32((len(b) + perToken - 1) / perToken), Kind: k, Seg: sk})
 		}
-		dst = append(dst, Block{Hash: h, Tokens: int32((len(b) + perToken - 1) / perToken), Kind: k})
-	}
+	})
 	return dst
 }
