@@ -40,9 +40,14 @@ type Block struct {
 type Candidate struct {
 	Replica string `json:"replica"`
 	// Tier and Score are the policy's cost: tier first, lower is better.
-	Tier     int64   `json:"tier,omitempty"`
-	Score    float64 `json:"score"`
-	Matched  int     `json:"matched_tokens"`
+	Tier    int64   `json:"tier,omitempty"`
+	Score   float64 `json:"score"`
+	Matched int     `json:"matched_tokens"`
+	// Engine is the replica's reuse capability when it is more than the
+	// exact prefix ("blend"), and Reuse the tokens past the prefix its
+	// engine was expected to reuse.
+	Engine   string  `json:"engine,omitempty"`
+	Reuse    float64 `json:"reuse_tokens,omitempty"`
 	InFlight int64   `json:"in_flight"`
 	Pending  float64 `json:"pending_tokens"`
 	Recent   float64 `json:"recent_tokens"`

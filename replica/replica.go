@@ -30,6 +30,64 @@ type Spec struct {
 	// KVEvents is where the replica's engine publishes its KV events; the
 	// zero value: it publishes none.
 	KVEvents KVEvents
+	// Reuse is what the replica's engine reuses of a prompt's KV beyond
+	// the exact prefix; the zero value: the prefix only, as vLLM's prefix
+	// caching.
+	Reuse Reuse
+}
+
+// Reuse modes (Reuse.Mode).
+const (
+	// ReusePrefix: only the longest cached exact prefix (vLLM, SGLang).
+	ReusePrefix = "prefix"
+	// ReuseBlend: also each cached segment (a message, a content part)
+	// wherever it appears, recomputing a share of its tokens to repair
+	// cross-attention (CacheBlend, EuroSys 2025, in LMCache; EPIC).
+	ReuseBlend = "blend"
+)
+
+// Reuse is an engine's capability to reuse KV beyond the exact prefix.
+// The zero value is ReusePrefix.
+type Reuse struct {
+	// Mode is ReusePrefix ("" too) or ReuseBlend.
+	Mode string
+	// Recompute is the share of a blended segment's tokens the engine
+	// computes again, in [0, 1); default 0.15 (CacheBlend's, LMCache's
+	// blend_recompute_ratio).
+	Recompute float64
+	// BudgetTokens is the tokens of segments the engine keeps for
+	// blending (LMCache's store, apart from the GPU's prefix cache); 0:
+	// the replica's BudgetTokens.
+	BudgetTokens int64
+}
+
+// DefaultRecompute is Reuse.Recompute's default.
+const DefaultRecompute = 0.15
+
+// Blend reports whether the engine blends segments.
+func (u Reuse) Blend() bool { return u.Mode == ReuseBlend }
+
+// Share returns the share of a blended segment's tokens the engine does
+// not compute: 1 − Recompute (its default if 0).
+func (u Reuse) Share() float64 {
+	r := u.Recompute
+	if r == 0 {
+		r = DefaultRecompute
+	}
+	return 1 - r
+}
+
+// Check validates u.
+func (u Reuse) Check() error {
+	switch u.Mode {
+	case "", ReusePrefix, ReuseBlend:
+	default:
+		return fmt.Errorf("reuse mode %q: want %s or %s", u.Mode, ReusePrefix, ReuseBlend)
+	}
+	if u.Recompute < 0 || u.Recompute >= 1 || u.BudgetTokens < 0 {
+		return fmt.Errorf("reuse: recompute must be in [0, 1), budget_tokens ≥ 0")
+	}
+	return nil
 }
 
 // KVEvents are the ZeroMQ addresses of an engine's KV events (vLLM's
@@ -78,6 +136,8 @@ type Replica struct {
 	Name   string
 	URL    *url.URL
 	Weight float64
+	// Reuse is its engine's capability (Spec.Reuse).
+	Reuse Reuse
 	// ID is the replica's id in the cache model, set once when it joins a
 	// pool and never changed.
 	ID int
@@ -417,7 +477,10 @@ func (p *Pool) build(s Spec) (*Replica, error) {
 	if s.Weight == 0 {
 		s.Weight = 1
 	}
-	r := &Replica{Name: s.Name, URL: u, Weight: s.Weight, halfLife: p.opts.HalfLife}
+	if err := s.Reuse.Check(); err != nil {
+		return nil, fmt.Errorf("replica %s: %w", s.Name, err)
+	}
+	r := &Replica{Name: s.Name, URL: u, Weight: s.Weight, Reuse: s.Reuse, halfLife: p.opts.HalfLife}
 	r.budget.Store(s.BudgetTokens)
 	return r, nil
 }

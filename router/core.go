@@ -7,6 +7,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"strconv"
 	"sync"
@@ -18,6 +19,7 @@ import (
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/decisionlog"
 	"github.com/semroute/semroute/limits"
+	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 	"github.com/semroute/semroute/tokenizer"
 )
@@ -366,6 +368,7 @@ func (c *Core) record(rt *Routed, o *Outcome) *decisionlog.Record {
 			Replica: cand.Replica.Name, Tier: cand.Tier, Score: cand.Score, Matched: cand.Match.Tokens, InFlight: cand.Load.InFlight,
 			Pending: cand.Load.PendingTokens, Recent: cand.Load.RecentTokens, Reason: cand.Reason,
 			Running: cand.Load.Running, Waiting: cand.Load.Waiting, KVUsage: cand.Load.KVUsage,
+			Engine: blendName(cand.Replica.Reuse), Reuse: math.Round(cand.Reuse),
 		})
 	}
 	if c.o.LogPrompts {
@@ -460,4 +463,13 @@ func (c *Core) Held() (decisions, blocks int) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.heldOrder.Len(), c.heldBlocks
+}
+
+// blendName is a replica's reuse mode for the decision log: "" for the
+// exact prefix alone.
+func blendName(u replica.Reuse) string {
+	if u.Mode == replica.ReusePrefix {
+		return ""
+	}
+	return u.Mode
 }

@@ -110,6 +110,8 @@ type Engine struct {
 	fbBase map[int]int64 // Feedback: each replica's budget before any correction
 
 	sync Sync // SetSync's; nil: a router alone
+
+	segs *cachemodel.Segments // the blending replicas' segments; nil: none blends
 }
 
 // newEngine returns an Engine over split, cache and pool.
@@ -447,6 +449,12 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 	sc.matches = e.cache.Match(d.Blocks, e.o.Weights, sc.matches[:0])
 	sc.sizes = e.cache.Sizes(sc.sizes[:0])
 	matches, sizes := sc.matches, sc.sizes
+	var beyond []float64
+	if e.segs != nil {
+		sc.beyond = append(sc.beyond[:0], make([]float64, len(matches))...)
+		beyond = sc.beyond
+		e.segs.Beyond(d.Blocks, matches, beyond)
+	}
 	d.Candidates = newCandidates(len(reps))
 	n := 0
 	// Of the pool: is the model served at all, are some replicas' models
@@ -480,6 +488,9 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 		if r.ID < len(matches) {
 			c.Match, c.CacheTokens = matches[r.ID], sizes[r.ID]
 		}
+		if r.ID < len(beyond) && r.Reuse.Blend() {
+			c.Reuse = beyond[r.ID] * r.Reuse.Share()
+		}
 	}
 	d.Candidates = d.Candidates[:n]
 	if len(d.Candidates) == 0 {
@@ -499,6 +510,7 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 type scratch struct {
 	matches []cachemodel.Match
 	sizes   []int64
+	beyond  []float64
 }
 
 var scratchPool sync.Pool // *scratch
@@ -587,9 +599,14 @@ func (e *Engine) Recycle(d *Decision) {
 // a running request's blocks) until Done. Call Done with the same
 // candidate when the request ends.
 func (e *Engine) Commit(d *Decision, c *Candidate) {
-	_, d.pins = e.cache.Commit(c.Replica.ID, d.Blocks, e.o.Now().UnixNano())
+	now := e.o.Now().UnixNano()
+	_, d.pins = e.cache.Commit(c.Replica.ID, d.Blocks, now)
+	if e.segs != nil && c.Replica.Reuse.Blend() {
+		e.segs.Record(c.Replica.ID, d.Blocks, now)
+	}
 	d.released = false
-	d.Work = replica.Work{Prefill: int64(d.Tokens - c.Match.Tokens), Tokens: e.activate(c.Replica.ID, d.Blocks, 1)}
+	prefill := max(int64(d.Tokens-c.Match.Tokens)-int64(c.Reuse), 0)
+	d.Work = replica.Work{Prefill: prefill, Tokens: e.activate(c.Replica.ID, d.Blocks, 1)}
 	c.Replica.Begin(&d.Work)
 	if e.sync != nil {
 		e.sync.Committed(d, c)
@@ -728,7 +745,7 @@ func (e *Engine) Feedback(d *Decision, c *Candidate, cached int) int64 {
 	if cached < 0 || e.cache.EventDriven(id) {
 		return 0
 	}
-	diff := int64(c.Match.Tokens - cached)
+	diff := int64(c.Match.Tokens) + int64(c.Reuse) - int64(cached) // a blending engine reports what it reused too
 	block := int64(cmp.Or(d.blockTokens, e.split.BlockTokens()))
 	if diff > -block && diff < block {
 		return 0

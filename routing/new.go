@@ -1,6 +1,7 @@
 package routing
 
 import (
+	"cmp"
 	"errors"
 	"time"
 
@@ -29,8 +30,14 @@ type Options struct {
 	// Eviction makes each replica's eviction policy in the cache picture.
 	// Nil means LRU.
 	Eviction eviction.Factory
-	// Split sets how prompts are cut into blocks.
+	// Split sets how prompts are cut into blocks. Split.Segments is set
+	// when a replica blends (replica.ReuseBlend).
 	Split blockhash.Options
+	// BlendKinds are the block kinds a blending replica is credited for
+	// holding beyond the exact prefix (cachemodel.Segments). Nil:
+	// retrieved_context and tool_output, the segments that recur across
+	// prompts in other places.
+	BlendKinds []blockhash.Kind
 	// Engine configures the engine. When Engine.Matcher is set, the cache
 	// picture tells it of every eviction (Matcher.Forget).
 	Engine EngineOptions
@@ -39,6 +46,17 @@ type Options struct {
 // New builds the splitter, the cache picture, the replica pool and the
 // Engine over them.
 func New(o Options) (*Engine, error) {
+	var segs *cachemodel.Segments
+	for _, r := range o.Replicas {
+		if r.Reuse.Blend() && segs == nil {
+			kinds := o.BlendKinds
+			if kinds == nil {
+				kinds = []blockhash.Kind{blockhash.KindRetrievedContext, blockhash.KindToolOutput}
+			}
+			segs = cachemodel.NewSegments(o.Eviction, kinds)
+			o.Split.Segments = true
+		}
+	}
 	split, err := blockhash.NewSplitter(o.Split)
 	if err != nil {
 		return nil, err
@@ -61,6 +79,13 @@ func New(o Options) (*Engine, error) {
 		if err == nil && e != nil {
 			e.forgetFeedback(id) // a reused id starts from its own budget
 		}
+		if err == nil && segs != nil {
+			if s.Reuse.Blend() {
+				segs.AddReplica(id, cmp.Or(s.Reuse.BudgetTokens, budget))
+			} else {
+				segs.RemoveReplica(id)
+			}
+		}
 		return id, err
 	}
 	pool, err := replica.NewPool(o.Replicas, replica.Options{HalfLife: o.LoadHalfLife}, join)
@@ -71,6 +96,7 @@ func New(o Options) (*Engine, error) {
 	if err != nil {
 		return nil, err
 	}
+	e.segs = segs
 	e.join = join
 	return e, nil
 }
@@ -81,5 +107,12 @@ func (e *Engine) AddReplica(s replica.Spec) (*replica.Replica, error) {
 	if e.join == nil {
 		return nil, errors.New("routing: AddReplica needs an engine made by New")
 	}
+	if s.Reuse.Blend() && e.segs == nil {
+		return nil, errors.New("routing: a blending replica joins only a pool that had one from the start (its prompts' segment keys are computed from then on)")
+	}
 	return e.pool.Add(s, e.join)
 }
+
+// Segments returns the picture of the blending replicas' segments, or nil
+// when no replica blends.
+func (e *Engine) Segments() *cachemodel.Segments { return e.segs }

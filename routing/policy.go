@@ -43,6 +43,11 @@ type Candidate struct {
 	Load    replica.Load
 	// CacheTokens is the tokens the replica holds in the cache picture.
 	CacheTokens int64
+	// Reuse is the prompt tokens past Match that the replica's engine is
+	// expected to reuse (replica.Reuse): for a blending engine, the tokens
+	// of the reusable blocks it holds elsewhere in its segments, less its
+	// recompute share. 0 on a prefix-only engine.
+	Reuse float64
 	// Tier and Score are the policy's cost for sending the request here;
 	// lower is better, Tier first (a spilled replica, a replica not
 	// sampled, more requests in flight), then Score in the policy's unit.
@@ -104,6 +109,10 @@ type PolicyConfig struct {
 	SemanticKV SemanticKVParams
 	// VirtualNodes per replica on the consistent_hash ring. Default 160.
 	VirtualNodes int
+	// PrefixOnly makes the semantic policy credit only the exact prefix,
+	// whatever else an engine reuses (Candidate.Reuse): the baseline that
+	// engine-aware credit is measured against.
+	PrefixOnly bool
 }
 
 func def(v *float64, d float64) {
@@ -195,10 +204,11 @@ func NewPolicy(name string, c PolicyConfig) (Policy, error) {
 // PrefixCost is semroute's own policy. Every cost is in prefill tokens:
 //
 //	cost(r)    = (Weighted − matched(r)) + LoadWeight × queued(r)
-//	matched(r) = max(Match(r).Weighted, Hot.Weighted)
+//	matched(r) = max(Match(r).Weighted + Reuse(r), Hot.Weighted)
 //	queued(r)  = max(PendingTokens(r), Waiting(r) × AvgPrefill) + RecentWeight × RecentTokens(r)
 //
-// the type-weighted prompt tokens replica r would still have to compute, plus
+// the type-weighted prompt tokens replica r would still have to compute
+// (Reuse: what a blending engine reuses past the prefix, unless PrefixOnly), plus
 // the work queued on it: prefill tokens in flight from this router, or the
 // replica's own waiting queue (vllm:num_requests_waiting, which also holds
 // other routers' requests) if that is larger, and a share of the prefill
@@ -231,7 +241,11 @@ func (p *PrefixCost) Score(in *View, cands []Candidate) {
 	for i := range cands {
 		c := &cands[i]
 		load := p.queued(c.Load, in.AvgPrefill)
-		matched := max(c.Match.Weighted, in.Hot.Weighted)
+		reuse := c.Reuse
+		if p.cfg.PrefixOnly {
+			reuse = 0
+		}
+		matched := max(c.Match.Weighted+reuse, in.Hot.Weighted)
 		c.Score = in.Weighted - matched + p.cfg.LoadWeight*load
 		switch {
 		case load > limit || c.Load.KVUsage >= KVSpill:
@@ -240,6 +254,8 @@ func (p *PrefixCost) Score(in *View, cands []Candidate) {
 			c.Reason = "hot"
 		case c.Match.Blocks > 0:
 			c.Reason = "match"
+		case reuse > 0:
+			c.Reason = "blend"
 		default:
 			c.Reason = "miss"
 		}
