@@ -1,6 +1,7 @@
 package replay
 
 import (
+	"cmp"
 	"encoding/binary"
 	"fmt"
 	"strings"
@@ -108,6 +109,10 @@ type engineCaches struct {
 	match   []cachemodel.Match
 	all     []blockhash.Block
 	evict   int64 // blocks evicted
+	// segs are blending engines' segment stores (Model.Reuse), every
+	// segment kept; nil for prefix engines.
+	segs   *cachemodel.Segments
+	beyond []float64
 }
 
 type goneBlock struct {
@@ -125,6 +130,14 @@ func newEngineCaches(m *Model, budgets []int64) (*engineCaches, error) {
 		Policy:  inner,
 		OnEvict: func(rep int, key uint64) { e.gone = append(e.gone, goneBlock{rep, key}) },
 	})
+	if m.Reuse.Blend() {
+		all := make([]blockhash.Kind, blockhash.NumKinds)
+		for k := range all {
+			all[k] = blockhash.Kind(k)
+		}
+		e.segs = cachemodel.NewSegments(inner, all)
+		e.beyond = make([]float64, len(budgets))
+	}
 	for r, b := range budgets {
 		id, err := e.cache.AddReplica(fmt.Sprintf("engine-%d", r), b)
 		if err != nil {
@@ -132,6 +145,9 @@ func newEngineCaches(m *Model, budgets []int64) (*engineCaches, error) {
 		}
 		if id != r {
 			return nil, fmt.Errorf("engine cache: replica %d got id %d", r, id)
+		}
+		if e.segs != nil {
+			e.segs.AddReplica(r, cmp.Or(m.Reuse.BudgetTokens, b))
 		}
 	}
 	return e, nil
@@ -147,11 +163,22 @@ func (e *engineCaches) held(rep int, blocks []blockhash.Block) cachemodel.Match 
 // the tokens and blocks the engine found cached, then caches the prompt's
 // blocks, pinned while the request runs (an engine does not evict a
 // running request's blocks).
+//
+// A blending engine (Model.Reuse) also reuses every block past the prefix
+// that its segment store holds, computing its recompute share again, and
+// then keeps the prompt's segments.
 func (e *engineCaches) serve(i, rep int, blocks []blockhash.Block, now int64) (tokens, nblocks int) {
 	hit := e.held(rep, blocks)
+	tokens = hit.Tokens
+	if e.segs != nil {
+		clear(e.beyond)
+		e.segs.Beyond(blocks, e.match, e.beyond)
+		tokens += int(e.beyond[rep] * e.m.Reuse.Share())
+		e.segs.Record(rep, blocks, now)
+	}
 	_, e.running[i] = e.cache.Commit(rep, blocks, now)
 	e.tell(rep, blocks, hit.Blocks, now)
-	return hit.Tokens, hit.Blocks
+	return tokens, hit.Blocks
 }
 
 // finish ends request i on replica rep at now: the full blocks of its

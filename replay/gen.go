@@ -19,6 +19,9 @@ type GenOptions struct {
 	Docs     int     // documents in the retrieval corpus; default 300
 	// ThinkSeconds is the mean time between a session's turns. Default 20.
 	ThinkSeconds float64
+	// Workload is "mixed" (the default: GenerateOpenAI's mix) or "blend",
+	// where reuse past the exact prefix matters (see generateBlend).
+	Workload string
 }
 
 // GenerateOpenAI writes a synthetic trace in the openai format: a mix of
@@ -55,17 +58,14 @@ func GenerateOpenAI(w io.Writer, o GenOptions) error {
 	if o.Sessions < 0 || o.Rate <= 0 || o.Tenants < 1 || o.Docs < 1 || o.ThinkSeconds < 0 {
 		return fmt.Errorf("gen: sessions, rate, tenants, docs and think time must be positive")
 	}
-	rng := rand.New(rand.NewPCG(o.Seed, o.Seed^0x5eed))
-	words := func(tag string, n int, r *rand.Rand) string {
-		var sb strings.Builder
-		for i := 0; i < n; i++ {
-			fmt.Fprintf(&sb, "%s%d ", tag, r.IntN(4000))
-			if i%17 == 16 {
-				sb.WriteString(".\n")
-			}
-		}
-		return sb.String()
+	switch o.Workload {
+	case "", "mixed":
+	case "blend":
+		return generateBlend(w, o)
+	default:
+		return fmt.Errorf("gen: unknown workload %q (have mixed, blend)", o.Workload)
 	}
+	rng := rand.New(rand.NewPCG(o.Seed, o.Seed^0x5eed))
 	fixed := func(seed uint64) *rand.Rand { return rand.New(rand.NewPCG(seed, 77)) }
 	systems := make([]string, o.Tenants)
 	tools := make([]json.RawMessage, o.Tenants)
@@ -140,6 +140,133 @@ func GenerateOpenAI(w io.Writer, o GenOptions) error {
 				msgs = append(msgs, reply)
 			}
 			at += rng.ExpFloat64()*o.ThinkSeconds + float64(outTokens)*0.02
+		}
+	}
+	sort.SliceStable(out, func(i, j int) bool { return out[i].TimestampMS < out[j].TimestampMS })
+	enc := json.NewEncoder(w)
+	for i := range out {
+		if err := enc.Encode(&out[i]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// words returns n pseudo-words tagged tag drawn from r, with a line break
+// every 17.
+func words(tag string, n int, r *rand.Rand) string {
+	var sb strings.Builder
+	for i := 0; i < n; i++ {
+		fmt.Fprintf(&sb, "%s%d ", tag, r.IntN(4000))
+		if i%17 == 16 {
+			sb.WriteString(".\n")
+		}
+	}
+	return sb.String()
+}
+
+// genLine is one request of a generated trace.
+type genLine struct {
+	TimestampMS  int64          `json:"timestamp_ms"`
+	SessionID    string         `json:"session_id"`
+	TenantID     string         `json:"tenant_id"`
+	Request      map[string]any `json:"request"`
+	OutputTokens int            `json:"output_tokens"`
+}
+
+// generateBlend writes the "blend" workload: requests whose reusable
+// parts recur after different prefixes and in different orders, where an
+// engine that blends segments (CacheBlend) gains and one that reuses the
+// exact prefix alone does not.
+//
+//   - RAG (7 sessions in 10, 1–2 turns): a system prompt drawn from
+//     o.Tenants × 4 personas, then one user message whose content parts
+//     are an instruction (one of 6), 2–4 documents drawn Zipf(1.1) from a
+//     pool of o.Docs (each 200–500 words), each its own content part, in a
+//     random order, and a paraphrased question.
+//   - Agents (3 in 10, 2–4 turns): the tenant's system prompt and tool
+//     schemas, then tool calls whose outputs (150–400 words) are drawn
+//     Zipf(1.1) from a pool of o.Docs shared by every session: the same
+//     lookups recur across sessions, after different histories.
+//
+// Arrivals are Poisson at o.Rate sessions per second, turns o.ThinkSeconds
+// apart on average. The output depends only on o.
+func generateBlend(w io.Writer, o GenOptions) error {
+	rng := rand.New(rand.NewPCG(o.Seed, o.Seed^0xb1e4d))
+	fixed := func(seed uint64) *rand.Rand { return rand.New(rand.NewPCG(seed, 91)) }
+	personas := make([]string, o.Tenants*4)
+	for i := range personas {
+		personas[i] = fmt.Sprintf("You are persona %d of tenant %d. ", i%4, i/4) + words("s", 60+fixed(uint64(i)).IntN(120), fixed(uint64(i)))
+	}
+	tools := make([]json.RawMessage, o.Tenants)
+	for t := range tools {
+		var schema []map[string]any
+		for k := 0; k < 4; k++ {
+			schema = append(schema, map[string]any{"type": "function", "function": map[string]any{
+				"name": fmt.Sprintf("lookup_%d", k), "description": words("d", 30, fixed(uint64(5000+t*10+k))),
+				"parameters": map[string]any{"type": "object", "properties": map[string]any{"q": map[string]string{"type": "string"}}},
+			}})
+		}
+		tools[t], _ = json.Marshal(schema)
+	}
+	docs := make([]string, o.Docs)
+	outputs := make([]string, o.Docs)
+	for d := range docs {
+		r := fixed(uint64(10000 + d))
+		docs[d] = fmt.Sprintf("Document %d. ", d) + words("c", 200+r.IntN(300), r)
+		outputs[d] = fmt.Sprintf("Result %d: ", d) + words("o", 150+r.IntN(250), r)
+	}
+	instructions := []string{
+		"Answer from the documents only.", "Summarise what the documents say.", "Compare the documents.",
+		"List the facts the documents share.", "Which document answers best?", "Quote the relevant lines.",
+	}
+	docZipf := rand.NewZipf(rng, 1.1, 2, uint64(o.Docs-1))
+	outZipf := rand.NewZipf(rng, 1.1, 2, uint64(o.Docs-1))
+	var out []genLine
+	t := 0.0
+	for s := 0; s < o.Sessions; s++ {
+		t += rng.ExpFloat64() / o.Rate
+		tenant := rng.IntN(o.Tenants)
+		agent := rng.IntN(10) >= 7
+		at := t
+		if !agent {
+			msgs := []map[string]any{{"role": "system", "content": personas[tenant*4+rng.IntN(4)]}}
+			for turn := 0; turn < 1+rng.IntN(2); turn++ {
+				parts := []map[string]string{{"type": "text", "text": instructions[rng.IntN(len(instructions))]}}
+				n := 2 + rng.IntN(3)
+				picked := map[uint64]bool{}
+				for len(picked) < n {
+					picked[docZipf.Uint64()] = true
+				}
+				order := make([]uint64, 0, n)
+				for d := range picked {
+					order = append(order, d)
+				}
+				sort.Slice(order, func(i, j int) bool { return order[i] < order[j] })
+				rng.Shuffle(len(order), func(i, j int) { order[i], order[j] = order[j], order[i] })
+				for _, d := range order {
+					parts = append(parts, map[string]string{"type": "text", "text": docs[d]})
+				}
+				parts = append(parts, map[string]string{"type": "text", "text": "Question: " + words("q", 8+rng.IntN(16), rng)})
+				msgs = append(msgs, map[string]any{"role": "user", "content": parts})
+				outTokens := 30 + rng.IntN(200)
+				body := map[string]any{"model": "sim-model", "messages": append([]map[string]any(nil), msgs...), "stream": true}
+				out = append(out, genLine{int64(at * 1000), fmt.Sprintf("s%d", s), fmt.Sprintf("t%d", tenant), body, outTokens})
+				msgs = append(msgs, map[string]any{"role": "assistant", "content": words("a", outTokens*2/3, fixed(uint64(s*100+turn)))})
+				at += rng.ExpFloat64()*o.ThinkSeconds + float64(outTokens)*0.02
+			}
+			continue
+		}
+		msgs := []map[string]any{{"role": "system", "content": personas[tenant*4]}, {"role": "user", "content": words("u", 20+rng.IntN(30), rng)}}
+		for turn := 0; turn < 2+rng.IntN(3); turn++ {
+			outTokens := 20 + rng.IntN(60)
+			body := map[string]any{"model": "sim-model", "messages": append([]map[string]any(nil), msgs...), "stream": true, "tools": tools[tenant]}
+			out = append(out, genLine{int64(at * 1000), fmt.Sprintf("s%d", s), fmt.Sprintf("t%d", tenant), body, outTokens})
+			call := fmt.Sprintf("call_%d_%d", s, turn)
+			msgs = append(msgs, map[string]any{"role": "assistant", "content": nil, "tool_calls": []map[string]any{{"id": call, "type": "function",
+				"function": map[string]any{"name": fmt.Sprintf("lookup_%d", turn%4), "arguments": `{"q":"x"}`}}}},
+				map[string]any{"role": "tool", "tool_call_id": call, "content": outputs[outZipf.Uint64()]})
+			at += rng.ExpFloat64()*o.ThinkSeconds/4 + float64(outTokens)*0.02
 		}
 	}
 	sort.SliceStable(out, func(i, j int) bool { return out[i].TimestampMS < out[j].TimestampMS })

@@ -395,7 +395,7 @@ func newEngineDecider(reqs []Request, m *Model, run Run, clock *int64) (*engineD
 	}
 	specs := make([]replica.Spec, m.Replicas)
 	for i := range specs {
-		specs[i] = replica.Spec{Name: fmt.Sprintf("replica-%d", i), URL: fmt.Sprintf("http://replica-%d.sim", i), BudgetTokens: m.BudgetTokens}
+		specs[i] = replica.Spec{Name: fmt.Sprintf("replica-%d", i), URL: fmt.Sprintf("http://replica-%d.sim", i), BudgetTokens: m.BudgetTokens, Reuse: m.Reuse}
 		if len(m.ReplicaNames) > 0 {
 			specs[i].Name = m.ReplicaNames[i]
 		}

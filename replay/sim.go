@@ -61,6 +61,10 @@ type Model struct {
 	// number.
 	ReplicaNames []string
 	Budgets      []int64
+	// Reuse is every replica's engine capability (replica.Reuse): with
+	// ReuseBlend, the engines reuse cached segments past the exact prefix
+	// (an openai trace's blocks need segment keys: blockhash.Options.Segments).
+	Reuse replica.Reuse
 }
 
 // Defaults of Model.
@@ -106,7 +110,7 @@ func (m *Model) defaults() error {
 	if _, err := eviction.Lookup(m.Eviction); err != nil {
 		return err
 	}
-	return nil
+	return m.Reuse.Check()
 }
 
 // decider routes for a run: the engine for a policy, a shared cache for the
@@ -389,7 +393,7 @@ func (e *engineDecider) decide(i int, now int64) (int, int, int, error) {
 	}
 	c := d.Chosen()
 	e.ds[i], e.served[i] = d, c
-	return c.Replica.ID, c.Match.Tokens, c.Match.Blocks, nil
+	return c.Replica.ID, c.Match.Tokens + int(c.Reuse), c.Match.Blocks, nil
 }
 
 func (e *engineDecider) prefillDone(i int, now int64, cached int) {

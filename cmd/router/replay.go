@@ -71,7 +71,7 @@ report.html to --out.`,
 					blockTokens = blockhash.DefaultBlockTokens
 				}
 				var s *blockhash.Splitter
-				if s, err = blockhash.NewSplitter(blockhash.Options{BlockTokens: blockTokens}); err == nil {
+				if s, err = blockhash.NewSplitter(blockhash.Options{BlockTokens: blockTokens, Segments: m.Reuse.Blend()}); err == nil {
 					reqs, err = replay.ReadOpenAI(f, s)
 				}
 			}
@@ -94,6 +94,11 @@ report.html to --out.`,
 			}
 			if ablate {
 				runs = append(runs, replay.Ablations(m.Policy)...)
+			}
+			if m.Reuse.Blend() { // the baseline engine-aware credit is measured against
+				prefixOnly := m.Policy
+				prefixOnly.PrefixOnly = true
+				runs = append(runs, replay.Run{Label: "semantic-prefix-credit", Policy: "semantic", Config: &prefixOnly})
 			}
 			if withMatcher {
 				m.Matcher = func() routing.Matcher {
@@ -187,6 +192,9 @@ report.html to --out.`,
 	f.StringVar(&syncs, "sync", "none,shared", "with --routers: whether the routers share their pictures and load (none, shared; comma-separated to compare)")
 	f.DurationVar(&syncDelay, "sync-delay", 5*time.Millisecond, "with --sync shared: the time a router's change takes to reach the others")
 	f.IntVar(&sample, "requests", 0, "replay only the first this many requests of the trace (0: all)")
+	f.StringVar(&m.Reuse.Mode, "reuse", replica.ReusePrefix, "the engines' reuse beyond the exact prefix: prefix, or blend (position-independent segments, as CacheBlend); with blend, also runs semantic-prefix-credit, the semantic policy crediting the exact prefix alone")
+	f.Float64Var(&m.Reuse.Recompute, "recompute", replica.DefaultRecompute, "--reuse blend: share of a reused segment's tokens the engine computes again")
+	f.Int64Var(&m.Reuse.BudgetTokens, "reuse-budget-tokens", 0, "--reuse blend: tokens of segments each engine keeps for blending (0: --budget-tokens)")
 	_ = cmd.MarkFlagRequired("trace")
 	return cmd
 }
@@ -221,7 +229,8 @@ func newGenTrace() *cobra.Command {
 	f.IntVar(&o.Sessions, "sessions", 2000, "sessions")
 	f.Float64Var(&o.Rate, "rate", 2, "new sessions per second")
 	f.IntVar(&o.Tenants, "tenants", 8, "tenants, each with its own system prompt and tools")
-	f.IntVar(&o.Docs, "docs", 300, "documents in the retrieval corpus")
+	f.IntVar(&o.Docs, "docs", 300, "documents in the retrieval corpus (blend: also the pool of tool outputs)")
+	f.StringVar(&o.Workload, "workload", "mixed", "mixed (RAG, chats and agents), or blend (documents and tool outputs that recur after other prefixes and in other orders; see replay.GenOptions)")
 	f.Float64Var(&o.ThinkSeconds, "think-seconds", 20, "mean time between a session's turns")
 	return cmd
 }
