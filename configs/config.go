@@ -319,6 +319,22 @@ type Replica struct {
 	// KVEvents, if set, keeps the replica's cache picture from its
 	// engine's KV events.
 	KVEvents KVEventsConfig `mapstructure:"kv_events" json:"kv_events"`
+	// Reuse is what the replica's engine reuses beyond the exact prefix.
+	Reuse ReuseConfig `mapstructure:"reuse" json:"reuse"`
+}
+
+// ReuseConfig is an engine's reuse of KV beyond the exact prefix
+// (replica.Reuse). The zero value: the exact prefix alone. A blending
+// replica must be in the config when the router starts.
+type ReuseConfig struct {
+	// Mode is "prefix" (or empty) or "blend" (position-independent
+	// segments, as CacheBlend in LMCache).
+	Mode string `mapstructure:"mode" json:"mode,omitempty"`
+	// Recompute is blend's recomputed share; 0: 0.15.
+	Recompute float64 `mapstructure:"recompute" json:"recompute,omitempty"`
+	// BudgetTokens is the tokens of segments the engine keeps for
+	// blending; 0: the replica's budget.
+	BudgetTokens int64 `mapstructure:"budget_tokens" json:"budget_tokens,omitempty"`
 }
 
 // DefaultBudgetTokens is the KV cache budget, in tokens, assumed for a

@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"go.yaml.in/yaml/v3"
+
+	"github.com/semroute/semroute/replica"
 )
 
 func TestGoodConfigs(t *testing.T) {
@@ -33,7 +35,8 @@ func TestGoodConfigs(t *testing.T) {
 	if c.Routing.Policy != "least_load" || c.Routing.LoadHalfLife != 0 || c.Health.Fall != 3 || c.Timeouts.FirstByte != time.Second ||
 		c.Routing.RecordReplies || c.Routing.KindWeights["user_query"] != 0 ||
 		len(c.Routing.Arms) != 2 || *c.Routing.Arms[0].LoadWeight != 0.5 || c.Routing.Arms[1].LoadWeight != nil ||
-		c.GRPCListen != "127.0.0.1:9001" || !c.DecisionLog.RawIDs || c.Replicas[0].Weight != 2 || c.Blocks.BytesPerToken != 3 {
+		c.GRPCListen != "127.0.0.1:9001" || !c.DecisionLog.RawIDs || c.Replicas[0].Weight != 2 || c.Blocks.BytesPerToken != 3 ||
+		c.Replicas[0].Spec().Reuse != (replica.Reuse{Mode: replica.ReuseBlend, Recompute: 0.2}) {
 		t.Fatalf("decoded %+v", c)
 	}
 }
@@ -44,7 +47,7 @@ func TestBadConfigs(t *testing.T) {
 		"bad-values.bad.yaml": {
 			"listen:", "log.level:", "log.format:", "routing.policy:", "routing.load_weight:", "routing.spill_factor:",
 			"routing.attempts:", "routing.kind_weights.sytem:", "blocks:", "cache.eviction:", "limits.max_body_bytes:",
-			"limits.max_messages:", "replicas[0].url:", "replicas[1].name:", "replicas[1].weight:",
+			"limits.max_messages:", "replicas[0].url:", "replicas[1].name:", "replicas[1].weight:", "replicas[1].reuse:",
 			"routing.arms[0].policy:", "routing.arms[0].weight:", "routing.arms[1].name:", "runtime.gc_floor_mb:",
 		},
 		"hostile.bad.yaml": {"grpc.token:", "grpc.tls_cert_file:", "grpc.max_held_decisions:", "limits.max_json_depth:",

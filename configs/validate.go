@@ -333,6 +333,9 @@ func (r Replica) check() []FieldError {
 	if r.KVEvents.Endpoint == "" && r.KVEvents.ReplayEndpoint != "" {
 		errs = append(errs, FieldError{"kv_events.endpoint", "is required with kv_events.replay_endpoint"})
 	}
+	if err := r.Spec().Reuse.Check(); err != nil {
+		errs = append(errs, FieldError{"reuse", err.Error()})
+	}
 	return errs
 }
 
@@ -352,5 +355,6 @@ func (r Replica) Validate() error {
 // Spec is the replica's pool spec.
 func (r Replica) Spec() replica.Spec {
 	return replica.Spec{Name: r.Name, URL: r.URL, BudgetTokens: r.BudgetTokens, Weight: r.Weight,
-		KVEvents: replica.KVEvents{Endpoint: r.KVEvents.Endpoint, ReplayEndpoint: r.KVEvents.ReplayEndpoint, Topic: r.KVEvents.Topic}}
+		KVEvents: replica.KVEvents{Endpoint: r.KVEvents.Endpoint, ReplayEndpoint: r.KVEvents.ReplayEndpoint, Topic: r.KVEvents.Topic},
+		Reuse:    replica.Reuse{Mode: r.Reuse.Mode, Recompute: r.Reuse.Recompute, BudgetTokens: r.Reuse.BudgetTokens}}
 }

@@ -208,7 +208,12 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		CheckInterval: h.CheckInterval, CheckTimeout: h.CheckTimeout, Fall: h.Fall, Rise: h.Rise,
 		ScrapeInterval: scrapeInterval(h.ScrapeInterval), Logger: log,
 		OnBudget:  func(r *replica.Replica, tokens int64) { cache.SetBudget(r.ID, tokens) },
-		OnRestart: func(r *replica.Replica) { cache.Clear(r.ID) },
+		OnRestart: func(r *replica.Replica) {
+			cache.Clear(r.ID)
+			if segs := eng.Segments(); segs != nil {
+				segs.Clear(r.ID) // a restarted engine's blending store is empty too
+			}
+		},
 		OnAdapters: func(_ *replica.Replica, adapters []string) {
 			for _, a := range adapters {
 				eng.NoteAdapter(a) // precise mode keys an adapter's blocks as its engine does
@@ -248,6 +253,9 @@ func specsOf(rs []configs.Replica) []replica.Spec {
 func (a *app) retire(r *replica.Replica) {
 	a.events.remove(r.ID)
 	a.cache.RemoveReplica(r.ID)
+	if segs := a.core.Engine().Segments(); segs != nil {
+		segs.RemoveReplica(r.ID)
+	}
 	a.monitor.Forget(r)
 }
 
