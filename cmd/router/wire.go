@@ -207,7 +207,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	a.monitor = monitor.New(pool, monitor.Options{
 		CheckInterval: h.CheckInterval, CheckTimeout: h.CheckTimeout, Fall: h.Fall, Rise: h.Rise,
 		ScrapeInterval: scrapeInterval(h.ScrapeInterval), Logger: log,
-		OnBudget:  func(r *replica.Replica, tokens int64) { cache.SetBudget(r.ID, tokens) },
+		OnBudget: func(r *replica.Replica, tokens int64) { cache.SetBudget(r.ID, tokens) },
 		OnRestart: func(r *replica.Replica) {
 			cache.Clear(r.ID)
 			if segs := eng.Segments(); segs != nil {
