@@ -93,14 +93,7 @@ func GenerateOpenAI(w io.Writer, o GenOptions) error {
 		"Find contradictions in the document below.", "Extract every date in the document below.",
 	}
 	zipf := rand.NewZipf(rng, 1.2, 2, uint64(o.Docs-1))
-	type line struct {
-		TimestampMS  int64          `json:"timestamp_ms"`
-		SessionID    string         `json:"session_id"`
-		TenantID     string         `json:"tenant_id"`
-		Request      map[string]any `json:"request"`
-		OutputTokens int            `json:"output_tokens"`
-	}
-	var out []line
+	var out []genLine
 	t := 0.0
 	for s := 0; s < o.Sessions; s++ {
 		t += rng.ExpFloat64() / o.Rate
@@ -128,7 +121,7 @@ func GenerateOpenAI(w io.Writer, o GenOptions) error {
 				body["tools"] = tools[tenant]
 			}
 			outTokens := 30 + rng.IntN(300)
-			out = append(out, line{int64(at * 1000), fmt.Sprintf("s%d", s), fmt.Sprintf("t%d", tenant), body, outTokens})
+			out = append(out, genLine{int64(at * 1000), fmt.Sprintf("s%d", s), fmt.Sprintf("t%d", tenant), body, outTokens})
 			reply := map[string]any{"role": "assistant", "content": words("a", outTokens*2/3, fixed(uint64(s*100+turn)))}
 			if kind >= 8 {
 				call := fmt.Sprintf("call_%d_%d", s, turn)
@@ -142,14 +135,7 @@ func GenerateOpenAI(w io.Writer, o GenOptions) error {
 			at += rng.ExpFloat64()*o.ThinkSeconds + float64(outTokens)*0.02
 		}
 	}
-	sort.SliceStable(out, func(i, j int) bool { return out[i].TimestampMS < out[j].TimestampMS })
-	enc := json.NewEncoder(w)
-	for i := range out {
-		if err := enc.Encode(&out[i]); err != nil {
-			return err
-		}
-	}
-	return nil
+	return writeLines(w, out)
 }
 
 // words returns n pseudo-words tagged tag drawn from r, with a line break
@@ -269,6 +255,11 @@ func generateBlend(w io.Writer, o GenOptions) error {
 			at += rng.ExpFloat64()*o.ThinkSeconds/4 + float64(outTokens)*0.02
 		}
 	}
+	return writeLines(w, out)
+}
+
+// writeLines writes a generated trace's requests in arrival order.
+func writeLines(w io.Writer, out []genLine) error {
 	sort.SliceStable(out, func(i, j int) bool { return out[i].TimestampMS < out[j].TimestampMS })
 	enc := json.NewEncoder(w)
 	for i := range out {
