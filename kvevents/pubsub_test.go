@@ -11,6 +11,8 @@ import (
 
 	"github.com/go-zeromq/zmq4"
 	"go.uber.org/goleak"
+
+	"github.com/semroute/semroute/internal/testnet"
 )
 
 // zmq4 v0.17.0 never stops a closed PUB socket's writer goroutine (see
@@ -387,30 +389,20 @@ func TestGuardConn(t *testing.T) {
 // A hostile publisher announcing a 1 TiB frame right after its greeting
 // gets its connection cut; the subscriber lives on and dials again.
 func TestGuardAgainstHugeFrame(t *testing.T) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var conns sync.WaitGroup
 	accepted := make(chan struct{}, 100)
-	conns.Add(1)
-	go func() {
-		defer conns.Done()
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			accepted <- struct{}{}
-			g := make([]byte, zmtpGreeting) // ZMTP 3.0, NULL mechanism
-			g[0], g[9], g[10] = 0xff, 0x7f, 3
-			copy(g[12:], "NULL")
-			c.Write(g)
-			c.Write([]byte{0x06, 0, 0, 1, 0, 0, 0, 0, 0}) // long command frame of 2^40 bytes
-			c.Close()
+	addr, _ := testnet.Serve(t, func(c net.Conn) {
+		select {
+		case accepted <- struct{}{}:
+		default:
 		}
-	}()
-	s, err := NewSubscriber(SubscriberOptions{Endpoint: "tcp://" + l.Addr().String(),
+		g := make([]byte, zmtpGreeting) // ZMTP 3.0, NULL mechanism
+		g[0], g[9], g[10] = 0xff, 0x7f, 3
+		copy(g[12:], "NULL")
+		c.Write(g)
+		c.Write([]byte{0x06, 0, 0, 1, 0, 0, 0, 0, 0}) // long command frame of 2^40 bytes
+		c.Close()
+	})
+	s, err := NewSubscriber(SubscriberOptions{Endpoint: "tcp://" + addr,
 		OnBatch: func(uint64, Batch) {}, ReconnectMin: time.Millisecond, ReconnectMax: 5 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
@@ -423,8 +415,6 @@ func TestGuardAgainstHugeFrame(t *testing.T) {
 		}
 	}
 	s.Close()
-	l.Close()
-	conns.Wait()
 }
 
 // BenchmarkSubscriber is the whole path on 127.0.0.1: encode, PUB, SUB,

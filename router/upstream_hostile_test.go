@@ -107,19 +107,32 @@ func burst(t *testing.T, rt http.RoundTripper, url string, n int) {
 	wg.Wait()
 }
 
+// secondAnswer is what a scripted replica answers after a hostile first
+// answer: a desync shows as the next request getting anything else.
+const secondAnswer = "HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecond"
+
+// thenSecond is a script that answers a connection's first request with
+// first (which reports whether the connection stays open) and every later
+// one with secondAnswer.
+func thenSecond(first func(c net.Conn) bool) func(net.Conn, *bufio.Reader, *http.Request, int) bool {
+	return func(c net.Conn, _ *bufio.Reader, _ *http.Request, i int) bool {
+		if i == 0 {
+			return first(c)
+		}
+		io.WriteString(c, secondAnswer)
+		return true
+	}
+}
+
 // A1: a replica sends more bytes than its Content-Length. The surplus is a
 // whole response; the next request on the pooled connection gets it.
 func TestUpstreamHostileExcessBytesDesync(t *testing.T) {
 	both(t, func(t *testing.T, rt http.RoundTripper) {
-		s := newScripted(t, true, func(c net.Conn, _ *bufio.Reader, req *http.Request, i int) bool {
-			if i == 0 {
-				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfirst"+
-					"HTTP/1.1 200 OK\r\nContent-Length: 13\r\n\r\nSMUGGLED-FOR-")
-				return true
-			}
-			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecond")
+		s := newScripted(t, true, thenSecond(func(c net.Conn) bool {
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfirst"+
+				"HTTP/1.1 200 OK\r\nContent-Length: 13\r\n\r\nSMUGGLED-FOR-")
 			return true
-		})
+		}))
 		_, b1, err := do(t, rt, "POST", s.url+"/a", "tenant A")
 		t.Logf("req1: %q %v", b1, err)
 		_, b2, err := do(t, rt, "POST", s.url+"/b", "tenant B")
@@ -134,14 +147,10 @@ func TestUpstreamHostileExcessBytesDesync(t *testing.T) {
 func TestUpstreamHostile204WithBody(t *testing.T) {
 	for _, code := range []int{204, 304} {
 		both(t, func(t *testing.T, rt http.RoundTripper) {
-			s := newScripted(t, true, func(c net.Conn, _ *bufio.Reader, req *http.Request, i int) bool {
-				if i == 0 {
-					fmt.Fprintf(c, "HTTP/1.1 %d X\r\nContent-Length: 42\r\n\r\nHTTP/1.1 418 Teapot\r\nContent-Length: 0\r\n\r\n", code)
-					return true
-				}
-				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecond")
+			s := newScripted(t, true, thenSecond(func(c net.Conn) bool {
+				fmt.Fprintf(c, "HTTP/1.1 %d X\r\nContent-Length: 42\r\n\r\nHTTP/1.1 418 Teapot\r\nContent-Length: 0\r\n\r\n", code)
 				return true
-			})
+			}))
 			c1, _, err := do(t, rt, "GET", s.url+"/a", "")
 			t.Logf("req1: %d %v", c1, err)
 			c2, b2, err := do(t, rt, "GET", s.url+"/b", "")
@@ -161,7 +170,7 @@ func TestUpstreamHostileHeadWithBody(t *testing.T) {
 				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 38\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
 				return true
 			}
-			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecond")
+			io.WriteString(c, secondAnswer)
 			return true
 		})
 		do(t, rt, "HEAD", s.url+"/a", "")
@@ -334,16 +343,12 @@ func TestUpstreamHostileUpgradeHeaderDropped(t *testing.T) {
 // arrive late (after the body ended, before the next request).
 func TestUpstreamHostileLateUnsolicitedBytes(t *testing.T) {
 	both(t, func(t *testing.T, rt http.RoundTripper) {
-		s := newScripted(t, true, func(c net.Conn, _ *bufio.Reader, req *http.Request, i int) bool {
-			if i == 0 {
-				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfirst")
-				time.Sleep(10 * time.Millisecond)
-				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\nunsolicited!")
-				return true
-			}
-			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecond")
+		s := newScripted(t, true, thenSecond(func(c net.Conn) bool {
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfirst")
+			time.Sleep(10 * time.Millisecond)
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\nunsolicited!")
 			return true
-		})
+		}))
 		do(t, rt, "GET", s.url+"/a", "")
 		time.Sleep(100 * time.Millisecond)
 		c2, b2, err := do(t, rt, "GET", s.url+"/b", "")
@@ -448,14 +453,10 @@ func TestUpstreamHostileFramingVariants(t *testing.T) {
 	for name, v := range variants {
 		t.Run(name, func(t *testing.T) {
 			both(t, func(t *testing.T, rt http.RoundTripper) {
-				s := newScripted(t, true, func(c net.Conn, _ *bufio.Reader, req *http.Request, i int) bool {
-					if i == 0 {
-						io.WriteString(c, v)
-						return name != "http10-close" && name != "100-then-close"
-					}
-					io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecond")
-					return true
-				})
+				s := newScripted(t, true, thenSecond(func(c net.Conn) bool {
+					io.WriteString(c, v)
+					return name != "http10-close" && name != "100-then-close"
+				}))
 				c1, b1, err1 := do(t, rt, "GET", s.url+"/a", "")
 				c2, b2, err2 := do(t, rt, "GET", s.url+"/b", "")
 				t.Logf("1: %d %q %v | 2: %d %q %v | conns %d", c1, b1, err1, c2, b2, err2, s.conns.Load())

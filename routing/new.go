@@ -3,6 +3,7 @@ package routing
 import (
 	"cmp"
 	"errors"
+	"slices"
 	"time"
 
 	"github.com/semroute/semroute/blockhash"
@@ -47,15 +48,13 @@ type Options struct {
 // Engine over them.
 func New(o Options) (*Engine, error) {
 	var segs *cachemodel.Segments
-	for _, r := range o.Replicas {
-		if r.Reuse.Blend() && segs == nil {
-			kinds := o.BlendKinds
-			if kinds == nil {
-				kinds = []blockhash.Kind{blockhash.KindRetrievedContext, blockhash.KindToolOutput}
-			}
-			segs = cachemodel.NewSegments(o.Eviction, kinds)
-			o.Split.Segments = true
+	if slices.ContainsFunc(o.Replicas, func(r replica.Spec) bool { return r.Reuse.Blend() }) {
+		kinds := o.BlendKinds
+		if kinds == nil {
+			kinds = []blockhash.Kind{blockhash.KindRetrievedContext, blockhash.KindToolOutput}
 		}
+		segs = cachemodel.NewSegments(o.Eviction, kinds)
+		o.Split.Segments = true
 	}
 	split, err := blockhash.NewSplitter(o.Split)
 	if err != nil {
@@ -116,3 +115,21 @@ func (e *Engine) AddReplica(s replica.Spec) (*replica.Replica, error) {
 // Segments returns the picture of the blending replicas' segments, or nil
 // when no replica blends.
 func (e *Engine) Segments() *cachemodel.Segments { return e.segs }
+
+// ClearPicture empties replica id's pictures, its cache's and its
+// segments' (its engine restarted).
+func (e *Engine) ClearPicture(id int) {
+	e.cache.Clear(id)
+	if e.segs != nil {
+		e.segs.Clear(id)
+	}
+}
+
+// DropPicture forgets replica id's pictures (it left the pool and nothing
+// is in flight on it), so that a replica reusing its id starts clean.
+func (e *Engine) DropPicture(id int) {
+	e.cache.RemoveReplica(id)
+	if e.segs != nil {
+		e.segs.RemoveReplica(id)
+	}
+}

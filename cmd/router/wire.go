@@ -207,13 +207,8 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	a.monitor = monitor.New(pool, monitor.Options{
 		CheckInterval: h.CheckInterval, CheckTimeout: h.CheckTimeout, Fall: h.Fall, Rise: h.Rise,
 		ScrapeInterval: scrapeInterval(h.ScrapeInterval), Logger: log,
-		OnBudget: func(r *replica.Replica, tokens int64) { cache.SetBudget(r.ID, tokens) },
-		OnRestart: func(r *replica.Replica) {
-			cache.Clear(r.ID)
-			if segs := eng.Segments(); segs != nil {
-				segs.Clear(r.ID) // a restarted engine's blending store is empty too
-			}
-		},
+		OnBudget:  func(r *replica.Replica, tokens int64) { cache.SetBudget(r.ID, tokens) },
+		OnRestart: func(r *replica.Replica) { eng.ClearPicture(r.ID) },
 		OnAdapters: func(_ *replica.Replica, adapters []string) {
 			for _, a := range adapters {
 				eng.NoteAdapter(a) // precise mode keys an adapter's blocks as its engine does
@@ -252,10 +247,7 @@ func specsOf(rs []configs.Replica) []replica.Spec {
 // on it, so that a later replica reusing its id starts clean.
 func (a *app) retire(r *replica.Replica) {
 	a.events.remove(r.ID)
-	a.cache.RemoveReplica(r.ID)
-	if segs := a.core.Engine().Segments(); segs != nil {
-		segs.RemoveReplica(r.ID)
-	}
+	a.engine.DropPicture(r.ID)
 	a.monitor.Forget(r)
 }
 
