@@ -336,7 +336,7 @@ func FuzzParseSplit(f *testing.F) {
 		estimate := 0
 		for i := range r.Parts {
 			p, n := &r.Parts[i], 0
-			p.eachSeg(func(from, to int) { n += s.segTokens(p, to-from) })
+			p.EachSeg(func(from, to int) { n += s.segTokens(p, to-from) })
 			estimate += max(n, 1)
 		}
 		if tokens != estimate {

@@ -123,13 +123,13 @@ func (s *Splitter) CountPart(p *Part) int {
 		step = 4 * s.blockTokens
 	}
 	n := 0
-	p.eachSeg(func(from, to int) { n += (to - from + step - 1) / step })
+	p.EachSeg(func(from, to int) { n += (to - from + step - 1) / step })
 	return max(n, 1)
 }
 
-// eachSeg calls f with the bounds of each non-empty segment of p's text
+// EachSeg calls f with the bounds of each non-empty segment of p's text
 // (Segs), in order.
-func (p *Part) eachSeg(f func(from, to int)) {
+func (p *Part) EachSeg(f func(from, to int)) {
 	from := 0
 	for _, at := range p.Segs {
 		if a := min(max(int(at), from), len(p.Text)); a > from {
@@ -169,7 +169,7 @@ func (s *Splitter) AppendPart(dst []Block, parent uint64, p *Part) []Block {
 	inFence := false
 	h := parent
 	last := len(text) // where the last segment ends
-	p.eachSeg(func(from, to int) {
+	p.EachSeg(func(from, to int) {
 		seg := text[from:to]
 		// A segment that reads as a document, or a content part of at
 		// least a block followed by another, is retrieved context: all of

@@ -39,6 +39,10 @@ type Options struct {
 	// retrieved_context and tool_output, the segments that recur across
 	// prompts in other places.
 	BlendKinds []blockhash.Kind
+	// Blending prepares the segment picture although no replica of
+	// Replicas blends: set it when replicas that blend will be added
+	// (AddReplica refuses them otherwise).
+	Blending bool
 	// Engine configures the engine. When Engine.Matcher is set, the cache
 	// picture tells it of every eviction (Matcher.Forget).
 	Engine EngineOptions
@@ -48,7 +52,7 @@ type Options struct {
 // Engine over them.
 func New(o Options) (*Engine, error) {
 	var segs *cachemodel.Segments
-	if slices.ContainsFunc(o.Replicas, func(r replica.Spec) bool { return r.Reuse.Blend() }) {
+	if o.Blending || slices.ContainsFunc(o.Replicas, func(r replica.Spec) bool { return r.Reuse.Blend() }) {
 		kinds := o.BlendKinds
 		if kinds == nil {
 			kinds = []blockhash.Kind{blockhash.KindRetrievedContext, blockhash.KindToolOutput}

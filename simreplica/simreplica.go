@@ -101,6 +101,9 @@ type Options struct {
 	// free port and Server.KVEventsEndpoints to learn it. OnKVEvent still
 	// hears every event.
 	KVEvents *kvevents.PublisherOptions
+	// Blend, if set, makes the replica reuse documents and tool results
+	// wherever they appear in a prompt, as CacheBlend does: see Blend.
+	Blend *Blend
 }
 
 func (o *Options) defaults() {
@@ -143,7 +146,10 @@ type Stats struct {
 	Completed    int64 // finished normally
 	Cancelled    int64 // ended because the client went away
 	PromptTokens int64
-	CachedTokens int64
+	CachedTokens int64 // reported in usage: the prefix cache's hit and, with Blend, the segments reused
+	// ReusedTokens is the part of CachedTokens that Blend reused past the
+	// prefix cache's hit.
+	ReusedTokens int64
 }
 
 // model is a served model: the base model or a LoRA adapter.
@@ -159,6 +165,7 @@ type Server struct {
 	o      Options
 	kv     *kvPublisher // nil unless Options.KVEvents
 	kvOnce sync.Once
+	blend  *blendStore // nil unless Options.Blend
 	mux    *http.ServeMux
 	sem    chan struct{}
 	// prefill is the one prompt computation at a time (see prefillQueue).
@@ -180,10 +187,10 @@ type Server struct {
 	pins  map[uint64]int32
 	epoch uint64
 
-	requests, completed, cancelled, promptTokens, cachedTokens atomic.Int64
+	requests, completed, cancelled, promptTokens, cachedTokens, reusedTokens atomic.Int64
 	// Counters exported to /metrics; Restart zeroes them, as a restarted
 	// engine would.
-	queries, hits, promptTotal, genTotal atomic.Int64
+	queries, hits, promptTotal, genTotal, extQueries, extHits atomic.Int64
 	fault                                atomic.Int32 // status to answer everything with; 0: none
 	traceparent                          atomic.Value // string: the last completion request's traceparent header
 
@@ -233,6 +240,24 @@ func New(o Options) (*Server, error) {
 	ctr("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.", &s.hits)
 	ctr("vllm:prompt_tokens_total", "Number of prefill tokens processed.", &s.promptTotal)
 	ctr("vllm:generation_tokens_total", "Number of generation tokens processed.", &s.genTotal)
+	if o.Blend != nil {
+		if o.Tokenizer != TokenizerWords {
+			return nil, fmt.Errorf("simreplica: Blend needs the %q tokenizer", TokenizerWords)
+		}
+		b := *o.Blend
+		if b.Recompute == 0 {
+			b.Recompute = DefaultRecompute
+		}
+		if b.BudgetTokens <= 0 {
+			b.BudgetTokens = o.NumBlocks * o.BlockSize
+		}
+		s.o.Blend = &b
+		if s.blend, err = newBlendStore(b, o.BlockSize); err != nil {
+			return nil, err
+		}
+		ctr("vllm:external_prefix_cache_queries_total", "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.", &s.extQueries)
+		ctr("vllm:external_prefix_cache_hits_total", "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.", &s.extHits)
+	}
 	info := prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "vllm:cache_config_info", Help: "Information of the LLMEngine CacheConfig."},
 		[]string{"block_size", "num_gpu_blocks"})
 	info.WithLabelValues(fmt.Sprint(o.BlockSize), fmt.Sprint(o.NumBlocks)).Set(1)
@@ -282,7 +307,10 @@ func (s *Server) Fault(status int) { s.fault.Store(int32(status)) }
 // restarted engine would.
 func (s *Server) Restart() {
 	s.DropCache()
-	for _, c := range []*atomic.Int64{&s.queries, &s.hits, &s.promptTotal, &s.genTotal} {
+	if s.blend != nil {
+		s.blend.clear()
+	}
+	for _, c := range []*atomic.Int64{&s.queries, &s.hits, &s.promptTotal, &s.genTotal, &s.extQueries, &s.extHits} {
 		c.Store(0)
 	}
 }
@@ -291,7 +319,7 @@ func (s *Server) Restart() {
 func (s *Server) Stats() Stats {
 	return Stats{
 		Requests: s.requests.Load(), Completed: s.completed.Load(), Cancelled: s.cancelled.Load(),
-		PromptTokens: s.promptTokens.Load(), CachedTokens: s.cachedTokens.Load(),
+		PromptTokens: s.promptTokens.Load(), CachedTokens: s.cachedTokens.Load(), ReusedTokens: s.reusedTokens.Load(),
 	}
 }
 
@@ -413,7 +441,8 @@ func writeError(w http.ResponseWriter, status int, typ, msg string) {
 type scratch struct {
 	body, prompt []byte
 	keys         []uint64
-	ids          []int32
+	ids, seg     []int32
+	spans        []span
 }
 
 var scratchPool = sync.Pool{New: func() any { return new(scratch) }}
@@ -592,20 +621,32 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 
 	keys, tokens, cached := s.lookup(sc.ids, m, sc.keys)
 	sc.keys = keys
+	reused := 0
+	if s.blend != nil {
+		sc.spans, sc.seg = s.spans(sc.spans[:0], sc.seg, req, sc.ids, m)
+		// An engine always computes at least the last prompt token.
+		reused = max(min(s.blend.reuse(sc.spans, cached), tokens-1-cached), 0)
+		s.extQueries.Add(int64(tokens - cached))
+		s.extHits.Add(int64(reused))
+	}
 	blocks := int64((tokens + outTokens + s.o.BlockSize - 1) / s.o.BlockSize)
 	s.hold(blocks)
 	defer s.hold(-blocks)
 	s.promptTokens.Add(int64(tokens))
-	s.cachedTokens.Add(int64(cached))
+	s.cachedTokens.Add(int64(cached + reused))
+	s.reusedTokens.Add(int64(reused))
 	s.queries.Add(int64(tokens))
 	s.hits.Add(int64(cached))
-	s.promptTotal.Add(int64(tokens - cached))
+	s.promptTotal.Add(int64(tokens - cached - reused))
 	var unpin func()
 	computed := func() bool {
 		defer s.prefill.release() // whatever happens, the next prefill's turn comes
-		ok := sleep(ctx, time.Duration(tokens-cached)*s.o.PrefillPerToken)
+		ok := sleep(ctx, time.Duration(tokens-cached-reused)*s.o.PrefillPerToken)
 		if ok {
 			unpin = s.store(keys, sc.ids, m)
+			if s.blend != nil {
+				s.blend.put(sc.spans)
+			}
 		}
 		return ok
 	}()
@@ -618,7 +659,7 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	}
 
 	g := &generation{
-		s: s, model: m.name, ep: ep, req: req, tokens: tokens, cached: cached, out: outTokens,
+		s: s, model: m.name, ep: ep, req: req, tokens: tokens, cached: cached + reused, out: outTokens,
 		id: fmt.Sprintf("cmpl-%016x", keys0(keys)^uint64(time.Now().UnixNano())), seed: keys0(keys),
 		usage: fl.includeUsage,
 	}

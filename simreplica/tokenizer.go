@@ -361,7 +361,7 @@ func (t *Tokenizer) RenderChat(dst []byte, parts []blockhash.Part, addGeneration
 	}
 	n := len(specialText[TokenBOS]) + 64
 	for _, p := range parts {
-		n += len(p.Text) + 64
+		n += len(p.Text) + len(p.Segs) + 64
 	}
 	dst = slices.Grow(dst[:0], n)
 	dst = append(dst, specialText[TokenBOS]...)
@@ -373,7 +373,17 @@ func (t *Tokenizer) RenderChat(dst []byte, parts []blockhash.Part, addGeneration
 		if p.Role == blockhash.RoleTools {
 			dst = append(dst, "Available tools: "...)
 		}
-		dst = append(dst, p.Text...)
+		// A message's text content parts are joined with newlines, as
+		// vLLM joins them before the template sees the message.
+		from := 0
+		for _, at := range p.Segs {
+			if a := min(max(int(at), from), len(p.Text)); a > from {
+				dst = append(dst, p.Text[from:a]...)
+				dst = append(dst, '\n')
+				from = a
+			}
+		}
+		dst = append(dst, p.Text[from:]...)
 		if continueFinalMessage && i == len(parts)-1 {
 			return dst
 		}

@@ -15,6 +15,7 @@ import (
 	"github.com/semroute/semroute/cluster"
 	"github.com/semroute/semroute/configs"
 	"github.com/semroute/semroute/kvevents"
+	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/simreplica"
 )
 
@@ -29,7 +30,11 @@ type demoOptions struct {
 	// picture is "events" (precise mode: the replicas publish KV events,
 	// the router tokenizes through them) or "" / "approximate".
 	picture string
-	sim     simreplica.Options
+	// reuse "blend" makes the replicas blend (sim.Blend, default if unset)
+	// and tells the router so (replicas[].reuse); with sim.Blend set,
+	// reuse "prefix" keeps the router unaware of it (the baseline).
+	reuse string
+	sim   simreplica.Options
 	// models, if set, are served in turn: replica i serves models[i mod
 	// len(models)]. simFor, if set, adjusts replica i's options (tests).
 	models []string
@@ -95,6 +100,18 @@ func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
 	default:
 		return nil, fmt.Errorf("--picture %q is not events or approximate", o.picture)
 	}
+	switch o.reuse {
+	case "", replica.ReusePrefix:
+	case replica.ReuseBlend:
+		if o.picture == "events" {
+			return nil, fmt.Errorf("--reuse blend needs --picture approximate: segment keys from the engine's tokens are not built yet")
+		}
+		if o.sim.Blend == nil {
+			o.sim.Blend = &simreplica.Blend{}
+		}
+	default:
+		return nil, fmt.Errorf("--reuse %q is not prefix or blend", o.reuse)
+	}
 	d := &demo{}
 	var reps []configs.Replica
 	for i := 0; i < o.replicas; i++ {
@@ -113,6 +130,9 @@ func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
 		d.sims = append(d.sims, s)
 		so = s.Options()
 		rep := configs.Replica{Name: fmt.Sprintf("sim-%d", i), URL: s.URL, BudgetTokens: int64(so.NumBlocks * so.BlockSize)}
+		if b := so.Blend; b != nil && o.reuse == replica.ReuseBlend {
+			rep.Reuse = configs.ReuseConfig{Mode: replica.ReuseBlend, Recompute: b.Recompute, BudgetTokens: int64(b.BudgetTokens)}
+		}
 		if pub, replay := s.KVEventsEndpoints(); pub != "" {
 			rep.KVEvents = configs.KVEventsConfig{Endpoint: pub, ReplayEndpoint: replay, Topic: "kv-events"}
 		}

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -110,7 +111,8 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 			log.Info("replica budget unknown: assuming cache.default_budget_tokens until it reports vllm:cache_config_info",
 				"replica", name, "budget_tokens", tokens)
 		},
-		Split: cfg.Blocks.Options(),
+		Split:    cfg.Blocks.Options(),
+		Blending: slices.ContainsFunc(cfg.Replicas, func(r configs.Replica) bool { return r.Spec().Reuse.Blend() }),
 		Engine: routing.EngineOptions{Weights: cfg.Routing.Weights(), Attempts: cfg.Routing.Attempts,
 			SharedActive: cfg.Routing.SharedActive, Matcher: mt, MatcherThreshold: cfg.Routing.Matcher.Threshold},
 	})

@@ -1,0 +1,182 @@
+package simreplica
+
+import (
+	"fmt"
+	"math"
+	"slices"
+	"sync"
+
+	lru "github.com/hashicorp/golang-lru/v2/simplelru"
+
+	"github.com/semroute/semroute/blockhash"
+)
+
+// Blend makes a replica reuse the KV of content segments wherever they
+// appear in a prompt, as CacheBlend does in LMCache for vLLM (EuroSys 2025;
+// LMCache's blending needs the chunks marked, and the documents of a RAG
+// prompt are those chunks). A segment is one of a user message's text
+// content parts other than its last (the question), or a tool message's
+// content: the units a RAG or agent client sends as retrieved documents and
+// tool results. Each segment's KV is kept in a store of its own, keyed by
+// the segment's tokens alone, so that it is found after another system
+// prompt and in another order; when a prompt holds a stored segment past the
+// prefix cache's hit, the replica computes only Recompute of its tokens
+// again (CacheBlend's selective recompute, which repairs the attention
+// across segments), reports the rest in usage's cached_tokens, as vLLM
+// counts a KV connector's tokens there, and counts them in
+// vllm:external_prefix_cache_hits_total. Time to first token follows the
+// tokens computed.
+//
+// Blending needs the words tokenizer: the bytes tokenizer cuts a segment
+// differently at every offset.
+type Blend struct {
+	// Recompute is the share of a reused segment's tokens computed again,
+	// in (0, 1). Default 0.15 (CacheBlend's).
+	Recompute float64
+	// BudgetTokens bounds the segments stored (tokens); the least recently
+	// used go first. Default NumBlocks × BlockSize.
+	BudgetTokens int
+}
+
+// DefaultRecompute is Blend.Recompute's default, CacheBlend's share.
+const DefaultRecompute = 0.15
+
+// segmentSalt keeps segment keys apart from block keys.
+const segmentSalt = 0x5e6b1e4d
+
+// span is a reusable segment of a prompt: tokens [from, to) of its ids,
+// stored under key.
+type span struct {
+	from, to int
+	key      uint64
+}
+
+// blendStore is a replica's segment store: segment key → tokens, under a
+// token budget, least recently used first out. Safe for concurrent use.
+type blendStore struct {
+	recompute float64
+	budget    int
+	mu        sync.Mutex
+	lru       *lru.LRU[uint64, int]
+	tokens    int // held, ≤ budget
+}
+
+func newBlendStore(b Blend, blockSize int) (*blendStore, error) {
+	if b.Recompute < 0 || b.Recompute >= 1 || math.IsNaN(b.Recompute) {
+		return nil, fmt.Errorf("simreplica: Blend.Recompute %v is not in [0, 1)", b.Recompute)
+	}
+	s := &blendStore{recompute: b.Recompute, budget: b.BudgetTokens}
+	// Every stored segment holds at least a block, so this many entries
+	// never bind before the token budget does.
+	l, err := lru.NewLRU[uint64, int](s.budget/blockSize+1, func(_ uint64, n int) { s.tokens -= n })
+	if err != nil {
+		return nil, err
+	}
+	s.lru = l
+	return s, nil
+}
+
+// reuse returns the tokens of spans, past the first cached ones, that the
+// store holds and the engine need not compute.
+func (s *blendStore) reuse(spans []span, cached int) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for _, sp := range spans {
+		if sp.to <= cached {
+			continue // inside the prefix cache's hit
+		}
+		if _, ok := s.lru.Get(sp.key); ok {
+			t := sp.to - max(sp.from, cached)
+			n += t - int(math.Ceil(float64(t)*s.recompute))
+		}
+	}
+	return n
+}
+
+// put stores spans, evicting the least recently used segments past the
+// budget.
+func (s *blendStore) put(spans []span) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, sp := range spans {
+		n := sp.to - sp.from
+		if n > s.budget {
+			continue
+		}
+		if _, ok := s.lru.Get(sp.key); ok {
+			continue
+		}
+		for s.tokens+n > s.budget {
+			s.lru.RemoveOldest()
+		}
+		s.lru.Add(sp.key, n)
+		s.tokens += n
+	}
+}
+
+func (s *blendStore) clear() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.lru.Purge()
+}
+
+// held returns the segments and tokens stored.
+func (s *blendStore) held() (segments, tokens int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.lru.Len(), s.tokens
+}
+
+// spans appends to dst the reusable segments of req found in ids, the
+// prompt's tokens, in order; seg is scratch for a segment's own tokens.
+// A segment of less than a block is not worth a lookup, as LMCache's
+// chunks are not. A segment is found by its tokens without the last, which
+// may join the text after it into one token.
+func (s *Server) spans(dst []span, seg []int32, req *blockhash.Request, ids []int32, m model) ([]span, []int32) {
+	at := 0
+	for i := range req.Parts {
+		p := &req.Parts[i]
+		reusable := p.Role == blockhash.RoleTool || p.Role == blockhash.RoleUser && len(p.Segs) > 0
+		if !reusable {
+			continue
+		}
+		last := len(p.Text)
+		if p.Role == blockhash.RoleUser {
+			last = int(p.Segs[len(p.Segs)-1]) // the question is not a document
+		}
+		p.EachSeg(func(from, to int) {
+			if from >= last {
+				return
+			}
+			seg = s.tok.Encode(seg[:0], p.Text[from:to], false)
+			seg = seg[:max(len(seg)-1, 0)]
+			if len(seg) < s.o.BlockSize {
+				return
+			}
+			j := indexIDs(ids[at:], seg)
+			if j < 0 {
+				return
+			}
+			dst = append(dst, span{from: at + j, to: at + j + len(seg), key: blockhash.TokenBlockHash(m.root^segmentSalt, seg)})
+			at += j + len(seg)
+		})
+	}
+	return dst, seg
+}
+
+// indexIDs returns the first index of needle in hay, or -1.
+func indexIDs(hay, needle []int32) int {
+	if len(needle) == 0 {
+		return 0
+	}
+	for i := 0; i+len(needle) <= len(hay); i++ {
+		if hay[i] != needle[0] {
+			continue
+		}
+		if slices.Equal(hay[i:i+len(needle)], needle) {
+			return i
+		}
+	}
+	return -1
+}
