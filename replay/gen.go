@@ -1,6 +1,7 @@
 package replay
 
 import (
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -22,6 +23,14 @@ type GenOptions struct {
 	// Workload is "mixed" (the default: GenerateOpenAI's mix) or "blend",
 	// where reuse past the exact prefix matters (see generateBlend).
 	Workload string
+	// Blend workload only. Documents and tool outputs are drawn with
+	// Zipf popularity, P(k) ∝ (ZipfV + k)^−ZipfS over k = 0 … Docs−1:
+	// ZipfS > 1 (default 1.1), ZipfV ≥ 1 (default 2); a larger ZipfV
+	// flattens the head, so that fewer documents are popular enough for
+	// every replica to hold. AgentShare is the share of sessions that are
+	// agents rather than RAG: default 0.3; negative means none.
+	ZipfS, ZipfV float64
+	AgentShare   float64
 }
 
 // GenerateOpenAI writes a synthetic trace in the openai format: a mix of
@@ -165,15 +174,16 @@ type genLine struct {
 // engine that blends segments (CacheBlend) gains and one that reuses the
 // exact prefix alone does not.
 //
-//   - RAG (7 sessions in 10, 1–2 turns): a system prompt drawn from
+//   - RAG (1 − o.AgentShare of sessions, 1–2 turns): a system prompt drawn from
 //     o.Tenants × 4 personas, then one user message whose content parts
-//     are an instruction (one of 6), 2–4 documents drawn Zipf(1.1) from a
-//     pool of o.Docs (each 200–500 words), each its own content part, in a
-//     random order, and a paraphrased question.
-//   - Agents (3 in 10, 2–4 turns): the tenant's system prompt and tool
-//     schemas, then tool calls whose outputs (150–400 words) are drawn
-//     Zipf(1.1) from a pool of o.Docs shared by every session: the same
-//     lookups recur across sessions, after different histories.
+//     are an instruction (one of 6), 2–4 documents drawn Zipf(o.ZipfS,
+//     o.ZipfV) from a pool of o.Docs (each 200–500 words), each its own
+//     content part, in a random order, and a paraphrased question.
+//   - Agents (o.AgentShare of sessions, 2–4 turns): the tenant's system
+//     prompt and tool schemas, then tool calls whose outputs (150–400
+//     words) are drawn the same way from a pool of o.Docs shared by every
+//     session: the same lookups recur across sessions, after different
+//     histories.
 //
 // Arrivals are Poisson at o.Rate sessions per second, turns o.ThinkSeconds
 // apart on average. The output depends only on o.
@@ -206,14 +216,19 @@ func generateBlend(w io.Writer, o GenOptions) error {
 		"Answer from the documents only.", "Summarise what the documents say.", "Compare the documents.",
 		"List the facts the documents share.", "Which document answers best?", "Quote the relevant lines.",
 	}
-	docZipf := rand.NewZipf(rng, 1.1, 2, uint64(o.Docs-1))
-	outZipf := rand.NewZipf(rng, 1.1, 2, uint64(o.Docs-1))
+	zs, zv := cmp.Or(o.ZipfS, 1.1), cmp.Or(o.ZipfV, 2)
+	if zs <= 1 || zv < 1 {
+		return fmt.Errorf("gentrace: Zipf exponent %v must be > 1 and offset %v ≥ 1", zs, zv)
+	}
+	agents := cmp.Or(o.AgentShare, 0.3)
+	docZipf := rand.NewZipf(rng, zs, zv, uint64(o.Docs-1))
+	outZipf := rand.NewZipf(rng, zs, zv, uint64(o.Docs-1))
 	var out []genLine
 	t := 0.0
 	for s := 0; s < o.Sessions; s++ {
 		t += rng.ExpFloat64() / o.Rate
 		tenant := rng.IntN(o.Tenants)
-		agent := rng.IntN(10) >= 7
+		agent := rng.Float64() < agents
 		at := t
 		if !agent {
 			msgs := []map[string]any{{"role": "system", "content": personas[tenant*4+rng.IntN(4)]}}

@@ -191,8 +191,8 @@ type Server struct {
 	// Counters exported to /metrics; Restart zeroes them, as a restarted
 	// engine would.
 	queries, hits, promptTotal, genTotal, extQueries, extHits atomic.Int64
-	fault                                atomic.Int32 // status to answer everything with; 0: none
-	traceparent                          atomic.Value // string: the last completion request's traceparent header
+	fault                                                     atomic.Int32 // status to answer everything with; 0: none
+	traceparent                                               atomic.Value // string: the last completion request's traceparent header
 
 	running, waiting, usage prometheus.Gauge
 	// held is the KV blocks running requests hold. vllm:kv_cache_usage_perc

@@ -17,10 +17,11 @@ import (
 
 // blendWorkload returns the request bodies of `router gentrace --workload
 // blend` for sessions sessions, in arrival order, each asking for usage.
-func blendWorkload(t *testing.T, sessions int, seed uint64) [][]byte {
+func blendWorkload(t *testing.T, o replay.GenOptions) [][]byte {
 	t.Helper()
 	var buf bytes.Buffer
-	if err := replay.GenerateOpenAI(&buf, replay.GenOptions{Workload: "blend", Seed: seed, Sessions: sessions, Docs: 120}); err != nil {
+	o.Workload = "blend"
+	if err := replay.GenerateOpenAI(&buf, o); err != nil {
 		t.Fatal(err)
 	}
 	var out [][]byte
@@ -41,14 +42,20 @@ func blendWorkload(t *testing.T, sessions int, seed uint64) [][]byte {
 }
 
 // blendSim is the blending engine of the live runs: the word tokenizer,
-// a prefix cache of 768 blocks of 16 tokens, a segment store of
-// blendStoreTokens (a few of the workload's 120 documents and 120 tool
-// outputs each), and prefill slow enough that reuse shows in time to first
-// token.
-var blendSim = simreplica.Options{Overhead: time.Millisecond, PrefillPerToken: 20 * time.Microsecond, InterToken: 200 * time.Microsecond,
-	OutputTokens: 8, NumBlocks: 768}
+// a prefix cache of 420 blocks of 16 tokens and a segment store of as many
+// tokens (6,720: about 19 of the workload's 120 documents of 350 tokens on
+// average), and prefill slow enough that reuse shows in time to first
+// token. The cache is the replay's --budget-tokens 10000 in engine tokens:
+// the router estimates 4 bytes a token, where this tokenizer makes 6 on
+// the workload.
+var blendSim = simreplica.Options{Overhead: time.Millisecond, PrefillPerToken: 50 * time.Microsecond, InterToken: 200 * time.Microsecond,
+	OutputTokens: 8, NumBlocks: 420}
 
-const blendStoreTokens = 12000
+const blendStoreTokens = 420 * 16
+
+// blendGen is the live runs' workload: RAG sessions only over a long-tail
+// corpus (see the README's table for the same in replay).
+var blendGen = replay.GenOptions{Docs: 120, ZipfV: 20, AgentShare: -1}
 
 type blendRun struct {
 	name string
@@ -84,13 +91,17 @@ func runBlend(t *testing.T, name, policy, reuse string, work [][]byte) *blendRun
 // TestE2EBlendCreditReusesMore: over sockets, 4 replicas that blend
 // documents and tool results (simreplica.Blend) behind the router. Told
 // that the engines blend, the semantic policy sends a request where its
-// documents are held, and the engines reuse more tokens than when the same
-// router credits the exact prefix alone.
+// documents are held, and the engines reuse at least 1.2× the tokens they
+// reuse when the same router credits the exact prefix alone.
 func TestE2EBlendCreditReusesMore(t *testing.T) {
-	work := blendWorkload(t, 60, 3)
+	g := blendGen
+	g.Seed, g.Sessions = 3, 60
+	work := blendWorkload(t, g)
 	aware := runBlend(t, "semantic, blend credit", "semantic", "blend", work)
 	prefix := runBlend(t, "semantic, prefix credit", "semantic", "prefix", work)
-	if aware.cached <= prefix.cached || aware.reused <= prefix.reused {
+	// Measured 1.43–1.6× (3 runs); 1.2× leaves room for the scheduling
+	// noise of 4 requests at a time.
+	if float64(aware.cached) < 1.2*float64(prefix.cached) || aware.reused <= prefix.reused {
 		t.Fatalf("blend credit: %d cached (%d reused); prefix credit: %d (%d)", aware.cached, aware.reused, prefix.cached, prefix.reused)
 	}
 }
@@ -100,13 +111,23 @@ func TestE2EBlendCreditReusesMore(t *testing.T) {
 //
 //	SEMROUTE_BLEND_TABLE=600 go test -run TestE2EBlendTable -v -timeout 30m ./cmd/router
 //
-// where the number is the workload's sessions.
+// where the number is the workload's sessions; SEMROUTE_BLEND_AGENTS and
+// SEMROUTE_BLEND_ZIPF_V set the workload's agent share (negative: none) and
+// Zipf offset.
 func TestE2EBlendTable(t *testing.T) {
 	n, _ := strconv.Atoi(os.Getenv("SEMROUTE_BLEND_TABLE"))
 	if n == 0 {
 		t.Skip("set SEMROUTE_BLEND_TABLE=<sessions> to measure")
 	}
-	work := blendWorkload(t, n, 7)
+	g := blendGen
+	g.Seed, g.Sessions = 7, n
+	if v, err := strconv.ParseFloat(os.Getenv("SEMROUTE_BLEND_AGENTS"), 64); err == nil {
+		g.AgentShare = v
+	}
+	if v, err := strconv.ParseFloat(os.Getenv("SEMROUTE_BLEND_ZIPF_V"), 64); err == nil {
+		g.ZipfV = v
+	}
+	work := blendWorkload(t, g)
 	rows := []*blendRun{
 		runBlend(t, "semantic (blend credit)", "semantic", "blend", work),
 		runBlend(t, "semantic (prefix credit)", "semantic", "prefix", work),

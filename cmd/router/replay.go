@@ -212,6 +212,9 @@ func newGenTrace() *cobra.Command {
 			if err != nil {
 				return err
 			}
+			if o.AgentShare == 0 {
+				o.AgentShare = -1 // none, not the default
+			}
 			if err := replay.GenerateOpenAI(f, o); err != nil {
 				f.Close()
 				return err
@@ -230,6 +233,9 @@ func newGenTrace() *cobra.Command {
 	f.Float64Var(&o.Rate, "rate", 2, "new sessions per second")
 	f.IntVar(&o.Tenants, "tenants", 8, "tenants, each with its own system prompt and tools")
 	f.IntVar(&o.Docs, "docs", 300, "documents in the retrieval corpus (blend: also the pool of tool outputs)")
+	f.Float64Var(&o.ZipfS, "zipf-s", 1.1, "blend: Zipf exponent of the documents' and tool outputs' popularity (> 1)")
+	f.Float64Var(&o.ZipfV, "zipf-v", 2, "blend: Zipf offset (≥ 1): P(k) ∝ (v + k)^−s; larger flattens the head")
+	f.Float64Var(&o.AgentShare, "agent-share", 0.3, "blend: share of sessions that are agents rather than RAG (0: none)")
 	f.StringVar(&o.Workload, "workload", "mixed", "mixed (RAG, chats and agents), or blend (documents and tool outputs that recur after other prefixes and in other orders; see replay.GenOptions)")
 	f.Float64Var(&o.ThinkSeconds, "think-seconds", 20, "mean time between a session's turns")
 	return cmd
