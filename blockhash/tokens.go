@@ -95,3 +95,65 @@ func AppendTokenBlocks(dst []Block, seed uint64, ids []int32, blockSize int, r *
 	}
 	return dst, len(ids) - full*blockSize
 }
+
+// SetTokenSegments gives the token blocks of a prompt (AppendTokenBlocks'
+// blocks, of blockSize ids each, for the same r) position-independent
+// segment keys (Block.Seg), as Options.Segments gives text blocks: a block
+// whose middle token falls in a reusable segment — a user message's content
+// part other than its last (then also KindRetrievedContext), or a tool
+// message's content — gets a key made of the segment's text and the
+// block's ordinal in it, so that the same document has the same keys in
+// another prompt, at another offset and after another prefix. Where
+// segments fall among the ids is estimated as AppendTokenBlocks estimates
+// kinds, by their share of the text: an error in a segment's start shifts
+// all its ordinals alike, so two prompts still share the keys of all but
+// the blocks at the segment's ends. It does not allocate.
+func SetTokenSegments(blocks []Block, nIDs, blockSize int, r *Request) {
+	if r == nil || blockSize < 1 || len(blocks) == 0 {
+		return
+	}
+	total := 0
+	for i := range r.Parts {
+		total += max(len(r.Parts[i].Text), 1)
+	}
+	scale := float64(nIDs) / float64(total)
+	b := 0
+	start := 0.0 // the current part's first id
+	for i := range r.Parts {
+		p := &r.Parts[i]
+		end := start + float64(max(len(p.Text), 1))*scale
+		reusable := p.Role == RoleTool || p.Role == RoleUser && len(p.Segs) > 0
+		last := len(p.Text)
+		if p.Role == RoleUser && len(p.Segs) > 0 {
+			last = int(p.Segs[len(p.Segs)-1])
+		}
+		p.EachSeg(func(from, to int) {
+			if !reusable || from >= last {
+				return
+			}
+			s0, s1 := start+float64(from)*scale, start+float64(to)*scale
+			key := ChainHash(SegSeed, p.Role, p.Text[from:to])
+			for ; b < len(blocks); b++ {
+				mid := float64(b*blockSize) + float64(blockSize)/2
+				if mid < s0 {
+					continue
+				}
+				if mid >= s1 {
+					break
+				}
+				var ord [4]byte
+				binary.LittleEndian.PutUint32(ord[:], uint32((mid-s0)/float64(blockSize)))
+				blocks[b].Seg = ChainHash(key, p.Role, ord[:])
+				if p.Role == RoleUser {
+					blocks[b].Kind = KindRetrievedContext
+				}
+			}
+		})
+		start = end
+		// Blocks whose middle falls before the next part are not in a
+		// reusable segment: skip them.
+		for b < len(blocks) && float64(b*blockSize)+float64(blockSize)/2 < start {
+			b++
+		}
+	}
+}

@@ -289,6 +289,9 @@ func (e *Engine) PrepareTokens(req *blockhash.Request, ids []int32, blockTokens 
 		seed = blockhash.TokenSeed(req.Model)
 	}
 	bl, tail := blockhash.AppendTokenBlocks(newBlocks(len(ids)/max(blockTokens, 1)), seed, ids, blockTokens, req)
+	if e.segs != nil { // a replica blends: its documents' blocks need keys of their own
+		blockhash.SetTokenSegments(bl, len(ids), blockTokens, req)
+	}
 	in := Request{Blocks: bl, Tail: tail, pooled: true, scale: 1, exact: true, blockTokens: blockTokens, Model: req.Model}
 	in.Key = SessionKey(sessionID, req.User, in.Blocks)
 	in.Text = e.text(req, withText)

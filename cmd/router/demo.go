@@ -103,9 +103,6 @@ func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
 	switch o.reuse {
 	case "", replica.ReusePrefix:
 	case replica.ReuseBlend:
-		if o.picture == "events" {
-			return nil, fmt.Errorf("--reuse blend needs --picture approximate: segment keys from the engine's tokens are not built yet")
-		}
 		if o.sim.Blend == nil {
 			o.sim.Blend = &simreplica.Blend{}
 		}
