@@ -106,8 +106,13 @@ func AppendTokenBlocks(dst []Block, seed uint64, ids []int32, blockSize int, r *
 // another prompt, at another offset and after another prefix. Where
 // segments fall among the ids is estimated as AppendTokenBlocks estimates
 // kinds, by their share of the text: an error in a segment's start shifts
-// all its ordinals alike, so two prompts still share the keys of all but
-// the blocks at the segment's ends. It does not allocate.
+// all its ordinals alike, so two prompts with the same error share the
+// keys of all but the blocks at the segment's ends. The error grows with
+// how much the parts before it differ in tokens per byte: after a JSON
+// system prompt or tool schemas (more tokens per byte than prose) the
+// estimate places a document early, keys blocks of the prompt before it,
+// and two prompts whose prefixes differ in density share fewer keys. It
+// does not allocate.
 func SetTokenSegments(blocks []Block, nIDs, blockSize int, r *Request) {
 	if r == nil || blockSize < 1 || len(blocks) == 0 {
 		return

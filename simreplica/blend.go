@@ -1,6 +1,7 @@
 package simreplica
 
 import (
+	"bytes"
 	"fmt"
 	"math"
 	"slices"
@@ -31,7 +32,7 @@ import (
 // differently at every offset.
 type Blend struct {
 	// Recompute is the share of a reused segment's tokens computed again,
-	// in (0, 1). Default 0.15 (CacheBlend's).
+	// in (0, 1); zero means the default, 0.15 (CacheBlend's).
 	Recompute float64
 	// BudgetTokens bounds the segments stored (tokens); the least recently
 	// used go first. Default NumBlocks × BlockSize.
@@ -63,7 +64,7 @@ type blendStore struct {
 
 func newBlendStore(b Blend, blockSize int) (*blendStore, error) {
 	if b.Recompute < 0 || b.Recompute >= 1 || math.IsNaN(b.Recompute) {
-		return nil, fmt.Errorf("simreplica: Blend.Recompute %v is not in [0, 1)", b.Recompute)
+		return nil, fmt.Errorf("simreplica: Blend.Recompute %v is not in (0, 1)", b.Recompute)
 	}
 	s := &blendStore{recompute: b.Recompute, budget: b.BudgetTokens}
 	// Every stored segment holds at least a block, so this many entries
@@ -128,13 +129,18 @@ func (s *blendStore) held() (segments, tokens int) {
 	return s.lru.Len(), s.tokens
 }
 
+// maxSpans bounds the segments of one prompt looked up.
+const maxSpans = 256
+
 // spans appends to dst the reusable segments of req found in ids, the
 // prompt's tokens, in order; seg is scratch for a segment's own tokens.
 // A segment of less than a block is not worth a lookup, as LMCache's
-// chunks are not. A segment is found by its tokens without the last, which
-// may join the text after it into one token.
+// chunks are not. A segment is found by its tokens without leading
+// whitespace and without its first and last token, which may join the
+// template's newline before it or the text after it, in time linear in
+// the prompt; at most maxSpans segments are looked up.
 func (s *Server) spans(dst []span, seg []int32, req *blockhash.Request, ids []int32, m model) ([]span, []int32) {
-	at := 0
+	at, looked := 0, 0
 	for i := range req.Parts {
 		p := &req.Parts[i]
 		reusable := p.Role == blockhash.RoleTool || p.Role == blockhash.RoleUser && len(p.Segs) > 0
@@ -146,11 +152,15 @@ func (s *Server) spans(dst []span, seg []int32, req *blockhash.Request, ids []in
 			last = int(p.Segs[len(p.Segs)-1]) // the question is not a document
 		}
 		p.EachSeg(func(from, to int) {
-			if from >= last {
+			if from >= last || looked >= maxSpans {
 				return
 			}
-			seg = s.tok.Encode(seg[:0], p.Text[from:to], false)
-			seg = seg[:max(len(seg)-1, 0)]
+			looked++
+			seg = s.tok.Encode(seg[:0], bytes.TrimLeft(p.Text[from:to], " \t\r\n"), false)
+			if len(seg) < 3 {
+				return
+			}
+			seg = seg[1 : len(seg)-1]
 			if len(seg) < s.o.BlockSize {
 				return
 			}
@@ -165,18 +175,32 @@ func (s *Server) spans(dst []span, seg []int32, req *blockhash.Request, ids []in
 	return dst, seg
 }
 
-// indexIDs returns the first index of needle in hay, or -1.
+// indexIDs returns the first index of needle in hay, or -1: Rabin–Karp,
+// linear in len(hay) but for hash collisions.
 func indexIDs(hay, needle []int32) int {
-	if len(needle) == 0 {
+	n := len(needle)
+	if n == 0 {
 		return 0
 	}
-	for i := 0; i+len(needle) <= len(hay); i++ {
-		if hay[i] != needle[0] {
-			continue
-		}
-		if slices.Equal(hay[i:i+len(needle)], needle) {
-			return i
+	if n > len(hay) {
+		return -1
+	}
+	const base = 1000003
+	var want, got, pow uint64 = 0, 0, 1
+	for i := range n {
+		want = want*base + uint64(uint32(needle[i]))
+		got = got*base + uint64(uint32(hay[i]))
+		if i > 0 {
+			pow *= base
 		}
 	}
-	return -1
+	for i := 0; ; i++ {
+		if got == want && slices.Equal(hay[i:i+n], needle) {
+			return i
+		}
+		if i+n >= len(hay) {
+			return -1
+		}
+		got = (got-uint64(uint32(hay[i]))*pow)*base + uint64(uint32(hay[i+n]))
+	}
 }

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -63,11 +64,11 @@ func TestBlendReusesDocumentsAnywhere(t *testing.T) {
 		t.Fatalf("first request: %d cached", u.Details.Cached)
 	}
 	_, u, body := call(t, r, "/v1/chat/completions", second)
-	// Each document is found by its tokens but the last; 85% of those are
-	// not computed.
+	// Each document is found by its tokens but the first and last; 85% of
+	// those are not computed.
 	want := 0
 	for _, d := range []string{a, b} {
-		n := tokens(t, r, d) - 1
+		n := tokens(t, r, d) - 2
 		want += n - (n*15+99)/100
 	}
 	if u.Details.Cached != want {
@@ -151,5 +152,42 @@ func TestBlendOptionsChecked(t *testing.T) {
 		if _, err := New(o); err == nil {
 			t.Errorf("%+v: no error", *o.Blend)
 		}
+	}
+}
+
+func TestIndexIDs(t *testing.T) {
+	r := rand.New(rand.NewPCG(1, 2))
+	for range 2000 {
+		hay := make([]int32, r.IntN(60))
+		for i := range hay {
+			hay[i] = int32(r.IntN(3))
+		}
+		needle := make([]int32, 1+r.IntN(4))
+		for i := range needle {
+			needle[i] = int32(r.IntN(3))
+		}
+		want := -1
+		for i := 0; i+len(needle) <= len(hay); i++ {
+			if slices.Equal(hay[i:i+len(needle)], needle) {
+				want = i
+				break
+			}
+		}
+		if got := indexIDs(hay, needle); got != want {
+			t.Fatalf("indexIDs(%v, %v) = %d, want %d", hay, needle, got, want)
+		}
+	}
+}
+
+// A document that starts with whitespace is found all the same: the
+// template's newline before it joins that whitespace into one token.
+func TestBlendDocumentStartingWithWhitespace(t *testing.T) {
+	o := blendFast
+	o.Blend = &Blend{}
+	r := start(t, o)
+	doc := "\n\n  " + prose("epsilon", 300)
+	call(t, r, "/v1/chat/completions", ragBody(prose("s1", 30), "q", doc))
+	if _, u, _ := call(t, r, "/v1/chat/completions", ragBody(prose("s2", 40), "q", doc)); u.Details.Cached < 200 {
+		t.Fatalf("reused %d tokens of a 300-word document", u.Details.Cached)
 	}
 }

@@ -591,6 +591,9 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 			s.o.MaxModelLen, n+outTokens, n, outTokens))
 		return
 	}
+	if s.blend != nil { // found before the prefill turn, which is one at a time
+		sc.spans, sc.seg = s.spans(sc.spans[:0], sc.seg, req, sc.ids, m)
+	}
 	s.requests.Add(1)
 	ctx := r.Context()
 
@@ -623,7 +626,6 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	sc.keys = keys
 	reused := 0
 	if s.blend != nil {
-		sc.spans, sc.seg = s.spans(sc.spans[:0], sc.seg, req, sc.ids, m)
 		// An engine always computes at least the last prompt token.
 		reused = max(min(s.blend.reuse(sc.spans, cached), tokens-1-cached), 0)
 		s.extQueries.Add(int64(tokens - cached))

@@ -208,6 +208,9 @@ func newGenTrace() *cobra.Command {
 		Use:   "gentrace",
 		Short: "Write a synthetic openai-format trace (RAG, chat and agent sessions)",
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if o.ZipfS <= 1 || o.ZipfV < 1 { // before the file is emptied
+				return fmt.Errorf("--zipf-s %v must be > 1 and --zipf-v %v ≥ 1", o.ZipfS, o.ZipfV)
+			}
 			f, err := os.Create(out)
 			if err != nil {
 				return err
