@@ -15,15 +15,7 @@ import (
 // policy crediting the prefix alone. Virtual time and fixed seeds: the
 // figures are exact.
 func TestBlendEnginesAndEngineAwareCredit(t *testing.T) {
-	var buf bytes.Buffer
-	if err := GenerateOpenAI(&buf, GenOptions{Seed: 7, Sessions: 300, Docs: 60, Workload: "blend"}); err != nil {
-		t.Fatal(err)
-	}
-	split, _ := blockhash.NewSplitter(blockhash.Options{Segments: true})
-	reqs, err := ReadOpenAI(bytes.NewReader(buf.Bytes()), split)
-	if err != nil {
-		t.Fatal(err)
-	}
+	reqs := blendTrace(t, GenOptions{Seed: 7, Sessions: 300, Docs: 60})
 	prefixOnly := routing.PolicyConfig{PrefixOnly: true}
 	runs := []Run{{Policy: "semantic"}, {Label: "semantic-prefix-credit", Policy: "semantic", Config: &prefixOnly}}
 	cached := func(reuse string) (aware, prefix int64) {
@@ -57,15 +49,7 @@ func TestBlendEnginesAndEngineAwareCredit(t *testing.T) {
 // llmd and sglang ports), with lower TTFT p50 and p99 and load imbalance
 // ≤ 1.10.
 func TestBlendCreditOnLongTailRAG(t *testing.T) {
-	var buf bytes.Buffer
-	if err := GenerateOpenAI(&buf, GenOptions{Seed: 7, Sessions: 600, Docs: 120, ZipfV: 20, AgentShare: -1, Workload: "blend"}); err != nil {
-		t.Fatal(err)
-	}
-	split, _ := blockhash.NewSplitter(blockhash.Options{Segments: true})
-	reqs, err := ReadOpenAI(bytes.NewReader(buf.Bytes()), split)
-	if err != nil {
-		t.Fatal(err)
-	}
+	reqs := blendTrace(t, GenOptions{Seed: 7, Sessions: 600, Docs: 120, ZipfV: 20, AgentShare: -1})
 	prefixOnly := routing.PolicyConfig{PrefixOnly: true}
 	runs := []Run{{Policy: "semantic"}, {Label: "semantic-prefix-credit", Policy: "semantic", Config: &prefixOnly}, {Policy: "llmd"}, {Policy: "sglang"}}
 	m := Model{Replicas: 4, BudgetTokens: 10000, RecordReplies: true, Reuse: replica.Reuse{Mode: replica.ReuseBlend}}
@@ -86,4 +70,21 @@ func TestBlendCreditOnLongTailRAG(t *testing.T) {
 				p.Name, ratio, aware.TTFTP50MS, p.TTFTP50MS, aware.TTFTP99MS, p.TTFTP99MS)
 		}
 	}
+}
+
+// blendTrace generates the blend workload with o and reads it as a replay
+// does, with segment keys.
+func blendTrace(t *testing.T, o GenOptions) []Request {
+	t.Helper()
+	var buf bytes.Buffer
+	o.Workload = "blend"
+	if err := GenerateOpenAI(&buf, o); err != nil {
+		t.Fatal(err)
+	}
+	split, _ := blockhash.NewSplitter(blockhash.Options{Segments: true})
+	reqs, err := ReadOpenAI(bytes.NewReader(buf.Bytes()), split)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return reqs
 }
