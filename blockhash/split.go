@@ -68,9 +68,6 @@ func NewSplitter(o Options) (*Splitter, error) {
 	return &Splitter{blockTokens: o.BlockTokens, bytesPerToken: o.BytesPerToken, segments: o.Segments}, nil
 }
 
-// Segments reports whether the splitter computes Block.Seg.
-func (s *Splitter) Segments() bool { return s.segments }
-
 // SegSeed is the hash that chains before a segment's first block in
 // Block.Seg.
 var SegSeed = xxhash.Sum64String("semroute segment")
@@ -125,6 +122,20 @@ func (s *Splitter) CountPart(p *Part) int {
 	n := 0
 	p.EachSeg(func(from, to int) { n += (to - from + step - 1) / step })
 	return max(n, 1)
+}
+
+// ReusableEnd returns where p's segments that an engine may reuse in
+// another prompt end (its text up to there): a tool message's content, or
+// a user message's content parts other than its last (the question about
+// them). It returns 0 for any other part.
+func (p *Part) ReusableEnd() int {
+	switch {
+	case p.Role == RoleTool:
+		return len(p.Text)
+	case p.Role == RoleUser && len(p.Segs) > 0:
+		return int(p.Segs[len(p.Segs)-1])
+	}
+	return 0
 }
 
 // EachSeg calls f with the bounds of each non-empty segment of p's text

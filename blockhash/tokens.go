@@ -127,13 +127,9 @@ func SetTokenSegments(blocks []Block, nIDs, blockSize int, r *Request) {
 	for i := range r.Parts {
 		p := &r.Parts[i]
 		end := start + float64(max(len(p.Text), 1))*scale
-		reusable := p.Role == RoleTool || p.Role == RoleUser && len(p.Segs) > 0
-		last := len(p.Text)
-		if p.Role == RoleUser && len(p.Segs) > 0 {
-			last = int(p.Segs[len(p.Segs)-1])
-		}
+		last := p.ReusableEnd()
 		p.EachSeg(func(from, to int) {
-			if !reusable || from >= last {
+			if from >= last {
 				return
 			}
 			s0, s1 := start+float64(from)*scale, start+float64(to)*scale

@@ -80,14 +80,9 @@ func GenerateOpenAI(w io.Writer, o GenOptions) error {
 	tools := make([]json.RawMessage, o.Tenants)
 	for t := range systems {
 		systems[t] = fmt.Sprintf("You are the assistant of tenant %d. ", t) + words("s", 150+fixed(uint64(t)).IntN(300), fixed(uint64(t)))
-		var schema []map[string]any
-		for k := 0; k < 6; k++ {
-			schema = append(schema, map[string]any{"type": "function", "function": map[string]any{
-				"name": fmt.Sprintf("tool_%d_%d", t, k), "description": words("d", 40, fixed(uint64(t*100+k))),
-				"parameters": map[string]any{"type": "object", "properties": map[string]any{"q": map[string]string{"type": "string"}}},
-			}})
-		}
-		tools[t], _ = json.Marshal(schema)
+		tools[t] = toolSchemas(6, func(k int) (string, string) {
+			return fmt.Sprintf("tool_%d_%d", t, k), words("d", 40, fixed(uint64(t*100+k)))
+		})
 	}
 	docs := make([][]string, o.Docs) // sections
 	for d := range docs {
@@ -196,14 +191,9 @@ func generateBlend(w io.Writer, o GenOptions) error {
 	}
 	tools := make([]json.RawMessage, o.Tenants)
 	for t := range tools {
-		var schema []map[string]any
-		for k := 0; k < 4; k++ {
-			schema = append(schema, map[string]any{"type": "function", "function": map[string]any{
-				"name": fmt.Sprintf("lookup_%d", k), "description": words("d", 30, fixed(uint64(5000+t*10+k))),
-				"parameters": map[string]any{"type": "object", "properties": map[string]any{"q": map[string]string{"type": "string"}}},
-			}})
-		}
-		tools[t], _ = json.Marshal(schema)
+		tools[t] = toolSchemas(4, func(k int) (string, string) {
+			return fmt.Sprintf("lookup_%d", k), words("d", 30, fixed(uint64(5000+t*10+k)))
+		})
 	}
 	docs := make([]string, o.Docs)
 	outputs := make([]string, o.Docs)
@@ -271,6 +261,21 @@ func generateBlend(w io.Writer, o GenOptions) error {
 		}
 	}
 	return writeLines(w, out)
+}
+
+// toolSchemas returns the JSON of n function tools, tool k named and
+// described by def(k), each taking one string argument q.
+func toolSchemas(n int, def func(k int) (name, description string)) json.RawMessage {
+	var schema []map[string]any
+	for k := range n {
+		name, desc := def(k)
+		schema = append(schema, map[string]any{"type": "function", "function": map[string]any{
+			"name": name, "description": desc,
+			"parameters": map[string]any{"type": "object", "properties": map[string]any{"q": map[string]string{"type": "string"}}},
+		}})
+	}
+	b, _ := json.Marshal(schema)
+	return b
 }
 
 // writeLines writes a generated trace's requests in arrival order.

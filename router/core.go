@@ -364,11 +364,15 @@ func (c *Core) record(rt *Routed, o *Outcome) *decisionlog.Record {
 		r.Budgets = append(r.Budgets, rep.Budget())
 	}
 	for _, cand := range rt.Candidates {
+		engine := "" // the exact prefix alone
+		if cand.Replica.Reuse.Blend() {
+			engine = replica.ReuseBlend
+		}
 		r.Candidates = append(r.Candidates, decisionlog.Candidate{
 			Replica: cand.Replica.Name, Tier: cand.Tier, Score: cand.Score, Matched: cand.Match.Tokens, InFlight: cand.Load.InFlight,
 			Pending: cand.Load.PendingTokens, Recent: cand.Load.RecentTokens, Reason: cand.Reason,
 			Running: cand.Load.Running, Waiting: cand.Load.Waiting, KVUsage: cand.Load.KVUsage,
-			Engine: blendName(cand.Replica.Reuse), Reuse: math.Round(cand.Reuse),
+			Engine: engine, Reuse: math.Round(cand.Reuse),
 		})
 	}
 	if c.o.LogPrompts {
@@ -463,13 +467,4 @@ func (c *Core) Held() (decisions, blocks int) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.heldOrder.Len(), c.heldBlocks
-}
-
-// blendName is a replica's reuse mode for the decision log: "" for the
-// exact prefix alone.
-func blendName(u replica.Reuse) string {
-	if u.Mode == replica.ReusePrefix {
-		return ""
-	}
-	return u.Mode
 }

@@ -67,7 +67,7 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 	// Without a tracer no span is made (an incoming traceparent reaches the
 	// replica with the other headers, unchanged).
 	tctx, span := r.Context(), trace.SpanFromContext(r.Context())
-	if s.tracing {
+	if s.o.Tracer != nil {
 		tctx = s.o.Propagator.Extract(tctx, propagation.HeaderCarrier(r.Header))
 		tctx, span = s.o.Tracer.Start(tctx, "semroute.route", trace.WithAttributes(attribute.String("semroute.route", route)))
 	}
@@ -89,7 +89,7 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 		writeError(w, classify(err))
 		return
 	}
-	if s.tracing {
+	if s.o.Tracer != nil {
 		span.SetAttributes(attribute.String("semroute.decision_id", rt.ID), attribute.String("semroute.arm", rt.Arm.Name),
 			attribute.String("semroute.policy", rt.Policy), attribute.String("semroute.replica", rt.Chosen().Replica.Name),
 			attribute.Int("semroute.prompt_tokens", rt.Tokens), attribute.Int("semroute.matched_tokens", rt.Chosen().Match.Tokens))
@@ -106,7 +106,7 @@ func (s *Server) forwardRouted(w http.ResponseWriter, r *http.Request, tctx cont
 	ctx, cancel := context.WithCancel(r.Context()) // the client's context: leaving cancels upstream
 	defer cancel()
 	up := trace.SpanFromContext(tctx)
-	if s.tracing {
+	if s.o.Tracer != nil {
 		_, up = s.o.Tracer.Start(tctx, "semroute.upstream", trace.WithSpanKind(trace.SpanKindClient))
 		ctx = trace.ContextWithSpan(ctx, up)
 	}
@@ -132,7 +132,7 @@ func (s *Server) finish(r *http.Request, f *flight, up trace.Span, aborted bool)
 			o.Status, f.status = 499, 499
 		}
 	}
-	if s.tracing {
+	if s.o.Tracer != nil {
 		up.SetAttributes(attribute.String("semroute.replica", rt.Served.Replica.Name), attribute.Int("http.response.status_code", f.status))
 		if f.status >= 500 || f.status == 0 || aborted {
 			up.SetStatus(codes.Error, "upstream status "+strconv.Itoa(f.status))

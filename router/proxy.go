@@ -50,9 +50,9 @@ func (s *Server) forward(w http.ResponseWriter, r *http.Request, ctx context.Con
 	r = r.WithContext(context.WithValue(ctx, flightKey{}, f))
 	// The body each attempt sends is the flight's (rewrite, failover):
 	// ReverseProxy wraps the one it is given in a reader without WriteTo,
-	// which the transport would copy 4 KiB at a time.
-	r.Body = http.NoBody
-	r.ContentLength = int64(len(f.body.b))
+	// which the transport would copy 4 KiB at a time. With no length it
+	// gives the outgoing request no body at all, for rewrite to set.
+	r.Body, r.ContentLength = http.NoBody, 0
 	// A pooled connection the replica closed as the request went out is
 	// sent again (upstream.go): the body is read afresh.
 	r.GetBody = func() (io.ReadCloser, error) { return f.bodyReader(), nil }

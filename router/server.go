@@ -88,8 +88,6 @@ type Server struct {
 	mux    *http.ServeMux
 	// client is used for the /v1/models fan-out.
 	client *http.Client
-	// tracing: ServerOptions.Tracer was given; without one no span is made.
-	tracing bool
 }
 
 // NewServer returns the HTTP front end.
@@ -109,7 +107,6 @@ func NewServer(o ServerOptions) (*Server, error) {
 	o.Timeouts = o.Timeouts.WithDefaults()
 	o.ModelsTimeout = cmp.Or(max(o.ModelsTimeout, 0), 3*time.Second)
 	o.Logger = cmp.Or(o.Logger, slog.Default())
-	tracing := o.Tracer != nil
 	if o.Propagator == nil {
 		o.Propagator = propagation.TraceContext{}
 	}
@@ -123,7 +120,7 @@ func NewServer(o ServerOptions) (*Server, error) {
 		o.Transport = newUpstream(std, o.Timeouts.FirstByte, maxResponseHeaderBytes, maxIdlePerReplica)
 		client.Transport = std
 	}
-	s := &Server{o: o, core: o.Core, e: o.Core.Engine(), mux: http.NewServeMux(), client: client, tracing: tracing}
+	s := &Server{o: o, core: o.Core, e: o.Core.Engine(), mux: http.NewServeMux(), client: client}
 	s.SetLimits(o.Limits)
 	s.proxy = &httputil.ReverseProxy{
 		BufferPool: &bufferPool{},

@@ -222,7 +222,7 @@ func (t *upstream) exchange(ctx context.Context, pc *upConn, req *http.Request) 
 		if err != nil {
 			// The replica may have answered before it stopped reading.
 			if ctx.Err() == nil {
-				pc.readDeadline(ctx, earlyAnswerWait)
+				pc.readDeadline(ctx, time.Now().Add(earlyAnswerWait))
 				if resp, rerr := t.readResponse(pc, req); rerr == nil {
 					return t.answer(ctx, pc, req, resp, stop, false)
 				}
@@ -231,7 +231,7 @@ func (t *upstream) exchange(ctx context.Context, pc *upConn, req *http.Request) 
 		}
 	}
 	if t.firstByte > 0 {
-		pc.readDeadline(ctx, t.firstByte)
+		pc.readDeadline(ctx, time.Now().Add(t.firstByte))
 	}
 	resp, err := t.readResponse(pc, req)
 	if err != nil {
@@ -255,11 +255,11 @@ func (t *upstream) exchange(ctx context.Context, pc *upConn, req *http.Request) 
 // upgrade (those go to the fallback).
 var errUpstreamSwitch = errors.New("router: replica switched protocols unasked")
 
-// readDeadline bounds pc's reads to d from now, unless ctx is done: a
-// deadline set just after the context's watch moved it to the past would
-// undo the cancel.
-func (pc *upConn) readDeadline(ctx context.Context, d time.Duration) {
-	_ = pc.c.SetReadDeadline(time.Now().Add(d))
+// readDeadline sets pc's read deadline to at (zero: none), unless ctx is
+// done: a deadline set just after the context's watch moved it to the past
+// would undo the cancel.
+func (pc *upConn) readDeadline(ctx context.Context, at time.Time) {
+	_ = pc.c.SetReadDeadline(at)
 	if ctx.Err() != nil {
 		_ = pc.c.SetDeadline(pastDeadline)
 	}
@@ -287,10 +287,7 @@ func (t *upstream) readResponse(pc *upConn, req *http.Request) (*http.Response, 
 // side asked to close, and the context did not fire.
 func (t *upstream) answer(ctx context.Context, pc *upConn, req *http.Request, resp *http.Response, stop func() bool, keep bool) (*http.Response, error) {
 	pc.lim.n = -1
-	_ = pc.c.SetReadDeadline(time.Time{})
-	if ctx.Err() != nil { // cancelled as the deadline was cleared
-		_ = pc.c.SetDeadline(pastDeadline)
-	}
+	pc.readDeadline(ctx, time.Time{})
 	resp.Body = &upBody{rc: resp.Body, ctx: ctx, pc: pc, t: t, stop: stop, keep: keep && !resp.Close && !req.Close}
 	return resp, nil
 }

@@ -116,10 +116,6 @@ func (e *Engine) AddReplica(s replica.Spec) (*replica.Replica, error) {
 	return e.pool.Add(s, e.join)
 }
 
-// Segments returns the picture of the blending replicas' segments, or nil
-// when no replica blends.
-func (e *Engine) Segments() *cachemodel.Segments { return e.segs }
-
 // ClearPicture empties replica id's pictures, its cache's and its
 // segments' (its engine restarted).
 func (e *Engine) ClearPicture(id int) {

@@ -10,6 +10,7 @@ import (
 	lru "github.com/hashicorp/golang-lru/v2/simplelru"
 
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/replica"
 )
 
 // Blend makes a replica reuse the KV of content segments wherever they
@@ -39,8 +40,9 @@ type Blend struct {
 	BudgetTokens int
 }
 
-// DefaultRecompute is Blend.Recompute's default, CacheBlend's share.
-const DefaultRecompute = 0.15
+// DefaultRecompute is Blend.Recompute's default, CacheBlend's share, as
+// the router assumes it (replica.Reuse).
+const DefaultRecompute = replica.DefaultRecompute
 
 // segmentSalt keeps segment keys apart from block keys.
 const segmentSalt = 0x5e6b1e4d
@@ -143,14 +145,7 @@ func (s *Server) spans(dst []span, seg []int32, req *blockhash.Request, ids []in
 	at, looked := 0, 0
 	for i := range req.Parts {
 		p := &req.Parts[i]
-		reusable := p.Role == blockhash.RoleTool || p.Role == blockhash.RoleUser && len(p.Segs) > 0
-		if !reusable {
-			continue
-		}
-		last := len(p.Text)
-		if p.Role == blockhash.RoleUser {
-			last = int(p.Segs[len(p.Segs)-1]) // the question is not a document
-		}
+		last := p.ReusableEnd()
 		p.EachSeg(func(from, to int) {
 			if from >= last || looked >= maxSpans {
 				return
