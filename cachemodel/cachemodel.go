@@ -169,26 +169,35 @@ func (m *Model) AddReplica(name string, budgetTokens int64) (int, error) {
 // RemoveReplica forgets a replica and its blocks. O(tracked blocks).
 func (m *Model) RemoveReplica(id int) {
 	m.mu.Lock()
-	defer m.mu.Unlock()
+	var keys []uint64
 	if m.valid(id) {
-		m.clear(id)
+		keys = m.clear(id)
 		m.replicas[id] = nil
 	}
+	m.mu.Unlock()
+	m.evicted(id, keys)
 }
 
 // Clear empties a replica's picture, as after the replica restarted.
-// O(tracked blocks).
+// O(tracked blocks). Every block it held is given to OnEvict.
 func (m *Model) Clear(id int) {
 	m.mu.Lock()
-	defer m.mu.Unlock()
+	var keys []uint64
 	if m.valid(id) {
-		m.clear(id)
+		keys = m.clear(id)
 	}
+	m.mu.Unlock()
+	m.evicted(id, keys)
 }
 
-func (m *Model) clear(id int) {
+// clear empties replica id's picture and returns the keys it held, when
+// there is an OnEvict to give them to. m.mu must be held.
+func (m *Model) clear(id int) (keys []uint64) {
 	m.nodes.each(func(n *node) {
 		if i, ok := m.find(n, int32(id)); ok {
+			if m.onEvict != nil && m.at(n, i).flags != 0 {
+				keys = append(keys, n.hash)
+			}
 			m.remove(n, i)
 			if m.count(n) == 0 {
 				m.freeNode(n)
@@ -201,6 +210,7 @@ func (m *Model) clear(id int) {
 	st.pending, st.phead = nil, 0
 	m.epochs++
 	st.epoch = m.epochs
+	return keys
 }
 
 // SetBudget changes a replica's token budget (0 = unlimited); the next Record
@@ -509,8 +519,17 @@ func (m *Model) Store(id int, parent uint64, hasParent bool, blocks []blockhash.
 // is in neither, the replica no longer holds it: Match stops there, even
 // for the blocks after it the replica still holds, as the engine's own
 // prefix lookup does. It reports whether the replica held the block in
-// that medium, and whether it still holds it (in the other).
+// that medium, and whether it still holds it (in the other). A block the
+// replica holds no more is given to OnEvict, as an eviction is.
 func (m *Model) Remove(id int, key uint64, cpu bool) (removed, left bool) {
+	removed, left = m.removeBlock(id, key, cpu)
+	if removed && !left && m.onEvict != nil {
+		m.onEvict(id, key)
+	}
+	return removed, left
+}
+
+func (m *Model) removeBlock(id int, key uint64, cpu bool) (removed, left bool) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if !m.valid(id) {

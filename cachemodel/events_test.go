@@ -2,10 +2,12 @@ package cachemodel
 
 import (
 	"fmt"
+	"slices"
 	"testing"
 	"time"
 
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/eviction"
 )
 
 // matchOf returns replica id's match of blocks.
@@ -249,5 +251,30 @@ func TestStoreAfterItsPendingParentExpired(t *testing.T) {
 	}
 	if got := matchOf(m, z, 1).Blocks; got != 0 {
 		t.Fatalf("b matches %d blocks, want 0", got)
+	}
+}
+
+// A block the engine drops (a KV event) and the blocks of a cleared
+// replica are given to OnEvict, as evictions are (the donor index forgets
+// by them); a block kept in CPU memory is not.
+func TestRemoveAndClearTellOnEvict(t *testing.T) {
+	var gone []uint64
+	m := New(Options{Policy: eviction.NewVLLM, OnEvict: func(_ int, k uint64) { gone = append(gone, k) }})
+	m.AddReplica("r", 0)
+	c := chain("p", 3, 0)
+	m.Store(0, 0, false, c, false, 1)
+	m.Store(0, 0, false, c[:1], true, 2) // the first block in CPU memory too
+	m.Remove(0, c[2].Hash, false)
+	m.Remove(0, c[0].Hash, false) // still in CPU memory
+	if fmt.Sprint(gone) != fmt.Sprint([]uint64{c[2].Hash}) {
+		t.Fatalf("OnEvict saw %v, want only %v", gone, c[2].Hash)
+	}
+	gone = nil
+	m.Clear(0)
+	slices.Sort(gone)
+	want := []uint64{c[0].Hash, c[1].Hash}
+	slices.Sort(want)
+	if fmt.Sprint(gone) != fmt.Sprint(want) {
+		t.Fatalf("Clear told %v, want %v", gone, want)
 	}
 }
