@@ -327,14 +327,18 @@ type Replica struct {
 // (replica.Reuse). The zero value: the exact prefix alone. A blending
 // replica must be in the config when the router starts.
 type ReuseConfig struct {
-	// Mode is "prefix" (or empty) or "blend" (position-independent
-	// segments, as CacheBlend in LMCache).
+	// Mode is "prefix" (or empty), "blend" (position-independent
+	// segments, as CacheBlend in LMCache) or "donor" (a similar earlier
+	// prompt's KV, as SGLang's SemanticPrefixProvider).
 	Mode string `mapstructure:"mode" json:"mode,omitempty"`
 	// Recompute is blend's recomputed share; 0: 0.15.
 	Recompute float64 `mapstructure:"recompute" json:"recompute,omitempty"`
 	// BudgetTokens is the tokens of segments the engine keeps for
 	// blending; 0: the replica's budget.
 	BudgetTokens int64 `mapstructure:"budget_tokens" json:"budget_tokens,omitempty"`
+	// MinSimilarity is donor's least similarity of a donor the engine
+	// reuses, in [0, 1]; 0: 0.5.
+	MinSimilarity float64 `mapstructure:"min_similarity" json:"min_similarity,omitempty"`
 }
 
 // DefaultBudgetTokens is the KV cache budget, in tokens, assumed for a

@@ -36,7 +36,8 @@ func TestGoodConfigs(t *testing.T) {
 		c.Routing.RecordReplies || c.Routing.KindWeights["user_query"] != 0 ||
 		len(c.Routing.Arms) != 2 || *c.Routing.Arms[0].LoadWeight != 0.5 || c.Routing.Arms[1].LoadWeight != nil ||
 		c.GRPCListen != "127.0.0.1:9001" || !c.DecisionLog.RawIDs || c.Replicas[0].Weight != 2 || c.Blocks.BytesPerToken != 3 ||
-		c.Replicas[0].Spec().Reuse != (replica.Reuse{Mode: replica.ReuseBlend, Recompute: 0.2}) {
+		c.Replicas[0].Spec().Reuse != (replica.Reuse{Mode: replica.ReuseBlend, Recompute: 0.2}) ||
+		c.Replicas[1].Spec().Reuse != (replica.Reuse{Mode: replica.ReuseDonor, MinSimilarity: 0.6}) {
 		t.Fatalf("decoded %+v", c)
 	}
 }
@@ -51,7 +52,7 @@ func TestBadConfigs(t *testing.T) {
 			"routing.arms[0].policy:", "routing.arms[0].weight:", "routing.arms[1].name:", "runtime.gc_floor_mb:",
 		},
 		"hostile.bad.yaml": {"grpc.token:", "grpc.tls_cert_file:", "grpc.max_held_decisions:", "limits.max_json_depth:",
-			"cache.default_budget_tokens:", "replicas[0].name:", "replicas[0].url:", "replicas[1].weight:"},
+			"cache.default_budget_tokens:", "replicas[0].name:", "replicas[0].url:", "replicas[1].weight:", "replicas[2].reuse:"},
 		"bad-duration.bad.yaml": {"load_half_life"},
 		"bad-yaml.bad.yaml":     {"parse config"},
 	}

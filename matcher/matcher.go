@@ -1,4 +1,4 @@
-// Package matcher is the reference semantic matcher (router.Matcher): it
+// Package matcher is the reference semantic matcher (routing.Matcher): it
 // finds a donor request whose text is similar to a new one, by the Jaccard
 // similarity of their sets of word shingles, estimated with bottom-k MinHash
 // sketches (Broder, 1997; Cohen and Kaplan, 2007).
@@ -14,6 +14,7 @@ import (
 	"cmp"
 	"container/heap"
 	"errors"
+	"slices"
 	"sort"
 	"sync"
 
@@ -35,8 +36,14 @@ type MinHash struct {
 	o Options
 
 	mu     sync.Mutex
-	donors *lru.LRU[donorKey, []uint64]
+	donors *lru.LRU[donorKey, donor]
 	index  map[uint64]map[donorKey]struct{}
+}
+
+// donor is a registered prompt: its sketch and its tokens.
+type donor struct {
+	sketch []uint64
+	tokens int
 }
 
 type donorKey struct {
@@ -67,7 +74,7 @@ func New(o Options) (*MinHash, error) {
 		return nil, errors.New("matcher: shingle, k, max donors and max words must be positive and min similarity in [0, 1]")
 	}
 	m := &MinHash{o: o, index: map[uint64]map[donorKey]struct{}{}}
-	m.donors, _ = lru.NewLRU[donorKey, []uint64](o.MaxDonors, m.unindex) // MaxDonors > 0
+	m.donors, _ = lru.NewLRU[donorKey, donor](o.MaxDonors, m.unindex) // MaxDonors > 0
 	return m, nil
 }
 
@@ -157,40 +164,73 @@ func (m *MinHash) Similarity(a, b []uint64) float64 {
 	return float64(both) / float64(taken)
 }
 
-// Find implements router.Matcher.
-func (m *MinHash) Find(text [][]byte) (int, bool) {
+// Donors implements routing.Matcher: it calls each, replica by replica
+// in ascending order, with the replica's most similar donor at least
+// MinSimilarity similar to text: its key, the prompt tokens it was
+// registered with and the estimated similarity. Ties go to the donor with more tokens. A
+// donor found is kept longer. each is called without m's lock held.
+func (m *MinHash) Donors(text [][]byte, each func(replica int, key uint64, tokens int, similarity float64)) {
 	sk := m.Sketch(text)
 	if len(sk) == 0 {
-		return 0, false
+		return
 	}
+	type best struct {
+		d      donorKey
+		tokens int
+		sim    float64
+	}
+	var found []best // one per replica, few
 	m.mu.Lock()
-	defer m.mu.Unlock()
-	votes := map[donorKey]int{}
+	votes := map[donorKey]struct{}{}
 	for _, v := range sk {
 		for d := range m.index[v] {
-			votes[d]++
+			votes[d] = struct{}{}
 		}
 	}
-	best, bestSim := donorKey{}, -1.0
 	for d := range votes {
-		dsk, ok := m.donors.Peek(d)
+		dn, ok := m.donors.Peek(d)
 		if !ok {
 			continue
 		}
-		s := m.Similarity(sk, dsk)
-		if s > bestSim || (s == bestSim && (d.replica < best.replica || (d.replica == best.replica && d.key < best.key))) {
-			best, bestSim = d, s
+		sim := m.Similarity(sk, dn.sketch)
+		if sim < m.o.MinSimilarity {
+			continue
+		}
+		i := slices.IndexFunc(found, func(b best) bool { return b.d.replica == d.replica })
+		if i < 0 {
+			found = append(found, best{d, dn.tokens, sim})
+			continue
+		}
+		b := &found[i]
+		if sim > b.sim || (sim == b.sim && (dn.tokens > b.tokens || (dn.tokens == b.tokens && d.key < b.d.key))) {
+			*b = best{d, dn.tokens, sim}
 		}
 	}
-	if bestSim < m.o.MinSimilarity {
-		return 0, false
+	for _, b := range found {
+		m.donors.Get(b.d) // a donor that helped is kept longer
 	}
-	m.donors.Get(best) // a donor that helped is kept longer
-	return best.replica, true
+	m.mu.Unlock()
+	slices.SortFunc(found, func(a, b best) int { return cmp.Compare(a.d.replica, b.d.replica) })
+	for _, b := range found {
+		each(b.d.replica, b.d.key, b.tokens, b.sim)
+	}
 }
 
-// Register implements router.Matcher.
-func (m *MinHash) Register(key uint64, replica int, text [][]byte) {
+// Find returns the replica of the most similar donor at least
+// MinSimilarity similar to text (ties: the lowest replica id).
+func (m *MinHash) Find(text [][]byte) (replica int, ok bool) {
+	bestSim := -1.0
+	m.Donors(text, func(r int, _ uint64, _ int, sim float64) {
+		if sim > bestSim {
+			replica, ok, bestSim = r, true, sim
+		}
+	})
+	return replica, ok
+}
+
+// Register implements routing.Matcher: it records text, of tokens prompt
+// tokens, as a donor on replica keyed by key.
+func (m *MinHash) Register(key uint64, replica, tokens int, text [][]byte) {
 	sk := m.Sketch(text)
 	if len(sk) == 0 {
 		return
@@ -201,7 +241,7 @@ func (m *MinHash) Register(key uint64, replica int, text [][]byte) {
 	if old, ok := m.donors.Peek(d); ok {
 		m.unindex(d, old)
 	}
-	m.donors.Add(d, sk)
+	m.donors.Add(d, donor{sk, tokens})
 	for _, v := range sk {
 		set := m.index[v]
 		if set == nil {
@@ -227,8 +267,8 @@ func (m *MinHash) Len() int {
 }
 
 // unindex removes a donor's sketch from the index; m.mu is held.
-func (m *MinHash) unindex(d donorKey, sk []uint64) {
-	for _, v := range sk {
+func (m *MinHash) unindex(d donorKey, dn donor) {
+	for _, v := range dn.sketch {
 		if set := m.index[v]; set != nil {
 			delete(set, d)
 			if len(set) == 0 {

@@ -30,7 +30,7 @@ func TestFindsSameDocumentUnderOtherInstruction(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i := 0; i < 50; i++ {
-		m.Register(uint64(i), i%4, parts("Summarise this.", doc(i, 800)))
+		m.Register(uint64(i), i%4, 800, parts("Summarise this.", doc(i, 800)))
 	}
 	// The same document under another instruction: found on its replica.
 	if r, ok := m.Find(parts("Translate the following into French, keeping names.", doc(17, 800))); !ok || r != 17%4 {
@@ -48,9 +48,39 @@ func TestFindsSameDocumentUnderOtherInstruction(t *testing.T) {
 	}
 }
 
+func TestDonorsBestPerReplica(t *testing.T) {
+	m, _ := New(Options{MinSimilarity: 0.3}) // the half document is about 0.5 similar
+	d := doc(5, 600)
+	m.Register(1, 0, 700, parts("Summarise this.", d))            // the same document: similar
+	m.Register(2, 0, 650, parts("Summarise this.", d[:len(d)/2])) // half of it: less similar
+	m.Register(3, 2, 610, parts("Explain it.", d))                // another replica
+	m.Register(4, 1, 600, parts(doc(6, 600)))                     // unrelated
+	type got struct {
+		replica, tokens int
+		sim             float64
+	}
+	var found []got
+	m.Donors(parts("Translate this.", d), func(r int, _ uint64, tokens int, sim float64) { found = append(found, got{r, tokens, sim}) })
+	if len(found) != 2 || found[0].replica != 0 || found[1].replica != 2 {
+		t.Fatalf("Donors found %+v; want replicas 0 and 2, in order", found)
+	}
+	if found[0].tokens != 700 || found[1].tokens != 610 {
+		t.Fatalf("Donors found %+v; want the whole document's donor on replica 0 (700 tokens), 610 on replica 2", found)
+	}
+	if found[0].sim < 0.8 || found[0].sim > 1 {
+		t.Fatalf("similarity %v of the same document under another instruction, want ≥ 0.8", found[0].sim)
+	}
+	m.Forget(0, 1)
+	found = found[:0]
+	m.Donors(parts("Translate this.", d), func(r int, _ uint64, tokens int, sim float64) { found = append(found, got{r, tokens, sim}) })
+	if len(found) != 2 || found[0].tokens != 650 || found[0].sim >= 0.8 {
+		t.Fatalf("after forgetting the best donor, found %+v; want the half document's (650 tokens) on replica 0", found)
+	}
+}
+
 func TestForgetAndBound(t *testing.T) {
 	m, _ := New(Options{MaxDonors: 10})
-	m.Register(1, 2, parts(doc(1, 300)))
+	m.Register(1, 2, 300, parts(doc(1, 300)))
 	if _, ok := m.Find(parts(doc(1, 300))); !ok {
 		t.Fatal("registered donor not found")
 	}
@@ -59,7 +89,7 @@ func TestForgetAndBound(t *testing.T) {
 		t.Fatal("forgotten donor found")
 	}
 	for i := 0; i < 100; i++ {
-		m.Register(uint64(i), 0, parts(doc(i, 300)))
+		m.Register(uint64(i), 0, 300, parts(doc(i, 300)))
 	}
 	if m.Len() != 10 {
 		t.Fatalf("holds %d donors, want the bound 10", m.Len())

@@ -44,12 +44,19 @@ const (
 	// wherever it appears, recomputing a share of its tokens to repair
 	// cross-attention (CacheBlend, EuroSys 2025, in LMCache; EPIC).
 	ReuseBlend = "blend"
+	// ReuseDonor: when the exact prefix falls short, also the cached KV of
+	// an earlier prompt similar enough to this one (a donor), as SGLang's
+	// SemanticPrefixProvider (PR 20806) and Dynamo's semantic KV provider
+	// (PR 7520) let an engine do: the donor's tokens are looked up in the
+	// prefix cache and what is held of them is reused in place of this
+	// prompt's own.
+	ReuseDonor = "donor"
 )
 
 // Reuse is an engine's capability to reuse KV beyond the exact prefix.
 // The zero value is ReusePrefix.
 type Reuse struct {
-	// Mode is ReusePrefix ("" too) or ReuseBlend.
+	// Mode is ReusePrefix ("" too), ReuseBlend or ReuseDonor.
 	Mode string
 	// Recompute is the share of a blended segment's tokens the engine
 	// computes again, in [0, 1); default 0.15 (CacheBlend's, LMCache's
@@ -59,13 +66,32 @@ type Reuse struct {
 	// blending (LMCache's store, apart from the GPU's prefix cache); 0:
 	// the replica's BudgetTokens.
 	BudgetTokens int64
+	// MinSimilarity is the least similarity, in [0, 1], of a donor the
+	// engine reuses (ReuseDonor); 0: DefaultMinSimilarity.
+	MinSimilarity float64
 }
+
+// DefaultMinSimilarity is Reuse.MinSimilarity's default: SGLang's and
+// Dynamo's reference providers' Jaccard threshold.
+const DefaultMinSimilarity = 0.5
 
 // DefaultRecompute is Reuse.Recompute's default.
 const DefaultRecompute = 0.15
 
 // Blend reports whether the engine blends segments.
 func (u Reuse) Blend() bool { return u.Mode == ReuseBlend }
+
+// Donor reports whether the engine reuses similar donors' KV.
+func (u Reuse) Donor() bool { return u.Mode == ReuseDonor }
+
+// Similarity returns the least similarity of a donor the engine reuses:
+// MinSimilarity, or its default if 0.
+func (u Reuse) Similarity() float64 {
+	if u.MinSimilarity == 0 {
+		return DefaultMinSimilarity
+	}
+	return u.MinSimilarity
+}
 
 // Share returns the share of a blended segment's tokens the engine does
 // not compute: 1 − Recompute (its default if 0).
@@ -80,12 +106,12 @@ func (u Reuse) Share() float64 {
 // Check validates u.
 func (u Reuse) Check() error {
 	switch u.Mode {
-	case "", ReusePrefix, ReuseBlend:
+	case "", ReusePrefix, ReuseBlend, ReuseDonor:
 	default:
-		return fmt.Errorf("reuse mode %q: want %s or %s", u.Mode, ReusePrefix, ReuseBlend)
+		return fmt.Errorf("reuse mode %q: want %s, %s or %s", u.Mode, ReusePrefix, ReuseBlend, ReuseDonor)
 	}
-	if u.Recompute < 0 || u.Recompute >= 1 || u.BudgetTokens < 0 {
-		return fmt.Errorf("reuse: recompute must be in [0, 1), budget_tokens ≥ 0")
+	if u.Recompute < 0 || u.Recompute >= 1 || u.BudgetTokens < 0 || !(u.MinSimilarity >= 0 && u.MinSimilarity <= 1) {
+		return fmt.Errorf("reuse: recompute must be in [0, 1), budget_tokens ≥ 0, min_similarity in [0, 1]")
 	}
 	return nil
 }

@@ -19,7 +19,6 @@ import (
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/decisionlog"
 	"github.com/semroute/semroute/limits"
-	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 	"github.com/semroute/semroute/tokenizer"
 )
@@ -365,8 +364,8 @@ func (c *Core) record(rt *Routed, o *Outcome) *decisionlog.Record {
 	}
 	for _, cand := range rt.Candidates {
 		engine := "" // the exact prefix alone
-		if cand.Replica.Reuse.Blend() {
-			engine = replica.ReuseBlend
+		if u := cand.Replica.Reuse; u.Blend() || u.Donor() {
+			engine = u.Mode
 		}
 		r.Candidates = append(r.Candidates, decisionlog.Candidate{
 			Replica: cand.Replica.Name, Tier: cand.Tier, Score: cand.Score, Matched: cand.Match.Tokens, InFlight: cand.Load.InFlight,

@@ -57,14 +57,19 @@ type EngineOptions struct {
 	// on one replica once in its KV load (replica.Load.ActiveTokens), as
 	// engines with cascade attention store it once. Off: once per request.
 	SharedActive bool
-	// Matcher, if set, is the semantic fallback: when the best exact prefix
-	// match covers less than MatcherThreshold of the prompt, a donor with
-	// similar content is looked up and its replica preferred unless it is
-	// spilled. Served requests are registered as donors; the cache model's
-	// OnEvict should call Matcher.Forget.
+	// Matcher, if set, is the donor index: served requests are registered
+	// as donors, and the cache model's OnEvict should call Matcher.Forget.
+	// A replica whose engine reuses donors (replica.ReuseDonor) is credited
+	// with its most similar donor's tokens past the exact prefix, times
+	// their similarity. Required when such a replica is in the pool.
 	Matcher Matcher
-	// MatcherThreshold is the share of the prompt below which the matcher
-	// is asked. Default 0.5.
+	// PreferDonor makes the matcher a fallback for every engine: when the
+	// best exact prefix match covers less than MatcherThreshold of the
+	// prompt, the replica of the most similar donor is moved to the front
+	// unless it is spilled.
+	PreferDonor bool
+	// MatcherThreshold is the share of the prompt below which PreferDonor
+	// asks the matcher. Default 0.5.
 	MatcherThreshold float64
 	// A prefix block is hot (View.Hot) when, per cache-model HotHalfLife,
 	// at least HotUses requests used it and more than HotShare ÷ (available
@@ -375,18 +380,20 @@ func (e *Engine) Decide(ri Request, record bool) (*Decision, error) {
 	for _, b := range ri.Blocks {
 		d.Tokens += int(b.Tokens)
 	}
-	in, err := e.rank(d, pol, ri.Allow, ri.Model)
+	in, err := e.rank(d, pol, ri.Allow, ri.Model, ri.Text)
 	if err != nil {
 		return nil, err
 	}
-	e.preferDonor(d, ri.Text)
+	if e.o.PreferDonor {
+		e.preferDonor(d, ri.Text)
+	}
 	if record {
 		if o, ok := pol.(Observer); ok {
 			o.Chosen(in, d.Chosen())
 		}
 		e.Commit(d, d.Chosen())
 		if e.o.Matcher != nil && ri.Text != nil && len(d.Blocks) > 0 {
-			e.o.Matcher.Register(d.Blocks[len(d.Blocks)-1].Hash, d.Chosen().Replica.ID, ri.Text)
+			e.o.Matcher.Register(d.Blocks[len(d.Blocks)-1].Hash, d.Chosen().Replica.ID, d.Tokens, ri.Text)
 		}
 	}
 	return d, nil
@@ -405,8 +412,13 @@ func (e *Engine) preferDonor(d *Decision, text [][]byte) {
 	if float64(best) >= e.o.MatcherThreshold*float64(d.Tokens) {
 		return
 	}
-	id, ok := e.o.Matcher.Find(text)
-	if !ok {
+	id, bestSim := -1, -1.0
+	e.o.Matcher.Donors(text, func(r int, _ uint64, _ int, sim float64) {
+		if sim > bestSim {
+			id, bestSim = r, sim
+		}
+	})
+	if id < 0 {
 		return
 	}
 	for i := range d.Candidates {
@@ -440,8 +452,9 @@ func (e *Engine) view(d *Decision) *View {
 
 // rank scores the available replicas that allow admits (all, if nil) with
 // pol and keeps the best Attempts;
-// it returns what the policy was told.
-func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool, model string) (*View, error) {
+// it returns what the policy was told. text is the request's, for the
+// donors of replicas whose engines reuse them.
+func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool, model string, text [][]byte) (*View, error) {
 	now := e.o.Now()
 	reps := e.pool.Replicas()
 	sc, _ := scratchPool.Get().(*scratch)
@@ -462,7 +475,7 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 	n := 0
 	// Of the pool: is the model served at all, are some replicas' models
 	// unknown, is it an adapter somewhere (its replicas are then ranked).
-	unknown, served := false, false
+	unknown, served, donors := false, false, false
 	adapter := model != "" && e.isAdapter(model)
 	for _, r := range reps {
 		var rank int8
@@ -494,8 +507,12 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 		if r.ID < len(beyond) && r.Reuse.Blend() {
 			c.Reuse = beyond[r.ID] * r.Reuse.Share()
 		}
+		donors = donors || r.Reuse.Donor()
 	}
 	d.Candidates = d.Candidates[:n]
+	if donors && e.o.Matcher != nil && text != nil {
+		e.creditDonors(d, text)
+	}
 	if len(d.Candidates) == 0 {
 		if model != "" && len(reps) > 0 && !unknown && !served { // every replica's models known, none serves it
 			return nil, &UnknownModelError{Model: model}
@@ -506,6 +523,28 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 	pol.Score(in, d.Candidates)
 	d.Ranked = rank(d.Candidates, d.Key, e.o.Attempts)
 	return in, nil
+}
+
+// creditDonors credits each candidate whose engine reuses donors with its
+// most similar donor, if the engine would take it (at least its
+// replica.Reuse.Similarity): the donor's tokens past the exact match, up to
+// the prompt's, times the similarity. The engine reuses what it holds of
+// the donor in place of the prompt's own prefix (SGLang PR 20806: the
+// donor's tokens are looked up in the prefix cache); the similarity
+// discounts a donor the engine's own provider may rank otherwise.
+func (e *Engine) creditDonors(d *Decision, text [][]byte) {
+	e.o.Matcher.Donors(text, func(r int, _ uint64, tokens int, sim float64) {
+		for i := range d.Candidates {
+			c := &d.Candidates[i]
+			if c.Replica.ID != r {
+				continue
+			}
+			if c.Replica.Reuse.Donor() && sim >= c.Replica.Reuse.Similarity() {
+				c.Reuse = sim * float64(max(min(tokens, d.Tokens)-c.Match.Tokens, 0))
+			}
+			return
+		}
+	})
 }
 
 // scratch is a decision's per-replica working memory, reused across
@@ -749,6 +788,14 @@ func (e *Engine) Feedback(d *Decision, c *Candidate, cached int) int64 {
 		return 0
 	}
 	diff := int64(c.Match.Tokens) + int64(c.Reuse) - int64(cached) // a blending engine reports what it reused too
+	if c.Replica.Reuse.Donor() {
+		// A donor engine reports at least its exact prefix, and whatever its
+		// own provider found besides: only fewer than the prefix measures
+		// the picture.
+		if diff = int64(c.Match.Tokens) - int64(cached); diff < 0 {
+			return 0
+		}
+	}
 	block := int64(cmp.Or(d.blockTokens, e.split.BlockTokens()))
 	if diff > -block && diff < block {
 		return 0

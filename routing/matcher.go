@@ -1,18 +1,26 @@
 package routing
 
-// Matcher is the semantic fallback: it finds a donor request whose content
-// is similar to a new request's (the same document under another
-// instruction, reordered sections) so the router can prefer the replica that
-// served it when the exact prefix match is short. Implementations must be
-// safe for concurrent use and bounded in memory and time.
+// Matcher is the donor index, with the three calls of the engines' semantic
+// KV providers (SGLang's SemanticPrefixProvider, PR 20806; Dynamo's
+// SemanticKvCacheProvider, PR 7520): find a similar donor, register a
+// donor, forget it on eviction. A donor is a served request whose content is
+// similar to a new request's (the same document under another instruction,
+// reordered sections). A replica whose engine reuses donors
+// (replica.ReuseDonor) is credited with its donor's tokens discounted by
+// their similarity; with EngineOptions.PreferDonor, prefix engines' replicas
+// holding a donor are preferred when the exact prefix match is short.
+// Implementations must be safe for concurrent use and bounded in memory and
+// time.
 type Matcher interface {
-	// Find returns the replica id of the most similar registered donor, if
-	// one is similar enough.
-	Find(text [][]byte) (replica int, ok bool)
-	// Register records a served request as a donor on replica, keyed by its
-	// deepest block's hash.
-	Register(key uint64, replica int, text [][]byte)
+	// Donors calls each, replica by replica, with the replica's most
+	// similar registered donor that is similar enough: its key, the prompt
+	// tokens it was registered with and its similarity in [0, 1].
+	Donors(text [][]byte, each func(replica int, key uint64, tokens int, similarity float64))
+	// Register records a served request of tokens prompt tokens as a donor
+	// on replica, keyed by its deepest block's hash.
+	Register(key uint64, replica, tokens int, text [][]byte)
 	// Forget drops the donor keyed by key on replica: its blocks were
-	// evicted there.
+	// evicted there (the picture's eviction model, or the engine's KV
+	// events).
 	Forget(replica int, key uint64)
 }

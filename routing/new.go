@@ -51,6 +51,9 @@ type Options struct {
 // New builds the splitter, the cache picture, the replica pool and the
 // Engine over them.
 func New(o Options) (*Engine, error) {
+	if o.Engine.Matcher == nil && slices.ContainsFunc(o.Replicas, func(r replica.Spec) bool { return r.Reuse.Donor() }) {
+		return nil, errDonorNeedsMatcher
+	}
 	var segs *cachemodel.Segments
 	if o.Blending || slices.ContainsFunc(o.Replicas, func(r replica.Spec) bool { return r.Reuse.Blend() }) {
 		kinds := o.BlendKinds
@@ -104,6 +107,8 @@ func New(o Options) (*Engine, error) {
 	return e, nil
 }
 
+var errDonorNeedsMatcher = errors.New("routing: a replica that reuses donors needs EngineOptions.Matcher, the donor index")
+
 // AddReplica adds a replica to the pool with an empty cache picture, under
 // its budget or New's DefaultBudget. It needs an engine made by New.
 func (e *Engine) AddReplica(s replica.Spec) (*replica.Replica, error) {
@@ -112,6 +117,9 @@ func (e *Engine) AddReplica(s replica.Spec) (*replica.Replica, error) {
 	}
 	if s.Reuse.Blend() && e.segs == nil {
 		return nil, errors.New("routing: a blending replica joins only a pool that had one from the start (its prompts' segment keys are computed from then on)")
+	}
+	if s.Reuse.Donor() && e.o.Matcher == nil {
+		return nil, errDonorNeedsMatcher
 	}
 	return e.pool.Add(s, e.join)
 }

@@ -255,7 +255,7 @@ func (p *PrefixCost) Score(in *View, cands []Candidate) {
 		case c.Match.Blocks > 0:
 			c.Reason = "match"
 		case reuse > 0:
-			c.Reason = "blend"
+			c.Reason = c.Replica.Reuse.Mode // "blend" or "donor"
 		default:
 			c.Reason = "miss"
 		}

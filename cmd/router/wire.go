@@ -95,8 +95,14 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		return nil, fmt.Errorf("config: cache.eviction: %w", err)
 	}
 	var mt routing.Matcher
-	if mc := cfg.Routing.Matcher; mc.Enabled {
-		if mt, err = matcher.New(matcher.Options{MinSimilarity: mc.MinSimilarity, MaxDonors: mc.MaxDonors}); err != nil {
+	if mc, floor := cfg.Routing.Matcher, donorFloor(cfg); mc.Enabled || floor > 0 {
+		// The index keeps what the least demanding use of it takes: each
+		// donor engine's own threshold is applied when it is credited.
+		sim := floor
+		if mc.Enabled && (sim == 0 || mc.MinSimilarity < sim) {
+			sim = mc.MinSimilarity
+		}
+		if mt, err = matcher.New(matcher.Options{MinSimilarity: sim, MaxDonors: mc.MaxDonors}); err != nil {
 			return nil, fmt.Errorf("config: routing.semantic_matcher: %w", err)
 		}
 	}
@@ -114,7 +120,8 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		Split:    cfg.Blocks.Options(),
 		Blending: slices.ContainsFunc(cfg.Replicas, func(r configs.Replica) bool { return r.Spec().Reuse.Blend() }),
 		Engine: routing.EngineOptions{Weights: cfg.Routing.Weights(), Attempts: cfg.Routing.Attempts,
-			SharedActive: cfg.Routing.SharedActive, Matcher: mt, MatcherThreshold: cfg.Routing.Matcher.Threshold},
+			SharedActive: cfg.Routing.SharedActive, Matcher: mt, PreferDonor: cfg.Routing.Matcher.Enabled,
+			MatcherThreshold: cfg.Routing.Matcher.Threshold},
 	})
 	if err != nil {
 		return nil, fmt.Errorf("config: %w", err)
@@ -402,6 +409,19 @@ func (r *running) shutdown(grace time.Duration) error {
 
 // armsFor builds the A/B arms of cfg: its arms, or one arm, "default",
 // running routing.policy.
+// donorFloor returns the least similarity of a donor that one of the
+// configured replicas' engines reuses (replica.ReuseDonor), or 0 if none
+// reuses donors.
+func donorFloor(cfg *configs.Config) float64 {
+	floor := 0.0
+	for _, r := range cfg.Replicas {
+		if u := r.Spec().Reuse; u.Donor() && (floor == 0 || u.Similarity() < floor) {
+			floor = u.Similarity()
+		}
+	}
+	return floor
+}
+
 func armsFor(cfg *configs.Config) ([]router.Arm, error) {
 	pc := routing.PolicyConfig{
 		Seed: cfg.Routing.Seed, LoadWeight: cfg.Routing.LoadWeight, RecentWeight: cfg.Routing.RecentWeight,
