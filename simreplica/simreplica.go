@@ -104,6 +104,10 @@ type Options struct {
 	// Blend, if set, makes the replica reuse documents and tool results
 	// wherever they appear in a prompt, as CacheBlend does: see Blend.
 	Blend *Blend
+	// Donor, if set, makes the replica reuse a similar earlier prompt's
+	// cached KV when its prefix cache holds less of a prompt: see Donor.
+	// Not with Blend.
+	Donor *Donor
 }
 
 func (o *Options) defaults() {
@@ -147,8 +151,8 @@ type Stats struct {
 	Cancelled    int64 // ended because the client went away
 	PromptTokens int64
 	CachedTokens int64 // reported in usage: the prefix cache's hit and, with Blend, the segments reused
-	// ReusedTokens is the part of CachedTokens that Blend reused past the
-	// prefix cache's hit.
+	// ReusedTokens is the part of CachedTokens that Blend or Donor reused
+	// past the prefix cache's hit.
 	ReusedTokens int64
 }
 
@@ -166,6 +170,7 @@ type Server struct {
 	kv     *kvPublisher // nil unless Options.KVEvents
 	kvOnce sync.Once
 	blend  *blendStore // nil unless Options.Blend
+	donor  *donorStore // nil unless Options.Donor
 	mux    *http.ServeMux
 	sem    chan struct{}
 	// prefill is the one prompt computation at a time (see prefillQueue).
@@ -255,6 +260,16 @@ func New(o Options) (*Server, error) {
 		if s.blend, err = newBlendStore(b, o.BlockSize); err != nil {
 			return nil, err
 		}
+	}
+	if o.Donor != nil {
+		if o.Blend != nil {
+			return nil, errors.New("simreplica: Donor and Blend are exclusive")
+		}
+		if s.donor, err = newDonorStore(*o.Donor); err != nil {
+			return nil, err
+		}
+	}
+	if s.blend != nil || s.donor != nil {
 		ctr("vllm:external_prefix_cache_queries_total", "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.", &s.extQueries)
 		ctr("vllm:external_prefix_cache_hits_total", "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.", &s.extHits)
 	}
@@ -309,6 +324,9 @@ func (s *Server) Restart() {
 	s.DropCache()
 	if s.blend != nil {
 		s.blend.clear()
+	}
+	if s.donor != nil {
+		s.donor.clear()
 	}
 	for _, c := range []*atomic.Int64{&s.queries, &s.hits, &s.promptTotal, &s.genTotal, &s.extQueries, &s.extHits} {
 		c.Store(0)
@@ -594,6 +612,11 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	if s.blend != nil { // found before the prefill turn, which is one at a time
 		sc.spans, sc.seg = s.spans(sc.spans[:0], sc.seg, req, sc.ids, m)
 	}
+	var donorKey uint64
+	var donorKeys []uint64
+	if s.donor != nil { // so is the donor: similarity does not change with the cache
+		donorKey, donorKeys = s.donor.find(sc.prompt)
+	}
 	s.requests.Add(1)
 	ctx := r.Context()
 
@@ -631,6 +654,11 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 		s.extQueries.Add(int64(tokens - cached))
 		s.extHits.Add(int64(reused))
 	}
+	if s.donor != nil {
+		reused = s.donorReuse(donorKey, donorKeys, tokens, cached)
+		s.extQueries.Add(int64(tokens - cached))
+		s.extHits.Add(int64(reused))
+	}
 	blocks := int64((tokens + outTokens + s.o.BlockSize - 1) / s.o.BlockSize)
 	s.hold(blocks)
 	defer s.hold(-blocks)
@@ -648,6 +676,9 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 			unpin = s.store(keys, sc.ids, m)
 			if s.blend != nil {
 				s.blend.put(sc.spans)
+			}
+			if s.donor != nil {
+				s.donor.put(sc.prompt, keys, tokens)
 			}
 		}
 		return ok

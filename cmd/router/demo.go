@@ -106,8 +106,12 @@ func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
 		if o.sim.Blend == nil {
 			o.sim.Blend = &simreplica.Blend{}
 		}
+	case replica.ReuseDonor:
+		if o.sim.Donor == nil {
+			o.sim.Donor = &simreplica.Donor{}
+		}
 	default:
-		return nil, fmt.Errorf("--reuse %q is not prefix or blend", o.reuse)
+		return nil, fmt.Errorf("--reuse %q is not prefix, blend or donor", o.reuse)
 	}
 	d := &demo{}
 	var reps []configs.Replica
@@ -129,6 +133,9 @@ func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
 		rep := configs.Replica{Name: fmt.Sprintf("sim-%d", i), URL: s.URL, BudgetTokens: int64(so.NumBlocks * so.BlockSize)}
 		if b := so.Blend; b != nil && o.reuse == replica.ReuseBlend {
 			rep.Reuse = configs.ReuseConfig{Mode: replica.ReuseBlend, Recompute: b.Recompute, BudgetTokens: int64(b.BudgetTokens)}
+		}
+		if dn := so.Donor; dn != nil && o.reuse == replica.ReuseDonor {
+			rep.Reuse = configs.ReuseConfig{Mode: replica.ReuseDonor, MinSimilarity: dn.MinSimilarity}
 		}
 		if pub, replay := s.KVEventsEndpoints(); pub != "" {
 			rep.KVEvents = configs.KVEventsConfig{Endpoint: pub, ReplayEndpoint: replay, Topic: "kv-events"}

@@ -122,7 +122,7 @@ func newDemo() *cobra.Command {
 	cmd.Flags().StringSliceVar(&o.models, "models", nil, "models the simulated replicas serve, in turn (replica i serves models[i mod len]); default sim-model")
 	cmd.Flags().IntVar(&o.routers, "routers", 1, "number of routers sharing one picture over an embedded NATS server, behind a round-robin front on --listen")
 	cmd.Flags().StringVar(&o.picture, "picture", "events", "how the router knows the replicas' caches: events (precise: the engine's tokens from /tokenize and its KV events over ZMQ) or approximate (estimated tokens, corrected by reported hits)")
-	cmd.Flags().StringVar(&o.reuse, "reuse", "", "the simulated engines' reuse beyond the exact prefix: prefix (default), or blend (documents and tool results reused wherever they appear, as CacheBlend), told to the router")
+	cmd.Flags().StringVar(&o.reuse, "reuse", "", "the simulated engines' reuse beyond the exact prefix: prefix (default), blend (documents and tool results reused wherever they appear, as CacheBlend) or donor (a similar earlier prompt's cached KV, as SGLang's SemanticPrefixProvider), told to the router")
 	cmd.Flags().StringVar(&o.config, "config", "", "YAML config overriding the embedded demo config")
 	cmd.Flags().StringVar(&o.policy, "policy", "", "routing policy (default: the config's)")
 	cmd.Flags().StringVar(&o.grpcListen, "grpc-listen", "", "address to serve the gRPC Route API on (empty: off)")

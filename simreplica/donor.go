@@ -1,0 +1,140 @@
+package simreplica
+
+import (
+	"cmp"
+	"fmt"
+	"slices"
+	"sync"
+
+	lru "github.com/hashicorp/golang-lru/v2/simplelru"
+
+	"github.com/semroute/semroute/matcher"
+	"github.com/semroute/semroute/replica"
+)
+
+// Donor makes a replica reuse the KV of an earlier prompt similar to a
+// new one (a donor), as an engine does with SGLang's SemanticPrefixProvider
+// (PR 20806) or a semantic KV provider behind Dynamo (PR 7520): when the
+// prefix cache holds less of a prompt than of the most similar finished
+// prompt, the donor's blocks are looked up in the prefix cache and what it
+// holds of them, from the first, is used in place of the prompt's own
+// prefix (the engine repairs positions; what the output loses is the
+// engine's business, not the router's). A donor is found on a miss past
+// the prefix, as SGLang's fuzzy-match backend (PR 31057) does, not only on
+// a miss from the first token (PR 20806). The tokens taken from the donor
+// are reported in usage's cached_tokens and in
+// vllm:external_prefix_cache_hits_total, as a KV connector's are; time to
+// first token follows the tokens computed.
+//
+// The replica's provider measures similarity as the reference providers
+// do: the Jaccard similarity of the rendered prompts' 5-word shingles,
+// estimated with bottom-64 MinHash sketches (package matcher). A donor
+// whose first block is evicted is forgotten.
+type Donor struct {
+	// MinSimilarity is the least similarity of a donor reused, in (0, 1];
+	// zero means the default, 0.5.
+	MinSimilarity float64
+	// MaxDonors bounds the finished prompts remembered, least recently
+	// used first out; zero means 4,096.
+	MaxDonors int
+}
+
+// DefaultMinSimilarity is Donor.MinSimilarity's default, as the router
+// assumes it (replica.Reuse).
+const DefaultMinSimilarity = replica.DefaultMinSimilarity
+
+// donorStore is a replica's donors: their sketches in a MinHash index and
+// their block keys. Safe for concurrent use.
+type donorStore struct {
+	mh *matcher.MinHash
+
+	mu   sync.Mutex
+	keys *lru.LRU[uint64, []uint64] // donor key (its deepest block's) → its blocks' keys
+}
+
+func newDonorStore(d Donor) (*donorStore, error) {
+	if d.MinSimilarity < 0 || d.MinSimilarity > 1 || d.MaxDonors < 0 {
+		return nil, fmt.Errorf("simreplica: Donor.MinSimilarity %v must be in [0, 1] and MaxDonors %d ≥ 0", d.MinSimilarity, d.MaxDonors)
+	}
+	n := cmp.Or(d.MaxDonors, 4096)
+	mh, err := matcher.New(matcher.Options{MinSimilarity: cmp.Or(d.MinSimilarity, DefaultMinSimilarity), MaxDonors: n})
+	if err != nil {
+		return nil, err
+	}
+	s := &donorStore{mh: mh}
+	s.keys, _ = lru.NewLRU(n, func(key uint64, _ []uint64) { mh.Forget(0, key) }) // n > 0
+	return s, nil
+}
+
+// find returns the block keys of the donor most similar to prompt, or nil.
+// The slice is the store's: read it, do not keep it past the request.
+func (s *donorStore) find(prompt []byte) (key uint64, keys []uint64) {
+	best := -1.0
+	s.mh.Donors([][]byte{prompt}, func(_ int, k uint64, _ int, sim float64) {
+		if sim > best {
+			key, best = k, sim
+		}
+	})
+	if best < 0 {
+		return 0, nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	keys, _ = s.keys.Get(key)
+	return key, keys
+}
+
+// forget drops the donor keyed by key.
+func (s *donorStore) forget(key uint64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.keys.Remove(key) // the eviction callback forgets its sketch
+}
+
+// put registers a finished prompt of tokens tokens, its rendered text and
+// its blocks' keys, as a donor. A prompt without a full block is none.
+func (s *donorStore) put(prompt []byte, keys []uint64, tokens int) {
+	if len(keys) == 0 {
+		return
+	}
+	key := keys[len(keys)-1]
+	s.mu.Lock()
+	s.keys.Add(key, slices.Clone(keys))
+	s.mu.Unlock()
+	s.mh.Register(key, 0, tokens, [][]byte{prompt})
+}
+
+func (s *donorStore) clear() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.keys.Purge()
+}
+
+// heldFrom returns how many of keys, from the first, the prefix cache holds.
+func (s *Server) heldFrom(keys []uint64) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for n < len(keys) && s.cache.Contains(keys[n]) {
+		n++
+	}
+	return n
+}
+
+// donorReuse returns the tokens of a prompt of tokens tokens, of which the
+// prefix cache holds cached, that the donor keyed by key (its blocks' keys
+// are keys; none: no donor) gives past them: what the cache holds of the
+// donor from its first block, up to the prompt's last token, which an
+// engine always computes. A donor the cache holds nothing of is forgotten.
+func (s *Server) donorReuse(key uint64, keys []uint64, tokens, cached int) int {
+	if keys == nil {
+		return 0
+	}
+	n := s.heldFrom(keys)
+	if n == 0 {
+		s.donor.forget(key)
+		return 0
+	}
+	bs := s.o.BlockSize
+	return max(min(n*bs, (tokens-1)/bs*bs)-cached, 0)
+}
