@@ -9,6 +9,7 @@ import (
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
 	"github.com/semroute/semroute/eviction"
+	"github.com/semroute/semroute/matcher"
 )
 
 // Picture modes: how the router's cache picture (its cachemodel.Model)
@@ -113,6 +114,16 @@ type engineCaches struct {
 	// segment kept; nil for prefix engines.
 	segs   *cachemodel.Segments
 	beyond []float64
+	// donors are donor engines' providers (Model.Reuse): every finished
+	// prompt's sketch, found by similarity, and its blocks by key; nil for
+	// other engines.
+	donors      *matcher.MinHash
+	donorBlocks map[donorAt][]blockhash.Block
+}
+
+type donorAt struct {
+	rep int
+	key uint64
 }
 
 type goneBlock struct {
@@ -137,6 +148,12 @@ func newEngineCaches(m *Model, budgets []int64) (*engineCaches, error) {
 		}
 		e.segs = cachemodel.NewSegments(inner, all)
 		e.beyond = make([]float64, len(budgets))
+	}
+	if m.Reuse.Donor() {
+		if e.donors, err = matcher.New(matcher.Options{MinSimilarity: m.Reuse.Similarity()}); err != nil {
+			return nil, err
+		}
+		e.donorBlocks = map[donorAt][]blockhash.Block{}
 	}
 	for r, b := range budgets {
 		id, err := e.cache.AddReplica(fmt.Sprintf("engine-%d", r), b)
@@ -166,8 +183,11 @@ func (e *engineCaches) held(rep int, blocks []blockhash.Block) cachemodel.Match 
 //
 // A blending engine (Model.Reuse) also reuses every block past the prefix
 // that its segment store holds, computing its recompute share again, and
-// then keeps the prompt's segments.
-func (e *engineCaches) serve(i, rep int, blocks []blockhash.Block, now int64) (tokens, nblocks int) {
+// then keeps the prompt's segments. A donor engine reuses, in place of
+// its own prefix, what it holds of the most similar prompt it finished
+// (text is the prompt's, nil: none), as simreplica.Donor does; a donor it
+// holds nothing of is forgotten.
+func (e *engineCaches) serve(i, rep int, blocks []blockhash.Block, text [][]byte, now int64) (tokens, nblocks int) {
 	hit := e.held(rep, blocks)
 	tokens = hit.Tokens
 	if e.segs != nil {
@@ -176,14 +196,54 @@ func (e *engineCaches) serve(i, rep int, blocks []blockhash.Block, now int64) (t
 		tokens += int(e.beyond[rep] * e.m.Reuse.Share())
 		e.segs.Record(rep, blocks, now)
 	}
+	if e.donors != nil && text != nil {
+		tokens = max(tokens, e.donorTokens(rep, blocks, text))
+	}
 	_, e.running[i] = e.cache.Commit(rep, blocks, now)
 	e.tell(rep, blocks, hit.Blocks, now)
 	return tokens, hit.Blocks
 }
 
+// donorTokens returns the tokens replica rep's engine takes from its most
+// similar donor for a prompt of blocks with text: what it holds of the
+// donor's blocks from the first, up to the prompt's tokens.
+func (e *engineCaches) donorTokens(rep int, blocks []blockhash.Block, text [][]byte) int {
+	var at donorAt
+	found := false
+	e.donors.Donors(text, func(r int, key uint64, _ int, _ float64) {
+		if r == rep {
+			at, found = donorAt{r, key}, true
+		}
+	})
+	if !found {
+		return 0
+	}
+	held := e.held(rep, e.donorBlocks[at]).Tokens
+	if held == 0 {
+		e.donors.Forget(at.rep, at.key)
+		delete(e.donorBlocks, at)
+		return 0
+	}
+	prompt := 0
+	for _, b := range blocks {
+		prompt += int(b.Tokens)
+	}
+	return min(held, prompt)
+}
+
 // finish ends request i on replica rep at now: the full blocks of its
-// output are cached after its prompt, and every block is freed.
-func (e *engineCaches) finish(i, rep int, prompt, output []blockhash.Block, now int64) {
+// output are cached after its prompt, and every block is freed. A donor
+// engine registers the prompt (text; nil: none) as a donor.
+func (e *engineCaches) finish(i, rep int, prompt, output []blockhash.Block, text [][]byte, now int64) {
+	if e.donors != nil && text != nil && len(prompt) > 0 {
+		at := donorAt{rep, prompt[len(prompt)-1].Hash}
+		e.donorBlocks[at] = prompt
+		tokens := 0
+		for _, b := range prompt {
+			tokens += int(b.Tokens)
+		}
+		e.donors.Register(at.key, rep, tokens, text)
+	}
 	all := append(append(e.all[:0], prompt...), output...)
 	e.all = all
 	if len(output) > 0 {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"slices"
 	"sort"
 	"strings"
 )
@@ -31,6 +32,12 @@ type GenOptions struct {
 	// agents rather than RAG: default 0.3; negative means none.
 	ZipfS, ZipfV float64
 	AgentShare   float64
+	// Topics, when positive, makes a RAG turn retrieve by topic, as
+	// similar questions retrieve the same documents: a topic drawn with the
+	// same Zipf popularity from Topics, each a fixed set of 2–4 documents
+	// of the pool, of which one is swapped for another document a quarter
+	// of the time. Zero: every turn draws its documents on its own.
+	Topics int
 }
 
 // GenerateOpenAI writes a synthetic trace in the openai format: a mix of
@@ -172,8 +179,9 @@ type genLine struct {
 //   - RAG (1 − o.AgentShare of sessions, 1–2 turns): a system prompt drawn from
 //     o.Tenants × 4 personas, then one user message whose content parts
 //     are an instruction (one of 6), 2–4 documents drawn Zipf(o.ZipfS,
-//     o.ZipfV) from a pool of o.Docs (each 200–500 words), each its own
-//     content part, in a random order, and a paraphrased question.
+//     o.ZipfV) from a pool of o.Docs (each 200–500 words), or those of a
+//     topic (o.Topics), each its own content part, in a random order, and
+//     a paraphrased question.
 //   - Agents (o.AgentShare of sessions, 2–4 turns): the tenant's system
 //     prompt and tool schemas, then tool calls whose outputs (150–400
 //     words) are drawn the same way from a pool of o.Docs shared by every
@@ -210,9 +218,26 @@ func generateBlend(w io.Writer, o GenOptions) error {
 	if zs <= 1 || zv < 1 {
 		return fmt.Errorf("gentrace: Zipf exponent %v must be > 1 and offset %v ≥ 1", zs, zv)
 	}
+	if o.Topics < 0 {
+		return fmt.Errorf("gentrace: topics %d is negative", o.Topics)
+	}
 	agents := cmp.Or(o.AgentShare, 0.3)
 	docZipf := rand.NewZipf(rng, zs, zv, uint64(o.Docs-1))
 	outZipf := rand.NewZipf(rng, zs, zv, uint64(o.Docs-1))
+	var topics [][]uint64
+	var topicZipf *rand.Zipf
+	if o.Topics > 0 {
+		topics = make([][]uint64, o.Topics)
+		for k := range topics {
+			r := fixed(uint64(20000 + k))
+			for n := 2 + r.IntN(3); len(topics[k]) < min(n, o.Docs); {
+				if d := uint64(r.IntN(o.Docs)); !slices.Contains(topics[k], d) {
+					topics[k] = append(topics[k], d)
+				}
+			}
+		}
+		topicZipf = rand.NewZipf(rng, zs, zv, uint64(o.Topics-1))
+	}
 	var out []genLine
 	t := 0.0
 	for s := 0; s < o.Sessions; s++ {
@@ -224,12 +249,24 @@ func generateBlend(w io.Writer, o GenOptions) error {
 			msgs := []map[string]any{{"role": "system", "content": personas[tenant*4+rng.IntN(4)]}}
 			for turn := 0; turn < 1+rng.IntN(2); turn++ {
 				parts := []map[string]string{{"type": "text", "text": instructions[rng.IntN(len(instructions))]}}
-				n := 2 + rng.IntN(3)
 				picked := map[uint64]bool{}
-				for len(picked) < n {
-					picked[docZipf.Uint64()] = true
+				if topicZipf != nil {
+					topic := topics[topicZipf.Uint64()]
+					for _, d := range topic {
+						picked[d] = true
+					}
+					if rng.IntN(4) == 0 { // the retriever ranks another document in
+						delete(picked, topic[rng.IntN(len(topic))])
+						for len(picked) < len(topic) {
+							picked[docZipf.Uint64()] = true
+						}
+					}
+				} else {
+					for n := 2 + rng.IntN(3); len(picked) < n; {
+						picked[docZipf.Uint64()] = true
+					}
 				}
-				order := make([]uint64, 0, n)
+				order := make([]uint64, 0, len(picked))
 				for d := range picked {
 					order = append(order, d)
 				}

@@ -11,6 +11,7 @@ import (
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
 	"github.com/semroute/semroute/eviction"
+	"github.com/semroute/semroute/matcher"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
@@ -389,9 +390,14 @@ func newEngineDecider(reqs []Request, m *Model, run Run, clock *int64) (*engineD
 	if err != nil {
 		return nil, err
 	}
-	var matcher routing.Matcher
-	if run.Matcher && m.Matcher != nil {
-		matcher = m.Matcher()
+	var index routing.Matcher
+	switch {
+	case run.Matcher && m.Matcher != nil:
+		index = m.Matcher()
+	case m.Reuse.Donor(): // the router's own donor index, apart from the engines'
+		if index, err = matcher.New(matcher.Options{MinSimilarity: m.Reuse.Similarity()}); err != nil {
+			return nil, err
+		}
 	}
 	specs := make([]replica.Spec, m.Replicas)
 	for i := range specs {
@@ -411,7 +417,7 @@ func newEngineDecider(reqs []Request, m *Model, run Run, clock *int64) (*engineD
 		Replicas: specs, LoadHalfLife: m.LoadHalfLife, Eviction: evict, Split: blockhash.Options{BlockTokens: m.BlockTokens},
 		Engine: routing.EngineOptions{Weights: weights, Attempts: 1,
 			Now: func() time.Time { return time.Unix(0, *clock) }, SharedActive: m.SharedActive,
-			Matcher: matcher, MatcherThreshold: m.MatcherThreshold},
+			Matcher: index, PreferDonor: run.Matcher, MatcherThreshold: m.MatcherThreshold},
 	})
 	if err != nil {
 		return nil, err

@@ -95,7 +95,7 @@ report.html to --out.`,
 			if ablate {
 				runs = append(runs, replay.Ablations(m.Policy)...)
 			}
-			if m.Reuse.Blend() { // the baseline engine-aware credit is measured against
+			if m.Reuse.Blend() || m.Reuse.Donor() { // the baseline engine-aware credit is measured against
 				prefixOnly := m.Policy
 				prefixOnly.PrefixOnly = true
 				runs = append(runs, replay.Run{Label: "semantic-prefix-credit", Policy: "semantic", Config: &prefixOnly})
@@ -192,7 +192,8 @@ report.html to --out.`,
 	f.StringVar(&syncs, "sync", "none,shared", "with --routers: whether the routers share their pictures and load (none, shared; comma-separated to compare)")
 	f.DurationVar(&syncDelay, "sync-delay", 5*time.Millisecond, "with --sync shared: the time a router's change takes to reach the others")
 	f.IntVar(&sample, "requests", 0, "replay only the first this many requests of the trace (0: all)")
-	f.StringVar(&m.Reuse.Mode, "reuse", replica.ReusePrefix, "the engines' reuse beyond the exact prefix: prefix, or blend (position-independent segments, as CacheBlend); with blend, also runs semantic-prefix-credit, the semantic policy crediting the exact prefix alone")
+	f.StringVar(&m.Reuse.Mode, "reuse", replica.ReusePrefix, "the engines' reuse beyond the exact prefix: prefix, blend (position-independent segments, as CacheBlend) or donor (a similar earlier prompt's cached KV, as SGLang's SemanticPrefixProvider; openai traces only); with blend or donor, also runs semantic-prefix-credit, the semantic policy crediting the exact prefix alone")
+	f.Float64Var(&m.Reuse.MinSimilarity, "donor-similarity", replica.DefaultMinSimilarity, "--reuse donor: least similarity of a donor the engines reuse, in (0, 1]")
 	f.Float64Var(&m.Reuse.Recompute, "recompute", replica.DefaultRecompute, "--reuse blend: share of a reused segment's tokens the engine computes again")
 	f.Int64Var(&m.Reuse.BudgetTokens, "reuse-budget-tokens", 0, "--reuse blend: tokens of segments each engine keeps for blending (0: --budget-tokens)")
 	_ = cmd.MarkFlagRequired("trace")
@@ -239,6 +240,7 @@ func newGenTrace() *cobra.Command {
 	f.Float64Var(&o.ZipfS, "zipf-s", 1.1, "blend: Zipf exponent of the documents' and tool outputs' popularity (> 1)")
 	f.Float64Var(&o.ZipfV, "zipf-v", 2, "blend: Zipf offset (≥ 1): P(k) ∝ (v + k)^−s; larger flattens the head")
 	f.Float64Var(&o.AgentShare, "agent-share", 0.3, "blend: share of sessions that are agents rather than RAG (0: none)")
+	f.IntVar(&o.Topics, "topics", 0, "blend: RAG turns retrieve the 2–4 documents of a topic drawn Zipf from this many (one swapped a quarter of the time), as similar questions retrieve the same documents; 0: each turn draws its own")
 	f.StringVar(&o.Workload, "workload", "mixed", "mixed (RAG, chats and agents), or blend (documents and tool outputs that recur after other prefixes and in other orders; see replay.GenOptions)")
 	f.Float64Var(&o.ThinkSeconds, "think-seconds", 20, "mean time between a session's turns")
 	return cmd
