@@ -68,14 +68,24 @@ type blendRun struct {
 // runBlend sends work through 4 blending replicas behind a router with
 // policy, told of the blending (reuse "blend") or not ("prefix").
 func runBlend(t *testing.T, name, policy, reuse string, work [][]byte) *blendRun {
-	return runBlendIn(t, "approximate", name, policy, reuse, work)
+	return runReuse(t, "blend", "approximate", name, policy, reuse, work)
 }
 
-// runBlendIn is runBlend with the router's picture in mode picture.
-func runBlendIn(t *testing.T, picture, name, policy, reuse string, work [][]byte) *blendRun {
+// runReuse sends work through 4 replicas whose engines reuse as engine
+// says ("blend" or "donor") behind a router with policy and its picture in
+// mode picture, told that the engines reuse so (reuse = engine) or the
+// exact prefix alone ("prefix").
+func runReuse(t *testing.T, engine, picture, name, policy, reuse string, work [][]byte) *blendRun {
 	t.Helper()
 	sim := blendSim
-	sim.Blend = &simreplica.Blend{BudgetTokens: blendStoreTokens}
+	switch engine {
+	case "blend":
+		sim.Blend = &simreplica.Blend{BudgetTokens: blendStoreTokens}
+	case "donor":
+		sim.Donor = &simreplica.Donor{}
+	default:
+		t.Fatalf("engine %q", engine)
+	}
 	d := startTestDemo(t, demoOptions{sim: sim, policy: policy, replicas: 4, picture: picture, reuse: reuse})
 	if picture == "events" {
 		waitSubscribed(t, d)
@@ -122,8 +132,8 @@ func TestE2EBlendCreditPrecise(t *testing.T) {
 	g := blendGen
 	g.Seed, g.Sessions = 3, 60
 	work := blendWorkload(t, g)
-	aware := runBlendIn(t, "events", "precise, blend credit", "semantic", "blend", work)
-	prefix := runBlendIn(t, "events", "precise, prefix credit", "semantic", "prefix", work)
+	aware := runReuse(t, "blend", "events", "precise, blend credit", "semantic", "blend", work)
+	prefix := runReuse(t, "blend", "events", "precise, prefix credit", "semantic", "prefix", work)
 	if float64(aware.cached) < 1.1*float64(prefix.cached) || aware.reused <= prefix.reused {
 		t.Fatalf("blend credit: %d cached (%d reused); prefix credit: %d (%d)", aware.cached, aware.reused, prefix.cached, prefix.reused)
 	}
@@ -137,7 +147,8 @@ func TestE2EBlendCreditPrecise(t *testing.T) {
 // where the number is the workload's sessions; SEMROUTE_BLEND_AGENTS and
 // SEMROUTE_BLEND_ZIPF_V set the workload's agent share (negative: none) and
 // Zipf offset, SEMROUTE_BLEND_PICTURE the router's picture (approximate or
-// events).
+// events), SEMROUTE_BLEND_ENGINE the engines' reuse (blend or donor) and
+// SEMROUTE_BLEND_TOPICS the workload's retrieval topics (GenOptions.Topics).
 func TestE2EBlendTable(t *testing.T) {
 	n, _ := strconv.Atoi(os.Getenv("SEMROUTE_BLEND_TABLE"))
 	if n == 0 {
@@ -151,14 +162,18 @@ func TestE2EBlendTable(t *testing.T) {
 	if v, err := strconv.ParseFloat(os.Getenv("SEMROUTE_BLEND_ZIPF_V"), 64); err == nil {
 		g.ZipfV = v
 	}
+	if v, err := strconv.Atoi(os.Getenv("SEMROUTE_BLEND_TOPICS")); err == nil {
+		g.Topics = v
+	}
 	work := blendWorkload(t, g)
 	pic := cmp.Or(os.Getenv("SEMROUTE_BLEND_PICTURE"), "approximate")
+	eng := cmp.Or(os.Getenv("SEMROUTE_BLEND_ENGINE"), "blend")
 	rows := []*blendRun{
-		runBlendIn(t, pic, "semantic (blend credit)", "semantic", "blend", work),
-		runBlendIn(t, pic, "semantic (prefix credit)", "semantic", "prefix", work),
-		runBlendIn(t, pic, "llmd", "llmd", "blend", work),
-		runBlendIn(t, pic, "sglang", "sglang", "blend", work),
-		runBlendIn(t, pic, "round_robin", "round_robin", "blend", work),
+		runReuse(t, eng, pic, "semantic ("+eng+" credit)", "semantic", eng, work),
+		runReuse(t, eng, pic, "semantic (prefix credit)", "semantic", "prefix", work),
+		runReuse(t, eng, pic, "llmd", "llmd", eng, work),
+		runReuse(t, eng, pic, "sglang", "sglang", eng, work),
+		runReuse(t, eng, pic, "round_robin", "round_robin", eng, work),
 	}
 	var b strings.Builder
 	fmt.Fprintf(&b, "\n%d requests\n\n| policy | tokens not computed | of them past the prefix | TTFT p50 | TTFT p99 | imbalance |\n|---|---:|---:|---:|---:|---:|\n", len(work))
@@ -166,4 +181,21 @@ func TestE2EBlendTable(t *testing.T) {
 		fmt.Fprintf(&b, "| %s | %d | %d | %.1f ms | %.1f ms | %.3f |\n", r.name, r.cached, r.reused, 1e3*r.pct(0.5), 1e3*r.pct(0.99), r.imbalance)
 	}
 	t.Log(b.String())
+}
+
+// TestE2EDonorCreditReusesMore: over sockets, 4 replicas whose engines
+// reuse a similar earlier prompt's KV (simreplica.Donor) behind the router,
+// on RAG turns that retrieve by topic. Told that the engines take donors,
+// the semantic policy sends a request where a similar prompt is held, and
+// the engines reuse more than when the same router credits the exact prefix
+// alone.
+func TestE2EDonorCreditReusesMore(t *testing.T) {
+	g := blendGen
+	g.Seed, g.Sessions, g.Topics = 3, 60, 10
+	work := blendWorkload(t, g)
+	aware := runReuse(t, "donor", "approximate", "semantic, donor credit", "semantic", "donor", work)
+	prefix := runReuse(t, "donor", "approximate", "semantic, prefix credit", "semantic", "prefix", work)
+	if float64(aware.cached) < 1.1*float64(prefix.cached) || aware.reused <= prefix.reused {
+		t.Fatalf("donor credit: %d cached (%d from donors); prefix credit: %d (%d)", aware.cached, aware.reused, prefix.cached, prefix.reused)
+	}
 }
