@@ -71,8 +71,8 @@ type Reuse struct {
 	MinSimilarity float64
 }
 
-// DefaultMinSimilarity is Reuse.MinSimilarity's default: SGLang's and
-// Dynamo's reference providers' Jaccard threshold.
+// DefaultMinSimilarity is Reuse.MinSimilarity's default, the matcher's
+// (Dynamo's reference provider takes 0.6; SGLang's interface has none).
 const DefaultMinSimilarity = 0.5
 
 // DefaultRecompute is Reuse.Recompute's default.

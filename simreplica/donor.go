@@ -26,6 +26,7 @@ import (
 // vllm:external_prefix_cache_hits_total, as a KV connector's are; time to
 // first token follows the tokens computed.
 //
+// A donor is taken only for a prompt of the same model (base or adapter).
 // The replica's provider measures similarity as the reference providers
 // do: the Jaccard similarity of the rendered prompts' 5-word shingles,
 // estimated with bottom-64 MinHash sketches (package matcher). A donor
@@ -49,7 +50,15 @@ type donorStore struct {
 	mh *matcher.MinHash
 
 	mu   sync.Mutex
-	keys *lru.LRU[uint64, []uint64] // donor key (its deepest block's) → its blocks' keys
+	keys *lru.LRU[uint64, donorEntry] // donor key (its deepest block's) → its blocks' keys
+}
+
+// donorEntry is a donor's blocks' keys and the model it was served under
+// (its index: 0 the base model, 1 + i adapter i), the index's namespace: a
+// donor is never taken for another model's prompt.
+type donorEntry struct {
+	keys  []uint64
+	model int
 }
 
 func newDonorStore(d Donor) (*donorStore, error) {
@@ -62,26 +71,27 @@ func newDonorStore(d Donor) (*donorStore, error) {
 		return nil, err
 	}
 	s := &donorStore{mh: mh}
-	s.keys, _ = lru.NewLRU(n, func(key uint64, _ []uint64) { mh.Forget(0, key) }) // n > 0
+	s.keys, _ = lru.NewLRU(n, func(key uint64, e donorEntry) { mh.Forget(e.model, key) }) // n > 0
 	return s, nil
 }
 
-// find returns the block keys of the donor most similar to prompt, or nil.
-// The slice is the store's: read it, do not keep it past the request.
-func (s *donorStore) find(prompt []byte) (key uint64, keys []uint64) {
-	best := -1.0
-	s.mh.Donors([][]byte{prompt}, func(_ int, k uint64, _ int, sim float64) {
-		if sim > best {
-			key, best = k, sim
+// find returns the block keys of the donor of model (its index) most
+// similar to prompt, or nil. The slice is the store's: read it, do not keep
+// it past the request.
+func (s *donorStore) find(prompt []byte, model int) (key uint64, keys []uint64) {
+	found := false
+	s.mh.Donors([][]byte{prompt}, func(ns int, k uint64, _ int, _ float64) {
+		if ns == model {
+			key, found = k, true
 		}
 	})
-	if best < 0 {
+	if !found {
 		return 0, nil
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	keys, _ = s.keys.Get(key)
-	return key, keys
+	e, _ := s.keys.Get(key)
+	return key, e.keys
 }
 
 // forget drops the donor keyed by key.
@@ -91,17 +101,18 @@ func (s *donorStore) forget(key uint64) {
 	s.keys.Remove(key) // the eviction callback forgets its sketch
 }
 
-// put registers a finished prompt of tokens tokens, its rendered text and
-// its blocks' keys, as a donor. A prompt without a full block is none.
-func (s *donorStore) put(prompt []byte, keys []uint64, tokens int) {
+// put registers a finished prompt of model (its index), of tokens tokens,
+// its rendered text and its blocks' keys, as a donor. A prompt without a
+// full block is none.
+func (s *donorStore) put(prompt []byte, model int, keys []uint64, tokens int) {
 	if len(keys) == 0 {
 		return
 	}
 	key := keys[len(keys)-1]
 	s.mu.Lock()
-	s.keys.Add(key, slices.Clone(keys))
+	s.keys.Add(key, donorEntry{slices.Clone(keys), model})
 	s.mu.Unlock()
-	s.mh.Register(key, 0, tokens, [][]byte{prompt})
+	s.mh.Register(key, model, tokens, [][]byte{prompt})
 }
 
 func (s *donorStore) clear() {

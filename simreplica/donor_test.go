@@ -2,6 +2,7 @@ package simreplica
 
 import (
 	"fmt"
+	"strings"
 	"testing"
 )
 
@@ -76,5 +77,23 @@ func TestDonorThreshold(t *testing.T) {
 	}
 	if _, err := New(Options{Donor: &Donor{}, Blend: &Blend{}, Tokenizer: TokenizerWords}); err == nil {
 		t.Fatal("Donor with Blend accepted")
+	}
+}
+
+// TestDonorKeepsToItsModel: a prompt served under an adapter is no donor
+// for the base model's prompts, whose KV differs.
+func TestDonorKeepsToItsModel(t *testing.T) {
+	o := blendFast
+	o.Donor = &Donor{}
+	o.LoRAs = []string{"sql-lora"}
+	r := start(t, o)
+	doc := prose("alpha", 800)
+	call(t, r, "/v1/chat/completions", strings.Replace(ragBody(prose("sys", 40), "Why?", doc), `"sim-model"`, `"sql-lora"`, 1))
+	if _, u, _ := call(t, r, "/v1/chat/completions", ragBody(prose("other", 40), "How?", doc)); u.Details.Cached != 0 {
+		t.Fatalf("the base model took %d tokens from an adapter's donor", u.Details.Cached)
+	}
+	_, u, _ := call(t, r, "/v1/chat/completions", strings.Replace(ragBody(prose("third", 40), "When?", doc), `"sim-model"`, `"sql-lora"`, 1))
+	if u.Details.Cached == 0 {
+		t.Fatal("the adapter took nothing from its own donor")
 	}
 }

@@ -615,7 +615,7 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	var donorKey uint64
 	var donorKeys []uint64
 	if s.donor != nil { // so is the donor: similarity does not change with the cache
-		donorKey, donorKeys = s.donor.find(sc.prompt)
+		donorKey, donorKeys = s.donor.find(sc.prompt, m.loraID)
 	}
 	s.requests.Add(1)
 	ctx := r.Context()
@@ -678,7 +678,7 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 				s.blend.put(sc.spans)
 			}
 			if s.donor != nil {
-				s.donor.put(sc.prompt, keys, tokens)
+				s.donor.put(sc.prompt, m.loraID, keys, tokens)
 			}
 		}
 		return ok
