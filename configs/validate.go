@@ -134,7 +134,7 @@ func (r RoutingConfig) validate(p *problems) {
 	if r.Attempts < 1 || r.Attempts > 16 {
 		p.bad("routing.attempts", "%d is not in [1, 16]", r.Attempts)
 	}
-	if m := r.Matcher; m.Threshold < 0 || m.Threshold > 1 || m.MinSimilarity < 0 || m.MinSimilarity > 1 || m.MaxDonors < 1 {
+	if m := r.Matcher; !(m.Threshold >= 0 && m.Threshold <= 1) || !(m.MinSimilarity >= 0 && m.MinSimilarity <= 1) || m.MaxDonors < 1 {
 		p.bad("routing.semantic_matcher", "threshold and min_similarity must be in [0, 1] and max_donors positive")
 	}
 	if r.ReleaseAfter <= 0 {

@@ -6,8 +6,8 @@
 // A request's sketch is the K smallest distinct hashes of its Shingle-word
 // windows, over at most MaxWords words, so sketching is O(words × log K)
 // and a donor costs O(K) memory. Donors live in an LRU of MaxDonors; an
-// inverted index from sketch value to donors finds candidates in O(K)
-// lookups. A MinHash is safe for concurrent use.
+// inverted index from sketch value to the latest PerValue donors holding it
+// finds candidates in O(K × PerValue). A MinHash is safe for concurrent use.
 package matcher
 
 import (
@@ -37,8 +37,13 @@ type MinHash struct {
 
 	mu     sync.Mutex
 	donors *lru.LRU[donorKey, donor]
-	index  map[uint64]map[donorKey]struct{}
+	index  map[uint64][]donorKey // sketch value → the latest PerValue donors holding it, oldest first
 }
+
+// PerValue bounds the donors an index entry lists: a document that
+// thousands of donors share costs a lookup at most K × PerValue votes, and
+// the latest donors holding it are the ones kept.
+const PerValue = 64
 
 // donor is a registered prompt: its sketch and its tokens.
 type donor struct {
@@ -70,10 +75,10 @@ func New(o Options) (*MinHash, error) {
 	if o.MaxWords == 0 {
 		o.MaxWords = 20000
 	}
-	if o.Shingle < 1 || o.K < 1 || o.MaxDonors < 1 || o.MaxWords < 1 || o.MinSimilarity < 0 || o.MinSimilarity > 1 {
+	if o.Shingle < 1 || o.K < 1 || o.MaxDonors < 1 || o.MaxWords < 1 || !(o.MinSimilarity >= 0 && o.MinSimilarity <= 1) {
 		return nil, errors.New("matcher: shingle, k, max donors and max words must be positive and min similarity in [0, 1]")
 	}
-	m := &MinHash{o: o, index: map[uint64]map[donorKey]struct{}{}}
+	m := &MinHash{o: o, index: map[uint64][]donorKey{}}
 	m.donors, _ = lru.NewLRU[donorKey, donor](o.MaxDonors, m.unindex) // MaxDonors > 0
 	return m, nil
 }
@@ -94,7 +99,8 @@ func (h *maxHeap) Pop() any {
 
 func isSpace(c byte) bool { return c == ' ' || c == '\n' || c == '\t' || c == '\r' }
 
-// Sketch returns text's bottom-k sketch, sorted ascending.
+// Sketch implements routing.Matcher: it returns text's bottom-k sketch,
+// sorted ascending, a new slice.
 func (m *MinHash) Sketch(text [][]byte) []uint64 {
 	var words [][2]int // per part: word start and end offsets
 	h := make(maxHeap, 0, m.o.K+1)
@@ -166,11 +172,13 @@ func (m *MinHash) Similarity(a, b []uint64) float64 {
 
 // Donors implements routing.Matcher: it calls each, replica by replica
 // in ascending order, with the replica's most similar donor at least
-// MinSimilarity similar to text: its key, the prompt tokens it was
-// registered with and the estimated similarity. Ties go to the donor with more tokens. A
+// MinSimilarity similar to the text sk sketches (Sketch): its key, the
+// prompt tokens it was registered with and the estimated similarity. Ties
+// go to the donor with more tokens, then the lower key. Only donors that
+// share at least half of MinSimilarity × len(sk) of sk's values are
+// compared (a donor J similar shares about 2J ÷ (1 + J) ≥ J of them). A
 // donor found is kept longer. each is called without m's lock held.
-func (m *MinHash) Donors(text [][]byte, each func(replica int, key uint64, tokens int, similarity float64)) {
-	sk := m.Sketch(text)
+func (m *MinHash) Donors(sk []uint64, each func(replica int, key uint64, tokens int, similarity float64)) {
 	if len(sk) == 0 {
 		return
 	}
@@ -181,13 +189,17 @@ func (m *MinHash) Donors(text [][]byte, each func(replica int, key uint64, token
 	}
 	var found []best // one per replica, few
 	m.mu.Lock()
-	votes := map[donorKey]struct{}{}
+	votes := make(map[donorKey]int, PerValue)
 	for _, v := range sk {
-		for d := range m.index[v] {
-			votes[d] = struct{}{}
+		for _, d := range m.index[v] {
+			votes[d]++
 		}
 	}
-	for d := range votes {
+	least := int(m.o.MinSimilarity * float64(len(sk)) / 2)
+	for d, n := range votes {
+		if n < least {
+			continue
+		}
 		dn, ok := m.donors.Peek(d)
 		if !ok {
 			continue
@@ -206,11 +218,11 @@ func (m *MinHash) Donors(text [][]byte, each func(replica int, key uint64, token
 			*b = best{d, dn.tokens, sim}
 		}
 	}
-	for _, b := range found {
+	slices.SortFunc(found, func(a, b best) int { return cmp.Compare(a.d.replica, b.d.replica) })
+	for _, b := range found { // in replica order: the LRU's order is the same from run to run
 		m.donors.Get(b.d) // a donor that helped is kept longer
 	}
 	m.mu.Unlock()
-	slices.SortFunc(found, func(a, b best) int { return cmp.Compare(a.d.replica, b.d.replica) })
 	for _, b := range found {
 		each(b.d.replica, b.d.key, b.tokens, b.sim)
 	}
@@ -220,7 +232,7 @@ func (m *MinHash) Donors(text [][]byte, each func(replica int, key uint64, token
 // MinSimilarity similar to text (ties: the lowest replica id).
 func (m *MinHash) Find(text [][]byte) (replica int, ok bool) {
 	bestSim := -1.0
-	m.Donors(text, func(r int, _ uint64, _ int, sim float64) {
+	m.Donors(m.Sketch(text), func(r int, _ uint64, _ int, sim float64) {
 		if sim > bestSim {
 			replica, ok, bestSim = r, true, sim
 		}
@@ -228,10 +240,10 @@ func (m *MinHash) Find(text [][]byte) (replica int, ok bool) {
 	return replica, ok
 }
 
-// Register implements routing.Matcher: it records text, of tokens prompt
-// tokens, as a donor on replica keyed by key.
-func (m *MinHash) Register(key uint64, replica, tokens int, text [][]byte) {
-	sk := m.Sketch(text)
+// Register implements routing.Matcher: it records the text sk sketches
+// (Sketch; m keeps sk), of tokens prompt tokens, as a donor on replica
+// keyed by key.
+func (m *MinHash) Register(key uint64, replica, tokens int, sk []uint64) {
 	if len(sk) == 0 {
 		return
 	}
@@ -243,12 +255,11 @@ func (m *MinHash) Register(key uint64, replica, tokens int, text [][]byte) {
 	}
 	m.donors.Add(d, donor{sk, tokens})
 	for _, v := range sk {
-		set := m.index[v]
-		if set == nil {
-			set = map[donorKey]struct{}{}
-			m.index[v] = set
+		list := m.index[v]
+		if len(list) == PerValue { // the oldest donor listed leaves this entry
+			list = append(list[:0], list[1:]...)
 		}
-		set[d] = struct{}{}
+		m.index[v] = append(list, d)
 	}
 }
 
@@ -269,11 +280,14 @@ func (m *MinHash) Len() int {
 // unindex removes a donor's sketch from the index; m.mu is held.
 func (m *MinHash) unindex(d donorKey, dn donor) {
 	for _, v := range dn.sketch {
-		if set := m.index[v]; set != nil {
-			delete(set, d)
-			if len(set) == 0 {
-				delete(m.index, v)
-			}
+		list := m.index[v]
+		if i := slices.Index(list, d); i >= 0 {
+			list = slices.Delete(list, i, i+1)
+		}
+		if len(list) == 0 {
+			delete(m.index, v)
+		} else {
+			m.index[v] = list
 		}
 	}
 }

@@ -2,6 +2,7 @@ package matcher
 
 import (
 	"fmt"
+	"math"
 	"math/rand"
 	"strings"
 	"testing"
@@ -30,7 +31,7 @@ func TestFindsSameDocumentUnderOtherInstruction(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i := 0; i < 50; i++ {
-		m.Register(uint64(i), i%4, 800, parts("Summarise this.", doc(i, 800)))
+		m.Register(uint64(i), i%4, 800, m.Sketch(parts("Summarise this.", doc(i, 800))))
 	}
 	// The same document under another instruction: found on its replica.
 	if r, ok := m.Find(parts("Translate the following into French, keeping names.", doc(17, 800))); !ok || r != 17%4 {
@@ -51,16 +52,16 @@ func TestFindsSameDocumentUnderOtherInstruction(t *testing.T) {
 func TestDonorsBestPerReplica(t *testing.T) {
 	m, _ := New(Options{MinSimilarity: 0.3}) // the half document is about 0.5 similar
 	d := doc(5, 600)
-	m.Register(1, 0, 700, parts("Summarise this.", d))            // the same document: similar
-	m.Register(2, 0, 650, parts("Summarise this.", d[:len(d)/2])) // half of it: less similar
-	m.Register(3, 2, 610, parts("Explain it.", d))                // another replica
-	m.Register(4, 1, 600, parts(doc(6, 600)))                     // unrelated
+	m.Register(1, 0, 700, m.Sketch(parts("Summarise this.", d)))            // the same document: similar
+	m.Register(2, 0, 650, m.Sketch(parts("Summarise this.", d[:len(d)/2]))) // half of it: less similar
+	m.Register(3, 2, 610, m.Sketch(parts("Explain it.", d)))                // another replica
+	m.Register(4, 1, 600, m.Sketch(parts(doc(6, 600))))                     // unrelated
 	type got struct {
 		replica, tokens int
 		sim             float64
 	}
 	var found []got
-	m.Donors(parts("Translate this.", d), func(r int, _ uint64, tokens int, sim float64) { found = append(found, got{r, tokens, sim}) })
+	m.Donors(m.Sketch(parts("Translate this.", d)), func(r int, _ uint64, tokens int, sim float64) { found = append(found, got{r, tokens, sim}) })
 	if len(found) != 2 || found[0].replica != 0 || found[1].replica != 2 {
 		t.Fatalf("Donors found %+v; want replicas 0 and 2, in order", found)
 	}
@@ -72,7 +73,7 @@ func TestDonorsBestPerReplica(t *testing.T) {
 	}
 	m.Forget(0, 1)
 	found = found[:0]
-	m.Donors(parts("Translate this.", d), func(r int, _ uint64, tokens int, sim float64) { found = append(found, got{r, tokens, sim}) })
+	m.Donors(m.Sketch(parts("Translate this.", d)), func(r int, _ uint64, tokens int, sim float64) { found = append(found, got{r, tokens, sim}) })
 	if len(found) != 2 || found[0].tokens != 650 || found[0].sim >= 0.8 {
 		t.Fatalf("after forgetting the best donor, found %+v; want the half document's (650 tokens) on replica 0", found)
 	}
@@ -80,7 +81,7 @@ func TestDonorsBestPerReplica(t *testing.T) {
 
 func TestForgetAndBound(t *testing.T) {
 	m, _ := New(Options{MaxDonors: 10})
-	m.Register(1, 2, 300, parts(doc(1, 300)))
+	m.Register(1, 2, 300, m.Sketch(parts(doc(1, 300))))
 	if _, ok := m.Find(parts(doc(1, 300))); !ok {
 		t.Fatal("registered donor not found")
 	}
@@ -89,15 +90,15 @@ func TestForgetAndBound(t *testing.T) {
 		t.Fatal("forgotten donor found")
 	}
 	for i := 0; i < 100; i++ {
-		m.Register(uint64(i), 0, 300, parts(doc(i, 300)))
+		m.Register(uint64(i), 0, 300, m.Sketch(parts(doc(i, 300))))
 	}
 	if m.Len() != 10 {
 		t.Fatalf("holds %d donors, want the bound 10", m.Len())
 	}
 	m.mu.Lock()
 	entries := 0
-	for _, set := range m.index {
-		entries += len(set)
+	for _, list := range m.index {
+		entries += len(list)
 	}
 	m.mu.Unlock()
 	if entries > 10*64 {
@@ -138,4 +139,54 @@ func FuzzSketch(f *testing.F) {
 			t.Fatal("a sketch is not similar to itself")
 		}
 	})
+}
+
+// Thousands of donors of one document cost a lookup at most PerValue votes
+// per sketch value, and the latest are the ones found.
+func TestPopularDocumentBoundsLookups(t *testing.T) {
+	m, _ := New(Options{})
+	d := doc(3, 500)
+	for i := range 3000 {
+		m.Register(uint64(i), i%8, 500, m.Sketch(parts(fmt.Sprint("question ", i), d)))
+	}
+	m.mu.Lock()
+	for v, list := range m.index {
+		if len(list) > PerValue {
+			t.Fatalf("value %x lists %d donors", v, len(list))
+		}
+	}
+	m.mu.Unlock()
+	n := 0
+	m.Donors(m.Sketch(parts("another question", d)), func(r int, key uint64, _ int, _ float64) {
+		n++
+		if key < 3000-PerValue {
+			t.Errorf("replica %d: donor %d found, not one of the latest", r, key)
+		}
+	})
+	if n != 8 {
+		t.Fatalf("found donors on %d replicas, want 8", n)
+	}
+}
+
+// A donor's recency follows the replicas' order, not a map's: which donor
+// the LRU drops next is the same from run to run.
+func TestDonorsRecencyIsDeterministic(t *testing.T) {
+	for range 50 {
+		m, _ := New(Options{MaxDonors: 4})
+		d := doc(7, 400)
+		for r := range 4 {
+			m.Register(uint64(r), r, 400, m.Sketch(parts(d)))
+		}
+		m.Donors(m.Sketch(parts(d)), func(int, uint64, int, float64) {})
+		m.Register(99, 9, 400, m.Sketch(parts(doc(8, 400))))
+		if _, ok := m.donors.Peek(donorKey{0, 0}); ok {
+			t.Fatal("the donor of replica 0, refreshed first, outlived the others")
+		}
+	}
+}
+
+func TestNaNSimilarityRefused(t *testing.T) {
+	if _, err := New(Options{MinSimilarity: math.NaN()}); err == nil {
+		t.Fatal("NaN min similarity accepted")
+	}
 }

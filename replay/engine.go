@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"encoding/binary"
 	"fmt"
+	lru "github.com/hashicorp/golang-lru/v2/simplelru"
 	"strings"
 
 	"github.com/semroute/semroute/blockhash"
@@ -118,7 +119,7 @@ type engineCaches struct {
 	// prompt's sketch, found by similarity, and its blocks by key; nil for
 	// other engines.
 	donors      *matcher.MinHash
-	donorBlocks map[donorAt][]blockhash.Block
+	donorBlocks *lru.LRU[donorAt, []blockhash.Block] // as many as donors; one leaving forgets the other
 }
 
 type donorAt struct {
@@ -153,7 +154,7 @@ func newEngineCaches(m *Model, budgets []int64) (*engineCaches, error) {
 		if e.donors, err = matcher.New(matcher.Options{MinSimilarity: m.Reuse.Similarity()}); err != nil {
 			return nil, err
 		}
-		e.donorBlocks = map[donorAt][]blockhash.Block{}
+		e.donorBlocks, _ = lru.NewLRU(matcher.DefaultMaxDonors, func(at donorAt, _ []blockhash.Block) { e.donors.Forget(at.rep, at.key) })
 	}
 	for r, b := range budgets {
 		id, err := e.cache.AddReplica(fmt.Sprintf("engine-%d", r), b)
@@ -210,7 +211,7 @@ func (e *engineCaches) serve(i, rep int, blocks []blockhash.Block, text [][]byte
 func (e *engineCaches) donorTokens(rep int, blocks []blockhash.Block, text [][]byte) int {
 	var at donorAt
 	found := false
-	e.donors.Donors(text, func(r int, key uint64, _ int, _ float64) {
+	e.donors.Donors(e.donors.Sketch(text), func(r int, key uint64, _ int, _ float64) {
 		if r == rep {
 			at, found = donorAt{r, key}, true
 		}
@@ -218,10 +219,10 @@ func (e *engineCaches) donorTokens(rep int, blocks []blockhash.Block, text [][]b
 	if !found {
 		return 0
 	}
-	held := e.held(rep, e.donorBlocks[at]).Tokens
+	donor, _ := e.donorBlocks.Get(at)
+	held := e.held(rep, donor).Tokens
 	if held == 0 {
-		e.donors.Forget(at.rep, at.key)
-		delete(e.donorBlocks, at)
+		e.donorBlocks.Remove(at) // and the index forgets it
 		return 0
 	}
 	prompt := 0
@@ -237,12 +238,12 @@ func (e *engineCaches) donorTokens(rep int, blocks []blockhash.Block, text [][]b
 func (e *engineCaches) finish(i, rep int, prompt, output []blockhash.Block, text [][]byte, now int64) {
 	if e.donors != nil && text != nil && len(prompt) > 0 {
 		at := donorAt{rep, prompt[len(prompt)-1].Hash}
-		e.donorBlocks[at] = prompt
+		e.donorBlocks.Add(at, prompt)
 		tokens := 0
 		for _, b := range prompt {
 			tokens += int(b.Tokens)
 		}
-		e.donors.Register(at.key, rep, tokens, text)
+		e.donors.Register(at.key, rep, tokens, e.donors.Sketch(text))
 	}
 	all := append(append(e.all[:0], prompt...), output...)
 	e.all = all

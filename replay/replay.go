@@ -392,12 +392,12 @@ func newEngineDecider(reqs []Request, m *Model, run Run, clock *int64) (*engineD
 	}
 	var index routing.Matcher
 	switch {
-	case run.Matcher && m.Matcher != nil:
-		index = m.Matcher()
-	case m.Reuse.Donor(): // the router's own donor index, apart from the engines'
-		if index, err = matcher.New(matcher.Options{MinSimilarity: m.Reuse.Similarity()}); err != nil {
+	case m.Reuse.Donor(): // the router's own donor index, apart from the engines', down to what they take
+		if index, err = matcher.New(matcher.Options{MinSimilarity: min(m.Reuse.Similarity(), matcher.DefaultMinSimilarity)}); err != nil {
 			return nil, err
 		}
+	case run.Matcher && m.Matcher != nil:
+		index = m.Matcher()
 	}
 	specs := make([]replica.Spec, m.Replicas)
 	for i := range specs {
@@ -417,7 +417,7 @@ func newEngineDecider(reqs []Request, m *Model, run Run, clock *int64) (*engineD
 		Replicas: specs, LoadHalfLife: m.LoadHalfLife, Eviction: evict, Split: blockhash.Options{BlockTokens: m.BlockTokens},
 		Engine: routing.EngineOptions{Weights: weights, Attempts: 1,
 			Now: func() time.Time { return time.Unix(0, *clock) }, SharedActive: m.SharedActive,
-			Matcher: index, PreferDonor: run.Matcher, MatcherThreshold: m.MatcherThreshold},
+			Matcher: index, PreferDonor: run.Matcher, PreferSimilarity: matcher.DefaultMinSimilarity, MatcherThreshold: m.MatcherThreshold},
 	})
 	if err != nil {
 		return nil, err

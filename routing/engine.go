@@ -65,9 +65,10 @@ type EngineOptions struct {
 	Matcher Matcher
 	// PreferDonor makes the matcher a fallback for every engine: when the
 	// best exact prefix match covers less than MatcherThreshold of the
-	// prompt, the replica of the most similar donor is moved to the front
-	// unless it is spilled.
-	PreferDonor bool
+	// prompt, the replica of the most similar donor, if at least
+	// PreferSimilarity similar, is moved to the front unless it is spilled.
+	PreferDonor      bool
+	PreferSimilarity float64
 	// MatcherThreshold is the share of the prompt below which PreferDonor
 	// asks the matcher. Default 0.5.
 	MatcherThreshold float64
@@ -380,29 +381,34 @@ func (e *Engine) Decide(ri Request, record bool) (*Decision, error) {
 	for _, b := range ri.Blocks {
 		d.Tokens += int(b.Tokens)
 	}
-	in, err := e.rank(d, pol, ri.Allow, ri.Model, ri.Text)
+	var sketch []uint64 // the text's, made once for the matcher's every use
+	if e.o.Matcher != nil && ri.Text != nil {
+		sketch = e.o.Matcher.Sketch(ri.Text)
+	}
+	in, err := e.rank(d, pol, ri.Allow, ri.Model, sketch)
 	if err != nil {
 		return nil, err
 	}
 	if e.o.PreferDonor {
-		e.preferDonor(d, ri.Text)
+		e.preferDonor(d, sketch)
 	}
 	if record {
 		if o, ok := pol.(Observer); ok {
 			o.Chosen(in, d.Chosen())
 		}
 		e.Commit(d, d.Chosen())
-		if e.o.Matcher != nil && ri.Text != nil && len(d.Blocks) > 0 {
-			e.o.Matcher.Register(d.Blocks[len(d.Blocks)-1].Hash, d.Chosen().Replica.ID, d.Tokens, ri.Text)
+		if sketch != nil && len(d.Blocks) > 0 {
+			e.o.Matcher.Register(d.Blocks[len(d.Blocks)-1].Hash, d.Chosen().Replica.ID, d.Tokens, sketch)
 		}
 	}
 	return d, nil
 }
 
-// preferDonor moves the replica of a similar donor to the front when the
-// exact match is short.
-func (e *Engine) preferDonor(d *Decision, text [][]byte) {
-	if e.o.Matcher == nil || text == nil || d.Tokens == 0 {
+// preferDonor moves the replica of a donor at least PreferSimilarity
+// similar to the text sketch summarises to the front when the exact match
+// is short.
+func (e *Engine) preferDonor(d *Decision, sketch []uint64) {
+	if sketch == nil || d.Tokens == 0 {
 		return
 	}
 	best := 0
@@ -413,8 +419,8 @@ func (e *Engine) preferDonor(d *Decision, text [][]byte) {
 		return
 	}
 	id, bestSim := -1, -1.0
-	e.o.Matcher.Donors(text, func(r int, _ uint64, _ int, sim float64) {
-		if sim > bestSim {
+	e.o.Matcher.Donors(sketch, func(r int, _ uint64, _ int, sim float64) {
+		if sim > bestSim && sim >= e.o.PreferSimilarity {
 			id, bestSim = r, sim
 		}
 	})
@@ -452,9 +458,10 @@ func (e *Engine) view(d *Decision) *View {
 
 // rank scores the available replicas that allow admits (all, if nil) with
 // pol and keeps the best Attempts;
-// it returns what the policy was told. text is the request's, for the
-// donors of replicas whose engines reuse them.
-func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool, model string, text [][]byte) (*View, error) {
+// it returns what the policy was told. sketch is the matcher's of the
+// request's text (nil: none), for the donors of replicas whose engines
+// reuse them.
+func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool, model string, sketch []uint64) (*View, error) {
 	now := e.o.Now()
 	reps := e.pool.Replicas()
 	sc, _ := scratchPool.Get().(*scratch)
@@ -510,8 +517,8 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 		donors = donors || r.Reuse.Donor()
 	}
 	d.Candidates = d.Candidates[:n]
-	if donors && e.o.Matcher != nil && text != nil {
-		e.creditDonors(d, text)
+	if donors && sketch != nil {
+		e.creditDonors(d, sketch)
 	}
 	if len(d.Candidates) == 0 {
 		if model != "" && len(reps) > 0 && !unknown && !served { // every replica's models known, none serves it
@@ -532,8 +539,8 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 // the donor in place of the prompt's own prefix (SGLang PR 20806: the
 // donor's tokens are looked up in the prefix cache); the similarity
 // discounts a donor the engine's own provider may rank otherwise.
-func (e *Engine) creditDonors(d *Decision, text [][]byte) {
-	e.o.Matcher.Donors(text, func(r int, _ uint64, tokens int, sim float64) {
+func (e *Engine) creditDonors(d *Decision, sketch []uint64) {
+	e.o.Matcher.Donors(sketch, func(r int, _ uint64, tokens int, sim float64) {
 		for i := range d.Candidates {
 			c := &d.Candidates[i]
 			if c.Replica.ID != r {

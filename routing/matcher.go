@@ -12,13 +12,18 @@ package routing
 // Implementations must be safe for concurrent use and bounded in memory and
 // time.
 type Matcher interface {
+	// Sketch summarises a request's text for Donors and Register: made
+	// once per request, a new slice.
+	Sketch(text [][]byte) []uint64
 	// Donors calls each, replica by replica, with the replica's most
-	// similar registered donor that is similar enough: its key, the prompt
-	// tokens it was registered with and its similarity in [0, 1].
-	Donors(text [][]byte, each func(replica int, key uint64, tokens int, similarity float64))
-	// Register records a served request of tokens prompt tokens as a donor
-	// on replica, keyed by its deepest block's hash.
-	Register(key uint64, replica, tokens int, text [][]byte)
+	// similar registered donor to the text sketch summarises that is
+	// similar enough: its key, the prompt tokens it was registered with
+	// and its similarity in [0, 1].
+	Donors(sketch []uint64, each func(replica int, key uint64, tokens int, similarity float64))
+	// Register records a served request of tokens prompt tokens, summarised
+	// by sketch (which the matcher may keep), as a donor on replica, keyed
+	// by its deepest block's hash.
+	Register(key uint64, replica, tokens int, sketch []uint64)
 	// Forget drops the donor keyed by key on replica: its blocks were
 	// evicted there (the picture's eviction model, or the engine's KV
 	// events).

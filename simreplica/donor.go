@@ -62,7 +62,7 @@ type donorEntry struct {
 }
 
 func newDonorStore(d Donor) (*donorStore, error) {
-	if d.MinSimilarity < 0 || d.MinSimilarity > 1 || d.MaxDonors < 0 {
+	if !(d.MinSimilarity >= 0 && d.MinSimilarity <= 1) || d.MaxDonors < 0 {
 		return nil, fmt.Errorf("simreplica: Donor.MinSimilarity %v must be in [0, 1] and MaxDonors %d ≥ 0", d.MinSimilarity, d.MaxDonors)
 	}
 	n := cmp.Or(d.MaxDonors, 4096)
@@ -75,23 +75,25 @@ func newDonorStore(d Donor) (*donorStore, error) {
 	return s, nil
 }
 
-// find returns the block keys of the donor of model (its index) most
-// similar to prompt, or nil. The slice is the store's: read it, do not keep
-// it past the request.
-func (s *donorStore) find(prompt []byte, model int) (key uint64, keys []uint64) {
+// find returns the sketch of prompt, a prompt of model (its index), and
+// the key and block keys of its most similar donor of the same model, or
+// nil keys. The keys are the store's: read them, do not keep them past the
+// request.
+func (s *donorStore) find(prompt []byte, model int) (sketch []uint64, key uint64, keys []uint64) {
+	sketch = s.mh.Sketch([][]byte{prompt})
 	found := false
-	s.mh.Donors([][]byte{prompt}, func(ns int, k uint64, _ int, _ float64) {
+	s.mh.Donors(sketch, func(ns int, k uint64, _ int, _ float64) {
 		if ns == model {
 			key, found = k, true
 		}
 	})
 	if !found {
-		return 0, nil
+		return sketch, 0, nil
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	e, _ := s.keys.Get(key)
-	return key, e.keys
+	return sketch, key, e.keys
 }
 
 // forget drops the donor keyed by key.
@@ -101,10 +103,10 @@ func (s *donorStore) forget(key uint64) {
 	s.keys.Remove(key) // the eviction callback forgets its sketch
 }
 
-// put registers a finished prompt of model (its index), of tokens tokens,
-// its rendered text and its blocks' keys, as a donor. A prompt without a
-// full block is none.
-func (s *donorStore) put(prompt []byte, model int, keys []uint64, tokens int) {
+// put registers a finished prompt of model (its index) and tokens tokens,
+// its sketch (find's; kept) and its blocks' keys, as a donor. A prompt
+// without a full block is none.
+func (s *donorStore) put(sketch []uint64, model int, keys []uint64, tokens int) {
 	if len(keys) == 0 {
 		return
 	}
@@ -112,7 +114,7 @@ func (s *donorStore) put(prompt []byte, model int, keys []uint64, tokens int) {
 	s.mu.Lock()
 	s.keys.Add(key, donorEntry{slices.Clone(keys), model})
 	s.mu.Unlock()
-	s.mh.Register(key, model, tokens, [][]byte{prompt})
+	s.mh.Register(key, model, tokens, sketch)
 }
 
 func (s *donorStore) clear() {

@@ -612,10 +612,10 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	if s.blend != nil { // found before the prefill turn, which is one at a time
 		sc.spans, sc.seg = s.spans(sc.spans[:0], sc.seg, req, sc.ids, m)
 	}
+	var donorSketch, donorKeys []uint64
 	var donorKey uint64
-	var donorKeys []uint64
 	if s.donor != nil { // so is the donor: similarity does not change with the cache
-		donorKey, donorKeys = s.donor.find(sc.prompt, m.loraID)
+		donorSketch, donorKey, donorKeys = s.donor.find(sc.prompt, m.loraID)
 	}
 	s.requests.Add(1)
 	ctx := r.Context()
@@ -678,7 +678,7 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 				s.blend.put(sc.spans)
 			}
 			if s.donor != nil {
-				s.donor.put(sc.prompt, m.loraID, keys, tokens)
+				s.donor.put(donorSketch, m.loraID, keys, tokens)
 			}
 		}
 		return ok

@@ -121,6 +121,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		Blending: slices.ContainsFunc(cfg.Replicas, func(r configs.Replica) bool { return r.Spec().Reuse.Blend() }),
 		Engine: routing.EngineOptions{Weights: cfg.Routing.Weights(), Attempts: cfg.Routing.Attempts,
 			SharedActive: cfg.Routing.SharedActive, Matcher: mt, PreferDonor: cfg.Routing.Matcher.Enabled,
+			PreferSimilarity: cfg.Routing.Matcher.MinSimilarity,
 			MatcherThreshold: cfg.Routing.Matcher.Threshold},
 	})
 	if err != nil {
