@@ -27,19 +27,7 @@ func TestBlendCreditsSegmentsBeyondThePrefix(t *testing.T) {
 			t.Fatal(err)
 		}
 		pol, _ := NewPolicy("semantic", PolicyConfig{PrefixOnly: prefixOnly})
-		decide := func(only string, msgs ...string) *Decision {
-			in := e.Prepare(parseChat(t, msgs...), "", false)
-			in.Policy = pol
-			if only != "" {
-				in.Allow = func(r *replica.Replica) bool { return r.Name == only }
-			}
-			d, err := e.Decide(in, true)
-			if err != nil {
-				t.Fatal(err)
-			}
-			e.Done(d, d.Chosen())
-			return d
-		}
+		decide := decider(t, e, pol)
 		out := strings.Repeat("search result: the river delta floods each spring. ", 60) // ~3 KB
 		first := decide("r1", "system", "You are terse.", "tool", out, "user", "summarise")
 		served := first.Chosen().Replica
@@ -73,5 +61,24 @@ func TestBlendCreditsSegmentsBeyondThePrefix(t *testing.T) {
 		if c.Replica != served || c.Reason != "blend" {
 			t.Fatalf("went to %s (%s); the tool output is on %s", c.Replica.Name, c.Reason, served.Name)
 		}
+	}
+}
+
+// decider returns a func that routes a chat of msgs (role, content, ...)
+// with pol on e, on the replica named only if set, and ends it.
+func decider(t *testing.T, e *Engine, pol Policy) func(only string, msgs ...string) *Decision {
+	return func(only string, msgs ...string) *Decision {
+		t.Helper()
+		in := e.Prepare(parseChat(t, msgs...), "", false)
+		in.Policy = pol
+		if only != "" {
+			in.Allow = func(r *replica.Replica) bool { return r.Name == only }
+		}
+		d, err := e.Decide(in, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		e.Done(d, d.Chosen())
+		return d
 	}
 }

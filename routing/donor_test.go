@@ -34,19 +34,7 @@ func TestDonorCreditsSimilarPrompt(t *testing.T) {
 		t.Fatal(err)
 	}
 	pol, _ := NewPolicy("semantic", PolicyConfig{})
-	decide := func(only string, msgs ...string) *Decision {
-		in := e.Prepare(parseChat(t, msgs...), "", false)
-		in.Policy = pol
-		if only != "" {
-			in.Allow = func(r *replica.Replica) bool { return r.Name == only }
-		}
-		d, err := e.Decide(in, true)
-		if err != nil {
-			t.Fatal(err)
-		}
-		e.Done(d, d.Chosen())
-		return d
-	}
+	decide := decider(t, e, pol)
 	var doc strings.Builder
 	for i := range 400 {
 		fmt.Fprintf(&doc, "fact%d ", i)
