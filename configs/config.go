@@ -324,8 +324,9 @@ type Replica struct {
 }
 
 // ReuseConfig is an engine's reuse of KV beyond the exact prefix
-// (replica.Reuse). The zero value: the exact prefix alone. A blending
-// replica must be in the config when the router starts.
+// (replica.Reuse, whose fields it has in the same order: Spec converts
+// it). The zero value: the exact prefix alone. A blending replica must be
+// in the config when the router starts.
 type ReuseConfig struct {
 	// Mode is "prefix" (or empty), "blend" (position-independent
 	// segments, as CacheBlend in LMCache) or "donor" (a similar earlier

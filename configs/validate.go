@@ -355,7 +355,5 @@ func (r Replica) Validate() error {
 // Spec is the replica's pool spec.
 func (r Replica) Spec() replica.Spec {
 	return replica.Spec{Name: r.Name, URL: r.URL, BudgetTokens: r.BudgetTokens, Weight: r.Weight,
-		KVEvents: replica.KVEvents{Endpoint: r.KVEvents.Endpoint, ReplayEndpoint: r.KVEvents.ReplayEndpoint, Topic: r.KVEvents.Topic},
-		Reuse: replica.Reuse{Mode: r.Reuse.Mode, Recompute: r.Reuse.Recompute, BudgetTokens: r.Reuse.BudgetTokens,
-			MinSimilarity: r.Reuse.MinSimilarity}}
+		KVEvents: replica.KVEvents(r.KVEvents), Reuse: replica.Reuse(r.Reuse)}
 }

@@ -228,18 +228,6 @@ func (m *MinHash) Donors(sk []uint64, each func(replica int, key uint64, tokens 
 	}
 }
 
-// Find returns the replica of the most similar donor at least
-// MinSimilarity similar to text (ties: the lowest replica id).
-func (m *MinHash) Find(text [][]byte) (replica int, ok bool) {
-	bestSim := -1.0
-	m.Donors(m.Sketch(text), func(r int, _ uint64, _ int, sim float64) {
-		if sim > bestSim {
-			replica, ok, bestSim = r, true, sim
-		}
-	})
-	return replica, ok
-}
-
 // Register implements routing.Matcher: it records the text sk sketches
 // (Sketch; m keeps sk), of tokens prompt tokens, as a donor on replica
 // keyed by key.

@@ -120,6 +120,7 @@ type engineCaches struct {
 	// other engines.
 	donors      *matcher.MinHash
 	donorBlocks *lru.LRU[donorAt, []blockhash.Block] // as many as donors; one leaving forgets the other
+	sketches    map[int][]uint64                     // by running request: its text's sketch, to register when it ends
 }
 
 type donorAt struct {
@@ -155,6 +156,7 @@ func newEngineCaches(m *Model, budgets []int64) (*engineCaches, error) {
 			return nil, err
 		}
 		e.donorBlocks, _ = lru.NewLRU(matcher.DefaultMaxDonors, func(at donorAt, _ []blockhash.Block) { e.donors.Forget(at.rep, at.key) })
+		e.sketches = map[int][]uint64{}
 	}
 	for r, b := range budgets {
 		id, err := e.cache.AddReplica(fmt.Sprintf("engine-%d", r), b)
@@ -186,9 +188,10 @@ func (e *engineCaches) held(rep int, blocks []blockhash.Block) cachemodel.Match 
 // that its segment store holds, computing its recompute share again, and
 // then keeps the prompt's segments. A donor engine reuses, in place of
 // its own prefix, what it holds of the most similar prompt it finished
-// (text is the prompt's, nil: none), as simreplica.Donor does; a donor it
-// holds nothing of is forgotten.
-func (e *engineCaches) serve(i, rep int, blocks []blockhash.Block, text [][]byte, now int64) (tokens, nblocks int) {
+// (by req.Text; none without), as simreplica.Donor does; a donor it holds
+// nothing of is forgotten.
+func (e *engineCaches) serve(i, rep int, req *Request, now int64) (tokens, nblocks int) {
+	blocks := req.Blocks
 	hit := e.held(rep, blocks)
 	tokens = hit.Tokens
 	if e.segs != nil {
@@ -197,8 +200,10 @@ func (e *engineCaches) serve(i, rep int, blocks []blockhash.Block, text [][]byte
 		tokens += int(e.beyond[rep] * e.m.Reuse.Share())
 		e.segs.Record(rep, blocks, now)
 	}
-	if e.donors != nil && text != nil {
-		tokens = max(tokens, e.donorTokens(rep, blocks, text))
+	if e.donors != nil && req.Text != nil {
+		sk := e.donors.Sketch(req.Text)
+		e.sketches[i] = sk
+		tokens = max(tokens, e.donorTokens(rep, sk, req.Tokens))
 	}
 	_, e.running[i] = e.cache.Commit(rep, blocks, now)
 	e.tell(rep, blocks, hit.Blocks, now)
@@ -206,12 +211,12 @@ func (e *engineCaches) serve(i, rep int, blocks []blockhash.Block, text [][]byte
 }
 
 // donorTokens returns the tokens replica rep's engine takes from its most
-// similar donor for a prompt of blocks with text: what it holds of the
-// donor's blocks from the first, up to the prompt's tokens.
-func (e *engineCaches) donorTokens(rep int, blocks []blockhash.Block, text [][]byte) int {
+// similar donor for a prompt of tokens tokens whose text sk sketches: what
+// it holds of the donor's blocks from the first, up to the prompt's tokens.
+func (e *engineCaches) donorTokens(rep int, sk []uint64, tokens int) int {
 	var at donorAt
 	found := false
-	e.donors.Donors(e.donors.Sketch(text), func(r int, key uint64, _ int, _ float64) {
+	e.donors.Donors(sk, func(r int, key uint64, _ int, _ float64) {
 		if r == rep {
 			at, found = donorAt{r, key}, true
 		}
@@ -225,25 +230,21 @@ func (e *engineCaches) donorTokens(rep int, blocks []blockhash.Block, text [][]b
 		e.donorBlocks.Remove(at) // and the index forgets it
 		return 0
 	}
-	prompt := 0
-	for _, b := range blocks {
-		prompt += int(b.Tokens)
-	}
-	return min(held, prompt)
+	return min(held, tokens)
 }
 
 // finish ends request i on replica rep at now: the full blocks of its
 // output are cached after its prompt, and every block is freed. A donor
-// engine registers the prompt (text; nil: none) as a donor.
-func (e *engineCaches) finish(i, rep int, prompt, output []blockhash.Block, text [][]byte, now int64) {
-	if e.donors != nil && text != nil && len(prompt) > 0 {
-		at := donorAt{rep, prompt[len(prompt)-1].Hash}
-		e.donorBlocks.Add(at, prompt)
-		tokens := 0
-		for _, b := range prompt {
-			tokens += int(b.Tokens)
+// engine registers the prompt, sketched by serve, as a donor.
+func (e *engineCaches) finish(i, rep int, req *Request, output []blockhash.Block, now int64) {
+	prompt := req.Blocks
+	if sk, ok := e.sketches[i]; ok {
+		delete(e.sketches, i)
+		if len(prompt) > 0 {
+			at := donorAt{rep, prompt[len(prompt)-1].Hash}
+			e.donorBlocks.Add(at, prompt)
+			e.donors.Register(at.key, rep, req.Tokens, sk)
 		}
-		e.donors.Register(at.key, rep, tokens, e.donors.Sketch(text))
 	}
 	all := append(append(e.all[:0], prompt...), output...)
 	e.all = all

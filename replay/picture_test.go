@@ -210,18 +210,18 @@ func TestEnginePinsRunningRequests(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		e.serve(0, 0, reqs[0].Blocks, nil, 0)
-		e.serve(1, 0, reqs[1].Blocks, nil, 1) // six blocks held, all pinned
-		if got, _ := e.serve(2, 0, reqs[2].Blocks, nil, 2); got != 6 {
+		e.serve(0, 0, &reqs[0], 0)
+		e.serve(1, 0, &reqs[1], 1) // six blocks held, all pinned
+		if got, _ := e.serve(2, 0, &reqs[2], 2); got != 6 {
 			t.Fatalf("%s: a running request's blocks were evicted: %d tokens cached, want 6", ev, got)
 		}
-		e.finish(0, 0, reqs[0].Blocks, nil, nil, 3)
-		e.finish(2, 0, reqs[2].Blocks, nil, nil, 4)
-		e.finish(1, 0, reqs[1].Blocks, nil, nil, 5)
+		e.finish(0, 0, &reqs[0], nil, 3)
+		e.finish(2, 0, &reqs[2], nil, 4)
+		e.finish(1, 0, &reqs[1], nil, 5)
 		if e.evict != 0 {
 			t.Fatalf("%s: %d blocks evicted while pinned", ev, e.evict)
 		}
-		e.serve(3, 0, reqs[1].Blocks, nil, 6) // 12 tokens of 8: two free blocks go, the tail first
+		e.serve(3, 0, &reqs[1], 6) // 12 tokens of 8: two free blocks go, the tail first
 		if got := e.held(0, reqs[0].Blocks).Blocks; got != 1 || e.evict != 2 {
 			t.Fatalf("%s: after the requests ended, %d blocks of the first stay, %d evicted", ev, got, e.evict)
 		}

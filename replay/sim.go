@@ -193,7 +193,7 @@ type sim struct {
 // serve has the engine of replica r schedule request i at now and counts
 // the tokens and blocks it found cached.
 func (s *sim) serve(i, r int, now int64) {
-	tokens, blocks := s.engines.serve(i, r, s.reqs[i].Blocks, s.reqs[i].Text, now)
+	tokens, blocks := s.engines.serve(i, r, &s.reqs[i], now)
 	s.cache[i] = tokens
 	s.res.CachedTokens += int64(tokens)
 	s.res.HitBlocks += int64(blocks)
@@ -332,7 +332,7 @@ func (s *sim) run(pools ...*replica.Pool) error {
 		case evFinish:
 			r := s.rep[i]
 			if s.engines != nil { // the engine ends the request before the router hears of it
-				s.engines.finish(i, r, s.reqs[i].Blocks, outputBlocks(&s.reqs[i], i, s.m.BlockTokens), s.reqs[i].Text, now)
+				s.engines.finish(i, r, &s.reqs[i], outputBlocks(&s.reqs[i], i, s.m.BlockTokens), now)
 			}
 			s.d.done(i, now)
 			st := &s.reps[r]

@@ -123,17 +123,6 @@ func (s *donorStore) clear() {
 	s.keys.Purge()
 }
 
-// heldFrom returns how many of keys, from the first, the prefix cache holds.
-func (s *Server) heldFrom(keys []uint64) int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	n := 0
-	for n < len(keys) && s.cache.Contains(keys[n]) {
-		n++
-	}
-	return n
-}
-
 // donorReuse returns the tokens of a prompt of tokens tokens, of which the
 // prefix cache holds cached, that the donor keyed by key (its blocks' keys
 // are keys; none: no donor) gives past them: what the cache holds of the

@@ -491,18 +491,29 @@ func (s *Server) lookup(ids []int32, m model, keys []uint64) (_ []uint64, tokens
 		keys = append(keys, h)
 	}
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	for _, k := range keys {
-		if !s.cache.Contains(k) {
-			break
-		}
-		cached += bs
-	}
+	cached = s.heldLocked(keys) * bs
+	s.mu.Unlock()
 	// An engine always computes at least the last prompt token.
 	if cached >= tokens {
 		cached = (tokens - 1) / bs * bs
 	}
 	return keys, tokens, cached
+}
+
+// heldFrom returns how many of keys, from the first, the prefix cache holds.
+func (s *Server) heldFrom(keys []uint64) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.heldLocked(keys)
+}
+
+// heldLocked is heldFrom with s.mu held.
+func (s *Server) heldLocked(keys []uint64) int {
+	n := 0
+	for n < len(keys) && s.cache.Contains(keys[n]) {
+		n++
+	}
+	return n
 }
 
 // store caches a prompt's blocks (see storeLocked) and pins those cached
