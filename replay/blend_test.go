@@ -53,6 +53,15 @@ func TestBlendCreditOnLongTailRAG(t *testing.T) {
 	checkEngineAwareCredit(t, reqs, replica.ReuseBlend, false)
 }
 
+// TestBlendCreditOnTopicRAG: the same on RAG sessions whose questions
+// retrieve by topic, as similar questions retrieve the same documents
+// (`... --agent-share 0 --topics 40`): the documents recur together, in
+// any order, after any persona, and the gain is well past 1.5×.
+func TestBlendCreditOnTopicRAG(t *testing.T) {
+	reqs := blendTrace(t, GenOptions{Seed: 7, Sessions: 600, Docs: 120, ZipfV: 20, AgentShare: -1, Topics: 40})
+	checkEngineAwareCredit(t, reqs, replica.ReuseBlend, false)
+}
+
 // checkEngineAwareCredit replays reqs on 4 engines of 10,000 tokens that
 // reuse as mode says and checks that the semantic policy crediting what
 // they reuse saves at least 1.5× the tokens of exact-prefix routing (itself

@@ -191,6 +191,9 @@ type ModelSummary struct {
 	SharedActive      bool    `json:"shared_active"`
 	Seed              uint64  `json:"seed"`
 	Matcher           bool    `json:"semantic_matcher"`
+	// Reuse is the engines' reuse beyond the exact prefix (Model.Reuse:
+	// "blend" or "donor"); empty for exact-prefix engines.
+	Reuse string `json:"reuse,omitempty"`
 }
 
 // Run is one policy to replay: a routing policy by name, with the model's
@@ -241,6 +244,9 @@ func Replay(reqs []Request, m Model, runs []Run) (*Summary, error) {
 			InterTokenMS: float64(m.InterToken) / 1e6, Eviction: m.Eviction, Speedup: m.Speedup,
 			RecordReplies: m.RecordReplies, SharedActive: m.SharedActive, Seed: m.Policy.Seed, Matcher: m.Matcher != nil,
 		},
+	}
+	if m.Reuse.Blend() || m.Reuse.Donor() {
+		sum.Model.Reuse = m.Reuse.Mode
 	}
 	type job struct {
 		i   int

@@ -155,6 +155,9 @@ func (s *Summary) Markdown(w io.Writer) error {
 			"Prediction error is (Σ predicted − Σ actual) ÷ Σ actual, predicted being the picture's match on the replica chosen when the request was routed, " +
 			"actual what the engine found cached when it scheduled the prefill; mean abs error is the mean |predicted − actual| ÷ the mean actual.\n")
 	}
+	if s.Model.Reuse != "" {
+		fmt.Fprintf(&b, "\nThe engines reuse beyond the exact prefix (%s). The pooled and infinite references reuse the exact prefix alone: they are not these engines' ceiling.\n", s.Model.Reuse)
+	}
 	if len(s.Arms) > 0 {
 		b.WriteString("\n## Arms observed in the decision log\n\n| arm | policy | requests | TTFT p50 ms | TTFT p99 ms | cached token rate |\n|---|---|---:|---:|---:|---:|\n")
 		for _, a := range s.Arms {
