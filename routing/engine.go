@@ -518,7 +518,15 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 	}
 	d.Candidates = d.Candidates[:n]
 	if donors && sketch != nil {
-		e.creditDonors(d, sketch)
+		sc.at = sc.at[:0]
+		for i := range d.Candidates {
+			id := d.Candidates[i].Replica.ID
+			for len(sc.at) <= id {
+				sc.at = append(sc.at, 0)
+			}
+			sc.at[id] = int32(i + 1)
+		}
+		e.creditDonors(d, sketch, sc.at)
 	}
 	if len(d.Candidates) == 0 {
 		if model != "" && len(reps) > 0 && !unknown && !served { // every replica's models known, none serves it
@@ -539,17 +547,16 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 // the donor in place of the prompt's own prefix (SGLang PR 20806: the
 // donor's tokens are looked up in the prefix cache); the similarity
 // discounts a donor the engine's own provider may rank otherwise.
-func (e *Engine) creditDonors(d *Decision, sketch []uint64) {
+// at[id] is the candidate index + 1 of the replica with that ID (0: not
+// a candidate), so that a donor costs one lookup however many replicas.
+func (e *Engine) creditDonors(d *Decision, sketch []uint64, at []int32) {
 	e.o.Matcher.Donors(sketch, func(r int, _ uint64, tokens int, sim float64) {
-		for i := range d.Candidates {
-			c := &d.Candidates[i]
-			if c.Replica.ID != r {
-				continue
-			}
-			if c.Replica.Reuse.Donor() && sim >= c.Replica.Reuse.Similarity() {
-				c.Reuse = sim * float64(max(min(tokens, d.Tokens)-c.Match.Tokens, 0))
-			}
+		if r < 0 || r >= len(at) || at[r] == 0 {
 			return
+		}
+		c := &d.Candidates[at[r]-1]
+		if c.Replica.Reuse.Donor() && sim >= c.Replica.Reuse.Similarity() {
+			c.Reuse = sim * float64(max(min(tokens, d.Tokens)-c.Match.Tokens, 0))
 		}
 	})
 }
@@ -560,6 +567,7 @@ type scratch struct {
 	matches []cachemodel.Match
 	sizes   []int64
 	beyond  []float64
+	at      []int32 // creditDonors' candidate by replica ID
 }
 
 var scratchPool sync.Pool // *scratch
@@ -794,14 +802,17 @@ func (e *Engine) Feedback(d *Decision, c *Candidate, cached int) int64 {
 	if cached < 0 || e.cache.EventDriven(id) {
 		return 0
 	}
-	diff := int64(c.Match.Tokens) + int64(c.Reuse) - int64(cached) // a blending engine reports what it reused too
-	if c.Replica.Reuse.Donor() {
-		// A donor engine reports at least its exact prefix, and whatever its
-		// own provider found besides: only fewer than the prefix measures
-		// the picture.
-		if diff = int64(c.Match.Tokens) - int64(cached); diff < 0 {
-			return 0
-		}
+	// A blending engine reports what it reused too. A donor engine reports
+	// at least its exact prefix, and whatever its own provider found
+	// besides: only fewer than the prefix measures the picture.
+	donor := c.Replica.Reuse.Donor()
+	predicted := int64(c.Match.Tokens)
+	if !donor {
+		predicted += int64(c.Reuse)
+	}
+	diff := predicted - int64(cached)
+	if donor && diff < 0 {
+		return 0
 	}
 	block := int64(cmp.Or(d.blockTokens, e.split.BlockTokens()))
 	if diff > -block && diff < block {

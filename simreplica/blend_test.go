@@ -41,6 +41,18 @@ func tokens(t *testing.T, r *Running, text string) int {
 
 var blendFast = Options{Overhead: time.Microsecond, PrefillPerToken: time.Nanosecond, InterToken: time.Microsecond, OutputTokens: 2}
 
+// reusesNothingPlain checks that a replica reusing the exact prefix alone
+// (neither Blend nor Donor) reuses nothing of first in second, whose
+// system prompt differs.
+func reusesNothingPlain(t *testing.T, first, second string) {
+	t.Helper()
+	plain := start(t, blendFast)
+	call(t, plain, "/v1/chat/completions", first)
+	if _, u, _ := call(t, plain, "/v1/chat/completions", second); u.Details.Cached != 0 {
+		t.Fatalf("an exact-prefix replica, after another system prompt, reused %d tokens", u.Details.Cached)
+	}
+}
+
 // TestBlendReusesDocumentsAnywhere: a blending replica reuses a document
 // after another system prompt and in another order, computing the
 // recompute share again; a replica without Blend reuses nothing there;
@@ -51,11 +63,7 @@ func TestBlendReusesDocumentsAnywhere(t *testing.T) {
 	first := ragBody(prose("sys", 50), "Why?", a, b)
 	second := ragBody(prose("other", 60), "How?", b, a)
 
-	plain := start(t, blendFast)
-	call(t, plain, "/v1/chat/completions", first)
-	if _, u, _ := call(t, plain, "/v1/chat/completions", second); u.Details.Cached != 0 {
-		t.Fatalf("without Blend, another system prompt reused %d tokens", u.Details.Cached)
-	}
+	reusesNothingPlain(t, first, second)
 
 	o := blendFast
 	o.Blend = &Blend{}

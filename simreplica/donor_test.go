@@ -16,11 +16,7 @@ func TestDonorReusesSimilarPrompt(t *testing.T) {
 	first := ragBody(prose("sys", 40), "Why is it so?", doc)
 	second := ragBody(prose("other", 40), "How does it work?", doc)
 
-	plain := start(t, blendFast)
-	call(t, plain, "/v1/chat/completions", first)
-	if _, u, _ := call(t, plain, "/v1/chat/completions", second); u.Details.Cached != 0 {
-		t.Fatalf("without Donor, another system prompt reused %d tokens", u.Details.Cached)
-	}
+	reusesNothingPlain(t, first, second)
 
 	o := blendFast
 	o.Donor = &Donor{}
