@@ -161,9 +161,12 @@ func (r *Result) finish(ttft []float64, reps []simReplica, rep, cached []int, re
 // Summary is a whole replay: the trace, the model, every policy's result and
 // the two references.
 type Summary struct {
-	Trace        string       `json:"trace"`
-	Format       string       `json:"format"`
-	Requests     int          `json:"requests"`
+	Trace    string `json:"trace"`
+	Format   string `json:"format"`
+	Requests int    `json:"requests"`
+	// TiedArrivals is the requests arriving in the same millisecond as
+	// the one before them, in the trace as read (Ties).
+	TiedArrivals int          `json:"tied_arrivals"`
 	Replicas     int          `json:"replicas"`
 	BudgetTokens int64        `json:"budget_tokens"`
 	Model        ModelSummary `json:"model"`
@@ -187,6 +190,7 @@ type ModelSummary struct {
 	InterTokenMS      float64 `json:"inter_token_ms"`
 	Eviction          string  `json:"eviction"`
 	Speedup           float64 `json:"speedup"`
+	SpreadTiesMS      float64 `json:"spread_ties_ms,omitempty"`
 	RecordReplies     bool    `json:"record_replies"`
 	SharedActive      bool    `json:"shared_active"`
 	Seed              uint64  `json:"seed"`
@@ -236,12 +240,14 @@ func Replay(reqs []Request, m Model, runs []Run) (*Summary, error) {
 		return nil, err
 	}
 	start := time.Now()
+	ties := Ties(reqs)
+	reqs = SpreadTies(reqs, m.SpreadTies)
 	sum := &Summary{
-		Requests: len(reqs), Replicas: m.Replicas, BudgetTokens: m.BudgetTokens, Started: start,
+		Requests: len(reqs), TiedArrivals: ties, Replicas: m.Replicas, BudgetTokens: m.BudgetTokens, Started: start,
 		Model: ModelSummary{
 			BlockTokens: m.BlockTokens, MaxRunning: m.MaxRunning,
 			PrefillOverheadMS: float64(m.PrefillOverhead) / 1e6, PrefillPerTokenUS: float64(m.PrefillPerToken) / 1e3,
-			InterTokenMS: float64(m.InterToken) / 1e6, Eviction: m.Eviction, Speedup: m.Speedup,
+			InterTokenMS: float64(m.InterToken) / 1e6, Eviction: m.Eviction, Speedup: m.Speedup, SpreadTiesMS: float64(m.SpreadTies) / 1e6,
 			RecordReplies: m.RecordReplies, SharedActive: m.SharedActive, Seed: m.Policy.Seed, Matcher: m.Matcher != nil,
 		},
 	}

@@ -155,6 +155,16 @@ func (s *Summary) Markdown(w io.Writer) error {
 			"Prediction error is (Σ predicted − Σ actual) ÷ Σ actual, predicted being the picture's match on the replica chosen when the request was routed, " +
 			"actual what the engine found cached when it scheduled the prefill; mean abs error is the mean |predicted − actual| ÷ the mean actual.\n")
 	}
+	if s.TiedArrivals*10 >= s.Requests && s.Requests > 0 {
+		if s.Model.SpreadTiesMS > 0 {
+			fmt.Fprintf(&b, "\n%d of %d requests arrive in the same millisecond as the one before them in the trace; each such run was spread over %g ms (--spread-ties).\n",
+				s.TiedArrivals, s.Requests, s.Model.SpreadTiesMS)
+		} else {
+			fmt.Fprintf(&b, "\n%d of %d requests arrive in the same millisecond as the one before them: the trace's timestamps look rounded. "+
+				"They are replayed as arriving at once, so routers that share state with a delay cannot see each other's choices among them; "+
+				"--spread-ties spreads each run over the timestamps' resolution.\n", s.TiedArrivals, s.Requests)
+		}
+	}
 	if s.Model.Reuse != "" {
 		fmt.Fprintf(&b, "\nThe engines reuse beyond the exact prefix (%s). The pooled and infinite references reuse the exact prefix alone: they are not these engines' ceiling.\n", s.Model.Reuse)
 	}

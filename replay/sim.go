@@ -40,6 +40,10 @@ type Model struct {
 	Eviction string
 	// Speedup divides every arrival time. Default 1.
 	Speedup float64
+	// SpreadTies spreads each run of requests that arrive in the same
+	// millisecond evenly over this span (SpreadTies), as the arrivals of a
+	// trace whose timestamps were rounded down to it. 0 keeps them together.
+	SpreadTies time.Duration
 	// RecordReplies caches a reply's blocks on its replica when the request
 	// finishes, where the trace shows the reply (openai traces).
 	RecordReplies bool
@@ -106,6 +110,8 @@ func (m *Model) defaults() error {
 		return errors.New("model times must not be negative")
 	case m.Speedup <= 0 || math.IsInf(m.Speedup, 0) || math.IsNaN(m.Speedup):
 		return errors.New("speedup must be a positive number")
+	case m.SpreadTies < 0:
+		return errors.New("spread ties must not be negative")
 	}
 	if _, err := eviction.Lookup(m.Eviction); err != nil {
 		return err

@@ -22,7 +22,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"sort"
+	"time"
 
 	"github.com/semroute/semroute/routing"
 
@@ -235,6 +237,51 @@ func linkReplies(reqs []Request, starts [][]int, roles [][]byte) {
 		}
 		next[cur.Session] = i
 	}
+}
+
+// Ties counts the requests of reqs (sorted by arrival) that arrive in the
+// same millisecond as the one before them. A trace recorded at a coarser
+// resolution has many: the Mooncake conversation trace's timestamps are
+// whole seconds, about ten requests to each.
+func Ties(reqs []Request) int {
+	n := 0
+	for i := 1; i < len(reqs); i++ {
+		if reqs[i].Arrival/1e6 == reqs[i-1].Arrival/1e6 {
+			n++
+		}
+	}
+	return n
+}
+
+// SpreadTies returns a copy of reqs (sorted by arrival) in which each run
+// of requests arriving in the same millisecond arrives spread evenly over
+// span from that millisecond, in the same order, ending before the next
+// run's millisecond: the arrivals of a trace whose timestamps were rounded
+// down to span. Requests alone in their millisecond keep their arrival.
+// reqs is not changed; span ≤ 0 returns it as it is.
+func SpreadTies(reqs []Request, span time.Duration) []Request {
+	if span <= 0 {
+		return reqs
+	}
+	out := slices.Clone(reqs)
+	for i := 0; i < len(out); {
+		ms := out[i].Arrival / 1e6
+		j := i + 1
+		for j < len(out) && out[j].Arrival/1e6 == ms {
+			j++
+		}
+		width := int64(span)
+		if j < len(out) {
+			width = min(width, out[j].Arrival/1e6*1e6-ms*1e6)
+		}
+		if n := int64(j - i); n > 1 {
+			for k := i; k < j; k++ {
+				out[k].Arrival = ms*1e6 + int64(k-i)*width/n
+			}
+		}
+		i = j
+	}
+	return out
 }
 
 func sortByArrival(reqs []Request) {

@@ -1,0 +1,154 @@
+package replay
+
+import (
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestSpreadTies(t *testing.T) {
+	ms := func(v ...float64) []Request {
+		var out []Request
+		for i, x := range v {
+			out = append(out, Request{Arrival: int64(x*1e6) + int64(i), Tokens: i}) // readers add the line's index
+		}
+		return out
+	}
+	reqs := ms(0, 0, 0, 0, 400, 1000, 1000, 1000.5)
+	if n := Ties(reqs); n != 5 {
+		t.Fatalf("Ties = %d, want 5 (three after the first at 0 ms, two after the first at 1000 ms)", n)
+	}
+	got := SpreadTies(reqs, time.Second)
+	want := []int64{
+		0, 100e6, 200e6, 300e6, // the run at 0 ms stops short of 400 ms
+		400e6 + 4,                                          // alone in its millisecond: as it was
+		1000e6, 1000e6 + 333_333_333, 1000e6 + 666_666_666, // the last run, 1000.5 ms with it, over the whole second
+	}
+	for i, w := range want {
+		if got[i].Arrival != w || got[i].Tokens != i {
+			t.Errorf("request %d arrives at %d (tokens %d), want %d", i, got[i].Arrival, got[i].Tokens, w)
+		}
+	}
+	for i := 1; i < len(got); i++ {
+		if got[i].Arrival <= got[i-1].Arrival {
+			t.Fatalf("order lost at %d: %d after %d", i, got[i].Arrival, got[i-1].Arrival)
+		}
+	}
+	if reqs[1].Arrival != 1 {
+		t.Fatal("SpreadTies changed its input")
+	}
+	if same := SpreadTies(reqs, 0); &same[0] != &reqs[0] {
+		t.Fatal("a zero span copied the requests")
+	}
+	if Ties(SpreadTies(reqs, time.Second)) != 0 {
+		t.Fatal("ties left after spreading over a second")
+	}
+}
+
+// fleetRuns replays reqs with one router, then with 4 routers without sync
+// and sharing after delay, on 8 replicas of the README's model.
+func fleetRuns(t *testing.T, reqs []Request, spread, delay time.Duration) (one, none, shared *Result) {
+	t.Helper()
+	m := Model{Replicas: 8, BudgetTokens: 1_000_000, BlockTokens: 512, SpreadTies: spread}
+	m.Policy.Seed = 1
+	runs := []Run{
+		{Label: "one", Policy: "semantic", Picture: PictureApproximate},
+		{Label: "none", Policy: "semantic", Picture: PictureApproximate, Routers: 4, Sync: SyncNone},
+		{Label: "shared", Policy: "semantic", Picture: PictureApproximate, Routers: 4, Sync: SyncShared, SyncDelay: delay},
+	}
+	sum, err := Replay(reqs, m, runs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range sum.Policies {
+		t.Logf("%s: hit rate %.4f, TTFT p50 %.0f ms, p99 %.0f ms", r.Name, r.TokenHitRate, r.TTFTP50MS, r.TTFTP99MS)
+	}
+	return sum.Policies[0], sum.Policies[1], sum.Policies[2]
+}
+
+// TestFleetSharesItsPicture is issue 15's replay: 4 routers, each request to
+// a random one, on 8 replicas. Without sync each router's picture is blind
+// to three quarters of the traffic; sharing with a 5 ms delay keeps at least
+// 0.98 of one router's hit rate with TTFT p99 within 5%. The conversation
+// trace's timestamps are whole seconds (about ten requests to each), so it is
+// replayed with each second's requests spread over it (SpreadTies); as
+// recorded, see TestFleetTiedArrivals.
+func TestFleetSharesItsPicture(t *testing.T) {
+	for _, c := range []struct {
+		trace  string
+		spread time.Duration
+	}{{"synthetic_trace.jsonl", 0}, {"conversation_trace.jsonl", time.Second}} {
+		t.Run(strings.TrimSuffix(c.trace, "_trace.jsonl"), func(t *testing.T) {
+			t.Parallel()
+			reqs, err := ReadMooncake(traceFile(t, c.trace), 512)
+			if err != nil {
+				t.Fatal(err)
+			}
+			one, none, shared := fleetRuns(t, reqs, c.spread, 5*time.Millisecond)
+			if r := none.TokenHitRate / one.TokenHitRate; r > 0.6 {
+				t.Errorf("4 routers without sync keep %.3f of one router's hit rate: their pictures should be blind to most traffic", r)
+			}
+			if r := shared.TokenHitRate / one.TokenHitRate; r < 0.98 {
+				t.Errorf("4 routers sharing at 5 ms keep %.4f of one router's hit rate, want ≥ 0.98", r)
+			}
+			if r := shared.TTFTP99MS / one.TTFTP99MS; r > 1.05 {
+				t.Errorf("4 routers sharing at 5 ms: TTFT p99 %.0f ms, %.3f× one router's, want ≤ 1.05×", shared.TTFTP99MS, r)
+			}
+		})
+	}
+}
+
+// TestFleetTiedArrivals pins why the conversation trace as recorded is
+// replayed with its ties spread: with about ten requests arriving in each
+// millisecond, a router sees none of its peers' choices among them until
+// the sync delay has passed. Shared at once, 4 routers equal one; at 5 ms
+// the same trace loses hit rate and TTFT, and the report says why.
+func TestFleetTiedArrivals(t *testing.T) {
+	reqs, err := ReadMooncake(traceFile(t, "conversation_trace.jsonl"), 512)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := Ties(reqs); n < len(reqs)*8/10 {
+		t.Fatalf("%d of %d requests tied: the trace's timestamps were whole seconds", n, len(reqs))
+	}
+	one, _, instant := fleetRuns(t, reqs, 0, 0)
+	if r := instant.TokenHitRate / one.TokenHitRate; r < 0.99 || instant.TTFTP99MS > 1.02*one.TTFTP99MS {
+		t.Errorf("4 routers sharing at once: %.4f of one router's hit rate, TTFT p99 %.0f against %.0f ms; want the same", r, instant.TTFTP99MS, one.TTFTP99MS)
+	}
+	_, _, late := fleetRuns(t, reqs, 0, 5*time.Millisecond)
+	if late.TTFTP99MS < 1.1*one.TTFTP99MS {
+		t.Errorf("4 routers sharing at 5 ms on tied arrivals: TTFT p99 %.0f against %.0f ms; the ties no longer cost, so spreading them is no longer needed", late.TTFTP99MS, one.TTFTP99MS)
+	}
+	var b strings.Builder
+	m := Model{Replicas: 8, BlockTokens: 512}
+	sum, err := Replay(reqs[:200], m, []Run{{Policy: "round_robin"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sum.Markdown(&b); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(b.String(), "the trace's timestamps look rounded") || sum.TiedArrivals == 0 {
+		t.Errorf("the report does not say that the arrivals are tied:\n%s", b.String())
+	}
+}
+
+func TestFleetRunChecks(t *testing.T) {
+	reqs := []Request{{Arrival: 1, Tokens: 1, Blocks: nil}}
+	for _, c := range []struct {
+		run  Run
+		m    Model
+		want string
+	}{
+		{Run{Policy: "semantic", Sync: SyncShared}, Model{}, "without routers"},
+		{Run{Policy: "semantic", Routers: 65, Sync: SyncShared, Picture: PictureApproximate}, Model{}, "at most 64"},
+		{Run{Policy: "semantic", Routers: 2, Sync: "gossip", Picture: PictureApproximate}, Model{}, "is not none or shared"},
+		{Run{Policy: "semantic", Routers: 2, Sync: SyncShared, SyncDelay: -1, Picture: PictureApproximate}, Model{}, "negative sync delay"},
+		{Run{Policy: "semantic", Routers: 2, Sync: SyncShared}, Model{}, "need a picture mode"},
+		{Run{Policy: "semantic"}, Model{SpreadTies: -time.Second}, "spread ties must not be negative"},
+	} {
+		if _, err := Replay(reqs, c.m, []Run{c.run}); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%+v: error %v, want %q", c.run, err, c.want)
+		}
+	}
+}
