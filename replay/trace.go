@@ -272,7 +272,7 @@ func SpreadTies(reqs []Request, span time.Duration) []Request {
 		}
 		width := int64(span)
 		if j < len(out) {
-			width = min(width, out[j].Arrival/1e6*1e6-ms*1e6)
+			width = max(0, min(width, out[j].Arrival/1e6*1e6-ms*1e6)) // 0: reqs out of order there
 		}
 		if n := int64(j - i); n > 1 {
 			for k := i; k < j; k++ {
