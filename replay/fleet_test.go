@@ -4,6 +4,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/semroute/semroute/blockhash"
 )
 
 func TestSpreadTies(t *testing.T) {
@@ -20,9 +22,9 @@ func TestSpreadTies(t *testing.T) {
 	}
 	got := SpreadTies(reqs, time.Second)
 	want := []int64{
-		0, 100e6, 200e6, 300e6, // the run at 0 ms stops short of 400 ms
-		400e6 + 4,                                          // alone in its millisecond: as it was
-		1000e6, 1000e6 + 333_333_333, 1000e6 + 666_666_666, // the last run, 1000.5 ms with it, over the whole second
+		0, 100e6 + 1, 200e6 + 2, 300e6 + 3, // the run at 0 ms ends before the next run's first arrival, 400e6 + 4
+		400e6 + 4,                                                      // alone in its millisecond: as it was
+		1000e6 + 5, 1000e6 + 5 + 333_333_333, 1000e6 + 5 + 666_666_666, // the last run, 1000.5 ms with it, over the whole second
 	}
 	for i, w := range want {
 		if got[i].Arrival != w || got[i].Tokens != i {
@@ -42,6 +44,37 @@ func TestSpreadTies(t *testing.T) {
 	}
 	if Ties(SpreadTies(reqs, time.Second)) != 0 {
 		t.Fatal("ties left after spreading over a second")
+	}
+	// Out of order (a caller's slice, not a reader's): never before the
+	// run's first arrival.
+	for _, r := range SpreadTies(ms(5, 5, 2), time.Second)[:2] {
+		if r.Arrival != 5e6 {
+			t.Errorf("a run followed by an earlier request spread to %d, want it kept at 5 ms", r.Arrival)
+		}
+	}
+	// A span past the cap: the last run spreads over MaxSpreadTies at most,
+	// in order, without overflowing.
+	last := SpreadTies(ms(3, 3, 3, 3), 1<<62)
+	for i := 1; i < len(last); i++ {
+		if last[i].Arrival <= last[i-1].Arrival || last[i].Arrival > 3e6+int64(MaxSpreadTies) {
+			t.Fatalf("span 2^62 ns: arrivals %v", []int64{last[0].Arrival, last[1].Arrival, last[2].Arrival, last[3].Arrival})
+		}
+	}
+	// The report counts the ties as read, and says they were spread.
+	for i := range reqs {
+		reqs[i].Blocks = []blockhash.Block{{Hash: uint64(i + 1), Tokens: 64}}
+		reqs[i].Tokens = 64
+	}
+	sum, err := Replay(reqs, Model{Replicas: 2, SpreadTies: time.Second}, []Run{{Policy: "round_robin"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var b strings.Builder
+	if err := sum.Markdown(&b); err != nil {
+		t.Fatal(err)
+	}
+	if sum.TiedArrivals != 5 || !strings.Contains(b.String(), "spread over up to 1000 ms") {
+		t.Errorf("tied_arrivals %d (want 5, counted before spreading); report:\n%s", sum.TiedArrivals, b.String())
 	}
 }
 
@@ -70,14 +103,14 @@ func fleetRuns(t *testing.T, reqs []Request, spread, delay time.Duration) (one, 
 // a random one, on 8 replicas. Without sync each router's picture is blind
 // to three quarters of the traffic; sharing with a 5 ms delay keeps at least
 // 0.98 of one router's hit rate with TTFT p99 within 5%. The conversation
-// trace's timestamps are whole seconds (about ten requests to each), so it is
-// replayed with each second's requests spread over it (SpreadTies); as
-// recorded, see TestFleetTiedArrivals.
+// trace's timestamps come in steps of about 3 s, some ten requests to each,
+// so it is replayed with each step's requests spread over it (SpreadTies);
+// as recorded, see TestFleetTiedArrivals.
 func TestFleetSharesItsPicture(t *testing.T) {
 	for _, c := range []struct {
 		trace  string
 		spread time.Duration
-	}{{"synthetic_trace.jsonl", 0}, {"conversation_trace.jsonl", time.Second}} {
+	}{{"synthetic_trace.jsonl", 0}, {"conversation_trace.jsonl", 3 * time.Second}} {
 		t.Run(strings.TrimSuffix(c.trace, "_trace.jsonl"), func(t *testing.T) {
 			t.Parallel()
 			reqs, err := ReadMooncake(traceFile(t, c.trace), 512)
@@ -99,9 +132,9 @@ func TestFleetSharesItsPicture(t *testing.T) {
 }
 
 // TestFleetTiedArrivals pins why the conversation trace as recorded is
-// replayed with its ties spread: with about ten requests arriving in each
-// millisecond, a router sees none of its peers' choices among them until
-// the sync delay has passed. Shared at once, 4 routers equal one; at 5 ms
+// replayed with its ties spread: with some ten requests arriving in one
+// millisecond every 3 s, a router sees none of its peers' choices among
+// them until the sync delay has passed. Shared at once, 4 routers equal one; at 5 ms
 // the same trace loses hit rate and TTFT, and the report says why.
 func TestFleetTiedArrivals(t *testing.T) {
 	reqs, err := ReadMooncake(traceFile(t, "conversation_trace.jsonl"), 512)
@@ -109,7 +142,7 @@ func TestFleetTiedArrivals(t *testing.T) {
 		t.Fatal(err)
 	}
 	if n := Ties(reqs); n < len(reqs)*8/10 {
-		t.Fatalf("%d of %d requests tied: the trace's timestamps were whole seconds", n, len(reqs))
+		t.Fatalf("%d of %d requests tied: the trace's timestamps come in steps of about 3 s", n, len(reqs))
 	}
 	one, _, instant := fleetRuns(t, reqs, 0, 0)
 	if r := instant.TokenHitRate / one.TokenHitRate; r < 0.99 || instant.TTFTP99MS > 1.02*one.TTFTP99MS {
@@ -128,7 +161,7 @@ func TestFleetTiedArrivals(t *testing.T) {
 	if err := sum.Markdown(&b); err != nil {
 		t.Fatal(err)
 	}
-	if !strings.Contains(b.String(), "the trace's timestamps look rounded") || sum.TiedArrivals == 0 {
+	if !strings.Contains(b.String(), "cannot see each other's choices") || sum.TiedArrivals == 0 {
 		t.Errorf("the report does not say that the arrivals are tied:\n%s", b.String())
 	}
 }
@@ -145,7 +178,8 @@ func TestFleetRunChecks(t *testing.T) {
 		{Run{Policy: "semantic", Routers: 2, Sync: "gossip", Picture: PictureApproximate}, Model{}, "is not none or shared"},
 		{Run{Policy: "semantic", Routers: 2, Sync: SyncShared, SyncDelay: -1, Picture: PictureApproximate}, Model{}, "negative sync delay"},
 		{Run{Policy: "semantic", Routers: 2, Sync: SyncShared}, Model{}, "need a picture mode"},
-		{Run{Policy: "semantic"}, Model{SpreadTies: -time.Second}, "spread ties must not be negative"},
+		{Run{Policy: "semantic"}, Model{SpreadTies: -time.Second}, "spread ties -1s: want 0 to 1h0m0s"},
+		{Run{Policy: "semantic"}, Model{SpreadTies: 2 * time.Hour}, "spread ties 2h0m0s"},
 	} {
 		if _, err := Replay(reqs, c.m, []Run{c.run}); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%+v: error %v, want %q", c.run, err, c.want)

@@ -157,12 +157,12 @@ func (s *Summary) Markdown(w io.Writer) error {
 	}
 	if s.TiedArrivals*10 >= s.Requests && s.Requests > 0 {
 		if s.Model.SpreadTiesMS > 0 {
-			fmt.Fprintf(&b, "\n%d of %d requests arrive in the same millisecond as the one before them in the trace; each such run was spread over %g ms (--spread-ties).\n",
+			fmt.Fprintf(&b, "\n%d of %d requests arrive in the same millisecond as the one before them in the trace; each such run was spread over up to %g ms, ending before the next (--spread-ties).\n",
 				s.TiedArrivals, s.Requests, s.Model.SpreadTiesMS)
 		} else {
-			fmt.Fprintf(&b, "\n%d of %d requests arrive in the same millisecond as the one before them: the trace's timestamps look rounded. "+
+			fmt.Fprintf(&b, "\n%d of %d requests arrive in the same millisecond as the one before them. "+
 				"They are replayed as arriving at once, so routers that share state with a delay cannot see each other's choices among them; "+
-				"--spread-ties spreads each run over the timestamps' resolution.\n", s.TiedArrivals, s.Requests)
+				"if the trace's timestamps were bucketed, --spread-ties spreads each run over the bucket.\n", s.TiedArrivals, s.Requests)
 		}
 	}
 	if s.Model.Reuse != "" {

@@ -41,8 +41,9 @@ type Model struct {
 	// Speedup divides every arrival time. Default 1.
 	Speedup float64
 	// SpreadTies spreads each run of requests that arrive in the same
-	// millisecond evenly over this span (SpreadTies), as the arrivals of a
-	// trace whose timestamps were rounded down to it. 0 keeps them together.
+	// millisecond evenly over this span, or up to the next run (SpreadTies),
+	// as the arrivals of a trace whose timestamps were bucketed to it. 0
+	// keeps them together; at most MaxSpreadTies.
 	SpreadTies time.Duration
 	// RecordReplies caches a reply's blocks on its replica when the request
 	// finishes, where the trace shows the reply (openai traces).
@@ -110,8 +111,8 @@ func (m *Model) defaults() error {
 		return errors.New("model times must not be negative")
 	case m.Speedup <= 0 || math.IsInf(m.Speedup, 0) || math.IsNaN(m.Speedup):
 		return errors.New("speedup must be a positive number")
-	case m.SpreadTies < 0:
-		return errors.New("spread ties must not be negative")
+	case m.SpreadTies < 0 || m.SpreadTies > MaxSpreadTies:
+		return fmt.Errorf("spread ties %v: want 0 to %v", m.SpreadTies, MaxSpreadTies)
 	}
 	if _, err := eviction.Lookup(m.Eviction); err != nil {
 		return err

@@ -240,9 +240,9 @@ func linkReplies(reqs []Request, starts [][]int, roles [][]byte) {
 }
 
 // Ties counts the requests of reqs (sorted by arrival) that arrive in the
-// same millisecond as the one before them. A trace recorded at a coarser
-// resolution has many: the Mooncake conversation trace's timestamps are
-// whole seconds, about ten requests to each.
+// same millisecond as the one before them. A trace whose timestamps were
+// bucketed has many: the Mooncake conversation trace's come in steps of
+// about 3 s, some ten requests to each.
 func Ties(reqs []Request) int {
 	n := 0
 	for i := 1; i < len(reqs); i++ {
@@ -253,30 +253,35 @@ func Ties(reqs []Request) int {
 	return n
 }
 
+// MaxSpreadTies is the longest span SpreadTies accepts.
+const MaxSpreadTies = time.Hour
+
 // SpreadTies returns a copy of reqs (sorted by arrival) in which each run
-// of requests arriving in the same millisecond arrives spread evenly over
-// span from that millisecond, in the same order, ending before the next
-// run's millisecond: the arrivals of a trace whose timestamps were rounded
-// down to span. Requests alone in their millisecond keep their arrival.
-// reqs is not changed; span ≤ 0 returns it as it is.
+// of requests arriving in the same millisecond arrives spread evenly, in
+// the same order, from the run's first arrival over span, or up to the next
+// run's first arrival if that comes sooner: the arrivals of a trace whose
+// timestamps were bucketed to span. Requests alone in their millisecond
+// keep their arrival. reqs is not changed; span ≤ 0 returns it as it is.
+// span is capped at MaxSpreadTies.
 func SpreadTies(reqs []Request, span time.Duration) []Request {
 	if span <= 0 {
 		return reqs
 	}
+	span = min(span, MaxSpreadTies)
 	out := slices.Clone(reqs)
 	for i := 0; i < len(out); {
-		ms := out[i].Arrival / 1e6
+		start := out[i].Arrival
 		j := i + 1
-		for j < len(out) && out[j].Arrival/1e6 == ms {
+		for j < len(out) && out[j].Arrival/1e6 == start/1e6 {
 			j++
 		}
 		width := int64(span)
 		if j < len(out) {
-			width = max(0, min(width, out[j].Arrival/1e6*1e6-ms*1e6)) // 0: reqs out of order there
+			width = max(0, min(width, out[j].Arrival-start)) // 0: reqs out of order there
 		}
 		if n := int64(j - i); n > 1 {
 			for k := i; k < j; k++ {
-				out[k].Arrival = ms*1e6 + int64(k-i)*width/n
+				out[k].Arrival = start + int64(k-i)*width/n // < n × MaxSpreadTies: no overflow
 			}
 		}
 		i = j

@@ -175,7 +175,7 @@ report.html to --out.`,
 	f.DurationVar(&m.InterToken, "inter-token", replay.DefaultInterToken, "decode time per output token")
 	f.StringVar(&m.Eviction, "eviction", eviction.Default, "replicas' eviction policy")
 	f.Float64Var(&m.Speedup, "speedup", 1, "divide arrival times by this")
-	f.DurationVar(&m.SpreadTies, "spread-ties", 0, "spread requests that share one millisecond evenly over this span, as a trace whose timestamps were rounded to it (the Mooncake conversation trace: 1s); 0 replays them at once")
+	f.DurationVar(&m.SpreadTies, "spread-ties", 0, "spread requests that share one millisecond evenly over this span or up to the next, as a trace whose timestamps were bucketed to it (the Mooncake conversation trace: about 3s); 0 replays them at once; at most 1h")
 	f.BoolVar(&m.RecordReplies, "record-replies", true, "cache a reply's blocks when its request finishes (openai traces)")
 	f.BoolVar(&m.SharedActive, "shared-active", false, "count blocks shared by running requests once in KV load (cascade attention)")
 	f.Uint64Var(&seed, "seed", 1, "seed of the randomised policies")
