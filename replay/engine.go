@@ -4,8 +4,9 @@ import (
 	"cmp"
 	"encoding/binary"
 	"fmt"
-	lru "github.com/hashicorp/golang-lru/v2/simplelru"
 	"strings"
+
+	lru "github.com/hashicorp/golang-lru/v2/simplelru"
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"

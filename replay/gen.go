@@ -270,7 +270,7 @@ func generateBlend(w io.Writer, o GenOptions) error {
 				for d := range picked {
 					order = append(order, d)
 				}
-				sort.Slice(order, func(i, j int) bool { return order[i] < order[j] })
+				slices.Sort(order)
 				rng.Shuffle(len(order), func(i, j int) { order[i], order[j] = order[j], order[i] })
 				for _, d := range order {
 					parts = append(parts, map[string]string{"type": "text", "text": docs[d]})

@@ -124,13 +124,6 @@ func (s *blendStore) clear() {
 	s.lru.Purge()
 }
 
-// held returns the segments and tokens stored.
-func (s *blendStore) held() (segments, tokens int) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.lru.Len(), s.tokens
-}
-
 // maxSpans bounds the segments of one prompt looked up.
 const maxSpans = 256
 

@@ -199,3 +199,10 @@ func TestBlendDocumentStartingWithWhitespace(t *testing.T) {
 		t.Fatalf("reused %d tokens of a 300-word document", u.Details.Cached)
 	}
 }
+
+// held returns the segments and tokens stored.
+func (s *blendStore) held() (segments, tokens int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.lru.Len(), s.tokens
+}

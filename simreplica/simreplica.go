@@ -662,11 +662,10 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	if s.blend != nil {
 		// An engine always computes at least the last prompt token.
 		reused = max(min(s.blend.reuse(sc.spans, cached), tokens-1-cached), 0)
-		s.extQueries.Add(int64(tokens - cached))
-		s.extHits.Add(int64(reused))
-	}
-	if s.donor != nil {
+	} else if s.donor != nil {
 		reused = s.donorReuse(donorKey, donorKeys, tokens, cached)
+	}
+	if s.blend != nil || s.donor != nil {
 		s.extQueries.Add(int64(tokens - cached))
 		s.extHits.Add(int64(reused))
 	}

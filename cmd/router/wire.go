@@ -94,15 +94,21 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	if err != nil {
 		return nil, fmt.Errorf("config: cache.eviction: %w", err)
 	}
-	var mt routing.Matcher
-	if mc, floor := cfg.Routing.Matcher, donorFloor(cfg); mc.Enabled || floor > 0 {
-		// The index keeps what the least demanding use of it takes: each
-		// donor engine's own threshold is applied when it is credited.
-		sim := floor
-		if mc.Enabled && (sim == 0 || mc.MinSimilarity < sim) {
-			sim = mc.MinSimilarity
+	specs := specsOf(cfg.Replicas)
+	// The donor index keeps what the least demanding use of it takes: each
+	// donor engine's own threshold is applied when it is credited.
+	var sims []float64
+	if mc := cfg.Routing.Matcher; mc.Enabled {
+		sims = append(sims, mc.MinSimilarity)
+	}
+	for _, sp := range specs {
+		if sp.Reuse.Donor() {
+			sims = append(sims, sp.Reuse.Similarity())
 		}
-		if mt, err = matcher.New(matcher.Options{MinSimilarity: sim, MaxDonors: mc.MaxDonors}); err != nil {
+	}
+	var mt routing.Matcher
+	if len(sims) > 0 {
+		if mt, err = matcher.New(matcher.Options{MinSimilarity: slices.Min(sims), MaxDonors: cfg.Routing.Matcher.MaxDonors}); err != nil {
 			return nil, fmt.Errorf("config: routing.semantic_matcher: %w", err)
 		}
 	}
@@ -118,7 +124,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 				"replica", name, "budget_tokens", tokens)
 		},
 		Split:    cfg.Blocks.Options(),
-		Blending: slices.ContainsFunc(cfg.Replicas, func(r configs.Replica) bool { return r.Spec().Reuse.Blend() }),
+		Blending: slices.ContainsFunc(specs, func(sp replica.Spec) bool { return sp.Reuse.Blend() }),
 		Engine: routing.EngineOptions{Weights: cfg.Routing.Weights(), Attempts: cfg.Routing.Attempts,
 			SharedActive: cfg.Routing.SharedActive, Matcher: mt, PreferDonor: cfg.Routing.Matcher.Enabled,
 			PreferSimilarity: cfg.Routing.Matcher.MinSimilarity,
@@ -190,7 +196,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		reg.MustRegister(fleetMetrics{fleet})
 	}
 	a := &app{cfg: cfg, log: log, cache: cache, pool: pool, engine: eng, core: core, server: srv, decisions: dl, reg: reg, stopTracing: stopTracing, fleet: fleet,
-		file: replica.NewStatic("config", specsOf(cfg.Replicas)), admin: replica.NewStatic("admin", nil)}
+		file: replica.NewStatic("config", specs), admin: replica.NewStatic("admin", nil)}
 	a.current.Store(cfg)
 	a.ctx, a.stopCtx = context.WithCancel(context.Background())
 	a.events = newFollowers(cache, eng, cmp.Or(cfg.Tokenizer.BlockTokens, 16), precise, log)
@@ -410,19 +416,6 @@ func (r *running) shutdown(grace time.Duration) error {
 
 // armsFor builds the A/B arms of cfg: its arms, or one arm, "default",
 // running routing.policy.
-// donorFloor returns the least similarity of a donor that one of the
-// configured replicas' engines reuses (replica.ReuseDonor), or 0 if none
-// reuses donors.
-func donorFloor(cfg *configs.Config) float64 {
-	floor := 0.0
-	for _, r := range cfg.Replicas {
-		if u := r.Spec().Reuse; u.Donor() && (floor == 0 || u.Similarity() < floor) {
-			floor = u.Similarity()
-		}
-	}
-	return floor
-}
-
 func armsFor(cfg *configs.Config) ([]router.Arm, error) {
 	pc := routing.PolicyConfig{
 		Seed: cfg.Routing.Seed, LoadWeight: cfg.Routing.LoadWeight, RecentWeight: cfg.Routing.RecentWeight,
