@@ -100,8 +100,15 @@ func (h *maxHeap) Pop() any {
 func isSpace(c byte) bool { return c == ' ' || c == '\n' || c == '\t' || c == '\r' }
 
 // Sketch implements routing.Matcher: it returns text's bottom-k sketch,
-// sorted ascending, a new slice.
-func (m *MinHash) Sketch(text [][]byte) []uint64 {
+// sorted ascending, a new slice. A non-empty model salts every shingle's
+// hash (and mixes it again, so that the K smallest are a fresh sample), so
+// that sketches of different models share no values and are never similar;
+// "" leaves the hashes as they are.
+func (m *MinHash) Sketch(model string, text [][]byte) []uint64 {
+	salt := uint64(0)
+	if model != "" {
+		salt = xxhash.Sum64String(model)
+	}
 	var words [][2]int // per part: word start and end offsets
 	h := make(maxHeap, 0, m.o.K+1)
 	seen := make(map[uint64]struct{}, m.o.K*2)
@@ -127,6 +134,9 @@ func (m *MinHash) Sketch(text [][]byte) []uint64 {
 		}
 		for w := 0; w+n <= len(words) && n > 0; w++ {
 			v := xxhash.Sum64(t[words[w][0]:words[w+n-1][1]])
+			if salt != 0 {
+				v = mix64(v ^ salt)
+			}
 			if _, dup := seen[v]; dup {
 				continue
 			}
@@ -144,6 +154,16 @@ func (m *MinHash) Sketch(text [][]byte) []uint64 {
 	out := []uint64(h)
 	sort.Slice(out, func(i, j int) bool { return out[i] < out[j] })
 	return out
+}
+
+// mix64 is SplitMix64's finaliser (Steele, Lea and Flood, 2014): a
+// bijection of uint64 whose outputs look independent of its inputs.
+func mix64(x uint64) uint64 {
+	x ^= x >> 30
+	x *= 0xbf58476d1ce4e5b9
+	x ^= x >> 27
+	x *= 0x94d049bb133111eb
+	return x ^ (x >> 31)
 }
 
 // Similarity estimates the Jaccard similarity of the sets two sorted

@@ -21,7 +21,7 @@ func doc(seed int, words int) string {
 // lowest replica id).
 func find(m *MinHash, text [][]byte) (replica int, ok bool) {
 	bestSim := -1.0
-	m.Donors(m.Sketch(text), func(r int, _ uint64, _ int, sim float64) {
+	m.Donors(m.Sketch("", text), func(r int, _ uint64, _ int, sim float64) {
 		if sim > bestSim {
 			replica, ok, bestSim = r, true, sim
 		}
@@ -43,7 +43,7 @@ func TestFindsSameDocumentUnderOtherInstruction(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i := 0; i < 50; i++ {
-		m.Register(uint64(i), i%4, 800, m.Sketch(parts("Summarise this.", doc(i, 800))))
+		m.Register(uint64(i), i%4, 800, m.Sketch("", parts("Summarise this.", doc(i, 800))))
 	}
 	// The same document under another instruction: found on its replica.
 	if r, ok := find(m, parts("Translate the following into French, keeping names.", doc(17, 800))); !ok || r != 17%4 {
@@ -64,16 +64,16 @@ func TestFindsSameDocumentUnderOtherInstruction(t *testing.T) {
 func TestDonorsBestPerReplica(t *testing.T) {
 	m, _ := New(Options{MinSimilarity: 0.3}) // the half document is about 0.5 similar
 	d := doc(5, 600)
-	m.Register(1, 0, 700, m.Sketch(parts("Summarise this.", d)))            // the same document: similar
-	m.Register(2, 0, 650, m.Sketch(parts("Summarise this.", d[:len(d)/2]))) // half of it: less similar
-	m.Register(3, 2, 610, m.Sketch(parts("Explain it.", d)))                // another replica
-	m.Register(4, 1, 600, m.Sketch(parts(doc(6, 600))))                     // unrelated
+	m.Register(1, 0, 700, m.Sketch("", parts("Summarise this.", d)))            // the same document: similar
+	m.Register(2, 0, 650, m.Sketch("", parts("Summarise this.", d[:len(d)/2]))) // half of it: less similar
+	m.Register(3, 2, 610, m.Sketch("", parts("Explain it.", d)))                // another replica
+	m.Register(4, 1, 600, m.Sketch("", parts(doc(6, 600))))                     // unrelated
 	type got struct {
 		replica, tokens int
 		sim             float64
 	}
 	var found []got
-	m.Donors(m.Sketch(parts("Translate this.", d)), func(r int, _ uint64, tokens int, sim float64) { found = append(found, got{r, tokens, sim}) })
+	m.Donors(m.Sketch("", parts("Translate this.", d)), func(r int, _ uint64, tokens int, sim float64) { found = append(found, got{r, tokens, sim}) })
 	if len(found) != 2 || found[0].replica != 0 || found[1].replica != 2 {
 		t.Fatalf("Donors found %+v; want replicas 0 and 2, in order", found)
 	}
@@ -85,7 +85,7 @@ func TestDonorsBestPerReplica(t *testing.T) {
 	}
 	m.Forget(0, 1)
 	found = found[:0]
-	m.Donors(m.Sketch(parts("Translate this.", d)), func(r int, _ uint64, tokens int, sim float64) { found = append(found, got{r, tokens, sim}) })
+	m.Donors(m.Sketch("", parts("Translate this.", d)), func(r int, _ uint64, tokens int, sim float64) { found = append(found, got{r, tokens, sim}) })
 	if len(found) != 2 || found[0].tokens != 650 || found[0].sim >= 0.8 {
 		t.Fatalf("after forgetting the best donor, found %+v; want the half document's (650 tokens) on replica 0", found)
 	}
@@ -93,7 +93,7 @@ func TestDonorsBestPerReplica(t *testing.T) {
 
 func TestForgetAndBound(t *testing.T) {
 	m, _ := New(Options{MaxDonors: 10})
-	m.Register(1, 2, 300, m.Sketch(parts(doc(1, 300))))
+	m.Register(1, 2, 300, m.Sketch("", parts(doc(1, 300))))
 	if _, ok := find(m, parts(doc(1, 300))); !ok {
 		t.Fatal("registered donor not found")
 	}
@@ -102,7 +102,7 @@ func TestForgetAndBound(t *testing.T) {
 		t.Fatal("forgotten donor found")
 	}
 	for i := 0; i < 100; i++ {
-		m.Register(uint64(i), 0, 300, m.Sketch(parts(doc(i, 300))))
+		m.Register(uint64(i), 0, 300, m.Sketch("", parts(doc(i, 300))))
 	}
 	if m.Len() != 10 {
 		t.Fatalf("holds %d donors, want the bound 10", m.Len())
@@ -126,14 +126,14 @@ func TestSimilarityEstimate(t *testing.T) {
 		fmt.Fprintf(&a, "x%d ", i)
 		fmt.Fprintf(&b, "x%d ", i+1000)
 	}
-	s := m.Similarity(m.Sketch(parts(a.String())), m.Sketch(parts(b.String())))
+	s := m.Similarity(m.Sketch("", parts(a.String())), m.Sketch("", parts(b.String())))
 	if s < 0.25 || s > 0.42 {
 		t.Fatalf("estimated %.3f, want about 0.333", s)
 	}
 	if _, err := New(Options{MinSimilarity: 2}); err == nil {
 		t.Fatal("min similarity 2 accepted")
 	}
-	if len(m.Sketch(nil)) != 0 || m.Similarity(nil, nil) != 0 {
+	if len(m.Sketch("", nil)) != 0 || m.Similarity(nil, nil) != 0 {
 		t.Fatal("empty text must give an empty sketch")
 	}
 }
@@ -142,8 +142,8 @@ func FuzzSketch(f *testing.F) {
 	f.Add([]byte("the quick brown fox jumps over the lazy dog"), []byte("  \n\t x"))
 	f.Fuzz(func(t *testing.T, a, b []byte) {
 		m, _ := New(Options{K: 16, Shingle: 2, MaxWords: 200})
-		s1 := m.Sketch([][]byte{a, b})
-		s2 := m.Sketch([][]byte{a, b})
+		s1 := m.Sketch("", [][]byte{a, b})
+		s2 := m.Sketch("", [][]byte{a, b})
 		if len(s1) > 16 || fmt.Sprint(s1) != fmt.Sprint(s2) {
 			t.Fatalf("sketch not deterministic or too long: %v %v", s1, s2)
 		}
@@ -159,7 +159,7 @@ func TestPopularDocumentBoundsLookups(t *testing.T) {
 	m, _ := New(Options{})
 	d := doc(3, 500)
 	for i := range 3000 {
-		m.Register(uint64(i), i%8, 500, m.Sketch(parts(fmt.Sprint("question ", i), d)))
+		m.Register(uint64(i), i%8, 500, m.Sketch("", parts(fmt.Sprint("question ", i), d)))
 	}
 	m.mu.Lock()
 	for v, list := range m.index {
@@ -169,7 +169,7 @@ func TestPopularDocumentBoundsLookups(t *testing.T) {
 	}
 	m.mu.Unlock()
 	n := 0
-	m.Donors(m.Sketch(parts("another question", d)), func(r int, key uint64, _ int, _ float64) {
+	m.Donors(m.Sketch("", parts("another question", d)), func(r int, key uint64, _ int, _ float64) {
 		n++
 		if key < 3000-PerValue {
 			t.Errorf("replica %d: donor %d found, not one of the latest", r, key)
@@ -187,10 +187,10 @@ func TestDonorsRecencyIsDeterministic(t *testing.T) {
 		m, _ := New(Options{MaxDonors: 4})
 		d := doc(7, 400)
 		for r := range 4 {
-			m.Register(uint64(r), r, 400, m.Sketch(parts(d)))
+			m.Register(uint64(r), r, 400, m.Sketch("", parts(d)))
 		}
-		m.Donors(m.Sketch(parts(d)), func(int, uint64, int, float64) {})
-		m.Register(99, 9, 400, m.Sketch(parts(doc(8, 400))))
+		m.Donors(m.Sketch("", parts(d)), func(int, uint64, int, float64) {})
+		m.Register(99, 9, 400, m.Sketch("", parts(doc(8, 400))))
 		if _, ok := m.donors.Peek(donorKey{0, 0}); ok {
 			t.Fatal("the donor of replica 0, refreshed first, outlived the others")
 		}
@@ -200,5 +200,44 @@ func TestDonorsRecencyIsDeterministic(t *testing.T) {
 func TestNaNSimilarityRefused(t *testing.T) {
 	if _, err := New(Options{MinSimilarity: math.NaN()}); err == nil {
 		t.Fatal("NaN min similarity accepted")
+	}
+}
+
+// TestModelsNeverShareDonors: one model's KV cache is no donor for
+// another's, so the same document under another model's name is not
+// found, while under the same model (salted or not) it is, at the
+// similarity the unsalted sketches give.
+func TestModelsNeverShareDonors(t *testing.T) {
+	m, err := New(Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := doc(3, 700)
+	m.Register(1, 0, 700, m.Sketch("llama-8b", parts("Summarise this.", d)))
+	m.Register(2, 1, 700, m.Sketch("", parts("Summarise this.", d)))
+	found := map[int]float64{}
+	collect := func(model string) {
+		clear(found)
+		m.Donors(m.Sketch(model, parts("Translate this.", d)), func(r int, _ uint64, _ int, sim float64) { found[r] = sim })
+	}
+	collect("qwen-7b")
+	if len(found) != 0 {
+		t.Fatalf("another model's request found donors %v", found)
+	}
+	collect("llama-8b")
+	if _, ok := found[0]; !ok || len(found) != 1 {
+		t.Fatalf("the same model's request found %v, want replica 0 alone", found)
+	}
+	salted := found[0]
+	collect("")
+	if _, ok := found[1]; !ok || len(found) != 1 {
+		t.Fatalf("a request naming no model found %v, want replica 1 alone", found)
+	}
+	if math.Abs(salted-found[1]) > 0.15 || salted < 0.7 {
+		t.Fatalf("similarity salted %.2f, unsalted %.2f: want both high and close", salted, found[1])
+	}
+	a, b := m.Sketch("x", parts(d)), m.Sketch("y", parts(d))
+	if s := m.Similarity(a, b); s != 0 {
+		t.Fatalf("one text under two models: similarity %.2f, want 0", s)
 	}
 }

@@ -202,7 +202,7 @@ func (e *engineCaches) serve(i, rep int, req *Request, now int64) (tokens, nbloc
 		e.segs.Record(rep, blocks, now)
 	}
 	if e.donors != nil && req.Text != nil {
-		sk := e.donors.Sketch(req.Text)
+		sk := e.donors.Sketch("", req.Text) // one model per replica: the engine's provider needs no salt
 		e.sketches[i] = sk
 		tokens = max(tokens, e.donorTokens(rep, sk, req.Tokens))
 	}

@@ -119,3 +119,55 @@ func TestDonorNeedsMatcher(t *testing.T) {
 		t.Fatal("a donor replica joined without a matcher")
 	}
 }
+
+// A donor served under one model is no donor for a request naming another
+// (their KV caches are not interchangeable), and still one for a request
+// naming the same model.
+func TestDonorKeepsModelsApart(t *testing.T) {
+	specs := []replica.Spec{
+		{Name: "r0", URL: "http://127.0.0.1:9000", BudgetTokens: 100000, Reuse: replica.Reuse{Mode: replica.ReuseDonor}},
+		{Name: "r1", URL: "http://127.0.0.1:9001", BudgetTokens: 100000, Reuse: replica.Reuse{Mode: replica.ReuseDonor}},
+	}
+	mt, err := matcher.New(matcher.Options{MinSimilarity: 0.5})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e, err := New(Options{Replicas: specs, Engine: EngineOptions{Matcher: mt}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pol, _ := NewPolicy("semantic", PolicyConfig{})
+	var doc strings.Builder
+	for i := range 400 {
+		fmt.Fprintf(&doc, "fact%d ", i)
+	}
+	decide := func(model, only, system, question string) *Decision {
+		t.Helper()
+		in := e.Prepare(parseChat(t, "system", system, "user", doc.String()+question), "", false)
+		in.Policy, in.Model = pol, model
+		if only != "" {
+			in.Allow = func(r *replica.Replica) bool { return r.Name == only }
+		}
+		d, err := e.Decide(in, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		e.Done(d, d.Chosen())
+		return d
+	}
+	decide("model-a", "r1", "You are terse.", " Why?")
+	credit := func(d *Decision) float64 {
+		for _, c := range d.Candidates {
+			if c.Replica.Name == "r1" {
+				return c.Reuse
+			}
+		}
+		return -1
+	}
+	if got := credit(decide("model-b", "", "You are a patient librarian.", " How so?")); got != 0 {
+		t.Fatalf("a model-b request credited r1 with %v tokens of a model-a donor", got)
+	}
+	if got := credit(decide("model-a", "", "You are a second persona.", " When?")); got <= 0 {
+		t.Fatalf("a model-a request credited r1 with %v tokens of its model-a donor", got)
+	}
+}

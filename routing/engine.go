@@ -383,7 +383,7 @@ func (e *Engine) Decide(ri Request, record bool) (*Decision, error) {
 	}
 	var sketch []uint64 // the text's, made once for the matcher's every use
 	if e.o.Matcher != nil && ri.Text != nil {
-		sketch = e.o.Matcher.Sketch(ri.Text)
+		sketch = e.o.Matcher.Sketch(ri.Model, ri.Text)
 	}
 	in, err := e.rank(d, pol, ri.Allow, ri.Model, sketch)
 	if err != nil {

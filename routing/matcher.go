@@ -13,8 +13,10 @@ package routing
 // time.
 type Matcher interface {
 	// Sketch summarises a request's text for Donors and Register: made
-	// once per request, a new slice.
-	Sketch(text [][]byte) []uint64
+	// once per request, a new slice. Sketches of different models (the
+	// request's model name; "" for none) must never be found similar: one
+	// model's KV cache is no donor for another's.
+	Sketch(model string, text [][]byte) []uint64
 	// Donors calls each, replica by replica, with the replica's most
 	// similar registered donor to the text sketch summarises that is
 	// similar enough: its key, the prompt tokens it was registered with

@@ -80,7 +80,7 @@ func newDonorStore(d Donor) (*donorStore, error) {
 // nil keys. The keys are the store's: read them, do not keep them past the
 // request.
 func (s *donorStore) find(prompt []byte, model int) (sketch []uint64, key uint64, keys []uint64) {
-	sketch = s.mh.Sketch([][]byte{prompt})
+	sketch = s.mh.Sketch("", [][]byte{prompt})
 	found := false
 	s.mh.Donors(sketch, func(ns int, k uint64, _ int, _ float64) {
 		if ns == model {
