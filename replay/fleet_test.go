@@ -164,6 +164,13 @@ func TestFleetTiedArrivals(t *testing.T) {
 	if !strings.Contains(b.String(), "cannot see each other's choices") || sum.TiedArrivals == 0 {
 		t.Errorf("the report does not say that the arrivals are tied:\n%s", b.String())
 	}
+	var h strings.Builder
+	if err := sum.HTML(&h); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(h.String(), "cannot see each other&#39;s choices") {
+		t.Errorf("report.html does not say that the arrivals are tied")
+	}
 }
 
 func TestFleetRunChecks(t *testing.T) {

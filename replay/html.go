@@ -185,6 +185,9 @@ td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child,th:f
 			"Prediction error: (Σ predicted − Σ actual) ÷ Σ actual, predicted being the picture's match on the chosen replica when routed, " +
 			"actual what the engine found when it scheduled the prefill; mean abs error: mean |predicted − actual| ÷ mean actual.</p>")
 	}
+	for _, n := range s.notes() {
+		b.WriteString("<p>" + html.EscapeString(n) + "</p>")
+	}
 	b.WriteString("<h2>Token hit rate</h2>")
 	b.WriteString(hitRateChart(s))
 	b.WriteString("<h2>Time to first token</h2>")

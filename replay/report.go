@@ -155,18 +155,8 @@ func (s *Summary) Markdown(w io.Writer) error {
 			"Prediction error is (Σ predicted − Σ actual) ÷ Σ actual, predicted being the picture's match on the replica chosen when the request was routed, " +
 			"actual what the engine found cached when it scheduled the prefill; mean abs error is the mean |predicted − actual| ÷ the mean actual.\n")
 	}
-	if s.TiedArrivals*10 >= s.Requests && s.Requests > 0 {
-		if s.Model.SpreadTiesMS > 0 {
-			fmt.Fprintf(&b, "\n%d of %d requests arrive in the same millisecond as the one before them in the trace; each such run was spread over up to %g ms, ending before the next (--spread-ties).\n",
-				s.TiedArrivals, s.Requests, s.Model.SpreadTiesMS)
-		} else {
-			fmt.Fprintf(&b, "\n%d of %d requests arrive in the same millisecond as the one before them. "+
-				"They are replayed as arriving at once, so routers that share state with a delay cannot see each other's choices among them; "+
-				"if the trace's timestamps were bucketed, --spread-ties spreads each run over the bucket.\n", s.TiedArrivals, s.Requests)
-		}
-	}
-	if s.Model.Reuse != "" {
-		fmt.Fprintf(&b, "\nThe engines reuse beyond the exact prefix (%s). The pooled and infinite references reuse the exact prefix alone: they are not these engines' ceiling.\n", s.Model.Reuse)
+	for _, n := range s.notes() {
+		b.WriteString("\n" + n + "\n")
 	}
 	if len(s.Arms) > 0 {
 		b.WriteString("\n## Arms observed in the decision log\n\n| arm | policy | requests | TTFT p50 ms | TTFT p99 ms | cached token rate |\n|---|---|---:|---:|---:|---:|\n")
@@ -184,3 +174,25 @@ func (s *Summary) Markdown(w io.Writer) error {
 
 // HTML writes the report page (filled in below).
 func (s *Summary) HTML(w io.Writer) error { return s.html(w) }
+
+// notes are the report's remarks on the trace and the engines, in plain
+// text, for summary.md and report.html alike: tied arrivals when a tenth or
+// more of the requests share a millisecond with the one before, and the
+// references' limit when engines reuse beyond the prefix.
+func (s *Summary) notes() []string {
+	var out []string
+	if s.TiedArrivals*10 >= s.Requests && s.Requests > 0 {
+		if s.Model.SpreadTiesMS > 0 {
+			out = append(out, fmt.Sprintf("%d of %d requests arrive in the same millisecond as the one before them in the trace; each such run was spread over up to %g ms, ending before the next (--spread-ties).",
+				s.TiedArrivals, s.Requests, s.Model.SpreadTiesMS))
+		} else {
+			out = append(out, fmt.Sprintf("%d of %d requests arrive in the same millisecond as the one before them. "+
+				"They are replayed as arriving at once, so routers that share state with a delay cannot see each other's choices among them; "+
+				"if the trace's timestamps were bucketed, --spread-ties spreads each run over the bucket.", s.TiedArrivals, s.Requests))
+		}
+	}
+	if s.Model.Reuse != "" {
+		out = append(out, fmt.Sprintf("The engines reuse beyond the exact prefix (%s). The pooled and infinite references reuse the exact prefix alone: they are not these engines' ceiling.", s.Model.Reuse))
+	}
+	return out
+}
