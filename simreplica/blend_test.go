@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -132,9 +133,10 @@ func TestBlendStoreBudget(t *testing.T) {
 	}
 }
 
-// TestBlendComputesWhatItDoesNotReuse: vllm:prompt_tokens_total, the
-// tokens prefilled (and so the time to first token), counts only what a
-// reused document left to compute.
+// TestBlendComputesWhatItDoesNotReuse: what the engine computed (and so
+// the time to first token) is only what a reused document left: the
+// prompt tokens (vllm:prompt_tokens_total, every prompt token as vLLM
+// counts them) less the prefix cache's and the external cache's hits.
 func TestBlendComputesWhatItDoesNotReuse(t *testing.T) {
 	o := blendFast
 	o.Blend = &Blend{}
@@ -145,9 +147,20 @@ func TestBlendComputesWhatItDoesNotReuse(t *testing.T) {
 	if u2.Details.Cached < u2.Prompt/2 {
 		t.Fatalf("reused %d of %d", u2.Details.Cached, u2.Prompt)
 	}
-	want := u1.Prompt + u2.Prompt - u2.Details.Cached
-	if got := metricValues(t, r)["vllm:prompt_tokens_total"]; got != fmt.Sprint(want) {
-		t.Fatalf("prompt tokens computed %s, want %d", got, want)
+	m := metricValues(t, r)
+	num := func(name string) int64 {
+		v, err := strconv.ParseInt(m[name], 10, 64)
+		if err != nil {
+			t.Fatalf("%s: %q", name, m[name])
+		}
+		return v
+	}
+	if got := num("vllm:prompt_tokens_total"); got != int64(u1.Prompt+u2.Prompt) {
+		t.Fatalf("vllm:prompt_tokens_total %d, want every prompt token, %d", got, u1.Prompt+u2.Prompt)
+	}
+	computed := num("vllm:prompt_tokens_total") - num("vllm:prefix_cache_hits_total") - num("vllm:external_prefix_cache_hits_total")
+	if want := int64(u1.Prompt + u2.Prompt - u2.Details.Cached); computed != want {
+		t.Fatalf("prompt tokens computed %d, want %d", computed, want)
 	}
 }
 

@@ -677,7 +677,6 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	s.reusedTokens.Add(int64(reused))
 	s.queries.Add(int64(tokens))
 	s.hits.Add(int64(cached))
-	s.promptTotal.Add(int64(tokens - cached - reused))
 	var unpin func()
 	computed := func() bool {
 		defer s.prefill.release() // whatever happens, the next prefill's turn comes
@@ -700,6 +699,11 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 		s.cancelled.Add(1)
 		return
 	}
+	// vLLM counts the whole prompt, cached or not, once its first token
+	// is out (vllm/v1/metrics/stats.py, IterationStats.update_from_output:
+	// num_prompt_tokens += prompt_len); what was computed is the prompt less
+	// the prefix and external cache hits.
+	s.promptTotal.Add(int64(tokens))
 
 	g := &generation{
 		s: s, model: m.name, ep: ep, req: req, tokens: tokens, cached: cached + reused, out: outTokens,
