@@ -31,7 +31,8 @@ func withIncludeUsage(b []byte) *body {
 }
 
 // maxHeldEvent bounds the bytes usageStripper holds while it waits for the
-// end of an event; past it, it passes the rest of the stream through.
+// end of an event; past it, it passes that event through as it comes (no
+// usage chunk is that large) and looks at the events after it again.
 const maxHeldEvent = 64 << 10
 
 // usageStripper passes an event stream through but for its usage chunk
@@ -42,7 +43,10 @@ type usageStripper struct {
 	rc  io.ReadCloser
 	in  []byte // bytes read and not yet handed on: the current event
 	out []byte // whole events ready to hand on
-	off bool   // an event grew past maxHeldEvent: pass everything through
+	// passing: the current event grew past maxHeldEvent and is passed
+	// through up to its end; in keeps only its last bytes, where the end
+	// may straddle the next read.
+	passing bool
 	// scanned is how much of in was searched for an event's end already.
 	scanned int
 	err     error // the upstream's error, returned once out is drained
@@ -73,7 +77,7 @@ func (s *usageStripper) Read(p []byte) (int, error) {
 	for len(s.out) == 0 {
 		if s.err != nil {
 			if len(s.in) > 0 { // a last event without its blank line
-				if !s.off && s.usageChunk(s.in) {
+				if !s.passing && s.usageChunk(s.in) {
 					s.in = nil
 					continue
 				}
@@ -81,10 +85,6 @@ func (s *usageStripper) Read(p []byte) (int, error) {
 				break
 			}
 			return 0, s.err
-		}
-		if s.off {
-			s.err = s.readInto(&s.out)
-			continue
 		}
 		s.err = s.readInto(&s.in)
 		s.split()
@@ -102,9 +102,6 @@ func (s *usageStripper) Read(p []byte) (int, error) {
 // returns what the client gets of what was pushed so far (whole events
 // only, but at the end).
 func (s *usageStripper) push(p []byte, eof bool) []byte {
-	if s.off {
-		return p
-	}
 	s.in = append(s.in, p...)
 	s.split()
 	if eof && len(s.in) > 0 {
@@ -124,17 +121,19 @@ func (s *usageStripper) split() {
 	for {
 		end := eventEnd(s.in, s.scanned)
 		if end < 0 {
-			if len(s.in) > maxHeldEvent {
-				s.off = true
-				s.out = append(s.out, s.in...)
-				s.in = nil
+			if s.passing || len(s.in) > maxHeldEvent {
+				s.passing = true
+				keep := min(len(s.in), 3)
+				s.out = append(s.out, s.in[:len(s.in)-keep]...)
+				s.in = append(s.in[:0], s.in[len(s.in)-keep:]...)
 			}
 			s.scanned = max(len(s.in)-3, 0) // a blank line may straddle the next read
 			return
 		}
-		if ev := s.in[:end]; !s.usageChunk(ev) {
+		if ev := s.in[:end]; s.passing || !s.usageChunk(ev) {
 			s.out = append(s.out, ev...)
 		}
+		s.passing = false
 		s.in, s.scanned = s.in[end:], 0
 	}
 }

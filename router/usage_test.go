@@ -39,6 +39,11 @@ func TestUsageStripper(t *testing.T) {
 		{"a chunk with choices kept", withUsageField + done, withUsageField + done},
 		{"unterminated last event kept", content + "data: {\"x\":1}", content + "data: {\"x\":1}"},
 		{"a giant event passes through", content + "data: " + strings.Repeat("x", maxHeldEvent+10) + usage, content + "data: " + strings.Repeat("x", maxHeldEvent+10) + usage},
+		// A giant event (vLLM's first chunk with echo on a long prompt) goes
+		// out as it comes, and the usage chunk after it is still dropped.
+		{"after a giant event", chunk(strings.Repeat("x", 3*maxHeldEvent)) + content + usage + done, chunk(strings.Repeat("x", 3*maxHeldEvent)) + content + done},
+		{"after a giant crlf event", strings.ReplaceAll(chunk(strings.Repeat("y", maxHeldEvent+1))+usage+done, "\n", "\r\n"), strings.ReplaceAll(chunk(strings.Repeat("y", maxHeldEvent+1))+done, "\n", "\r\n")},
+		{"two giant events", chunk(strings.Repeat("x", maxHeldEvent+5)) + chunk(strings.Repeat("z", maxHeldEvent+5)) + usage + done, chunk(strings.Repeat("x", maxHeldEvent+5)) + chunk(strings.Repeat("z", maxHeldEvent+5)) + done},
 	}
 	for _, tc := range cases {
 		for _, step := range []int{1, 7, 1 << 20} {
