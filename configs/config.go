@@ -138,6 +138,10 @@ type HealthConfig struct {
 	EjectBase      time.Duration `mapstructure:"eject_base" json:"eject_base"`
 	EjectMax       time.Duration `mapstructure:"eject_max" json:"eject_max"`
 	EjectForgive   time.Duration `mapstructure:"eject_forgive" json:"eject_forgive"`
+	// EjectConsecutive is how many soft failures in a row (500 or 504
+	// answers, timeouts, a replica silent mid-answer) eject a replica;
+	// refused or reset connections and 502 or 503 answers eject at once.
+	EjectConsecutive int `mapstructure:"eject_consecutive" json:"eject_consecutive"`
 }
 
 // TimeoutConfig bounds each upstream request and shutdown.
@@ -411,6 +415,7 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("health.eject_base", replica.DefaultEjectBase)
 	v.SetDefault("health.eject_max", replica.DefaultEjectMax)
 	v.SetDefault("health.eject_forgive", replica.DefaultEjectForgive)
+	v.SetDefault("health.eject_consecutive", replica.DefaultEjectStrikes)
 	v.SetDefault("timeouts.connect", limits.DefaultConnect)
 	v.SetDefault("timeouts.first_byte", limits.DefaultFirstByte)
 	v.SetDefault("timeouts.idle", limits.DefaultIdle)

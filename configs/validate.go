@@ -258,8 +258,8 @@ func (l LimitsConfig) validate(p *problems) {
 
 func (h HealthConfig) validate(p *problems) {
 	if h.CheckInterval <= 0 || h.CheckTimeout <= 0 || h.Fall < 1 || h.Rise < 1 || h.ScrapeInterval < 0 ||
-		h.EjectBase <= 0 || h.EjectMax < h.EjectBase || h.EjectForgive <= 0 {
-		p.bad("health", "intervals and timeouts must be positive (scrape_interval 0 turns scraping off), fall and rise at least 1, eject_max ≥ eject_base")
+		h.EjectBase <= 0 || h.EjectMax < h.EjectBase || h.EjectForgive <= 0 || h.EjectConsecutive < 1 {
+		p.bad("health", "intervals and timeouts must be positive (scrape_interval 0 turns scraping off), fall, rise and eject_consecutive at least 1, eject_max ≥ eject_base")
 	}
 }
 

@@ -76,3 +76,36 @@ func TestPoolAddRemove(t *testing.T) {
 		t.Fatal("removed a stranger")
 	}
 }
+
+// A soft failure (a 500, a timeout) ejects only when it is the
+// Consecutive-th in a row: a success between starts the count again.
+func TestStrikesEjectOnlyInARow(t *testing.T) {
+	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a"}}, Options{}, ids())
+	r := p.Replicas()[0]
+	e := Ejection{Consecutive: 3}
+	now := time.Unix(1000, 0)
+	for round := 0; round < 3; round++ {
+		if r.Strike(now, e) != 0 || r.Strike(now, e) != 0 {
+			t.Fatalf("round %d: two strikes ejected", round)
+		}
+		r.Succeeded()
+	}
+	if !r.Available(now) {
+		t.Fatal("strikes with successes between ejected the replica")
+	}
+	r.Strike(now, e)
+	r.Strike(now, e)
+	if d := r.Strike(now, e); d != DefaultEjectBase || r.Available(now) {
+		t.Fatalf("the third strike in a row: cool-down %v, available %v", d, r.Available(now))
+	}
+	if !r.Usable(now) {
+		t.Fatal("a replica ejected by strikes that passes its checks is not usable")
+	}
+	r.Fail(now, e) // a hard failure during the cool-down
+	if r.Usable(now) {
+		t.Fatal("a replica that refused a connection while out for strikes is usable")
+	}
+	if d := r.Strike(now.Add(DefaultEjectBase), Ejection{}); d != 0 {
+		t.Fatalf("the count started again after the ejection, yet one strike ejected for %v", d)
+	}
+}

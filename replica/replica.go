@@ -192,9 +192,11 @@ type Replica struct {
 	mu     sync.Mutex
 
 	hmu       sync.Mutex
-	fails     int // consecutive failed active checks
-	oks       int // consecutive good active checks
-	ejections int // consecutive passive ejections
+	fails     int          // consecutive failed active checks
+	oks       int          // consecutive good active checks
+	ejections int          // consecutive passive ejections
+	strikes   atomic.Int64 // soft failures since the last success (Strike)
+	softOut   atomic.Bool  // the last ejection came from soft failures (Strike)
 }
 
 // recentWork is the recent-work counter: tokens, as of at (unix nanoseconds).
@@ -270,6 +272,16 @@ func (r *Replica) Available(now time.Time) bool {
 	return now.UnixNano() >= r.downUntil.Load() && !r.activeDown.Load() && !r.draining.Load()
 }
 
+// Usable reports whether the replica may take a request when passive
+// ejection has taken out every replica it could use: it passes its active
+// health checks, is not draining, and is in rotation or out only for soft
+// failures (Strike), which may have been the requests' own. A replica out
+// for refused connections or 502/503 answers is not usable.
+func (r *Replica) Usable(now time.Time) bool {
+	return !r.activeDown.Load() && !r.draining.Load() &&
+		(now.UnixNano() >= r.downUntil.Load() || r.softOut.Load())
+}
+
 // Healthy reports whether the replica passes its active health checks and
 // is not ejected (whether or not it drains).
 func (r *Replica) Healthy(now time.Time) bool {
@@ -284,6 +296,10 @@ type Ejection struct {
 	// Forgive: an ejection this long after the previous one's cool-down
 	// ended starts again from Base. Default 30s.
 	Forgive time.Duration
+	// Consecutive is how many soft failures in a row (Strike: answers of
+	// 500 or 504, answers later than the timeouts) eject a replica.
+	// Default 5, as Envoy's outlier detection's consecutive_5xx.
+	Consecutive int
 }
 
 // Defaults of Ejection and of a pool's load half-life.
@@ -291,6 +307,7 @@ const (
 	DefaultEjectBase    = 2 * time.Second
 	DefaultEjectMax     = time.Minute
 	DefaultEjectForgive = 30 * time.Second
+	DefaultEjectStrikes = 5
 	DefaultHalfLife     = 10 * time.Second
 )
 
@@ -298,18 +315,47 @@ func (e *Ejection) defaults() {
 	e.Base = cmp.Or(max(e.Base, 0), DefaultEjectBase)
 	e.Max = cmp.Or(max(e.Max, 0), DefaultEjectMax)
 	e.Forgive = cmp.Or(max(e.Forgive, 0), DefaultEjectForgive)
+	e.Consecutive = cmp.Or(max(e.Consecutive, 0), DefaultEjectStrikes)
 }
 
-// Fail records a passive failure (a connection error or a 5xx answer) at
-// now: the replica is ejected for a cool-down that doubles with every
+// Strike records a soft failure at now: one that may be the request's own
+// rather than the replica's (vLLM answers 500 to some inputs; a long
+// prompt on a busy replica may outlast a timeout). Only e.Consecutive of
+// them with no success between eject the replica (Fail); it returns the
+// cool-down, or 0 if the replica was not ejected by it.
+func (r *Replica) Strike(now time.Time, e Ejection) time.Duration {
+	e.defaults()
+	if r.strikes.Add(1) < int64(e.Consecutive) {
+		return 0
+	}
+	r.strikes.Store(0)
+	return r.fail(now, e, true)
+}
+
+// Succeeded records an answer below 500: the strikes start again.
+func (r *Replica) Succeeded() {
+	if r.strikes.Load() != 0 {
+		r.strikes.Store(0)
+	}
+}
+
+// Fail records a hard passive failure at now (the connection refused or
+// reset, a 502 or 503 answer): the replica is ejected for a cool-down that doubles with every
 // ejection while it keeps failing, so a replica that flaps does not take
 // traffic on every flip. A failure during the cool-down changes nothing. It
 // returns the cool-down, or 0 if the replica was already ejected.
 func (r *Replica) Fail(now time.Time, e Ejection) time.Duration {
+	return r.fail(now, e, false)
+}
+
+func (r *Replica) fail(now time.Time, e Ejection, soft bool) time.Duration {
 	e.defaults()
 	r.hmu.Lock()
 	defer r.hmu.Unlock()
 	if now.UnixNano() < r.downUntil.Load() {
+		if !soft { // out for soft failures, now a hard one: no longer usable in a panic
+			r.softOut.Store(false)
+		}
 		return 0
 	}
 	prevEnd := time.Unix(0, r.downUntil.Load())
@@ -321,6 +367,7 @@ func (r *Replica) Fail(now time.Time, e Ejection) time.Duration {
 		cool = e.Max
 	}
 	r.ejections++
+	r.softOut.Store(soft)
 	r.downUntil.Store(now.Add(cool).UnixNano())
 	return cool
 }

@@ -9,22 +9,30 @@ import (
 // waits longer than d for the replica. The timer runs only while a Read is
 // in progress: a client slow to take the bytes does not count as silence.
 type idleBody struct {
-	rc io.ReadCloser
-	d  time.Duration
-	t  *time.Timer
+	rc    io.ReadCloser
+	d     time.Duration
+	first time.Duration // the wait for the first bytes; then d
+	got   bool          // some bytes came
+	t     *time.Timer
 }
 
-// newIdleBody returns rc cut off by onIdle after d of silence.
-func newIdleBody(rc io.ReadCloser, d time.Duration, onIdle func()) *idleBody {
-	b := &idleBody{rc: rc, d: d, t: time.AfterFunc(time.Hour, onIdle)}
+// newIdleBody returns rc cut off by onIdle after d of silence, or, until
+// its first bytes, after the longer of d and first.
+func newIdleBody(rc io.ReadCloser, d, first time.Duration, onIdle func()) *idleBody {
+	b := &idleBody{rc: rc, d: d, first: max(d, first), t: time.AfterFunc(time.Hour, onIdle)}
 	b.t.Stop()
 	return b
 }
 
 func (b *idleBody) Read(p []byte) (int, error) {
-	b.t.Reset(b.d)
+	if b.got {
+		b.t.Reset(b.d)
+	} else {
+		b.t.Reset(b.first)
+	}
 	n, err := b.rc.Read(p)
 	b.t.Stop()
+	b.got = b.got || n > 0
 	return n, err
 }
 

@@ -149,12 +149,14 @@ func (s *Server) modifyResponse(resp *http.Response) error {
 	c := f.current()
 	resp.Header.Set(HeaderReplica, c.Replica.Name)
 	// A replica silent for IdleTimeout while the proxy waits for its next
-	// bytes is cut off, and counted as failing: on every forwarded route.
+	// bytes is cut off, and counted as a soft failure: on every forwarded
+	// route. Its first body bytes get FirstByte: vLLM sends a stream's
+	// headers at once and its first chunk after queueing and prefill.
 	// The timer wraps the replica's body itself, so it measures the
 	// replica's silence, not the time the layers above take to gather a
 	// whole event.
-	var body io.ReadCloser = newIdleBody(resp.Body, s.o.Timeouts.Idle, func() {
-		s.core.e.Fail(c.Replica, time.Now(), s.o.Ejection)
+	var body io.ReadCloser = newIdleBody(resp.Body, s.o.Timeouts.Idle, s.o.Timeouts.FirstByte, func() {
+		s.core.e.Strike(c.Replica, time.Now(), s.o.Ejection)
 		s.core.o.Metrics.UpstreamError(c.Replica.Name, "idle")
 		s.o.Logger.Warn("replica went silent mid-response; cutting it off", "replica", c.Replica.Name, "path", resp.Request.URL.Path)
 		f.cancel()
@@ -199,16 +201,26 @@ func (t *failover) RoundTrip(req *http.Request) (*http.Response, error) {
 		cur := f.current()
 		switch {
 		case err == nil && resp.StatusCode < 500:
+			cur.Replica.Succeeded()
 			return resp, nil
 		case err == nil:
-			t.s.core.e.Fail(cur.Replica, now, t.s.o.Ejection)
 			t.s.core.o.Metrics.UpstreamError(cur.Replica.Name, "status_5xx")
 			if resp.StatusCode != http.StatusBadGateway && resp.StatusCode != http.StatusServiceUnavailable {
-				return resp, nil // other 5xx reach the client as they are
+				// A 500 or 504 may be this request's own (vLLM answers 500
+				// to some inputs): it reaches the client as it is, and
+				// only a run of them ejects the replica.
+				t.s.core.e.Strike(cur.Replica, now, t.s.o.Ejection)
+				return resp, nil
 			}
-		default:
 			t.s.core.e.Fail(cur.Replica, now, t.s.o.Ejection)
-			t.s.core.o.Metrics.UpstreamError(cur.Replica.Name, errorKind(err))
+		default:
+			kind := errorKind(err)
+			if kind == "timeout" { // no answer within first_byte: hung, or only slow
+				t.s.core.e.Strike(cur.Replica, now, t.s.o.Ejection)
+			} else {
+				t.s.core.e.Fail(cur.Replica, now, t.s.o.Ejection)
+			}
+			t.s.core.o.Metrics.UpstreamError(cur.Replica.Name, kind)
 		}
 		if !t.moveOn(f) {
 			return resp, err

@@ -170,9 +170,10 @@ func TestServerStreamsChunkByChunk(t *testing.T) {
 	}
 }
 
-// TestServerIdleTimeoutOnEveryRoute: a replica silent after its headers is
-// cut off after IdleTimeout, on a routed path and a pass-through one, and
-// the request stops counting on the replica.
+// TestServerIdleTimeoutOnEveryRoute: a replica silent after its first
+// bytes is cut off after IdleTimeout, on a routed path and a pass-through
+// one, the request stops counting on the replica, and the cut-off counts as
+// a soft failure (here one ejects).
 func TestServerIdleTimeoutOnEveryRoute(t *testing.T) {
 	release := make(chan struct{})
 	silent := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -187,7 +188,7 @@ func TestServerIdleTimeoutOnEveryRoute(t *testing.T) {
 	}))
 	defer func() { close(release); silent.Close() }()
 	for _, path := range []string{"/v1/chat/completions", "/v1/embeddings"} {
-		ts, e := serverFor(t, ServerOptions{Timeouts: limits.Timeouts{Idle: 200 * time.Millisecond}}, silent.URL)
+		ts, e := serverFor(t, ServerOptions{Timeouts: limits.Timeouts{Idle: 200 * time.Millisecond}, Ejection: replica.Ejection{Consecutive: 1}}, silent.URL)
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, ts.URL+path, strings.NewReader(chatBody))
 		req.Header.Set("Content-Type", "application/json")
@@ -367,5 +368,53 @@ func TestClientWriteDeadlineRenewedForTheEnd(t *testing.T) {
 	defer resp.Body.Close()
 	if b, err := io.ReadAll(resp.Body); err != nil {
 		t.Fatalf("the stream, whole to its [DONE], ended in an error: %q: %v", b, err)
+	}
+}
+
+// TestServerSoftFailuresDoNotEject: a 500 to one request (vLLM answers 500
+// to some inputs) reaches its client and leaves the replica in rotation,
+// and a stream whose first chunk comes later than IdleTimeout (vLLM sends
+// a stream's headers at once, its first chunk after queueing and prefill)
+// is not cut off while within FirstByte.
+func TestServerSoftFailuresDoNotEject(t *testing.T) {
+	rep := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		if strings.Contains(string(b), "poison") {
+			http.Error(w, `{"error":{"message":"bad input"}}`, http.StatusInternalServerError)
+			return
+		}
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.WriteHeader(200)
+		w.(http.Flusher).Flush()
+		time.Sleep(400 * time.Millisecond) // prefill
+		_, _ = io.WriteString(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\ndata: [DONE]\n\n")
+	}))
+	defer rep.Close()
+	ts, e := serverFor(t, ServerOptions{Timeouts: limits.Timeouts{Idle: 100 * time.Millisecond, FirstByte: 5 * time.Second}}, rep.URL)
+	post := func(content string) (int, string) {
+		body := `{"model":"m","stream":true,"messages":[{"role":"user","content":"` + content + `"}]}`
+		resp, err := http.Post(ts.URL+"/v1/chat/completions", "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		if err != nil {
+			t.Fatalf("%s: %v after %q", content, err, b)
+		}
+		return resp.StatusCode, string(b)
+	}
+	if code, _ := post("poison"); code != http.StatusInternalServerError {
+		t.Fatalf("poison: %d, want the replica's 500", code)
+	}
+	if !e.Pool().Replicas()[0].Available(time.Now()) {
+		t.Fatal("one 500 took the replica out of rotation")
+	}
+	code, b := post("hello")
+	if code != 200 || !strings.Contains(b, "[DONE]") {
+		t.Fatalf("a stream whose first chunk came after 400 ms (idle 100 ms): %d %q", code, b)
+	}
+	if !e.Pool().Replicas()[0].Available(time.Now()) {
+		t.Fatal("a slow first chunk took the replica out of rotation")
 	}
 }

@@ -484,37 +484,55 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 	// unknown, is it an adapter somewhere (its replicas are then ranked).
 	unknown, served, donors := false, false, false
 	adapter := model != "" && e.isAdapter(model)
-	for _, r := range reps {
-		var rank int8
-		if model != "" { // (no model: no lookup)
-			if m := r.Models(); m != nil {
-				if !m.Serves(model) {
-					continue
-				}
-				served = true
-				if adapter {
-					rank = m.AdapterRank(model)
-				}
-			} else {
-				unknown = true
-				if adapter {
-					rank = 2 // it may not serve the adapter at all: after those known to
+	// Passive ejection is a guess from failures that may have been the
+	// requests' own: when it has taken out every replica the request could
+	// use, they take it anyway (Envoy's panic mode), rather than the router
+	// refusing every request until a cool-down ends. Active health checks
+	// and draining still rule.
+	available, ejected := func(r *replica.Replica) bool { return r.Available(now) }, false
+	for pass := 0; pass < 2; pass++ {
+		if pass == 1 {
+			if n > 0 || !ejected {
+				break
+			}
+			available = func(r *replica.Replica) bool { return r.Usable(now) }
+		}
+		for _, r := range reps {
+			var rank int8
+			if model != "" { // (no model: no lookup)
+				if m := r.Models(); m != nil {
+					if !m.Serves(model) {
+						continue
+					}
+					served = true
+					if adapter {
+						rank = m.AdapterRank(model)
+					}
+				} else {
+					unknown = true
+					if adapter {
+						rank = 2 // it may not serve the adapter at all: after those known to
+					}
 				}
 			}
+			if allow != nil && !allow(r) {
+				continue
+			}
+			if !available(r) {
+				ejected = ejected || r.Usable(now)
+				continue
+			}
+			c := &d.Candidates[n] // filled in place: a candidate is ~120 bytes
+			n++
+			c.Replica, c.Load, c.adapter = r, r.Load(now), rank
+			if r.ID < len(matches) {
+				c.Match, c.CacheTokens = matches[r.ID], sizes[r.ID]
+			}
+			if r.ID < len(beyond) && r.Reuse.Blend() {
+				c.Reuse = beyond[r.ID] * r.Reuse.Share()
+			}
+			donors = donors || r.Reuse.Donor()
 		}
-		if !r.Available(now) || (allow != nil && !allow(r)) {
-			continue
-		}
-		c := &d.Candidates[n] // filled in place: a candidate is ~120 bytes
-		n++
-		c.Replica, c.Load, c.adapter = r, r.Load(now), rank
-		if r.ID < len(matches) {
-			c.Match, c.CacheTokens = matches[r.ID], sizes[r.ID]
-		}
-		if r.ID < len(beyond) && r.Reuse.Blend() {
-			c.Reuse = beyond[r.ID] * r.Reuse.Share()
-		}
-		donors = donors || r.Reuse.Donor()
 	}
 	d.Candidates = d.Candidates[:n]
 	if donors && sketch != nil {

@@ -360,3 +360,41 @@ func TestTokensInTheEnginesUnit(t *testing.T) {
 		t.Fatalf("%d models learned, cap %d", n, maxModels)
 	}
 }
+
+// When passive ejection has taken out every replica, requests go to the
+// ones ejected for soft failures that still pass their health checks
+// rather than failing; while any replica is in rotation, the ejected are
+// not candidates; a replica ejected for a hard failure, down by its active
+// checks or draining is never taken.
+func TestDecideAllEjectedPanics(t *testing.T) {
+	f := newFixture(t, 4, "semantic")
+	reps := f.pool.Replicas()
+	ej := replica.Ejection{Base: time.Minute, Consecutive: 1}
+	reps[3].Fail(f.now, ej) // refused a connection: really down
+	reps[0].Strike(f.now, ej)
+	reps[1].Strike(f.now, ej)
+	d, err := f.decide(parseChat(t, "user", "x"), "", false)
+	if err != nil || len(d.Candidates) != 1 || d.Chosen().Replica != reps[2] {
+		t.Fatalf("two of three ejected: %v, %d candidates", err, len(d.Candidates))
+	}
+	reps[2].Strike(f.now, ej)
+	d, err = f.decide(parseChat(t, "user", "x"), "", false)
+	if err != nil || len(d.Candidates) != 3 {
+		t.Fatalf("all ejected: %v; want the three ejected for strikes as candidates", err)
+	}
+	for _, c := range d.Candidates {
+		if c.Replica == reps[3] {
+			t.Fatal("the replica ejected for a refused connection is a candidate")
+		}
+	}
+	reps[0].Drain()
+	reps[1].Checked(false, 1, 1)
+	d, err = f.decide(parseChat(t, "user", "x"), "", false)
+	if err != nil || len(d.Candidates) != 1 || d.Chosen().Replica != reps[2] {
+		t.Fatalf("all ejected, one draining, one down: %v; want r2 alone", err)
+	}
+	reps[2].Drain()
+	if _, err := f.decide(parseChat(t, "user", "x"), "", false); !errors.Is(err, ErrNoReplica) {
+		t.Fatalf("none usable: err = %v", err)
+	}
+}

@@ -38,7 +38,17 @@ func (e *Engine) SetSync(s Sync) { e.sync = s }
 // when it ejects r, tells the Sync. It returns the cool-down, 0 if r was
 // ejected already.
 func (e *Engine) Fail(r *replica.Replica, now time.Time, ej replica.Ejection) time.Duration {
-	cool := r.Fail(now, ej)
+	return e.ejected(r, r.Fail(now, ej))
+}
+
+// Strike records a soft failure of r at now (replica.Replica.Strike) and,
+// when it ejects r, tells the Sync. It returns the cool-down, 0 if r was
+// not ejected by it.
+func (e *Engine) Strike(r *replica.Replica, now time.Time, ej replica.Ejection) time.Duration {
+	return e.ejected(r, r.Strike(now, ej))
+}
+
+func (e *Engine) ejected(r *replica.Replica, cool time.Duration) time.Duration {
 	if cool > 0 && e.sync != nil {
 		e.sync.Ejected(r, cool)
 	}

@@ -457,7 +457,8 @@ func TestAdminAPI(t *testing.T) {
 // TestSilentReplicaMidStreamIsCutOff: a replica that sends a stream's first
 // chunk and then nothing is cut off after timeouts.idle; the client's stream
 // ends (it cannot get [DONE]), the request stops counting on the replica,
-// and the replica is taken out of rotation.
+// and the replica is taken out of rotation (silence is a soft failure: here
+// one in a row ejects).
 func TestSilentReplicaMidStreamIsCutOff(t *testing.T) {
 	release := make(chan struct{})
 	silent := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -477,7 +478,7 @@ func TestSilentReplicaMidStreamIsCutOff(t *testing.T) {
 	t.Cleanup(func() { close(release); silent.Close() })
 	cfg := filepath.Join(t.TempDir(), "router.yaml")
 	writeConfig(t, cfg, fmt.Sprintf(`timeouts: {idle: 300ms}
-health: {check_interval: 1h}
+health: {check_interval: 1h, eject_consecutive: 1}
 replicas:
   - {name: silent, url: %q}
 `, silent.URL))

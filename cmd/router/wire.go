@@ -182,7 +182,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		Tracer: tracer,
 		Core:   core, Limits: limitsOf(cfg.Limits),
 		RecordReplies: cfg.Routing.RecordReplies, Logger: log,
-		Ejection: replica.Ejection{Base: cfg.Health.EjectBase, Max: cfg.Health.EjectMax, Forgive: cfg.Health.EjectForgive},
+		Ejection: replica.Ejection{Base: cfg.Health.EjectBase, Max: cfg.Health.EjectMax, Forgive: cfg.Health.EjectForgive, Consecutive: cfg.Health.EjectConsecutive},
 		Timeouts: limits.Timeouts{Connect: cfg.Timeouts.Connect, FirstByte: cfg.Timeouts.FirstByte, Idle: cfg.Timeouts.Idle,
 			ClientWrite: cfg.Timeouts.ClientWrite},
 		Metrics: promhttp.HandlerFor(reg, promhttp.HandlerOpts{}),
