@@ -67,10 +67,19 @@ func TestBlendCreditsSegmentsBeyondThePrefix(t *testing.T) {
 // decider returns a func that routes a chat of msgs (role, content, ...)
 // with pol on e, on the replica named only if set, and ends it.
 func decider(t *testing.T, e *Engine, pol Policy) func(only string, msgs ...string) *Decision {
+	decide := modelDecider(t, e, pol)
 	return func(only string, msgs ...string) *Decision {
 		t.Helper()
+		return decide("", only, msgs...)
+	}
+}
+
+// modelDecider is decider for requests naming a model ("" for none).
+func modelDecider(t *testing.T, e *Engine, pol Policy) func(model, only string, msgs ...string) *Decision {
+	return func(model, only string, msgs ...string) *Decision {
+		t.Helper()
 		in := e.Prepare(parseChat(t, msgs...), "", false)
-		in.Policy = pol
+		in.Policy, in.Model = pol, model
 		if only != "" {
 			in.Allow = func(r *replica.Replica) bool { return r.Name == only }
 		}

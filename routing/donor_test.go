@@ -141,19 +141,10 @@ func TestDonorKeepsModelsApart(t *testing.T) {
 	for i := range 400 {
 		fmt.Fprintf(&doc, "fact%d ", i)
 	}
+	md := modelDecider(t, e, pol)
 	decide := func(model, only, system, question string) *Decision {
 		t.Helper()
-		in := e.Prepare(parseChat(t, "system", system, "user", doc.String()+question), "", false)
-		in.Policy, in.Model = pol, model
-		if only != "" {
-			in.Allow = func(r *replica.Replica) bool { return r.Name == only }
-		}
-		d, err := e.Decide(in, true)
-		if err != nil {
-			t.Fatal(err)
-		}
-		e.Done(d, d.Chosen())
-		return d
+		return md(model, only, "system", system, "user", doc.String()+question)
 	}
 	decide("model-a", "r1", "You are terse.", " Why?")
 	credit := func(d *Decision) float64 {
