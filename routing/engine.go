@@ -484,19 +484,15 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 	// unknown, is it an adapter somewhere (its replicas are then ranked).
 	unknown, served, donors := false, false, false
 	adapter := model != "" && e.isAdapter(model)
-	// Passive ejection is a guess from failures that may have been the
-	// requests' own: when it has taken out every replica the request could
-	// use, they take it anyway (Envoy's panic mode), rather than the router
-	// refusing every request until a cool-down ends. Active health checks
-	// and draining still rule.
-	available, ejected := func(r *replica.Replica) bool { return r.Available(now) }, false
-	for pass := 0; pass < 2; pass++ {
-		if pass == 1 {
-			if n > 0 || !ejected {
-				break
-			}
-			available = func(r *replica.Replica) bool { return r.Usable(now) }
-		}
+	// gather fills the candidates from the replicas the request may use
+	// and reports whether some were left out only for soft failures
+	// (replica.Replica.Usable). Passive ejection is a guess from failures
+	// that may have been the requests' own: when it has taken out every
+	// replica the request could use, gather runs again panicking, and those
+	// take it (as Envoy's panic mode) rather than the router refusing every
+	// request until a cool-down ends. Active health checks and draining
+	// still rule.
+	gather := func(panicking bool) (ejected bool) {
 		for _, r := range reps {
 			var rank int8
 			if model != "" { // (no model: no lookup)
@@ -518,9 +514,12 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 			if allow != nil && !allow(r) {
 				continue
 			}
-			if !available(r) {
-				ejected = ejected || r.Usable(now)
-				continue
+			if !r.Available(now) {
+				usable := r.Usable(now)
+				ejected = ejected || usable
+				if !panicking || !usable {
+					continue
+				}
 			}
 			c := &d.Candidates[n] // filled in place: a candidate is ~120 bytes
 			n++
@@ -533,6 +532,10 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 			}
 			donors = donors || r.Reuse.Donor()
 		}
+		return ejected
+	}
+	if ejected := gather(false); n == 0 && ejected {
+		gather(true)
 	}
 	d.Candidates = d.Candidates[:n]
 	if donors && sketch != nil {
