@@ -1103,3 +1103,65 @@ func appendField(dst []byte, e *Event, f field) []byte {
 	}
 	return dst
 }
+
+// BlockExtraKeys appends to dst, for each of the event's blocks, the raw
+// msgpack of its extra_keys entry with every string equal to the event's
+// LoraName left out (vLLM puts the adapter's name first among a block's
+// extra keys, vllm/v1/core/kv_cache_utils.py generate_block_hash_extra_keys,
+// and the adapter already seeds the chain): nil for a block whose entry is
+// None or held nothing else. The entries that remain are what vLLM hashed
+// besides the tokens: multimodal hashes, cache_salt, prompt embeddings.
+// With no extra_keys, or a list that does not have one entry per block, it
+// appends nils and reports whether the list was usable.
+func (e *Event) BlockExtraKeys(dst [][]byte) ([][]byte, bool) {
+	n := len(e.BlockHashes)
+	start := len(dst)
+	for range n {
+		dst = append(dst, nil)
+	}
+	if e.ExtraKeys == nil {
+		return dst, true
+	}
+	p := e.ExtraKeys
+	if len(p) > 0 && p[0] == 0xc0 {
+		return dst, true
+	}
+	m, p, err := arrayLen(p, MaxHashesPerEvent, "extra_keys")
+	if err != nil || m != n {
+		return dst, false
+	}
+	for j := range n {
+		entry := p
+		if p, err = skipValue(p); err != nil {
+			return dst, false
+		}
+		entry = entry[:len(entry)-len(p)]
+		if entry[0] == 0xc0 {
+			continue
+		}
+		if keep := withoutLoRA(entry, e.LoraName); keep {
+			dst[start+j] = entry
+		}
+	}
+	return dst, true
+}
+
+// withoutLoRA reports whether an extra-keys entry holds anything but the
+// adapter's name.
+func withoutLoRA(entry []byte, lora string) bool {
+	k, p, err := arrayLen(entry, MaxUnknownFields, "extra_keys entry")
+	if err != nil {
+		return true // not a tuple: keep it whole
+	}
+	for range k {
+		if s, rest, err := readStr(p, "extra key"); err == nil {
+			if string(s) != lora || lora == "" {
+				return true
+			}
+			p = rest
+			continue
+		}
+		return true
+	}
+	return false
+}

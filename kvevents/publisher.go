@@ -8,6 +8,7 @@ import (
 	"log"
 	"net"
 	"sync"
+	"time"
 
 	"github.com/go-zeromq/zmq4"
 )
@@ -17,6 +18,10 @@ type PublisherOptions struct {
 	// Endpoint is where the PUB socket binds, e.g. "tcp://127.0.0.1:5557"
 	// ("tcp://127.0.0.1:0" picks a free port; see Publisher.Endpoint).
 	Endpoint string
+	// Connect, if set instead of Endpoint, is a bound SUB (a router's
+	// Listener) the PUB socket dials, as vLLM's does when its endpoint has
+	// no wildcard; it dials again while the address does not answer.
+	Connect string
 	// ReplayEndpoint is where the replay ROUTER binds; "" for none.
 	ReplayEndpoint string
 	// Topic is the first frame of every message. Default "" (vLLM's).
@@ -26,6 +31,9 @@ type PublisherOptions struct {
 	BufferSteps int
 	// Shape is the payload layout Publish encodes. Default ShapeArray.
 	Shape Shape
+	// ReplayTopic puts the topic frame in replay replies, as vLLM does
+	// since PR #45177: [identity, "", topic, seq, payload].
+	ReplayTopic bool
 }
 
 type buffered struct {
@@ -58,20 +66,27 @@ type Publisher struct {
 
 // NewPublisher binds the sockets and starts serving replay requests.
 func NewPublisher(opts PublisherOptions) (*Publisher, error) {
-	if opts.Endpoint == "" {
-		return nil, errors.New("kvevents: publisher without an endpoint")
+	if (opts.Endpoint == "") == (opts.Connect == "") {
+		return nil, errors.New("kvevents: publisher needs an endpoint to bind or one to connect to")
 	}
 	if opts.BufferSteps <= 0 {
 		opts.BufferSteps = 10000
 	}
 	quiet := zmq4.WithLogger(log.New(io.Discard, "", 0))
 	p := &Publisher{opts: opts, done: make(chan struct{})}
-	p.pub = zmq4.NewPub(context.Background(), quiet)
-	if err := p.pub.Listen(opts.Endpoint); err != nil {
-		p.pub.Close()
-		return nil, fmt.Errorf("kvevents: publisher: %w", err)
+	if opts.Connect != "" {
+		p.pub = zmq4.NewPub(context.Background(), quiet, zmq4.WithDialerMaxRetries(-1),
+			zmq4.WithAutomaticReconnect(true), zmq4.WithDialerRetry(50*time.Millisecond))
+		p.endpoint = opts.Connect
+		go func() { _ = p.pub.Dial(opts.Connect) }() // retries until it answers or Close
+	} else {
+		p.pub = zmq4.NewPub(context.Background(), quiet)
+		if err := p.pub.Listen(opts.Endpoint); err != nil {
+			p.pub.Close()
+			return nil, fmt.Errorf("kvevents: publisher: %w", err)
+		}
+		p.endpoint = "tcp://" + p.pub.Addr().String()
 	}
-	p.endpoint = "tcp://" + p.pub.Addr().String()
 	if opts.ReplayEndpoint == "" {
 		close(p.done)
 		return p, nil
@@ -186,16 +201,19 @@ func (p *Publisher) serveReplay() {
 		}
 		p.mu.Unlock()
 		id := f[0]
-		send := func(frames ...[]byte) error {
+		send := func(topic string, frames ...[]byte) error {
 			all := append([][]byte{id}, delim...)
+			if p.opts.ReplayTopic {
+				all = append(all, []byte(topic))
+			}
 			return p.replay.SendMulti(zmq4.NewMsgFrom(append(all, frames...)...))
 		}
 		for _, b := range out {
-			if send(seqBytes(b.seq), b.payload) != nil {
+			if send(p.opts.Topic, seqBytes(b.seq), b.payload) != nil {
 				break
 			}
 		}
-		_ = send(endSeq, []byte{})
+		_ = send("", endSeq, []byte{})
 	}
 }
 

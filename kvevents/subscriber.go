@@ -8,6 +8,7 @@ import (
 	"io"
 	"log"
 	"log/slog"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -15,16 +16,25 @@ import (
 	"github.com/go-zeromq/zmq4"
 )
 
-// SubscriberOptions configure a Subscriber. Endpoint and OnBatch are
-// required.
+// SubscriberOptions configure a Subscriber. OnBatch is required, and one of
+// Endpoint and Listener.
 type SubscriberOptions struct {
-	// Endpoint is the engine's PUB address, e.g. "tcp://10.0.0.5:5557".
+	// Endpoint is the engine's PUB address, e.g. "tcp://10.0.0.5:5557",
+	// which the Subscriber dials: the engine binds (vLLM does when its
+	// endpoint has a wildcard, "tcp://*:5557").
 	Endpoint string
+	// Listener, instead of Endpoint, is a SUB socket the router binds and
+	// engines dial (vLLM does when its endpoint has no wildcard, as llm-d
+	// deploys it): the Subscriber gets the messages whose topic starts with
+	// Topic, and the Listener is the caller's to close after it.
+	Listener *Listener
 	// ReplayEndpoint is the engine's replay ROUTER address; "" when it has
 	// none (then every gap is a reset).
 	ReplayEndpoint string
 	// Topic is the subscription, a prefix of the topic frame as in ZeroMQ;
-	// "" receives everything.
+	// "" receives everything. On a Listener shared by several engines it
+	// tells this engine's messages apart (llm-d's engines publish under
+	// "kv@<pod-ip>:<port>@<model>").
 	Topic string
 	// OnBatch receives each batch, in sequence order, from the Subscriber's
 	// one goroutine. The Batch is valid only during the call (its memory is
@@ -66,10 +76,13 @@ type Stats struct {
 	Malformed uint64
 	// Reconnects counts the connections made after the first.
 	Reconnects uint64
+	// Dropped counts the messages a Listener had for this Subscriber while
+	// its queue was full (a gap, filled from replay like any other).
+	Dropped uint64
 }
 
 type counters struct {
-	received, applied, replayed, gaps, resets, malformed, reconnects atomic.Uint64
+	received, applied, replayed, gaps, resets, malformed, reconnects, dropped atomic.Uint64
 }
 
 // Subscriber follows one engine's KV events: it connects a SUB socket (and
@@ -93,6 +106,8 @@ type Subscriber struct {
 	sock    zmq4.Socket // the current SUB socket
 	replayS zmq4.Socket // the replay DEALER while a replay runs
 
+	in chan zmq4.Msg // from the Listener, when there is one
+
 	// Owned by the run goroutine.
 	dec  Decoder
 	have bool
@@ -102,8 +117,8 @@ type Subscriber struct {
 // NewSubscriber starts following an engine. It does not wait for the
 // connection: an engine not up yet is dialled again until Close.
 func NewSubscriber(opts SubscriberOptions) (*Subscriber, error) {
-	if opts.Endpoint == "" || opts.OnBatch == nil {
-		return nil, errors.New("kvevents: subscriber needs an endpoint and OnBatch")
+	if (opts.Endpoint == "" && opts.Listener == nil) || opts.OnBatch == nil {
+		return nil, errors.New("kvevents: subscriber needs an endpoint or a listener, and OnBatch")
 	}
 	if opts.ReplayTimeout <= 0 {
 		opts.ReplayTimeout = 2 * time.Second
@@ -127,6 +142,17 @@ func NewSubscriber(opts SubscriberOptions) (*Subscriber, error) {
 	if s.log == nil {
 		s.log = slog.Default()
 	}
+	if l := opts.Listener; l != nil {
+		if s.opts.Endpoint == "" {
+			s.opts.Endpoint = l.Addr() + " topic " + strconv.Quote(opts.Topic)
+		}
+		s.in = make(chan zmq4.Msg, listenerQueue)
+		if err := l.add(s); err != nil {
+			return nil, err
+		}
+		go s.runListened()
+		return s, nil
+	}
 	go s.run()
 	return s, nil
 }
@@ -141,6 +167,7 @@ func (s *Subscriber) Stats() Stats {
 		Resets:     s.c.resets.Load(),
 		Malformed:  s.c.malformed.Load(),
 		Reconnects: s.c.reconnects.Load(),
+		Dropped:    s.c.dropped.Load(),
 	}
 }
 
@@ -166,6 +193,9 @@ func (s *Subscriber) Silent(d time.Duration) bool {
 // Close stops the Subscriber and waits until its goroutine and sockets are
 // gone. No callback runs after Close returns. Close is idempotent.
 func (s *Subscriber) Close() error {
+	if l := s.opts.Listener; l != nil {
+		l.remove(s)
+	}
 	s.mu.Lock()
 	if !s.closed {
 		s.closed = true
@@ -256,18 +286,47 @@ func (s *Subscriber) receive(sock zmq4.Socket) error {
 		if s.stopping() {
 			return nil
 		}
-		s.c.received.Add(1)
-		if len(msg.Frames) != 3 {
-			s.c.malformed.Add(1)
-			continue
-		}
-		seq, err := readSeq(msg.Frames[1])
-		if err != nil {
-			s.c.malformed.Add(1)
-			continue
-		}
-		s.handle(seq, msg.Frames[2])
+		s.message(msg)
 	}
+}
+
+// runListened takes the Listener's messages for this engine until Close.
+func (s *Subscriber) runListened() {
+	defer close(s.done)
+	for {
+		select {
+		case <-s.stop:
+			return
+		case msg := <-s.in:
+			s.message(msg)
+		}
+	}
+}
+
+// offer queues a message from the Listener; a full queue drops it, and the
+// gap it leaves is filled from replay.
+func (s *Subscriber) offer(msg zmq4.Msg) {
+	select {
+	case s.in <- msg:
+	default:
+		s.c.received.Add(1)
+		s.c.dropped.Add(1)
+	}
+}
+
+// message handles one live message, [topic, seq, payload].
+func (s *Subscriber) message(msg zmq4.Msg) {
+	s.c.received.Add(1)
+	if len(msg.Frames) != 3 {
+		s.c.malformed.Add(1)
+		return
+	}
+	seq, err := readSeq(msg.Frames[1])
+	if err != nil {
+		s.c.malformed.Add(1)
+		return
+	}
+	s.handle(seq, msg.Frames[2])
 }
 
 // handle orders one live batch against the ones before it.
@@ -346,11 +405,8 @@ func (s *Subscriber) fill(from, to uint64) bool {
 		if err != nil || s.stopping() {
 			return false // timed out, closed, or the engine went away
 		}
-		f := msg.Frames
-		if len(f) == 3 && len(f[0]) == 0 {
-			f = f[1:] // the empty delimiter
-		}
-		if len(f) != 2 {
+		f, good := replyFrames(msg.Frames)
+		if !good {
 			s.c.malformed.Add(1)
 			return false
 		}
@@ -373,4 +429,22 @@ func (s *Subscriber) fill(from, to uint64) bool {
 			ok = false
 		}
 	}
+}
+
+// replyFrames returns the [seq, payload] of a replay reply as a DEALER
+// receives it, in any of the forms engines send: [seq, payload] (a REQ's
+// view), ["", seq, payload] (vLLM before PR #45177), [topic, seq, payload]
+// and ["", topic, seq, payload] (vLLM since PR #45177, and llm-d's
+// simulator, pkg/kv-cache/kv_events_replayer.go, whose end marker is
+// ["", "", -1, ""]).
+func replyFrames(f [][]byte) ([][]byte, bool) {
+	switch len(f) {
+	case 2:
+		return f, true
+	case 3:
+		return f[1:], true
+	case 4:
+		return f[2:], len(f[0]) == 0
+	}
+	return nil, false
 }

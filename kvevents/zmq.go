@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"strings"
+	"time"
 
 	"github.com/go-zeromq/zmq4"
 	"github.com/go-zeromq/zmq4/transport"
@@ -56,7 +57,29 @@ func (g guardTransport) Dial(ctx context.Context, d transport.Dialer, addr strin
 }
 
 func (g guardTransport) Listen(ctx context.Context, addr string) (net.Listener, error) {
-	return g.tcp.Listen(ctx, addr)
+	l, err := g.tcp.Listen(ctx, addr)
+	if err != nil {
+		return nil, err
+	}
+	return guardListener{l}, nil
+}
+
+// handshakeTimeout bounds how long an accepted connection may take to send
+// its greeting and first frame: zmq4 v0.17.0 opens accepted connections one
+// at a time, so a peer that connects and says nothing would stall every
+// engine dialling after it.
+var handshakeTimeout = 5 * time.Second
+
+// guardListener guards the connections a bound socket accepts.
+type guardListener struct{ net.Listener }
+
+func (l guardListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	_ = c.SetReadDeadline(time.Now().Add(handshakeTimeout))
+	return &guardConn{Conn: c, need: zmtpGreeting, accepted: true}, nil
 }
 
 func (g guardTransport) Addr(ep string) (string, error) { return g.tcp.Addr(ep) }
@@ -74,6 +97,9 @@ type guardConn struct {
 	more   bool
 	frames int
 	failed bool
+	// accepted: the read deadline set at Accept is lifted after the first
+	// whole frame (the handshake's READY).
+	accepted bool
 }
 
 func (c *guardConn) Read(p []byte) (int, error) {
@@ -124,6 +150,10 @@ func (c *guardConn) check(b []byte) bool {
 			}
 			if !c.more {
 				c.frames = 0
+			}
+			if c.accepted {
+				c.accepted = false
+				_ = c.Conn.SetReadDeadline(time.Time{})
 			}
 			c.need, c.state = c.length, 0
 			if c.need == 0 {

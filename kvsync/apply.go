@@ -12,8 +12,11 @@
 package kvsync
 
 import (
+	"encoding/binary"
 	"strings"
 	"sync/atomic"
+
+	"github.com/cespare/xxhash/v2"
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
@@ -33,8 +36,13 @@ type Counts struct {
 	// is unknown, so they cannot be keyed and are skipped.
 	Orphans uint64
 	// Skipped counts events that could not be applied: token ids that do
-	// not fill their blocks, a block size other than the router's.
+	// not fill their blocks, a block size other than the router's,
+	// extra_keys that do not have one entry per block.
 	Skipped uint64
+	// Ignored counts events that are not this picture's to apply: another
+	// data-parallel rank's, or a KV cache group other than full attention
+	// (a sliding-window or Mamba group's blocks are no reusable prefix).
+	Ignored uint64
 	// Cleared counts AllBlocksCleared events and resets.
 	Cleared uint64
 }
@@ -52,8 +60,11 @@ type Applier struct {
 	keys     keyIndex // engine block hash → router key, of the blocks the engine holds
 	lastLoRA string
 	buf      []blockhash.Block
+	extra    [][]byte
+	rank     int   // the data-parallel rank followed; -1 any
+	group    int64 // the full-attention group's group_idx once seen; -1 before
 
-	stored, removed, orphans, skipped, cleared atomic.Uint64
+	stored, removed, orphans, skipped, cleared, ignored atomic.Uint64
 }
 
 // NewApplier returns an Applier for replica id of model, whose engine
@@ -64,12 +75,17 @@ func NewApplier(model *cachemodel.Model, id, blockSize, maxBlocks int, onLoRA fu
 	if maxBlocks <= 0 {
 		maxBlocks = DefaultMaxBlocks
 	}
-	return &Applier{model: model, id: id, blockSize: blockSize, maxBlocks: maxBlocks, onLoRA: onLoRA, keys: newKeyIndex()}
+	return &Applier{model: model, id: id, blockSize: blockSize, maxBlocks: maxBlocks, onLoRA: onLoRA, keys: newKeyIndex(), rank: -1, group: -1}
 }
+
+// FollowRank makes the Applier apply only the batches of one data-parallel
+// rank (vLLM puts data_parallel_rank in each batch; a batch without one is
+// applied); rank < 0 applies every batch. Call it before Apply.
+func (a *Applier) FollowRank(rank int) { a.rank = rank }
 
 // Counts returns the counters.
 func (a *Applier) Counts() Counts {
-	return Counts{Stored: a.stored.Load(), Removed: a.removed.Load(), Orphans: a.orphans.Load(), Skipped: a.skipped.Load(), Cleared: a.cleared.Load()}
+	return Counts{Stored: a.stored.Load(), Removed: a.removed.Load(), Orphans: a.orphans.Load(), Skipped: a.skipped.Load(), Cleared: a.cleared.Load(), Ignored: a.ignored.Load()}
 }
 
 // Tracked returns the engine blocks tracked now.
@@ -85,8 +101,16 @@ func (a *Applier) Reset() {
 
 // Apply applies a batch, at now (nanoseconds on the picture's clock).
 func (a *Applier) Apply(b *kvevents.Batch, now int64) {
+	if a.rank >= 0 && b.DPRank != nil && *b.DPRank != a.rank {
+		a.ignored.Add(uint64(len(b.Events)))
+		return
+	}
 	for i := range b.Events {
 		e := &b.Events[i]
+		if e.Kind != kvevents.AllBlocksCleared && !a.fullAttention(e) {
+			a.ignored.Add(1)
+			continue
+		}
 		switch e.Kind {
 		case kvevents.BlockStored:
 			a.store(e, now)
@@ -108,9 +132,38 @@ func (a *Applier) Apply(b *kvevents.Batch, now int64) {
 	}
 }
 
-// isCPU reports whether a medium is host memory: vLLM names the GPU "GPU"
-// (None in older versions); anything else (its offloading's "CPU", other
-// connectors' tiers) is a slower copy.
+// fullAttention reports whether an event is of the KV cache group whose
+// blocks are a reusable prefix. vLLM (vllm/distributed/kv_events.py) tags
+// each event with its group's group_idx and, on BlockStored,
+// kv_cache_spec_kind: "full_attention", "mla_attention" and
+// "sink_full_attention" hold every token's KV; "sliding_window",
+// "sliding_window_mla", "mamba" and "unknown" do not, and a hybrid model's
+// prefix is reusable only as far as its full-attention group holds it. The
+// group of the first full-attention BlockStored is followed; before one
+// is seen, and from engines that send no group, only group 0 (or none).
+func (a *Applier) fullAttention(e *kvevents.Event) bool {
+	switch e.SpecKind {
+	case "":
+	case "full_attention", "mla_attention", "sink_full_attention":
+		if a.group < 0 && e.HasGroupIdx {
+			a.group = e.GroupIdx
+		}
+	default:
+		return false
+	}
+	if !e.HasGroupIdx {
+		return true
+	}
+	if a.group >= 0 {
+		return e.GroupIdx == a.group
+	}
+	return e.GroupIdx == 0
+}
+
+// isCPU reports whether a medium is a slower tier than the GPU: vLLM names
+// the GPU "GPU" (None in older versions) and its offloading "CPU"; SGLang
+// sends "GPU", "CPU_PINNED" and "EXTERNAL" (a storage backend); connectors
+// name disks their own way. Anything but the GPU is a slower copy.
 func isCPU(medium string) bool {
 	return medium != "" && !strings.EqualFold(medium, "GPU")
 }
@@ -128,11 +181,25 @@ func (a *Applier) store(e *kvevents.Event, now int64) {
 	hasParent := e.HasParent
 	if hasParent {
 		p, ok := a.keys.Get(e.ParentHash)
-		if !ok {
+		switch {
+		case ok:
+			parent = p
+		case e.ParentHash == 0:
+			// No parent: llm-d's simulator sends 0 (its EmptyBlockHash)
+			// where vLLM sends None, in its positional format
+			// (pkg/kv-cache/kv_cache_sender.go). An engine block hash of 0
+			// the picture does not know is read as that.
+			hasParent = false
+		default:
 			a.orphans.Add(uint64(n))
 			return
 		}
-		parent = p
+	}
+	extra, ok := e.BlockExtraKeys(a.extra[:0])
+	a.extra = extra
+	if !ok {
+		a.skipped.Add(1)
+		return
 	}
 	lora := e.LoraName
 	if lora != "" && lora != a.lastLoRA {
@@ -148,6 +215,12 @@ func (a *Applier) store(e *kvevents.Event, now int64) {
 	bl := a.buf[:0]
 	for j := 0; j < n; j++ {
 		h = blockhash.TokenBlockHash(h, e.TokenIDs[j*a.blockSize:(j+1)*a.blockSize])
+		if extra[j] != nil {
+			// What vLLM hashed besides the tokens (images, cache_salt):
+			// such a block is another block than the same tokens without
+			// it, and requests, keyed by their tokens alone, never match it.
+			h = xxhash.Sum64(binary.LittleEndian.AppendUint64(append([]byte(nil), extra[j]...), h))
+		}
 		bl = append(bl, blockhash.Block{Hash: h, Tokens: int32(a.blockSize), Kind: blockhash.KindOther})
 	}
 	a.buf = bl

@@ -24,8 +24,14 @@ type Options struct {
 	ID   int
 	Name string
 	// Endpoint, ReplayEndpoint and Topic are the engine's KV events
-	// sockets (kvevents.SubscriberOptions).
+	// sockets (kvevents.SubscriberOptions); Listener, instead of Endpoint,
+	// is a bound socket the engine dials.
 	Endpoint, ReplayEndpoint, Topic string
+	Listener                        *kvevents.Listener
+	// Rank, when ≥ 0, follows only that data-parallel rank's batches
+	// (Applier.FollowRank); the zero Options follow rank 0's and those
+	// without a rank. Use -1 for every rank.
+	Rank int
 	// BlockSize is the engine's block size in tokens, the router's precise
 	// block size.
 	BlockSize int
@@ -86,8 +92,9 @@ func Follow(o Options) (*Follower, error) {
 	}
 	o.Silence = cmp.Or(o.Silence, DefaultSilence)
 	f := &Follower{o: o, ap: NewApplier(o.Model, o.ID, o.BlockSize, o.MaxBlocks, o.OnLoRA), stop: make(chan struct{}), done: make(chan struct{})}
+	f.ap.FollowRank(o.Rank)
 	sub, err := kvevents.NewSubscriber(kvevents.SubscriberOptions{
-		Endpoint: o.Endpoint, ReplayEndpoint: o.ReplayEndpoint, Topic: o.Topic,
+		Endpoint: o.Endpoint, Listener: o.Listener, ReplayEndpoint: o.ReplayEndpoint, Topic: o.Topic,
 		OnBatch: f.batch, OnReset: f.reset, Logger: o.Logger.With("replica", o.Name),
 	})
 	if err != nil {

@@ -118,11 +118,15 @@ type request struct {
 	ChatTemplateKwargs   json.RawMessage `json:"chat_template_kwargs,omitempty"`
 }
 
-// response is TokenizeResponse.
+// response is TokenizeResponse. Token ids are unsigned: vLLM's are below
+// 2^31, but llm-d's simulator (FNV-32a of each word,
+// pkg/tokenizer/tokenizer.go) and other engines use all 32 bits. An id is
+// kept as its 32-bit pattern in an int32, which keys a block exactly as
+// the same id does in a KV event (blockhash.TokenBlockHash).
 type response struct {
-	Count       int     `json:"count"`
-	MaxModelLen int     `json:"max_model_len"`
-	Tokens      []int32 `json:"tokens"`
+	Count       int      `json:"count"`
+	MaxModelLen int      `json:"max_model_len"`
+	Tokens      []uint32 `json:"tokens"`
 }
 
 // Chat returns the token ids of a chat request's prompt: messages is the
@@ -241,5 +245,9 @@ func (c *Client) call(ctx context.Context, r request) ([]int32, error) {
 	if len(out.Tokens) > c.o.MaxTokens || (out.Count != 0 && out.Count != len(out.Tokens)) {
 		return nil, fmt.Errorf("tokenizer: /tokenize answered %d tokens (count %d)", len(out.Tokens), out.Count)
 	}
-	return out.Tokens, nil
+	ids := make([]int32, len(out.Tokens))
+	for i, id := range out.Tokens {
+		ids[i] = int32(id)
+	}
+	return ids, nil
 }

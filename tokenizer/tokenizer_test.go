@@ -8,11 +8,13 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/simreplica"
 )
 
@@ -141,5 +143,47 @@ func BenchmarkTokenizeLatency(b *testing.B) {
 			b.ReportMetric(float64(lat[len(lat)/2].Microseconds()), "p50-µs")
 			b.ReportMetric(float64(lat[len(lat)*99/100].Microseconds()), "p99-µs")
 		})
+	}
+}
+
+// TestThirdPartyTokenIDs: llm-d's simulator answers /tokenize with uint32
+// ids, about half of them ≥ 2^31 (its captured answer); they are read, and
+// kept as their 32-bit pattern, so a block is keyed as the same ids key it
+// in its KV events.
+func TestThirdPartyTokenIDs(t *testing.T) {
+	answer, err := os.ReadFile("../testdata/thirdparty/tokenize-chat.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.Write(answer) }))
+	defer srv.Close()
+	c, _ := New(Options{URL: srv.URL, Timeout: 5 * time.Second})
+	ids, err := c.Body(context.Background(), []byte(`{"model":"fake-model","messages":[{"role":"user","content":"hi"}]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var want struct{ Tokens []uint32 }
+	json.Unmarshal(answer, &want)
+	high := 0
+	for i, id := range ids {
+		if uint32(id) != want.Tokens[i] {
+			t.Fatalf("id %d: %d, want %d", i, uint32(id), want.Tokens[i])
+		}
+		if want.Tokens[i] >= 1<<31 {
+			high++
+		}
+	}
+	if len(ids) != 23 || high == 0 {
+		t.Fatalf("%d ids, %d of them ≥ 2^31", len(ids), high)
+	}
+	if blockhash.TokenBlockHash(1, ids[:16]) != blockhash.TokenBlockHash(1, want.Tokens[:16]) {
+		t.Fatal("a block of the ids is keyed unlike the same uint32 ids in a KV event")
+	}
+	// Ids no 32-bit integer holds are refused, not wrapped.
+	srv2 := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.Write([]byte(`{"tokens":[1,4294967296]}`)) }))
+	defer srv2.Close()
+	c2, _ := New(Options{URL: srv2.URL, Timeout: 5 * time.Second})
+	if _, err := c2.Body(context.Background(), []byte(`{"model":"m","messages":[{"role":"user","content":"x"}]}`)); err == nil {
+		t.Fatal("an id of 2^32 was accepted")
 	}
 }
