@@ -287,13 +287,26 @@ type TokenizerConfig struct {
 // KVEventsConfig is where a replica's engine publishes its KV events
 // (vLLM's --kv-events-config with the zmq publisher).
 type KVEventsConfig struct {
-	// Endpoint is the PUB socket, e.g. tcp://10.0.0.5:5557. Empty: none.
+	// Endpoint is the engine's bound PUB socket, which the router dials,
+	// e.g. tcp://10.0.0.5:5557 (vLLM binds when its own endpoint has a
+	// wildcard: "endpoint": "tcp://*:5557"). Empty: none.
 	Endpoint string `mapstructure:"endpoint" json:"endpoint"`
-	// ReplayEndpoint is the replay socket, e.g. tcp://10.0.0.5:5558.
+	// Listen, instead of Endpoint, is an address the router binds and the
+	// engine dials, e.g. tcp://0.0.0.0:5557 (vLLM dials when its endpoint
+	// names a host: "endpoint": "tcp://router:5557"; llm-d deploys it so,
+	// and llm-d's simulator always dials). Replicas may share one Listen
+	// address: each is then told apart by Topic.
+	Listen string `mapstructure:"listen" json:"listen"`
+	// ReplayEndpoint is the engine's replay socket, e.g. tcp://10.0.0.5:5558.
 	ReplayEndpoint string `mapstructure:"replay_endpoint" json:"replay_endpoint"`
-	// Topic is the topic subscribed to ("" receives all; vLLM's default
-	// topic is "").
+	// Topic is the topic subscribed to, a prefix ("" receives all; vLLM's
+	// default topic is ""). With Listen it defaults to llm-d's
+	// "kv@<host>:<port>@" of the replica's URL.
 	Topic string `mapstructure:"topic" json:"topic"`
+	// DataParallelRank is the engine's data-parallel rank whose batches
+	// are followed (vLLM's data_parallel_rank; 0, the default, also takes
+	// batches without one); -1 follows every rank.
+	DataParallelRank int `mapstructure:"data_parallel_rank" json:"data_parallel_rank"`
 }
 
 // LimitsConfig bounds request input. Reloadable.

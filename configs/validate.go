@@ -325,13 +325,22 @@ func (r Replica) check() []FieldError {
 	if err := replica.ValidateWeight(r.Weight); err != nil {
 		errs = append(errs, FieldError{"weight", err.Error()})
 	}
-	for _, f := range []struct{ name, v string }{{"kv_events.endpoint", r.KVEvents.Endpoint}, {"kv_events.replay_endpoint", r.KVEvents.ReplayEndpoint}} {
+	for _, f := range []struct{ name, v string }{{"kv_events.endpoint", r.KVEvents.Endpoint}, {"kv_events.replay_endpoint", r.KVEvents.ReplayEndpoint}, {"kv_events.listen", r.KVEvents.Listen}} {
 		if f.v != "" && !strings.HasPrefix(f.v, "tcp://") && !strings.HasPrefix(f.v, "ipc://") {
 			errs = append(errs, FieldError{f.name, fmt.Sprintf("%q is not a tcp:// or ipc:// ZeroMQ address", f.v)})
 		}
 	}
-	if r.KVEvents.Endpoint == "" && r.KVEvents.ReplayEndpoint != "" {
-		errs = append(errs, FieldError{"kv_events.endpoint", "is required with kv_events.replay_endpoint"})
+	if r.KVEvents.Endpoint == "" && r.KVEvents.Listen == "" && r.KVEvents.ReplayEndpoint != "" {
+		errs = append(errs, FieldError{"kv_events.endpoint", "or kv_events.listen is required with kv_events.replay_endpoint"})
+	}
+	if r.KVEvents.Endpoint != "" && r.KVEvents.Listen != "" {
+		errs = append(errs, FieldError{"kv_events.listen", "and kv_events.endpoint exclude each other: the router either dials the engine's PUB or binds one the engine dials"})
+	}
+	if r.KVEvents.Listen != "" && !strings.HasPrefix(r.KVEvents.Listen, "tcp://") {
+		errs = append(errs, FieldError{"kv_events.listen", "must be a tcp:// address"})
+	}
+	if r.KVEvents.DataParallelRank < -1 {
+		errs = append(errs, FieldError{"kv_events.data_parallel_rank", "must be -1 (every rank) or a rank"})
 	}
 	if err := r.Spec().Reuse.Check(); err != nil {
 		errs = append(errs, FieldError{"reuse", err.Error()})
@@ -355,5 +364,6 @@ func (r Replica) Validate() error {
 // Spec is the replica's pool spec.
 func (r Replica) Spec() replica.Spec {
 	return replica.Spec{Name: r.Name, URL: r.URL, BudgetTokens: r.BudgetTokens, Weight: r.Weight,
-		KVEvents: replica.KVEvents(r.KVEvents), Reuse: replica.Reuse(r.Reuse)}
+		KVEvents: replica.KVEvents{Endpoint: r.KVEvents.Endpoint, ReplayEndpoint: r.KVEvents.ReplayEndpoint, Topic: r.KVEvents.Topic,
+			Listen: r.KVEvents.Listen, Rank: r.KVEvents.DataParallelRank}, Reuse: replica.Reuse(r.Reuse)}
 }

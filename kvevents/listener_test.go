@@ -131,3 +131,38 @@ func TestReplyFrames(t *testing.T) {
 		}
 	}
 }
+
+// An engine that published before the router heard it (it dials the
+// router, or the router started after it): the first batch heard fetches
+// what the engine's replay buffer still has from its start, whatever
+// number the engine starts counting at.
+func TestFirstBatchCatchesUpFromReplay(t *testing.T) {
+	l, err := Listen("tcp://127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	pub, err := NewPublisher(PublisherOptions{Connect: l.Addr(), ReplayEndpoint: "tcp://127.0.0.1:0", ReplayTopic: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pub.Close()
+	pub.SkipSeq(1)           // counts from 1, as llm-d's simulator does
+	pub.Drop(batchFor(500)) // published before anyone listened
+	pub.Drop(batchFor(501))
+	col := &collector{}
+	sub, err := NewSubscriber(SubscriberOptions{Listener: l, ReplayEndpoint: pub.ReplayEndpoint(), OnBatch: col.onBatch, OnReset: col.onReset, ReplayTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Close()
+	waitFor(t, "the subscription", pub.Subscribed)
+	if _, err := pub.Publish(batchFor(502)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the batches", func() bool { s, _, _ := col.snapshot(); return len(s) == 3 })
+	seqs, first, resets := col.snapshot()
+	if !equal(seqs, []uint64{1, 2, 3}) || !equal(first, []uint64{500, 501, 502}) || len(resets) != 0 {
+		t.Fatalf("seqs %v first %v resets %v", seqs, first, resets)
+	}
+}

@@ -332,16 +332,24 @@ func (s *Subscriber) message(msg zmq4.Msg) {
 // handle orders one live batch against the ones before it.
 func (s *Subscriber) handle(seq uint64, payload []byte) {
 	switch {
-	case !s.have || seq == s.next:
+	case !s.have:
+		// What the engine published before this Subscriber heard it (an
+		// engine that dials the router publishes into the void until it
+		// has connected; vLLM counts from 0, llm-d's simulator from 1):
+		// whatever its replay buffer still has.
+		if seq > 0 {
+			s.fill(0, seq, false)
+		}
+	case seq == s.next:
 	case seq > s.next:
 		s.c.gaps.Add(1)
-		if !s.fill(s.next, seq) && !s.stopping() {
+		if !s.fill(s.next, seq, true) && !s.stopping() {
 			s.reset(fmt.Sprintf("gap: batches %d to %d missed and not replayed", s.next, seq-1))
 		}
 	default:
 		s.reset(fmt.Sprintf("engine restarted: batch %d after %d", seq, s.next-1))
 		if seq > 0 {
-			s.fill(0, seq) // what the new engine's buffer still has, if anything
+			s.fill(0, seq, false) // what the new engine's buffer still has, if anything
 		}
 	}
 	if s.stopping() {
@@ -376,8 +384,11 @@ func (s *Subscriber) deliver(seq uint64, payload []byte, replayed bool) bool {
 }
 
 // fill asks the replay socket for batches from `from` on and delivers those
-// before `to`. It reports whether all of [from, to) were delivered.
-func (s *Subscriber) fill(from, to uint64) bool {
+// before `to`. It reports whether all of [from, to) were delivered. Unless
+// exact, the first batch the buffer has at or after from starts the run
+// (an engine's buffer from its start: its first sequence, or the oldest it
+// kept).
+func (s *Subscriber) fill(from, to uint64, exact bool) bool {
 	if s.opts.ReplayEndpoint == "" || to-from > s.opts.MaxReplay {
 		return false
 	}
@@ -417,6 +428,9 @@ func (s *Subscriber) fill(from, to uint64) bool {
 		if err != nil {
 			s.c.malformed.Add(1)
 			return false
+		}
+		if !exact && next == from && seq > from && seq < to {
+			next = seq
 		}
 		switch {
 		case !ok || seq < next || seq >= to:

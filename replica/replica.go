@@ -117,9 +117,14 @@ func (u Reuse) Check() error {
 }
 
 // KVEvents are the ZeroMQ addresses of an engine's KV events (vLLM's
-// --kv-events-config: endpoint, replay_endpoint, topic).
+// --kv-events-config: endpoint, replay_endpoint, topic). Endpoint is the
+// engine's bound PUB, which the router dials; Listen, instead, is an
+// address the router binds and the engine dials. Rank is the
+// data-parallel rank whose batches are followed (-1 every rank).
 type KVEvents struct {
 	Endpoint, ReplayEndpoint, Topic string
+	Listen                          string
+	Rank                            int
 }
 
 // Load is a replica's queued work, the load term of routing scores. Token

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"log/slog"
 	"strings"
 	"sync"
@@ -9,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/semroute/semroute/cachemodel"
+	"github.com/semroute/semroute/kvevents"
 	"github.com/semroute/semroute/kvsync"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
@@ -24,18 +26,79 @@ type followers struct {
 	precise   bool // tokenizer.mode is replica: requests are keyed as events are
 	log       *slog.Logger
 
-	mu sync.Mutex
-	by map[int]*kvsync.Follower // by replica id
+	mu        sync.Mutex
+	by        map[int]*kvsync.Follower // by replica id
+	listeners map[string]*listener     // by kv_events.listen address
+	listenOf  map[int]string           // replica id → its listen address
+}
+
+// listener is a bound kvevents.Listener and the replicas that use it.
+type listener struct {
+	l     *kvevents.Listener
+	users int
 }
 
 func newFollowers(cache *cachemodel.Model, eng *routing.Engine, blockSize int, precise bool, log *slog.Logger) *followers {
-	return &followers{cache: cache, engine: eng, blockSize: blockSize, precise: precise, log: log, by: map[int]*kvsync.Follower{}}
+	return &followers{cache: cache, engine: eng, blockSize: blockSize, precise: precise, log: log, by: map[int]*kvsync.Follower{},
+		listeners: map[string]*listener{}, listenOf: map[int]string{}}
+}
+
+// llmdTopic is the topic llm-d's engines publish under, less the model:
+// "kv@<host>:<port>@" of the replica's URL (llm-d-inference-sim's
+// CreateKVEventsTopic, pkg/kv-cache/block_cache.go; llm-d's vLLM
+// deployments set the same).
+func llmdTopic(r *replica.Replica) string {
+	port := r.URL.Port()
+	if port == "" {
+		port = map[string]string{"https": "443"}[r.URL.Scheme]
+		port = cmp.Or(port, "80")
+	}
+	return "kv@" + r.URL.Hostname() + ":" + port + "@"
+}
+
+// listen returns the Listener bound at addr for replica id, binding it
+// for the first replica.
+func (fs *followers) listen(id int, addr string) (*kvevents.Listener, error) {
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	l := fs.listeners[addr]
+	if l == nil {
+		kl, err := kvevents.Listen(addr)
+		if err != nil {
+			return nil, err
+		}
+		l = &listener{l: kl}
+		fs.listeners[addr] = l
+		fs.log.Info("KV events: listening for engines that dial the router", "listen", kl.Addr())
+	}
+	l.users++
+	fs.listenOf[id] = addr
+	return l.l, nil
+}
+
+// unlisten drops replica id's use of its Listener, closing the Listener
+// after its last replica. Call it after the replica's Follower is closed.
+func (fs *followers) unlisten(id int) {
+	fs.mu.Lock()
+	addr, ok := fs.listenOf[id]
+	delete(fs.listenOf, id)
+	var closeL *kvevents.Listener
+	if l := fs.listeners[addr]; ok && l != nil {
+		if l.users--; l.users == 0 {
+			delete(fs.listeners, addr)
+			closeL = l.l
+		}
+	}
+	fs.mu.Unlock()
+	if closeL != nil {
+		_ = closeL.Close()
+	}
 }
 
 // add starts following r's events if its spec names them.
 func (fs *followers) add(r *replica.Replica, s replica.Spec) {
 	ev := s.KVEvents
-	if ev.Endpoint == "" {
+	if ev.Endpoint == "" && ev.Listen == "" {
 		return
 	}
 	if !fs.precise {
@@ -43,20 +106,30 @@ func (fs *followers) add(r *replica.Replica, s replica.Spec) {
 			"replica", r.Name)
 		return
 	}
-	f, err := kvsync.Follow(kvsync.Options{Model: fs.cache, ID: r.ID, Name: r.Name, Endpoint: ev.Endpoint, ReplayEndpoint: ev.ReplayEndpoint,
-		Topic: ev.Topic, BlockSize: fs.blockSize, OnLoRA: fs.engine.NoteAdapter, Logger: fs.log})
+	fs.remove(r.ID) // a replica added again follows its new spec
+	o := kvsync.Options{Model: fs.cache, ID: r.ID, Name: r.Name, Endpoint: ev.Endpoint, ReplayEndpoint: ev.ReplayEndpoint,
+		Topic: ev.Topic, Rank: ev.Rank, BlockSize: fs.blockSize, OnLoRA: fs.engine.NoteAdapter, Logger: fs.log}
+	if ev.Listen != "" {
+		l, err := fs.listen(r.ID, ev.Listen)
+		if err != nil {
+			fs.log.Error("KV events: cannot listen; the replica's picture stays approximate", "replica", r.Name, "listen", ev.Listen, "err", err)
+			return
+		}
+		o.Listener, o.Endpoint = l, ""
+		if o.Topic == "" {
+			o.Topic = llmdTopic(r)
+		}
+	}
+	f, err := kvsync.Follow(o)
 	if err != nil {
 		fs.log.Error("KV events: cannot follow; the replica's picture stays approximate", "replica", r.Name, "err", err)
+		fs.unlisten(r.ID)
 		return
 	}
 	fs.mu.Lock()
-	old := fs.by[r.ID]
 	fs.by[r.ID] = f
 	fs.mu.Unlock()
-	if old != nil {
-		_ = old.Close()
-	}
-	fs.log.Info("KV events: following", "replica", r.Name, "endpoint", ev.Endpoint, "replay", ev.ReplayEndpoint)
+	fs.log.Info("KV events: following", "replica", r.Name, "endpoint", ev.Endpoint, "listen", ev.Listen, "topic", o.Topic, "replay", ev.ReplayEndpoint)
 }
 
 // remove stops following replica id.
@@ -68,6 +141,7 @@ func (fs *followers) remove(id int) {
 	if old != nil {
 		_ = old.Close()
 	}
+	fs.unlisten(id)
 }
 
 // close stops every follower.
@@ -76,8 +150,9 @@ func (fs *followers) close() {
 	all := fs.by
 	fs.by = map[int]*kvsync.Follower{}
 	fs.mu.Unlock()
-	for _, f := range all {
+	for id, f := range all {
 		_ = f.Close()
+		fs.unlisten(id)
 	}
 }
 

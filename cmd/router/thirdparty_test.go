@@ -1,0 +1,346 @@
+package main
+
+import (
+	"bytes"
+	"cmp"
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/configs"
+)
+
+// The interoperability suite runs the router against llm-d's vLLM
+// simulator (llm-d-inference-sim), written outside this project: its path
+// comes from SEMROUTE_THIRDPARTY_SIM, which .ci/run sets from
+// ../shared/tools/thirdparty-sim when that exists. A lone clone skips these
+// tests with a message; its unit tests still read the simulator's captured
+// wire bytes (testdata/thirdparty).
+
+// thirdPartyBin returns the simulator's path, or skips the test.
+func thirdPartyBin(t *testing.T) string {
+	t.Helper()
+	bin := os.Getenv("SEMROUTE_THIRDPARTY_SIM")
+	if bin == "" {
+		t.Skip("SEMROUTE_THIRDPARTY_SIM is not set: the third-party engine's interoperability tests are skipped (.ci/run sets it from ../shared/tools)")
+	}
+	if _, err := os.Stat(bin); err != nil {
+		t.Fatalf("SEMROUTE_THIRDPARTY_SIM=%s: %v", bin, err)
+	}
+	return bin
+}
+
+// tpOptions shape the third-party replicas of a run.
+type tpOptions struct {
+	n          int
+	mapFormat  bool     // --use-vllm-map-event-format
+	events     bool     // publish KV events
+	sharedPort bool     // every engine dials one router port (told apart by topic); else a port each
+	args       []string // more flags
+	blocks     int      // --kv-cache-size; default 768
+}
+
+// tpReplica is one simulator process.
+type tpReplica struct {
+	url, listen, replay string
+	port                int
+	cmd                 *exec.Cmd
+	log                 *syncBuffer
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.b.Len() > 1<<20 {
+		return len(p), nil
+	}
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+func freePort(t *testing.T) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
+}
+
+// tpModel is the model the simulators serve (the workloads' model).
+const tpModel = "sim-model"
+
+// startThirdParty starts o.n simulators sized like a small vLLM replica: 768
+// blocks of 16 tokens, 4 sequences at once, prefill 20 ms + 2 ms a token,
+// 10 ms a generated token. With events, each dials the router's listen
+// address for its KV events and binds a replay socket.
+func startThirdParty(t *testing.T, o tpOptions) []*tpReplica {
+	t.Helper()
+	bin := thirdPartyBin(t)
+	shared := ""
+	if o.sharedPort {
+		shared = fmt.Sprintf("tcp://127.0.0.1:%d", freePort(t))
+	}
+	var out []*tpReplica
+	for i := 0; i < o.n; i++ {
+		r := &tpReplica{port: freePort(t), log: &syncBuffer{}}
+		r.url = fmt.Sprintf("http://127.0.0.1:%d", r.port)
+		args := []string{"--model", tpModel, "--force-dummy-tokenizer", "--port", fmt.Sprint(r.port),
+			"--enable-kvcache", "--kv-cache-size", fmt.Sprint(cmp.Or(o.blocks, 768)),
+			"--block-size", "16", "--max-num-seqs", "4", "--max-model-len", "16384",
+			"--latency-calculator", "per-token", "--prefill-overhead", "20ms", "--prefill-time-per-token", "2ms",
+			"--inter-token-latency", "10ms", "--seed", fmt.Sprint(42 + i),
+			"--skip-tool-validation"} // as vLLM, which passes tool schemas to the model verbatim
+		if o.events {
+			r.listen = shared
+			if r.listen == "" {
+				r.listen = fmt.Sprintf("tcp://127.0.0.1:%d", freePort(t))
+			}
+			r.replay = fmt.Sprintf("tcp://127.0.0.1:%d", freePort(t))
+			args = append(args, "--zmq-endpoint", r.listen, "--kv-events-replay-endpoint", r.replay)
+			if o.mapFormat {
+				args = append(args, "--use-vllm-map-event-format")
+			}
+		} else {
+			args = append(args, "--zmq-endpoint", "")
+		}
+		args = append(args, o.args...)
+		r.cmd = exec.Command(bin, args...)
+		r.cmd.Env = append(os.Environ(), "POD_IP=127.0.0.1")
+		r.cmd.Stdout, r.cmd.Stderr = r.log, r.log
+		if err := r.cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(r.stop)
+		out = append(out, r)
+	}
+	for _, r := range out {
+		r.waitUp(t)
+	}
+	return out
+}
+
+func (r *tpReplica) stop() {
+	if r.cmd.Process != nil {
+		_ = r.cmd.Process.Kill()
+		_ = r.cmd.Wait()
+	}
+}
+
+func (r *tpReplica) waitUp(t *testing.T) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		resp, err := http.Get(r.url + "/v1/models")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == 200 {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("third-party replica %s never came up:\n%s", r.url, r.log.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// restart kills the simulator and starts it again on the same ports: its
+// cache is empty and its event sequence starts over.
+func (r *tpReplica) restart(t *testing.T) {
+	t.Helper()
+	r.stop()
+	cmd := exec.Command(r.cmd.Path, r.cmd.Args[1:]...)
+	cmd.Env, cmd.Stdout, cmd.Stderr = r.cmd.Env, r.log, r.log
+	r.cmd = cmd
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if err := cmd.Start(); err == nil {
+			break
+		} else if time.Now().After(deadline) {
+			t.Fatal(err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	r.waitUp(t)
+}
+
+// tpRouter is a router built from a YAML config, serving on a free port.
+type tpRouter struct {
+	app *app
+	run *running
+	url string
+	log *syncBuffer
+}
+
+// startRouterYAML builds and starts a router from the YAML of a config
+// whose listen address it sets itself.
+func startRouterYAML(t *testing.T, yaml string) *tpRouter {
+	t.Helper()
+	cfg, err := configs.LoadBytes(configs.NewViper(), []byte("listen: 127.0.0.1:0\n"+yaml))
+	if err != nil {
+		t.Fatalf("config: %v\n%s", err, yaml)
+	}
+	lb := &syncBuffer{}
+	a, err := build(cfg, newLogger(cfg.Log, lb))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := a.start()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r.stop(time.Second) })
+	return &tpRouter{app: a, run: r, url: r.http.url(), log: lb}
+}
+
+// tpConfig is the YAML of a router in front of reps: the replicas' URLs,
+// and their KV-event addresses when events is set, nothing else but the
+// policy.
+func tpConfig(reps []*tpReplica, events bool, policy string) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "log:\n  level: warn\n")
+	if policy != "" {
+		fmt.Fprintf(&b, "routing:\n  policy: %s\n", policy)
+	}
+	b.WriteString("replicas:\n")
+	for i, r := range reps {
+		fmt.Fprintf(&b, "  - name: tp-%d\n    url: %s\n", i, r.url)
+		if events && r.listen != "" {
+			fmt.Fprintf(&b, "    kv_events:\n      listen: %s\n      replay_endpoint: %s\n", r.listen, r.replay)
+		}
+	}
+	return b.String()
+}
+
+// waitBudgets waits until the router learned every replica's KV cache size
+// from its metrics (vllm:cache_config_info).
+func waitBudgets(t *testing.T, r *tpRouter, n int, tokens int64) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		ok := 0
+		for id := range n {
+			if st, found := r.app.cache.Stats(id); found && st.Budget == tokens {
+				ok++
+			}
+		}
+		if ok == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the router learned %d of %d replicas' budgets", ok, n)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// tpCeiling is the hit ratio of an infinite cache on the engine's own
+// tokens: each block (16 tokens, chained from the start of the prompt)
+// seen in an earlier request is a hit. The tokens come from one replica's
+// /tokenize.
+func tpCeiling(t *testing.T, url string, work [][]byte) float64 {
+	t.Helper()
+	seen := map[uint64]bool{}
+	var hit, all int
+	for _, body := range work {
+		var req struct {
+			Model    string          `json:"model"`
+			Messages json.RawMessage `json:"messages"`
+		}
+		_ = json.Unmarshal(body, &req)
+		tb, _ := json.Marshal(map[string]any{"model": req.Model, "messages": req.Messages, "add_generation_prompt": true})
+		resp, err := http.Post(url+"/tokenize", "application/json", bytes.NewReader(tb))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out struct{ Tokens []uint32 }
+		_ = json.NewDecoder(resp.Body).Decode(&out)
+		resp.Body.Close()
+		all += len(out.Tokens)
+		h := blockhash.TokenSeed("")
+		for i := 0; i+16 <= len(out.Tokens); i += 16 {
+			h = blockhash.TokenBlockHash(h, out.Tokens[i:i+16])
+			if seen[h] {
+				hit += 16
+			}
+			seen[h] = true
+		}
+	}
+	return float64(hit) / float64(max(all, 1))
+}
+
+// tpWork is the workload of the third-party runs: the mixed chat workload
+// of the engine's-truth runs (assistants with long system prompts and
+// tools, RAG over shared documents, multi-turn chats, agents), streamed.
+func tpWork(n int) [][]byte { return truthWorkload(n, 29) }
+
+// TestThirdPartyPreciseOutOfTheBox: in front of 4 third-party replicas,
+// from a config that names only their URLs and KV-event addresses, the
+// router's precise mode works as shipped in both event formats and both
+// shapes of the one socket direction the simulator has (its PUB always
+// dials: one router port shared by every engine, told apart by topic, or a
+// port each): no stored block is an orphan, /tokenize never fails, and the
+// predicted cached tokens are within 5% of what the engines report.
+func TestThirdPartyPreciseOutOfTheBox(t *testing.T) {
+	work := tpWork(160)
+	for _, c := range []struct {
+		name              string
+		mapFormat, shared bool
+	}{{"positional events, shared port", false, true}, {"map events, a port each", true, false}} {
+		t.Run(c.name, func(t *testing.T) {
+			reps := startThirdParty(t, tpOptions{n: 4, events: true, mapFormat: c.mapFormat, sharedPort: c.shared})
+			r := startRouterYAML(t, "tokenizer:\n  mode: replica\n"+tpConfig(reps, true, ""))
+			waitBudgets(t, r, 4, 768*16)
+			run := sendTruth(r.url, work, 8, nil)
+			ev := r.app.events.stats()
+			t.Logf("hit ratio %.3f, predicted ÷ reported %.3f, ttft p50 %.0f ms p99 %.0f ms, errors %d; events %+v",
+				run.hitRatio(), float64(run.predicted)/float64(max(run.cached, 1)), 1e3*run.pct(0.5), 1e3*run.pct(0.99), run.errors, ev)
+			if run.errors > 0 {
+				t.Fatalf("%d requests failed\n%s", run.errors, r.log.String())
+			}
+			if ev.Stored == 0 || ev.Orphans > ev.Stored/100 {
+				t.Fatalf("events: %d blocks stored, %d orphans\n%s", ev.Stored, ev.Orphans, r.log.String())
+			}
+			if m := metric(t, r.url, "semroute_tokenize_total", `result="failed"`); m > 0 {
+				t.Fatalf("%v /tokenize calls failed", m)
+			}
+			if ratio := float64(run.predicted) / float64(max(run.cached, 1)); ratio < 0.95 || ratio > 1.05 {
+				t.Fatalf("predicted ÷ reported cached tokens %.3f, want within 5%%", ratio)
+			}
+		})
+	}
+}
+
+// followerStats adds up every follower's counters.
+func (fs *followers) stats() (sum struct{ Stored, Orphans, Removed, Skipped uint64 }) {
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	for _, f := range fs.by {
+		s := f.Stats()
+		sum.Stored += s.Stored
+		sum.Orphans += s.Orphans
+		sum.Removed += s.Removed
+		sum.Skipped += s.Skipped
+	}
+	return sum
+}
