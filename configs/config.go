@@ -265,11 +265,15 @@ type CacheConfig struct {
 
 // TokenizerConfig chooses how prompts are counted. Read at start only.
 type TokenizerConfig struct {
-	// Mode is "estimate" (the default: text cut by bytes per token, scaled
-	// to the engine's unit as its usage reports arrive) or "replica"
-	// (precise: every request's engine token ids from a replica's vLLM
-	// POST /tokenize, cut into the engine's blocks, keyed as its KV
-	// events are).
+	// Mode is "auto" (the default), "replica" or "estimate". "estimate"
+	// cuts text by bytes per token, scaled to the engine's unit as its
+	// usage reports arrive. "replica" and "auto" are precise: every
+	// request's engine token ids from a replica's vLLM POST /tokenize, cut
+	// into the engine's blocks, keyed as its KV events are; a replica whose
+	// /tokenize fails, or whose counts disagree with the prompt_tokens its
+	// engine reports, is not asked (package agreement), and a request no
+	// replica can tokenize is routed on the estimate. "replica" is kept as
+	// the old spelling of "auto".
 	Mode string `mapstructure:"mode" json:"mode"`
 	// BlockTokens is the engine's KV block size in tokens (vLLM's
 	// --block-size). Default 16.
@@ -408,7 +412,7 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("cache.eviction", eviction.Default)
 	v.SetDefault("cache.default_budget_tokens", DefaultBudgetTokens)
 	v.SetDefault("cache.feedback", true)
-	v.SetDefault("tokenizer.mode", "estimate")
+	v.SetDefault("tokenizer.mode", "auto")
 	v.SetDefault("tokenizer.block_tokens", 16)
 	v.SetDefault("tokenizer.timeout", tokenizer.DefaultTimeout)
 	v.SetDefault("tokenizer.url", "")

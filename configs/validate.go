@@ -194,9 +194,9 @@ func (c CacheConfig) validate(p *problems) {
 
 func (t TokenizerConfig) validate(p *problems) {
 	switch t.Mode {
-	case "", "estimate", "replica":
+	case "", "auto", "estimate", "replica":
 	default:
-		p.bad("tokenizer.mode", "%q is not estimate or replica", t.Mode)
+		p.bad("tokenizer.mode", "%q is not auto, replica or estimate", t.Mode)
 	}
 	if t.BlockTokens < 0 || t.BlockTokens > 4096 {
 		p.bad("tokenizer.block_tokens", "%d is not in [1, 4096]", t.BlockTokens)

@@ -71,6 +71,7 @@ type Follower struct {
 
 	mu        sync.Mutex // serialises the picture's mode changes
 	live      atomic.Bool
+	distrust  atomic.Bool // Trust(false): batches still apply, the picture stays approximate
 	fallbacks atomic.Uint64
 	tracked   atomic.Int64
 	expiredAt atomic.Int64 // the replica's PendingExpired at the last batch
@@ -106,9 +107,9 @@ func Follow(o Options) (*Follower, error) {
 }
 
 func (f *Follower) batch(_ uint64, b kvevents.Batch) {
-	if !f.live.Load() { // the lock only on the way back to live
+	if !f.live.Load() && !f.distrust.Load() { // the lock only on the way back to live
 		f.mu.Lock()
-		if !f.live.Load() {
+		if !f.live.Load() && !f.distrust.Load() {
 			f.o.Model.SetEventDriven(f.o.ID, true)
 			f.live.Store(true)
 			f.o.Logger.Info("KV events live: the replica's cache picture follows its engine", "replica", f.o.Name)
@@ -158,6 +159,21 @@ func (f *Follower) watch() {
 				"replica", f.o.Name, "silent_for", f.o.Silence)
 		}
 		f.mu.Unlock()
+	}
+}
+
+// Trust says whether the events describe the engine well enough to be the
+// replica's picture (the router judges it from what the engine reports:
+// package agreement). Untrusted, batches still apply, so that their
+// agreement can be judged again, but the picture is the approximate one:
+// routed blocks count as cached without waiting for the events.
+func (f *Follower) Trust(on bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.distrust.Store(!on)
+	if !on && f.live.Load() {
+		f.o.Model.SetEventDriven(f.o.ID, false)
+		f.live.Store(false)
 	}
 }
 

@@ -16,6 +16,7 @@ import (
 
 	"github.com/cespare/xxhash/v2"
 
+	"github.com/semroute/semroute/agreement"
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/decisionlog"
 	"github.com/semroute/semroute/limits"
@@ -66,6 +67,9 @@ type CoreOptions struct {
 	// Feedback corrects the picture of replicas without KV events from the
 	// cached tokens they report (routing.Engine.Feedback).
 	Feedback bool
+	// Agreement, if set, hears every finished request's tokens and cached
+	// tokens, predicted and reported, to judge each replica's sources.
+	Agreement *agreement.Tracker
 	// RefreshModels, if set, reads the replicas' models again (paced by
 	// its implementation): a request for a model no replica lists is
 	// decided once more after it, before it is refused, since the model
@@ -309,6 +313,10 @@ func (c *Core) Finish(rt *Routed, o Outcome, reply []byte) {
 	c.e.Done(rt.Decision, rt.Served)
 	if o.PromptTokens > 0 && o.Status == 200 && !rt.req.PassThrough {
 		c.e.ObserveUsage(rt.req.Model, rt.Decision, int(o.PromptTokens))
+		if c.o.Agreement != nil {
+			c.o.Agreement.Finished(rt.Served.Replica.Name, rt.Decision.Precise(), rt.Tokens, int(o.PromptTokens),
+				rt.Served.Match.Confirmed, int(o.CachedTokens), o.CachedReported)
+		}
 		if o.CachedReported && c.o.Feedback {
 			if n := c.e.Feedback(rt.Decision, rt.Served, int(o.CachedTokens)); n > 0 {
 				c.o.Metrics.trimmed(rt, n)

@@ -44,6 +44,9 @@ type Options struct {
 	MaxTokens int
 	// Client sends the calls. Nil means a client of its own.
 	Client *http.Client
+	// OnCall, if set, hears the outcome of every call: the base URL asked
+	// and nil, ErrSlow or the failure.
+	OnCall func(base string, err error)
 }
 
 // Defaults of Options.
@@ -216,6 +219,14 @@ func (c *Client) call(ctx context.Context, r request) ([]int32, error) {
 			return nil, ErrNoReplica
 		}
 	}
+	ids, err := c.post(ctx, base, r)
+	if c.o.OnCall != nil {
+		c.o.OnCall(base, err)
+	}
+	return ids, err
+}
+
+func (c *Client) post(ctx context.Context, base string, r request) ([]int32, error) {
 	body, _ := json.Marshal(r)
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimSuffix(base, "/")+"/tokenize", bytes.NewReader(body))
 	if err != nil {

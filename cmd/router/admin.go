@@ -37,6 +37,7 @@ func (a *app) adminHandler() http.Handler {
 		adminResult(w, a.drainReplica(r.PathValue("name"), false), http.StatusNotFound)
 	})
 	mux.HandleFunc("GET /admin/config", a.adminConfig)
+	mux.HandleFunc("GET /admin/agreement", a.adminAgreement)
 	mux.HandleFunc("/debug/pprof/", pprof.Index)
 	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
 	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)

@@ -94,6 +94,7 @@ func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
 	}
 	switch o.picture {
 	case "", "approximate":
+		v.Set("tokenizer.mode", "estimate")
 	case "events":
 		v.Set("tokenizer.mode", "replica")
 		o.sim.KVEvents = &kvevents.PublisherOptions{Endpoint: "tcp://127.0.0.1:0", ReplayEndpoint: "tcp://127.0.0.1:0", Topic: "kv-events"}

@@ -9,6 +9,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/semroute/semroute/agreement"
 	"github.com/semroute/semroute/cachemodel"
 	"github.com/semroute/semroute/kvevents"
 	"github.com/semroute/semroute/kvsync"
@@ -23,7 +24,7 @@ type followers struct {
 	cache     *cachemodel.Model
 	engine    *routing.Engine
 	blockSize int
-	precise   bool // tokenizer.mode is replica: requests are keyed as events are
+	precise   bool // tokenizer.mode is not estimate: requests are keyed as events are
 	log       *slog.Logger
 
 	mu        sync.Mutex
@@ -102,7 +103,7 @@ func (fs *followers) add(r *replica.Replica, s replica.Spec) {
 		return
 	}
 	if !fs.precise {
-		fs.log.Warn("replica publishes KV events but tokenizer.mode is not replica: its events are ignored (they key blocks by engine tokens, which estimated requests do not have)",
+		fs.log.Warn("replica publishes KV events but tokenizer.mode is estimate: its events are ignored (they key blocks by engine tokens, which estimated requests do not have)",
 			"replica", r.Name)
 		return
 	}
@@ -159,13 +160,13 @@ func (fs *followers) close() {
 // tokenizerFor makes the precise mode's tokenizer: a fixed URL, or an
 // available replica that serves the request's model (its chat template and
 // vocabulary are the model's), else one whose models are not known yet.
-func tokenizerFor(url string, timeout time.Duration, cacheTokens int, pool *replica.Pool) (*tokenizer.Client, error) {
-	o := tokenizer.Options{URL: strings.TrimSuffix(url, "/"), Timeout: timeout, CacheTokens: cacheTokens}
+func tokenizerFor(url string, timeout time.Duration, cacheTokens int, pool *replica.Pool, ag *agreement.Tracker) (*tokenizer.Client, error) {
+	o := tokenizer.Options{URL: strings.TrimSuffix(url, "/"), Timeout: timeout, CacheTokens: cacheTokens, OnCall: onTokenize(ag, pool)}
 	if url == "" {
 		o.Pick = func(model string) string {
 			now := time.Now()
 			for _, r := range pool.Replicas() {
-				if m := r.Models(); r.Available(now) && (m == nil || m.Serves(model)) {
+				if m := r.Models(); r.Available(now) && (m == nil || m.Serves(model)) && ag.TokenizerOK(r.Name) {
 					return strings.TrimSuffix(r.URL.String(), "/")
 				}
 			}

@@ -317,7 +317,8 @@ func TestRouterReadsTheBodyAsTheEngine(t *testing.T) {
 	}))
 	defer rec.Close()
 	cfg := filepath.Join(t.TempDir(), "router.yaml")
-	writeConfig(t, cfg, fmt.Sprintf("limits: {max_output_tokens: 4096}\nhealth: {scrape_interval: 0s}\nreplicas:\n  - {name: a, url: %q}\n", rec.URL))
+	// Estimated tokens: the valid request is not also sent to /tokenize.
+	writeConfig(t, cfg, fmt.Sprintf("limits: {max_output_tokens: 4096}\ntokenizer: {mode: estimate}\nhealth: {scrape_interval: 0s}\nreplicas:\n  - {name: a, url: %q}\n", rec.URL))
 	r := serveConfig(t, cfg)
 	msgs := `[{"role":"user","content":"hi"}]`
 	cases := []struct{ name, body, want string }{

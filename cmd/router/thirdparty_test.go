@@ -7,6 +7,9 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
 	"os"
 	"os/exec"
 	"strings"
@@ -309,7 +312,7 @@ func TestThirdPartyPreciseOutOfTheBox(t *testing.T) {
 	}{{"positional events, shared port", false, true}, {"map events, a port each", true, false}} {
 		t.Run(c.name, func(t *testing.T) {
 			reps := startThirdParty(t, tpOptions{n: 4, events: true, mapFormat: c.mapFormat, sharedPort: c.shared})
-			r := startRouterYAML(t, "tokenizer:\n  mode: replica\n"+tpConfig(reps, true, ""))
+			r := startRouterYAML(t, tpConfig(reps, true, "")) // the defaults: tokenizer.mode auto
 			waitBudgets(t, r, 4, 768*16)
 			run := sendTruth(r.url, work, 8, nil)
 			ev := r.app.events.stats()
@@ -328,6 +331,58 @@ func TestThirdPartyPreciseOutOfTheBox(t *testing.T) {
 				t.Fatalf("predicted ÷ reported cached tokens %.3f, want within 5%%", ratio)
 			}
 		})
+	}
+}
+
+// TestThirdPartyBrokenTokenizeAndRestart: with the defaults, one of 4
+// third-party replicas whose /tokenize is broken (a proxy in front of it
+// answers 500) is named in a warning within seconds, shown on the metrics
+// and the admin API, and not asked again, while requests keep being routed
+// on the others' tokens; a replica restarted mid-run has its picture
+// cleared (said in the log) and rebuilt from its events, and no request
+// fails.
+func TestThirdPartyBrokenTokenizeAndRestart(t *testing.T) {
+	reps := startThirdParty(t, tpOptions{n: 4, events: true})
+	target := reps[0].url
+	broken := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		if req.URL.Path == "/tokenize" {
+			http.Error(w, "tokenizer down", http.StatusInternalServerError)
+			return
+		}
+		u, _ := url.Parse(target)
+		httputil.NewSingleHostReverseProxy(u).ServeHTTP(w, req)
+	}))
+	defer broken.Close()
+	cfgReps := append([]*tpReplica{{url: broken.URL, listen: reps[0].listen, replay: reps[0].replay}}, reps[1:]...)
+	yaml := tpConfig(cfgReps, true, "") + "admin:\n  listen: 127.0.0.1:0\n  token: t0ken\n"
+	// The broken replica's events come with its own topic (its real port).
+	yaml = strings.Replace(yaml, "      listen: "+reps[0].listen+"\n", "      listen: "+reps[0].listen+fmt.Sprintf("\n      topic: kv@127.0.0.1:%d@\n", reps[0].port), 1)
+	r := startRouterYAML(t, yaml)
+	waitBudgets(t, r, 4, 768*16)
+	work := tpWork(200)
+	run := sendTruth(r.url, work[:100], 8, nil)
+	reps[1].restart(t)
+	run2 := sendTruth(r.url, work[100:], 8, nil)
+	logs := r.log.String()
+	t.Logf("before the restart: hit ratio %.3f, predicted ÷ reported %.3f; after: %.3f, %.3f; errors %d, %d",
+		run.hitRatio(), float64(run.predicted)/float64(max(run.cached, 1)), run2.hitRatio(), float64(run2.predicted)/float64(max(run2.cached, 1)), run.errors, run2.errors)
+	if run.errors+run2.errors > 0 {
+		t.Fatalf("%d requests failed\n%s", run.errors+run2.errors, logs)
+	}
+	if !strings.Contains(logs, "replica disagrees with its engine") || !strings.Contains(logs, "replica=tp-0 cause=tokenize_failing") {
+		t.Fatalf("no warning named tp-0's broken /tokenize:\n%s", logs)
+	}
+	if m := metric(t, r.url, "semroute_replica_disagreement", `cause="tokenize_failing",replica="tp-0"`); m != 1 {
+		t.Fatalf("semroute_replica_disagreement for tp-0: %v", m)
+	}
+	if m := metric(t, r.url, "semroute_tokenize_total", `result="ok"`); m < 100 {
+		t.Fatalf("only %v requests were tokenized by the other replicas", m)
+	}
+	if !strings.Contains(logs, "the replica's cache picture was cleared") || !strings.Contains(logs, "replica=tp-1") {
+		t.Fatalf("the restart of tp-1 was not said in the log:\n%s", logs)
+	}
+	if run2.hitRatio() < 0.5 {
+		t.Fatalf("hit ratio %.3f after the restart", run2.hitRatio())
 	}
 }
 

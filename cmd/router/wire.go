@@ -22,6 +22,7 @@ import (
 	"golang.org/x/net/netutil"
 	"google.golang.org/grpc"
 
+	"github.com/semroute/semroute/agreement"
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
 	"github.com/semroute/semroute/cluster"
@@ -38,7 +39,8 @@ import (
 
 // app is a router built from a Config.
 type app struct {
-	cfg       *configs.Config // as built; see current for reloads
+	agreement *agreement.Tracker // each replica's sources against its engine
+	cfg       *configs.Config    // as built; see current for reloads
 	log       *slog.Logger
 	cache     *cachemodel.Model
 	pool      *replica.Pool
@@ -154,9 +156,11 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	if copts.Metrics, err = router.NewMetrics(reg); err != nil {
 		return nil, err
 	}
-	precise := cfg.Tokenizer.Mode == "replica"
+	ag := newAgreement(log)
+	copts.Agreement = ag
+	precise := cfg.Tokenizer.Mode != "estimate"
 	if precise {
-		tok, err := tokenizerFor(cfg.Tokenizer.URL, cfg.Tokenizer.Timeout, cfg.Tokenizer.CacheTokens, pool)
+		tok, err := tokenizerFor(cfg.Tokenizer.URL, cfg.Tokenizer.Timeout, cfg.Tokenizer.CacheTokens, pool, ag)
 		if err != nil {
 			return nil, fmt.Errorf("config: tokenizer: %w", err)
 		}
@@ -192,10 +196,11 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		return nil, err
 	}
 	registerOps(reg, pool, cache, dl, core)
+	reg.MustRegister(agreementMetrics{ag})
 	if fleet != nil {
 		reg.MustRegister(fleetMetrics{fleet})
 	}
-	a := &app{cfg: cfg, log: log, cache: cache, pool: pool, engine: eng, core: core, server: srv, decisions: dl, reg: reg, stopTracing: stopTracing, fleet: fleet,
+	a := &app{agreement: ag, cfg: cfg, log: log, cache: cache, pool: pool, engine: eng, core: core, server: srv, decisions: dl, reg: reg, stopTracing: stopTracing, fleet: fleet,
 		file: replica.NewStatic("config", specs), admin: replica.NewStatic("admin", nil)}
 	a.current.Store(cfg)
 	a.ctx, a.stopCtx = context.WithCancel(context.Background())
@@ -265,6 +270,7 @@ func (a *app) retire(r *replica.Replica) {
 	a.events.remove(r.ID)
 	a.engine.DropPicture(r.ID)
 	a.monitor.Forget(r)
+	a.agreement.Forget(r.Name)
 }
 
 // drainReplica stops new traffic to a replica and keeps it listed; with
@@ -333,9 +339,10 @@ func (a *app) start() (*running, error) {
 
 	var wg sync.WaitGroup
 	r.wg = &wg
-	wg.Add(2)
+	wg.Add(3)
 	go func() { defer wg.Done(); a.core.Run(ctx, time.Second) }()
 	go func() { defer wg.Done(); a.monitor.Run(ctx) }()
+	go func() { defer wg.Done(); a.judgeEvents(ctx, 5*time.Second) }()
 	if c := a.cfg.Admin; c.Listen != "" && c.Token != "" {
 		if r.admin, err = serve(c.Listen, a.adminHandler(), a.log); err != nil {
 			cancel()

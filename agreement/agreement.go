@@ -1,0 +1,320 @@
+// Package agreement watches, replica by replica, whether what the router
+// believes about an engine agrees with what the engine itself reports: its
+// /tokenize answers against the prompt_tokens it bills, the cached tokens
+// the router predicted against those it reports, the blocks its KV events
+// store against the parents they name. When they disagree it says so
+// (Status, OnChange: a warning naming the replica and the cause) and
+// answers whether a source is still to be used (TokenizerOK), so the router
+// falls back to the best mode that works for that replica instead of
+// routing silently on a wrong picture, the most reported failure of precise
+// routers (llm-d #2513 and #1861, production-stack #1045).
+//
+// A Tracker is safe for concurrent use.
+package agreement
+
+import (
+	"slices"
+	"sync"
+	"time"
+)
+
+// Cause is one way a replica's sources disagree with the engine.
+type Cause string
+
+// The causes, as they appear in logs, metrics and the admin API.
+const (
+	// TokenizeFailing: every recent /tokenize call to the replica failed
+	// or was slow. Its tokenizer is not asked until it answers again.
+	TokenizeFailing Cause = "tokenize_failing"
+	// TokensDisagree: the prompt_tokens the replica reports differ from the
+	// /tokenize count for many of its requests: the router's tokens are not
+	// the engine's, and precise keys would never match its cache.
+	TokensDisagree Cause = "tokens_disagree"
+	// PredictionsOff: the cached tokens the router predicted for its recent
+	// requests are off by more than the tolerance from what it reported.
+	PredictionsOff Cause = "predictions_off"
+	// EventOrphans: most blocks its KV events stored named a parent the
+	// router never saw, so they could not be keyed.
+	EventOrphans Cause = "events_orphans"
+	// EventsSilent: its KV events went silent while requests were routed
+	// there; its picture is the approximate one.
+	EventsSilent Cause = "events_silent"
+)
+
+// Causes lists every cause, in a fixed order.
+var Causes = []Cause{TokenizeFailing, TokensDisagree, PredictionsOff, EventOrphans, EventsSilent}
+
+// Options configure a Tracker. The zero value uses the defaults.
+type Options struct {
+	// Window is how many recent requests per replica are judged. Default 64.
+	Window int
+	// MinRequests is how many of them must have reported cached tokens (or
+	// been tokenized) before a judgement. Default 16.
+	MinRequests int
+	// Tolerance is the predicted ÷ reported cached tokens band, ±. Default 0.10.
+	Tolerance float64
+	// MinCalls is how many /tokenize calls in a row must fail. Default 8.
+	MinCalls int
+	// Retry is how long a failing tokenizer rests before one call tries it
+	// again. Default 30s.
+	Retry time.Duration
+	// OnChange hears every cause that starts or ends on a replica, with
+	// the figures behind it (for the log). May be nil.
+	OnChange func(replica string, c Cause, on bool, detail string)
+	// Now is the clock; nil means time.Now.
+	Now func() time.Time
+}
+
+// Status is one replica's judgement.
+type Status struct {
+	Replica string `json:"replica"`
+	// Causes are the disagreements now, empty when all agree.
+	Causes []Cause `json:"causes"`
+	// PredictedRatio is predicted ÷ reported cached tokens over the window
+	// (0 before any reported hit).
+	PredictedRatio float64 `json:"predicted_ratio"`
+	// Requests is how many requests the window holds.
+	Requests int `json:"requests"`
+	// Finished counts every request it served since the Tracker knew it.
+	Finished uint64 `json:"finished"`
+	// TokenAgreement is the share of its tokenized requests whose
+	// prompt_tokens matched the /tokenize count (1 before any).
+	TokenAgreement float64 `json:"token_agreement"`
+	// Tokenizer is "ok", "failing" or "disagrees".
+	Tokenizer string `json:"tokenizer"`
+}
+
+type request struct {
+	precise              bool
+	tokens, prompt       int
+	predicted, reported  int
+	reportedCachedTokens bool
+}
+
+type replica struct {
+	finished uint64
+	reqs     []request // ring of the last Window
+	next     int
+	calls    []bool // ring of the last MinCalls /tokenize results, true ok
+	callNext int
+	callN    int
+	on       map[Cause]bool
+	retryAt  time.Time
+}
+
+// Tracker judges every replica's sources. Safe for concurrent use.
+type Tracker struct {
+	o  Options
+	mu sync.Mutex
+	by map[string]*replica
+}
+
+// New returns a Tracker.
+func New(o Options) *Tracker {
+	if o.Window <= 0 {
+		o.Window = 64
+	}
+	if o.MinRequests <= 0 {
+		o.MinRequests = 16
+	}
+	if o.Tolerance <= 0 {
+		o.Tolerance = 0.10
+	}
+	if o.MinCalls <= 0 {
+		o.MinCalls = 8
+	}
+	if o.Retry <= 0 {
+		o.Retry = 30 * time.Second
+	}
+	if o.Now == nil {
+		o.Now = time.Now
+	}
+	return &Tracker{o: o, by: map[string]*replica{}}
+}
+
+func (t *Tracker) get(name string) *replica {
+	r := t.by[name]
+	if r == nil {
+		r = &replica{on: map[Cause]bool{}, calls: make([]bool, t.o.MinCalls)}
+		t.by[name] = r
+	}
+	return r
+}
+
+// change records cause c on r, calling OnChange (outside the lock) when
+// it flips. Call with t.mu held; run the returned func after unlocking.
+func (t *Tracker) change(name string, r *replica, c Cause, on bool, detail string) func() {
+	if r.on[c] == on {
+		return func() {}
+	}
+	r.on[c] = on
+	if t.o.OnChange == nil {
+		return func() {}
+	}
+	return func() { t.o.OnChange(name, c, on, detail) }
+}
+
+// Tokenized records one /tokenize call to the replica: err nil if it
+// answered in time.
+func (t *Tracker) Tokenized(name string, err error) {
+	t.mu.Lock()
+	r := t.get(name)
+	r.calls[r.callNext] = err == nil
+	r.callNext = (r.callNext + 1) % len(r.calls)
+	r.callN = min(r.callN+1, len(r.calls))
+	failing := r.callN == len(r.calls) && !slices.Contains(r.calls, true)
+	if failing && !r.on[TokenizeFailing] {
+		r.retryAt = t.o.Now().Add(t.o.Retry)
+	}
+	detail := "its last calls failed or were slow"
+	if err != nil {
+		detail += ": " + err.Error()
+	}
+	after := t.change(name, r, TokenizeFailing, failing, detail)
+	t.mu.Unlock()
+	after()
+}
+
+// TokenizerOK reports whether the replica's /tokenize is to be asked: not
+// while it fails (but once per Retry, to see if it answers again), nor
+// while its counts disagree with what its engine bills.
+func (t *Tracker) TokenizerOK(name string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	r := t.by[name]
+	if r == nil {
+		return true
+	}
+	if r.on[TokenizeFailing] || r.on[TokensDisagree] {
+		if now := t.o.Now(); now.After(r.retryAt) {
+			r.retryAt = now.Add(t.o.Retry)
+			return true
+		}
+		return false
+	}
+	return true
+}
+
+// Finished records a request the replica served and reported usage for:
+// whether it was routed on tokens from /tokenize and how many, the
+// prompt_tokens the engine billed, the cached tokens the router predicted,
+// and those the engine reported (when it reports them).
+func (t *Tracker) Finished(name string, precise bool, tokens, prompt, predicted, reported int, reportedCached bool) {
+	t.mu.Lock()
+	r := t.get(name)
+	r.finished++
+	q := request{precise, tokens, prompt, predicted, reported, reportedCached}
+	if len(r.reqs) < t.o.Window {
+		r.reqs = append(r.reqs, q)
+	} else {
+		r.reqs[r.next] = q
+		r.next = (r.next + 1) % t.o.Window
+	}
+	st := t.judge(name, r)
+	var afters []func()
+	disagree := st.tokenized >= t.o.MinRequests && st.TokenAgreement < 0.75
+	if disagree && !r.on[TokensDisagree] {
+		r.retryAt = t.o.Now().Add(t.o.Retry)
+	}
+	afters = append(afters, t.change(name, r, TokensDisagree, disagree,
+		"the prompt_tokens it reports differ from the /tokenize count for most requests: the router's tokens are not its engine's"))
+	off := st.hits >= t.o.MinRequests && (st.PredictedRatio < 1-t.o.Tolerance || st.PredictedRatio > 1+t.o.Tolerance)
+	afters = append(afters, t.change(name, r, PredictionsOff, off, "predicted ÷ reported cached tokens is outside the tolerance"))
+	t.mu.Unlock()
+	for _, f := range afters {
+		f()
+	}
+}
+
+// Events records the state of the replica's KV events: blocks stored and
+// orphaned since the last call, and whether its picture follows them.
+func (t *Tracker) Events(name string, stored, orphans uint64, live, routed bool) {
+	t.mu.Lock()
+	r := t.get(name)
+	var afters []func()
+	if stored+orphans >= 64 {
+		afters = append(afters, t.change(name, r, EventOrphans, orphans*2 > stored+orphans,
+			"most stored blocks named a parent the router never saw: the events do not describe the engine's cache as the router keys it"))
+	}
+	afters = append(afters, t.change(name, r, EventsSilent, !live && routed, "no KV event batches while requests were routed there: its picture is the approximate one"))
+	t.mu.Unlock()
+	for _, f := range afters {
+		f()
+	}
+}
+
+type judged struct {
+	Status
+	hits, tokenized int
+}
+
+func (t *Tracker) judge(name string, r *replica) judged {
+	var pred, rep, agree, tok, hits int
+	for _, q := range r.reqs {
+		if q.reportedCachedTokens {
+			pred += q.predicted
+			rep += q.reported
+			if q.reported > 0 {
+				hits++
+			}
+		}
+		if q.precise {
+			tok++
+			d := q.tokens - q.prompt
+			if d < 0 {
+				d = -d
+			}
+			if d <= max(1, q.prompt/100) {
+				agree++
+			}
+		}
+	}
+	s := judged{Status: Status{Replica: name, Requests: len(r.reqs), Finished: r.finished, TokenAgreement: 1, Tokenizer: "ok"}, hits: hits, tokenized: tok}
+	if rep > 0 {
+		s.PredictedRatio = float64(pred) / float64(rep)
+	}
+	if tok > 0 {
+		s.TokenAgreement = float64(agree) / float64(tok)
+	}
+	return s
+}
+
+// Status returns every replica's judgement, by name.
+func (t *Tracker) Status() []Status {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := make([]Status, 0, len(t.by))
+	for name, r := range t.by {
+		s := t.judge(name, r).Status
+		s.Causes = []Cause{}
+		for _, c := range Causes {
+			if r.on[c] {
+				s.Causes = append(s.Causes, c)
+			}
+		}
+		switch {
+		case r.on[TokenizeFailing]:
+			s.Tokenizer = "failing"
+		case r.on[TokensDisagree]:
+			s.Tokenizer = "disagrees"
+		}
+		out = append(out, s)
+	}
+	slices.SortFunc(out, func(a, b Status) int {
+		if a.Replica < b.Replica {
+			return -1
+		}
+		if a.Replica > b.Replica {
+			return 1
+		}
+		return 0
+	})
+	return out
+}
+
+// Forget drops a replica (removed from the pool).
+func (t *Tracker) Forget(name string) {
+	t.mu.Lock()
+	delete(t.by, name)
+	t.mu.Unlock()
+}

@@ -1,0 +1,158 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/semroute/semroute/agreement"
+	"github.com/semroute/semroute/kvsync"
+	"github.com/semroute/semroute/replica"
+)
+
+// warnEvery bounds how often one replica's one cause is warned about.
+const warnEvery = time.Minute
+
+// newAgreement makes the tracker of every replica's sources, whose changes
+// are logged: a warning naming the replica and the cause when one starts
+// (at most once a minute per replica and cause), and a line when it ends.
+func newAgreement(log *slog.Logger) *agreement.Tracker {
+	var mu sync.Mutex
+	last := map[string]time.Time{}
+	return agreement.New(agreement.Options{OnChange: func(name string, c agreement.Cause, on bool, detail string) {
+		if !on {
+			log.Info("replica agrees with its engine again", "replica", name, "cause", string(c))
+			return
+		}
+		mu.Lock()
+		k := name + "\x00" + string(c)
+		quiet := time.Since(last[k]) < warnEvery
+		if !quiet {
+			last[k] = time.Now()
+		}
+		mu.Unlock()
+		if !quiet {
+			log.Warn("replica disagrees with its engine: "+fallbackOf(c), "replica", name, "cause", string(c), "detail", detail)
+		}
+	}})
+}
+
+// fallbackOf says what the router does for a replica while c holds.
+func fallbackOf(c agreement.Cause) string {
+	switch c {
+	case agreement.TokenizeFailing, agreement.TokensDisagree:
+		return "its /tokenize is not asked; requests are routed on another replica's tokens or on estimates"
+	case agreement.EventOrphans:
+		return "its KV events are not trusted; its cache picture is the approximate one"
+	case agreement.EventsSilent:
+		return "its cache picture is the approximate one"
+	default:
+		return "the router's picture of its cache is off; check budgets, block size and tokenizer"
+	}
+}
+
+// replicaByURL maps a /tokenize base URL back to its replica's name.
+func replicaByURL(pool *replica.Pool, base string) string {
+	for _, r := range pool.Replicas() {
+		if strings.TrimSuffix(r.URL.String(), "/") == base {
+			return r.Name
+		}
+	}
+	return ""
+}
+
+// onTokenize is the tokenizer's OnCall: each call's outcome, by replica.
+// A call the client gave up on (its request was cancelled) says nothing.
+func onTokenize(ag *agreement.Tracker, pool *replica.Pool) func(string, error) {
+	return func(base string, err error) {
+		if errors.Is(err, context.Canceled) {
+			return
+		}
+		if name := replicaByURL(pool, base); name != "" {
+			ag.Tokenized(name, err)
+		}
+	}
+}
+
+// judgeEvents feeds the tracker each follower's events since the last call
+// and trusts or distrusts each follower by the verdict, every interval
+// until ctx ends.
+func (a *app) judgeEvents(ctx context.Context, interval time.Duration) {
+	type seen struct{ stored, orphans, applied, finished uint64 }
+	last := map[int]seen{}
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		status := map[string]agreement.Status{}
+		for _, s := range a.agreement.Status() {
+			status[s.Replica] = s
+		}
+		a.events.mu.Lock()
+		fs := make(map[int]*kvsync.Follower, len(a.events.by))
+		for id, f := range a.events.by {
+			fs[id] = f
+		}
+		a.events.mu.Unlock()
+		for id, f := range fs {
+			st, rs := f.Stats(), status[f.Name()]
+			prev := last[id]
+			last[id] = seen{st.Stored, st.Orphans, st.Subscriber.Applied, rs.Finished}
+			// Silent: no batch since the last look while requests were
+			// served there (an idle engine is silent and fine).
+			heard := st.Subscriber.Applied > prev.applied
+			routed := rs.Finished >= prev.finished+4
+			a.agreement.Events(f.Name(), st.Stored-prev.stored, st.Orphans-prev.orphans, heard || !routed, routed)
+			bad := false
+			for _, c := range rs.Causes {
+				bad = bad || c == agreement.EventOrphans
+			}
+			f.Trust(!bad)
+		}
+	}
+}
+
+var (
+	descDisagree = prometheus.NewDesc("semroute_replica_disagreement", "1 while the replica disagrees with its engine for the cause (tokenize_failing, tokens_disagree, predictions_off, events_orphans, events_silent); the router then falls back for it to the best mode that works.", []string{"replica", "cause"}, nil)
+	descPredRate = prometheus.NewDesc("semroute_replica_predicted_ratio", "Predicted ÷ reported cached tokens over the replica's last 64 requests (0 before any reported hit).", []string{"replica"}, nil)
+)
+
+// agreementMetrics exports the tracker's verdicts.
+type agreementMetrics struct{ t *agreement.Tracker }
+
+func (m agreementMetrics) Describe(ch chan<- *prometheus.Desc) {
+	ch <- descDisagree
+	ch <- descPredRate
+}
+
+func (m agreementMetrics) Collect(ch chan<- prometheus.Metric) {
+	for _, s := range m.t.Status() {
+		on := map[agreement.Cause]bool{}
+		for _, c := range s.Causes {
+			on[c] = true
+		}
+		for _, c := range agreement.Causes {
+			v := 0.0
+			if on[c] {
+				v = 1
+			}
+			ch <- prometheus.MustNewConstMetric(descDisagree, prometheus.GaugeValue, v, s.Replica, string(c))
+		}
+		ch <- prometheus.MustNewConstMetric(descPredRate, prometheus.GaugeValue, s.PredictedRatio, s.Replica)
+	}
+}
+
+// adminAgreement lists every replica's verdict.
+func (a *app) adminAgreement(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, a.agreement.Status())
+}
