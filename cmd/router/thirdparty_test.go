@@ -12,6 +12,7 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -398,4 +399,55 @@ func (fs *followers) stats() (sum struct{ Stored, Orphans, Removed, Skipped uint
 		sum.Skipped += s.Skipped
 	}
 	return sum
+}
+
+// TestThirdPartyTable measures, through 4 third-party replicas on this
+// project's mixed chat workload, every configuration of the table in
+// BENCHMARKS.md (one run each), with the ceiling of an infinite cache on
+// the engine's own tokens. It takes minutes: run it with
+//
+//	SEMROUTE_THIRDPARTY_SIM=$(../shared/tools/thirdparty-sim) SEMROUTE_THIRDPARTY_TABLE=600 \
+//	  go test -run TestThirdPartyTable -v -timeout 30m ./cmd/router
+func TestThirdPartyTable(t *testing.T) {
+	n, _ := strconv.Atoi(os.Getenv("SEMROUTE_THIRDPARTY_TABLE"))
+	if n == 0 {
+		t.Skip("set SEMROUTE_THIRDPARTY_TABLE=<requests> to measure")
+	}
+	workers := 16 // 4 replicas × 4 sequences
+	work := tpWork(n)
+	rows := []struct{ name, policy, extra string }{
+		{"round robin", "round_robin", "tokenizer:\n  mode: estimate\n"},
+		{"llm-d port", "llmd", "tokenizer:\n  mode: estimate\n"},
+		{"SGLang port", "sglang", "tokenizer:\n  mode: estimate\n"},
+		{"Dynamo port", "dynamo", "tokenizer:\n  mode: estimate\n"},
+		{"approximate + feedback (tokenizer.mode: estimate)", "", "tokenizer:\n  mode: estimate\n"},
+		{"default: auto, /tokenize only", "", ""},
+		{"default: auto + KV events", "", "events"},
+	}
+	var b strings.Builder
+	b.WriteString("\n| configuration | engine hit ratio | TTFT p50 / p90 / p99 ms | predicted ÷ reported | errors |\n|---|---:|---|---:|---:|\n")
+	var ceiling float64
+	for _, row := range rows {
+		events := row.extra == "events"
+		reps := startThirdParty(t, tpOptions{n: 4, events: events})
+		if ceiling == 0 {
+			ceiling = tpCeiling(t, reps[0].url, work)
+		}
+		extra := row.extra
+		if events {
+			extra = ""
+		}
+		r := startRouterYAML(t, extra+tpConfig(reps, events, row.policy))
+		waitBudgets(t, r, 4, 768*16)
+		run := sendTruth(r.url, work, workers, nil)
+		fmt.Fprintf(&b, "| %s | %.3f | %.0f / %.0f / %.0f | %.3f | %d |\n", row.name, run.hitRatio(),
+			1e3*run.pct(0.5), 1e3*run.pct(0.9), 1e3*run.pct(0.99), float64(run.predicted)/float64(max(run.cached, 1)), run.errors)
+		t.Logf("%s done: hit ratio %.3f", row.name, run.hitRatio())
+		_ = r.run.stop(time.Second)
+		for _, rep := range reps {
+			rep.stop()
+		}
+	}
+	fmt.Fprintf(&b, "| ceiling: an infinite cache on the engine's tokens | %.3f | | | |\n", ceiling)
+	t.Log(b.String())
 }
