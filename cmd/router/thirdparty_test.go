@@ -82,12 +82,9 @@ func (s *syncBuffer) String() string {
 
 func freePort(t *testing.T) int {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
+	_, p, _ := net.SplitHostPort(freeAddr(t))
+	n, _ := strconv.Atoi(p)
+	return n
 }
 
 // tpModel is the model the simulators serve (the workloads' model).
