@@ -147,7 +147,7 @@ func TestFirstBatchCatchesUpFromReplay(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pub.Close()
-	pub.SkipSeq(1)           // counts from 1, as llm-d's simulator does
+	pub.SkipSeq(1)          // counts from 1, as llm-d's simulator does
 	pub.Drop(batchFor(500)) // published before anyone listened
 	pub.Drop(batchFor(501))
 	col := &collector{}
