@@ -25,7 +25,7 @@ import (
 // The interoperability suite runs the router against llm-d's vLLM
 // simulator (llm-d-inference-sim), written outside this project: its path
 // comes from SEMROUTE_THIRDPARTY_SIM, which .ci/run sets from
-// ../shared/tools/thirdparty-sim when that exists. A lone clone skips these
+// the workplace's third-party tools when they exist. A lone clone skips these
 // tests with a message; its unit tests still read the simulator's captured
 // wire bytes (testdata/thirdparty).
 
@@ -34,7 +34,7 @@ func thirdPartyBin(t *testing.T) string {
 	t.Helper()
 	bin := os.Getenv("SEMROUTE_THIRDPARTY_SIM")
 	if bin == "" {
-		t.Skip("SEMROUTE_THIRDPARTY_SIM is not set: the third-party engine's interoperability tests are skipped (.ci/run sets it from ../shared/tools)")
+		t.Skip("SEMROUTE_THIRDPARTY_SIM is not set: the third-party engine's interoperability tests are skipped (.ci/run sets it when the third-party tools are beside the repository)")
 	}
 	if _, err := os.Stat(bin); err != nil {
 		t.Fatalf("SEMROUTE_THIRDPARTY_SIM=%s: %v", bin, err)
@@ -403,7 +403,7 @@ func (fs *followers) stats() (sum struct{ Stored, Orphans, Removed, Skipped uint
 // BENCHMARKS.md (one run each), with the ceiling of an infinite cache on
 // the engine's own tokens. It takes minutes: run it with
 //
-//	SEMROUTE_THIRDPARTY_SIM=$(../shared/tools/thirdparty-sim) SEMROUTE_THIRDPARTY_TABLE=600 \
+//	SEMROUTE_THIRDPARTY_SIM=/path/to/llm-d-inference-sim SEMROUTE_THIRDPARTY_TABLE=600 \
 //	  go test -run TestThirdPartyTable -v -timeout 30m ./cmd/router
 func TestThirdPartyTable(t *testing.T) {
 	n, _ := strconv.Atoi(os.Getenv("SEMROUTE_THIRDPARTY_TABLE"))
