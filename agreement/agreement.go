@@ -14,6 +14,7 @@ package agreement
 
 import (
 	"slices"
+	"strings"
 	"sync"
 	"time"
 )
@@ -95,11 +96,41 @@ type replica struct {
 	finished uint64
 	reqs     []request // ring of the last Window
 	next     int
+	sums     sums   // over reqs
 	calls    []bool // ring of the last MinCalls /tokenize results, true ok
 	callNext int
 	callN    int
 	on       map[Cause]bool
 	retryAt  time.Time
+}
+
+// sums are the window's totals, kept as requests enter and leave it.
+type sums struct {
+	pred, rep, hits, tok, agree int
+}
+
+// add adds q to the totals (sign 1) or takes it out (sign -1).
+func (s *sums) add(q request, sign int) {
+	if q.reportedCachedTokens {
+		s.pred += sign * q.predicted
+		s.rep += sign * q.reported
+		if q.reported > 0 {
+			s.hits += sign
+		}
+	}
+	if q.precise {
+		s.tok += sign
+		if d := q.tokens - q.prompt; max(d, -d) <= max(1, q.prompt/100) {
+			s.agree += sign
+		}
+	}
+}
+
+// note is a cause that flipped, told to OnChange after the lock.
+type note struct {
+	cause  Cause
+	on     bool
+	detail string
 }
 
 // Tracker judges every replica's sources. Safe for concurrent use.
@@ -141,17 +172,23 @@ func (t *Tracker) get(name string) *replica {
 	return r
 }
 
-// change records cause c on r, calling OnChange (outside the lock) when
-// it flips. Call with t.mu held; run the returned func after unlocking.
-func (t *Tracker) change(name string, r *replica, c Cause, on bool, detail string) func() {
+// set records cause c on r with t.mu held, appending to notes when it
+// flips; tell gives them to OnChange once the lock is released.
+func set(notes []note, r *replica, c Cause, on bool, detail func() string) []note {
 	if r.on[c] == on {
-		return func() {}
+		return notes
 	}
 	r.on[c] = on
+	return append(notes, note{c, on, detail()})
+}
+
+func (t *Tracker) tell(name string, notes []note) {
 	if t.o.OnChange == nil {
-		return func() {}
+		return
 	}
-	return func() { t.o.OnChange(name, c, on, detail) }
+	for _, n := range notes {
+		t.o.OnChange(name, n.cause, n.on, n.detail)
+	}
 }
 
 // Tokenized records one /tokenize call to the replica: err nil if it
@@ -166,13 +203,15 @@ func (t *Tracker) Tokenized(name string, err error) {
 	if failing && !r.on[TokenizeFailing] {
 		r.retryAt = t.o.Now().Add(t.o.Retry)
 	}
-	detail := "its last calls failed or were slow"
-	if err != nil {
-		detail += ": " + err.Error()
-	}
-	after := t.change(name, r, TokenizeFailing, failing, detail)
+	var buf [1]note
+	notes := set(buf[:0], r, TokenizeFailing, failing, func() string {
+		if err != nil {
+			return "its last calls failed or were slow: " + err.Error()
+		}
+		return "its last calls failed or were slow"
+	})
 	t.mu.Unlock()
-	after()
+	t.tell(name, notes)
 }
 
 // TokenizerOK reports whether the replica's /tokenize is to be asked: not
@@ -207,23 +246,24 @@ func (t *Tracker) Finished(name string, precise bool, tokens, prompt, predicted,
 	if len(r.reqs) < t.o.Window {
 		r.reqs = append(r.reqs, q)
 	} else {
+		r.sums.add(r.reqs[r.next], -1)
 		r.reqs[r.next] = q
 		r.next = (r.next + 1) % t.o.Window
 	}
-	st := t.judge(name, r)
-	var afters []func()
-	disagree := st.tokenized >= t.o.MinRequests && st.TokenAgreement < 0.75
+	r.sums.add(q, 1)
+	st := r.status(name)
+	disagree := r.sums.tok >= t.o.MinRequests && st.TokenAgreement < 0.75
 	if disagree && !r.on[TokensDisagree] {
 		r.retryAt = t.o.Now().Add(t.o.Retry)
 	}
-	afters = append(afters, t.change(name, r, TokensDisagree, disagree,
-		"the prompt_tokens it reports differ from the /tokenize count for most requests: the router's tokens are not its engine's"))
-	off := st.hits >= t.o.MinRequests && (st.PredictedRatio < 1-t.o.Tolerance || st.PredictedRatio > 1+t.o.Tolerance)
-	afters = append(afters, t.change(name, r, PredictionsOff, off, "predicted ÷ reported cached tokens is outside the tolerance"))
+	var buf [2]note
+	notes := set(buf[:0], r, TokensDisagree, disagree, func() string {
+		return "the prompt_tokens it reports differ from the /tokenize count for most requests: the router's tokens are not its engine's"
+	})
+	off := r.sums.hits >= t.o.MinRequests && (st.PredictedRatio < 1-t.o.Tolerance || st.PredictedRatio > 1+t.o.Tolerance)
+	notes = set(notes, r, PredictionsOff, off, func() string { return "predicted ÷ reported cached tokens is outside the tolerance" })
 	t.mu.Unlock()
-	for _, f := range afters {
-		f()
-	}
+	t.tell(name, notes)
 }
 
 // Events records the state of the replica's KV events: blocks stored and
@@ -231,50 +271,28 @@ func (t *Tracker) Finished(name string, precise bool, tokens, prompt, predicted,
 func (t *Tracker) Events(name string, stored, orphans uint64, live, routed bool) {
 	t.mu.Lock()
 	r := t.get(name)
-	var afters []func()
+	var buf [2]note
+	notes := buf[:0]
 	if stored+orphans >= 64 {
-		afters = append(afters, t.change(name, r, EventOrphans, orphans*2 > stored+orphans,
-			"most stored blocks named a parent the router never saw: the events do not describe the engine's cache as the router keys it"))
+		notes = set(notes, r, EventOrphans, orphans*2 > stored+orphans, func() string {
+			return "most stored blocks named a parent the router never saw: the events do not describe the engine's cache as the router keys it"
+		})
 	}
-	afters = append(afters, t.change(name, r, EventsSilent, !live && routed, "no KV event batches while requests were routed there: its picture is the approximate one"))
+	notes = set(notes, r, EventsSilent, !live && routed, func() string {
+		return "no KV event batches while requests were routed there: its picture is the approximate one"
+	})
 	t.mu.Unlock()
-	for _, f := range afters {
-		f()
-	}
+	t.tell(name, notes)
 }
 
-type judged struct {
-	Status
-	hits, tokenized int
-}
-
-func (t *Tracker) judge(name string, r *replica) judged {
-	var pred, rep, agree, tok, hits int
-	for _, q := range r.reqs {
-		if q.reportedCachedTokens {
-			pred += q.predicted
-			rep += q.reported
-			if q.reported > 0 {
-				hits++
-			}
-		}
-		if q.precise {
-			tok++
-			d := q.tokens - q.prompt
-			if d < 0 {
-				d = -d
-			}
-			if d <= max(1, q.prompt/100) {
-				agree++
-			}
-		}
+// status is the replica's figures, from the window's totals.
+func (r *replica) status(name string) Status {
+	s := Status{Replica: name, Requests: len(r.reqs), Finished: r.finished, TokenAgreement: 1, Tokenizer: "ok"}
+	if r.sums.rep > 0 {
+		s.PredictedRatio = float64(r.sums.pred) / float64(r.sums.rep)
 	}
-	s := judged{Status: Status{Replica: name, Requests: len(r.reqs), Finished: r.finished, TokenAgreement: 1, Tokenizer: "ok"}, hits: hits, tokenized: tok}
-	if rep > 0 {
-		s.PredictedRatio = float64(pred) / float64(rep)
-	}
-	if tok > 0 {
-		s.TokenAgreement = float64(agree) / float64(tok)
+	if r.sums.tok > 0 {
+		s.TokenAgreement = float64(r.sums.agree) / float64(r.sums.tok)
 	}
 	return s
 }
@@ -285,7 +303,7 @@ func (t *Tracker) Status() []Status {
 	defer t.mu.Unlock()
 	out := make([]Status, 0, len(t.by))
 	for name, r := range t.by {
-		s := t.judge(name, r).Status
+		s := r.status(name)
 		s.Causes = []Cause{}
 		for _, c := range Causes {
 			if r.on[c] {
@@ -300,15 +318,7 @@ func (t *Tracker) Status() []Status {
 		}
 		out = append(out, s)
 	}
-	slices.SortFunc(out, func(a, b Status) int {
-		if a.Replica < b.Replica {
-			return -1
-		}
-		if a.Replica > b.Replica {
-			return 1
-		}
-		return 0
-	})
+	slices.SortFunc(out, func(a, b Status) int { return strings.Compare(a.Replica, b.Replica) })
 	return out
 }
 

@@ -364,6 +364,5 @@ func (r Replica) Validate() error {
 // Spec is the replica's pool spec.
 func (r Replica) Spec() replica.Spec {
 	return replica.Spec{Name: r.Name, URL: r.URL, BudgetTokens: r.BudgetTokens, Weight: r.Weight,
-		KVEvents: replica.KVEvents{Endpoint: r.KVEvents.Endpoint, ReplayEndpoint: r.KVEvents.ReplayEndpoint, Topic: r.KVEvents.Topic,
-			Listen: r.KVEvents.Listen, Rank: r.KVEvents.DataParallelRank}, Reuse: replica.Reuse(r.Reuse)}
+		KVEvents: replica.KVEvents(r.KVEvents), Reuse: replica.Reuse(r.Reuse)}
 }

@@ -1139,29 +1139,26 @@ func (e *Event) BlockExtraKeys(dst [][]byte) ([][]byte, bool) {
 		if entry[0] == 0xc0 {
 			continue
 		}
-		if keep := withoutLoRA(entry, e.LoraName); keep {
+		if beyondLoRA(entry, e.LoraName) {
 			dst[start+j] = entry
 		}
 	}
 	return dst, true
 }
 
-// withoutLoRA reports whether an extra-keys entry holds anything but the
-// adapter's name.
-func withoutLoRA(entry []byte, lora string) bool {
+// beyondLoRA reports whether an extra-keys entry holds anything but the
+// adapter's name (an entry that is not a tuple is kept whole).
+func beyondLoRA(entry []byte, lora string) bool {
 	k, p, err := arrayLen(entry, MaxUnknownFields, "extra_keys entry")
 	if err != nil {
-		return true // not a tuple: keep it whole
+		return true
 	}
 	for range k {
-		if s, rest, err := readStr(p, "extra key"); err == nil {
-			if string(s) != lora || lora == "" {
-				return true
-			}
-			p = rest
-			continue
+		s, rest, err := readStr(p, "extra key")
+		if err != nil || lora == "" || string(s) != lora {
+			return true
 		}
-		return true
+		p = rest
 	}
 	return false
 }

@@ -61,6 +61,7 @@ type Applier struct {
 	lastLoRA string
 	buf      []blockhash.Block
 	extra    [][]byte
+	hbuf     [8]byte
 	rank     int   // the data-parallel rank followed; -1 any
 	group    int64 // the full-attention group's group_idx once seen; -1 before
 
@@ -219,7 +220,11 @@ func (a *Applier) store(e *kvevents.Event, now int64) {
 			// What vLLM hashed besides the tokens (images, cache_salt):
 			// such a block is another block than the same tokens without
 			// it, and requests, keyed by their tokens alone, never match it.
-			h = xxhash.Sum64(binary.LittleEndian.AppendUint64(append([]byte(nil), extra[j]...), h))
+			var d xxhash.Digest
+			d.Reset()
+			_, _ = d.Write(extra[j])
+			_, _ = d.Write(binary.LittleEndian.AppendUint64(a.hbuf[:0], h))
+			h = d.Sum64()
 		}
 		bl = append(bl, blockhash.Block{Hash: h, Tokens: int32(a.blockSize), Kind: blockhash.KindOther})
 	}

@@ -119,12 +119,12 @@ func (u Reuse) Check() error {
 // KVEvents are the ZeroMQ addresses of an engine's KV events (vLLM's
 // --kv-events-config: endpoint, replay_endpoint, topic). Endpoint is the
 // engine's bound PUB, which the router dials; Listen, instead, is an
-// address the router binds and the engine dials. Rank is the
-// data-parallel rank whose batches are followed (-1 every rank).
+// address the router binds and the engine dials. DataParallelRank is the
+// rank whose batches are followed (-1 every rank). The fields are
+// configs.KVEventsConfig's, which converts to it.
 type KVEvents struct {
-	Endpoint, ReplayEndpoint, Topic string
-	Listen                          string
-	Rank                            int
+	Endpoint, Listen, ReplayEndpoint, Topic string
+	DataParallelRank                        int
 }
 
 // Load is a replica's queued work, the load term of routing scores. Token

@@ -2,10 +2,9 @@ package main
 
 import (
 	"context"
-	"errors"
 	"log/slog"
 	"net/http"
-	"strings"
+	"slices"
 	"sync"
 	"time"
 
@@ -13,7 +12,6 @@ import (
 
 	"github.com/semroute/semroute/agreement"
 	"github.com/semroute/semroute/kvsync"
-	"github.com/semroute/semroute/replica"
 )
 
 // warnEvery bounds how often one replica's one cause is warned about.
@@ -57,29 +55,6 @@ func fallbackOf(c agreement.Cause) string {
 	}
 }
 
-// replicaByURL maps a /tokenize base URL back to its replica's name.
-func replicaByURL(pool *replica.Pool, base string) string {
-	for _, r := range pool.Replicas() {
-		if strings.TrimSuffix(r.URL.String(), "/") == base {
-			return r.Name
-		}
-	}
-	return ""
-}
-
-// onTokenize is the tokenizer's OnCall: each call's outcome, by replica.
-// A call the client gave up on (its request was cancelled) says nothing.
-func onTokenize(ag *agreement.Tracker, pool *replica.Pool) func(string, error) {
-	return func(base string, err error) {
-		if errors.Is(err, context.Canceled) {
-			return
-		}
-		if name := replicaByURL(pool, base); name != "" {
-			ag.Tokenized(name, err)
-		}
-	}
-}
-
 // judgeEvents feeds the tracker each follower's events since the last call
 // and trusts or distrusts each follower by the verdict, every interval
 // until ctx ends.
@@ -113,11 +88,7 @@ func (a *app) judgeEvents(ctx context.Context, interval time.Duration) {
 			heard := st.Subscriber.Applied > prev.applied
 			routed := rs.Finished >= prev.finished+4
 			a.agreement.Events(f.Name(), st.Stored-prev.stored, st.Orphans-prev.orphans, heard || !routed, routed)
-			bad := false
-			for _, c := range rs.Causes {
-				bad = bad || c == agreement.EventOrphans
-			}
-			f.Trust(!bad)
+			f.Trust(!slices.Contains(rs.Causes, agreement.EventOrphans))
 		}
 	}
 }

@@ -1,7 +1,8 @@
 package main
 
 import (
-	"cmp"
+	"context"
+	"errors"
 	"log/slog"
 	"strings"
 	"sync"
@@ -50,9 +51,12 @@ func newFollowers(cache *cachemodel.Model, eng *routing.Engine, blockSize int, p
 // deployments set the same).
 func llmdTopic(r *replica.Replica) string {
 	port := r.URL.Port()
-	if port == "" {
-		port = map[string]string{"https": "443"}[r.URL.Scheme]
-		port = cmp.Or(port, "80")
+	switch {
+	case port != "":
+	case r.URL.Scheme == "https":
+		port = "443"
+	default:
+		port = "80"
 	}
 	return "kv@" + r.URL.Hostname() + ":" + port + "@"
 }
@@ -109,7 +113,7 @@ func (fs *followers) add(r *replica.Replica, s replica.Spec) {
 	}
 	fs.remove(r.ID) // a replica added again follows its new spec
 	o := kvsync.Options{Model: fs.cache, ID: r.ID, Name: r.Name, Endpoint: ev.Endpoint, ReplayEndpoint: ev.ReplayEndpoint,
-		Topic: ev.Topic, Rank: ev.Rank, BlockSize: fs.blockSize, OnLoRA: fs.engine.NoteAdapter, Logger: fs.log}
+		Topic: ev.Topic, Rank: ev.DataParallelRank, BlockSize: fs.blockSize, OnLoRA: fs.engine.NoteAdapter, Logger: fs.log}
 	if ev.Listen != "" {
 		l, err := fs.listen(r.ID, ev.Listen)
 		if err != nil {
@@ -160,14 +164,26 @@ func (fs *followers) close() {
 // tokenizerFor makes the precise mode's tokenizer: a fixed URL, or an
 // available replica that serves the request's model (its chat template and
 // vocabulary are the model's), else one whose models are not known yet.
+//
+// Each call's outcome is told to ag under the name of the replica Pick
+// chose (a fixed URL is no replica's); a call the client gave up on (its
+// request was cancelled) says nothing.
 func tokenizerFor(url string, timeout time.Duration, cacheTokens int, pool *replica.Pool, ag *agreement.Tracker) (*tokenizer.Client, error) {
-	o := tokenizer.Options{URL: strings.TrimSuffix(url, "/"), Timeout: timeout, CacheTokens: cacheTokens, OnCall: onTokenize(ag, pool)}
+	var names sync.Map // base URL Pick returned → replica name
+	o := tokenizer.Options{URL: strings.TrimSuffix(url, "/"), Timeout: timeout, CacheTokens: cacheTokens,
+		OnCall: func(base string, err error) {
+			if name, ok := names.Load(base); ok && !errors.Is(err, context.Canceled) {
+				ag.Tokenized(name.(string), err)
+			}
+		}}
 	if url == "" {
 		o.Pick = func(model string) string {
 			now := time.Now()
 			for _, r := range pool.Replicas() {
 				if m := r.Models(); r.Available(now) && (m == nil || m.Serves(model)) && ag.TokenizerOK(r.Name) {
-					return strings.TrimSuffix(r.URL.String(), "/")
+					base := strings.TrimSuffix(r.URL.String(), "/")
+					names.Store(base, r.Name)
+					return base
 				}
 			}
 			return ""
