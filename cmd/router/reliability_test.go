@@ -248,6 +248,8 @@ func TestThousandStreamsNoLeaks(t *testing.T) {
 	const n = 1000
 	var wg sync.WaitGroup
 	var ok atomic.Int64
+	var mu sync.Mutex
+	var failures []string // why each stream that did not complete did not
 	start := make(chan struct{})
 	for i := 0; i < n; i++ {
 		wg.Add(1)
@@ -274,7 +276,12 @@ func TestThousandStreamsNoLeaks(t *testing.T) {
 			}
 			if done && chunks == 20 {
 				ok.Add(1)
+				return
 			}
+			mu.Lock()
+			failures = append(failures, fmt.Sprintf("stream %d: status %d, replica %q, %d chunks, [DONE] %v, read error %v",
+				i, resp.StatusCode, resp.Header.Get("X-Semroute-Replica"), chunks, done, sc.Err()))
+			mu.Unlock()
 		}(i)
 	}
 	close(start)
@@ -284,7 +291,7 @@ func TestThousandStreamsNoLeaks(t *testing.T) {
 		t.Fatal(err)
 	}
 	if ok.Load() != n {
-		t.Fatalf("%d of %d streams completed", ok.Load(), n)
+		t.Fatalf("%d of %d streams completed:\n%s", ok.Load(), n, strings.Join(failures[:min(len(failures), 20)], "\n"))
 	}
 }
 
