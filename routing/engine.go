@@ -179,7 +179,8 @@ type Decision struct {
 
 	pooled  bool              // Blocks came from the block pool
 	learned []blockhash.Block // LearnReply's chain, from the block pool
-	scale   float64           // engine tokens per estimated token in Blocks (0 means 1)
+	scale   scales            // engine tokens per estimated token in Blocks (zero: 1)
+	est     estimate          // Blocks' estimated tokens, before scale
 	exact   bool              // Blocks count token ids, not estimates
 	// precise: Blocks are the engine's own token blocks of blockTokens ids
 	// (PrepareTokens), keyed as its KV events are.
@@ -246,9 +247,10 @@ type Request struct {
 	// them), so Recycle may take them back.
 	pooled bool
 	// scale is the engine tokens per estimated token Prepare applied to
-	// the blocks' Tokens (0 means 1); exact says the tokens were not
+	// the blocks' Tokens (zero: 1); exact says the tokens were not
 	// estimated (token ids), so the engine's count teaches nothing.
-	scale float64
+	scale scales
+	est   estimate
 	exact bool
 	// Tail is the prompt's tokens in no block (PrepareTokens: the last
 	// partial block), counted in the prompt's tokens.
@@ -271,12 +273,12 @@ func (r *Request) DetachText() {
 // its block list is the engine's, and Recycle takes it back when the
 // decision made from it ends.
 func (e *Engine) Prepare(req *blockhash.Request, sessionID string, withText bool) Request {
-	in := Request{Blocks: e.split.Split(newBlocks(e.split.Count(req)), req), pooled: true, scale: 1, Model: req.Model}
+	in := Request{Blocks: e.split.Split(newBlocks(e.split.Count(req)), req), pooled: true, Model: req.Model}
 	if req.TokenIDsOnly() { // token ids are counted exactly already: nothing to scale, nothing to learn
 		in.exact = true
 	} else {
-		in.scale = e.units.scale(req.Model)
-		scaleTokens(in.Blocks, in.scale)
+		in.scale = e.units.scales(req.Model)
+		in.est = scaleTokens(in.Blocks, in.scale)
 	}
 	in.Key = SessionKey(sessionID, req.User, in.Blocks)
 	in.Text = e.text(req, withText)
@@ -298,7 +300,7 @@ func (e *Engine) PrepareTokens(req *blockhash.Request, ids []int32, blockTokens 
 	if e.segs != nil { // a replica blends: its documents' blocks need keys of their own
 		blockhash.SetTokenSegments(bl, len(ids), blockTokens, req)
 	}
-	in := Request{Blocks: bl, Tail: tail, pooled: true, scale: 1, exact: true, blockTokens: blockTokens, Model: req.Model}
+	in := Request{Blocks: bl, Tail: tail, pooled: true, exact: true, blockTokens: blockTokens, Model: req.Model}
 	in.Key = SessionKey(sessionID, req.User, in.Blocks)
 	in.Text = e.text(req, withText)
 	return in
@@ -342,14 +344,24 @@ func (e *Engine) isAdapter(name string) bool {
 	return m != nil && (*m)[name]
 }
 
-// scaleTokens turns estimated tokens into engine tokens, at least 1 a block.
-func scaleTokens(blocks []blockhash.Block, scale float64) {
-	if scale == 1 || scale == 0 {
-		return
-	}
+// estimate is a prompt's estimated tokens, of tool schemas and of the rest.
+type estimate struct{ tools, other float64 }
+
+// scaleTokens turns estimated tokens into engine tokens, at least 1 a
+// block, and returns the estimate it scaled.
+func scaleTokens(blocks []blockhash.Block, s scales) (est estimate) {
 	for i := range blocks {
-		blocks[i].Tokens = max(int32(math.Round(float64(blocks[i].Tokens)*scale)), 1)
+		b := &blocks[i]
+		if b.Kind == blockhash.KindTools {
+			est.tools += float64(b.Tokens)
+		} else {
+			est.other += float64(b.Tokens)
+		}
+		if f := s.of(b.Kind); f != 1 {
+			b.Tokens = max(int32(math.Round(float64(b.Tokens)*f)), 1)
+		}
 	}
+	return est
 }
 
 // ObserveUsage learns the engine's unit for model from a finished request:
@@ -358,8 +370,7 @@ func (e *Engine) ObserveUsage(model string, d *Decision, promptTokens int) {
 	if d.exact {
 		return
 	}
-	scale := cmp.Or(d.scale, 1)
-	e.units.observe(model, float64(d.Tokens)/scale, promptTokens)
+	e.units.observe(model, d.est.tools, d.est.other, promptTokens)
 }
 
 // TokenScale returns the engine tokens per estimated token learned for
@@ -376,7 +387,7 @@ func (e *Engine) Decide(ri Request, record bool) (*Decision, error) {
 	if pol == nil {
 		return nil, errors.New("routing: Request.Policy is required")
 	}
-	d := &Decision{Blocks: ri.Blocks, Key: ri.Key, Policy: pol.Name(), pooled: ri.pooled, scale: ri.scale, exact: ri.exact,
+	d := &Decision{Blocks: ri.Blocks, Key: ri.Key, Policy: pol.Name(), pooled: ri.pooled, scale: ri.scale, est: ri.est, exact: ri.exact,
 		precise: ri.blockTokens > 0, blockTokens: ri.blockTokens, Tokens: ri.Tail}
 	for _, b := range ri.Blocks {
 		d.Tokens += int(b.Tokens)
