@@ -28,7 +28,7 @@ import (
 //
 // Safe for concurrent use.
 type units struct {
-	mu     sync.Mutex                      // serialises adding a model
+	mu     sync.Mutex                       // serialises adding a model
 	models atomic.Pointer[map[string]*unit] // copy-on-write
 }
 
