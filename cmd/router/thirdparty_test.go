@@ -449,7 +449,7 @@ func TestThirdPartyTable(t *testing.T) {
 		run := sendTruth(r.url, work, workers, nil)
 		fmt.Fprintf(&b, "| %s | %.3f | %.0f / %.0f / %.0f | %.3f | %d |\n", row.name, run.hitRatio(),
 			1e3*run.pct(0.5), 1e3*run.pct(0.9), 1e3*run.pct(0.99), float64(run.predicted)/float64(max(run.cached, 1)), run.errors)
-		t.Logf("%s done: hit ratio %.3f", row.name, run.hitRatio())
+		t.Logf("%s done: hit ratio %.3f; first error: %s", row.name, run.hitRatio(), run.firstErr)
 		_ = r.run.stop(time.Second)
 		for _, rep := range reps {
 			rep.stop()

@@ -3,8 +3,10 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"net/http"
 	"os"
@@ -100,6 +102,7 @@ type truthRun struct {
 	prompt, cached, predicted int64
 	ttfts                     []float64 // seconds
 	errors                    int
+	firstErr                  string // what the first failed request got
 }
 
 func (r *truthRun) hitRatio() float64 { return float64(r.cached) / float64(max(r.prompt, 1)) }
@@ -164,6 +167,16 @@ func sendTruth(url string, work [][]byte, workers int, before func(i int)) *trut
 				if err != nil {
 					mu.Lock()
 					run.errors++
+					run.firstErr = cmp.Or(run.firstErr, err.Error())
+					mu.Unlock()
+					continue
+				}
+				if resp.StatusCode != 200 {
+					b, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+					resp.Body.Close()
+					mu.Lock()
+					run.errors++
+					run.firstErr = cmp.Or(run.firstErr, fmt.Sprintf("%d from %s: %s", resp.StatusCode, resp.Header.Get("X-Semroute-Replica"), b))
 					mu.Unlock()
 					continue
 				}
@@ -194,8 +207,9 @@ func sendTruth(url string, work [][]byte, workers int, before func(i int)) *trut
 				}
 				resp.Body.Close()
 				mu.Lock()
-				if resp.StatusCode != 200 || prompt == 0 {
+				if prompt == 0 {
 					run.errors++
+					run.firstErr = cmp.Or(run.firstErr, "a stream without usage")
 				} else {
 					run.prompt += prompt
 					run.cached += cached
