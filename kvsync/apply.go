@@ -17,6 +17,7 @@ import (
 	"sync/atomic"
 
 	"github.com/cespare/xxhash/v2"
+	lru "github.com/hashicorp/golang-lru/v2"
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
@@ -62,11 +63,38 @@ type Applier struct {
 	buf      []blockhash.Block
 	extra    [][]byte
 	hbuf     [8]byte
-	rank     int   // the data-parallel rank followed; -1 any
-	group    int64 // the full-attention group's group_idx once seen; -1 before
+	at       []place // each block's parent in buf, store's
+	// seen remembers where the blocks the engine stored lately sit in
+	// their chain, by engine hash, after they are removed too. An engine
+	// hashes a block by its content and its place, so one it stores again
+	// under a hash seen before is that block again: llm-d's simulator,
+	// refilling holes its eviction left in a chain, lists those blocks
+	// with the new ones after its last cached block and names that block
+	// as the parent of all (pkg/kv-cache/block_cache.go startRequest);
+	// chained after it they would be keyed wrong and lost.
+	seen  *lru.Cache[uint64, stored]
+	rank  int   // the data-parallel rank followed; -1 any
+	group int64 // the full-attention group's group_idx once seen; -1 before
 
 	stored, removed, orphans, skipped, cleared, ignored atomic.Uint64
 }
+
+// place is a block's parent in the picture: a router key, or none (ok
+// false: the chain's first block).
+type place struct {
+	key uint64
+	ok  bool
+}
+
+// stored is where a block the engine stored sits: its router key and its
+// parent.
+type stored struct {
+	key    uint64
+	parent place
+}
+
+// seenBlocks bounds Applier.seen: the blocks stored lately (3 MiB or so at most).
+const seenBlocks = 1 << 15
 
 // NewApplier returns an Applier for replica id of model, whose engine
 // caches blocks of blockSize tokens (the router's precise block size:
@@ -76,7 +104,8 @@ func NewApplier(model *cachemodel.Model, id, blockSize, maxBlocks int, onLoRA fu
 	if maxBlocks <= 0 {
 		maxBlocks = DefaultMaxBlocks
 	}
-	return &Applier{model: model, id: id, blockSize: blockSize, maxBlocks: maxBlocks, onLoRA: onLoRA, keys: newKeyIndex(), rank: -1, group: -1}
+	seen, _ := lru.New[uint64, stored](seenBlocks) // only a size ≤ 0 fails
+	return &Applier{model: model, id: id, blockSize: blockSize, maxBlocks: maxBlocks, onLoRA: onLoRA, keys: newKeyIndex(), seen: seen, rank: -1, group: -1}
 }
 
 // FollowRank makes the Applier apply only the batches of one data-parallel
@@ -97,6 +126,7 @@ func (a *Applier) Tracked() int { return a.keys.Len() }
 func (a *Applier) Reset() {
 	a.model.Clear(a.id)
 	a.keys = newKeyIndex()
+	a.seen.Purge() // a restarted engine may hash with another seed
 	a.cleared.Add(1)
 }
 
@@ -178,19 +208,17 @@ func (a *Applier) store(e *kvevents.Event, now int64) {
 		a.skipped.Add(1)
 		return
 	}
-	var parent uint64
-	hasParent := e.HasParent
-	if hasParent {
+	var parent place
+	if e.HasParent {
 		p, ok := a.keys.Get(e.ParentHash)
 		switch {
 		case ok:
-			parent = p
+			parent = place{p, true}
 		case e.ParentHash == 0:
 			// No parent: llm-d's simulator sends 0 (its EmptyBlockHash)
 			// where vLLM sends None, in its positional format
 			// (pkg/kv-cache/kv_cache_sender.go). An engine block hash of 0
 			// the picture does not know is read as that.
-			hasParent = false
 		default:
 			a.orphans.Add(uint64(n))
 			return
@@ -209,12 +237,16 @@ func (a *Applier) store(e *kvevents.Event, now int64) {
 			a.onLoRA(lora)
 		}
 	}
-	h := parent
-	if !hasParent {
-		h = blockhash.TokenSeed(lora)
-	}
-	bl := a.buf[:0]
+	// Key each block after the one before it, from the event's parent on;
+	// a block stored before in another place of the chain keeps that place
+	// (see seen).
+	bl, at := a.buf[:0], a.at[:0]
+	cursor := parent
 	for j := 0; j < n; j++ {
+		h := cursor.key
+		if !cursor.ok {
+			h = blockhash.TokenSeed(lora)
+		}
 		h = blockhash.TokenBlockHash(h, e.TokenIDs[j*a.blockSize:(j+1)*a.blockSize])
 		if extra[j] != nil {
 			// What vLLM hashed besides the tokens (images, cache_salt):
@@ -226,18 +258,34 @@ func (a *Applier) store(e *kvevents.Event, now int64) {
 			_, _ = d.Write(binary.LittleEndian.AppendUint64(a.hbuf[:0], h))
 			h = d.Sum64()
 		}
+		from := cursor
+		if was, ok := a.seen.Peek(e.BlockHashes[j]); ok && was.parent != cursor {
+			h, from = was.key, was.parent // a hole refilled: its own place; the chain goes on from the cursor
+		} else {
+			cursor = place{h, true}
+		}
 		bl = append(bl, blockhash.Block{Hash: h, Tokens: int32(a.blockSize), Kind: blockhash.KindOther})
+		at = append(at, from)
 	}
-	a.buf = bl
+	a.buf, a.at = bl, at
 	cpu := isCPU(e.Medium)
-	if ok, _ := a.model.Store(a.id, parent, hasParent, bl, cpu, now); !ok {
-		a.orphans.Add(uint64(n)) // the parent left the picture (evicted there)
-		return
+	// Store each run of blocks that follow one another.
+	for i := 0; i < n; {
+		j := i + 1
+		for j < n && at[j] == (place{bl[j-1].Hash, true}) {
+			j++
+		}
+		if ok, _ := a.model.Store(a.id, at[i].key, at[i].ok, bl[i:j], cpu, now); !ok {
+			a.orphans.Add(uint64(j - i)) // the parent left the picture (evicted there)
+		} else {
+			for k := i; k < j; k++ {
+				a.keys.Put(e.BlockHashes[k], bl[k].Hash)
+				a.seen.Add(e.BlockHashes[k], stored{bl[k].Hash, at[k]})
+			}
+			a.stored.Add(uint64(j - i))
+		}
+		i = j
 	}
-	for j, eh := range e.BlockHashes {
-		a.keys.Put(eh, bl[j].Hash)
-	}
-	a.stored.Add(uint64(n))
 	if a.keys.Len() > a.maxBlocks {
 		a.Reset()
 	}

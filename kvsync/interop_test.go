@@ -101,3 +101,28 @@ func TestExtraKeys(t *testing.T) {
 		t.Fatalf("an adapter's block whose extra keys name only the adapter: matched %d blocks, %+v", got, c.Counts())
 	}
 }
+
+// llm-d's simulator refills a hole its eviction left in a chain by storing
+// the evicted block again together with the new blocks after its last
+// cached one, all under that block as parent: the refilled block is keyed
+// in its own place again, the new ones after the parent, and the whole
+// prefix matches.
+func TestHoleRefilledInItsPlace(t *testing.T) {
+	model, id, a := applier(t)
+	apply(a, chainEvent([]uint64{10, 11, 12, 13}, nil, 0)) // blocks 0-3
+	apply(a, kvevents.Event{Kind: kvevents.BlockRemoved, BlockHashes: []uint64{11}})
+	if got := model.Match(blocksOf(0, 4), nil, nil)[id].Blocks; got != 1 {
+		t.Fatalf("after the hole: %d blocks match", got)
+	}
+	// [block 1 (the hole), block 4, block 5], parent block 3.
+	refill := kvevents.Event{Kind: kvevents.BlockStored, BlockHashes: []uint64{11, 14, 15}, BlockSize: 16, ParentHash: 13, HasParent: true}
+	for _, base := range []int{16, 64, 80} {
+		for i := range 16 {
+			refill.TokenIDs = append(refill.TokenIDs, uint32(base+i))
+		}
+	}
+	apply(a, refill)
+	if got := model.Match(blocksOf(0, 6), nil, nil)[id].Blocks; got != 6 || a.Counts().Orphans != 0 {
+		t.Fatalf("after the refill: %d of 6 blocks match, %+v", got, a.Counts())
+	}
+}

@@ -40,7 +40,11 @@ func words(tag string, n int) string {
 // with long system prompts and tool schemas, RAG questions over shared
 // documents, multi-turn chats and agents whose tool outputs grow their
 // context. Sessions interleave; each session's turns stay in order.
-func truthWorkload(n int, seed uint64) [][]byte {
+func truthWorkload(n int, seed uint64) [][]byte { return truthSessions(n, seed, n/4+1) }
+
+// truthSessions is truthWorkload with that many sessions open at once: the
+// more, the larger the working set the engines' caches must hold.
+func truthSessions(n int, seed uint64, open int) [][]byte {
 	r := rand.New(rand.NewPCG(seed, 7))
 	systems := make([]string, 6)
 	for i := range systems {
@@ -62,7 +66,7 @@ func truthWorkload(n int, seed uint64) [][]byte {
 		turns int
 	}
 	var sessions []*session
-	for i := 0; i < n/4+1; i++ {
+	for i := 0; i < open; i++ {
 		s := &session{kind: r.IntN(3), turns: 1 + r.IntN(6)}
 		s.msgs = []map[string]any{{"role": "system", "content": systems[r.IntN(len(systems))]}}
 		s.tools = s.kind == 2 || r.IntN(3) == 0
