@@ -420,36 +420,46 @@ func TestThirdPartyTable(t *testing.T) {
 	if n == 0 {
 		t.Skip("set SEMROUTE_THIRDPARTY_TABLE=<requests> to measure")
 	}
-	workers := 16 // 4 replicas × 4 sequences
-	work := tpWork(n)
-	rows := []struct{ name, policy, extra string }{
-		{"round robin", "round_robin", "tokenizer:\n  mode: estimate\n"},
-		{"llm-d port", "llmd", "tokenizer:\n  mode: estimate\n"},
-		{"SGLang port", "sglang", "tokenizer:\n  mode: estimate\n"},
-		{"Dynamo port", "dynamo", "tokenizer:\n  mode: estimate\n"},
-		{"approximate + feedback (tokenizer.mode: estimate)", "", "tokenizer:\n  mode: estimate\n"},
-		{"default: auto, /tokenize only", "", ""},
-		{"default: auto + KV events", "", "events"},
+	const workers = 16 // 4 replicas × 4 sequences
+	estimate := "tokenizer:\n  mode: estimate\n"
+	all := []tpRow{
+		{"round robin", "round_robin", estimate, false},
+		{"llm-d port", "llmd", estimate, false},
+		{"SGLang port", "sglang", estimate, false},
+		{"Dynamo port", "dynamo", estimate, false},
+		{"approximate + feedback (tokenizer.mode: estimate)", "", estimate, false},
+		{"default: auto, /tokenize only", "", "", false},
+		{"default: auto + KV events", "", "", true},
 	}
+	t.Log(tpTable(t, "the mixed chat workload, n/4 sessions open", tpWork(n), all, workers))
+	// The same generator with 40 sessions open: a working set the fleet's
+	// memory holds, where the infinite ceiling is within reach.
+	t.Log(tpTable(t, "40 sessions open", truthSessions(n, 29, 40), []tpRow{all[1], all[2], all[5], all[6]}, workers))
+}
+
+// tpRow is one configuration of the third-party table.
+type tpRow struct {
+	name, policy, yaml string
+	events             bool
+}
+
+// tpTable runs each row through 4 fresh third-party replicas and returns
+// the table, with the two references of tpCeiling.
+func tpTable(t *testing.T, title string, work [][]byte, rows []tpRow, workers int) string {
 	var b strings.Builder
-	b.WriteString("\n| configuration | engine hit ratio | TTFT p50 / p90 / p99 ms | predicted ÷ reported | errors |\n|---|---:|---|---:|---:|\n")
+	fmt.Fprintf(&b, "\n%s\n\n| configuration | engine hit ratio | TTFT p50 / p90 / p99 ms | predicted ÷ reported | errors |\n|---|---:|---|---:|---:|\n", title)
 	var ceiling, pooled float64
 	for _, row := range rows {
-		events := row.extra == "events"
-		reps := startThirdParty(t, tpOptions{n: 4, events: events})
+		reps := startThirdParty(t, tpOptions{n: 4, events: row.events})
 		if ceiling == 0 {
 			ceiling, pooled = tpCeiling(t, reps[0].url, work, 4*768)
 		}
-		extra := row.extra
-		if events {
-			extra = ""
-		}
-		r := startRouterYAML(t, extra+tpConfig(reps, events, row.policy))
+		r := startRouterYAML(t, row.yaml+tpConfig(reps, row.events, row.policy))
 		waitBudgets(t, r, 4, 768*16)
 		run := sendTruth(r.url, work, workers, nil)
 		fmt.Fprintf(&b, "| %s | %.3f | %.0f / %.0f / %.0f | %.3f | %d |\n", row.name, run.hitRatio(),
 			1e3*run.pct(0.5), 1e3*run.pct(0.9), 1e3*run.pct(0.99), float64(run.predicted)/float64(max(run.cached, 1)), run.errors)
-		t.Logf("%s done: hit ratio %.3f; first error: %s", row.name, run.hitRatio(), run.firstErr)
+		t.Logf("%s, %s done: hit ratio %.3f; first error: %s", title, row.name, run.hitRatio(), run.firstErr)
 		_ = r.run.stop(time.Second)
 		for _, rep := range reps {
 			rep.stop()
@@ -457,5 +467,5 @@ func TestThirdPartyTable(t *testing.T) {
 	}
 	fmt.Fprintf(&b, "| ceiling: an infinite cache on the engine's tokens | %.3f | | | |\n", ceiling)
 	fmt.Fprintf(&b, "| reference: one pooled LRU cache of the fleet's 4 × 768 blocks | %.3f | | | |\n", pooled)
-	t.Log(b.String())
+	return b.String()
 }
