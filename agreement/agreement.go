@@ -40,10 +40,14 @@ const (
 	// EventsSilent: its KV events went silent while requests were routed
 	// there; its picture is the approximate one.
 	EventsSilent Cause = "events_silent"
+	// EventsUnusable: most of its stored-block events could not be applied:
+	// a block size other than tokenizer.block_tokens (vLLM's --block-size),
+	// or token ids that do not fill their blocks.
+	EventsUnusable Cause = "events_unusable"
 )
 
 // Causes lists every cause, in a fixed order.
-var Causes = []Cause{TokenizeFailing, TokensDisagree, PredictionsOff, EventOrphans, EventsSilent}
+var Causes = []Cause{TokenizeFailing, TokensDisagree, PredictionsOff, EventOrphans, EventsSilent, EventsUnusable}
 
 // Options configure a Tracker. The zero value uses the defaults.
 type Options struct {
@@ -266,13 +270,23 @@ func (t *Tracker) Finished(name string, precise bool, tokens, prompt, predicted,
 	t.tell(name, notes)
 }
 
-// Events records the state of the replica's KV events: blocks stored and
-// orphaned since the last call, and whether its picture follows them.
-func (t *Tracker) Events(name string, stored, orphans uint64, live, routed bool) {
+// Events records the state of the replica's KV events since the last
+// call: blocks stored and orphaned, stored-block events skipped as
+// unusable, whether batches came (live) and whether requests were routed
+// there.
+func (t *Tracker) Events(name string, stored, orphans, skipped uint64, live, routed bool) {
 	t.mu.Lock()
 	r := t.get(name)
-	var buf [2]note
+	var buf [3]note
 	notes := buf[:0]
+	if skipped >= 8 {
+		// An event holds a chain of blocks: compare events with events.
+		notes = set(notes, r, EventsUnusable, skipped > stored/16, func() string {
+			return "its stored-block events could not be applied: is tokenizer.block_tokens its engine's --block-size?"
+		})
+	} else if stored >= 64 {
+		notes = set(notes, r, EventsUnusable, false, func() string { return "" })
+	}
 	if stored+orphans >= 64 {
 		notes = set(notes, r, EventOrphans, orphans*2 > stored+orphans, func() string {
 			return "most stored blocks named a parent the router never saw: the events do not describe the engine's cache as the router keys it"

@@ -82,11 +82,17 @@ func TestFinished(t *testing.T) {
 func TestEvents(t *testing.T) {
 	now := time.Unix(1000, 0)
 	tr, _ := tracker(&now)
-	tr.Events("a", 10, 600, true, true)
-	tr.Events("b", 600, 10, false, true)
-	tr.Events("c", 0, 0, false, false)
+	tr.Events("a", 10, 600, 0, true, true)
+	tr.Events("b", 600, 10, 0, false, true)
+	tr.Events("c", 0, 0, 0, false, false)
+	tr.Events("d", 0, 0, 40, true, true) // block_tokens 32 against an engine's 16
 	st := tr.Status()
-	if len(st[0].Causes) != 1 || st[0].Causes[0] != EventOrphans || len(st[1].Causes) != 1 || st[1].Causes[0] != EventsSilent || len(st[2].Causes) != 0 {
+	if len(st[0].Causes) != 1 || st[0].Causes[0] != EventOrphans || len(st[1].Causes) != 1 || st[1].Causes[0] != EventsSilent ||
+		len(st[2].Causes) != 0 || len(st[3].Causes) != 1 || st[3].Causes[0] != EventsUnusable {
 		t.Fatalf("%+v", st)
+	}
+	tr.Events("d", 640, 0, 0, true, true) // fixed
+	if st := tr.Status(); len(st[3].Causes) != 0 {
+		t.Fatalf("%+v", st[3])
 	}
 }

@@ -48,7 +48,7 @@ func fallbackOf(c agreement.Cause) string {
 		return "its /tokenize is not asked; requests are routed on another replica's tokens or on estimates"
 	case agreement.EventOrphans:
 		return "its KV events are not trusted; its cache picture is the approximate one"
-	case agreement.EventsSilent:
+	case agreement.EventsSilent, agreement.EventsUnusable:
 		return "its cache picture is the approximate one"
 	default:
 		return "the router's picture of its cache is off; check budgets, block size and tokenizer"
@@ -59,7 +59,7 @@ func fallbackOf(c agreement.Cause) string {
 // and trusts or distrusts each follower by the verdict, every interval
 // until ctx ends.
 func (a *app) judgeEvents(ctx context.Context, interval time.Duration) {
-	type seen struct{ stored, orphans, applied, finished uint64 }
+	type seen struct{ stored, orphans, skipped, applied, finished uint64 }
 	last := map[int]seen{}
 	t := time.NewTicker(interval)
 	defer t.Stop()
@@ -82,19 +82,19 @@ func (a *app) judgeEvents(ctx context.Context, interval time.Duration) {
 		for id, f := range fs {
 			st, rs := f.Stats(), status[f.Name()]
 			prev := last[id]
-			last[id] = seen{st.Stored, st.Orphans, st.Subscriber.Applied, rs.Finished}
+			last[id] = seen{st.Stored, st.Orphans, st.Skipped, st.Subscriber.Applied, rs.Finished}
 			// Silent: no batch since the last look while requests were
 			// served there (an idle engine is silent and fine).
 			heard := st.Subscriber.Applied > prev.applied
 			routed := rs.Finished >= prev.finished+4
-			a.agreement.Events(f.Name(), st.Stored-prev.stored, st.Orphans-prev.orphans, heard || !routed, routed)
+			a.agreement.Events(f.Name(), st.Stored-prev.stored, st.Orphans-prev.orphans, st.Skipped-prev.skipped, heard || !routed, routed)
 			f.Trust(!slices.Contains(rs.Causes, agreement.EventOrphans))
 		}
 	}
 }
 
 var (
-	descDisagree = prometheus.NewDesc("semroute_replica_disagreement", "1 while the replica disagrees with its engine for the cause (tokenize_failing, tokens_disagree, predictions_off, events_orphans, events_silent); the router then falls back for it to the best mode that works.", []string{"replica", "cause"}, nil)
+	descDisagree = prometheus.NewDesc("semroute_replica_disagreement", "1 while the replica disagrees with its engine for the cause (tokenize_failing, tokens_disagree, predictions_off, events_orphans, events_silent, events_unusable); the router then falls back for it to the best mode that works.", []string{"replica", "cause"}, nil)
 	descPredRate = prometheus.NewDesc("semroute_replica_predicted_ratio", "Predicted ÷ reported cached tokens over the replica's last 64 requests (0 before any reported hit).", []string{"replica"}, nil)
 )
 

@@ -469,3 +469,26 @@ func tpTable(t *testing.T, title string, work [][]byte, rows []tpRow, workers in
 	fmt.Fprintf(&b, "| reference: one pooled LRU cache of the fleet's 4 × 768 blocks | %.3f | | | |\n", pooled)
 	return b.String()
 }
+
+// TestThirdPartyMisconfiguredBlockSize: a router told the engine's blocks
+// are 32 tokens, in front of an engine whose blocks are 16, says so within
+// seconds, naming the replica and the cause, and every request is served.
+func TestThirdPartyMisconfiguredBlockSize(t *testing.T) {
+	reps := startThirdParty(t, tpOptions{n: 1, events: true})
+	r := startRouterYAML(t, "tokenizer:\n  block_tokens: 32\n"+tpConfig(reps, true, ""))
+	waitBudgets(t, r, 1, 768*16)
+	run := sendTruth(r.url, tpWork(60), 4, nil)
+	if run.errors > 0 {
+		t.Fatalf("%d requests failed: %s", run.errors, run.firstErr)
+	}
+	deadline := time.Now().Add(60 * time.Second)
+	for !strings.Contains(r.log.String(), "replica=tp-0 cause=events_unusable") {
+		if time.Now().After(deadline) {
+			t.Fatalf("no warning within a minute:\n%s", r.log.String())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if m := metric(t, r.url, "semroute_replica_disagreement", `cause="events_unusable",replica="tp-0"`); m != 1 {
+		t.Fatalf("semroute_replica_disagreement: %v", m)
+	}
+}
