@@ -46,6 +46,12 @@ type Match struct {
 	// cached if the request were sent now. Tokens counts pending blocks
 	// too, so that siblings routed in a burst land together.
 	Confirmed int
+	// Past is the tokens of the blocks after the match that the replica
+	// holds, confirmed by its engine's events: an engine that counts every
+	// cached block of a prompt as a hit, wherever its chain breaks
+	// (llm-d-inference-sim), reports them too. Only Model.Past fills it,
+	// and only on event-driven replicas, whose pictures have such holes.
+	Past int
 }
 
 // Stats describes one replica's picture.
@@ -268,6 +274,43 @@ func (m *Model) Match(blocks []blockhash.Block, w *Weights, out []Match) []Match
 		return m.matchNested(blocks, w, out)
 	}
 	return m.matchHoles(blocks, w, out)
+}
+
+// Past fills out[r].Past, for every event-driven replica r, from out, the
+// result of Match for blocks: the tokens of the blocks after r's match
+// that r holds confirmed, in GPU or CPU memory. A replica whose engine
+// evicted a chain's middle (its events said so) keeps the blocks past the
+// hole. Cost: O(blocks × holders); nothing when no replica is
+// event-driven.
+func (m *Model) Past(blocks []blockhash.Block, out []Match) {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	from := len(blocks)
+	for r := range out {
+		if r < len(m.replicas) && m.replicas[r] != nil && m.replicas[r].events {
+			from = min(from, out[r].Blocks+1)
+		}
+	}
+	count := func(s *slot, i int) {
+		r := int(s.replica)
+		if r < len(out) && out[r].Blocks < i && s.flags&(fGPU|fCPU) != 0 && m.replicas[r] != nil && m.replicas[r].events {
+			out[r].Past += int(blocks[i].Tokens)
+		}
+	}
+	for i := from; i < len(blocks); i++ {
+		n := m.nodes.get(blocks[i].Hash)
+		if n == nil {
+			continue
+		}
+		first, rest := m.holders(n)
+		if first == nil {
+			continue
+		}
+		count(first, i)
+		for j := range rest {
+			count(&rest[j], i)
+		}
+	}
 }
 
 // matchHoles is Match when some slots are not plainly held. m.mu must be

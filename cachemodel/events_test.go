@@ -278,3 +278,26 @@ func TestRemoveAndClearTellOnEvict(t *testing.T) {
 		t.Fatalf("Clear told %v, want %v", gone, want)
 	}
 }
+
+// An engine that evicts a chain's middle keeps the blocks past the hole:
+// Past counts them, per event-driven replica, after each one's own match,
+// and nothing for a replica whose picture is the router's simulation.
+func TestPastCountsHeldBlocksBeyondAHole(t *testing.T) {
+	m := newModel(t, 0, 0, 0)
+	m.SetEventDriven(0, true)
+	m.SetEventDriven(1, true)
+	c := chain("p", 6, 0)
+	m.Store(0, 0, false, c, false, 1)
+	m.Store(1, 0, false, c[:4], false, 1)
+	m.Record(2, c[:2], 1)
+	m.Remove(0, c[1].Hash, false) // replica 0: held 0, hole, held 2..5
+	m.Remove(1, c[2].Hash, false) // replica 1: held 0 1, hole, held 3
+	m.Remove(0, c[4].Hash, false) // and a second hole on replica 0
+	out := m.Match(c, nil, nil)
+	m.Past(c, out)
+	for r, want := range []struct{ blocks, past int }{{1, 3}, {2, 1}, {2, 0}} {
+		if out[r].Blocks != want.blocks || out[r].Past != want.past {
+			t.Errorf("replica %d: match %d blocks, past %d tokens; want %d, %d", r, out[r].Blocks, out[r].Past, want.blocks, want.past)
+		}
+	}
+}

@@ -315,7 +315,7 @@ func (c *Core) Finish(rt *Routed, o Outcome, reply []byte) {
 		c.e.ObserveUsage(rt.req.Model, rt.Decision, int(o.PromptTokens))
 		if c.o.Agreement != nil {
 			c.o.Agreement.Finished(rt.Served.Replica.Name, rt.Decision.Precise(), rt.Tokens, int(o.PromptTokens),
-				rt.Served.Match.Confirmed, int(o.CachedTokens), o.CachedReported)
+				rt.Served.Predicted(), int(o.CachedTokens), o.CachedReported)
 		}
 		if o.CachedReported && c.o.Feedback {
 			if n := c.e.Feedback(rt.Decision, rt.Served, int(o.CachedTokens)); n > 0 {

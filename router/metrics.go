@@ -121,7 +121,7 @@ func (m *Metrics) finished(rt *Routed, o *Outcome) {
 		m.duration.WithLabelValues(arm, pol, rep).Observe(float64(o.DurationNs) / 1e9)
 	}
 	if o.Status == 200 && o.PromptTokens > 0 && o.CachedReported { // the replica reported cached tokens
-		predicted := float64(rt.Served.Match.Confirmed)
+		predicted := float64(rt.Served.Predicted())
 		m.predicted.WithLabelValues(arm, pol, rep).Add(predicted)
 		m.reported.WithLabelValues(arm, pol, rep).Add(float64(o.CachedTokens))
 		m.predictionDiff.WithLabelValues(arm, pol).Observe(predicted - float64(o.CachedTokens))

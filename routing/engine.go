@@ -115,6 +115,8 @@ type Engine struct {
 	fbMu   sync.Mutex
 	fbBase map[int]int64 // Feedback: each replica's budget before any correction
 
+	counting counting // how each event-driven replica's engine counts its hits
+
 	sync Sync // SetSync's; nil: a router alone
 
 	segs *cachemodel.Segments // the blending replicas' segments; nil: none blends
@@ -482,6 +484,7 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 	defer scratchPool.Put(sc)
 	sc.matches = e.cache.Match(d.Blocks, e.o.Weights, sc.matches[:0])
 	sc.sizes = e.cache.Sizes(sc.sizes[:0])
+	e.cache.Past(d.Blocks, sc.matches)
 	matches, sizes := sc.matches, sc.sizes
 	var beyond []float64
 	if e.segs != nil {
@@ -540,6 +543,10 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 			}
 			if r.ID < len(beyond) && r.Reuse.Blend() {
 				c.Reuse = beyond[r.ID] * r.Reuse.Share()
+			}
+			if c.Match.Past > 0 && e.counting.anywhere(r.ID) {
+				c.Reuse += float64(c.Match.Past)
+				c.past = true
 			}
 			donors = donors || r.Reuse.Donor()
 		}
@@ -831,7 +838,11 @@ func (e *Engine) LearnReply(d *Decision, r *replica.Replica, reply []byte) []blo
 // It returns the tokens evicted.
 func (e *Engine) Feedback(d *Decision, c *Candidate, cached int) int64 {
 	id := c.Replica.ID
-	if cached < 0 || e.cache.EventDriven(id) {
+	if cached < 0 {
+		return 0
+	}
+	if e.cache.EventDriven(id) {
+		e.counting.observe(id, c.Match.Confirmed, c.Match.Past, cached, cmp.Or(d.blockTokens, e.split.BlockTokens()))
 		return 0
 	}
 	// A blending engine reports what it reused too. A donor engine reports
@@ -879,4 +890,5 @@ func (e *Engine) forgetFeedback(id int) {
 	e.fbMu.Lock()
 	delete(e.fbBase, id)
 	e.fbMu.Unlock()
+	e.counting.forget(id)
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"cmp"
+	"container/heap"
 	"encoding/json"
 	"fmt"
 	"net"
@@ -264,8 +265,9 @@ func waitBudgets(t *testing.T, r *tpRouter, n int, tokens int64) {
 // fleet's total size, pooledBlocks (the design's upper reference: what
 // one cache of all the replicas' memory would hold, with no request
 // running).
-func tpCeiling(t *testing.T, url string, work [][]byte, pooledBlocks int) (infinite, pooled float64) {
+func tpCeiling(t *testing.T, url string, work [][]byte, pooledBlocks int) (infinite, pooled, opt float64) {
 	t.Helper()
+	var seq []uint64 // every full block of every prompt, in order
 	seen := map[uint64]bool{}
 	lruc, _ := lru.New[uint64, struct{}](pooledBlocks)
 	var hit, pooledHit, all int
@@ -295,9 +297,65 @@ func tpCeiling(t *testing.T, url string, work [][]byte, pooledBlocks int) (infin
 			}
 			seen[h] = true
 			lruc.Add(h, struct{}{})
+			seq = append(seq, h)
 		}
 	}
-	return float64(hit) / float64(max(all, 1)), float64(pooledHit) / float64(max(all, 1))
+	d := float64(max(all, 1))
+	return float64(hit) / d, float64(pooledHit) / d, float64(16*beladyHits(seq, pooledBlocks)) / d
+}
+
+// beladyHits is the hits of Belady's optimal eviction (evict the block
+// used again farthest in the future) on one cache of size blocks over seq:
+// no eviction policy, and no router splitting the same memory between
+// replicas, hits more often on this sequence.
+func beladyHits(seq []uint64, size int) int {
+	next := make([]int, len(seq)) // next use of seq[i]; len(seq): never
+	last := map[uint64]int{}
+	for i := len(seq) - 1; i >= 0; i-- {
+		next[i] = len(seq)
+		if j, ok := last[seq[i]]; ok {
+			next[i] = j
+		}
+		last[seq[i]] = i
+	}
+	held := map[uint64]int{} // block → its next use, as the heap has it
+	var h farthest
+	hits := 0
+	for i, b := range seq {
+		if _, ok := held[b]; ok {
+			hits++
+		} else if len(held) == size {
+			for {
+				top := heap.Pop(&h).(use)
+				if n, ok := held[top.block]; ok && n == top.next {
+					delete(held, top.block)
+					break
+				}
+			}
+		}
+		held[b] = next[i]
+		heap.Push(&h, use{b, next[i]})
+	}
+	return hits
+}
+
+// use is a held block and its next use; farthest is a max-heap of them
+// (stale entries are skipped when popped).
+type use struct {
+	block uint64
+	next  int
+}
+type farthest []use
+
+func (h farthest) Len() int           { return len(h) }
+func (h farthest) Less(i, j int) bool { return h[i].next > h[j].next }
+func (h farthest) Swap(i, j int)      { h[i], h[j] = h[j], h[i] }
+func (h *farthest) Push(x any)        { *h = append(*h, x.(use)) }
+func (h *farthest) Pop() any {
+	old := *h
+	x := old[len(old)-1]
+	*h = old[:len(old)-1]
+	return x
 }
 
 // tpWork is the workload of the third-party runs: the mixed chat workload
@@ -415,6 +473,9 @@ func (fs *followers) stats() (sum struct{ Stored, Orphans, Removed, Skipped uint
 //
 //	SEMROUTE_THIRDPARTY_SIM=/path/to/llm-d-inference-sim SEMROUTE_THIRDPARTY_TABLE=600 \
 //	  go test -run TestThirdPartyTable -v -timeout 30m ./cmd/router
+//
+// SEMROUTE_THIRDPARTY_ROWS=events,llm-d keeps only the rows whose names
+// contain one of the words.
 func TestThirdPartyTable(t *testing.T) {
 	n, _ := strconv.Atoi(os.Getenv("SEMROUTE_THIRDPARTY_TABLE"))
 	if n == 0 {
@@ -437,6 +498,20 @@ func TestThirdPartyTable(t *testing.T) {
 	t.Log(tpTable(t, "40 sessions open", truthSessions(n, 29, 40), []tpRow{all[1], all[2], all[5], all[6]}, workers))
 }
 
+// tpWanted reports whether SEMROUTE_THIRDPARTY_ROWS keeps the row named name.
+func tpWanted(name string) bool {
+	words := os.Getenv("SEMROUTE_THIRDPARTY_ROWS")
+	if words == "" {
+		return true
+	}
+	for w := range strings.SplitSeq(words, ",") {
+		if w != "" && strings.Contains(name, w) {
+			return true
+		}
+	}
+	return false
+}
+
 // tpRow is one configuration of the third-party table.
 type tpRow struct {
 	name, policy, yaml string
@@ -448,11 +523,14 @@ type tpRow struct {
 func tpTable(t *testing.T, title string, work [][]byte, rows []tpRow, workers int) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "\n%s\n\n| configuration | engine hit ratio | TTFT p50 / p90 / p99 ms | predicted ÷ reported | errors |\n|---|---:|---|---:|---:|\n", title)
-	var ceiling, pooled float64
+	var ceiling, pooled, opt float64
 	for _, row := range rows {
+		if !tpWanted(row.name) {
+			continue
+		}
 		reps := startThirdParty(t, tpOptions{n: 4, events: row.events})
 		if ceiling == 0 {
-			ceiling, pooled = tpCeiling(t, reps[0].url, work, 4*768)
+			ceiling, pooled, opt = tpCeiling(t, reps[0].url, work, 4*768)
 		}
 		r := startRouterYAML(t, row.yaml+tpConfig(reps, row.events, row.policy))
 		waitBudgets(t, r, 4, 768*16)
@@ -467,6 +545,7 @@ func tpTable(t *testing.T, title string, work [][]byte, rows []tpRow, workers in
 	}
 	fmt.Fprintf(&b, "| ceiling: an infinite cache on the engine's tokens | %.3f | | | |\n", ceiling)
 	fmt.Fprintf(&b, "| reference: one pooled LRU cache of the fleet's 4 × 768 blocks | %.3f | | | |\n", pooled)
+	fmt.Fprintf(&b, "| bound: one pooled cache of 4 × 768 blocks with Belady's optimal eviction | %.3f | | | |\n", opt)
 	return b.String()
 }
 
@@ -490,5 +569,16 @@ func TestThirdPartyMisconfiguredBlockSize(t *testing.T) {
 	}
 	if m := metric(t, r.url, "semroute_replica_disagreement", `cause="events_unusable",replica="tp-0"`); m != 1 {
 		t.Fatalf("semroute_replica_disagreement: %v", m)
+	}
+}
+
+// Belady's eviction keeps the block used again soonest: on a cyclic
+// sequence one larger than the cache, LRU never hits and Belady does.
+func TestBeladyHits(t *testing.T) {
+	if got := beladyHits([]uint64{1, 2, 3, 1, 2, 3}, 2); got != 2 {
+		t.Fatalf("hits %d, want 2", got)
+	}
+	if got := beladyHits([]uint64{1, 1, 2, 2}, 1); got != 2 {
+		t.Fatalf("hits %d, want 2", got)
 	}
 }
