@@ -10,27 +10,23 @@ import (
 	"github.com/semroute/semroute/replica"
 )
 
-// maxHeld bounds the bytes of peers' batches kept while a warm start
-// loads; past it they are dropped (and the gap they leave makes the
-// router forget those peers' requests in flight).
-const maxHeld = 64 << 20
-
 // onBatch receives a batch on the records subject. NATS calls it for one
-// message at a time.
+// message at a time. Peers' batches are applied as they come, a warm start
+// under way or not: a snapshot adds to the picture, it never holds the
+// fleet's live records back.
 func (f *Fleet) onBatch(m *nats.Msg) {
 	f.amu.Lock()
 	defer f.amu.Unlock()
-	if f.loading {
-		if f.heldBytes+len(m.Data) <= maxHeld {
-			f.held = append(f.held, m.Data)
-			f.heldBytes += len(m.Data)
-		}
-		return
-	}
 	f.applyBatch(m.Data, m.Header.Get(hdrFirst))
 }
 
 // applyBatch applies one batch to the picture. f.amu must be held.
+//
+// A peer is known by its id and epoch. A batch whose sequence is not the
+// next one, whether it jumps or goes back, is a gap: the peer's requests
+// in flight are forgotten (they may have ended in what was lost) and the
+// batch is applied from its sequence on, so that a forged sequence can
+// never make the peer's own batches look old.
 func (f *Fleet) applyBatch(data []byte, first string) {
 	now := f.o.Now()
 	var p *peer
@@ -44,17 +40,18 @@ func (f *Fleet) applyBatch(data []byte, first string) {
 		k := peerKey{h.sender, h.epoch}
 		p = f.peers[k]
 		if p == nil {
+			if len(f.peers) >= f.o.MaxPeers {
+				f.refused.Add(1)
+				return false
+			}
 			p = &peer{id: h.sender, flight: map[uint64]*flight{}}
 			f.peers[k] = p
 			f.o.Logger.Info("fleet: peer joined", "peer", h.sender)
 		}
 		p.seen = now
-		switch {
-		case p.seq != 0 && h.seq <= p.seq:
-			return false // a batch seen already
-		case p.seq != 0 && h.seq != p.seq+1:
+		if p.seq != 0 && h.seq != p.seq+1 {
 			f.gaps.Add(1)
-			f.o.Logger.Warn("fleet: records lost from a peer; forgetting its requests in flight", "peer", h.sender, "missed", h.seq-p.seq-1)
+			f.o.Logger.Warn("fleet: a peer's batches are out of sequence; forgetting its requests in flight", "peer", h.sender, "expected", p.seq+1, "got", h.seq)
 			f.endAll(p, now)
 		}
 		p.seq = h.seq
@@ -69,6 +66,7 @@ func (f *Fleet) applyBatch(data []byte, first string) {
 // apply applies one record of peer p. f.amu must be held.
 func (f *Fleet) apply(p *peer, r *record, now time.Time) {
 	f.applied.Add(1)
+	p.records++
 	cache, pool := f.eng.Cache(), f.eng.Pool()
 	switch r.typ {
 	case recRoute, recReply:
@@ -88,16 +86,22 @@ func (f *Fleet) apply(p *peer, r *record, now time.Time) {
 			}
 			return
 		}
-		tracked := len(p.flight) < maxFlights // an untracked request would never be unpinned
-		fl := &flight{r: rep, work: replica.Work{Prefill: r.prefill, Tokens: r.tokens}}
+		f.bound(r, all, ok)
+		tracked := f.flights < maxFlights // an untracked request would never be unpinned
+		fl := &flight{r: rep, work: replica.Work{Prefill: r.prefill, Tokens: r.tokens}, start: now}
 		if ok && len(all) > 0 {
-			if tracked && p.keys+len(all) <= maxPinnedKeys {
+			tokens := chainTokens(all)
+			st, _ := cache.Stats(rep.ID)
+			if tracked && f.keys+len(all) <= maxPinnedKeys && (st.Budget == 0 || f.pinned[rep.ID]+tokens <= st.Budget/pinShare) {
 				if _, fl.pins = cache.Commit(rep.ID, all, now.UnixNano()); fl.pins.Blocks() > 0 {
 					fl.keys = make([]uint64, fl.pins.Blocks())
 					for i := range fl.keys {
 						fl.keys[i] = all[i].Hash
 					}
+					fl.pinned = chainTokens(all[:len(fl.keys)])
 					p.keys += len(fl.keys)
+					f.keys += len(fl.keys)
+					f.pinned[rep.ID] += fl.pinned
 				}
 			} else {
 				cache.Record(rep.ID, all, now.UnixNano())
@@ -111,6 +115,7 @@ func (f *Fleet) apply(p *peer, r *record, now time.Time) {
 		}
 		rep.Begin(&fl.work)
 		p.flight[r.req] = fl
+		f.flights++
 	case recPrefill:
 		if fl := p.flight[r.req]; fl != nil {
 			fl.r.PrefillDone(&fl.work, now)
@@ -123,8 +128,14 @@ func (f *Fleet) apply(p *peer, r *record, now time.Time) {
 		delete(p.flight, r.req)
 		f.end(p, fl, now)
 	case recEject:
+		// Evidence, not an order: no longer than this router's own first
+		// cool-down, and soft, so that the all-ejected fallback still has it.
 		if rep, ok := pool.Get(r.replica); ok {
-			rep.Eject(now.Add(time.Duration(min(r.cool, uint64(time.Hour/time.Millisecond))) * time.Millisecond))
+			cool := time.Duration(min(r.cool, uint64(f.o.Ejection.Base/time.Millisecond))) * time.Millisecond
+			if r.cool > uint64(f.o.Ejection.Base/time.Millisecond) {
+				f.clamped.Add(1)
+			}
+			rep.EjectSoft(now, now.Add(cool))
 		}
 	case recReset: // the peer (re)connected: it may know what this router does not
 		f.endAll(p, now)
@@ -132,6 +143,36 @@ func (f *Fleet) apply(p *peer, r *record, now time.Time) {
 			f.askResync(p.id)
 		}
 	}
+}
+
+// bound clamps a route record's work to what a router could have sent
+// for its chain: no more prompt tokens than the chain's blocks hold, and
+// one block more (the prompt's unfinished tail); no more uncached ones
+// than that. all is the chain resolved (ok), else its new blocks alone
+// stand for what is known and the prefix is counted in whole blocks of
+// this router's size.
+func (f *Fleet) bound(r *record, all []blockhash.Block, ok bool) {
+	block := int64(max(f.eng.Splitter().BlockTokens(), 1))
+	var most int64
+	if ok {
+		most = chainTokens(all) + block
+	} else {
+		most = chainTokens(r.chain.blocks) + int64(r.chain.prefix+1)*block
+	}
+	if r.tokens > most || r.prefill > r.tokens {
+		f.clamped.Add(1)
+	}
+	r.tokens = min(r.tokens, most)
+	r.prefill = min(r.prefill, r.tokens)
+}
+
+// chainTokens is the tokens of blocks.
+func chainTokens(blocks []blockhash.Block) int64 {
+	var n int64
+	for _, b := range blocks {
+		n += int64(b.Tokens)
+	}
+	return n
 }
 
 // resolve returns a chain's blocks in full: the prefix the sender named

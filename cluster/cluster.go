@@ -63,11 +63,32 @@ type Options struct {
 	// Prefix starts every subject; default "semroute". Fleets sharing a
 	// NATS server keep apart by prefix.
 	Prefix string
-	// Credentials file (NATS JWT and nkey) and TLS; both optional.
-	Credentials string
-	TLS         *tls.Config
-	// User and Password or Token, for servers with simple auth.
+	// Credentials file (NATS JWT and nkey seed), NkeySeed (a file holding
+	// an nkey's seed), User and Password, Token, or a client certificate
+	// in TLS: the fleet's subjects steer every router of it, so one of
+	// them is required unless Insecure is set.
+	Credentials, NkeySeed string
+	TLS                   *tls.Config
 	User, Password, Token string
+	// Insecure lets a router join a NATS server without authenticating.
+	// Any client that reaches that server can then steer or stop the
+	// fleet's routing: the router says so at start and every
+	// InsecureReminder (default 5 minutes). For tests and the demo's
+	// loopback server only.
+	Insecure         bool
+	InsecureReminder time.Duration
+	// Ejection is this router's passive-ejection tuning: a peer's ejection
+	// of a replica is evidence, applied as a soft ejection (one the
+	// all-ejected fallback may use) no longer than Ejection.Base.
+	Ejection replica.Ejection
+	// MaxPeers bounds the peers tracked at once: batches from further
+	// senders are refused (counted) until one times out. Default 64.
+	MaxPeers int
+	// PrefillTTL is the longest a peer's request counts as prefill work
+	// before its prefill is taken as done; FlightTTL the longest it counts
+	// as in flight at all. They bound what a record a peer never ends can
+	// weigh. Defaults 30s and 5 minutes.
+	PrefillTTL, FlightTTL time.Duration
 	// FlushInterval is how long a record may wait to be batched. Default
 	// 2ms.
 	FlushInterval time.Duration
@@ -80,8 +101,9 @@ type Options struct {
 	// is alive. Default 1s. PeerTimeout is the silence after which a peer
 	// is gone. Default 5s.
 	Heartbeat, PeerTimeout time.Duration
-	// SnapshotTimeout bounds the wait for a peer's snapshot at a warm
-	// start. Default 10s.
+	// SnapshotTimeout bounds a warm start's load of a peer's snapshot,
+	// from the ask to the last chunk: past it the router routes on what it
+	// has. Default 10s.
 	SnapshotTimeout time.Duration
 	// ConnectTimeout bounds the first connection; a router that cannot
 	// reach NATS starts alone and keeps trying. Default 2s.
@@ -109,6 +131,15 @@ func (o *Options) defaults() error {
 	o.PeerTimeout = cmp.Or(max(o.PeerTimeout, 0), 5*time.Second)
 	o.SnapshotTimeout = cmp.Or(max(o.SnapshotTimeout, 0), 10*time.Second)
 	o.ConnectTimeout = cmp.Or(max(o.ConnectTimeout, 0), 2*time.Second)
+	o.InsecureReminder = cmp.Or(max(o.InsecureReminder, 0), 5*time.Minute)
+	o.Ejection = o.Ejection.WithDefaults()
+	o.MaxPeers = cmp.Or(max(o.MaxPeers, 0), 64)
+	o.PrefillTTL = cmp.Or(max(o.PrefillTTL, 0), 30*time.Second)
+	o.FlightTTL = cmp.Or(max(o.FlightTTL, 0), 5*time.Minute)
+	if !o.authenticated() && !o.Insecure {
+		return errors.New("cluster: no NATS credentials: any client reaching the server could steer or stop the fleet's routing; " +
+			"set credentials, nkey_seed, user and password, token or a client certificate (cert_file), or insecure: true to run without")
+	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -116,6 +147,12 @@ func (o *Options) defaults() error {
 		o.Now = time.Now
 	}
 	return nil
+}
+
+// authenticated reports whether o names a way to authenticate to NATS.
+func (o *Options) authenticated() bool {
+	return o.Credentials != "" || o.NkeySeed != "" || o.User != "" || o.Token != "" ||
+		(o.TLS != nil && (len(o.TLS.Certificates) > 0 || o.TLS.GetClientCertificate != nil))
 }
 
 // Stats are a fleet member's counters since it started.
@@ -128,6 +165,10 @@ type Stats struct {
 	// Malformed batches, Gaps in peers' sequences, Unresolved chains (a
 	// peer named a prefix this picture does not know).
 	Malformed, Gaps, Unresolved int64
+	// Refused batches from senders past Options.MaxPeers; Clamped records
+	// whose work or cool-down went past what this router allows; Stale
+	// peers' requests forgotten after Options.FlightTTL.
+	Refused, Clamped, Stale int64
 	// Snapshots served and loaded; SnapshotBlocks applied from them.
 	SnapshotsServed, SnapshotsLoaded, SnapshotBlocks int64
 	Peers                                            int   // seen within PeerTimeout
@@ -156,12 +197,12 @@ type Fleet struct {
 
 	amu   sync.Mutex // applying peers' records; peers
 	peers map[peerKey]*peer
-	// loading: a warm start is under way; peers' batches wait in held.
-	loading   bool
-	held      [][]byte
-	heldBytes int
-	scratch   []blockhash.Block // resolve's
-	snapSub   *nats.Subscription
+	// flights and keys count every peer's requests in flight and their
+	// pinned keys; pinned is the tokens peers pin, by replica id.
+	flights, keys int
+	pinned        map[int]int64
+	scratch       []blockhash.Block // resolve's
+	snapSub       *nats.Subscription
 
 	ready     atomic.Bool
 	connected atomic.Bool
@@ -173,7 +214,7 @@ type Fleet struct {
 	closeOnce sync.Once
 
 	published, applied, droppedFull, droppedDown, batches, bytes atomic.Int64
-	malformed, gaps, unresolved                                  atomic.Int64
+	malformed, gaps, unresolved, refused, clamped, stale         atomic.Int64
 	served, loaded, snapBlocks, lag                              atomic.Int64
 	reqs                                                         atomic.Uint64 // request ids, unique within the epoch
 }
@@ -190,6 +231,9 @@ type peer struct {
 	seen   time.Time
 	flight map[uint64]*flight // its requests in flight, by its request id
 	keys   int                // the flights' pinned keys, all together
+	// records is the records applied from the peer: only a peer that has
+	// published some is asked for a snapshot.
+	records int64
 }
 
 // flight is a peer's request in flight on one of our replicas.
@@ -204,14 +248,23 @@ type flight struct {
 	// can no longer be rebuilt from the picture.
 	pins cachemodel.Pins
 	keys []uint64
+	// pinned is the tokens of the pinned blocks, start when the record
+	// was applied (local clock).
+	pinned int64
+	start  time.Time
 }
 
-// maxFlights bounds the requests in flight kept per peer.
+// maxFlights bounds the requests in flight kept for all peers together.
 const maxFlights = 1 << 16
 
-// maxPinnedKeys bounds the keys of pinned blocks kept per peer (32 MiB):
-// past it a peer's requests are recorded without pins.
+// maxPinnedKeys bounds the keys of pinned blocks kept for all peers
+// together (32 MiB): past it peers' requests are recorded without pins.
 const maxPinnedKeys = 1 << 22
+
+// pinShare is the share of a replica's token budget that peers' requests
+// may pin: past it they are recorded without pins, so that the picture
+// can still evict down to its budget whatever peers send.
+const pinShare = 2
 
 // New returns a member of the fleet for eng, not yet connected (Start).
 // It does not set itself as eng's Sync: Start does.
@@ -221,7 +274,7 @@ func New(o Options, eng *routing.Engine) (*Fleet, error) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	return &Fleet{o: o, eng: eng, loadCtx: ctx, stopLoad: cancel, epoch: rand.Uint64(), records: o.Prefix + ".records", snap: o.Prefix + ".snapshot",
-		flushCh: make(chan struct{}, 1), peers: map[peerKey]*peer{}, resync: make(chan string, 8), stop: make(chan struct{})}, nil
+		flushCh: make(chan struct{}, 1), peers: map[peerKey]*peer{}, pinned: map[int]int64{}, resync: make(chan string, 8), stop: make(chan struct{})}, nil
 }
 
 // ID returns this router's id in the fleet.
@@ -260,6 +313,13 @@ func (f *Fleet) Start(ctx context.Context) error {
 	if f.o.Credentials != "" {
 		opts = append(opts, nats.UserCredentials(f.o.Credentials))
 	}
+	if f.o.NkeySeed != "" {
+		o, err := nats.NkeyOptionFromSeed(f.o.NkeySeed)
+		if err != nil {
+			return fmt.Errorf("cluster: nkey seed: %w", err)
+		}
+		opts = append(opts, o)
+	}
 	if f.o.TLS != nil {
 		opts = append(opts, nats.Secure(f.o.TLS))
 	}
@@ -279,6 +339,7 @@ func (f *Fleet) Start(ctx context.Context) error {
 		return fmt.Errorf("cluster: subscribe %s: %w", f.records, err)
 	}
 	f.eng.SetSync(f)
+	f.remindInsecure()
 	f.done.Add(2)
 	go f.flusher()
 	go f.keeper(ctx)
@@ -344,6 +405,7 @@ func (f *Fleet) Stats() Stats {
 		DroppedFull: f.droppedFull.Load(), DroppedDown: f.droppedDown.Load(),
 		Batches: f.batches.Load(), Bytes: f.bytes.Load(),
 		Malformed: f.malformed.Load(), Gaps: f.gaps.Load(), Unresolved: f.unresolved.Load(),
+		Refused: f.refused.Load(), Clamped: f.clamped.Load(), Stale: f.stale.Load(),
 		SnapshotsServed: f.served.Load(), SnapshotsLoaded: f.loaded.Load(), SnapshotBlocks: f.snapBlocks.Load(),
 		Peers: peers, Connected: f.connected.Load(), LagNanos: f.lag.Load(),
 	}
@@ -439,11 +501,14 @@ func (f *Fleet) flusher() {
 	}
 }
 
-// keeper runs warm starts when asked and expires silent peers.
+// keeper runs warm starts when asked, expires silent peers and stale
+// requests of peers, and reminds of an unauthenticated fleet.
 func (f *Fleet) keeper(ctx context.Context) {
 	defer f.done.Done()
 	t := time.NewTicker(f.o.PeerTimeout / 4)
 	defer t.Stop()
+	remind := time.NewTicker(f.o.InsecureReminder)
+	defer remind.Stop()
 	for {
 		select {
 		case <-f.stop:
@@ -454,7 +519,18 @@ func (f *Fleet) keeper(ctx context.Context) {
 			f.warmStart(peer)
 		case <-t.C:
 			f.expire()
+		case <-remind.C:
+			f.remindInsecure()
 		}
+	}
+}
+
+// remindInsecure warns, on a fleet joined without authenticating, that
+// anyone reaching NATS can steer it.
+func (f *Fleet) remindInsecure() {
+	if !f.o.authenticated() {
+		f.o.Logger.Warn("fleet: NATS without authentication (cluster.insecure): any client that reaches the server can steer or stop this fleet's routing",
+			"urls", f.o.URLs)
 	}
 }
 
@@ -468,6 +544,17 @@ func (f *Fleet) expire() {
 			f.o.Logger.Info("fleet: peer gone; its requests in flight stop counting", "peer", k.id, "in_flight", len(p.flight))
 			f.endAll(p, now)
 			delete(f.peers, k)
+			continue
+		}
+		for id, fl := range p.flight {
+			switch age := now.Sub(fl.start); {
+			case age >= f.o.FlightTTL:
+				f.end(p, fl, now)
+				delete(p.flight, id)
+				f.stale.Add(1)
+			case age >= f.o.PrefillTTL:
+				fl.r.PrefillDone(&fl.work, now)
+			}
 		}
 	}
 }
@@ -484,9 +571,12 @@ func (f *Fleet) endAll(p *peer, now time.Time) {
 // blocks are freed in the picture (and unpinned). f.amu must be held.
 func (f *Fleet) end(p *peer, fl *flight, now time.Time) {
 	fl.r.End(&fl.work, now)
+	f.flights--
 	cache := f.eng.Cache()
 	if fl.keys != nil {
 		p.keys -= len(fl.keys)
+		f.keys -= len(fl.keys)
+		f.pinned[fl.r.ID] -= fl.pinned
 		blocks := f.scratch[:0]
 		for _, k := range fl.keys {
 			blocks = append(blocks, blockhash.Block{Hash: k})

@@ -23,6 +23,9 @@ var specs = []replica.Spec{
 	{Name: "c", URL: "http://c.test", BudgetTokens: 1 << 20},
 }
 
+// testAccount is the fleet's credential on the tests' NATS servers.
+var testAccount = Account{User: "fleet", Password: "test-password", Prefix: "t"}
+
 func newEngine(t testing.TB) *routing.Engine {
 	t.Helper()
 	e, err := routing.New(routing.Options{Replicas: specs})
@@ -34,7 +37,8 @@ func newEngine(t testing.TB) *routing.Engine {
 
 func testOptions(url, id string) Options {
 	return Options{Logger: testLogger(), URLs: []string{url}, ID: id, Prefix: "t", Heartbeat: 50 * time.Millisecond,
-		PeerTimeout: 400 * time.Millisecond, SnapshotTimeout: 2 * time.Second, FlushInterval: time.Millisecond}
+		PeerTimeout: 400 * time.Millisecond, SnapshotTimeout: 2 * time.Second, FlushInterval: time.Millisecond,
+		User: testAccount.User, Password: testAccount.Password}
 }
 
 func startFleet(t testing.TB, url, id string) (*Fleet, *routing.Engine) {
@@ -54,7 +58,7 @@ func startFleet(t testing.TB, url, id string) (*Fleet, *routing.Engine) {
 
 func serve(t testing.TB, port int) *server.Server {
 	t.Helper()
-	s, err := Serve("127.0.0.1", port)
+	s, err := Serve("127.0.0.1", port, testAccount)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -319,13 +323,22 @@ func TestGapForgetsPeerLoad(t *testing.T) {
 		t.Fatalf("in flight %d, want 2", n)
 	}
 	f.amu.Lock()
-	f.applyBatch(batch(1, route(3)), "") // a repeat: ignored
 	f.applyBatch(batch(3, route(4)), "") // batch 2 lost
 	f.amu.Unlock()
 	if n := r.Load(time.Now()).InFlight; n != 1 {
 		t.Fatalf("in flight %d after a gap, want 1 (only the request after it)", n)
 	}
 	if st := f.Stats(); st.Gaps != 1 {
+		t.Fatalf("gaps %d", st.Gaps)
+	}
+	f.amu.Lock()
+	f.applyBatch(batch(1, route(5)), "") // back to an old sequence: a gap too, and applied
+	f.applyBatch(batch(2, route(6)), "")
+	f.amu.Unlock()
+	if n := r.Load(time.Now()).InFlight; n != 2 {
+		t.Fatalf("in flight %d after the sequence went back, want 2 (the requests since)", n)
+	}
+	if st := f.Stats(); st.Gaps != 2 {
 		t.Fatalf("gaps %d", st.Gaps)
 	}
 	f.amu.Lock()

@@ -113,8 +113,16 @@ func appendChain(b []byte, blocks []blockhash.Block, prefix int) []byte {
 	return b
 }
 
-// maxPrefix bounds a chain's prefix: more blocks than any prompt has.
-const maxPrefix = 1 << 24
+// maxPrefix bounds a chain's prefix, maxChain the new blocks of a batch's
+// records together and maxBlockTokens a block's tokens: more than any
+// router sends (a prompt of the largest body the limits allow has under
+// 2^20 blocks; a block has at most 4,096 estimated tokens, times the
+// engine's unit), so a batch past them is malformed.
+const (
+	maxPrefix      = 1 << 20
+	maxChain       = 1 << 20
+	maxBlockTokens = 1 << 16
+)
 
 // errMalformed is returned for any batch that does not decode.
 var errMalformed = errors.New("cluster: malformed batch")
@@ -206,12 +214,15 @@ func (r *reader) chain(dst []blockhash.Block) chain {
 		c.prefixKey = r.u64()
 	}
 	n := r.count(9)
+	if n > maxChain {
+		r.fail()
+	}
 	if r.err != nil {
 		return c
 	}
 	for range n {
 		key, tokens := r.u64(), r.uvarint()
-		if tokens > math.MaxInt32 {
+		if tokens > maxBlockTokens {
 			r.fail()
 		}
 		dst = append(dst, blockhash.Block{Hash: key, Tokens: int32(tokens)})
@@ -271,10 +282,14 @@ func decode(b []byte, head func(header) bool, fn func(*record)) error {
 		return nil
 	}
 	var blocks []blockhash.Block
+	total := 0
 	for range h.count {
 		rec := r.record(blocks[:0])
 		if r.err != nil {
 			return fmt.Errorf("%w: record of type %d", r.err, rec.typ)
+		}
+		if total += len(rec.chain.blocks); total > maxChain {
+			return fmt.Errorf("%w: more than %d blocks", errMalformed, maxChain)
 		}
 		if rec.chain.blocks != nil {
 			blocks = rec.chain.blocks[:0]

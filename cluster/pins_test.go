@@ -28,7 +28,7 @@ func TestPeerRequestsPinned(t *testing.T) {
 		f.applyBatch(b, "")
 		f.amu.Unlock()
 	}
-	theirs := prompt(e, 1, 12).Blocks // 12 blocks of the 16 the budget holds
+	theirs := prompt(e, 1, 6).Blocks // under half of what the budget holds: peers may pin half
 	route := func(req uint64) []byte {
 		b := appendStr(appendUv([]byte{recRoute}, req), "a")
 		return appendChain(appendUv(appendUv(b, 50), 100), theirs, 0)
@@ -41,6 +41,9 @@ func TestPeerRequestsPinned(t *testing.T) {
 	ours(100) // 24 blocks in a budget of 16: only ours can go
 	if got := held(); got != len(theirs) {
 		t.Fatalf("the peer's running prompt holds %d of %d blocks after ours overfilled the picture", got, len(theirs))
+	}
+	if st, _ := e.Cache().Stats(r.ID); st.Tokens > st.Budget {
+		t.Fatalf("the picture holds %d tokens, its budget %d", st.Tokens, st.Budget)
 	}
 	apply(batch(2, done(1)))
 	ours(101)

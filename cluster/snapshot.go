@@ -1,6 +1,7 @@
 package cluster
 
 import (
+	"cmp"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -38,30 +39,26 @@ func (f *Fleet) snapSubject(id string) string {
 	}, id)
 }
 
-// warmStart loads the picture from peer ("": the first peer heard from
-// since the warm start began, within a heartbeat or two; with none the
-// router is alone, and ready at once), then the peers' batches that
-// arrived meanwhile, and makes the router Ready.
+// warmStart loads the picture from peer ("": a live peer, heard on the
+// records subject within a heartbeat or two, one that has published
+// records first; with none the router is alone, and ready at once) and
+// makes the router Ready. A client that only answers snapshot requests is
+// never asked; the load has a deadline (SnapshotTimeout), and peers'
+// records keep being applied while it runs.
 func (f *Fleet) warmStart(peer string) {
-	f.amu.Lock()
-	f.loading = true
-	f.amu.Unlock()
 	defer f.finishLoading()
-
 	wait := time.NewTimer(2*f.o.Heartbeat + f.o.Heartbeat/2)
 	defer wait.Stop()
-	for peer == "" {
-		// The peers' batches are held while loading: read their senders.
-		if peer = f.heldSender(); peer != "" {
-			break
-		}
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	for !f.publishing(&peer) {
 		select {
 		case <-wait.C:
 			f.o.Logger.Info("fleet: no peer heard; starting with this router's picture", "id", f.o.ID)
 			return
 		case <-f.stop:
 			return
-		case <-time.After(10 * time.Millisecond):
+		case <-tick.C:
 		}
 	}
 	n, err := f.load(peer)
@@ -77,28 +74,25 @@ func (f *Fleet) warmStart(peer string) {
 	f.o.Logger.Info("fleet: warm start done", "peer", peer, "blocks", n)
 }
 
-// heldSender returns the sender of a held batch other than this router.
-func (f *Fleet) heldSender() string {
+// publishing reports whether *id is a live peer, heard on the records
+// subject; when *id is "", it picks one, if any, one that has published
+// records first.
+func (f *Fleet) publishing(id *string) bool {
 	f.amu.Lock()
 	defer f.amu.Unlock()
-	for _, b := range f.held {
-		r := &reader{b: b}
-		if h := r.header(); r.err == nil && !(h.sender == f.o.ID && h.epoch == f.epoch) {
-			return h.sender
+	now := f.o.Now()
+	best, most := "", int64(-1)
+	for k, p := range f.peers {
+		if now.Sub(p.seen) < f.o.PeerTimeout && (*id == "" || *id == k.id) && p.records > most {
+			best, most = k.id, p.records
 		}
 	}
-	return ""
+	*id = cmp.Or(*id, best)
+	return best != ""
 }
 
-// finishLoading applies the held batches, in order, and ends the loading;
-// the router is then Ready and serves snapshots itself.
+// finishLoading makes the router Ready and serving snapshots itself.
 func (f *Fleet) finishLoading() {
-	f.amu.Lock()
-	for _, b := range f.held {
-		f.applyBatch(b, "")
-	}
-	f.held, f.heldBytes, f.loading = nil, 0, false
-	f.amu.Unlock()
 	if f.snapSub == nil {
 		sub, err := f.nc.Subscribe(f.snapSubject(f.o.ID), f.serve)
 		if err != nil {
@@ -124,11 +118,11 @@ func (f *Fleet) load(peer string) (int, error) {
 	if err := f.nc.PublishRequest(f.snapSubject(peer), inbox, []byte(f.o.ID)); err != nil {
 		return 0, err
 	}
+	ctx, cancel := context.WithTimeout(f.loadCtx, f.o.SnapshotTimeout)
+	defer cancel()
 	stored := 0
 	for {
-		ctx, cancel := context.WithTimeout(f.loadCtx, f.o.SnapshotTimeout)
 		m, err := sub.NextMsgWithContext(ctx)
-		cancel()
 		if err != nil {
 			return stored, err
 		}

@@ -70,9 +70,12 @@ type ClusterConfig struct {
 	ID string `mapstructure:"id" json:"id"`
 	// Prefix starts the fleet's NATS subjects. Default "semroute".
 	Prefix string `mapstructure:"prefix" json:"prefix"`
-	// Credentials is a NATS credentials file (JWT and nkey seed); User
-	// and Password, or Token, are for servers with simple auth.
+	// Credentials is a NATS credentials file (JWT and nkey seed);
+	// NkeySeed a file holding an nkey's seed; User and Password, or Token,
+	// are for servers with simple auth. One of them, or a client
+	// certificate (CertFile), is required unless Insecure is set.
 	Credentials string `mapstructure:"credentials" json:"credentials"`
+	NkeySeed    string `mapstructure:"nkey_seed" json:"nkey_seed"`
 	User        string `mapstructure:"user" json:"user"`
 	Password    string `mapstructure:"password" json:"-"`
 	Token       string `mapstructure:"token" json:"-"`
@@ -81,6 +84,10 @@ type ClusterConfig struct {
 	CAFile   string `mapstructure:"ca_file" json:"ca_file"`
 	CertFile string `mapstructure:"cert_file" json:"cert_file"`
 	KeyFile  string `mapstructure:"key_file" json:"key_file"`
+	// Insecure lets the router join NATS without authenticating: anyone
+	// who reaches the server can then steer or stop the fleet's routing.
+	// The router warns at start and every 5 minutes.
+	Insecure bool `mapstructure:"insecure" json:"insecure"`
 	// FlushInterval is how long a record may wait to be batched (default
 	// 2ms); BufferBytes bounds the records waiting (default 4 MiB: past it
 	// they are dropped and counted).
@@ -448,6 +455,12 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("discovery.interval", "10s")
 	v.SetDefault("discovery.budget_tokens", 0)
 	v.SetDefault("runtime.gc_floor_mb", 64)
+	// The fleet's secrets, so that SEMROUTE_CLUSTER_PASSWORD and the like
+	// reach them from the environment (a Secret), never the config file.
+	for _, k := range []string{"user", "password", "token", "credentials", "nkey_seed"} {
+		v.SetDefault("cluster."+k, "")
+	}
+	v.SetDefault("cluster.insecure", false)
 	v.SetDefault("admin.listen", "")
 	v.SetDefault("admin.token", "")
 	v.SetDefault("replicas", []Replica{})

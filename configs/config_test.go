@@ -53,8 +53,9 @@ func TestBadConfigs(t *testing.T) {
 		},
 		"hostile.bad.yaml": {"grpc.token:", "grpc.tls_cert_file:", "grpc.max_held_decisions:", "limits.max_json_depth:",
 			"cache.default_budget_tokens:", "replicas[0].name:", "replicas[0].url:", "replicas[1].weight:", "replicas[2].reuse:"},
-		"bad-duration.bad.yaml": {"load_half_life"},
-		"bad-yaml.bad.yaml":     {"parse config"},
+		"bad-duration.bad.yaml":              {"load_half_life"},
+		"bad-yaml.bad.yaml":                  {"parse config"},
+		"fleet-without-credentials.bad.yaml": {"cluster:", "no NATS credentials", "insecure: true"},
 	}
 	files, _ := filepath.Glob("testdata/*.bad.yaml")
 	if len(files) != len(want) {

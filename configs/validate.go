@@ -236,6 +236,10 @@ func (c ClusterConfig) validate(p *problems) {
 	if (c.CertFile == "") != (c.KeyFile == "") {
 		p.bad("cluster.cert_file", "cert_file and key_file go together")
 	}
+	if len(c.URLs) > 0 && !c.Insecure && c.Credentials == "" && c.NkeySeed == "" && c.User == "" && c.Token == "" && c.CertFile == "" {
+		p.bad("cluster", "no NATS credentials: anyone reaching the server could steer or stop the fleet's routing; "+
+			"set credentials, nkey_seed, user and password, token or cert_file, or insecure: true to run without")
+	}
 }
 
 func (l LimitsConfig) validate(p *problems) {

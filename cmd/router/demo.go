@@ -152,13 +152,18 @@ func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
 		d.router = d.run.http
 		return d, nil
 	}
+	// The fleet's NATS, with a password made for this run: only the
+	// demo's routers can publish on it.
+	account := cluster.Account{User: "semroute-demo", Password: rand.Text()}
 	var err error
-	if d.nats, err = cluster.Serve("127.0.0.1", -1); err != nil {
+	if d.nats, err = cluster.Serve("127.0.0.1", -1, account); err != nil {
 		d.close()
 		return nil, err
 	}
 	listen := v.GetString("listen")
 	v.Set("cluster.urls", []string{d.nats.ClientURL()})
+	v.Set("cluster.user", account.User)
+	v.Set("cluster.password", account.Password)
 	v.Set("listen", "127.0.0.1:0")
 	for i := range o.routers {
 		v.Set("cluster.id", fmt.Sprintf("router-%d", i))

@@ -12,12 +12,13 @@ import (
 
 	"github.com/semroute/semroute/cluster"
 	"github.com/semroute/semroute/configs"
+	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
 
 // newFleet returns the router's membership of the fleet cfg describes, not
 // yet started; nil when cfg has no NATS URLs (a router alone).
-func newFleet(cfg configs.ClusterConfig, eng *routing.Engine, log *slog.Logger) (*cluster.Fleet, error) {
+func newFleet(cfg configs.ClusterConfig, ej replica.Ejection, eng *routing.Engine, log *slog.Logger) (*cluster.Fleet, error) {
 	if len(cfg.URLs) == 0 {
 		return nil, nil
 	}
@@ -29,8 +30,8 @@ func newFleet(cfg configs.ClusterConfig, eng *routing.Engine, log *slog.Logger) 
 		}
 		id = host
 	}
-	o := cluster.Options{URLs: cfg.URLs, ID: id, Prefix: cfg.Prefix, Credentials: cfg.Credentials,
-		User: cfg.User, Password: cfg.Password, Token: cfg.Token,
+	o := cluster.Options{URLs: cfg.URLs, ID: id, Prefix: cfg.Prefix, Credentials: cfg.Credentials, NkeySeed: cfg.NkeySeed,
+		User: cfg.User, Password: cfg.Password, Token: cfg.Token, Insecure: cfg.Insecure, Ejection: ej,
 		FlushInterval: cfg.FlushInterval, BufferBytes: cfg.BufferBytes, PeerTimeout: cfg.PeerTimeout, Logger: log}
 	if cfg.CAFile != "" || cfg.CertFile != "" {
 		t := &tls.Config{MinVersion: tls.VersionTLS12}

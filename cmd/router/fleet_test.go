@@ -68,6 +68,9 @@ func metric(t *testing.T, url, name, match string) float64 {
 // same workload. Then NATS stops mid-load (no request fails, and the
 // pictures converge again once it is back), and a router is killed
 // mid-load (the others keep answering).
+// fleetAccount is the routers' credential on the tests' NATS servers.
+var fleetAccount = cluster.Account{User: "fleet", Password: "fleet-test-password"}
+
 func TestFleetOfRouterProcesses(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds the router and runs three processes")
@@ -83,7 +86,7 @@ func TestFleetOfRouterProcesses(t *testing.T) {
 	if out, err := build.CombinedOutput(); err != nil {
 		t.Fatalf("go build: %v\n%s", err, out)
 	}
-	ns, err := cluster.Serve("127.0.0.1", -1)
+	ns, err := cluster.Serve("127.0.0.1", -1, fleetAccount)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -102,8 +105,8 @@ func TestFleetOfRouterProcesses(t *testing.T) {
 	for i := range procs {
 		addr := freeAddr(t)
 		cfg := filepath.Join(t.TempDir(), "router.yaml")
-		yaml := fmt.Sprintf("listen: %s\nlog:\n  level: warn\nhealth:\n  scrape_interval: 0s\ncluster:\n  urls: [%s]\n  id: router-%d\n  peer_timeout: 2s\nreplicas:\n%s",
-			addr, ns.ClientURL(), i, reps.String())
+		yaml := fmt.Sprintf("listen: %s\nlog:\n  level: warn\nhealth:\n  scrape_interval: 0s\ncluster:\n  urls: [%s]\n  id: router-%d\n  peer_timeout: 2s\n  user: %s\n  password: %s\nreplicas:\n%s",
+			addr, ns.ClientURL(), i, fleetAccount.User, fleetAccount.Password, reps.String())
 		if err := os.WriteFile(cfg, []byte(yaml), 0o600); err != nil {
 			t.Fatal(err)
 		}
@@ -152,7 +155,7 @@ func TestFleetOfRouterProcesses(t *testing.T) {
 			ns.Shutdown()
 			ns.WaitForShutdown()
 		case 120:
-			if ns, err = cluster.Serve("127.0.0.1", natsPort); err != nil {
+			if ns, err = cluster.Serve("127.0.0.1", natsPort, fleetAccount); err != nil {
 				t.Error(err)
 			}
 		}

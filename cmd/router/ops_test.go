@@ -193,12 +193,12 @@ func TestMetricsTableIsExportedAndDeployUsesIt(t *testing.T) {
 	sims := startSims(t, 2, fastSim)
 	dir := t.TempDir()
 	cfg := filepath.Join(dir, "router.yaml")
-	ns, err := cluster.Serve("127.0.0.1", -1) // a fleet of one: the fleet's metrics too
+	ns, err := cluster.Serve("127.0.0.1", -1, fleetAccount) // a fleet of one: the fleet's metrics too
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(ns.Shutdown)
-	body := fmt.Sprintf("decision_log: {path: %q}\nhealth: {scrape_interval: 50ms}\ncluster: {urls: [%q], id: ops}\nreplicas:\n  - {name: a, url: %q}\n  - {name: b, url: %q}\n",
+	body := fmt.Sprintf("decision_log: {path: %q}\nhealth: {scrape_interval: 50ms}\ncluster: {urls: [%q], id: ops, user: fleet, password: fleet-test-password}\nreplicas:\n  - {name: a, url: %q}\n  - {name: b, url: %q}\n",
 		filepath.Join(dir, "d.jsonl"), ns.ClientURL(), sims[0].URL, sims[1].URL)
 	writeConfig(t, cfg, body)
 	r := serveConfig(t, cfg)

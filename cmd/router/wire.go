@@ -136,7 +136,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		return nil, fmt.Errorf("config: %w", err)
 	}
 	cache, pool := eng.Cache(), eng.Pool()
-	fleet, err := newFleet(cfg.Cluster, eng, log)
+	fleet, err := newFleet(cfg.Cluster, replica.Ejection{Base: cfg.Health.EjectBase, Max: cfg.Health.EjectMax, Forgive: cfg.Health.EjectForgive, Consecutive: cfg.Health.EjectConsecutive}, eng, log)
 	if err != nil {
 		return nil, err
 	}
