@@ -11,6 +11,8 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strings"
@@ -305,7 +307,8 @@ func TestConfigReloadChangesReplicasWithoutDroppingRequests(t *testing.T) {
 	r := serveConfig(t, cfg)
 	base := r.http.url()
 	var failed, total atomic.Int64
-	var seen sync.Map
+	var seen sync.Map         // replica → when it last answered
+	var lastOnS0 atomic.Int64 // when the last request s0 answered was sent (ns)
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
 	for w := 0; w < 4; w++ {
@@ -318,6 +321,7 @@ func TestConfigReloadChangesReplicasWithoutDroppingRequests(t *testing.T) {
 					return
 				default:
 				}
+				sent := time.Now()
 				code, rep, err := postURL(base, chat([2]string{"user", fmt.Sprint("r", i)}), nil)
 				total.Add(1)
 				if err != nil || code != 200 {
@@ -325,10 +329,24 @@ func TestConfigReloadChangesReplicasWithoutDroppingRequests(t *testing.T) {
 					continue
 				}
 				seen.Store(rep, time.Now())
+				if rep == "s0" {
+					for old := lastOnS0.Load(); sent.UnixNano() > old && !lastOnS0.CompareAndSwap(old, sent.UnixNano()); old = lastOnS0.Load() {
+					}
+				}
 			}
 		}()
 	}
-	time.Sleep(200 * time.Millisecond)
+	// waitTotal waits until n more requests have been answered.
+	waitTotal := func(n int64) {
+		t.Helper()
+		want := total.Load() + n
+		for deadline := time.Now().Add(10 * time.Second); total.Load() < want; time.Sleep(5 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("only %d requests answered", total.Load())
+			}
+		}
+	}
+	waitTotal(20)
 	writeConfig(t, cfg, two(1, 2)) // s0 leaves, s2 joins
 	reloadedAt := time.Now()
 	deadline := time.Now().Add(10 * time.Second)
@@ -341,9 +359,10 @@ func TestConfigReloadChangesReplicasWithoutDroppingRequests(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	time.Sleep(200 * time.Millisecond)
-	seen.Delete("s0")
-	time.Sleep(300 * time.Millisecond)
+	// s2 answered: the new replica set is in force, so no request sent
+	// from now on may reach s0.
+	cutoff := time.Now()
+	waitTotal(20)
 	// An invalid config is refused; the old one keeps serving.
 	writeConfig(t, cfg, "routing: {policy: nope}\nreplicas: []\n")
 	deadline = time.Now().Add(10 * time.Second)
@@ -353,11 +372,11 @@ func TestConfigReloadChangesReplicasWithoutDroppingRequests(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	time.Sleep(200 * time.Millisecond)
+	waitTotal(20)
 	close(stop)
 	wg.Wait()
-	if _, ok := seen.Load("s0"); ok {
-		t.Error("the removed replica took traffic after the reload")
+	if last := lastOnS0.Load(); last > cutoff.UnixNano() {
+		t.Errorf("the removed replica answered a request sent %v after the new set was in force", time.Duration(last-cutoff.UnixNano()))
 	}
 	if failed.Load() != 0 {
 		t.Fatalf("%d of %d requests failed across the reloads", failed.Load(), total.Load())
@@ -381,8 +400,19 @@ func scrapeURL(t *testing.T, base string) string {
 
 func TestRestartedReplicaPictureCleared(t *testing.T) {
 	sims := startSims(t, 1, fastSim)
+	// The replica behind a proxy that counts the router's scrapes.
+	var scrapes atomic.Int64
+	target, _ := url.Parse(sims[0].URL)
+	proxy := httputil.NewSingleHostReverseProxy(target)
+	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/metrics" {
+			scrapes.Add(1)
+		}
+		proxy.ServeHTTP(w, r)
+	}))
+	t.Cleanup(front.Close)
 	cfg := filepath.Join(t.TempDir(), "router.yaml")
-	writeConfig(t, cfg, fmt.Sprintf("health: {scrape_interval: 50ms}\nreplicas:\n  - {name: s, url: %q}\n", sims[0].URL))
+	writeConfig(t, cfg, fmt.Sprintf("health: {scrape_interval: 50ms}\nreplicas:\n  - {name: s, url: %q}\n", front.URL))
 	r := serveConfig(t, cfg)
 	a := r.app
 	if code, _, err := postURL(r.http.url(), chat([2]string{"system", text("x", 500)}), nil); err != nil || code != 200 {
@@ -392,9 +422,15 @@ func TestRestartedReplicaPictureCleared(t *testing.T) {
 	if st, _ := a.cache.Stats(rep.ID); st.Blocks == 0 {
 		t.Fatal("nothing tracked after a request")
 	}
-	// A scrape (every 50ms) must see the counters after the request before
-	// the restart resets them; a loaded machine can delay a few scrapes.
-	time.Sleep(time.Second)
+	// A scrape must see the counters after the request before the restart
+	// resets them: scrapes run one at a time, so the second to begin after
+	// the request began after the first of them ended.
+	after := scrapes.Load() + 2
+	for deadline := time.Now().Add(10 * time.Second); scrapes.Load() < after; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the replica was not scraped after the request")
+		}
+	}
 	sims[0].Restart()
 	deadline := time.Now().Add(5 * time.Second)
 	for {
