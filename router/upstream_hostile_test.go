@@ -277,8 +277,9 @@ func fds(t *testing.T) int {
 	return len(es)
 }
 
-// A8: a 1xx flood within the header cap: how many interim answers are
-// skipped? http.Transport stops at 5.
+// A8: a 1xx flood within the header cap: the upstream skips the interim
+// answers (http.Transport gives up after 5) and gives the final one; it
+// never hands a 1xx to the caller, nor hangs.
 func TestUpstreamHostile1xxFlood(t *testing.T) {
 	both(t, func(t *testing.T, rt http.RoundTripper) {
 		s := newScripted(t, true, func(c net.Conn, _ *bufio.Reader, req *http.Request, i int) bool {
@@ -293,6 +294,15 @@ func TestUpstreamHostile1xxFlood(t *testing.T) {
 		start := time.Now()
 		code, b, err := do(t, rt, "POST", s.url+"/x", "x")
 		t.Logf("%d %q %v in %v", code, b, err, time.Since(start))
+		if _, std := rt.(*http.Transport); std {
+			if err == nil && code < 200 {
+				t.Errorf("a 1xx answer reached the caller: %d", code)
+			}
+			return
+		}
+		if err != nil || code != 200 || b != "ok" {
+			t.Errorf("after 10,000 interim answers: %d %q %v, want 200 \"ok\"", code, b, err)
+		}
 	})
 }
 
@@ -319,10 +329,15 @@ func TestUpstreamHostileUnknownLengthBody(t *testing.T) {
 		}
 		gmu.Lock()
 		t.Logf("err=%v; replica saw %s", err, got)
+		if want := `CL=[] TE=[chunked] body="hello" err=<nil>`; err != nil || got != want {
+			t.Errorf("a body of unknown length: err %v, the replica saw %s; want it whole, chunked", err, got)
+		}
 	})
 }
 
-// A10: Upgrade through a ReverseProxy: is "Connection: Upgrade" sent?
+// A10: a request asking to upgrade: the upstream sends the caller's
+// Connection header as it is (the proxy in front of it strips hop-by-hop
+// headers; the transport must not add or drop any).
 func TestUpstreamHostileUpgradeHeaderDropped(t *testing.T) {
 	both(t, func(t *testing.T, rt http.RoundTripper) {
 		connc := make(chan []string, 1)
@@ -338,7 +353,11 @@ func TestUpstreamHostileUpgradeHeaderDropped(t *testing.T) {
 		if err == nil {
 			resp.Body.Close()
 		}
-		t.Logf("replica saw Connection: %q", <-connc)
+		got := <-connc
+		t.Logf("replica saw Connection: %q", got)
+		if len(got) != 1 || got[0] != "Upgrade" {
+			t.Errorf("the replica saw Connection: %q, want the caller's [\"Upgrade\"]", got)
+		}
 	})
 }
 
