@@ -40,7 +40,7 @@ func TestExtendShortcutChangesNothing(t *testing.T) {
 			}
 			var running []run
 			shortcuts := 0
-			for step := 0; step < 4000; step++ {
+			for step := 0; step < 4000/raceSteps; step++ {
 				id := rng.IntN(2)
 				now := int64(step)
 				var p []blockhash.Block

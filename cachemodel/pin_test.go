@@ -231,7 +231,7 @@ func TestPinInvariantRandom(t *testing.T) {
 					p  []blockhash.Block
 				}
 				var running []run
-				for step := 0; step < 3000; step++ {
+				for step := 0; step < 3000/raceSteps; step++ {
 					id := rng.IntN(2)
 					now := int64(step * 10)
 					switch op := rng.IntN(100); {
