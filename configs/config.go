@@ -326,6 +326,10 @@ type LimitsConfig struct {
 	MaxMessages     int   `mapstructure:"max_messages" json:"max_messages"`
 	MaxHeaderBytes  int   `mapstructure:"max_header_bytes" json:"max_header_bytes"`
 	MaxOutputTokens int   `mapstructure:"max_output_tokens" json:"max_output_tokens"`
+	// MaxBodyBytesInFlight caps the bytes of the HTTP request bodies held
+	// at once, across requests; past it a request gets 503 (see
+	// limits.Request.MaxBodyBytesInFlight).
+	MaxBodyBytesInFlight int64 `mapstructure:"max_body_bytes_in_flight" json:"max_body_bytes_in_flight"`
 	// MaxJSONDepth bounds the nesting of arrays and objects in a request
 	// body; a deeper body gets 400 as soon as the limit is passed.
 	MaxJSONDepth int `mapstructure:"max_json_depth" json:"max_json_depth"`
@@ -425,6 +429,7 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("tokenizer.url", "")
 	v.SetDefault("tokenizer.cache_tokens", tokenizer.DefaultCacheTokens)
 	v.SetDefault("limits.max_body_bytes", limits.DefaultMaxBodyBytes)
+	v.SetDefault("limits.max_body_bytes_in_flight", limits.DefaultMaxBodyBytesInFlight)
 	v.SetDefault("limits.max_messages", limits.DefaultMaxMessages)
 	v.SetDefault("limits.max_header_bytes", limits.DefaultMaxHeaderBytes)
 	v.SetDefault("limits.max_output_tokens", limits.DefaultMaxOutputTokens)

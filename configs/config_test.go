@@ -48,7 +48,7 @@ func TestBadConfigs(t *testing.T) {
 		"bad-values.bad.yaml": {
 			"listen:", "log.level:", "log.format:", "routing.policy:", "routing.load_weight:", "routing.spill_factor:",
 			"routing.attempts:", "routing.kind_weights.sytem:", "blocks:", "cache.eviction:", "limits.max_body_bytes:",
-			"limits.max_messages:", "replicas[0].url:", "replicas[1].name:", "replicas[1].weight:", "replicas[1].reuse:",
+			"limits.max_body_bytes_in_flight:", "limits.max_messages:", "replicas[0].url:", "replicas[1].name:", "replicas[1].weight:", "replicas[1].reuse:",
 			"routing.arms[0].policy:", "routing.arms[0].weight:", "routing.arms[1].name:", "runtime.gc_floor_mb:",
 		},
 		"hostile.bad.yaml": {"grpc.token:", "grpc.tls_cert_file:", "grpc.max_held_decisions:", "limits.max_json_depth:",

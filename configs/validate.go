@@ -246,6 +246,9 @@ func (l LimitsConfig) validate(p *problems) {
 	if l.MaxBodyBytes < 1024 {
 		p.bad("limits.max_body_bytes", "must be at least 1024")
 	}
+	if l.MaxBodyBytesInFlight < l.MaxBodyBytes {
+		p.bad("limits.max_body_bytes_in_flight", "must be at least max_body_bytes")
+	}
 	if l.MaxMessages < 1 {
 		p.bad("limits.max_messages", "must be at least 1")
 	}

@@ -18,6 +18,16 @@ type Request struct {
 	// MaxBodyBytes limits request bodies; larger ones get 413, refused from
 	// their Content-Length when they declare one. Default DefaultMaxBodyBytes.
 	MaxBodyBytes int64
+	// MaxBodyBytesInFlight caps the bytes of request bodies the HTTP front
+	// door holds at once, across requests, from the first byte read until
+	// the request ends (its answer sent or abandoned). A body that would
+	// pass it, as it arrives, gets 503 with Retry-After rather than the
+	// process growing. It counts the bodies' own buffers (a body of unknown
+	// length in steps of doubling size, from 64 KiB); parsing and
+	// forwarding may hold about as much again. It should be at least
+	// MaxBodyBytes, or the largest bodies are never taken. Default
+	// DefaultMaxBodyBytesInFlight.
+	MaxBodyBytesInFlight int64
 	// MaxHeaderBytes bounds a request's headers; larger ones get 431.
 	// Default DefaultMaxHeaderBytes.
 	MaxHeaderBytes int
@@ -32,10 +42,11 @@ type Request struct {
 
 // Defaults of Request.
 const (
-	DefaultMaxBodyBytes    = 16 << 20 // 16 MiB
-	DefaultMaxHeaderBytes  = 64 << 10 // 64 KiB
-	DefaultMaxOutputTokens = 1 << 20  // 1,048,576
-	DefaultMaxMessages     = 4096
+	DefaultMaxBodyBytes         = 16 << 20  // 16 MiB
+	DefaultMaxBodyBytesInFlight = 512 << 20 // 512 MiB
+	DefaultMaxHeaderBytes       = 64 << 10  // 64 KiB
+	DefaultMaxOutputTokens      = 1 << 20   // 1,048,576
+	DefaultMaxMessages          = 4096
 )
 
 // WithDefaults returns r with zero fields set to their defaults.
@@ -44,6 +55,7 @@ func (r Request) WithDefaults() Request {
 		r.Parse.Budget = blockhash.NewBudget(blockhash.DefaultBudgetValues)
 	}
 	r.MaxBodyBytes = cmp.Or(max(r.MaxBodyBytes, 0), DefaultMaxBodyBytes)
+	r.MaxBodyBytesInFlight = cmp.Or(max(r.MaxBodyBytesInFlight, 0), DefaultMaxBodyBytesInFlight)
 	r.MaxHeaderBytes = cmp.Or(max(r.MaxHeaderBytes, 0), DefaultMaxHeaderBytes)
 	r.MaxOutputTokens = cmp.Or(max(r.MaxOutputTokens, 0), DefaultMaxOutputTokens)
 	return r

@@ -3,6 +3,7 @@ package router
 import (
 	"errors"
 	"io"
+	"strconv"
 	"sync"
 	"sync/atomic"
 )
@@ -23,6 +24,59 @@ var bodyBufs sync.Pool // *body
 type body struct {
 	b    []byte
 	refs atomic.Int32
+
+	// g, if set, counts held bytes (at least len(b)) against limit while
+	// the body is referenced; see hold.
+	g     *bodyGauge
+	limit int64
+	held  int
+}
+
+// bodyGauge counts the bytes of the request bodies held at once, against
+// a limit (limits.Request.MaxBodyBytesInFlight). The zero value holds
+// nothing. Safe for concurrent use.
+type bodyGauge struct{ n atomic.Int64 }
+
+// Load returns the bytes held now.
+func (g *bodyGauge) Load() int64 { return g.n.Load() }
+
+// take adds n bytes if the total stays within limit, and reports whether
+// it did.
+func (g *bodyGauge) take(n, limit int64) bool {
+	for {
+		cur := g.n.Load()
+		if cur+n > limit {
+			return false
+		}
+		if g.n.CompareAndSwap(cur, cur+n) {
+			return true
+		}
+	}
+}
+
+// bodiesInFlightError is a body refused because the bodies held would pass
+// their limit.
+type bodiesInFlightError struct{ limit int64 }
+
+func (e *bodiesInFlightError) Error() string {
+	return "the router is holding its limit of " + strconv.FormatInt(e.limit, 10) + " bytes of request bodies; retry shortly"
+}
+
+// count makes b's bytes count against g, up to limit in all, until its
+// last reference is dropped. It is called once, before b is read into.
+func (b *body) count(g *bodyGauge, limit int64) { b.g, b.limit = g, limit }
+
+// hold makes b hold n bytes, taking what it held not yet from its gauge,
+// and reports whether they fitted.
+func (b *body) hold(n int) bool {
+	if n <= b.held {
+		return true
+	}
+	if b.g != nil && !b.g.take(int64(n-b.held), b.limit) {
+		return false
+	}
+	b.held = n
+	return true
 }
 
 // newBody returns a body of n bytes with one reference, the caller's.
@@ -38,25 +92,33 @@ func newBody(n int) *body {
 // bodyPrealloc is the most readBody allocates before bytes arrive: 64 KiB.
 const bodyPrealloc = 64 << 10
 
-// readAll reads r into b, growing b's buffer (doubling) as bytes arrive.
-// n is the declared length, or -1: a body that ends before n bytes is an
-// io.ErrUnexpectedEOF, and nothing past n is read.
+// readAll reads r into b, growing what b holds (doubling, from
+// bodyPrealloc) as bytes arrive, and its buffer with it. n is the declared
+// length, or -1: a body that ends before n bytes is an
+// io.ErrUnexpectedEOF, and nothing past n is read. A body whose growth
+// its gauge cannot hold is an *bodiesInFlightError.
 func (b *body) readAll(r io.Reader, n int64) error {
 	if n >= 0 {
 		r = io.LimitReader(r, n)
 	}
 	buf := b.b[:0]
 	for n < 0 || int64(len(buf)) < n {
-		if len(buf) == cap(buf) { // double, but not past the declared length
-			size := max(2*cap(buf), 512)
+		if len(buf) == b.held { // double, but not past the declared length
+			size := max(2*b.held, bodyPrealloc)
 			if n >= 0 {
 				size = int(min(int64(size), n))
 			}
-			grown := make([]byte, len(buf), size)
-			copy(grown, buf)
-			buf = grown
+			if !b.hold(size) {
+				b.b = buf
+				return &bodiesInFlightError{b.limit}
+			}
+			if cap(buf) < size {
+				grown := make([]byte, len(buf), size)
+				copy(grown, buf)
+				buf = grown
+			}
 		}
-		k, err := r.Read(buf[len(buf):cap(buf)])
+		k, err := r.Read(buf[len(buf):b.held])
 		buf = buf[:len(buf)+k]
 		if err == io.EOF {
 			break
@@ -80,9 +142,17 @@ func bodyOf(b []byte) *body {
 	return v
 }
 
-// release drops one reference.
+// release drops one reference. The last gives back the bytes held to
+// the gauge, and the buffer to the pool.
 func (b *body) release() {
-	if b.refs.Add(-1) == 0 && cap(b.b) <= maxPooledBody {
+	if b.refs.Add(-1) != 0 {
+		return
+	}
+	if b.g != nil {
+		b.g.n.Add(-int64(b.held))
+	}
+	b.g, b.limit, b.held = nil, 0, 0
+	if cap(b.b) <= maxPooledBody {
 		b.b = b.b[:0]
 		bodyBufs.Put(b)
 	}

@@ -150,3 +150,46 @@ func TestReadAllGrowsToTheDeclaredLength(t *testing.T) {
 		t.Fatalf("a short body: %v", err)
 	}
 }
+
+// TestBodyHoldsAgainstItsGauge: a body read as it arrives holds its bytes
+// (in doubling steps from bodyPrealloc) against its gauge, is refused the
+// step that would pass the limit, and gives everything back with its last
+// reference, however its read ended.
+func TestBodyHoldsAgainstItsGauge(t *testing.T) {
+	var g bodyGauge
+	data := bytes.Repeat([]byte("x"), 200<<10)
+
+	b := newBody(bodyPrealloc)
+	b.count(&g, 1<<20)
+	if err := b.readAll(bytes.NewReader(data), -1); err != nil || !bytes.Equal(b.b, data) {
+		t.Fatalf("%v, %d bytes", err, len(b.b))
+	}
+	if held := g.Load(); held != 256<<10 || int(held) < len(b.b) {
+		t.Fatalf("%d bytes held for a body of %d, want %d", held, len(b.b), 256<<10)
+	}
+	r := b.reader()
+	b.release()
+	if g.Load() != 256<<10 {
+		t.Fatal("the bytes were given back while a reader holds the body")
+	}
+	r.Close()
+	if g.Load() != 0 {
+		t.Fatalf("%d bytes held after the last reference", g.Load())
+	}
+
+	// Of unknown length, the step from 128 KiB to 256 KiB does not fit in
+	// 200 KiB.
+	b = newBody(bodyPrealloc)
+	b.count(&g, 200<<10)
+	var busy *bodiesInFlightError
+	if err := b.readAll(bytes.NewReader(data), -1); !errors.As(err, &busy) || busy.limit != 200<<10 {
+		t.Fatalf("past the limit: %v", err)
+	}
+	if g.Load() != 128<<10 {
+		t.Fatalf("%d bytes held by the refused body, want %d", g.Load(), 128<<10)
+	}
+	b.release()
+	if g.Load() != 0 {
+		t.Fatalf("%d bytes held after the refused body's release", g.Load())
+	}
+}

@@ -77,11 +77,13 @@ type CoreOptions struct {
 	RefreshModels func(context.Context)
 }
 
-// Tokenizer gives the engine's token ids of an OpenAI request body
-// (tokenizer.Client: a replica's /tokenize). Errors are classed by
+// Tokenizer gives the engine's token ids of an OpenAI request body of
+// endpoint ep whose model the router's parse read as model
+// (tokenizer.Client: a replica's /tokenize). It reads the body's fields as
+// the engine does, and only until it returns. Errors are classed by
 // tokenizer.ErrSlow and tokenizer.ErrNoReplica.
 type Tokenizer interface {
-	Body(ctx context.Context, body []byte) ([]int32, error)
+	Body(ctx context.Context, ep blockhash.Endpoint, model string, body []byte) ([]int32, error)
 }
 
 // Core is the routing core that the HTTP and gRPC front ends share: it
@@ -202,7 +204,7 @@ type CoreRequest struct {
 // (gRPC messages) is estimated.
 func (c *Core) Prepare(ctx context.Context, req *blockhash.Request, body []byte, session string) routing.Request {
 	if c.o.Tokenizer != nil && len(body) > 0 && !req.TokenIDsOnly() {
-		ids, err := c.o.Tokenizer.Body(ctx, body)
+		ids, err := c.o.Tokenizer.Body(ctx, endpointOf(req), req.Model, body)
 		switch {
 		case err == nil && len(ids) > 0:
 			c.o.Metrics.Tokenized("ok")
@@ -216,6 +218,16 @@ func (c *Core) Prepare(ctx context.Context, req *blockhash.Request, body []byte,
 		}
 	}
 	return c.e.Prepare(req, session, c.o.LogPrompts)
+}
+
+// endpointOf tells a parsed request's endpoint from its parts: a
+// completions body's are prompts (strings or token ids), a chat body's
+// never are.
+func endpointOf(req *blockhash.Request) blockhash.Endpoint {
+	if len(req.Parts) > 0 && (req.Parts[0].Role == blockhash.RolePrompt || req.Parts[0].Role == blockhash.RoleTokens) {
+		return blockhash.Completion
+	}
+	return blockhash.Chat
 }
 
 // modelsRefreshWait bounds how long a request for an unknown model waits

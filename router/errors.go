@@ -85,12 +85,15 @@ func classify(err error) apiError {
 	var ie *blockhash.InputError
 	var tooBig *http.MaxBytesError
 	var um *routing.UnknownModelError
+	var busy *bodiesInFlightError
 	switch {
 	case errors.As(err, &tooBig):
 		return apiError{http.StatusRequestEntityTooLarge, "invalid_request_error", "body_too_large",
 			"request body is larger than the limit of " + strconv.FormatInt(tooBig.Limit, 10) + " bytes"}
 	case errors.As(err, &ie):
 		return apiError{http.StatusBadRequest, "invalid_request_error", "invalid_request", ie.Error()}
+	case errors.As(err, &busy):
+		return apiError{http.StatusServiceUnavailable, "server_busy", "body_bytes_in_flight", busy.Error()}
 	case errors.Is(err, blockhash.ErrBusy):
 		return apiError{http.StatusServiceUnavailable, "server_busy", "parse_budget", err.Error()}
 	case errors.Is(err, routing.ErrNoReplica):

@@ -80,6 +80,13 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 	if req.Stream && !req.StreamOptions {
 		fwd, strip = withIncludeUsage(body.b), true
 		defer fwd.release()
+		// The copy is body bytes held too.
+		if fwd.count(&s.bodies, lim.MaxBodyBytesInFlight); !fwd.hold(len(fwd.b)) {
+			span.End()
+			w.Header().Set("Retry-After", "1")
+			writeError(w, classify(&bodiesInFlightError{lim.MaxBodyBytesInFlight}))
+			return
+		}
 	}
 	req.Release() // the parse is done with: its tree is not held while the response streams
 	rt, err := s.core.Route(CoreRequest{Input: in, Model: req.Model, Session: sid, Tenant: tenant, Route: route})
@@ -170,11 +177,14 @@ func endRouted(ctx context.Context, core *Core, log *slog.Logger, recordReplies 
 }
 
 // readBody reads a request's body, up to MaxBodyBytes, into a pooled
-// buffer that the caller must release. A body that cannot be read (the
-// client went away, or sent less than its Content-Length) is an
-// *blockhash.InputError; a body over the limit an *http.MaxBytesError.
+// buffer that the caller must release; until then its bytes count against
+// MaxBodyBytesInFlight. A body that cannot be read (the client went away,
+// or sent less than its Content-Length) is an *blockhash.InputError; a
+// body over the limit an *http.MaxBytesError; a body the bodies in flight
+// leave no room for an *bodiesInFlightError, with Retry-After set on w.
 func (s *Server) readBody(w http.ResponseWriter, r *http.Request) (*body, error) {
-	limit := s.limits.Load().MaxBodyBytes
+	lim := s.limits.Load()
+	limit := lim.MaxBodyBytes
 	if r.ContentLength > limit {
 		// Refused from the header: nothing is read, and a client that sent
 		// Expect: 100-continue is not asked for its body.
@@ -187,18 +197,28 @@ func (s *Server) readBody(w http.ResponseWriter, r *http.Request) (*body, error)
 	)
 	if n := r.ContentLength; n >= 0 && n <= bodyPrealloc {
 		b = newBody(int(n))
-		_, err = io.ReadFull(rd, b.b)
+		b.count(&s.bodies, lim.MaxBodyBytesInFlight)
+		if !b.hold(int(n)) {
+			err = &bodiesInFlightError{lim.MaxBodyBytesInFlight}
+		} else {
+			_, err = io.ReadFull(rd, b.b)
+		}
 	} else {
 		// Unknown or large: memory follows the bytes that arrive, not the
 		// length a client declares (a declared 16 MiB sent one byte at a
 		// time would otherwise hold 16 MiB per connection).
 		b = newBody(bodyPrealloc)
+		b.count(&s.bodies, lim.MaxBodyBytesInFlight)
 		err = b.readAll(rd, n)
 	}
 	if err != nil {
 		b.release()
 		var tooBig *http.MaxBytesError
-		if errors.As(err, &tooBig) {
+		var busy *bodiesInFlightError
+		if errors.As(err, &busy) {
+			w.Header().Set("Retry-After", "1")
+		}
+		if errors.As(err, &tooBig) || busy != nil {
 			return nil, err
 		}
 		return nil, &blockhash.InputError{Msg: "reading the request body: " + err.Error()}

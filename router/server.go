@@ -88,6 +88,8 @@ type Server struct {
 	mux    *http.ServeMux
 	// client is used for the /v1/models fan-out.
 	client *http.Client
+	// bodies counts the request body bytes held (limits.Request.MaxBodyBytesInFlight).
+	bodies bodyGauge
 }
 
 // NewServer returns the HTTP front end.

@@ -9,7 +9,6 @@
 package tokenizer
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -20,8 +19,9 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/cespare/xxhash/v2"
 	lru "github.com/hashicorp/golang-lru/v2"
+
+	"github.com/semroute/semroute/blockhash"
 )
 
 // Options configure a Client. URL is required.
@@ -108,19 +108,6 @@ func (c *Client) Stats() Stats {
 	return Stats{Hits: c.hits.Load(), Calls: c.calls.Load(), Failures: c.failures.Load(), Slow: c.slow.Load()}
 }
 
-// request is the body of POST /tokenize: TokenizeChatRequest when Messages
-// is set, else TokenizeCompletionRequest.
-type request struct {
-	Model                string          `json:"model"`
-	Messages             json.RawMessage `json:"messages,omitempty"`
-	Prompt               json.RawMessage `json:"prompt,omitempty"`
-	Tools                json.RawMessage `json:"tools,omitempty"`
-	AddGenerationPrompt  *bool           `json:"add_generation_prompt,omitempty"`
-	ContinueFinalMessage json.RawMessage `json:"continue_final_message,omitempty"`
-	ChatTemplate         json.RawMessage `json:"chat_template,omitempty"`
-	ChatTemplateKwargs   json.RawMessage `json:"chat_template_kwargs,omitempty"`
-}
-
 // response is TokenizeResponse. Token ids are unsigned: vLLM's are below
 // 2^31, but llm-d's simulator (FNV-32a of each word,
 // pkg/tokenizer/tokenizer.go) and other engines use all 32 bits. An id is
@@ -136,62 +123,48 @@ type response struct {
 // request's "messages" JSON, rendered with the model's chat template and
 // the generation prompt, as the engine renders it to serve the request.
 func (c *Client) Chat(ctx context.Context, model string, messages []byte) ([]int32, error) {
-	yes := true
-	return c.tokenize(ctx, request{Model: model, Messages: messages, AddGenerationPrompt: &yes})
+	q := newQuery(model)
+	q.field("messages", messages)
+	q.field("add_generation_prompt", jsonTrue)
+	q.end()
+	return c.tokenize(ctx, q)
 }
 
-// Body returns the token ids of the prompt of an OpenAI request body, as
-// the engine renders it to serve the body: a chat body's messages, tools
-// and template options (add_generation_prompt, continue_final_message,
-// chat_template, chat_template_kwargs), else a completions body's prompt,
-// which must be one string. The body must be valid JSON (the router has
-// parsed it already).
-func (c *Client) Body(ctx context.Context, body []byte) ([]int32, error) {
-	var r request // the body's own fields under /tokenize's names
-	if err := json.Unmarshal(body, &r); err != nil {
-		return nil, fmt.Errorf("tokenizer: %w", err)
+// Body returns the token ids of the prompt of an OpenAI request body of
+// endpoint ep, as the engine renders it to serve the body: a chat body's
+// messages, tools and template options (add_generation_prompt,
+// continue_final_message, chat_template, chat_template_kwargs,
+// add_special_tokens), or a completions body's prompt, which must be one
+// string, and add_special_tokens. model is the body's "model" as the
+// router's parse read it. The fields' values are sent as the body gives
+// them, found by the engine's rules for keys (exact, case-sensitive; see
+// bodyQuery), never decoded again nor copied: the body must be the valid
+// JSON the router parsed, and is read only until Body returns.
+func (c *Client) Body(ctx context.Context, ep blockhash.Endpoint, model string, body []byte) ([]int32, error) {
+	q, err := bodyQuery(ep, model, body)
+	if err != nil {
+		return nil, err
 	}
-	if len(r.Messages) > 0 {
-		if r.AddGenerationPrompt == nil {
-			yes := true
-			r.AddGenerationPrompt = &yes
-		}
-		r.Prompt = nil
-		return c.tokenize(ctx, r)
-	}
-	if len(r.Prompt) == 0 || r.Prompt[0] != '"' {
-		return nil, errors.New("tokenizer: only a chat body or a completions body with one prompt string can be tokenized")
-	}
-	return c.tokenize(ctx, request{Model: r.Model, Prompt: r.Prompt})
+	return c.tokenize(ctx, q)
 }
 
 // Prompt returns the token ids of a completions request's prompt (a JSON
 // string).
 func (c *Client) Prompt(ctx context.Context, model string, prompt []byte) ([]int32, error) {
-	return c.tokenize(ctx, request{Model: model, Prompt: prompt})
+	q := newQuery(model)
+	q.field("prompt", prompt)
+	q.end()
+	return c.tokenize(ctx, q)
 }
 
-func (c *Client) tokenize(ctx context.Context, r request) ([]int32, error) {
-	var d xxhash.Digest
-	d.Reset()
-	_, _ = d.WriteString(r.Model)
-	_, _ = d.Write([]byte{0, byte(len(r.Messages) & 1)})
-	_, _ = d.Write(r.Messages)
-	_, _ = d.Write(r.Prompt)
-	for _, f := range [][]byte{r.Tools, r.ContinueFinalMessage, r.ChatTemplate, r.ChatTemplateKwargs} {
-		_, _ = d.Write([]byte{0})
-		_, _ = d.Write(f)
-	}
-	if r.AddGenerationPrompt != nil && !*r.AddGenerationPrompt {
-		_, _ = d.Write([]byte{1})
-	}
-	key := d.Sum64()
+func (c *Client) tokenize(ctx context.Context, q *query) ([]int32, error) {
+	key := q.key()
 	if ids, ok := c.cache.Get(key); ok {
 		c.hits.Add(1)
 		return ids, nil
 	}
 	c.calls.Add(1)
-	ids, err := c.call(ctx, r)
+	ids, err := c.call(ctx, q)
 	if err != nil {
 		if errors.Is(err, ErrSlow) {
 			c.slow.Add(1)
@@ -210,28 +183,35 @@ func (c *Client) tokenize(ctx context.Context, r request) ([]int32, error) {
 	return ids, nil
 }
 
-func (c *Client) call(ctx context.Context, r request) ([]int32, error) {
+func (c *Client) call(ctx context.Context, q *query) ([]int32, error) {
 	ctx, cancel := context.WithTimeout(ctx, c.o.Timeout)
 	defer cancel()
 	base := c.o.URL
 	if c.o.Pick != nil {
-		if base = c.o.Pick(r.Model); base == "" {
+		if base = c.o.Pick(q.model); base == "" {
 			return nil, ErrNoReplica
 		}
 	}
-	ids, err := c.post(ctx, base, r)
+	ids, err := c.post(ctx, base, q)
 	if c.o.OnCall != nil {
 		c.o.OnCall(base, err)
 	}
 	return ids, err
 }
 
-func (c *Client) post(ctx context.Context, base string, r request) ([]int32, error) {
-	body, _ := json.Marshal(r)
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimSuffix(base, "/")+"/tokenize", bytes.NewReader(body))
+// post sends q to base's /tokenize. q's pieces are read only until post
+// returns: the request's readers fail after it (see lease).
+func (c *Client) post(ctx context.Context, base string, q *query) ([]int32, error) {
+	l := &lease{}
+	defer l.end()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimSuffix(base, "/")+"/tokenize", q.reader(l))
 	if err != nil {
 		return nil, err
 	}
+	req.ContentLength = int64(q.n)
+	// A request on a kept-alive connection that the server had closed is
+	// sent again, from the start.
+	req.GetBody = func() (io.ReadCloser, error) { return q.reader(l), nil }
 	req.Header.Set("Content-Type", "application/json")
 	resp, err := c.o.Client.Do(req)
 	if err != nil {

@@ -158,7 +158,7 @@ func TestThirdPartyTokenIDs(t *testing.T) {
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.Write(answer) }))
 	defer srv.Close()
 	c, _ := New(Options{URL: srv.URL, Timeout: 5 * time.Second})
-	ids, err := c.Body(context.Background(), []byte(`{"model":"fake-model","messages":[{"role":"user","content":"hi"}]}`))
+	ids, err := c.Body(context.Background(), blockhash.Chat, "fake-model", []byte(`{"model":"fake-model","messages":[{"role":"user","content":"hi"}]}`))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -183,7 +183,7 @@ func TestThirdPartyTokenIDs(t *testing.T) {
 	srv2 := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.Write([]byte(`{"tokens":[1,4294967296]}`)) }))
 	defer srv2.Close()
 	c2, _ := New(Options{URL: srv2.URL, Timeout: 5 * time.Second})
-	if _, err := c2.Body(context.Background(), []byte(`{"model":"m","messages":[{"role":"user","content":"x"}]}`)); err == nil {
+	if _, err := c2.Body(context.Background(), blockhash.Chat, "m", []byte(`{"model":"m","messages":[{"role":"user","content":"x"}]}`)); err == nil {
 		t.Fatal("an id of 2^32 was accepted")
 	}
 }

@@ -250,7 +250,8 @@ func scrapeInterval(d time.Duration) time.Duration {
 
 // limitsOf turns the limits section into the front end's limits.
 func limitsOf(l configs.LimitsConfig) limits.Request {
-	return limits.Request{MaxBodyBytes: l.MaxBodyBytes, MaxHeaderBytes: l.MaxHeaderBytes, MaxOutputTokens: l.MaxOutputTokens,
+	return limits.Request{MaxBodyBytes: l.MaxBodyBytes, MaxBodyBytesInFlight: l.MaxBodyBytesInFlight,
+		MaxHeaderBytes: l.MaxHeaderBytes, MaxOutputTokens: l.MaxOutputTokens,
 		Parse: blockhash.Limits{MaxMessages: l.MaxMessages, MaxDepth: l.MaxJSONDepth, MaxValues: l.MaxJSONValues,
 			Budget: blockhash.NewBudget(l.MaxJSONValuesInFlight)}}
 }
