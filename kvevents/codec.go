@@ -80,25 +80,16 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"unsafe"
 
 	"github.com/tinylib/msgp/msgp"
 )
 
-// Limits on what a payload may hold. A payload past any of them is an error,
-// never a panic nor an allocation out of proportion: every list is also
-// checked against the bytes left before anything is allocated for it, so a
-// decode allocates at most a small multiple of len(payload).
+// Bounds on a payload besides its Limits: a payload past one is malformed.
+// Every list is also checked against the bytes left before anything is
+// allocated for it, so a decode allocates at most a small multiple of
+// len(payload).
 const (
-	// MaxPayloadBytes is the longest payload Decode reads (64 MiB). vLLM's
-	// batches are one scheduler step's events: kilobytes, rarely megabytes.
-	MaxPayloadBytes = 64 << 20
-	// MaxEventsPerBatch is the most events one batch may hold.
-	MaxEventsPerBatch = 1 << 16
-	// MaxHashesPerEvent is the most block hashes one event may hold: 1 M
-	// tokens in blocks of 16.
-	MaxHashesPerEvent = 1 << 16
-	// MaxTokensPerEvent is the most token ids one BlockStored may hold.
-	MaxTokensPerEvent = 1 << 20
 	// MaxStringBytes is the longest string field (the tag, a map key,
 	// medium, lora_name, kv_cache_spec_kind).
 	MaxStringBytes = 256
@@ -194,16 +185,17 @@ const (
 	ShapeMap
 )
 
-// ErrMalformed is wrapped by every error Decode returns.
+// ErrMalformed is wrapped by every error Decode returns but a *LimitError.
 var ErrMalformed = errors.New("kvevents: malformed payload")
 
 func malformed(format string, args ...any) error {
 	return fmt.Errorf("%w: %s", ErrMalformed, fmt.Sprintf(format, args...))
 }
 
-// Decode reads one payload in any shape. The Batch it returns shares nothing
-// with payload. Decode is safe for concurrent use; a Decoder is faster when
-// batches are read one after another.
+// Decode reads one payload in any shape, within the default Limits. The
+// Batch it returns shares nothing with payload. Decode is safe for
+// concurrent use; a Decoder is faster when batches are read one after
+// another.
 func Decode(payload []byte) (Batch, error) {
 	var d Decoder
 	return d.decode(payload, false)
@@ -212,12 +204,36 @@ func Decode(payload []byte) (Batch, error) {
 // Decoder decodes payloads reusing its memory: the Batch that Decode returns
 // (its Events, their hash, token and ExtraKeys slices) is valid only until
 // the next call. After a few batches of a steady shape, a Decoder decodes
-// without allocating. The zero Decoder is ready; it is not safe for
-// concurrent use.
+// without allocating; what it keeps between batches is bounded
+// (maxRetained), so that one huge batch does not stay in memory. The zero
+// Decoder is ready; it is not safe for concurrent use.
 type Decoder struct {
+	// Limits bound the payloads the Decoder reads; the zero Limits are the
+	// defaults. A payload past one is refused with a *LimitError.
+	Limits Limits
+
+	lim    Limits // Limits with the defaults filled in, for this decode
 	events []Event
 	raw    []byte // the ExtraKeys of the batch, one after another
 	dp     int
+}
+
+// maxRetained bounds the memory, in bytes, a Decoder keeps from one batch
+// for the next: a busy engine's batches fit many times over (the realistic
+// batch of the benchmarks takes 21 KiB), while one of the largest the
+// default Limits let through would keep up to 64 MiB (8 MiB of one-byte
+// hashes, 8 bytes each decoded) per engine followed.
+const maxRetained = 4 << 20
+
+// trim lets go of the memory the last batch grew past maxRetained.
+func (d *Decoder) trim() {
+	held := cap(d.events)*int(unsafe.Sizeof(Event{})) + cap(d.raw)
+	for _, e := range d.events[:cap(d.events)] {
+		held += 8*cap(e.BlockHashes) + 4*cap(e.TokenIDs)
+	}
+	if held > maxRetained {
+		d.events, d.raw = nil, nil
+	}
 }
 
 // Decode reads one payload in any shape into memory the Decoder reuses.
@@ -227,13 +243,16 @@ func (d *Decoder) Decode(payload []byte) (Batch, error) {
 
 func (d *Decoder) decode(p []byte, reuse bool) (Batch, error) {
 	var b Batch
-	if len(p) > MaxPayloadBytes {
-		return b, malformed("payload of %d bytes (limit %d)", len(p), MaxPayloadBytes)
+	d.lim = d.Limits.orDefaults()
+	if len(p) > d.lim.MaxMessageBytes {
+		return b, &LimitError{Limit: LimitMessageBytes, N: int64(len(p)), Max: int64(d.lim.MaxMessageBytes)}
 	}
 	if len(p) == 0 {
 		return b, malformed("empty payload")
 	}
-	if !reuse {
+	if reuse {
+		d.trim()
+	} else {
 		d.events, d.raw = nil, nil
 	}
 	d.raw = d.raw[:0]
@@ -259,8 +278,8 @@ func (d *Decoder) decode(p []byte, reuse bool) (Batch, error) {
 func isArray(c byte) bool { return c&0xf0 == 0x90 || c == 0xdc || c == 0xdd }
 func isMap(c byte) bool   { return c&0xf0 == 0x80 || c == 0xde || c == 0xdf }
 
-// arrayLen reads an array header and checks n against the bytes left (every
-// element takes at least one) and against limit.
+// arrayLen reads an array header and checks n against limit and against
+// the bytes left (every element takes at least one).
 func arrayLen(p []byte, limit int, what string) (int, []byte, error) {
 	n, p, err := msgp.ReadArrayHeaderBytes(p)
 	if err != nil {
@@ -269,6 +288,24 @@ func arrayLen(p []byte, limit int, what string) (int, []byte, error) {
 	if int64(n) > int64(limit) {
 		return 0, p, malformed("%s: %d elements (limit %d)", what, n, limit)
 	}
+	return checkLen(n, p, what)
+}
+
+// limitedLen is arrayLen for a list a Limit bounds: past it, the error is
+// a *LimitError.
+func limitedLen(p []byte, l Limit, limit int, what string) (int, []byte, error) {
+	n, p, err := msgp.ReadArrayHeaderBytes(p)
+	if err != nil {
+		return 0, p, malformed("%s: %v", what, err)
+	}
+	if int64(n) > int64(limit) {
+		return 0, p, &LimitError{Limit: l, N: int64(n), Max: int64(limit)}
+	}
+	return checkLen(n, p, what)
+}
+
+// checkLen checks an array's n elements against the bytes left.
+func checkLen(n uint32, p []byte, what string) (int, []byte, error) {
 	if int(n) > len(p) {
 		return 0, p, malformed("%s: %d elements in %d bytes", what, n, len(p))
 	}
@@ -447,7 +484,7 @@ func bytesHash(v []byte) uint64 {
 }
 
 func (d *Decoder) hashes(p []byte, dst []uint64, what string) ([]uint64, []byte, error) {
-	n, p, err := arrayLen(p, MaxHashesPerEvent, what)
+	n, p, err := limitedLen(p, LimitBlocks, d.lim.MaxBlocksPerEvent, what)
 	if err != nil {
 		return dst, p, err
 	}
@@ -464,7 +501,7 @@ func (d *Decoder) hashes(p []byte, dst []uint64, what string) ([]uint64, []byte,
 }
 
 func (d *Decoder) tokens(p []byte, dst []uint32) ([]uint32, []byte, error) {
-	n, p, err := arrayLen(p, MaxTokensPerEvent, "token_ids")
+	n, p, err := limitedLen(p, LimitTokens, d.lim.MaxTokensPerEvent, "token_ids")
 	if err != nil {
 		return dst, p, err
 	}
@@ -530,7 +567,7 @@ func skipValue(p []byte) ([]byte, error) {
 }
 
 func (d *Decoder) eventList(p []byte, b *Batch, reuse bool) ([]byte, error) {
-	n, p, err := arrayLen(p, MaxEventsPerBatch, "events")
+	n, p, err := limitedLen(p, LimitEvents, d.lim.MaxEventsPerBatch, "events")
 	if err != nil {
 		return p, err
 	}
@@ -596,9 +633,15 @@ func (d *Decoder) batchMap(p []byte, b *Batch, reuse bool) ([]byte, error) {
 		}
 		switch string(k) {
 		case "ts":
+			if haveTS {
+				return p, malformed("batch: ts twice")
+			}
 			b.TS, p, err = readTS(p)
 			haveTS = true
 		case "events":
+			if haveEvents { // each list is bounded, not two
+				return p, malformed("batch: events twice")
+			}
 			p, err = d.eventList(p, b, reuse)
 			haveEvents = true
 		case "data_parallel_rank":
@@ -1126,7 +1169,7 @@ func (e *Event) BlockExtraKeys(dst [][]byte) ([][]byte, bool) {
 	if len(p) > 0 && p[0] == 0xc0 {
 		return dst, true
 	}
-	m, p, err := arrayLen(p, MaxHashesPerEvent, "extra_keys")
+	m, p, err := arrayLen(p, n, "extra_keys")
 	if err != nil || m != n {
 		return dst, false
 	}

@@ -2,9 +2,12 @@ package kvevents
 
 import (
 	"bytes"
+	"encoding/binary"
 	"encoding/hex"
 	"errors"
 	"math"
+	"os"
+	"path/filepath"
 	"reflect"
 	"strings"
 	"testing"
@@ -266,7 +269,6 @@ func TestUnknownFieldsAndOrder(t *testing.T) {
 }
 
 func TestMalformed(t *testing.T) {
-	big := msgp.AppendArrayHeader(unhex(t, `92 00 91 92 ac "BlockRemoved"`), MaxHashesPerEvent+1)
 	for _, tc := range []struct{ name, hex string }{
 		{"empty", ``},
 		{"not a container", `a3 "abc"`},
@@ -281,11 +283,14 @@ func TestMalformed(t *testing.T) {
 		{"token negative", `92 00 91 95 ab "BlockStored" 90 c0 91 ff 10`},
 		{"token too big", `92 00 91 95 ab "BlockStored" 90 c0 91 cf 00 00 00 01 00 00 00 00 10`},
 		{"block size overflow", `92 00 91 95 ab "BlockStored" 90 c0 90 cf 80 00 00 00 00 00 00 00`},
-		{"count past the bytes", `92 00 dd 7f ff ff ff`},
-		{"hashes past the bytes", `92 00 91 92 ac "BlockRemoved" dd 00 01 00 00 01`},
+		{"count past the bytes", `92 00 dc 01 00`},
+		{"hashes past the bytes", `92 00 91 92 ac "BlockRemoved" dc 01 00 01`},
+		{"tokens past the bytes", `92 00 91 95 ab "BlockStored" 90 c0 dc 01 00 10`},
 		{"map without type", `92 00 91 81 a6 "medium" c0`},
 		{"map two tags", `92 00 91 82 a4 "type" ac "BlockRemoved" a4 "type" ac "BlockRemoved"`},
 		{"map duplicate field", `92 00 91 83 a4 "type" ac "BlockRemoved" ac "block_hashes" 90 ac "block_hashes" 90`},
+		{"batch map two events", `83 a2 "ts" 00 a6 "events" 90 a6 "events" 90`},
+		{"batch map two ts", `83 a2 "ts" 00 a6 "events" 90 a2 "ts" 00`},
 		{"map missing required", `92 00 91 81 a4 "type" ab "BlockStored"`},
 		{"batch map no events", `81 a2 "ts" 00`},
 		{"deep nesting truncated", strings.Repeat("91 ", 10000)},
@@ -298,9 +303,6 @@ func TestMalformed(t *testing.T) {
 				t.Fatalf("err = %v, want ErrMalformed", err)
 			}
 		})
-	}
-	if _, err := Decode(big); !errors.Is(err, ErrMalformed) {
-		t.Fatalf("too many hashes: %v", err)
 	}
 	// Deep nesting inside a skipped field is fine when complete: no recursion.
 	deep := append(unhex(t, `92 00 91 92 b0 "AllBlocksCleared"`), bytes.Repeat([]byte{0x91}, 100000)...)
@@ -320,22 +322,79 @@ func TestDecoderDoesNotAllocate(t *testing.T) {
 	}
 }
 
+// capturedPayloads are the batches of the third-party captures in
+// testdata/thirdparty (see its README): the last frame of each message.
+func capturedPayloads(t testing.TB) [][]byte {
+	names, err := filepath.Glob(filepath.Join("..", "testdata", "thirdparty", "*.bin"))
+	if err != nil || len(names) == 0 {
+		t.Fatalf("no captures: %v", err)
+	}
+	var payloads [][]byte
+	for _, name := range names {
+		b, err := os.ReadFile(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var last []byte
+		for len(b) >= 4 && int(binary.BigEndian.Uint32(b)) <= len(b)-4 {
+			n := binary.BigEndian.Uint32(b)
+			last, b = b[4:4+n], b[4+n:]
+		}
+		if len(last) > 0 { // not a replay's end marker
+			payloads = append(payloads, last)
+		}
+	}
+	return payloads
+}
+
+// fuzzLimits are small Limits FuzzDecode holds a Decoder to.
+var fuzzLimits = Limits{MaxMessageBytes: 512, MaxEventsPerBatch: 3, MaxBlocksPerEvent: 4, MaxTokensPerEvent: 16}
+
+// within reports whether a batch of a payload of n bytes keeps to lim.
+func within(b Batch, n int, lim Limits) bool {
+	if n > lim.MaxMessageBytes || len(b.Events) > lim.MaxEventsPerBatch {
+		return false
+	}
+	for _, e := range b.Events {
+		if len(e.BlockHashes) > lim.MaxBlocksPerEvent || len(e.TokenIDs) > lim.MaxTokensPerEvent {
+			return false
+		}
+	}
+	return true
+}
+
 // FuzzDecode: Decode never panics, holds to the reference reading, allocates
 // in proportion to the payload, and Decode(Encode(x)) == x in every shape for
-// whatever decodes.
+// whatever decodes; a Decoder of small Limits reads the same batch when it
+// keeps to them and refuses it with a *LimitError when not.
 func FuzzDecode(f *testing.F) {
 	for _, s := range []Shape{ShapeArray, ShapeMixed, ShapeMap} {
 		f.Add(EncodeShape(nil, sample(), s))
 		f.Add(EncodeShape(nil, kthenaBatch(), s))
+	}
+	for _, p := range capturedPayloads(f) {
+		f.Add(p)
 	}
 	f.Add(unhex(f, goldens[ShapeArray]))
 	f.Add(unhex(f, `93 cb 3f f8 00 00 00 00 00 00 92
 		96 ac "BlockRemoved" 91 01 a3 "GPU" 02 81 01 92 c0 c0 a1 "x"
 		84 a6 "medium" a3 "CPU" a8 "locality" a5 "local" a4 "type" ac "BlockRemoved" ac "block_hashes" 91 05 07`))
 	f.Fuzz(func(t *testing.T, p []byte) {
+		small := Decoder{Limits: fuzzLimits}
+		sb, smallErr := small.Decode(p)
 		b, err := Decode(p)
 		if err != nil {
+			if smallErr == nil {
+				t.Fatalf("the small Limits read what the defaults refuse (%v): %x", err, p)
+			}
 			return
+		}
+		var le *LimitError
+		switch {
+		case within(b, len(p), fuzzLimits) && (smallErr != nil || !same(sb, b)):
+			t.Fatalf("within the small Limits: %+v, %v\nwant %+v", sb, smallErr, b)
+		case !within(b, len(p), fuzzLimits) && !errors.As(smallErr, &le):
+			t.Fatalf("past the small Limits: err = %v, want a LimitError", smallErr)
 		}
 		// The reference only reads what Decode accepted: msgp's generic
 		// reader allocates what a header declares, so on hostile input it

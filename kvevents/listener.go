@@ -40,11 +40,19 @@ type Listener struct {
 
 // Listen binds a SUB socket at endpoint, e.g. "tcp://0.0.0.0:5557"
 // ("tcp://127.0.0.1:0" picks a free port; see Addr), and starts receiving.
-func Listen(endpoint string) (*Listener, error) {
+// Messages are bounded by the default MaxMessageBytes (see ListenLimits).
+func Listen(endpoint string) (*Listener, error) { return ListenLimits(endpoint, Limits{}) }
+
+// ListenLimits is Listen with messages bounded by lim.MaxMessageBytes as
+// they arrive (a larger message reaches its Subscriber with the payload
+// elided, to be counted and skipped); the Subscribers' own Limits bound
+// what they decode.
+func ListenLimits(endpoint string, lim Limits) (*Listener, error) {
 	if !strings.HasPrefix(endpoint, "tcp://") {
 		return nil, fmt.Errorf("kvevents: listen on %q: only tcp:// endpoints", endpoint)
 	}
-	sock := zmq4.NewSub(context.Background(), quietZMQ)
+	ctx := withMessageLimit(context.Background(), lim.orDefaults().MaxMessageBytes)
+	sock := zmq4.NewSub(ctx, quietZMQ)
 	if err := sock.SetOption(zmq4.OptionSubscribe, ""); err != nil {
 		sock.Close()
 		return nil, err

@@ -1,6 +1,7 @@
 package kvevents
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"net"
@@ -344,46 +345,148 @@ func TestCloseLeavesNoGoroutines(t *testing.T) {
 	pub.Close()
 }
 
-// The guard cuts a connection whose frame header announces more than the
-// limit, and lets ordinary frames through however they are split.
+// zmtpFrame is a ZMTP 3 frame: flags (more, command), a short or long size
+// and the body.
+func zmtpFrame(more, command bool, body []byte) []byte {
+	fl := byte(0)
+	if more {
+		fl |= 1
+	}
+	if command {
+		fl |= 4
+	}
+	if len(body) > 255 {
+		h := []byte{fl | 2, 0, 0, 0, 0, 0, 0, 0, 0}
+		binary.BigEndian.PutUint64(h[1:], uint64(len(body)))
+		return append(h, body...)
+	}
+	return append([]byte{fl, byte(len(body))}, body...)
+}
+
+// filterAll runs stream through a fresh frameFilter of limit, in reads of
+// split bytes.
+func filterAll(stream []byte, limit uint64, split int) ([]byte, bool) {
+	f := frameFilter{limit: limit, need: zmtpGreeting}
+	var out []byte
+	for i := 0; i < len(stream); i += split {
+		var ok bool
+		if out, ok = f.filter(out, stream[i:min(i+split, len(stream))]); !ok {
+			return out, false
+		}
+	}
+	return out, true
+}
+
+// The guard hands ordinary messages on unchanged however they are split,
+// elides a data frame that would take its message past the limit (and
+// nothing else), and cuts a connection for a command frame past it or a
+// message of too many frames.
 func TestGuardConn(t *testing.T) {
 	greeting := make([]byte, zmtpGreeting)
-	frame := func(more bool, body []byte) []byte {
-		fl := byte(0)
-		if more {
-			fl = 1
-		}
-		if len(body) > 255 {
-			h := []byte{fl | 2, 0, 0, 0, 0, 0, 0, 0, 0}
-			binary.BigEndian.PutUint64(h[1:], uint64(len(body)))
-			return append(h, body...)
-		}
-		return append([]byte{fl, byte(len(body))}, body...)
+	message := func(topic, payload []byte) []byte {
+		m := append(zmtpFrame(true, false, topic), zmtpFrame(true, false, seqBytes(1))...)
+		return append(m, zmtpFrame(false, false, payload)...)
 	}
-	var ok []byte
-	ok = append(ok, greeting...)
-	ok = append(ok, frame(true, []byte("topic"))...)
-	ok = append(ok, frame(true, seqBytes(1))...)
-	ok = append(ok, frame(false, make([]byte, 1000))...)
-	for _, split := range []int{1, 3, 7, len(ok)} {
-		g := &guardConn{need: zmtpGreeting}
-		for i := 0; i < len(ok); i += split {
-			if !g.check(ok[i:min(i+split, len(ok))]) {
-				t.Fatalf("split %d: cut an ordinary stream", split)
-			}
+	cat := func(parts ...[]byte) []byte { return bytes.Join(parts, nil) }
+	ready := zmtpFrame(false, true, []byte("\x05READY"))
+	ok := cat(greeting, ready, message([]byte("topic"), make([]byte, 1000)), message(nil, make([]byte, 4096-8)))
+	// A payload 1 byte too long (a message's bytes are its frames' bodies),
+	// then a long topic whose payload does not fit beside it, each elided;
+	// the message after them passes whole.
+	over := cat(greeting, message(nil, make([]byte, 4096-7)), message(make([]byte, 3000), make([]byte, 1200)), message(nil, []byte{0x90}))
+	elidedFrame := []byte{0, 1, elided}
+	want := cat(greeting, zmtpFrame(true, false, nil), zmtpFrame(true, false, seqBytes(1)), elidedFrame,
+		zmtpFrame(true, false, make([]byte, 3000)), zmtpFrame(true, false, seqBytes(1)), elidedFrame,
+		message(nil, []byte{0x90}))
+	for _, split := range []int{1, 3, 7, 4096, len(ok)} {
+		if out, good := filterAll(ok, 4096, split); !good || !bytes.Equal(out, ok) {
+			t.Fatalf("split %d: an ordinary stream was changed (cut %v)", split, !good)
+		}
+		if out, good := filterAll(over, 4096, split); !good || !bytes.Equal(out, want) {
+			t.Fatalf("split %d: frames past the limit not elided (cut %v): %d bytes, want %d", split, !good, len(out), len(want))
 		}
 	}
-	huge := append(append([]byte{}, greeting...), 2, 0, 0, 1, 0, 0, 0, 0, 0) // 2^40 bytes announced
-	if (&guardConn{need: zmtpGreeting}).check(huge) {
-		t.Fatal("did not cut a 1 TiB frame")
+	// A data frame of 1 TiB announced: elided, its body dropped as it comes.
+	huge := cat(greeting, []byte{2, 0, 0, 1, 0, 0, 0, 0, 0}, make([]byte, 100000))
+	if out, good := filterAll(huge, 4096, 1000); !good || !bytes.Equal(out, cat(greeting, elidedFrame)) {
+		t.Fatalf("a 1 TiB data frame: cut %v, out %x", !good, out[zmtpGreeting:])
+	}
+	if _, good := filterAll(cat(greeting, []byte{6, 0, 0, 1, 0, 0, 0, 0, 0}), 4096, 3); good {
+		t.Fatal("did not cut a 1 TiB command frame")
 	}
 	many := append([]byte{}, greeting...)
 	for range maxFrames + 1 {
-		many = append(many, frame(true, nil)...)
+		many = append(many, zmtpFrame(true, false, nil)...)
 	}
-	if (&guardConn{need: zmtpGreeting}).check(many) {
+	if _, good := filterAll(many, 4096, 5); good {
 		t.Fatal("did not cut a message of too many frames")
 	}
+}
+
+// refFilter is what frameFilter does, read off a whole stream: each frame
+// whose header is whole handed on, elided, or the end (cut).
+func refFilter(stream []byte, limit uint64) (out []byte, cut bool) {
+	if len(stream) <= zmtpGreeting {
+		return stream, false
+	}
+	out, p := append(out, stream[:zmtpGreeting]...), stream[zmtpGreeting:]
+	var msg uint64
+	frames := 0
+	for len(p) > 0 {
+		fl, hl := p[0], 2
+		if fl&2 != 0 {
+			hl = 9
+		}
+		if len(p) < hl {
+			return out, false // the header is held back until whole
+		}
+		size := uint64(p[1])
+		if hl == 9 {
+			size = binary.BigEndian.Uint64(p[1:9])
+		}
+		if frames++; frames > maxFrames {
+			return out, true
+		}
+		body := p[hl:]
+		k := min(size, uint64(len(body)))
+		switch {
+		case msg+size <= limit && size <= limit:
+			out = append(out, p[:hl]...)
+			out = append(out, body[:k]...)
+			msg += size
+		case fl&4 != 0:
+			return out, true
+		default:
+			out = append(out, fl&^2, 1, elided)
+		}
+		if fl&1 == 0 {
+			msg, frames = 0, 0
+		}
+		if k < size {
+			break
+		}
+		p = body[k:]
+	}
+	return out, false
+}
+
+// FuzzFrameFilter holds the guard to refFilter for any stream, limit and
+// read size.
+func FuzzFrameFilter(f *testing.F) {
+	greeting := make([]byte, zmtpGreeting)
+	f.Add(append(append([]byte{}, greeting...), zmtpFrame(true, false, []byte("topic"))...), uint16(16), uint8(1))
+	f.Add(append(append([]byte{}, greeting...), 2, 0, 0, 0, 0, 0, 0, 1, 0, 7, 7, 7), uint16(100), uint8(3))
+	f.Add(append(append([]byte{}, greeting...), 6, 0, 0, 0, 0, 0, 0, 1, 0), uint16(100), uint8(2))
+	f.Fuzz(func(t *testing.T, stream []byte, limit uint16, split uint8) {
+		want, cut := refFilter(stream, uint64(limit))
+		out, ok := filterAll(stream, uint64(limit), int(split)+1)
+		if ok == cut {
+			t.Fatalf("cut %v, want %v", !ok, cut)
+		}
+		if ok && !bytes.Equal(out, want) {
+			t.Fatalf("filtered\n%x\nwant\n%x", out, want)
+		}
+	})
 }
 
 // A hostile publisher announcing a 1 TiB frame right after its greeting

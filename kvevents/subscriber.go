@@ -54,6 +54,11 @@ type SubscriberOptions struct {
 	// ReconnectMin and ReconnectMax bound the wait between two connection
 	// attempts, doubling from Min to Max while they fail. Defaults 100ms, 5s.
 	ReconnectMin, ReconnectMax time.Duration
+	// Limits bound the messages read; the zero Limits are the defaults. A
+	// message past one is skipped and counted (Stats.OverLimit). On a
+	// Listener, the Listener's MaxMessageBytes (ListenLimits) bounds the
+	// messages as they arrive, this one what is decoded.
+	Limits Limits
 	// Logger receives resets and connection failures (nil: slog.Default()).
 	Logger *slog.Logger
 }
@@ -71,9 +76,13 @@ type Stats struct {
 	// Resets counts the calls to OnReset (gaps not filled, restarts).
 	Resets uint64
 	// Malformed counts the messages and payloads that could not be read
-	// (wrong frames, a bad sequence frame, a payload Decode refused); they
-	// are skipped.
+	// (wrong frames, a bad sequence frame, a payload Decode refused as
+	// ErrMalformed); they are skipped.
 	Malformed uint64
+	// OverLimit counts the batches, live or replayed, skipped for passing
+	// one of the Limits, by the Limit passed. Each was received, so its
+	// sequence number is no gap.
+	OverLimit [NumLimits]uint64
 	// Reconnects counts the connections made after the first.
 	Reconnects uint64
 	// Dropped counts the messages a Listener had for this Subscriber while
@@ -83,15 +92,16 @@ type Stats struct {
 
 type counters struct {
 	received, applied, replayed, gaps, resets, malformed, reconnects, dropped atomic.Uint64
+	overLimit                                                                 [NumLimits]atomic.Uint64
 }
 
 // Subscriber follows one engine's KV events: it connects a SUB socket (and
 // reconnects by itself when the connection drops), delivers the decoded
 // batches in sequence order, fills a gap from the engine's replay socket
 // before delivering anything after it, and calls OnReset when it cannot, or
-// when the sequence goes back (an engine restart). A malformed message is
-// counted and skipped. Stats, LastBatch and Silent are safe for concurrent
-// use; Close stops everything and waits for it.
+// when the sequence goes back (an engine restart). A malformed message, or
+// one past the Limits, is counted and skipped. Stats, LastBatch and Silent
+// are safe for concurrent use; Close stops everything and waits for it.
 type Subscriber struct {
 	opts  SubscriberOptions
 	log   *slog.Logger
@@ -138,6 +148,7 @@ func NewSubscriber(opts SubscriberOptions) (*Subscriber, error) {
 		start: time.Now(),
 		stop:  make(chan struct{}),
 		done:  make(chan struct{}),
+		dec:   Decoder{Limits: opts.Limits},
 	}
 	if s.log == nil {
 		s.log = slog.Default()
@@ -159,7 +170,7 @@ func NewSubscriber(opts SubscriberOptions) (*Subscriber, error) {
 
 // Stats returns the counters.
 func (s *Subscriber) Stats() Stats {
-	return Stats{
+	st := Stats{
 		Received:   s.c.received.Load(),
 		Applied:    s.c.applied.Load(),
 		Replayed:   s.c.replayed.Load(),
@@ -169,6 +180,10 @@ func (s *Subscriber) Stats() Stats {
 		Reconnects: s.c.reconnects.Load(),
 		Dropped:    s.c.dropped.Load(),
 	}
+	for l := range st.OverLimit {
+		st.OverLimit[l] = s.c.overLimit[l].Load()
+	}
+	return st
 }
 
 // LastBatch is when the last batch was applied; the zero Time before any.
@@ -234,6 +249,12 @@ func (s *Subscriber) setSock(dst *zmq4.Socket, sock zmq4.Socket) bool {
 
 var quietZMQ = zmq4.WithLogger(log.New(io.Discard, "", 0))
 
+// socketContext is the context of the Subscriber's sockets: it carries
+// MaxMessageBytes to the guarded transport.
+func (s *Subscriber) socketContext() context.Context {
+	return withMessageLimit(context.Background(), s.opts.Limits.orDefaults().MaxMessageBytes)
+}
+
 func (s *Subscriber) run() {
 	defer close(s.done)
 	wait := s.opts.ReconnectMin
@@ -241,7 +262,7 @@ func (s *Subscriber) run() {
 	timer := time.NewTimer(0)
 	<-timer.C
 	for {
-		sock := zmq4.NewSub(context.Background(), quietZMQ,
+		sock := zmq4.NewSub(s.socketContext(), quietZMQ,
 			zmq4.WithDialerMaxRetries(0), zmq4.WithDialerTimeout(s.opts.ReconnectMax))
 		if !s.setSock(&s.sock, sock) {
 			closeAndDrain(sock)
@@ -359,6 +380,15 @@ func (s *Subscriber) handle(seq uint64, payload []byte) {
 	s.deliver(seq, payload, false)
 }
 
+// What became of a batch given to deliver.
+type outcome uint8
+
+const (
+	applied   outcome = iota // given to OnBatch
+	overLimit                // past the Limits: skipped, and counted as received
+	unread                   // malformed: skipped
+)
+
 func (s *Subscriber) reset(reason string) {
 	s.c.resets.Add(1)
 	s.log.Warn("kvevents: reset", "endpoint", s.opts.Endpoint, "reason", reason)
@@ -367,12 +397,19 @@ func (s *Subscriber) reset(reason string) {
 	}
 }
 
-func (s *Subscriber) deliver(seq uint64, payload []byte, replayed bool) bool {
+// deliver decodes a batch and gives it to OnBatch, or counts why not.
+func (s *Subscriber) deliver(seq uint64, payload []byte, replayed bool) outcome {
+	if isElided(payload) { // the transport dropped it unread
+		return s.skip(seq, LimitMessageBytes, "payload elided on arrival")
+	}
 	b, err := s.dec.Decode(payload)
+	if le := (*LimitError)(nil); errors.As(err, &le) {
+		return s.skip(seq, le.Limit, err)
+	}
 	if err != nil {
 		s.c.malformed.Add(1)
 		s.log.Debug("kvevents: malformed batch", "endpoint", s.opts.Endpoint, "seq", seq, "err", err)
-		return false
+		return unread
 	}
 	s.opts.OnBatch(seq, b)
 	s.c.applied.Add(1)
@@ -380,7 +417,14 @@ func (s *Subscriber) deliver(seq uint64, payload []byte, replayed bool) bool {
 		s.c.replayed.Add(1)
 	}
 	s.last.Store(time.Now().UnixNano())
-	return true
+	return applied
+}
+
+// skip counts a batch past limit l.
+func (s *Subscriber) skip(seq uint64, l Limit, why any) outcome {
+	s.c.overLimit[l].Add(1)
+	s.log.Debug("kvevents: batch over the limits skipped", "endpoint", s.opts.Endpoint, "seq", seq, "limit", l.String(), "err", why)
+	return overLimit
 }
 
 // fill asks the replay socket for batches from `from` on and delivers those
@@ -392,7 +436,7 @@ func (s *Subscriber) fill(from, to uint64, exact bool) bool {
 	if s.opts.ReplayEndpoint == "" || to-from > s.opts.MaxReplay {
 		return false
 	}
-	d := zmq4.NewDealer(context.Background(), quietZMQ, zmq4.WithDialerMaxRetries(0),
+	d := zmq4.NewDealer(s.socketContext(), quietZMQ, zmq4.WithDialerMaxRetries(0),
 		zmq4.WithDialerTimeout(s.opts.ReplayTimeout), zmq4.WithTimeout(s.opts.ReplayTimeout))
 	if !s.setSock(&s.replayS, d) {
 		closeAndDrain(d)
@@ -437,8 +481,8 @@ func (s *Subscriber) fill(from, to uint64, exact bool) bool {
 			// Before the gap, after it (it will come live), or past a hole.
 		case seq != next:
 			ok = false // the buffer no longer reaches back to next
-		case s.deliver(seq, f[1], true):
-			next++
+		case s.deliver(seq, f[1], true) != unread:
+			next++ // applied, or received and skipped for its size
 		default:
 			ok = false
 		}

@@ -13,23 +13,27 @@ import (
 	"github.com/go-zeromq/zmq4/transport"
 )
 
-// guardedTCP is the zmq4 transport the Subscriber dials tcp:// endpoints
-// with: plain TCP whose reads are checked frame by frame, so that a publisher
-// announcing a frame longer than maxFrameBytes, or a message of more than
-// maxFrames frames, has its connection cut before zmq4 allocates for it
-// (zmq4 v0.17.0 allocates whatever length a frame header announces).
+// guardedTCP is the zmq4 transport the kvevents sockets use for tcp://
+// endpoints: plain TCP whose bytes are followed frame by frame before zmq4
+// reads them, because zmq4 v0.17.0 allocates whatever length a frame
+// header announces. A data frame that would take its message past the
+// socket's MaxMessageBytes (Limits) is dropped as it arrives, never
+// buffered whole, and zmq4 gets in its place a frame of one byte
+// (elided): the message keeps its other frames, so that the Subscriber
+// counts it and its sequence number, and the connection lives on. A
+// command frame past the limit, or a message of more than maxFrames
+// frames, cuts the connection.
 const guardedTCP = "kvevents-tcp"
 
 const (
-	// maxFrameBytes bounds one ZMTP frame on a subscriber's connections:
-	// the payload limit and room for the frame header.
-	maxFrameBytes = MaxPayloadBytes + 1024
 	// maxFrames bounds the frames of one message (vLLM sends 3, a replay
-	// reply 3 with the delimiter).
+	// reply 3 with the delimiter, 4 with the topic).
 	maxFrames = 16
 	// zmtpGreeting is the length of the ZMTP 3 greeting that precedes the
 	// frames.
 	zmtpGreeting = 64
+	// guardBuffer is how many bytes a guarded connection reads at once.
+	guardBuffer = 16 << 10
 )
 
 func init() {
@@ -48,12 +52,14 @@ func guarded(ep string) string {
 
 type guardTransport struct{ tcp transport.Transport }
 
+// Dial and Listen take the limit from the socket's context
+// (withMessageLimit), which zmq4 passes them.
 func (g guardTransport) Dial(ctx context.Context, d transport.Dialer, addr string) (net.Conn, error) {
 	c, err := g.tcp.Dial(ctx, d, addr)
 	if err != nil {
 		return nil, err
 	}
-	return &guardConn{Conn: c, need: zmtpGreeting}, nil
+	return newGuardConn(c, messageLimit(ctx)), nil
 }
 
 func (g guardTransport) Listen(ctx context.Context, addr string) (net.Listener, error) {
@@ -61,7 +67,7 @@ func (g guardTransport) Listen(ctx context.Context, addr string) (net.Listener, 
 	if err != nil {
 		return nil, err
 	}
-	return guardListener{l}, nil
+	return guardListener{l, messageLimit(ctx)}, nil
 }
 
 // handshakeTimeout bounds how long an accepted connection may take to send
@@ -71,7 +77,10 @@ func (g guardTransport) Listen(ctx context.Context, addr string) (net.Listener, 
 var handshakeTimeout = 5 * time.Second
 
 // guardListener guards the connections a bound socket accepts.
-type guardListener struct{ net.Listener }
+type guardListener struct {
+	net.Listener
+	limit uint64
+}
 
 func (l guardListener) Accept() (net.Conn, error) {
 	c, err := l.Listener.Accept()
@@ -79,89 +88,150 @@ func (l guardListener) Accept() (net.Conn, error) {
 		return nil, err
 	}
 	_ = c.SetReadDeadline(time.Now().Add(handshakeTimeout))
-	return &guardConn{Conn: c, need: zmtpGreeting, accepted: true}, nil
+	g := newGuardConn(c, l.limit)
+	g.accepted = true
+	return g, nil
 }
 
 func (g guardTransport) Addr(ep string) (string, error) { return g.tcp.Addr(ep) }
 
-var errFrameTooLong = errors.New("kvevents: ZMTP frame or message over the limit")
+var errFrameTooLong = errors.New("kvevents: ZMTP command frame or message over the limit")
 
-// guardConn follows the ZMTP stream it reads: the greeting, then frames of
-// a flags byte, a 1- or 8-byte length and a body.
+// guardConn hands zmq4 the bytes of its connection through a frameFilter.
 type guardConn struct {
 	net.Conn
-	state  uint8  // 0 greeting/body (skip need bytes), 1 flags, 2 length
-	need   uint64 // bytes left to skip, or length bytes left to read
-	long   bool
-	length uint64
-	more   bool
-	frames int
-	failed bool
+	f   frameFilter
+	in  []byte // read from Conn
+	out []byte // filtered, handed on from off
+	off int
+	err error // Conn's, handed on once out is drained
 	// accepted: the read deadline set at Accept is lifted after the first
-	// whole frame (the handshake's READY).
+	// whole frame header (the handshake's READY).
 	accepted bool
 }
 
-func (c *guardConn) Read(p []byte) (int, error) {
-	if c.failed {
-		return 0, errFrameTooLong
-	}
-	n, err := c.Conn.Read(p)
-	if !c.check(p[:n]) {
-		c.failed = true
-		c.Conn.Close()
-		return 0, errFrameTooLong
-	}
-	return n, err
+func newGuardConn(c net.Conn, limit uint64) *guardConn {
+	return &guardConn{Conn: c, f: frameFilter{limit: limit, need: zmtpGreeting}}
 }
 
-func (c *guardConn) check(b []byte) bool {
-	for len(b) > 0 {
-		switch c.state {
-		case 0:
-			k := min(c.need, uint64(len(b)))
-			c.need -= k
-			b = b[k:]
-			if c.need == 0 {
-				c.state = 1
+func (c *guardConn) Read(p []byte) (int, error) {
+	for c.off == len(c.out) {
+		if c.err != nil {
+			return 0, c.err
+		}
+		if c.in == nil {
+			c.in = make([]byte, guardBuffer)
+			c.out = make([]byte, 0, guardBuffer+16)
+		}
+		n, err := c.Conn.Read(c.in)
+		var ok bool
+		c.out, ok = c.f.filter(c.out[:0], c.in[:n])
+		c.off, c.err = 0, err
+		if !ok {
+			c.Conn.Close()
+			c.out, c.err = c.out[:0], errFrameTooLong
+		}
+		if c.accepted && c.f.headers > 0 {
+			c.accepted = false
+			_ = c.Conn.SetReadDeadline(time.Time{})
+		}
+	}
+	n := copy(p, c.out[c.off:])
+	c.off += n
+	return n, nil
+}
+
+// The states of a frameFilter.
+const (
+	fsPass  uint8 = iota // hand on need bytes (the greeting, a frame's body)
+	fsDrop               // drop need bytes (an elided frame's body)
+	fsFlags              // next: a frame's flags
+	fsSize               // next: need more bytes of a frame's size
+)
+
+// frameFilter follows a ZMTP 3 stream: the greeting, then frames of a
+// flags byte, a 1- or 8-byte size and a body. It holds a frame's header
+// back until it has the whole size, then hands it on, or the header of a
+// one-byte frame and elided in its place when the frame would take its
+// message past limit. The zero frameFilter is not ready: see newGuardConn.
+type frameFilter struct {
+	limit   uint64 // bytes of one message's frames
+	state   uint8
+	need    uint64
+	hdr     [9]byte // the header read so far
+	nhdr    int
+	size    uint64
+	msg     uint64 // bytes of the current message's frames handed on so far
+	frames  int    // frames of the current message so far
+	headers int    // frame headers read, for the accept deadline
+}
+
+// filter appends to dst what zmq4 may read of in, and reports false when
+// the connection must be cut.
+func (f *frameFilter) filter(dst, in []byte) ([]byte, bool) {
+	for len(in) > 0 {
+		switch f.state {
+		case fsPass, fsDrop:
+			k := min(f.need, uint64(len(in)))
+			if f.state == fsPass {
+				dst = append(dst, in[:k]...)
 			}
-		case 1:
-			fl := b[0]
-			b = b[1:]
-			c.more = fl&0x01 != 0
-			c.long = fl&0x02 != 0
-			c.length = 0
-			c.need = 1
-			if c.long {
-				c.need = 8
+			f.need -= k
+			in = in[k:]
+			if f.need == 0 {
+				f.state = fsFlags
 			}
-			c.state = 2
-		case 2:
-			c.length = c.length<<8 | uint64(b[0])
-			b = b[1:]
-			if c.need--; c.need > 0 {
+		case fsFlags:
+			f.hdr[0], f.nhdr, f.size = in[0], 1, 0
+			in = in[1:]
+			f.need = 1
+			if f.hdr[0]&0x02 != 0 { // a long frame: 8 bytes of size
+				f.need = 8
+			}
+			f.state = fsSize
+		case fsSize:
+			f.hdr[f.nhdr] = in[0]
+			f.nhdr++
+			f.size = f.size<<8 | uint64(in[0])
+			in = in[1:]
+			if f.need--; f.need > 0 {
 				continue
 			}
-			if c.length > maxFrameBytes {
-				return false
-			}
-			if c.frames++; c.frames > maxFrames {
-				return false
-			}
-			if !c.more {
-				c.frames = 0
-			}
-			if c.accepted {
-				c.accepted = false
-				_ = c.Conn.SetReadDeadline(time.Time{})
-			}
-			c.need, c.state = c.length, 0
-			if c.need == 0 {
-				c.state = 1
+			var ok bool
+			if dst, ok = f.frame(dst); !ok {
+				return dst, false
 			}
 		}
 	}
-	return true
+	return dst, true
+}
+
+// frame decides on a frame whose header is whole: its header is handed on
+// and its body will be, or it is elided, or the connection is cut.
+func (f *frameFilter) frame(dst []byte) ([]byte, bool) {
+	fl := f.hdr[0]
+	more, command := fl&0x01 != 0, fl&0x04 != 0
+	f.headers++
+	if f.frames++; f.frames > maxFrames {
+		return dst, false
+	}
+	if f.size <= f.limit-f.msg {
+		dst = append(dst, f.hdr[:f.nhdr]...)
+		f.msg += f.size
+		f.state, f.need = fsPass, f.size
+	} else if command {
+		return dst, false
+	} else {
+		dst = append(dst, fl&^0x02, 1, elided)
+		f.state, f.need = fsDrop, f.size
+	}
+	if !more {
+		f.msg, f.frames = 0, 0
+	}
+	if f.need == 0 {
+		f.state = fsFlags
+	}
+	return dst, true
 }
 
 // closeAndDrain closes s and empties its receive queue. zmq4 v0.17.0 hands

@@ -41,6 +41,10 @@ type Options struct {
 	Silence time.Duration
 	// OnLoRA hears every adapter named by the events (Engine.NoteAdapter).
 	OnLoRA func(string)
+	// Limits bound the batches read (kvevents.Limits; the zero Limits are
+	// the defaults). A batch past them is skipped and counted in
+	// Stats.Subscriber.OverLimit; the picture goes on without it.
+	Limits kvevents.Limits
 	// Now is the picture's clock. Nil means time.Now.
 	Now    func() time.Time
 	Logger *slog.Logger
@@ -96,7 +100,7 @@ func Follow(o Options) (*Follower, error) {
 	f.ap.FollowRank(o.Rank)
 	sub, err := kvevents.NewSubscriber(kvevents.SubscriberOptions{
 		Endpoint: o.Endpoint, Listener: o.Listener, ReplayEndpoint: o.ReplayEndpoint, Topic: o.Topic,
-		OnBatch: f.batch, OnReset: f.reset, Logger: o.Logger.With("replica", o.Name),
+		OnBatch: f.batch, OnReset: f.reset, Limits: o.Limits, Logger: o.Logger.With("replica", o.Name),
 	})
 	if err != nil {
 		return nil, err

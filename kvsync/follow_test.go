@@ -108,7 +108,7 @@ func TestPictureIsTheEnginesCache(t *testing.T) {
 	var predicted, reported, hits int
 	for i := range 60 {
 		body := chatBody(i)
-		ids, err := tok.Body(context.Background(), body)
+		ids, err := tok.Body(context.Background(), blockhash.Chat, "sim-model", body)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -198,6 +198,7 @@ var (
 	descEvReplayed  = prometheus.NewDesc("semroute_kv_events_replayed_batches_total", "KV event batches got from the replay socket to fill a gap.", []string{"replica"}, nil)
 	descEvBlocks    = prometheus.NewDesc("semroute_kv_events_blocks_total", "Blocks applied from KV events, by event: stored, removed, orphan (stored after a parent the router never saw: skipped).", []string{"replica", "event"}, nil)
 	descEvMalformed = prometheus.NewDesc("semroute_kv_events_malformed_total", "KV event messages that could not be read, skipped.", []string{"replica"}, nil)
+	descEvOverLimit = prometheus.NewDesc("semroute_kv_events_over_limit_total", "KV event batches skipped unread for passing a bound, by bound: message_bytes, events_per_batch, blocks_per_event, tokens_per_event.", []string{"replica", "limit"}, nil)
 	descEvSkipped   = prometheus.NewDesc("semroute_kv_events_skipped_total", "KV events not applied: a block size other than tokenizer.block_tokens, or token ids not filling their blocks.", []string{"replica"}, nil)
 	descEvGaps      = prometheus.NewDesc("semroute_kv_events_gaps_total", "Sequence gaps in the replica's KV events.", []string{"replica"}, nil)
 	descEvResets    = prometheus.NewDesc("semroute_kv_events_resets_total", "Times the replica's picture was cleared: the engine restarted or cleared its cache, or a gap could not be filled.", []string{"replica"}, nil)
@@ -206,7 +207,7 @@ var (
 )
 
 func (fs *followers) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descEvLive, descEvBatches, descEvReplayed, descEvBlocks, descEvMalformed, descEvSkipped, descEvGaps, descEvResets, descEvFallbacks, descEvTracked} {
+	for _, d := range []*prometheus.Desc{descEvLive, descEvBatches, descEvReplayed, descEvBlocks, descEvMalformed, descEvOverLimit, descEvSkipped, descEvGaps, descEvResets, descEvFallbacks, descEvTracked} {
 		ch <- d
 	}
 }
@@ -231,6 +232,9 @@ func (fs *followers) Collect(ch chan<- prometheus.Metric) {
 		c(descEvBlocks, st.Removed, "removed")
 		c(descEvBlocks, st.Orphans, "orphan")
 		c(descEvMalformed, st.Subscriber.Malformed)
+		for l, n := range st.Subscriber.OverLimit {
+			c(descEvOverLimit, n, kvevents.Limit(l).String())
+		}
 		c(descEvSkipped, st.Skipped)
 		c(descEvGaps, st.Subscriber.Gaps)
 		c(descEvResets, st.Cleared+st.Subscriber.Resets)
