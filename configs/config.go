@@ -176,6 +176,11 @@ type GRPCConfig struct {
 	// API Inference Extension call their picker over TLS without
 	// credentials. The Router service still takes the token. Reloadable.
 	ExtProcWithoutToken bool `mapstructure:"ext_proc_without_token" json:"ext_proc_without_token"`
+	// ExtProcMaxBufferedBytes caps the bytes of request bodies the
+	// endpoint picker buffers at once across all of its streams; past it
+	// a request is answered 429. At least limits.max_body_bytes. Read at
+	// start.
+	ExtProcMaxBufferedBytes int64 `mapstructure:"ext_proc_max_buffered_bytes" json:"ext_proc_max_buffered_bytes"`
 	// MaxHeldDecisions and MaxHeldBlocks cap the Route decisions awaiting
 	// Release and the prompt blocks they keep; past either, the oldest is
 	// finished as expired.
@@ -409,6 +414,7 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("grpc.tls_key_file", "")
 	v.SetDefault("grpc.tls_client_ca_file", "")
 	v.SetDefault("grpc.ext_proc_without_token", false)
+	v.SetDefault("grpc.ext_proc_max_buffered_bytes", limits.DefaultExtProcBufferBytes)
 	v.SetDefault("grpc.max_held_decisions", limits.DefaultMaxHeld)
 	v.SetDefault("grpc.max_held_blocks", limits.DefaultMaxHeldBlocks)
 	v.SetDefault("decision_log.path", "")

@@ -93,6 +93,9 @@ func (c *Config) validateGRPC(p *problems) {
 	if g.MaxHeldDecisions < 1 || g.MaxHeldBlocks < 1 {
 		p.bad("grpc.max_held_decisions", "max_held_decisions and max_held_blocks must be positive")
 	}
+	if g.ExtProcMaxBufferedBytes < c.Limits.MaxBodyBytes {
+		p.bad("grpc.ext_proc_max_buffered_bytes", "must be at least limits.max_body_bytes, or the largest bodies are never taken")
+	}
 }
 
 func (d DecisionLogConfig) validate(p *problems) {

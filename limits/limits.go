@@ -121,3 +121,8 @@ func (h Held) WithDefaults() Held {
 // DefaultMaxReplyBytes caps how much of a response the router keeps to
 // learn the assistant's reply: 1 MiB.
 const DefaultMaxReplyBytes = 1 << 20
+
+// DefaultExtProcBufferBytes caps the bytes of request bodies the endpoint
+// picker (Envoy's ext_proc) buffers at once across all of its streams:
+// 256 MiB, sixteen bodies of DefaultMaxBodyBytes.
+const DefaultExtProcBufferBytes = 256 << 20

@@ -73,11 +73,14 @@ const (
 // the response body as the HTTP front end does. A request that cannot be
 // routed is answered by the picker itself (an ImmediateResponse with an
 // OpenAI-shaped error): 503 when no endpoint can take it, 429 when it is
-// shed, 4xx for a bad request.
+// shed or the bodies buffered across streams fill ExtProcOptions.Budget,
+// 4xx for a bad request. A stream whose messages break the protocol's order
+// (see order) is ended with FailedPrecondition.
 type ExtProcService struct {
 	extprocv3.UnimplementedExternalProcessorServer
-	core *Core
-	o    ExtProcOptions
+	core   *Core
+	o      ExtProcOptions
+	budget *BodyBudget
 }
 
 // ExtProcOptions configure the endpoint picker. Zero fields take the
@@ -91,10 +94,18 @@ type ExtProcOptions struct {
 	MaxReplyBytes int
 	// Timeouts bound a stream's silences, as the HTTP front end's bound a
 	// replica's: FirstByte from the request's routing to the response's
-	// headers, Idle between any other messages. A stream silent for longer
-	// is ended (and its request with it): a gateway that went away, or a
-	// client that holds streams open, does not hold load on a replica.
+	// headers, Idle between any other messages, the first one and the
+	// request's body chunks included. A stream silent for longer is ended
+	// with DeadlineExceeded (and its request with it, its buffered body
+	// given back to Budget): a gateway that went away, or a client that
+	// holds streams open, does not hold load on a replica nor memory.
 	Timeouts limits.Timeouts
+	// Budget bounds the request bodies buffered at once across every
+	// stream; a request whose body does not fit is answered 429. Each
+	// stream's body is also bounded by Limits' MaxBodyBytes (413). Nil
+	// means a budget of this service's own of
+	// limits.DefaultExtProcBufferBytes.
+	Budget *BodyBudget
 	// Logger receives one info line per request (as the HTTP front end's)
 	// and protocol warnings. Nil means slog.Default().
 	Logger *slog.Logger
@@ -113,7 +124,10 @@ func NewExtProcService(core *Core, o ExtProcOptions) *ExtProcService {
 		o.Logger = slog.Default()
 	}
 	o.Timeouts = o.Timeouts.WithDefaults()
-	return &ExtProcService{core: core, o: o}
+	if o.Budget == nil {
+		o.Budget = NewBodyBudget(0)
+	}
+	return &ExtProcService{core: core, o: o, budget: o.Budget}
 }
 
 // Endpoint returns a replica's endpoint as the gateway names it: the host
@@ -138,10 +152,15 @@ type epStream struct {
 
 	path, method, contentType, session, tenant string
 	subset                                     *endpointSet // the gateway's subset hint; nil: none
-	body                                       []byte
-	// sawHeaders, sawBody and bodyEOS: what of the request has come. Once
-	// it is routed, rt is set (a request answered instead ends the stream).
-	sawHeaders, sawBody, bodyEOS bool
+	// body is the request's body so far; held is the room it holds in the
+	// service's budget (its capacity, in bytes), given back by dropBody.
+	body []byte
+	held int64
+	// sawHeaders, sawBody and bodyEOS: what of the request has come;
+	// reqEnded: its end came (end_of_stream on its headers or body, or its
+	// trailers). Once it is routed, rt is set (a request answered instead
+	// ends the stream).
+	sawHeaders, sawBody, bodyEOS, reqEnded bool
 
 	rt      *Routed
 	status  int
@@ -164,16 +183,15 @@ type recvd struct {
 	err error
 }
 
-// errSilent ends a stream silent past its bound.
-var errSilent = status.Error(codes.DeadlineExceeded, "ext_proc: the stream was silent for too long")
-
-// recv returns the stream's next message, or errSilent when none came in
-// the silence allowed at this point of the request (see
-// ExtProcOptions.Timeouts). A reader goroutine receives; it ends with the
-// stream, which ends when Process returns.
+// recv returns the stream's next message, or a DeadlineExceeded error when
+// none came in the silence allowed at this point of the request (see
+// ExtProcOptions.Timeouts). A reader goroutine receives, one message at a
+// time (the channel is unbuffered, so that a stream holds at most one
+// message not yet handled); it ends with the stream, which ends when
+// Process returns.
 func (st *epStream) recv() (*extprocv3.ProcessingRequest, error) {
 	if st.msgs == nil {
-		st.msgs = make(chan recvd, 1)
+		st.msgs = make(chan recvd)
 		go func() {
 			for {
 				req, err := st.srv.Recv()
@@ -188,9 +206,9 @@ func (st *epStream) recv() (*extprocv3.ProcessingRequest, error) {
 			}
 		}()
 	}
-	bound := st.s.o.Timeouts.Idle
+	bound, name := st.s.o.Timeouts.Idle, "timeouts.idle"
 	if st.rt != nil && !st.sawResp {
-		bound = st.s.o.Timeouts.FirstByte
+		bound, name = st.s.o.Timeouts.FirstByte, "timeouts.first_byte"
 	}
 	if st.timer == nil {
 		st.timer = time.NewTimer(bound)
@@ -203,7 +221,8 @@ func (st *epStream) recv() (*extprocv3.ProcessingRequest, error) {
 	case <-st.srv.Context().Done(): // the gateway cancelled, or went away
 		return nil, status.FromContextError(st.srv.Context().Err()).Err()
 	case <-st.timer.C:
-		return nil, errSilent
+		st.s.refused("silent")
+		return nil, status.Errorf(codes.DeadlineExceeded, "ext_proc: the stream sent nothing for %v (%s): it is ended", bound, name)
 	}
 }
 
@@ -225,6 +244,10 @@ func (s *ExtProcService) Process(srv extprocv3.ExternalProcessor_ProcessServer) 
 			st.reqMode, st.respMode = pc.GetRequestBodyMode(), pc.GetResponseBodyMode()
 		}
 		first = false
+		if what := st.order(req); what != "" {
+			st.s.refused("out_of_order")
+			return status.Error(codes.FailedPrecondition, "ext_proc: "+what)
+		}
 		done, err := st.handle(req)
 		if err != nil || done {
 			return err
@@ -232,8 +255,8 @@ func (s *ExtProcService) Process(srv extprocv3.ExternalProcessor_ProcessServer) 
 	}
 }
 
-// handle answers one message; done says the stream is over (an immediate
-// response was sent).
+// handle answers one message, one order allowed at this point of the
+// stream; done says the stream is over (an immediate response was sent).
 func (st *epStream) handle(req *extprocv3.ProcessingRequest) (done bool, err error) {
 	switch v := req.GetRequest().(type) {
 	case *extprocv3.ProcessingRequest_RequestHeaders:
@@ -241,9 +264,7 @@ func (st *epStream) handle(req *extprocv3.ProcessingRequest) (done bool, err err
 	case *extprocv3.ProcessingRequest_RequestBody:
 		return st.requestBody(v.RequestBody)
 	case *extprocv3.ProcessingRequest_RequestTrailers:
-		if !st.sawHeaders {
-			return false, status.Error(codes.FailedPrecondition, "ext_proc: request trailers before the headers")
-		}
+		st.reqEnded = true
 		if st.rt == nil { // the body ended without end_of_stream: trailers end it
 			if done, err := st.route(false); done || err != nil {
 				return done, err
@@ -274,9 +295,6 @@ func (st *epStream) handle(req *extprocv3.ProcessingRequest) (done bool, err err
 }
 
 func (st *epStream) requestHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadata) (bool, error) {
-	if st.sawHeaders {
-		return false, status.Error(codes.FailedPrecondition, "ext_proc: request headers twice on one stream")
-	}
 	st.sawHeaders = true
 	for _, hv := range h.GetHeaders().GetHeaders() {
 		v := headerValue(hv)
@@ -295,6 +313,7 @@ func (st *epStream) requestHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadata
 	}
 	st.subset = subsetHint(md)
 	if h.GetEndOfStream() { // no body: nothing to parse
+		st.reqEnded = true
 		return st.route(true)
 	}
 	switch st.reqMode {
@@ -310,18 +329,25 @@ func (st *epStream) requestHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadata
 		"the endpoint picker needs the request body: set the ext_proc filter's request_body_mode to FULL_DUPLEX_STREAMED (or BUFFERED)"})
 }
 
+// errBufferFull answers a request whose body does not fit in the bodies
+// buffered across streams (ExtProcOptions.Budget): the picker is
+// overloaded, and the gateway may retry, as for a request shed.
+var errBufferFull = apiError{http.StatusTooManyRequests, "rate_limit_exceeded", "ext_proc_buffer_full",
+	"the endpoint picker is buffering as many request bodies as it may: retry later"}
+
 func (st *epStream) requestBody(b *extprocv3.HttpBody) (bool, error) {
-	switch {
-	case !st.sawHeaders:
-		return false, status.Error(codes.FailedPrecondition, "ext_proc: request body before the headers")
-	case st.rt != nil:
-		return false, status.Error(codes.FailedPrecondition, "ext_proc: request body after the request was routed")
-	}
-	if limit := st.s.o.Limits().MaxBodyBytes; int64(len(st.body)+len(b.GetBody())) > limit {
+	chunk := b.GetBody()
+	limit := st.s.o.Limits().MaxBodyBytes
+	if int64(len(st.body)+len(chunk)) > limit {
+		st.s.refused("body_too_large")
 		return st.reject(classify(&http.MaxBytesError{Limit: limit}))
 	}
+	if !st.buffer(chunk, limit) {
+		st.s.refused("buffer_full")
+		return st.reject(errBufferFull)
+	}
 	st.sawBody, st.bodyEOS = true, b.GetEndOfStream()
-	st.body = append(st.body, b.GetBody()...)
+	st.reqEnded = st.bodyEOS
 	switch {
 	case st.bodyEOS:
 	case st.reqMode == filterv3.ProcessingMode_BUFFERED:
@@ -337,10 +363,115 @@ func (st *epStream) requestBody(b *extprocv3.HttpBody) (bool, error) {
 	return st.route(false)
 }
 
+// buffer appends chunk to the body, whose length with chunk is at most
+// limit bytes. When the buffer must grow, the new one's room is taken from
+// the budget before the old one's is given back: twice the old capacity
+// (at most limit) if the budget has room for it, else just enough; false
+// when the budget has not even that.
+func (st *epStream) buffer(chunk []byte, limit int64) bool {
+	need := len(st.body) + len(chunk)
+	if need > cap(st.body) {
+		size := max(need, int(min(2*int64(cap(st.body)), limit)))
+		if !st.s.budget.take(int64(size)) {
+			if size = need; !st.s.budget.take(int64(size)) {
+				return false
+			}
+		}
+		grown := make([]byte, len(st.body), size)
+		copy(grown, st.body)
+		st.s.budget.give(st.held)
+		st.body, st.held = grown, int64(size)
+	}
+	st.body = append(st.body, chunk...)
+	return true
+}
+
+// dropBody lets the body go and gives its room back to the budget.
+func (st *epStream) dropBody() {
+	st.s.budget.give(st.held)
+	st.body, st.held = nil, 0
+}
+
+// order returns what is out of order if req may not come at this point of
+// the stream, or "". Envoy sends one request's messages in the order of
+// the HTTP exchange (envoy.service.ext_proc.v3.ExternalProcessor, the
+// ProcessingRequest and HttpBody messages): the request's headers once;
+// its body chunks, the last with end_of_stream unless trailers follow;
+// its trailers at most once; then, once the picker has answered with the
+// destination, the response's headers, body and trailers likewise. End of
+// stream on a headers message means neither body nor trailers follow.
+func (st *epStream) order(req *extprocv3.ProcessingRequest) string {
+	switch req.GetRequest().(type) {
+	case *extprocv3.ProcessingRequest_RequestHeaders:
+		if st.sawHeaders {
+			return "request headers twice on one stream"
+		}
+	case *extprocv3.ProcessingRequest_RequestBody:
+		return st.requestOrder("request body", true)
+	case *extprocv3.ProcessingRequest_RequestTrailers:
+		return st.requestOrder("request trailers", false)
+	case *extprocv3.ProcessingRequest_ResponseHeaders:
+		if what := st.responseOrder("response headers"); what != "" {
+			return what
+		}
+		if st.sawResp {
+			return "response headers twice on one stream"
+		}
+	case *extprocv3.ProcessingRequest_ResponseBody:
+		return st.responseBodyOrder("response body")
+	case *extprocv3.ProcessingRequest_ResponseTrailers:
+		return st.responseBodyOrder("response trailers")
+	}
+	return ""
+}
+
+// requestOrder: the request's body or trailers (what) may come after its
+// headers, until its end; a body chunk not after it was routed (a
+// buffered body is routed before the trailers come).
+func (st *epStream) requestOrder(what string, body bool) string {
+	switch {
+	case !st.sawHeaders:
+		return what + " before the request headers"
+	case st.reqEnded:
+		return what + " after the request's end_of_stream"
+	case body && st.rt != nil:
+		return what + " after the request was routed"
+	}
+	return ""
+}
+
+// responseOrder: no response message (what) before the request was
+// routed: the gateway had no destination to send it to.
+func (st *epStream) responseOrder(what string) string {
+	switch {
+	case !st.sawHeaders:
+		return what + " before the request headers"
+	case st.rt == nil:
+		return what + " before the request was routed"
+	}
+	return ""
+}
+
+// responseBodyOrder: the response's body or trailers (what) come after its
+// headers, until its end.
+func (st *epStream) responseBodyOrder(what string) string {
+	switch w := st.responseOrder(what); {
+	case w != "":
+		return w
+	case !st.sawResp:
+		return what + " before the response headers"
+	case st.respEOS:
+		return what + " after the response's end_of_stream"
+	}
+	return ""
+}
+
 // route parses and routes the request whose headers and body are in, and
 // sends the proxy its destination (with the body, in full-duplex mode);
-// noBody says the headers ended the request.
+// noBody says the headers ended the request. The body is let go (and its
+// room in the budget given back) once it is answered.
 func (st *epStream) route(noBody bool) (bool, error) {
+	defer st.dropBody()
 	core := st.s.core
 	in := CoreRequest{Session: st.session, Tenant: st.tenant}
 	var allow func(*replica.Replica) bool
@@ -554,9 +685,18 @@ func (st *epStream) reject(e apiError) (bool, error) {
 
 func (st *epStream) send(r *extprocv3.ProcessingResponse) error { return st.srv.Send(r) }
 
-// finish ends the request when its stream ends: its work, the reply
-// learned, the decision log and the request's log line.
+// extProcRefusals are the reasons a stream is refused, as counted in
+// semroute_ext_proc_refused_total.
+var extProcRefusals = []string{"buffer_full", "body_too_large", "silent", "out_of_order"}
+
+// refused counts a stream refused for reason, one of extProcRefusals.
+func (s *ExtProcService) refused(reason string) { s.core.o.Metrics.extProcRefusal(reason) }
+
+// finish ends the request when its stream ends: the body's room in the
+// budget, its work, the reply learned, the decision log and the request's
+// log line.
 func (st *epStream) finish() {
+	st.dropBody()
 	rt := st.rt
 	if rt == nil {
 		return

@@ -27,6 +27,7 @@ type Metrics struct {
 	upstreamErrors *prometheus.CounterVec
 	heldExpiredN   *prometheus.CounterVec
 	modelTTFT      *prometheus.HistogramVec
+	extProcRefused *prometheus.CounterVec
 
 	mu     sync.RWMutex
 	models map[string]bool // the model label values given out (at most maxModelLabels)
@@ -72,15 +73,20 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Failed upstream attempts by kind: connect, timeout, reset, status_5xx, idle."}, []string{"replica", "kind"}),
 		heldExpiredN: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_grpc_held_expired_total",
 			Help: "gRPC decisions never released, finished by reason: timeout (routing.release_after) or cap (grpc.max_held_decisions, the oldest first)."}, []string{"reason"}),
+		extProcRefused: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_ext_proc_refused_total",
+			Help: "Endpoint-picker streams refused by reason: buffer_full (429: the bodies buffered across streams are at grpc.ext_proc_max_buffered_bytes), body_too_large (413), silent (no message within timeouts.idle), out_of_order (a message the ext_proc protocol's order does not allow)."}, []string{"reason"}),
 	}
 	m.models = map[string]bool{}
-	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.reported, m.trimmedTokens, m.tokenizeN, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors, m.heldExpiredN, m.modelTTFT} {
+	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.reported, m.trimmedTokens, m.tokenizeN, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors, m.heldExpiredN, m.modelTTFT, m.extProcRefused} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
 	}
 	for _, reason := range []string{"timeout", "cap"} {
 		m.heldExpiredN.WithLabelValues(reason) // exported at 0 from the start
+	}
+	for _, reason := range extProcRefusals {
+		m.extProcRefused.WithLabelValues(reason)
 	}
 	return m, nil
 }
@@ -174,6 +180,14 @@ func (m *Metrics) Tokenized(result string) {
 func (m *Metrics) heldExpired(reason string, n int) {
 	if m != nil && n > 0 {
 		m.heldExpiredN.WithLabelValues(reason).Add(float64(n))
+	}
+}
+
+// extProcRefusal counts an endpoint-picker stream refused for reason, one
+// of extProcRefusals.
+func (m *Metrics) extProcRefusal(reason string) {
+	if m != nil {
+		m.extProcRefused.WithLabelValues(reason).Inc()
 	}
 }
 

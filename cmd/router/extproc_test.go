@@ -489,6 +489,11 @@ func (r *rawStream) body(b []byte, eos bool) {
 	_ = r.st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{Body: b, EndOfStream: eos}}})
 }
 
+func (r *rawStream) respHeaders() {
+	_ = r.st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{
+		Headers: hdrs(":status", "200", "content-type", "application/json")}}})
+}
+
 func (r *rawStream) trailers() {
 	_ = r.st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestTrailers{RequestTrailers: &extprocv3.HttpTrailers{}}})
 }
@@ -542,6 +547,15 @@ func TestExtProcHostileOrdersLeaveNoLoad(t *testing.T) {
 		"trailers before headers":   func(r *rawStream) { r.trailers(); r.headers(fd, fd, true, get...) },
 		"body after routing":        func(r *rawStream) { r.headers(fd, fd, false, post...); r.body(body, true); r.body(body, true) },
 		"cut before the body ended": func(r *rawStream) { r.headers(fd, fd, false, post...); r.body(body[:5], false) },
+		"response before any request": func(r *rawStream) {
+			r.respHeaders()
+			r.headers(fd, fd, true, get...)
+		},
+		"routed, response headers twice": func(r *rawStream) {
+			r.headers(fd, fd, true, get...)
+			r.respHeaders()
+			r.respHeaders()
+		},
 	}
 	for name, run := range cases {
 		r := openRaw(t, conn)
@@ -631,4 +645,80 @@ func TestExtProcSilentStreamEnds(t *testing.T) {
 		t.Fatalf("a silent stream ended with %v", ended)
 	}
 	waitNoLoad(t, d, "the silent stream")
+}
+
+// The request bodies the picker buffers across its streams are capped by
+// grpc.ext_proc_max_buffered_bytes: of many streams each holding a body it
+// has not ended, those past the cap are answered 429 (and counted), and
+// once the others go away, requests are routed again. Found by review:
+// 100 streams each sending 15 MiB without end_of_stream took the router
+// from 779 MB to 3.44 GB.
+func TestExtProcBufferCapFromConfig(t *testing.T) {
+	cfg := filepath.Join(t.TempDir(), "t.yaml")
+	os.WriteFile(cfg, []byte("limits: {max_body_bytes: 131072}\ngrpc: {ext_proc_max_buffered_bytes: 262144}\n"), 0o600)
+	d := startTestDemo(t, demoOptions{sim: fastSim, grpcListen: "127.0.0.1:0", config: cfg})
+	conn := dial(t, d)
+	const fd, streams = filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, 12
+	chunk := bytes.Repeat([]byte("a"), 64<<10)
+	answers := make(chan *extprocv3.ImmediateResponse, streams)
+	for range streams {
+		r := openRaw(t, conn)
+		defer r.cancel()
+		go func() {
+			r.headers(fd, fd, false, ":method", "POST", ":path", "/v1/chat/completions", "content-type", "application/json")
+			r.body(chunk, false)
+			r.body(chunk, false)
+		}()
+		go func() {
+			for {
+				select {
+				case m := <-r.got:
+					answers <- m.GetImmediateResponse()
+				case <-r.end:
+					for len(r.got) > 0 { // what came before the end
+						answers <- (<-r.got).GetImmediateResponse()
+					}
+					return
+				}
+			}
+		}()
+	}
+	// Two 128 KiB bodies fill the 256 KiB: at least the ten other streams
+	// are answered, each with a 429.
+	timeout := time.After(20 * time.Second)
+	for i := 0; i < streams-2; i++ {
+		select {
+		case ir := <-answers:
+			if ir.GetStatus().GetCode() != http.StatusTooManyRequests || !bytes.Contains(ir.GetBody(), []byte(`"ext_proc_buffer_full"`)) {
+				t.Fatalf("a stream past the cap: %v", ir)
+			}
+		case <-timeout:
+			t.Fatalf("%d of %d streams past the cap answered", i, streams-2)
+		}
+	}
+	var refused float64
+	for _, line := range strings.Split(scrape(t, d), "\n") {
+		if v, ok := strings.CutPrefix(line, `semroute_ext_proc_refused_total{reason="buffer_full"} `); ok {
+			refused, _ = strconv.ParseFloat(v, 64)
+		}
+	}
+	if refused < streams-2 {
+		t.Fatalf("semroute_ext_proc_refused_total{reason=\"buffer_full\"} %v, want at least %d", refused, streams-2)
+	}
+	// Every stream goes away: what they held comes back, and a request is
+	// routed (it may meet a stream's bytes not yet given back: it retries,
+	// as a gateway would).
+	conn.Close()
+	env := newEnvoy(t, d)
+	body, _ := json.Marshal(chat([2]string{"user", "hello"}))
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		p := env.do("/v1/chat/completions", body, nil, nil, false, "")
+		if p.immediate == 0 && p.dest != "" {
+			break
+		}
+		if p.immediate != http.StatusTooManyRequests || time.Now().After(deadline) {
+			t.Fatalf("after the streams went away: immediate %d %s", p.immediate, p.errBody)
+		}
+	}
 }

@@ -331,7 +331,8 @@ func (a *app) start() (*running, error) {
 			Token:       func() string { return a.current.Load().GRPC.Token },
 			ExtProcOpen: func() bool { return a.current.Load().GRPC.ExtProcWithoutToken },
 			ExtProc: router.ExtProcOptions{RecordReplies: a.cfg.Routing.RecordReplies, Logger: a.log,
-				Timeouts: limits.Timeouts{FirstByte: a.cfg.Timeouts.FirstByte, Idle: a.cfg.Timeouts.Idle}},
+				Timeouts: limits.Timeouts{FirstByte: a.cfg.Timeouts.FirstByte, Idle: a.cfg.Timeouts.Idle},
+				Budget:   router.NewBodyBudget(a.cfg.GRPC.ExtProcMaxBufferedBytes)},
 		}, grpc.MaxRecvMsgSize(int(a.cfg.Limits.MaxBodyBytes)), creds)
 		go func() { _ = r.grpc.Serve(r.grpcLn) }()
 	}
