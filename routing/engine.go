@@ -544,10 +544,15 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 			if r.ID < len(beyond) && r.Reuse.Blend() {
 				c.Reuse = beyond[r.ID] * r.Reuse.Share()
 			}
-			if c.Match.Past > 0 && e.counting.anywhere(r.ID) {
-				c.Reuse += float64(c.Match.Past)
-				c.past = true
+			if c.Match.Past > 0 || c.Match.Tokens > c.Match.Confirmed {
+				c.predicted = e.counting.predict(r.ID, c.Match)
+				if c.Match.Past > 0 && e.counting.anywhere(r.ID) {
+					c.Reuse += float64(c.Match.Past)
+				}
+			} else {
+				c.predicted = c.Match.Confirmed
 			}
+			c.learned = true
 			donors = donors || r.Reuse.Donor()
 		}
 		return ejected
@@ -842,7 +847,7 @@ func (e *Engine) Feedback(d *Decision, c *Candidate, cached int) int64 {
 		return 0
 	}
 	if e.cache.EventDriven(id) {
-		e.counting.observe(id, c.Match.Confirmed, c.Match.Past, cached, cmp.Or(d.blockTokens, e.split.BlockTokens()))
+		e.counting.observe(id, c.Match, cached, cmp.Or(d.blockTokens, e.split.BlockTokens()))
 		return 0
 	}
 	// A blending engine reports what it reused too. A donor engine reports

@@ -61,20 +61,22 @@ type Candidate struct {
 	// loaded (or not an adapter request), 1 with room for it, 2 else (see
 	// replica.Models.AdapterRank). The engine sets it; policies do not see it.
 	adapter int8
-	// past: Reuse includes Match.Past, the blocks past the prefix an engine
-	// that counts them as hits holds (counting).
-	past bool
+	// predicted is Predicted's, when learned is set (the engine gathered
+	// the candidate).
+	predicted int
+	learned   bool
 }
 
 // Predicted is the cached tokens the replica's engine is expected to
 // report for the request, had it been sent when it was ranked: the
-// confirmed prefix, plus the held blocks past it where the engine counts
-// those too.
+// confirmed prefix, read as the engine is learned to count (counting):
+// with the blocks routed there whose events have not come yet, and the
+// held blocks past the prefix, where it counts those too.
 func (c *Candidate) Predicted() int {
-	if c.past {
-		return c.Match.Confirmed + c.Match.Past
+	if !c.learned {
+		return c.Match.Confirmed
 	}
-	return c.Match.Confirmed
+	return c.predicted
 }
 
 // Policy scores candidates. Score sets every candidate's Score (lower wins)
