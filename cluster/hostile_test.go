@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
 
@@ -228,13 +229,21 @@ func TestForgedSequenceCannotSilenceAPeer(t *testing.T) {
 // records. The peers tracked are bounded, and the picture never holds
 // more than its replica's budget because of them.
 func TestForgedPeersCannotGrowMemory(t *testing.T) {
-	e := newEngine(t)
+	var small []replica.Spec
+	for _, s := range specs {
+		s.BudgetTokens = 4096
+		small = append(small, s)
+	}
+	e, err := routing.New(routing.Options{Replicas: small})
+	if err != nil {
+		t.Fatal(err)
+	}
 	f, err := New(testOptions("nats://127.0.0.1:1", "me"), e)
 	if err != nil {
 		t.Fatal(err)
 	}
 	f.o.MaxPeers = 8
-	big := func(seed uint64) []blockhash.Block { return prompt(e, seed, 2000).Blocks }
+	big := func(seed uint64) []blockhash.Block { return prompt(e, seed, 200).Blocks }
 	for s := range 16 {
 		sender := fmt.Sprint("forged-", s)
 		for seq := range 4 {
