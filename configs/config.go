@@ -270,6 +270,10 @@ type BlocksConfig struct {
 type CacheConfig struct {
 	Eviction            string `mapstructure:"eviction" json:"eviction"`
 	DefaultBudgetTokens int64  `mapstructure:"default_budget_tokens" json:"default_budget_tokens"`
+	// MaxBudgetTokens bounds the budget a replica reports
+	// (vllm:cache_config_info), in tokens: more is clamped, warned about
+	// and counted. Default 8,388,608 (monitor.DefaultMaxBudget).
+	MaxBudgetTokens int64 `mapstructure:"max_budget_tokens" json:"max_budget_tokens"`
 	// Feedback corrects the picture of a replica without KV events from
 	// the cached tokens its engine reports (default true).
 	Feedback bool `mapstructure:"feedback" json:"feedback"`
@@ -429,6 +433,7 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("cache.eviction", eviction.Default)
 	v.SetDefault("cache.default_budget_tokens", DefaultBudgetTokens)
 	v.SetDefault("cache.feedback", true)
+	v.SetDefault("cache.max_budget_tokens", 1<<23)
 	v.SetDefault("tokenizer.mode", "auto")
 	v.SetDefault("tokenizer.block_tokens", 16)
 	v.SetDefault("tokenizer.timeout", tokenizer.DefaultTimeout)

@@ -190,6 +190,9 @@ func (c CacheConfig) validate(p *problems) {
 	if _, err := eviction.Lookup(c.Eviction); err != nil {
 		p.bad("cache.eviction", "%v", err)
 	}
+	if c.MaxBudgetTokens < 0 || c.MaxBudgetTokens > 1<<40 {
+		p.bad("cache.max_budget_tokens", "%d is not in [0, 2^40] (0 means the built-in 8,388,608)", c.MaxBudgetTokens)
+	}
 	if c.DefaultBudgetTokens < 0 {
 		p.bad("cache.default_budget_tokens", "must not be negative (0 means the built-in %d)", DefaultBudgetTokens)
 	}

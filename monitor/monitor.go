@@ -36,8 +36,15 @@ type Options struct {
 	// turns scraping off.
 	ScrapeInterval time.Duration
 	// OnBudget is called when a replica without a budget reports
-	// vllm:cache_config_info; the budget is num_gpu_blocks × block_size.
+	// vllm:cache_config_info; the budget is num_gpu_blocks × block_size,
+	// at most MaxBudget.
 	OnBudget func(r *replica.Replica, tokens int64)
+	// MaxBudget bounds a reported budget, in tokens: a replica reporting
+	// more is given MaxBudget, with a warning and OnBudgetClamped, so
+	// that no replica can make its cache picture (memory in this
+	// process) as large as it likes. Default DefaultMaxBudget.
+	MaxBudget       int64
+	OnBudgetClamped func(r *replica.Replica, reported, clamped int64)
 	// OnRestart is called when a replica's counters went backwards: it
 	// restarted and its cache is empty.
 	OnRestart func(r *replica.Replica)
@@ -99,6 +106,11 @@ const (
 	DefaultScrapeInterval = 5 * time.Second
 )
 
+// DefaultMaxBudget is Options.MaxBudget's default: 8,388,608 tokens, above
+// the KV cache of the largest engines deployed today (a 70B model with an
+// fp8 KV cache on 8 × 141 GB GPUs holds about 4 M tokens).
+const DefaultMaxBudget = 1 << 23
+
 func New(p *replica.Pool, o Options) *Monitor {
 	if o.Client == nil {
 		o.Client = &http.Client{Transport: http.DefaultTransport.(*http.Transport).Clone()}
@@ -108,6 +120,7 @@ func New(p *replica.Pool, o Options) *Monitor {
 	o.Fall = cmp.Or(max(o.Fall, 0), DefaultFall)
 	o.Rise = cmp.Or(max(o.Rise, 0), DefaultRise)
 	o.ScrapeInterval = cmp.Or(o.ScrapeInterval, DefaultScrapeInterval)
+	o.MaxBudget = cmp.Or(max(o.MaxBudget, 0), DefaultMaxBudget)
 	if o.Logger == nil {
 		o.Logger = slog.Default()
 	}
@@ -440,10 +453,24 @@ func (m *Monitor) apply(r *replica.Replica, s Scraped) {
 	if s.LoRA {
 		r.SetLoRA(s.LoRARunning, s.LoRAWaiting, s.MaxLoRA)
 	}
-	if r.Budget() == 0 && s.Blocks > 0 && s.BlockSize > 0 && s.Blocks <= replica.MaxBudgetTokens/s.BlockSize {
-		r.SetBudget(s.Blocks * s.BlockSize)
+	if r.Budget() == 0 && s.Blocks > 0 && s.BlockSize > 0 {
+		budget := m.o.MaxBudget
+		if s.Blocks <= m.o.MaxBudget/s.BlockSize {
+			budget = s.Blocks * s.BlockSize
+		} else {
+			reported := int64(math.MaxInt64)
+			if s.Blocks <= math.MaxInt64/s.BlockSize {
+				reported = s.Blocks * s.BlockSize
+			}
+			m.o.Logger.Warn("replica reports a KV cache larger than cache.max_budget_tokens; its picture is held to that",
+				"replica", r.Name, "reported_tokens", reported, "budget_tokens", budget)
+			if m.o.OnBudgetClamped != nil {
+				m.o.OnBudgetClamped(r, reported, budget)
+			}
+		}
+		r.SetBudget(budget)
 		if m.o.OnBudget != nil {
-			m.o.OnBudget(r, s.Blocks*s.BlockSize)
+			m.o.OnBudget(r, budget)
 		}
 	}
 	if !s.HasCounter {

@@ -3,6 +3,7 @@ package monitor
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -127,8 +128,38 @@ func TestParseMetricsHostile(t *testing.T) {
 	p, _ := replica.NewPool([]replica.Spec{{Name: "a", URL: "http://a"}}, replica.Options{}, func(replica.Spec) (int, error) { return 0, nil })
 	m := New(p, Options{})
 	m.apply(p.Replicas()[0], s)
-	if got := p.Replicas()[0].Budget(); got != 0 {
-		t.Fatalf("an overflowing reported budget was taken: %d", got)
+	if got := p.Replicas()[0].Budget(); got != DefaultMaxBudget {
+		t.Fatalf("an overflowing reported budget became %d, want the bound %d", got, DefaultMaxBudget)
+	}
+}
+
+// A replica that reports 2^40 tokens of KV cache (num_gpu_blocks ×
+// block_size) gets the configured bound, said and counted, so that its
+// picture cannot grow past it; one within the bound gets what it reports.
+func TestReportedBudgetIsBounded(t *testing.T) {
+	p, _ := replica.NewPool([]replica.Spec{{Name: "a", URL: "http://a"}, {Name: "b", URL: "http://b"}}, replica.Options{},
+		func(replica.Spec) (int, error) { return 0, nil })
+	var set, clamped []int64
+	var logs strings.Builder
+	m := New(p, Options{MaxBudget: 1 << 22, Logger: slog.New(slog.NewTextHandler(&logs, nil)),
+		OnBudget:        func(_ *replica.Replica, b int64) { set = append(set, b) },
+		OnBudgetClamped: func(_ *replica.Replica, reported, b int64) { clamped = append(clamped, reported, b) },
+	})
+	for i, blocks := range []int64{1 << 36, 1000} {
+		s, err := ParseMetrics(strings.NewReader(fmt.Sprintf("vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"%d\"} 1\n", blocks)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		m.apply(p.Replicas()[i], s)
+	}
+	if a, b := p.Replicas()[0].Budget(), p.Replicas()[1].Budget(); a != 1<<22 || b != 16000 {
+		t.Fatalf("budgets %d and %d, want the bound 4194304 and 16000", a, b)
+	}
+	if len(set) != 2 || set[0] != 1<<22 || len(clamped) != 2 || clamped[0] != 1<<40 || clamped[1] != 1<<22 {
+		t.Fatalf("told the picture %v, clamped %v", set, clamped)
+	}
+	if !strings.Contains(logs.String(), "replica=a") || !strings.Contains(logs.String(), "reported_tokens=1099511627776") {
+		t.Fatalf("the clamp was not logged:\n%s", logs.String())
 	}
 }
 

@@ -225,10 +225,18 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		Help: "Config reloads by result: ok, restart_required (applied, but some changed keys take effect only after a restart), failed."}, []string{"result"})
 	reg.MustRegister(a.reloads)
 	h := cfg.Health
+	clamped := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_replica_budget_clamped_total",
+		Help: "Budgets a replica reported (vllm:cache_config_info) above cache.max_budget_tokens, held to it."}, []string{"replica"})
+	reg.MustRegister(clamped)
 	a.monitor = monitor.New(pool, monitor.Options{
-		CheckInterval: h.CheckInterval, CheckTimeout: h.CheckTimeout, Fall: h.Fall, Rise: h.Rise,
+		MaxBudget:       cfg.Cache.MaxBudgetTokens,
+		OnBudgetClamped: func(r *replica.Replica, _, _ int64) { clamped.WithLabelValues(r.Name).Inc() },
+		CheckInterval:   h.CheckInterval, CheckTimeout: h.CheckTimeout, Fall: h.Fall, Rise: h.Rise,
 		ScrapeInterval: scrapeInterval(h.ScrapeInterval), Logger: log,
-		OnBudget:  func(r *replica.Replica, tokens int64) { cache.SetBudget(r.ID, tokens) },
+		OnBudget: func(r *replica.Replica, tokens int64) {
+			clamped.WithLabelValues(r.Name) // 0 until it reports too much
+			cache.SetBudget(r.ID, tokens)
+		},
 		OnRestart: func(r *replica.Replica) { eng.ClearPicture(r.ID) },
 		OnAdapters: func(_ *replica.Replica, adapters []string) {
 			for _, a := range adapters {
