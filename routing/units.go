@@ -58,10 +58,14 @@ func (s scales) of(k blockhash.Kind) float64 {
 }
 
 // Bounds of the learned ratio, and of the models learned: model names come
-// from clients, so at most maxModels are kept.
+// from clients, so at most maxModels are kept. Real tokenizers count
+// between about a third and three times the splitter's estimate (dense
+// prose to one token per byte); a replica reporting prompt_tokens out of
+// that range cannot make each block count as less than a quarter, or more
+// than four times, its estimated tokens against a budget.
 const (
-	minRatio  = 1.0 / 16
-	maxRatio  = 16.0
+	minRatio  = 1.0 / 4
+	maxRatio  = 4.0
 	maxModels = 256
 	// fitDecay is the weight the fit's sums keep at each request, and
 	// fitMin the requests with tools it needs.

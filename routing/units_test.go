@@ -67,3 +67,27 @@ func TestToolsHaveAUnitOfTheirOwn(t *testing.T) {
 		t.Fatalf("collinear requests: %+v", s)
 	}
 }
+
+// A replica that reports tiny prompt_tokens, or huge ones, request after
+// request, moves the learned unit no further than its bounds.
+func TestUnitsBoundedAgainstAReplica(t *testing.T) {
+	var u units
+	for range 200 {
+		u.observe("m", 0, 1000, 1)
+	}
+	if s := u.scale("m"); s != minRatio {
+		t.Fatalf("unit %v after tiny reports, want the bound %v", s, minRatio)
+	}
+	for range 200 {
+		u.observe("m", 0, 1000, 1<<30)
+	}
+	if s := u.scale("m"); s > maxRatio {
+		t.Fatalf("unit %v after huge reports, want at most %v", s, maxRatio)
+	}
+	for range 200 {
+		u.observe("t", 500, 1000, 1)
+	}
+	if sc := u.scales("t"); sc.other < minRatio || sc.tools > maxRatio {
+		t.Fatalf("fit %+v out of bounds", sc)
+	}
+}
