@@ -145,10 +145,20 @@ type HealthConfig struct {
 	EjectBase      time.Duration `mapstructure:"eject_base" json:"eject_base"`
 	EjectMax       time.Duration `mapstructure:"eject_max" json:"eject_max"`
 	EjectForgive   time.Duration `mapstructure:"eject_forgive" json:"eject_forgive"`
-	// EjectConsecutive is how many soft failures in a row (500 or 504
-	// answers, timeouts, a replica silent mid-answer) eject a replica;
+	// Soft failures (500 or 504 answers, timeouts, a replica silent
+	// mid-answer) eject a replica only when EjectConsecutive come in a row
+	// among at least EjectMinVolume answers of the last 10 to 20 s, of
+	// which EjectFailureShare percent failed (Envoy's failure_percentage);
 	// refused or reset connections and 502 or 503 answers eject at once.
-	EjectConsecutive int `mapstructure:"eject_consecutive" json:"eject_consecutive"`
+	EjectConsecutive  int `mapstructure:"eject_consecutive" json:"eject_consecutive"`
+	EjectMinVolume    int `mapstructure:"eject_min_volume" json:"eject_min_volume"`
+	EjectFailureShare int `mapstructure:"eject_failure_share" json:"eject_failure_share"`
+}
+
+// Ejection is the passive ejection h describes.
+func (h HealthConfig) Ejection() replica.Ejection {
+	return replica.Ejection{Base: h.EjectBase, Max: h.EjectMax, Forgive: h.EjectForgive, Consecutive: h.EjectConsecutive,
+		MinVolume: h.EjectMinVolume, FailureShare: h.EjectFailureShare}
 }
 
 // TimeoutConfig bounds each upstream request and shutdown.
@@ -456,6 +466,8 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("health.eject_max", replica.DefaultEjectMax)
 	v.SetDefault("health.eject_forgive", replica.DefaultEjectForgive)
 	v.SetDefault("health.eject_consecutive", replica.DefaultEjectStrikes)
+	v.SetDefault("health.eject_min_volume", replica.DefaultEjectVolume)
+	v.SetDefault("health.eject_failure_share", replica.DefaultEjectShare)
 	v.SetDefault("timeouts.connect", limits.DefaultConnect)
 	v.SetDefault("timeouts.first_byte", limits.DefaultFirstByte)
 	v.SetDefault("timeouts.idle", limits.DefaultIdle)

@@ -82,13 +82,13 @@ func TestPoolAddRemove(t *testing.T) {
 func TestStrikesEjectOnlyInARow(t *testing.T) {
 	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a"}}, Options{}, ids())
 	r := p.Replicas()[0]
-	e := Ejection{Consecutive: 3}
+	e := Ejection{Consecutive: 3, MinVolume: 1}
 	now := time.Unix(1000, 0)
 	for round := 0; round < 3; round++ {
 		if r.Strike(now, e) != 0 || r.Strike(now, e) != 0 {
 			t.Fatalf("round %d: two strikes ejected", round)
 		}
-		r.Succeeded()
+		r.Succeeded(now, e)
 	}
 	if !r.Available(now) {
 		t.Fatal("strikes with successes between ejected the replica")
@@ -105,7 +105,42 @@ func TestStrikesEjectOnlyInARow(t *testing.T) {
 	if r.Usable(now) {
 		t.Fatal("a replica that refused a connection while out for strikes is usable")
 	}
-	if d := r.Strike(now.Add(DefaultEjectBase), Ejection{}); d != 0 {
+	if d := r.Strike(now.Add(DefaultEjectBase), e); d != 0 {
 		t.Fatalf("the count started again after the ejection, yet one strike ejected for %v", d)
+	}
+}
+
+// Attack 10 of issue 30: a dozen requests in a row that make a replica
+// answer 500, at low traffic, do not eject it: the defaults want 20
+// answers in the last interval or two, half of them failed, as Envoy's
+// failure_percentage. A replica failing most of a real volume is ejected.
+func TestStrikesNeedVolumeAndShare(t *testing.T) {
+	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a"}, {Name: "b", URL: "http://b"}}, Options{}, ids())
+	a, b := p.Replicas()[0], p.Replicas()[1]
+	var e Ejection
+	now := time.Unix(1000, 0)
+	for i := range 12 {
+		if d := a.Strike(now.Add(time.Duration(i)*time.Second), e); d != 0 {
+			t.Fatalf("strike %d of a dozen at low traffic ejected for %v", i+1, d)
+		}
+	}
+	for i := range 10 {
+		b.Succeeded(now.Add(time.Duration(i)*time.Millisecond), e)
+	}
+	for i := range 10 {
+		d := b.Strike(now.Add(time.Duration(10+i)*time.Millisecond), e)
+		if i < 9 && d != 0 {
+			t.Fatalf("strike %d (of %d answers, %d%% failed) ejected", i+1, 11+i, 100*(i+1)/(11+i))
+		}
+		if i == 9 && d == 0 {
+			t.Fatal("10 of 20 recent answers failed, 10 in a row, and the replica stayed in")
+		}
+	}
+	// Old evidence expires: two intervals later the volume starts again.
+	later := now.Add(3 * DefaultEjectWindow)
+	for i := range 6 {
+		if d := b.Strike(later.Add(time.Duration(i)*time.Millisecond), e); d != 0 {
+			t.Fatalf("strike %d after the window moved on ejected", i+1)
+		}
 	}
 }

@@ -202,6 +202,33 @@ type Replica struct {
 	ejections int          // consecutive passive ejections
 	strikes   atomic.Int64 // soft failures since the last success (Strike)
 	softOut   atomic.Bool  // the last ejection came from soft failures (Strike)
+
+	omu     sync.Mutex
+	outcome outcomes // answers and soft failures, for Strike's volume and share
+}
+
+// outcomes counts a replica's answers and soft failures in the current
+// interval (from at, unix nanoseconds) and the one before it.
+type outcomes struct {
+	at                   int64
+	total, fails         int
+	prevTotal, prevFails int
+}
+
+// add counts one answer at now, a soft failure if failed, and returns the
+// counts of the current and previous intervals together.
+func (o *outcomes) add(now int64, interval time.Duration, failed bool) (total, fails int) {
+	switch d := now - o.at; {
+	case d >= 2*int64(interval):
+		*o = outcomes{at: now}
+	case d >= int64(interval):
+		*o = outcomes{at: o.at + int64(interval), prevTotal: o.total, prevFails: o.fails}
+	}
+	o.total++
+	if failed {
+		o.fails++
+	}
+	return o.total + o.prevTotal, o.fails + o.prevFails
 }
 
 // recentWork is the recent-work counter: tokens, as of at (unix nanoseconds).
@@ -301,10 +328,18 @@ type Ejection struct {
 	// Forgive: an ejection this long after the previous one's cool-down
 	// ended starts again from Base. Default 30s.
 	Forgive time.Duration
-	// Consecutive is how many soft failures in a row (Strike: answers of
-	// 500 or 504, answers later than the timeouts) eject a replica.
-	// Default 5, as Envoy's outlier detection's consecutive_5xx.
-	Consecutive int
+	// Soft failures (Strike: answers of 500 or 504, answers later than
+	// the timeouts) may be the requests' own, so they eject a replica only
+	// on evidence from many requests, as Envoy's outlier detection's
+	// failure_percentage does: Consecutive of them in a row (default 5,
+	// Envoy's consecutive_5xx), and, over the last one or two Intervals
+	// (default 10s), at least MinVolume answers (default 20) of which at
+	// least FailureShare percent (default 50) failed. A client sending a
+	// dozen requests that make a replica answer 500 cannot take it out.
+	Consecutive  int
+	MinVolume    int
+	FailureShare int
+	Interval     time.Duration
 }
 
 // Defaults of Ejection and of a pool's load half-life.
@@ -313,6 +348,9 @@ const (
 	DefaultEjectMax     = time.Minute
 	DefaultEjectForgive = 30 * time.Second
 	DefaultEjectStrikes = 5
+	DefaultEjectVolume  = 20
+	DefaultEjectShare   = 50
+	DefaultEjectWindow  = 10 * time.Second
 	DefaultHalfLife     = 10 * time.Second
 )
 
@@ -321,24 +359,37 @@ func (e *Ejection) defaults() {
 	e.Max = cmp.Or(max(e.Max, 0), DefaultEjectMax)
 	e.Forgive = cmp.Or(max(e.Forgive, 0), DefaultEjectForgive)
 	e.Consecutive = cmp.Or(max(e.Consecutive, 0), DefaultEjectStrikes)
+	e.MinVolume = cmp.Or(max(e.MinVolume, 0), DefaultEjectVolume)
+	e.FailureShare = cmp.Or(min(max(e.FailureShare, 0), 100), DefaultEjectShare)
+	e.Interval = cmp.Or(max(e.Interval, 0), DefaultEjectWindow)
 }
 
 // Strike records a soft failure at now: one that may be the request's own
 // rather than the replica's (vLLM answers 500 to some inputs; a long
-// prompt on a busy replica may outlast a timeout). Only e.Consecutive of
-// them with no success between eject the replica (Fail); it returns the
-// cool-down, or 0 if the replica was not ejected by it.
+// prompt on a busy replica may outlast a timeout). It ejects the replica
+// (Fail) only on the evidence Ejection describes: e.Consecutive of them
+// with no success between, among at least e.MinVolume recent answers of
+// which e.FailureShare percent failed. It returns the cool-down, or 0 if
+// the replica was not ejected by it.
 func (r *Replica) Strike(now time.Time, e Ejection) time.Duration {
 	e.defaults()
-	if r.strikes.Add(1) < int64(e.Consecutive) {
+	r.omu.Lock()
+	total, fails := r.outcome.add(now.UnixNano(), e.Interval, true)
+	r.omu.Unlock()
+	if r.strikes.Add(1) < int64(e.Consecutive) || total < e.MinVolume || 100*fails < e.FailureShare*total {
 		return 0
 	}
 	r.strikes.Store(0)
 	return r.fail(now, e, true)
 }
 
-// Succeeded records an answer below 500: the strikes start again.
-func (r *Replica) Succeeded() {
+// Succeeded records an answer below 500 at now: the strikes start again,
+// and the answer counts in the volume Strike weighs.
+func (r *Replica) Succeeded(now time.Time, e Ejection) {
+	e.defaults()
+	r.omu.Lock()
+	r.outcome.add(now.UnixNano(), e.Interval, false)
+	r.omu.Unlock()
 	if r.strikes.Load() != 0 {
 		r.strikes.Store(0)
 	}

@@ -201,7 +201,7 @@ func (t *failover) RoundTrip(req *http.Request) (*http.Response, error) {
 		cur := f.current()
 		switch {
 		case err == nil && resp.StatusCode < 500:
-			cur.Replica.Succeeded()
+			cur.Replica.Succeeded(now, t.s.o.Ejection)
 			return resp, nil
 		case err == nil:
 			t.s.core.o.Metrics.UpstreamError(cur.Replica.Name, "status_5xx")

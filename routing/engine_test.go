@@ -369,7 +369,7 @@ func TestTokensInTheEnginesUnit(t *testing.T) {
 func TestDecideAllEjectedPanics(t *testing.T) {
 	f := newFixture(t, 4, "semantic")
 	reps := f.pool.Replicas()
-	ej := replica.Ejection{Base: time.Minute, Consecutive: 1}
+	ej := replica.Ejection{Base: time.Minute, Consecutive: 1, MinVolume: 1}
 	reps[3].Fail(f.now, ej) // refused a connection: really down
 	reps[0].Strike(f.now, ej)
 	reps[1].Strike(f.now, ej)

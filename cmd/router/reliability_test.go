@@ -555,3 +555,41 @@ replicas:
 	}
 	t.Logf("stream cut off after %v (idle timeout 300ms)", el)
 }
+
+// Attack 10 of issue 30: one client sending a dozen requests in a row that
+// make a replica answer 500 (vLLM does for some inputs) does not take the
+// replica out of rotation: the 500s reach the client, and the replica
+// keeps serving everyone else.
+func TestPoisonRequestsDoNotEjectAReplica(t *testing.T) {
+	sims := startSims(t, 1, fastSim)
+	target, _ := url.Parse(sims[0].URL)
+	proxy := httputil.NewSingleHostReverseProxy(target)
+	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodPost {
+			b, _ := io.ReadAll(r.Body)
+			if bytes.Contains(b, []byte("poison")) {
+				http.Error(w, `{"error":{"message":"internal error"}}`, http.StatusInternalServerError)
+				return
+			}
+			r.Body = io.NopCloser(bytes.NewReader(b))
+		}
+		proxy.ServeHTTP(w, r)
+	}))
+	t.Cleanup(front.Close)
+	cfg := filepath.Join(t.TempDir(), "router.yaml")
+	writeConfig(t, cfg, fmt.Sprintf("health: {check_interval: 1h}\nreplicas:\n  - {name: a, url: %q}\n", front.URL))
+	r := serveConfig(t, cfg)
+	for i := range 12 {
+		code, _, err := postURL(r.http.url(), chat([2]string{"user", fmt.Sprint("poison ", i)}), nil)
+		if err != nil || code != 500 {
+			t.Fatalf("poison request %d: %d %v, want the replica's 500", i, code, err)
+		}
+	}
+	rep, _ := r.app.pool.Get("a")
+	if !rep.Available(time.Now()) {
+		t.Fatal("a dozen poison requests from one client ejected the replica")
+	}
+	if code, _, err := postURL(r.http.url(), chat([2]string{"user", "hello"}), nil); err != nil || code != 200 {
+		t.Fatalf("a good request after the poison: %d %v", code, err)
+	}
+}

@@ -136,7 +136,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		return nil, fmt.Errorf("config: %w", err)
 	}
 	cache, pool := eng.Cache(), eng.Pool()
-	fleet, err := newFleet(cfg.Cluster, replica.Ejection{Base: cfg.Health.EjectBase, Max: cfg.Health.EjectMax, Forgive: cfg.Health.EjectForgive, Consecutive: cfg.Health.EjectConsecutive}, eng, log)
+	fleet, err := newFleet(cfg.Cluster, cfg.Health.Ejection(), eng, log)
 	if err != nil {
 		return nil, err
 	}
@@ -186,7 +186,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		Tracer: tracer,
 		Core:   core, Limits: limitsOf(cfg.Limits),
 		RecordReplies: cfg.Routing.RecordReplies, Logger: log,
-		Ejection: replica.Ejection{Base: cfg.Health.EjectBase, Max: cfg.Health.EjectMax, Forgive: cfg.Health.EjectForgive, Consecutive: cfg.Health.EjectConsecutive},
+		Ejection: cfg.Health.Ejection(),
 		Timeouts: limits.Timeouts{Connect: cfg.Timeouts.Connect, FirstByte: cfg.Timeouts.FirstByte, Idle: cfg.Timeouts.Idle,
 			ClientWrite: cfg.Timeouts.ClientWrite},
 		Metrics: promhttp.HandlerFor(reg, promhttp.HandlerOpts{}),
