@@ -92,6 +92,11 @@ type Server struct {
 	bodies bodyGauge
 }
 
+// BodyBytesInFlight returns the request-body bytes the server holds now
+// (limits.Request.MaxBodyBytesInFlight counts against it): each body
+// being read holds at least its first read's buffer.
+func (s *Server) BodyBytesInFlight() int64 { return s.bodies.Load() }
+
 // NewServer returns the HTTP front end.
 func NewServer(o ServerOptions) (*Server, error) {
 	if o.Core == nil {

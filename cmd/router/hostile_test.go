@@ -636,7 +636,13 @@ func TestDeclaredLengthDoesNotAllocate(t *testing.T) {
 		}
 		fmt.Fprintf(c, "POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n{", path, 16<<20-1)
 	}
-	time.Sleep(500 * time.Millisecond) // every handler is reading its body now
+	// Every handler is reading its body once each holds its first buffer
+	// (router.bodyPrealloc, 64 KiB).
+	for deadline := time.Now().Add(10 * time.Second); r.app.server.BodyBytesInFlight() < conns*64<<10; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("only %d body bytes held for %d connections", r.app.server.BodyBytesInFlight(), conns)
+		}
+	}
 	grown := int64(memAfterGC().HeapAlloc) - int64(before)
 	t.Logf("%d connections declaring 16 MiB each: heap +%d MB", conns, grown>>20)
 	if grown > 32<<20 { // declared-length buffers would be 800 MB
