@@ -179,9 +179,16 @@ func TestE2EAdapterLoadedAtRuntime(t *testing.T) {
 		t.Fatalf("load: %v %v", resp, err)
 	}
 	resp.Body.Close()
-	time.Sleep(1100 * time.Millisecond) // the refreshes are paced at one a second
-	if r := post(t, d, "/v1/chat/completions", b, nil); r.status != 200 || r.replica != "sim-2" {
-		t.Fatalf("after the adapter was loaded on sim-2: %d on %s: %s", r.status, r.replica, r.body)
+	// A request for a model no replica lists refreshes the lists, paced at
+	// one a second: it is routed once a refresh after the load has run.
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		r := post(t, d, "/v1/chat/completions", b, nil)
+		if r.status == 200 && r.replica == "sim-2" {
+			break
+		}
+		if r.status != http.StatusNotFound || time.Now().After(deadline) {
+			t.Fatalf("after the adapter was loaded on sim-2: %d on %s: %s", r.status, r.replica, r.body)
+		}
 	}
 }
 
