@@ -117,9 +117,36 @@ func TestForgedEjectCannotCutTraffic(t *testing.T) {
 	}
 }
 
-// Attack 2: route records with a prefill of 2^62, and of 2^63−1, on three
-// replicas. A peer's work is bounded by the chain it names (here none: one
-// block), and stops counting as prefill after PrefillTTL.
+// Attack 2, over NATS: route records with a prefill of 2^62, and of
+// 2^63−1, on three replicas. A peer's work is bounded by the chain it
+// names (here none: one block).
+func TestForgedPrefillOverNATSIsBounded(t *testing.T) {
+	ns := serve(t, -1)
+	f, e := startFleet(t, ns.ClientURL(), "victim")
+	nc := attacker(t, ns.ClientURL())
+	route := func(req uint64, rep string, prefill uint64) []byte {
+		b := appendStr(appendUv([]byte{recRoute}, req), rep)
+		return appendChain(appendUv(appendUv(b, prefill), prefill), nil, 0)
+	}
+	forge(t, nc, "evil", 1, 1, route(1, "a", 1<<62), route(2, "b", 1<<62), route(3, "c", math.MaxInt64), route(4, "c", math.MaxInt64))
+	waitFor(t, "the forged records", func() bool { return f.Stats().Applied >= 4 })
+	block := float64(e.Splitter().BlockTokens())
+	for _, s := range specs {
+		r, _ := e.Pool().Get(s.Name)
+		if l := r.Load(time.Now()); l.PendingTokens < 0 || l.PendingTokens > 2*block || l.ActiveTokens < 0 || l.ActiveTokens > 2*block {
+			t.Fatalf("%s: load %+v from forged records of no blocks, want at most a block each", s.Name, l)
+		}
+	}
+	// Routing is not steered: a request goes where its own score says,
+	// every replica still a candidate at about the same load.
+	d, err := e.Decide(withPolicy(prompt(e, 9, 6)), false)
+	if err != nil || len(d.Candidates) != len(specs) {
+		t.Fatalf("after the forged records: %v, %d candidates", err, len(d.Candidates))
+	}
+}
+
+// Attack 2, the records' lifetime: a peer's request stops counting as
+// prefill after PrefillTTL, whatever it claimed.
 func TestForgedPrefillIsBounded(t *testing.T) {
 	e := newEngine(t)
 	o := testOptions("nats://127.0.0.1:1", "me")
@@ -223,6 +250,31 @@ func TestForgedSequenceCannotSilenceAPeer(t *testing.T) {
 	}
 	rep, _ := eb.Pool().Get(d.Chosen().Replica.Name)
 	waitFor(t, "ra's record applied after the forged sequence", func() bool { return rep.Load(time.Now()).InFlight == 1 })
+}
+
+// Attack 5, over NATS: forged senders past MaxPeers are refused.
+func TestForgedPeersOverNATSAreBounded(t *testing.T) {
+	ns := serve(t, -1)
+	o := testOptions(ns.ClientURL(), "victim")
+	o.MaxPeers = 4
+	e := newEngine(t)
+	f, err := New(o, e)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(f.Close)
+	waitFor(t, "ready", f.Ready)
+	nc := attacker(t, ns.ClientURL())
+	for s := range 12 {
+		forge(t, nc, fmt.Sprint("forged-", s), 1, 1, []byte{recReset})
+	}
+	waitFor(t, "the forged batches", func() bool { st := f.Stats(); return st.Applied+st.Refused >= 12 })
+	if st := f.Stats(); st.Peers > 4 || st.Refused != 8 {
+		t.Fatalf("%d peers, %d batches refused; want at most 4 and 8", st.Peers, st.Refused)
+	}
 }
 
 // Attack 5: many forged senders, each with many batches of large route
