@@ -148,17 +148,19 @@ type HealthConfig struct {
 	// Soft failures (500 or 504 answers, timeouts, a replica silent
 	// mid-answer) eject a replica only when EjectConsecutive come in a row
 	// among at least EjectMinVolume answers of the last 10 to 20 s, of
-	// which EjectFailureShare percent failed (Envoy's failure_percentage);
+	// which EjectFailureShare percent failed (Envoy's failure_percentage),
+	// from at least EjectMinSources client addresses (replica.Ejection);
 	// refused or reset connections and 502 or 503 answers eject at once.
 	EjectConsecutive  int `mapstructure:"eject_consecutive" json:"eject_consecutive"`
 	EjectMinVolume    int `mapstructure:"eject_min_volume" json:"eject_min_volume"`
 	EjectFailureShare int `mapstructure:"eject_failure_share" json:"eject_failure_share"`
+	EjectMinSources   int `mapstructure:"eject_min_sources" json:"eject_min_sources"`
 }
 
 // Ejection is the passive ejection h describes.
 func (h HealthConfig) Ejection() replica.Ejection {
 	return replica.Ejection{Base: h.EjectBase, Max: h.EjectMax, Forgive: h.EjectForgive, Consecutive: h.EjectConsecutive,
-		MinVolume: h.EjectMinVolume, FailureShare: h.EjectFailureShare}
+		MinVolume: h.EjectMinVolume, FailureShare: h.EjectFailureShare, MinSources: h.EjectMinSources}
 }
 
 // TimeoutConfig bounds each upstream request and shutdown.
@@ -468,6 +470,7 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("health.eject_consecutive", replica.DefaultEjectStrikes)
 	v.SetDefault("health.eject_min_volume", replica.DefaultEjectVolume)
 	v.SetDefault("health.eject_failure_share", replica.DefaultEjectShare)
+	v.SetDefault("health.eject_min_sources", replica.DefaultEjectSources)
 	v.SetDefault("timeouts.connect", limits.DefaultConnect)
 	v.SetDefault("timeouts.first_byte", limits.DefaultFirstByte)
 	v.SetDefault("timeouts.idle", limits.DefaultIdle)

@@ -272,8 +272,9 @@ func (l LimitsConfig) validate(p *problems) {
 func (h HealthConfig) validate(p *problems) {
 	if h.CheckInterval <= 0 || h.CheckTimeout <= 0 || h.Fall < 1 || h.Rise < 1 || h.ScrapeInterval < 0 ||
 		h.EjectBase <= 0 || h.EjectMax < h.EjectBase || h.EjectForgive <= 0 || h.EjectConsecutive < 1 ||
-		h.EjectMinVolume < 1 || h.EjectFailureShare < 1 || h.EjectFailureShare > 100 {
-		p.bad("health", "intervals and timeouts must be positive (scrape_interval 0 turns scraping off), fall, rise, eject_consecutive and eject_min_volume at least 1, eject_failure_share in [1, 100], eject_max ≥ eject_base")
+		h.EjectMinVolume < 1 || h.EjectFailureShare < 1 || h.EjectFailureShare > 100 ||
+		h.EjectMinSources < 1 || h.EjectMinSources > replica.MaxEjectSources {
+		p.bad("health", "intervals and timeouts must be positive (scrape_interval 0 turns scraping off), fall, rise, eject_consecutive and eject_min_volume at least 1, eject_failure_share in [1, 100], eject_min_sources in [1, %d], eject_max ≥ eject_base", replica.MaxEjectSources)
 	}
 }
 

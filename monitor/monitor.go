@@ -106,9 +106,18 @@ const (
 	DefaultScrapeInterval = 5 * time.Second
 )
 
-// DefaultMaxBudget is Options.MaxBudget's default: 8,388,608 tokens, above
-// the KV cache of the largest engines deployed today (a 70B model with an
-// fp8 KV cache on 8 × 141 GB GPUs holds about 4 M tokens).
+// DefaultMaxBudget is Options.MaxBudget's default: 8,388,608 (2^23)
+// tokens, above the KV cache of one engine of the common models on the
+// largest GPUs. Llama-3.1-70B (80 layers, 8 KV heads of 128: 160 KiB a
+// token in fp8) on 8 × H200 (141 GB) holds about 5.7 M tokens;
+// Llama-3.1-8B on one H200 about 0.9 M (1.7 M in fp8). A sub-billion
+// model alone on such a GPU may hold more (Qwen2.5-0.5B, 12 KiB a token:
+// about 10 M): raise cache.max_budget_tokens for it, as the warning says.
+// A replica held to the bound has a picture that forgets blocks its engine
+// still holds, which costs predicted hits, not correctness. At the bound,
+// with blocks of 16 tokens, a picture holds 524,288 blocks, about 37 MB of
+// this process's heap (four times that if the replica's reports shrink the
+// token unit to its bound, routing/units.go).
 const DefaultMaxBudget = 1 << 23
 
 func New(p *replica.Pool, o Options) *Monitor {

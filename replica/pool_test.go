@@ -82,10 +82,10 @@ func TestPoolAddRemove(t *testing.T) {
 func TestStrikesEjectOnlyInARow(t *testing.T) {
 	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a"}}, Options{}, ids())
 	r := p.Replicas()[0]
-	e := Ejection{Consecutive: 3, MinVolume: 1}
+	e := Ejection{Consecutive: 3, MinVolume: 1, MinSources: 1}
 	now := time.Unix(1000, 0)
 	for round := 0; round < 3; round++ {
-		if r.Strike(now, e) != 0 || r.Strike(now, e) != 0 {
+		if r.Strike(now, e, 0) != 0 || r.Strike(now, e, 0) != 0 {
 			t.Fatalf("round %d: two strikes ejected", round)
 		}
 		r.Succeeded(now, e)
@@ -93,9 +93,9 @@ func TestStrikesEjectOnlyInARow(t *testing.T) {
 	if !r.Available(now) {
 		t.Fatal("strikes with successes between ejected the replica")
 	}
-	r.Strike(now, e)
-	r.Strike(now, e)
-	if d := r.Strike(now, e); d != DefaultEjectBase || r.Available(now) {
+	r.Strike(now, e, 0)
+	r.Strike(now, e, 0)
+	if d := r.Strike(now, e, 0); d != DefaultEjectBase || r.Available(now) {
 		t.Fatalf("the third strike in a row: cool-down %v, available %v", d, r.Available(now))
 	}
 	if !r.Usable(now) {
@@ -105,22 +105,23 @@ func TestStrikesEjectOnlyInARow(t *testing.T) {
 	if r.Usable(now) {
 		t.Fatal("a replica that refused a connection while out for strikes is usable")
 	}
-	if d := r.Strike(now.Add(DefaultEjectBase), e); d != 0 {
+	if d := r.Strike(now.Add(DefaultEjectBase), e, 0); d != 0 {
 		t.Fatalf("the count started again after the ejection, yet one strike ejected for %v", d)
 	}
 }
 
 // Attack 10 of issue 30: a dozen requests in a row that make a replica
-// answer 500, at low traffic, do not eject it: the defaults want 20
-// answers in the last interval or two, half of them failed, as Envoy's
-// failure_percentage. A replica failing most of a real volume is ejected.
+// answer 500, at low traffic, do not eject it, whatever clients sent them:
+// the defaults want 20 answers in the last interval or two, half of them
+// failed, as Envoy's failure_percentage. A replica failing most of a real
+// volume, to several clients, is ejected.
 func TestStrikesNeedVolumeAndShare(t *testing.T) {
 	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a"}, {Name: "b", URL: "http://b"}}, Options{}, ids())
 	a, b := p.Replicas()[0], p.Replicas()[1]
 	var e Ejection
 	now := time.Unix(1000, 0)
 	for i := range 12 {
-		if d := a.Strike(now.Add(time.Duration(i)*time.Second), e); d != 0 {
+		if d := a.Strike(now.Add(time.Duration(i)*time.Second), e, uint64(i)); d != 0 {
 			t.Fatalf("strike %d of a dozen at low traffic ejected for %v", i+1, d)
 		}
 	}
@@ -128,7 +129,7 @@ func TestStrikesNeedVolumeAndShare(t *testing.T) {
 		b.Succeeded(now.Add(time.Duration(i)*time.Millisecond), e)
 	}
 	for i := range 10 {
-		d := b.Strike(now.Add(time.Duration(10+i)*time.Millisecond), e)
+		d := b.Strike(now.Add(time.Duration(10+i)*time.Millisecond), e, uint64(i%3))
 		if i < 9 && d != 0 {
 			t.Fatalf("strike %d (of %d answers, %d%% failed) ejected", i+1, 11+i, 100*(i+1)/(11+i))
 		}
@@ -139,8 +140,40 @@ func TestStrikesNeedVolumeAndShare(t *testing.T) {
 	// Old evidence expires: two intervals later the volume starts again.
 	later := now.Add(3 * DefaultEjectWindow)
 	for i := range 6 {
-		if d := b.Strike(later.Add(time.Duration(i)*time.Millisecond), e); d != 0 {
+		if d := b.Strike(later.Add(time.Duration(i)*time.Millisecond), e, uint64(i)); d != 0 {
 			t.Fatalf("strike %d after the window moved on ejected", i+1)
 		}
+	}
+}
+
+// Attack 10 of issue 30, at volume: one client sending 30 requests in a
+// row that make a replica answer 500 (every answer the replica gave in the
+// interval, all failed, all in a row) does not eject it, nor do clients
+// whose address is not known (source 0, one source); a failure from a
+// second client is the evidence that the replica, not one client's
+// requests, is failing, and ejects it.
+func TestStrikesNeedSeveralSources(t *testing.T) {
+	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a"}, {Name: "b", URL: "http://b"}}, Options{}, ids())
+	a, b := p.Replicas()[0], p.Replicas()[1]
+	var e Ejection
+	now := time.Unix(1000, 0)
+	for i := range 30 {
+		at := now.Add(time.Duration(i) * time.Millisecond)
+		if d := a.Strike(at, e, 7); d != 0 {
+			t.Fatalf("strike %d in a row from one client ejected for %v", i+1, d)
+		}
+		if d := b.Strike(at, e, 0); d != 0 {
+			t.Fatalf("strike %d in a row from unknown clients ejected for %v", i+1, d)
+		}
+	}
+	if !a.Available(now) || !b.Available(now) {
+		t.Fatal("one client's failures ejected a replica")
+	}
+	at := now.Add(31 * time.Millisecond)
+	if d := a.Strike(at, e, 8); d != DefaultEjectBase || a.Available(at) {
+		t.Fatalf("a second client's failure: cool-down %v, available %v", d, a.Available(at))
+	}
+	if d := b.Strike(at, e, 8); d != DefaultEjectBase {
+		t.Fatalf("a known client's failure after unknown ones: cool-down %v", d)
 	}
 }

@@ -208,27 +208,67 @@ type Replica struct {
 }
 
 // outcomes counts a replica's answers and soft failures in the current
-// interval (from at, unix nanoseconds) and the one before it.
+// interval (from at, unix nanoseconds) and the one before it, and the
+// sources of those failures.
 type outcomes struct {
 	at                   int64
 	total, fails         int
 	prevTotal, prevFails int
+	srcs, prevSrcs       sources
 }
 
-// add counts one answer at now, a soft failure if failed, and returns the
-// counts of the current and previous intervals together.
-func (o *outcomes) add(now int64, interval time.Duration, failed bool) (total, fails int) {
+// add counts one answer at now, a soft failure from source if failed, and
+// returns the counts of the current and previous intervals together: the
+// answers, the failures and the failures' distinct sources (at most
+// MaxEjectSources).
+func (o *outcomes) add(now int64, interval time.Duration, failed bool, source uint64) (total, fails, srcs int) {
 	switch d := now - o.at; {
 	case d >= 2*int64(interval):
 		*o = outcomes{at: now}
 	case d >= int64(interval):
-		*o = outcomes{at: o.at + int64(interval), prevTotal: o.total, prevFails: o.fails}
+		*o = outcomes{at: o.at + int64(interval), prevTotal: o.total, prevFails: o.fails, prevSrcs: o.srcs}
 	}
 	o.total++
 	if failed {
 		o.fails++
+		o.srcs.add(source)
 	}
-	return o.total + o.prevTotal, o.fails + o.prevFails
+	return o.total + o.prevTotal, o.fails + o.prevFails, o.srcs.union(&o.prevSrcs)
+}
+
+// sources are the distinct keys of the clients whose requests failed, up to
+// MaxEjectSources: enough to tell whether Ejection.MinSources were seen.
+type sources struct {
+	n    int
+	keys [MaxEjectSources]uint64
+}
+
+func (s *sources) has(k uint64) bool {
+	for _, v := range s.keys[:s.n] {
+		if v == k {
+			return true
+		}
+	}
+	return false
+}
+
+func (s *sources) add(k uint64) {
+	if s.n < len(s.keys) && !s.has(k) {
+		s.keys[s.n] = k
+		s.n++
+	}
+}
+
+// union returns how many distinct keys s and t hold together, at most
+// MaxEjectSources.
+func (s *sources) union(t *sources) int {
+	n := s.n
+	for _, k := range t.keys[:t.n] {
+		if !s.has(k) {
+			n++
+		}
+	}
+	return min(n, MaxEjectSources)
 }
 
 // recentWork is the recent-work counter: tokens, as of at (unix nanoseconds).
@@ -329,16 +369,30 @@ type Ejection struct {
 	// ended starts again from Base. Default 30s.
 	Forgive time.Duration
 	// Soft failures (Strike: answers of 500 or 504, answers later than
-	// the timeouts) may be the requests' own, so they eject a replica only
-	// on evidence from many requests, as Envoy's outlier detection's
-	// failure_percentage does: Consecutive of them in a row (default 5,
-	// Envoy's consecutive_5xx), and, over the last one or two Intervals
-	// (default 10s), at least MinVolume answers (default 20) of which at
-	// least FailureShare percent (default 50) failed. A client sending a
-	// dozen requests that make a replica answer 500 cannot take it out.
+	// the timeouts) may be the requests' own (vLLM answers 500 to some
+	// inputs), so they eject a replica only on evidence from many
+	// requests of more than one client, after Envoy's outlier detection:
+	//
+	//   - Consecutive soft failures with no success between (default 5,
+	//     Envoy's consecutive_5xx default);
+	//   - over the current and the previous Interval (default 10s, Envoy's
+	//     interval), at least MinVolume answers (default 20; Envoy's
+	//     failure_percentage_request_volume is 50 per interval, a volume
+	//     a replica at low traffic seldom has), of which at least
+	//     FailureShare percent failed (default 50; Envoy's
+	//     failure_percentage_threshold is 85, where the two detectors eject
+	//     independently, not both required as here);
+	//   - those failures came from at least MinSources distinct clients
+	//     (default 2, at most MaxEjectSources; Envoy has no such rule).
+	//
+	// So one client sending any number of requests that make a replica
+	// answer 500 cannot take it out; a replica failing most answers to
+	// several clients is. Behind a proxy that hides the clients'
+	// addresses every request has one source: set MinSources to 1.
 	Consecutive  int
 	MinVolume    int
 	FailureShare int
+	MinSources   int
 	Interval     time.Duration
 }
 
@@ -351,8 +405,13 @@ const (
 	DefaultEjectVolume  = 20
 	DefaultEjectShare   = 50
 	DefaultEjectWindow  = 10 * time.Second
+	DefaultEjectSources = 2
 	DefaultHalfLife     = 10 * time.Second
 )
+
+// MaxEjectSources bounds Ejection.MinSources: the distinct sources of soft
+// failures a replica remembers per interval.
+const MaxEjectSources = 8
 
 func (e *Ejection) defaults() {
 	e.Base = cmp.Or(max(e.Base, 0), DefaultEjectBase)
@@ -361,22 +420,26 @@ func (e *Ejection) defaults() {
 	e.Consecutive = cmp.Or(max(e.Consecutive, 0), DefaultEjectStrikes)
 	e.MinVolume = cmp.Or(max(e.MinVolume, 0), DefaultEjectVolume)
 	e.FailureShare = cmp.Or(min(max(e.FailureShare, 0), 100), DefaultEjectShare)
+	e.MinSources = cmp.Or(min(max(e.MinSources, 0), MaxEjectSources), DefaultEjectSources)
 	e.Interval = cmp.Or(max(e.Interval, 0), DefaultEjectWindow)
 }
 
-// Strike records a soft failure at now: one that may be the request's own
-// rather than the replica's (vLLM answers 500 to some inputs; a long
-// prompt on a busy replica may outlast a timeout). It ejects the replica
-// (Fail) only on the evidence Ejection describes: e.Consecutive of them
-// with no success between, among at least e.MinVolume recent answers of
-// which e.FailureShare percent failed. It returns the cool-down, or 0 if
-// the replica was not ejected by it.
-func (r *Replica) Strike(now time.Time, e Ejection) time.Duration {
+// Strike records a soft failure at now of a request from source: one that
+// may be the request's own rather than the replica's (vLLM answers 500 to
+// some inputs; a long prompt on a busy replica may outlast a timeout).
+// source is a key of the request's client (its address; 0 where not
+// known, which counts as one source). It ejects the replica (Fail) only on
+// the evidence Ejection describes: e.Consecutive of them with no success
+// between, among at least e.MinVolume recent answers of which
+// e.FailureShare percent failed, from at least e.MinSources sources. It
+// returns the cool-down, or 0 if the replica was not ejected by it.
+func (r *Replica) Strike(now time.Time, e Ejection, source uint64) time.Duration {
 	e.defaults()
 	r.omu.Lock()
-	total, fails := r.outcome.add(now.UnixNano(), e.Interval, true)
+	total, fails, srcs := r.outcome.add(now.UnixNano(), e.Interval, true, source)
 	r.omu.Unlock()
-	if r.strikes.Add(1) < int64(e.Consecutive) || total < e.MinVolume || 100*fails < e.FailureShare*total {
+	if r.strikes.Add(1) < int64(e.Consecutive) || total < e.MinVolume || 100*fails < e.FailureShare*total ||
+		srcs < e.MinSources {
 		return 0
 	}
 	r.strikes.Store(0)
@@ -388,7 +451,7 @@ func (r *Replica) Strike(now time.Time, e Ejection) time.Duration {
 func (r *Replica) Succeeded(now time.Time, e Ejection) {
 	e.defaults()
 	r.omu.Lock()
-	r.outcome.add(now.UnixNano(), e.Interval, false)
+	r.outcome.add(now.UnixNano(), e.Interval, false, 0)
 	r.omu.Unlock()
 	if r.strikes.Load() != 0 {
 		r.strikes.Store(0)

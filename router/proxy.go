@@ -5,11 +5,13 @@ import (
 	"io"
 	"net/http"
 	"net/http/httputil"
+	"net/netip"
 	"net/url"
 	"strconv"
 	"strings"
 	"time"
 
+	"github.com/cespare/xxhash/v2"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
@@ -24,6 +26,9 @@ type flight struct {
 	auth []string // the client's Authorization values
 	body *body    // the request body; the handler releases it
 	next int      // index in the ranking of the next candidate to try
+	// source is the client's key for passive ejection (clientSource): a
+	// replica's soft failures must come from several to eject it.
+	source uint64
 	// stripUsage says the router asked the replica for the stream's usage
 	// chunk, which the client must not see.
 	stripUsage bool
@@ -46,7 +51,7 @@ func (f *flight) current() *routing.Candidate { return f.rt.Served }
 // forward proxies r, under ctx (r's context, or one derived from it), to
 // f's replica.
 func (s *Server) forward(w http.ResponseWriter, r *http.Request, ctx context.Context, f *flight) {
-	f.in, f.auth = r.URL, r.Header.Values("Authorization")
+	f.in, f.auth, f.source = r.URL, r.Header.Values("Authorization"), clientSource(r.RemoteAddr)
 	r = r.WithContext(context.WithValue(ctx, flightKey{}, f))
 	// The body each attempt sends is the flight's (rewrite, failover):
 	// ReverseProxy wraps the one it is given in a reader without WriteTo,
@@ -156,7 +161,7 @@ func (s *Server) modifyResponse(resp *http.Response) error {
 	// replica's silence, not the time the layers above take to gather a
 	// whole event.
 	var body io.ReadCloser = newIdleBody(resp.Body, s.o.Timeouts.Idle, s.o.Timeouts.FirstByte, func() {
-		s.core.e.Strike(c.Replica, time.Now(), s.o.Ejection)
+		s.core.e.Strike(c.Replica, time.Now(), s.o.Ejection, f.source)
 		s.core.o.Metrics.UpstreamError(c.Replica.Name, "idle")
 		s.o.Logger.Warn("replica went silent mid-response; cutting it off", "replica", c.Replica.Name, "path", resp.Request.URL.Path)
 		f.cancel()
@@ -208,15 +213,15 @@ func (t *failover) RoundTrip(req *http.Request) (*http.Response, error) {
 			if resp.StatusCode != http.StatusBadGateway && resp.StatusCode != http.StatusServiceUnavailable {
 				// A 500 or 504 may be this request's own (vLLM answers 500
 				// to some inputs): it reaches the client as it is, and
-				// only a run of them ejects the replica.
-				t.s.core.e.Strike(cur.Replica, now, t.s.o.Ejection)
+				// only a run of them, from several clients, ejects the replica.
+				t.s.core.e.Strike(cur.Replica, now, t.s.o.Ejection, f.source)
 				return resp, nil
 			}
 			t.s.core.e.Fail(cur.Replica, now, t.s.o.Ejection)
 		default:
 			kind := errorKind(err)
 			if kind == "timeout" { // no answer within first_byte: hung, or only slow
-				t.s.core.e.Strike(cur.Replica, now, t.s.o.Ejection)
+				t.s.core.e.Strike(cur.Replica, now, t.s.o.Ejection, f.source)
 			} else {
 				t.s.core.e.Fail(cur.Replica, now, t.s.o.Ejection)
 			}
@@ -242,6 +247,24 @@ func (t *failover) RoundTrip(req *http.Request) (*http.Response, error) {
 func (t *failover) moveOn(f *flight) bool {
 	defer func() { f.next++ }()
 	return t.s.core.Failover(f.rt, f.next)
+}
+
+// clientSource returns the key of the client at remoteAddr (an
+// http.Request's RemoteAddr) for passive ejection: a hash of its IPv4
+// address, or of its IPv6 address's /64 (one host may hold a whole /64),
+// and 0 where the address is not an IP's (a Unix socket). Headers such as
+// X-Forwarded-For are not read: a client may send any.
+func clientSource(remoteAddr string) uint64 {
+	ap, err := netip.ParseAddrPort(remoteAddr)
+	if err != nil {
+		return 0
+	}
+	a := ap.Addr().Unmap()
+	if a.Is6() {
+		a = netip.PrefixFrom(a, 64).Masked().Addr()
+	}
+	b := a.As16()
+	return xxhash.Sum64(b[:])
 }
 
 func statusOf(r *http.Response) int {

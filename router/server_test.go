@@ -188,7 +188,7 @@ func TestServerIdleTimeoutOnEveryRoute(t *testing.T) {
 	}))
 	defer func() { close(release); silent.Close() }()
 	for _, path := range []string{"/v1/chat/completions", "/v1/embeddings"} {
-		ts, e := serverFor(t, ServerOptions{Timeouts: limits.Timeouts{Idle: 200 * time.Millisecond}, Ejection: replica.Ejection{Consecutive: 1, MinVolume: 1}}, silent.URL)
+		ts, e := serverFor(t, ServerOptions{Timeouts: limits.Timeouts{Idle: 200 * time.Millisecond}, Ejection: replica.Ejection{Consecutive: 1, MinVolume: 1, MinSources: 1}}, silent.URL)
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, ts.URL+path, strings.NewReader(chatBody))
 		req.Header.Set("Content-Type", "application/json")

@@ -178,6 +178,8 @@ type Decision struct {
 	// SyncID names the request to the engine's Sync (which sets it); 0
 	// without one.
 	SyncID uint64
+	// served is the id of the replica now serving it (set by Commit).
+	served int
 
 	pooled  bool              // Blocks came from the block pool
 	learned []blockhash.Block // LearnReply's chain, from the block pool
@@ -367,12 +369,13 @@ func scaleTokens(blocks []blockhash.Block, s scales) (est estimate) {
 }
 
 // ObserveUsage learns the engine's unit for model from a finished request:
-// the engine reported prompt tokens for the prompt d was decided on.
+// the engine of the replica serving d (Commit) reported prompt tokens for
+// the prompt d was decided on.
 func (e *Engine) ObserveUsage(model string, d *Decision, promptTokens int) {
 	if d.exact {
 		return
 	}
-	e.units.observe(model, d.est.tools, d.est.other, promptTokens)
+	e.units.observe(model, d.served, d.est.tools, d.est.other, promptTokens)
 }
 
 // TokenScale returns the engine tokens per estimated token learned for
@@ -701,6 +704,7 @@ func (e *Engine) Recycle(d *Decision) {
 // candidate when the request ends.
 func (e *Engine) Commit(d *Decision, c *Candidate) {
 	now := e.o.Now().UnixNano()
+	d.served = c.Replica.ID
 	_, d.pins = e.cache.Commit(c.Replica.ID, d.Blocks, now)
 	if e.segs != nil && c.Replica.Reuse.Blend() {
 		e.segs.Record(c.Replica.ID, d.Blocks, now)

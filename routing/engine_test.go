@@ -369,15 +369,15 @@ func TestTokensInTheEnginesUnit(t *testing.T) {
 func TestDecideAllEjectedPanics(t *testing.T) {
 	f := newFixture(t, 4, "semantic")
 	reps := f.pool.Replicas()
-	ej := replica.Ejection{Base: time.Minute, Consecutive: 1, MinVolume: 1}
+	ej := replica.Ejection{Base: time.Minute, Consecutive: 1, MinVolume: 1, MinSources: 1}
 	reps[3].Fail(f.now, ej) // refused a connection: really down
-	reps[0].Strike(f.now, ej)
-	reps[1].Strike(f.now, ej)
+	reps[0].Strike(f.now, ej, 0)
+	reps[1].Strike(f.now, ej, 0)
 	d, err := f.decide(parseChat(t, "user", "x"), "", false)
 	if err != nil || len(d.Candidates) != 1 || d.Chosen().Replica != reps[2] {
 		t.Fatalf("two of three ejected: %v, %d candidates", err, len(d.Candidates))
 	}
-	reps[2].Strike(f.now, ej)
+	reps[2].Strike(f.now, ej, 0)
 	d, err = f.decide(parseChat(t, "user", "x"), "", false)
 	if err != nil || len(d.Candidates) != 3 {
 		t.Fatalf("all ejected: %v; want the three ejected for strikes as candidates", err)

@@ -133,11 +133,13 @@ func (e *Engine) ClearPicture(id int) {
 	}
 }
 
-// DropPicture forgets replica id's pictures (it left the pool and nothing
-// is in flight on it), so that a replica reusing its id starts clean.
+// DropPicture forgets replica id's pictures and what its reports taught of
+// token units (it left the pool and nothing is in flight on it), so that a
+// replica reusing its id starts clean.
 func (e *Engine) DropPicture(id int) {
 	e.cache.RemoveReplica(id)
 	if e.segs != nil {
 		e.segs.RemoveReplica(id)
 	}
+	e.units.forget(id)
 }

@@ -41,11 +41,11 @@ func (e *Engine) Fail(r *replica.Replica, now time.Time, ej replica.Ejection) ti
 	return e.ejected(r, r.Fail(now, ej))
 }
 
-// Strike records a soft failure of r at now (replica.Replica.Strike) and,
-// when it ejects r, tells the Sync. It returns the cool-down, 0 if r was
-// not ejected by it.
-func (e *Engine) Strike(r *replica.Replica, now time.Time, ej replica.Ejection) time.Duration {
-	return e.ejected(r, r.Strike(now, ej))
+// Strike records a soft failure of r at now of a request from source
+// (replica.Replica.Strike) and, when it ejects r, tells the Sync. It
+// returns the cool-down, 0 if r was not ejected by it.
+func (e *Engine) Strike(r *replica.Replica, now time.Time, ej replica.Ejection, source uint64) time.Duration {
+	return e.ejected(r, r.Strike(now, ej, source))
 }
 
 func (e *Engine) ejected(r *replica.Replica, cool time.Duration) time.Duration {

@@ -68,26 +68,100 @@ func TestToolsHaveAUnitOfTheirOwn(t *testing.T) {
 	}
 }
 
-// A replica that reports tiny prompt_tokens, or huge ones, request after
-// request, moves the learned unit no further than its bounds.
+// Attack 9 of issue 30: a replica that reports tiny prompt_tokens, or huge
+// ones, request after request, moves the learned unit no further than its
+// bounds, and slowly: a report moves it by a factor of at most 16^(1/8).
 func TestUnitsBoundedAgainstAReplica(t *testing.T) {
 	var u units
+	prev := 1.0
+	for i := range 200 {
+		u.observe("m", 0, 0, 1000, 1)
+		s := u.scale("m")
+		if s < minRatio || s > prev || s < prev/math.Pow(16, 1.0/8)-1e-9 {
+			t.Fatalf("report %d moved the unit from %v to %v", i+1, prev, s)
+		}
+		prev = s
+	}
+	if prev > minRatio*1.01 {
+		t.Fatalf("unit %v after 200 tiny reports, want about the bound %v", prev, minRatio)
+	}
 	for range 200 {
-		u.observe("m", 0, 1000, 1)
+		u.observe("m", 0, 0, 1000, 1<<30)
 	}
-	if s := u.scale("m"); s != minRatio {
-		t.Fatalf("unit %v after tiny reports, want the bound %v", s, minRatio)
+	if s := u.scale("m"); s > maxRatio || s < maxRatio*0.99 {
+		t.Fatalf("unit %v after huge reports, want about the bound %v", s, maxRatio)
 	}
-	for range 200 {
-		u.observe("m", 0, 1000, 1<<30)
-	}
-	if s := u.scale("m"); s > maxRatio {
-		t.Fatalf("unit %v after huge reports, want at most %v", s, maxRatio)
-	}
-	for range 200 {
-		u.observe("t", 500, 1000, 1)
+	for i := range 200 {
+		u.observe("t", 0, float64(100+i%7*100), 1000, 1)
 	}
 	if sc := u.scales("t"); sc.other < minRatio || sc.tools > maxRatio {
 		t.Fatalf("fit %+v out of bounds", sc)
+	}
+}
+
+// Attack 9 of issue 30 in a fleet: one replica of three reporting tiny
+// prompt_tokens, as often as the others report, moves neither the model's
+// unit nor its tools fit from what the two honest ones say (0.6 engine
+// tokens per estimated one, tool schemas rendered as nothing); one of two
+// moves the unit no more than halfway, in log space, and not at all once
+// it left the pool.
+func TestUnitsOneReplicaCannotDominate(t *testing.T) {
+	var u units
+	for i := range 600 {
+		tools, other := float64(i%5*200), float64(500+i%7*150)
+		switch i % 3 {
+		case 2:
+			u.observe("m", 2, tools, other, 1)
+		default:
+			u.observe("m", i%3, tools, other, int(math.Round(0.6*other)))
+		}
+		u.observe("n", 0, 0, other, int(math.Round(0.6*other)))
+		u.observe("n", 1, 0, other, 1)
+	}
+	s := u.scales("m")
+	if s.tools > 0.1 || math.Abs(s.other-0.6) > 0.05 {
+		t.Fatalf("one lying replica of three moved the fit to tools %.3f, other %.3f; want about 0 and 0.6", s.tools, s.other)
+	}
+	if r := u.scale("m"); r < 0.3 || r > 0.6 {
+		t.Fatalf("one lying replica of three moved the unit to %v, want the honest replicas' range", r)
+	}
+	if r, half := u.scale("n"), math.Sqrt(0.6*minRatio); math.Abs(r-half) > 0.01 {
+		t.Fatalf("one lying replica of two: unit %v, want %v (halfway to the bound)", r, half)
+	}
+	u.forget(1) // the liar left the pool
+	if r := u.scale("n"); math.Abs(r-0.6) > 0.01 {
+		t.Fatalf("the liar left, the unit is %v, want the honest replica's 0.6", r)
+	}
+}
+
+// Through the engine: a request's usage is learned on the replica that
+// served it (Commit), so that one of three replicas reporting tiny
+// prompt_tokens for every request it serves leaves the model's unit where
+// the other two put it.
+func TestUsageLearnedOnTheServingReplica(t *testing.T) {
+	f := newFixture(t, 3, "round_robin")
+	reps := f.pool.Replicas()
+	for i := range 300 {
+		d, err := f.decide(parseChat(t, "user", strings.Repeat(fmt.Sprintf("request %d asks again. ", i), 20)), "", false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var c *Candidate
+		for k := range d.Candidates {
+			if d.Candidates[k].Replica == reps[i%3] {
+				c = &d.Candidates[k]
+			}
+		}
+		f.e.Commit(d, c)
+		reported := int(math.Round(0.6 * d.est.other))
+		if i%3 == 2 {
+			reported = 1
+		}
+		f.e.ObserveUsage("m", d, reported)
+		f.e.Done(d, c)
+		f.e.Release(d, c)
+	}
+	if s := f.e.TokenScale("m"); math.Abs(s-0.6) > 0.01 {
+		t.Fatalf("one lying replica of three moved the unit to %v, want the others' 0.6", s)
 	}
 }

@@ -521,7 +521,7 @@ func TestSilentReplicaMidStreamIsCutOff(t *testing.T) {
 	t.Cleanup(func() { close(release); silent.Close() })
 	cfg := filepath.Join(t.TempDir(), "router.yaml")
 	writeConfig(t, cfg, fmt.Sprintf(`timeouts: {idle: 300ms}
-health: {check_interval: 1h, eject_consecutive: 1, eject_min_volume: 1}
+health: {check_interval: 1h, eject_consecutive: 1, eject_min_volume: 1, eject_min_sources: 1}
 replicas:
   - {name: silent, url: %q}
 `, silent.URL))
