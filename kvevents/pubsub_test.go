@@ -269,19 +269,13 @@ func TestSilent(t *testing.T) {
 	if !r.sub.LastBatch().IsZero() {
 		t.Fatal("LastBatch before any batch")
 	}
-	time.Sleep(60 * time.Millisecond)
-	if !r.sub.Silent(50 * time.Millisecond) {
-		t.Fatal("not silent without batches")
-	}
+	waitFor(t, "silent without batches", func() bool { return r.sub.Silent(50 * time.Millisecond) })
 	r.publish(t, 1)
 	r.waitApplied(t, 1)
 	if r.sub.Silent(time.Second) || r.sub.LastBatch().IsZero() {
 		t.Fatal("silent right after a batch")
 	}
-	time.Sleep(60 * time.Millisecond)
-	if !r.sub.Silent(50 * time.Millisecond) {
-		t.Fatal("not silent after the events stopped")
-	}
+	waitFor(t, "silent after the events stopped", func() bool { return r.sub.Silent(50 * time.Millisecond) })
 }
 
 // The engine goes away and comes back on the same port: the subscriber
