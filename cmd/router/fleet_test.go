@@ -137,8 +137,12 @@ func TestFleetOfRouterProcesses(t *testing.T) {
 	if fleet.errors != 0 {
 		t.Fatalf("fleet: %d errors", fleet.errors)
 	}
-	if fleet.hitRatio() < 0.95*one.hitRatio() {
-		t.Fatalf("fleet hit ratio %.3f is below 0.95 of one router's %.3f", fleet.hitRatio(), one.hitRatio())
+	// At 240 requests the ratio moves from run to run: 0.97–1.02 of one
+	// router's on a quiet machine, 0.94 once in five CI runs on a loaded
+	// one. Routers that did not share would be near half (the replay's
+	// no-sync rows: 0.45–0.53), so 0.9 still tells sharing from none.
+	if fleet.hitRatio() < 0.9*one.hitRatio() {
+		t.Fatalf("fleet hit ratio %.3f is below 0.9 of one router's %.3f", fleet.hitRatio(), one.hitRatio())
 	}
 	for _, p := range procs {
 		if n := metric(t, p.url, "semroute_fleet_records_total", `direction="applied"`); n <= 0 {
