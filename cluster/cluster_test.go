@@ -43,8 +43,15 @@ func testOptions(url, id string) Options {
 
 func startFleet(t testing.TB, url, id string) (*Fleet, *routing.Engine) {
 	t.Helper()
+	return startFleetWith(t, testOptions(url, id))
+}
+
+// startFleetWith starts a member with options o over a new engine and
+// waits until it is ready.
+func startFleetWith(t testing.TB, o Options) (*Fleet, *routing.Engine) {
+	t.Helper()
 	e := newEngine(t)
-	f, err := New(testOptions(url, id), e)
+	f, err := New(o, e)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -257,16 +257,7 @@ func TestForgedPeersOverNATSAreBounded(t *testing.T) {
 	ns := serve(t, -1)
 	o := testOptions(ns.ClientURL(), "victim")
 	o.MaxPeers = 4
-	e := newEngine(t)
-	f, err := New(o, e)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := f.Start(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(f.Close)
-	waitFor(t, "ready", f.Ready)
+	f, _ := startFleetWith(t, o)
 	nc := attacker(t, ns.ClientURL())
 	for s := range 12 {
 		forge(t, nc, fmt.Sprint("forged-", s), 1, 1, []byte{recReset})

@@ -65,8 +65,11 @@ func (c *counting) anywhere(id int) bool { return c.read(id).past }
 
 // predict is the cached tokens replica id's engine is expected to report
 // for a match m.
-func (c *counting) predict(id int, m cachemodel.Match) int {
-	r := c.read(id)
+func (c *counting) predict(id int, m cachemodel.Match) int { return c.read(id).predict(m) }
+
+// predict is the cached tokens an engine counting as r reports for a
+// match m.
+func (r reading) predict(m cachemodel.Match) int {
 	n := m.Confirmed
 	if r.pending {
 		n = m.Tokens
@@ -90,14 +93,7 @@ func (c *counting) observe(id int, m cachemodel.Match, cached, block int) {
 	}
 	best, tie, bestDist := reading{}, false, -1
 	for _, r := range []reading{{}, {past: true}, {pending: true}, {past: true, pending: true}} {
-		n := m.Confirmed
-		if r.pending {
-			n = m.Tokens
-		}
-		if r.past {
-			n += m.Past
-		}
-		switch d := abs(cached - n); {
+		switch d := abs(cached - r.predict(m)); {
 		case bestDist < 0 || d < bestDist:
 			best, tie, bestDist = r, false, d
 		case d == bestDist && r != best:

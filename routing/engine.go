@@ -547,13 +547,13 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 			if r.ID < len(beyond) && r.Reuse.Blend() {
 				c.Reuse = beyond[r.ID] * r.Reuse.Share()
 			}
-			if c.Match.Past > 0 || c.Match.Tokens > c.Match.Confirmed {
-				c.predicted = e.counting.predict(r.ID, c.Match)
-				if c.Match.Past > 0 && e.counting.anywhere(r.ID) {
+			c.predicted = c.Match.Confirmed
+			if c.Match.Past > 0 || c.Match.Tokens > c.Match.Confirmed { // the readings differ: one lock
+				rd := e.counting.read(r.ID)
+				c.predicted = rd.predict(c.Match)
+				if rd.past {
 					c.Reuse += float64(c.Match.Past)
 				}
-			} else {
-				c.predicted = c.Match.Confirmed
 			}
 			c.learned = true
 			donors = donors || r.Reuse.Donor()

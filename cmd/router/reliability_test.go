@@ -561,21 +561,7 @@ replicas:
 // replica out of rotation: the 500s reach the client, and the replica
 // keeps serving everyone else.
 func TestPoisonRequestsDoNotEjectAReplica(t *testing.T) {
-	sims := startSims(t, 1, fastSim)
-	target, _ := url.Parse(sims[0].URL)
-	proxy := httputil.NewSingleHostReverseProxy(target)
-	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.Method == http.MethodPost {
-			b, _ := io.ReadAll(r.Body)
-			if bytes.Contains(b, []byte("poison")) {
-				http.Error(w, `{"error":{"message":"internal error"}}`, http.StatusInternalServerError)
-				return
-			}
-			r.Body = io.NopCloser(bytes.NewReader(b))
-		}
-		proxy.ServeHTTP(w, r)
-	}))
-	t.Cleanup(front.Close)
+	front := poisonFront(t, "")
 	cfg := filepath.Join(t.TempDir(), "router.yaml")
 	writeConfig(t, cfg, fmt.Sprintf("health: {check_interval: 1h}\nreplicas:\n  - {name: a, url: %q}\n", front.URL))
 	r := serveConfig(t, cfg)
