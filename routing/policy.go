@@ -105,7 +105,7 @@ type PolicyConfig struct {
 	// a temperature); 0 draws a seed at random.
 	Seed uint64
 	// LoadWeight multiplies a replica's queued work (tokens) in the
-	// semantic cost. Default 0.3 (see PrefixCost).
+	// semantic cost. Default 0.1 (see PrefixCost).
 	LoadWeight float64
 	// RecentWeight is the share of a replica's recently finished prefill
 	// tokens (replica.Load.RecentTokens) counted as queued work: it predicts
@@ -139,7 +139,7 @@ func def(v *float64, d float64) {
 
 // Defaults of PrefixCost's parameters in PolicyConfig.
 const (
-	DefaultLoadWeight        = 0.3
+	DefaultLoadWeight        = 0.1
 	DefaultRecentWeight      = 1.0
 	DefaultSpillFactor       = 2.0
 	DefaultSpillMarginTokens = 2048.0

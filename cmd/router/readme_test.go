@@ -1,0 +1,156 @@
+package main
+
+import (
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+)
+
+// replayTable is one replay table of a markdown file: the command printed
+// above it and its rows.
+type replayTable struct {
+	line int      // 1-based line of the table's header
+	args []string // the replay command's arguments, after "go run ./cmd/router"
+	gen  []string // a gentrace command the replay's trace comes from, if any
+	rows []string
+}
+
+var headlineRE = regexp.MustCompile(`reaches \*\*([0-9.]+)\*\* \(conversation\) and \*\*([0-9.]+)\*\* \(synthetic\) of the\s+pooled token hit rate with load imbalance \*\*([0-9.]+)\*\* and \*\*([0-9.]+)\*\*`)
+
+// semanticRow returns the cells of the semantic policy's row in the table
+// of the named public trace: cell 1 is the policy's name, 3 its share of
+// the pooled hit rate, 9 its load imbalance.
+func semanticRow(tables []replayTable, trace string) []string {
+	for _, tb := range tables {
+		if !strings.Contains(strings.Join(tb.args, " "), trace+"_trace") {
+			continue
+		}
+		for _, r := range tb.rows {
+			if strings.HasPrefix(r, "| semantic |") {
+				c := strings.Split(r, "|")
+				for i := range c {
+					c[i] = strings.TrimSpace(c[i])
+				}
+				return c
+			}
+		}
+	}
+	return nil
+}
+
+var commandRE = regexp.MustCompile("`go run \\./cmd/router ((?:replay|gentrace) [^`]+)`")
+
+// replayTables finds every table of a replay's summary ("| policy | token
+// hit rate |") in text with the replay command nearest above it (and the
+// gentrace command that made its trace, where the trace is not in
+// testdata).
+func replayTables(text string) []replayTable {
+	lines := strings.Split(text, "\n")
+	var out []replayTable
+	var replay, gen []string
+	for i := 0; i < len(lines); i++ {
+		for _, m := range commandRE.FindAllStringSubmatch(lines[i], -1) {
+			f := strings.Fields(m[1])
+			if f[0] == "gentrace" {
+				gen = f
+			} else {
+				replay = f
+			}
+		}
+		if !strings.HasPrefix(lines[i], "| policy | token hit rate |") || replay == nil {
+			continue
+		}
+		tb := replayTable{line: i + 1, args: replay}
+		if gen != nil && !strings.Contains(strings.Join(replay, " "), "testdata/") {
+			tb.gen = gen
+		}
+		for i += 2; i < len(lines) && strings.HasPrefix(lines[i], "|"); i++ {
+			tb.rows = append(tb.rows, lines[i])
+		}
+		out = append(out, tb)
+		replay = nil
+	}
+	return out
+}
+
+// TestReadmeReplayTablesAreWhatTheirCommandsPrint runs the command above
+// each replay table of the README and checks the table is what it prints,
+// row for row, so that the README cannot drift from the code. After a
+// change meant to move them, SEMROUTE_README_UPDATE=1 rewrites them for
+// review (the prose around them is the author's to check).
+func TestReadmeReplayTablesAreWhatTheirCommandsPrint(t *testing.T) {
+	b, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	text := string(b)
+	tables := replayTables(text)
+	if len(tables) < 3 {
+		t.Fatalf("found %d replay tables in the README, want at least 3", len(tables))
+	}
+	for _, tb := range tables {
+		if raceOn && !strings.Contains(strings.Join(tb.args, " "), "synthetic_trace") {
+			continue // ten times slower under -race; go test without it checks them all
+		}
+		dir := t.TempDir()
+		local := func(args []string) []string {
+			out := make([]string, len(args))
+			for i, a := range args {
+				switch {
+				case i > 0 && args[i-1] == "--out":
+					a = filepath.Join(dir, a)
+				case i > 0 && args[i-1] == "--trace" && !strings.HasPrefix(a, "testdata/"):
+					a = filepath.Join(dir, a)
+				case strings.HasPrefix(a, "testdata/"):
+					a = filepath.Join("..", "..", a)
+				}
+				out[i] = a
+			}
+			return out
+		}
+		if tb.gen != nil {
+			runCLI(t, local(tb.gen)...)
+		}
+		got := runCLI(t, local(tb.args)...)
+		var printed []string
+		for _, l := range strings.Split(got, "\n") {
+			if strings.HasPrefix(l, "| ") && !strings.HasPrefix(l, "| policy |") {
+				printed = append(printed, l)
+			}
+		}
+		if strings.Join(printed, "\n") != strings.Join(tb.rows, "\n") {
+			if os.Getenv("SEMROUTE_README_UPDATE") != "" {
+				text = strings.Replace(text, strings.Join(tb.rows, "\n"), strings.Join(printed, "\n"), 1)
+				continue
+			}
+			t.Errorf("README line %d: the table is not what `go run ./cmd/router %s` prints; it prints:\n%s\n(SEMROUTE_README_UPDATE=1 rewrites the README's tables)",
+				tb.line, strings.Join(tb.args, " "), strings.Join(printed, "\n"))
+		}
+	}
+	// The headline: the default's share of the pooled hit rate and its
+	// imbalance on the two public traces, as their tables say.
+	m := headlineRE.FindStringSubmatch(text)
+	if m == nil {
+		t.Fatal("the README's headline on the public traces is gone")
+	}
+	for i, trace := range []string{"conversation", "synthetic"} {
+		if raceOn && trace != "synthetic" {
+			continue
+		}
+		row := semanticRow(tables, trace)
+		if row == nil {
+			t.Fatalf("no replay table of the %s trace", trace)
+		}
+		if row[3] != m[1+i] || row[9] != m[3+i] {
+			t.Errorf("the README's headline says %s of pooled and imbalance %s on the %s trace; its table says %s and %s",
+				m[1+i], m[3+i], trace, row[3], row[9])
+		}
+	}
+	if os.Getenv("SEMROUTE_README_UPDATE") != "" {
+		if err := os.WriteFile("../../README.md", []byte(text), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
