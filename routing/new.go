@@ -124,6 +124,19 @@ func (e *Engine) AddReplica(s replica.Spec) (*replica.Replica, error) {
 	return e.pool.Add(s, e.join)
 }
 
+// SetBudget sets replica id's budget to what its engine reports (tokens;
+// vllm:cache_config_info): the picture evicts down to it at its next
+// record, and Feedback's corrections start again from it, held within a
+// quarter and four times it. Safe for concurrent use.
+func (e *Engine) SetBudget(id int, tokens int64) {
+	e.fbMu.Lock()
+	if e.fbBase != nil {
+		delete(e.fbBase, id) // the next correction's base is the budget set here
+	}
+	e.cache.SetBudget(id, tokens)
+	e.fbMu.Unlock()
+}
+
 // ClearPicture empties replica id's pictures, its cache's and its
 // segments' (its engine restarted).
 func (e *Engine) ClearPicture(id int) {

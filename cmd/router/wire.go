@@ -235,7 +235,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		ScrapeInterval: scrapeInterval(h.ScrapeInterval), Logger: log,
 		OnBudget: func(r *replica.Replica, tokens int64) {
 			clamped.WithLabelValues(r.Name) // 0 until it reports too much
-			cache.SetBudget(r.ID, tokens)
+			eng.SetBudget(r.ID, tokens)
 		},
 		OnRestart: func(r *replica.Replica) { eng.ClearPicture(r.ID) },
 		OnAdapters: func(_ *replica.Replica, adapters []string) {

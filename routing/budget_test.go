@@ -1,0 +1,44 @@
+package routing
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/semroute/semroute/replica"
+)
+
+// A budget the engine reports after a feedback correction is the new base
+// of the corrections: a replica at 262,144 tokens corrected once, then
+// reporting 4,000,000, is not held to four times the old budget.
+func TestReportedBudgetResetsFeedbackBase(t *testing.T) {
+	e, err := New(Options{Replicas: []replica.Spec{{Name: "r0", URL: "http://127.0.0.1:9000", BudgetTokens: 262144}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pol, _ := NewPolicy("semantic", PolicyConfig{})
+	decide := func() (*Decision, *Candidate) {
+		in := e.Prepare(parseChat(t, "system", "You are terse.", "user", strings.Repeat("word ", 500)), "", false)
+		in.Policy = pol
+		d, err := e.Decide(in, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		e.Done(d, d.Chosen())
+		return d, d.Chosen()
+	}
+	d, c := decide()
+	c.Match.Tokens = 400 // the picture predicted 400, the engine found none
+	if e.Feedback(d, c, 0) == 0 {
+		t.Fatal("the first correction evicted nothing")
+	}
+	if st, _ := e.Cache().Stats(0); st.Budget >= 262144 {
+		t.Fatalf("budget %d after an over-prediction, want below 262144", st.Budget)
+	}
+	e.SetBudget(0, 4_000_000)
+	d, c = decide()
+	c.Match.Tokens = 0 // the engine found 800 tokens the picture did not predict
+	e.Feedback(d, c, 800)
+	if st, _ := e.Cache().Stats(0); st.Budget < 4_000_000 {
+		t.Fatalf("budget %d after the engine reported 4,000,000 and a correction upwards, want at least that", st.Budget)
+	}
+}
