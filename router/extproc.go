@@ -609,7 +609,7 @@ func (st *epStream) responseHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadat
 		}
 		set := []*corev3.HeaderValueOption{setHeader(HeaderReplica, rt.Served.Replica.Name)}
 		if !rt.req.PassThrough {
-			set = append(set, setHeader(HeaderMatchedTokens, strconv.Itoa(rt.Served.Match.Confirmed)))
+			set = append(set, setHeader(HeaderMatchedTokens, strconv.Itoa(rt.Served.Predicted())))
 			st.capture = &replyCapture{limit: st.s.o.MaxReplyBytes, sse: sse, first: func() { st.s.core.FirstByte(rt) },
 				end: func() { st.s.core.EngineDone(rt) }}
 		} else {

@@ -169,7 +169,7 @@ func (s *Server) modifyResponse(resp *http.Response) error {
 	if rt := f.rt; rt.req.PassThrough {
 		s.core.FirstByte(rt)
 	} else {
-		resp.Header.Set(HeaderMatchedTokens, strconv.Itoa(c.Match.Confirmed))
+		resp.Header.Set(HeaderMatchedTokens, strconv.Itoa(c.Predicted()))
 		sse := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
 		f.capture = &replyCapture{rc: body, limit: s.o.MaxReplyBytes, sse: sse,
 			first: func() { s.core.FirstByte(rt) }, end: func() { s.core.EngineDone(rt) }}
