@@ -551,9 +551,7 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 			if c.Match.Past > 0 || c.Match.Tokens > c.Match.Confirmed { // the readings differ: one lock
 				rd := e.counting.read(r.ID)
 				c.predicted = rd.predict(c.Match)
-				if rd.past {
-					c.Reuse += float64(c.Match.Past)
-				}
+				c.Reuse += rd.past * float64(c.Match.Past) // the engine reuses what it counts
 			}
 			c.learned = true
 			donors = donors || r.Reuse.Donor()
