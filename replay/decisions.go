@@ -52,7 +52,8 @@ func parseBlocks(bl []decisionlog.Block) ([]blockhash.Block, error) {
 
 // ReadDecisions reads a decision log (router decision_log) as a trace: each
 // decision with an outcome becomes a request with the logged blocks, session
-// key, reply blocks and timing, in decision order. Replaying it under the
+// key, reply blocks and timing, in decision order (one without blocks, a
+// prompt shorter than a block, with its prompt tokens and none to match). Replaying it under the
 // policy that made the decisions, with the same model parameters, makes the
 // same decisions.
 func ReadDecisions(r io.Reader) (*DecisionTrace, error) {
@@ -61,8 +62,8 @@ func ReadDecisions(r io.Reader) (*DecisionTrace, error) {
 		if rec.Outcome == nil {
 			return nil
 		}
-		if len(rec.Blocks) == 0 || len(rec.Replicas) == 0 {
-			return errors.New("record without blocks or replicas")
+		if len(rec.Replicas) == 0 {
+			return fmt.Errorf("decision %s: no replicas", rec.ID)
 		}
 		recs = append(recs, rec)
 		return nil
@@ -102,6 +103,12 @@ func ReadDecisions(r io.Reader) (*DecisionTrace, error) {
 				TTFTNs: o.TTFTNs, DurationNs: o.DurationNs, PromptTokens: o.PromptTokens, CachedTokens: o.CachedTokens}}
 		for _, b := range blocks {
 			req.Tokens += int(b.Tokens)
+		}
+		if len(blocks) == 0 {
+			// A prompt shorter than one of the engine's blocks (precise
+			// mode keys whole blocks only): nothing to match, routed on
+			// load, its prefill the tokens the replica reported.
+			req.Tokens = max(int(o.PromptTokens), rec.Tokens)
 		}
 		if len(reply) > 0 {
 			req.Reply = reply
