@@ -8,13 +8,20 @@ import (
 	"strings"
 )
 
-// palette holds distinguishable colours for series.
-var palette = []string{
-	"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
-	"#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39",
-}
+// palette holds ten distinguishable colours (Tableau 10), and dashes the
+// patterns that tell apart series sharing a colour: series i is drawn in
+// palette[i%10] with dashes[i/10%3], so 30 series are each distinct.
+var (
+	palette = []string{
+		"#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f",
+		"#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac",
+	}
+	dashes = []string{"", "7,3", "2,2"}
+)
 
 func color(i int) string { return palette[i%len(palette)] }
+
+func dash(i int) string { return dashes[i/len(palette)%len(dashes)] }
 
 // svgDoc accumulates one SVG chart.
 type svgDoc struct {
@@ -44,12 +51,32 @@ func (s *svgDoc) rect(x, y, w, h float64, fill string) {
 	fmt.Fprintf(&s.b, `<rect x="%.1f" y="%.1f" width="%.1f" height="%.1f" fill="%s"/>`, x, y, w, h, fill)
 }
 
-func (s *svgDoc) polyline(pts [][2]float64, stroke string) {
-	s.b.WriteString(`<polyline fill="none" stroke="` + stroke + `" stroke-width="1.5" points="`)
+func (s *svgDoc) polyline(pts [][2]float64, stroke string, width float64, dash string) {
+	fmt.Fprintf(&s.b, `<polyline fill="none" stroke="%s" stroke-width="%.1f"`, stroke, width)
+	if dash != "" {
+		fmt.Fprintf(&s.b, ` stroke-dasharray="%s"`, dash)
+	}
+	s.b.WriteString(` points="`)
 	for _, p := range pts {
 		fmt.Fprintf(&s.b, "%.1f,%.1f ", p[0], p[1])
 	}
 	s.b.WriteString(`"/>`)
+}
+
+// legend draws one entry per name from (x, y) down, each a sample of its
+// series' colour and dash.
+func (s *svgDoc) legend(x, y float64, names []string, width func(i int) float64) {
+	for i, name := range names {
+		yy := y + float64(i)*15
+		s.line(x, yy+4, x+22, yy+4, color(i), width(i), dash(i))
+		s.text(x+26, yy+8, "start", name)
+	}
+}
+
+// isDefault reports whether a result is the default policy's, drawn on
+// top and thicker: semantic, alone or in a picture mode or fleet variant.
+func isDefault(r *Result) bool {
+	return r.Name == "semantic" || strings.HasPrefix(r.Name, "semantic/")
 }
 
 func (s *svgDoc) String() string { return s.b.String() + "</svg>" }
@@ -77,10 +104,13 @@ func hitRateChart(s *Summary) string {
 	return c.String()
 }
 
-// ttftChart draws each policy's TTFT distribution as a CDF on a log axis.
+// ttftChart draws each policy's TTFT distribution as a CDF on a log axis,
+// the references too, every series in the legend, the default's last (on
+// top) and thicker.
 func ttftChart(s *Summary) string {
-	rows := append(append(append([]*Result{}, s.Policies...), s.Extra...), s.Pooled)
-	const left, right, top, bottom, w, h = 50.0, 170.0, 15.0, 40.0, 760.0, 360.0
+	rows := append(append(append([]*Result{}, s.Policies...), s.Extra...), s.Pooled, s.Infinite)
+	const left, right, top, bottom, w = 50.0, 190.0, 15.0, 40.0, 780.0
+	h := max(360.0, top+float64(len(rows))*15+bottom)
 	lo, hi := math.Inf(1), 1.0
 	for _, r := range rows {
 		for _, q := range r.TTFTQuantiles {
@@ -106,15 +136,33 @@ func ttftChart(s *Summary) string {
 		c.text(left-4, y(p)+4, "end", fmt.Sprintf("p%g", p*100))
 	}
 	c.text((left+w-right)/2, h-8, "middle", "time to first token, ms (log scale)")
+	width := func(i int) float64 {
+		if isDefault(rows[i]) {
+			return 3
+		}
+		return 1.5
+	}
+	names := make([]string, len(rows))
+	order := make([]int, 0, len(rows)) // the default's last, on top
 	for i, r := range rows {
+		names[i] = r.Name
+		if !isDefault(r) {
+			order = append(order, i)
+		}
+	}
+	for i, r := range rows {
+		if isDefault(r) {
+			order = append(order, i)
+		}
+	}
+	for _, i := range order {
 		var pts [][2]float64
-		for p, q := range r.TTFTQuantiles {
+		for p, q := range rows[i].TTFTQuantiles {
 			pts = append(pts, [2]float64{x(q), y(float64(p) / 100)})
 		}
-		c.polyline(pts, color(i))
-		c.line(w-right+10, top+float64(i)*15+4, w-right+28, top+float64(i)*15+4, color(i), 3, "")
-		c.text(w-right+32, top+float64(i)*15+8, "start", r.Name)
+		c.polyline(pts, color(i), width(i), dash(i))
 	}
+	c.legend(w-right+10, top, names, width)
 	return c.String()
 }
 
@@ -146,9 +194,40 @@ func loadChart(r *Result) string {
 				h - bottom - r.LoadOverTime[b][rep]/peak*(h-bottom-top),
 			})
 		}
-		c.polyline(pts, color(rep))
+		c.polyline(pts, color(rep), 1.5, dash(rep))
 	}
 	return c.String()
+}
+
+// replicaLegend names the per-replica panels' series: replica r is drawn
+// in color(r) and dash(r) in every panel.
+func replicaLegend(names []string) string {
+	const rowH = 15.0
+	perCol := 8
+	cols := (len(names) + perCol - 1) / perCol
+	c := newSVG(max(cols, 1)*140, int(float64(min(len(names), perCol))*rowH+8))
+	for col := 0; col < cols; col++ {
+		end := min((col+1)*perCol, len(names))
+		for i := col * perCol; i < end; i++ {
+			y := float64(i-col*perCol) * rowH
+			c.line(float64(col*140), y+6, float64(col*140)+22, y+6, color(i), 2, dash(i))
+			c.text(float64(col*140)+26, y+10, "start", names[i])
+		}
+	}
+	return c.String()
+}
+
+// replicaNames names the replicas of the run, as the model did, or by
+// their index.
+func (s *Summary) replicaNames() []string {
+	names := make([]string, s.Replicas)
+	for i := range names {
+		names[i] = fmt.Sprintf("replica %d", i)
+		if i < len(s.ReplicaNames) && s.ReplicaNames[i] != "" {
+			names[i] = s.ReplicaNames[i]
+		}
+	}
+	return names
 }
 
 func (s *Summary) html(w io.Writer) error {
@@ -192,7 +271,9 @@ td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child,th:f
 	b.WriteString(hitRateChart(s))
 	b.WriteString("<h2>Time to first token</h2>")
 	b.WriteString(ttftChart(s))
-	b.WriteString("<h2>Prefill tokens computed per replica over time</h2><div class=grid>")
+	b.WriteString("<h2>Prefill tokens computed per replica over time</h2>")
+	b.WriteString(replicaLegend(s.replicaNames()))
+	b.WriteString("<div class=grid>")
 	for _, r := range append(append([]*Result{}, s.Policies...), s.Extra...) {
 		b.WriteString(loadChart(r))
 	}

@@ -168,6 +168,7 @@ type Summary struct {
 	// the one before them, in the trace as read (Ties).
 	TiedArrivals int          `json:"tied_arrivals"`
 	Replicas     int          `json:"replicas"`
+	ReplicaNames []string     `json:"replica_names,omitempty"` // as Model.ReplicaNames
 	BudgetTokens int64        `json:"budget_tokens"`
 	Model        ModelSummary `json:"model"`
 	Policies     []*Result    `json:"policies"`
@@ -244,6 +245,7 @@ func Replay(reqs []Request, m Model, runs []Run) (*Summary, error) {
 	reqs = SpreadTies(reqs, m.SpreadTies)
 	sum := &Summary{
 		Requests: len(reqs), TiedArrivals: ties, Replicas: m.Replicas, BudgetTokens: m.BudgetTokens, Started: start,
+		ReplicaNames: m.ReplicaNames,
 		Model: ModelSummary{
 			BlockTokens: m.BlockTokens, MaxRunning: m.MaxRunning,
 			PrefillOverheadMS: float64(m.PrefillOverhead) / 1e6, PrefillPerTokenUS: float64(m.PrefillPerToken) / 1e3,
