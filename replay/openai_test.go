@@ -147,8 +147,8 @@ func TestMatcherRunAndReport(t *testing.T) {
 		}
 	}
 	page, _ := os.ReadFile(filepath.Join(dir, "report.html"))
-	if n := bytes.Count(page, []byte("<svg")); n != 2+len(runs) {
-		t.Errorf("report has %d charts, want %d", n, 2+len(runs))
+	if n := bytes.Count(page, []byte("<svg")); n != 3+len(runs) { // hit rate, TTFT, the panels' legend, a panel per run
+		t.Errorf("report has %d charts, want %d", n, 3+len(runs))
 	}
 	js, _ := os.ReadFile(filepath.Join(dir, "summary.json"))
 	for _, key := range []string{`"token_hit_rate"`, `"block_hit_rate"`, `"prefill_tokens_saved"`, `"ttft_ms_p50"`, `"ttft_ms_p99"`, `"load_imbalance"`, `"pooled"`, `"infinite"`, `"budget_tokens"`} {
