@@ -476,105 +476,34 @@ func (e *Engine) view(d *Decision) *View {
 // pol and keeps the best Attempts;
 // it returns what the policy was told. sketch is the matcher's of the
 // request's text (nil: none), for the donors of replicas whose engines
-// reuse them.
+// reuse them. Its steps: the picture's lookups (lookup), the replicas the
+// request may use (gather: model and adapter, availability, panic mode),
+// each one's credit (credit; creditDonors), then the policy's score and
+// the rank.
 func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool, model string, sketch []uint64) (*View, error) {
-	now := e.o.Now()
-	reps := e.pool.Replicas()
 	sc, _ := scratchPool.Get().(*scratch)
 	if sc == nil {
 		sc = &scratch{}
 	}
 	defer scratchPool.Put(sc)
-	sc.matches = e.cache.Match(d.Blocks, e.o.Weights, sc.matches[:0])
-	sc.sizes = e.cache.Sizes(sc.sizes[:0])
-	e.cache.Past(d.Blocks, sc.matches)
-	matches, sizes := sc.matches, sc.sizes
-	var beyond []float64
-	if e.segs != nil {
-		sc.beyond = append(sc.beyond[:0], make([]float64, len(matches))...)
-		beyond = sc.beyond
-		e.segs.Beyond(d.Blocks, matches, beyond)
+	e.lookup(d, sc)
+	g := gathering{e: e, d: d, sc: sc, reps: e.pool.Replicas(), now: e.o.Now(), allow: allow, model: model,
+		adapter: model != "" && e.isAdapter(model)}
+	d.Candidates = newCandidates(len(g.reps))
+	// Passive ejection is a guess from failures that may have been the
+	// requests' own: when it has taken out every replica the request could
+	// use, gather runs again panicking, and those take it (as Envoy's panic
+	// mode) rather than the router refusing every request until a
+	// cool-down ends. Active health checks and draining still rule.
+	if ejected := g.gather(false); g.n == 0 && ejected {
+		g.gather(true)
 	}
-	d.Candidates = newCandidates(len(reps))
-	n := 0
-	// Of the pool: is the model served at all, are some replicas' models
-	// unknown, is it an adapter somewhere (its replicas are then ranked).
-	unknown, served, donors := false, false, false
-	adapter := model != "" && e.isAdapter(model)
-	// gather fills the candidates from the replicas the request may use
-	// and reports whether some were left out only for soft failures
-	// (replica.Replica.Usable). Passive ejection is a guess from failures
-	// that may have been the requests' own: when it has taken out every
-	// replica the request could use, gather runs again panicking, and those
-	// take it (as Envoy's panic mode) rather than the router refusing every
-	// request until a cool-down ends. Active health checks and draining
-	// still rule.
-	gather := func(panicking bool) (ejected bool) {
-		for _, r := range reps {
-			var rank int8
-			if model != "" { // (no model: no lookup)
-				if m := r.Models(); m != nil {
-					if !m.Serves(model) {
-						continue
-					}
-					served = true
-					if adapter {
-						rank = m.AdapterRank(model)
-					}
-				} else {
-					unknown = true
-					if adapter {
-						rank = 2 // it may not serve the adapter at all: after those known to
-					}
-				}
-			}
-			if allow != nil && !allow(r) {
-				continue
-			}
-			if !r.Available(now) {
-				usable := r.Usable(now)
-				ejected = ejected || usable
-				if !panicking || !usable {
-					continue
-				}
-			}
-			c := &d.Candidates[n] // filled in place: a candidate is ~120 bytes
-			n++
-			c.Replica, c.Load, c.adapter = r, r.Load(now), rank
-			if r.ID < len(matches) {
-				c.Match, c.CacheTokens = matches[r.ID], sizes[r.ID]
-			}
-			if r.ID < len(beyond) && r.Reuse.Blend() {
-				c.Reuse = beyond[r.ID] * r.Reuse.Share()
-			}
-			c.predicted = c.Match.Confirmed
-			if c.Match.Past > 0 || c.Match.Tokens > c.Match.Confirmed { // the readings differ: one lock
-				rd := e.counting.read(r.ID)
-				c.predicted = rd.predict(c.Match)
-				c.Reuse += rd.past * float64(c.Match.Past) // the engine reuses what it counts
-			}
-			c.learned = true
-			donors = donors || r.Reuse.Donor()
-		}
-		return ejected
-	}
-	if ejected := gather(false); n == 0 && ejected {
-		gather(true)
-	}
-	d.Candidates = d.Candidates[:n]
-	if donors && sketch != nil {
-		sc.at = sc.at[:0]
-		for i := range d.Candidates {
-			id := d.Candidates[i].Replica.ID
-			for len(sc.at) <= id {
-				sc.at = append(sc.at, 0)
-			}
-			sc.at[id] = int32(i + 1)
-		}
-		e.creditDonors(d, sketch, sc.at)
+	d.Candidates = d.Candidates[:g.n]
+	if g.donors && sketch != nil {
+		e.creditDonorsOf(d, sketch, sc)
 	}
 	if len(d.Candidates) == 0 {
-		if model != "" && len(reps) > 0 && !unknown && !served { // every replica's models known, none serves it
+		if model != "" && len(g.reps) > 0 && !g.unknown && !g.served { // every replica's models known, none serves it
 			return nil, &UnknownModelError{Model: model}
 		}
 		return nil, ErrNoReplica
@@ -583,6 +512,119 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 	pol.Score(in, d.Candidates)
 	d.Ranked = rank(d.Candidates, d.Key, e.o.Attempts)
 	return in, nil
+}
+
+// lookup fills sc with the picture's answers for d's blocks: each
+// replica's match (with the blocks it holds past it), its size and, with
+// blending engines, what it holds beyond the match.
+func (e *Engine) lookup(d *Decision, sc *scratch) {
+	sc.matches = e.cache.Match(d.Blocks, e.o.Weights, sc.matches[:0])
+	sc.sizes = e.cache.Sizes(sc.sizes[:0])
+	e.cache.Past(d.Blocks, sc.matches)
+	sc.beyond = sc.beyond[:0]
+	if e.segs != nil {
+		sc.beyond = append(sc.beyond, make([]float64, len(sc.matches))...)
+		e.segs.Beyond(d.Blocks, sc.matches, sc.beyond)
+	}
+}
+
+// gathering is one rank's pass over the pool: what it fills in, and what
+// it learns of the pool on the way (is the model served at all, are some
+// replicas' models unknown, is there a donor engine).
+type gathering struct {
+	e                       *Engine
+	d                       *Decision
+	sc                      *scratch
+	reps                    []*replica.Replica
+	now                     time.Time
+	allow                   func(*replica.Replica) bool
+	model                   string
+	adapter                 bool // the model is a LoRA adapter somewhere: its replicas are ranked
+	n                       int  // candidates filled
+	unknown, served, donors bool
+}
+
+// gather fills d.Candidates from the replicas the request may use and
+// reports whether some were left out only for soft failures
+// (replica.Replica.Usable); panicking, those are used too.
+func (g *gathering) gather(panicking bool) (ejected bool) {
+	for _, r := range g.reps {
+		rank, ok := g.models(r)
+		if !ok || (g.allow != nil && !g.allow(r)) {
+			continue
+		}
+		if !r.Available(g.now) {
+			usable := r.Usable(g.now)
+			ejected = ejected || usable
+			if !panicking || !usable {
+				continue
+			}
+		}
+		c := &g.d.Candidates[g.n] // filled in place: a candidate is ~120 bytes
+		g.n++
+		c.Replica, c.Load, c.adapter = r, r.Load(g.now), rank
+		g.e.credit(c, g.sc)
+		g.donors = g.donors || r.Reuse.Donor()
+	}
+	return ejected
+}
+
+// models reports whether replica r may serve the request's model and, for
+// an adapter, its rank (replica.Models.AdapterRank; 2 where r's models are
+// not known yet, after those known to serve it).
+func (g *gathering) models(r *replica.Replica) (rank int8, ok bool) {
+	if g.model == "" {
+		return 0, true // no model: no lookup
+	}
+	m := r.Models()
+	if m == nil {
+		g.unknown = true
+		if g.adapter {
+			return 2, true
+		}
+		return 0, true
+	}
+	if !m.Serves(g.model) {
+		return 0, false
+	}
+	g.served = true
+	if g.adapter {
+		return m.AdapterRank(g.model), true
+	}
+	return 0, true
+}
+
+// credit sets candidate c's match, cache size, reuse past the match and
+// predicted cached tokens from the lookup in sc.
+func (e *Engine) credit(c *Candidate, sc *scratch) {
+	id := c.Replica.ID
+	if id < len(sc.matches) {
+		c.Match, c.CacheTokens = sc.matches[id], sc.sizes[id]
+	}
+	if id < len(sc.beyond) && c.Replica.Reuse.Blend() {
+		c.Reuse = sc.beyond[id] * c.Replica.Reuse.Share()
+	}
+	c.predicted = c.Match.Confirmed
+	if c.Match.Past > 0 || c.Match.Tokens > c.Match.Confirmed { // the readings differ: one lock
+		rd := e.counting.read(id)
+		c.predicted = rd.predict(c.Match)
+		c.Reuse += rd.past * float64(c.Match.Past) // the engine reuses what it counts
+	}
+	c.learned = true
+}
+
+// creditDonorsOf indexes d's candidates by replica ID in sc and credits
+// their donors (creditDonors).
+func (e *Engine) creditDonorsOf(d *Decision, sketch []uint64, sc *scratch) {
+	sc.at = sc.at[:0]
+	for i := range d.Candidates {
+		id := d.Candidates[i].Replica.ID
+		for len(sc.at) <= id {
+			sc.at = append(sc.at, 0)
+		}
+		sc.at[id] = int32(i + 1)
+	}
+	e.creditDonors(d, sketch, sc.at)
 }
 
 // creditDonors credits each candidate whose engine reuses donors with its
