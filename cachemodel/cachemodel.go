@@ -695,16 +695,7 @@ func (m *Model) record(id int, parent *node, blocks []blockhash.Block, from int,
 	}
 	st := m.replicas[id]
 	rid := int32(id)
-	if st.phead < len(st.pending) {
-		m.expire(st, rid, now)
-	}
-	if from == 0 && parent == nil {
-		m.warm(&m.fleet, now)
-	}
-	depth0 := 0
-	if parent != nil {
-		depth0 = int(parent.depth) + 1
-	}
+	depth0 := m.begin(st, rid, parent, from, now)
 	admit, _ := st.policy.(eviction.Admitter)
 	parentFresh := false // parent was added by this call and never made evictable
 	last := len(blocks) - 1
@@ -716,67 +707,19 @@ func (m *Model) record(id int, parent *node, blocks []blockhash.Block, from int,
 				m.warm(n, now)
 			}
 			if si, ok := m.find(n, rid); ok {
-				s := m.at(n, si)
-				if s.flags != 0 {
-					m.mark(st, s, b.Hash, mark, now)
-					if use {
-						s.lastUsed = now
-						s.hits++
-						st.policy.Touched(n.hash, n.info(s))
-					}
-					if pin {
-						if s.candidate() { // until now
-							st.policy.Removed(n.hash)
-						}
-						s.pin()
-					}
-					parent, parentFresh = n, false
-					continue
-				}
-				// A dead slot (the engine dropped it, not its children):
-				// cached again, it is held again; it has children, so it
-				// is no leaf.
-				s.lastUsed, s.inserted = now, now
-				m.mark(st, s, b.Hash, mark, now)
-				if pin {
-					s.pin()
-				}
-				st.Blocks++
-				st.Tokens += int64(n.tokens)
+				m.again(st, n, m.at(n, si), mark, now, use, pin)
 				parent, parentFresh = n, false
 				continue
 			}
 		}
-		tokens := clampTokens(b.Tokens)
-		if admit != nil && st.Budget > 0 &&
-			!admit.Admit(eviction.Info{Kind: b.Kind, Tokens: int32(tokens), Depth: int32(clampDepth(depth0 + i)), LastUsed: now, Inserted: now}, st.Tokens, st.Budget) {
+		if refused(admit, st, b, depth0+i, now) {
 			last = i - 1
 			break
 		}
 		if n == nil {
-			n = m.nodes.add(b.Hash)
-			n.parent, n.tokens, n.depth, n.kind = parent, tokens, clampDepth(depth0+i), b.Kind
-			if use {
-				m.warm(n, now)
-			}
+			n = m.newNode(b, parent, depth0+i, use, now)
 		}
-		si, _ := m.find(n, rid)
-		var pins uint16
-		if pin {
-			pins = 1
-		}
-		m.insert(n, si, slot{replica: rid, lastUsed: now, inserted: now, pins: pins})
-		m.mark(st, m.at(n, si), b.Hash, mark, now)
-		st.Blocks++
-		st.Tokens += int64(n.tokens)
-		if parent != nil {
-			pi, _ := m.find(parent, rid)
-			ps := m.at(parent, pi)
-			ps.children++
-			if ps.children == 1 && !parentFresh && ps.flags != 0 {
-				st.policy.Removed(parent.hash)
-			}
-		}
+		m.hold(st, rid, n, parent, parentFresh, mark, now, pin)
 		parent, parentFresh = n, true
 	}
 	if parentFresh && last >= 0 && !pin { // the deepest new block is a leaf
@@ -790,6 +733,97 @@ func (m *Model) record(id int, parent *node, blocks []blockhash.Block, from int,
 		evicted, count = m.evictTo(st, rid, st.Budget)
 	}
 	return evicted, count, pinned
+}
+
+// begin readies replica rid (st) for a record at now after parent, from
+// block from on: its expired pending blocks go, a prompt's start warms the
+// fleet's count, and it returns the first block's depth. m.mu must be held.
+func (m *Model) begin(st *replicaState, rid int32, parent *node, from int, now int64) (depth0 int) {
+	if st.phead < len(st.pending) {
+		m.expire(st, rid, now)
+	}
+	if from == 0 && parent == nil {
+		m.warm(&m.fleet, now)
+	}
+	if parent != nil {
+		depth0 = int(parent.depth) + 1
+	}
+	return depth0
+}
+
+// newNode adds block b's node after parent at depth, warmed at now if the
+// block is a use. m.mu must be held.
+func (m *Model) newNode(b blockhash.Block, parent *node, depth int, use bool, now int64) *node {
+	n := m.nodes.add(b.Hash)
+	n.parent, n.tokens, n.depth, n.kind = parent, clampTokens(b.Tokens), clampDepth(depth), b.Kind
+	if use {
+		m.warm(n, now)
+	}
+	return n
+}
+
+// refused reports whether replica st's Admitter (nil: none) keeps block
+// b, at depth, out of its picture: only under a budget.
+func refused(admit eviction.Admitter, st *replicaState, b blockhash.Block, depth int, now int64) bool {
+	if admit == nil || st.Budget <= 0 {
+		return false
+	}
+	info := eviction.Info{Kind: b.Kind, Tokens: int32(clampTokens(b.Tokens)), Depth: int32(clampDepth(depth)), LastUsed: now, Inserted: now}
+	return !admit.Admit(info, st.Tokens, st.Budget)
+}
+
+// again records block n, which replica st already has a slot for (s),
+// as cached again as mark at now: a use unless it is of the prefix only
+// (use), pinned with pin. A live slot is touched; a dead one (the engine
+// dropped it, not its children) is held again and, having children, is
+// no leaf. m.mu must be held.
+func (m *Model) again(st *replicaState, n *node, s *slot, mark uint8, now int64, use, pin bool) {
+	if s.flags == 0 {
+		s.lastUsed, s.inserted = now, now
+		m.mark(st, s, n.hash, mark, now)
+		if pin {
+			s.pin()
+		}
+		st.Blocks++
+		st.Tokens += int64(n.tokens)
+		return
+	}
+	m.mark(st, s, n.hash, mark, now)
+	if use {
+		s.lastUsed = now
+		s.hits++
+		st.policy.Touched(n.hash, n.info(s))
+	}
+	if pin {
+		if s.candidate() { // until now
+			st.policy.Removed(n.hash)
+		}
+		s.pin()
+	}
+}
+
+// hold gives replica rid (st) a new slot on node n, chained after parent,
+// cached as mark at now and pinned with pin; the parent, now with a child,
+// stops being a leaf unless this call added it (parentFresh: never made
+// evictable). m.mu must be held.
+func (m *Model) hold(st *replicaState, rid int32, n, parent *node, parentFresh bool, mark uint8, now int64, pin bool) {
+	si, _ := m.find(n, rid)
+	var pins uint16
+	if pin {
+		pins = 1
+	}
+	m.insert(n, si, slot{replica: rid, lastUsed: now, inserted: now, pins: pins})
+	m.mark(st, m.at(n, si), n.hash, mark, now)
+	st.Blocks++
+	st.Tokens += int64(n.tokens)
+	if parent != nil {
+		pi, _ := m.find(parent, rid)
+		ps := m.at(parent, pi)
+		ps.children++
+		if ps.children == 1 && !parentFresh && ps.flags != 0 {
+			st.policy.Removed(parent.hash)
+		}
+	}
 }
 
 // evictTo evicts replica rid's blocks in its policy's order until it holds
@@ -869,23 +903,9 @@ func (m *Model) Done(id int, blocks []blockhash.Block, pins Pins, now int64) {
 		return
 	}
 	rid := int32(id)
-	// Held whole, as a prompt usually is, the chain is walked up from its
-	// last block by parent pointers, without a lookup a block: as in
-	// heldPrefix, with every slot plainly on the GPU a held block's
-	// ancestors are held. (A block stored without its parent — a bad
-	// peer's snapshot, a hash collision — breaks that: the rest is then
-	// walked down from the first block.)
 	rest := len(blocks)
 	if m.irregular == 0 && !m.noShortcut {
-		for n := m.nodes.get(blocks[rest-1].Hash); rest > 0 && n != nil; rest-- {
-			si, ok := m.find(n, rid)
-			if !ok {
-				break
-			}
-			m.done(st, fo, n, m.at(n, si), rest-1 < pinned, now)
-			n = n.parent
-		}
-		if rest == 0 {
+		if rest = m.doneUp(st, rid, fo, blocks, pinned, now); rest == 0 {
 			return
 		}
 	}
@@ -907,6 +927,27 @@ func (m *Model) Done(id int, blocks []blockhash.Block, pins Pins, now int64) {
 		}
 		m.done(st, freeing, n, s, i < pinned, now)
 	}
+}
+
+// doneUp ends a request's use of blocks on replica rid (st) from the
+// last block up, by parent pointers, without a lookup a block: as in
+// heldPrefix, with every slot plainly on the GPU a held block's ancestors
+// are held. It returns how many blocks, from the first, it did not reach
+// (0 when the chain was held whole, as a prompt usually is): a block
+// stored without its parent (a bad peer's snapshot, a hash collision)
+// breaks the walk, and the caller walks the rest down from the first
+// block. m.mu must be held.
+func (m *Model) doneUp(st *replicaState, rid int32, fo eviction.FreeObserver, blocks []blockhash.Block, pinned int, now int64) (rest int) {
+	rest = len(blocks)
+	for n := m.nodes.get(blocks[rest-1].Hash); rest > 0 && n != nil; rest-- {
+		si, ok := m.find(n, rid)
+		if !ok {
+			break
+		}
+		m.done(st, fo, n, m.at(n, si), rest-1 < pinned, now)
+		n = n.parent
+	}
+	return rest
 }
 
 // done ends one request's use of n, held in slot s: its free time goes to
