@@ -240,80 +240,105 @@ func (c *replyCapture) parse(data []byte) error {
 	if v.Type() != fastjson.TypeObject {
 		return errShape
 	}
-	var usage usageJSON
-	hasUsage := false
-	if u := v.Get("usage"); !isNull(u) {
-		hasUsage = true
-		if u.Type() != fastjson.TypeObject {
-			return errShape
-		}
-		d := u.Get("prompt_tokens_details")
-		if !isNull(d) && d.Type() != fastjson.TypeObject {
-			return errShape
-		}
-		if err := firstErr(intField(u, "prompt_tokens", &usage.PromptTokens), intField(u, "completion_tokens", &usage.CompletionTokens),
-			intField(d, "cached_tokens", &usage.CachedTokens)); err != nil {
-			return err
-		}
-		usage.CachedReported = d != nil && !isNull(d.Get("cached_tokens"))
+	usage, hasUsage, err := parseUsage(v.Get("usage"))
+	if err != nil {
+		return err
 	}
 	// text, content and the tool calls alias the parser's memory until the
 	// next parse.
-	var text, content []byte
-	calls := c.scratch[:0]
-	if ch := v.Get("choices"); !isNull(ch) {
-		a, err := ch.Array()
-		if err != nil {
-			return errShape
-		}
-		if len(a) > 0 && !isNull(a[0]) {
-			c0 := a[0]
-			if c0.Type() != fastjson.TypeObject {
-				return errShape
-			}
-			if text, err = bytesField(c0, "text"); err != nil {
-				return err
-			}
-			m := c0.Get("message")
-			if isNull(m) {
-				m = c0.Get("delta")
-			}
-			if !isNull(m) {
-				if m.Type() != fastjson.TypeObject {
-					return errShape
-				}
-				if content, err = bytesField(m, "content"); err != nil {
-					return err
-				}
-				calls, err = appendToolCalls(calls, m.Get("tool_calls"))
-				c.scratch = calls[:0]
-				if err != nil {
-					clear(calls)
-					return err
-				}
-			}
-		}
+	text, content, calls, err := c.parseChoice(v.Get("choices"))
+	if err != nil {
+		return err
 	}
 	if hasUsage {
 		c.usage = usage
 	}
 	c.keep(&c.content, text)
 	c.keep(&c.content, content)
+	c.keepCalls(calls)
+	clear(calls) // let go of the parser's memory
+	return nil
+}
+
+// parseUsage reads a usage object (null or absent: none).
+func parseUsage(u *fastjson.Value) (usage usageJSON, has bool, err error) {
+	if isNull(u) {
+		return usage, false, nil
+	}
+	if u.Type() != fastjson.TypeObject {
+		return usage, false, errShape
+	}
+	d := u.Get("prompt_tokens_details")
+	if !isNull(d) && d.Type() != fastjson.TypeObject {
+		return usage, false, errShape
+	}
+	if err := firstErr(intField(u, "prompt_tokens", &usage.PromptTokens), intField(u, "completion_tokens", &usage.CompletionTokens),
+		intField(d, "cached_tokens", &usage.CachedTokens)); err != nil {
+		return usage, false, err
+	}
+	usage.CachedReported = d != nil && !isNull(d.Get("cached_tokens"))
+	return usage, true, nil
+}
+
+// parseChoice reads choices[0]: its text, its message's (or delta's)
+// content and tool calls, in c.scratch. All alias the parser's memory.
+func (c *replyCapture) parseChoice(ch *fastjson.Value) (text, content []byte, calls []toolCallJSON, err error) {
+	calls = c.scratch[:0]
+	if isNull(ch) {
+		return nil, nil, calls, nil
+	}
+	a, err := ch.Array()
+	if err != nil {
+		return nil, nil, calls, errShape
+	}
+	if len(a) == 0 || isNull(a[0]) {
+		return nil, nil, calls, nil
+	}
+	c0 := a[0]
+	if c0.Type() != fastjson.TypeObject {
+		return nil, nil, calls, errShape
+	}
+	if text, err = bytesField(c0, "text"); err != nil {
+		return nil, nil, calls, err
+	}
+	m := c0.Get("message")
+	if isNull(m) {
+		m = c0.Get("delta")
+	}
+	if isNull(m) {
+		return text, nil, calls, nil
+	}
+	if m.Type() != fastjson.TypeObject {
+		return nil, nil, calls, errShape
+	}
+	if content, err = bytesField(m, "content"); err != nil {
+		return nil, nil, calls, err
+	}
+	calls, err = appendToolCalls(calls, m.Get("tool_calls"))
+	c.scratch = calls[:0]
+	if err != nil {
+		clear(calls)
+		return nil, nil, calls[:0], err
+	}
+	return text, content, calls, nil
+}
+
+// keepCalls adds a chunk's tool calls to the reply's, by index; an index
+// out of bounds marks the reply bad.
+func (c *replyCapture) keepCalls(calls []toolCallJSON) {
 	for i := range calls {
 		tc := &calls[i]
 		if tc.index < 0 || tc.index > maxToolIndex {
 			c.markBad()
-			break
+			return
 		}
 		cl := c.call(int(tc.index))
 		if cl == nil {
-			break
+			return
 		}
 		c.keep(&cl.name, tc.name)
 		c.keep(&cl.args, tc.arguments)
 	}
-	clear(calls) // let go of the parser's memory
-	return nil
 }
 
 // release returns the capture's parser; call it once the capture is done.
