@@ -472,63 +472,77 @@ func (st *epStream) responseBodyOrder(what string) string {
 // room in the budget given back) once it is answered.
 func (st *epStream) route(noBody bool) (bool, error) {
 	defer st.dropBody()
-	core := st.s.core
-	in := CoreRequest{Session: st.session, Tenant: st.tenant}
-	var allow func(*replica.Replica) bool
+	in, fwd, e := st.input()
+	if e != nil {
+		return st.reject(*e)
+	}
 	if sub := st.subset; sub != nil {
-		allow = func(r *replica.Replica) bool { return sub.has(Endpoint(r)) }
+		in.Input.Allow = func(r *replica.Replica) bool { return sub.has(Endpoint(r)) }
 	}
-	fwd := st.body
-	var ep blockhash.Endpoint
-	if st.path == "/v1/completions" {
-		ep = blockhash.Completion
-	}
-	if st.path != "/v1/chat/completions" && st.path != "/v1/completions" {
-		// As the HTTP front end's pass-through, with the same guards.
-		decoded, err := url.PathUnescape(st.path)
-		if err != nil {
-			return st.reject(apiError{http.StatusBadRequest, "invalid_request_error", "invalid_path", "the path is not valid percent-encoding"})
-		}
-		if e := checkPassPath(decoded, st.path); e != nil {
-			return st.reject(*e)
-		}
-		in.PassThrough, in.Route = true, "passthrough"
-	} else {
-		if st.method != http.MethodPost {
-			return st.reject(apiError{http.StatusMethodNotAllowed, "invalid_request_error", "method_not_allowed",
-				"use POST for " + st.path})
-		}
-		if e := checkBodyType(st.contentType, st.body); e != nil {
-			return st.reject(*e)
-		}
-		lim := st.s.o.Limits()
-		req, err := blockhash.Parse(ep, st.body, lim.Parse)
-		if err != nil {
-			return st.reject(shedOr(err))
-		}
-		if e := maxTokensError(req.MaxTokens, &lim); e != nil {
-			req.Release()
-			return st.reject(*e)
-		}
-		in.Input = core.Prepare(st.srv.Context(), req, st.body, st.session)
-		in.Input.DetachText()
-		in.Model, in.Route = req.Model, "ext_proc"
-		if req.Stream && !req.StreamOptions && st.respMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
-			// As the HTTP front end: the replica is asked for the stream's
-			// usage, and its usage chunk is taken out of the client's stream
-			// (in the full-duplex response mode only: in the others the
-			// picker cannot hold back what it takes out, or sees no body).
-			fwd = withIncludeUsage(st.body).b
-			st.stripUsage = true
-		}
-		req.Release()
-	}
-	in.Input.Allow = allow
-	rt, err := core.Route(in)
+	rt, err := st.s.core.Route(in)
 	if err != nil {
 		return st.reject(classify(err))
 	}
 	st.rt = rt
+	return st.destine(rt, fwd, noBody)
+}
+
+// input makes the core's request of the stream's: an inference request
+// parsed and prepared, anything else passed through with the HTTP front
+// end's guards. fwd is the body to forward (with the stream's usage asked
+// for, where the picker takes it out again). A request refused says why.
+func (st *epStream) input() (in CoreRequest, fwd []byte, refused *apiError) {
+	in = CoreRequest{Session: st.session, Tenant: st.tenant}
+	fwd = st.body
+	if st.path != "/v1/chat/completions" && st.path != "/v1/completions" {
+		decoded, err := url.PathUnescape(st.path)
+		if err != nil {
+			return in, nil, &apiError{http.StatusBadRequest, "invalid_request_error", "invalid_path", "the path is not valid percent-encoding"}
+		}
+		if e := checkPassPath(decoded, st.path); e != nil {
+			return in, nil, e
+		}
+		in.PassThrough, in.Route = true, "passthrough"
+		return in, fwd, nil
+	}
+	if st.method != http.MethodPost {
+		return in, nil, &apiError{http.StatusMethodNotAllowed, "invalid_request_error", "method_not_allowed", "use POST for " + st.path}
+	}
+	if e := checkBodyType(st.contentType, st.body); e != nil {
+		return in, nil, e
+	}
+	ep := blockhash.Chat
+	if st.path == "/v1/completions" {
+		ep = blockhash.Completion
+	}
+	lim := st.s.o.Limits()
+	req, err := blockhash.Parse(ep, st.body, lim.Parse)
+	if err != nil {
+		e := shedOr(err)
+		return in, nil, &e
+	}
+	defer req.Release()
+	if e := maxTokensError(req.MaxTokens, &lim); e != nil {
+		return in, nil, e
+	}
+	in.Input = st.s.core.Prepare(st.srv.Context(), req, st.body, st.session)
+	in.Input.DetachText()
+	in.Model, in.Route = req.Model, "ext_proc"
+	if req.Stream && !req.StreamOptions && st.respMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
+		// As the HTTP front end: the replica is asked for the stream's
+		// usage, and its usage chunk is taken out of the client's stream
+		// (in the full-duplex response mode only: in the others the
+		// picker cannot hold back what it takes out, or sees no body).
+		fwd = withIncludeUsage(st.body).b
+		st.stripUsage = true
+	}
+	return in, fwd, nil
+}
+
+// destine sends the proxy rt's destination (and its fallbacks), with fwd
+// where the body changed or, in full-duplex mode, the body itself; noBody
+// says the headers ended the request.
+func (st *epStream) destine(rt *Routed, fwd []byte, noBody bool) (bool, error) {
 	dest := make([]string, 0, 1+extProcFallbacks)
 	for i := range rt.Ranked[:min(len(rt.Ranked), 1+extProcFallbacks)] {
 		dest = append(dest, Endpoint(rt.Ranked[i].Replica))
