@@ -145,31 +145,9 @@ func (g *GRPCService) request(in *pb.RouteRequest) (*blockhash.Request, error) {
 	lim := g.limits()
 	switch x := in.GetInput().(type) {
 	case *pb.RouteRequest_OpenaiBody:
-		ep := blockhash.Chat
-		if in.GetEndpoint() == pb.Endpoint_ENDPOINT_COMPLETIONS {
-			ep = blockhash.Completion
-		}
-		if int64(len(x.OpenaiBody)) > lim.MaxBodyBytes {
-			return nil, &blockhash.InputError{Field: "openai_body", Msg: "is larger than the limit of " + strconv.FormatInt(lim.MaxBodyBytes, 10) + " bytes"}
-		}
-		if !utf8.Valid(x.OpenaiBody) {
-			return nil, &blockhash.InputError{Field: "openai_body", Msg: "is not valid UTF-8"}
-		}
-		return blockhash.Parse(ep, x.OpenaiBody, lim.Parse)
+		return openaiRequest(x.OpenaiBody, in.GetEndpoint(), &lim)
 	case *pb.RouteRequest_Messages:
-		if n := len(x.Messages.GetMessages()); lim.Parse.MaxMessages > 0 && n > lim.Parse.MaxMessages {
-			return nil, &blockhash.InputError{Field: "messages", Msg: "has " + strconv.Itoa(n) + " entries, more than the limit of " + strconv.Itoa(lim.Parse.MaxMessages)}
-		}
-		msgs := make([]map[string]string, 0, len(x.Messages.GetMessages()))
-		for _, m := range x.Messages.GetMessages() {
-			msg := map[string]string{"role": m.GetRole(), "content": m.GetContent()}
-			if m.GetName() != "" {
-				msg["name"] = m.GetName()
-			}
-			msgs = append(msgs, msg)
-		}
-		b, _ := json.Marshal(map[string]any{"model": model, "messages": msgs}) // strings marshal
-		return blockhash.ParseChat(b, lim.Parse)
+		return messagesRequest(model, x.Messages.GetMessages(), &lim)
 	case *pb.RouteRequest_Prompt:
 		b, _ := json.Marshal(map[string]any{"model": model, "prompt": x.Prompt})
 		return blockhash.ParseCompletion(b, lim.Parse)
@@ -179,26 +157,65 @@ func (g *GRPCService) request(in *pb.RouteRequest) (*blockhash.Request, error) {
 		}
 		return &blockhash.Request{Model: model, Parts: []blockhash.Part{blockhash.TokenPart(x.TokenIds.GetIds())}}, nil
 	case *pb.RouteRequest_Blocks:
-		if model == "" || len(x.Blocks.GetBlocks()) == 0 {
-			return nil, errors.New("blocks: model and at least one block are required")
-		}
-		if lim.Parse.MaxMessages > 0 && len(x.Blocks.GetBlocks()) > lim.Parse.MaxMessages {
-			return nil, errors.New("blocks: more blocks than the message limit")
-		}
-		r := &blockhash.Request{Model: model}
-		for i, b := range x.Blocks.GetBlocks() {
-			k := blockhash.KindOther
-			if b.GetKind() != "" {
-				var err error
-				if k, err = blockhash.ParseKind(b.GetKind()); err != nil {
-					return nil, &blockhash.InputError{Field: "blocks[" + strconv.Itoa(i) + "].kind", Msg: err.Error()}
-				}
-			}
-			r.Parts = append(r.Parts, blockhash.Part{Role: blockhash.RolePrompt, Base: k, Text: []byte(b.GetText())})
-		}
-		return r, nil
+		return blocksRequest(model, x.Blocks.GetBlocks(), &lim)
 	}
 	return nil, errors.New("one of openai_body, messages, prompt, blocks or token_ids is required")
+}
+
+// openaiRequest parses a raw OpenAI body for the endpoint named, within
+// the body limit.
+func openaiRequest(body []byte, endpoint pb.Endpoint, lim *limits.Request) (*blockhash.Request, error) {
+	ep := blockhash.Chat
+	if endpoint == pb.Endpoint_ENDPOINT_COMPLETIONS {
+		ep = blockhash.Completion
+	}
+	if int64(len(body)) > lim.MaxBodyBytes {
+		return nil, &blockhash.InputError{Field: "openai_body", Msg: "is larger than the limit of " + strconv.FormatInt(lim.MaxBodyBytes, 10) + " bytes"}
+	}
+	if !utf8.Valid(body) {
+		return nil, &blockhash.InputError{Field: "openai_body", Msg: "is not valid UTF-8"}
+	}
+	return blockhash.Parse(ep, body, lim.Parse)
+}
+
+// messagesRequest parses chat messages, as many as the message limit.
+func messagesRequest(model string, in []*pb.ChatMessage, lim *limits.Request) (*blockhash.Request, error) {
+	if n := len(in); lim.Parse.MaxMessages > 0 && n > lim.Parse.MaxMessages {
+		return nil, &blockhash.InputError{Field: "messages", Msg: "has " + strconv.Itoa(n) + " entries, more than the limit of " + strconv.Itoa(lim.Parse.MaxMessages)}
+	}
+	msgs := make([]map[string]string, 0, len(in))
+	for _, m := range in {
+		msg := map[string]string{"role": m.GetRole(), "content": m.GetContent()}
+		if m.GetName() != "" {
+			msg["name"] = m.GetName()
+		}
+		msgs = append(msgs, msg)
+	}
+	b, _ := json.Marshal(map[string]any{"model": model, "messages": msgs}) // strings marshal
+	return blockhash.ParseChat(b, lim.Parse)
+}
+
+// blocksRequest makes a request of pre-split blocks with their kinds (none:
+// other), as many as the message limit.
+func blocksRequest(model string, blocks []*pb.Block, lim *limits.Request) (*blockhash.Request, error) {
+	if model == "" || len(blocks) == 0 {
+		return nil, errors.New("blocks: model and at least one block are required")
+	}
+	if lim.Parse.MaxMessages > 0 && len(blocks) > lim.Parse.MaxMessages {
+		return nil, errors.New("blocks: more blocks than the message limit")
+	}
+	r := &blockhash.Request{Model: model}
+	for i, b := range blocks {
+		k := blockhash.KindOther
+		if b.GetKind() != "" {
+			var err error
+			if k, err = blockhash.ParseKind(b.GetKind()); err != nil {
+				return nil, &blockhash.InputError{Field: "blocks[" + strconv.Itoa(i) + "].kind", Msg: err.Error()}
+			}
+		}
+		r.Parts = append(r.Parts, blockhash.Part{Role: blockhash.RolePrompt, Base: k, Text: []byte(b.GetText())})
+	}
+	return r, nil
 }
 
 // Route implements pb.RouterServer.
@@ -230,7 +247,7 @@ func (g *GRPCService) Route(ctx context.Context, in *pb.RouteRequest) (*pb.Route
 	c := rt.Chosen()
 	out := &pb.RouteResponse{
 		DecisionId: rt.ID, Replica: c.Replica.Name, Url: c.Replica.PublicURL(), Arm: rt.Arm.Name, Policy: rt.Policy,
-		PredictedMatchedTokens: int64(c.Match.Confirmed), TotalTokens: int64(rt.Tokens),
+		PredictedMatchedTokens: int64(c.Predicted()), TotalTokens: int64(rt.Tokens),
 	}
 	for _, cand := range rt.Candidates {
 		out.Candidates = append(out.Candidates, &pb.Candidate{
