@@ -185,6 +185,9 @@ func TestEventFaults(t *testing.T) {
 	p.PublishRaw([]byte{0xc1, 0x00})                                                           // malformed
 	p.Publish(kvevents.Batch{Events: []kvevents.Event{{Kind: kvevents.BlockRemoved, BlockHashes: []uint64{999}, Medium: "GPU"}}})
 	waitFor(t, "the gap filled from replay", func() bool { return matched(a) == 4 })
+	// The malformed payload is counted once it is decoded, which may come
+	// after the gap it revealed is filled.
+	waitFor(t, "the malformed payload counted", func() bool { return f.Stats().Subscriber.Malformed > 0 })
 	st := f.Stats()
 	if st.Subscriber.Gaps == 0 || st.Subscriber.Replayed == 0 || st.Subscriber.Malformed == 0 || st.Subscriber.Resets != 0 {
 		t.Fatalf("stats after gap and malformed payload: %+v", st.Subscriber)
