@@ -53,9 +53,9 @@ func parseBlocks(bl []decisionlog.Block) ([]blockhash.Block, error) {
 // ReadDecisions reads a decision log (router decision_log) as a trace: each
 // decision with an outcome becomes a request with the logged blocks, session
 // key, reply blocks and timing, in decision order (one without blocks, a
-// prompt shorter than a block, with its prompt tokens and none to match). Replaying it under the
-// policy that made the decisions, with the same model parameters, makes the
-// same decisions.
+// prompt shorter than a block, with its prompt tokens and none to match).
+// Replaying it under the policy that made the decisions, with the same model
+// parameters, makes the same decisions.
 func ReadDecisions(r io.Reader) (*DecisionTrace, error) {
 	var recs []*decisionlog.Record
 	err := decisionlog.Read(r, func(rec *decisionlog.Record) error {

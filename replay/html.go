@@ -64,10 +64,10 @@ func (s *svgDoc) polyline(pts [][2]float64, stroke string, width float64, dash s
 }
 
 // legend draws one entry per name from (x, y) down, each a sample of its
-// series' colour and dash.
-func (s *svgDoc) legend(x, y float64, names []string, width func(i int) float64) {
-	for i, name := range names {
-		yy := y + float64(i)*15
+// series' colour and dash: names[j] is series first+j.
+func (s *svgDoc) legend(x, y float64, names []string, first int, width func(i int) float64) {
+	for j, name := range names {
+		i, yy := first+j, y+float64(j)*15
 		s.line(x, yy+4, x+22, yy+4, color(i), width(i), dash(i))
 		s.text(x+26, yy+8, "start", name)
 	}
@@ -162,7 +162,7 @@ func ttftChart(s *Summary) string {
 		}
 		c.polyline(pts, color(i), width(i), dash(i))
 	}
-	c.legend(w-right+10, top, names, width)
+	c.legend(w-right+10, top, names, 0, width)
 	return c.String()
 }
 
@@ -200,19 +200,13 @@ func loadChart(r *Result) string {
 }
 
 // replicaLegend names the per-replica panels' series: replica r is drawn
-// in color(r) and dash(r) in every panel.
+// in color(r) and dash(r) in every panel. Eight to a column.
 func replicaLegend(names []string) string {
-	const rowH = 15.0
-	perCol := 8
+	const perCol, colW = 8, 140
 	cols := (len(names) + perCol - 1) / perCol
-	c := newSVG(max(cols, 1)*140, int(float64(min(len(names), perCol))*rowH+8))
-	for col := 0; col < cols; col++ {
-		end := min((col+1)*perCol, len(names))
-		for i := col * perCol; i < end; i++ {
-			y := float64(i-col*perCol) * rowH
-			c.line(float64(col*140), y+6, float64(col*140)+22, y+6, color(i), 2, dash(i))
-			c.text(float64(col*140)+26, y+10, "start", names[i])
-		}
+	c := newSVG(max(cols, 1)*colW, min(len(names), perCol)*15+8)
+	for first := 0; first < len(names); first += perCol {
+		c.legend(float64(first/perCol*colW), 2, names[first:min(first+perCol, len(names))], first, func(int) float64 { return 2 })
 	}
 	return c.String()
 }

@@ -110,16 +110,20 @@ func TestStrikesEjectOnlyInARow(t *testing.T) {
 	}
 }
 
+// twoReplicas returns the two replicas of a fresh pool, the default
+// ejection and a start time, for the strike tests.
+func twoReplicas() (a, b *Replica, e Ejection, now time.Time) {
+	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a"}, {Name: "b", URL: "http://b"}}, Options{}, ids())
+	return p.Replicas()[0], p.Replicas()[1], Ejection{}, time.Unix(1000, 0)
+}
+
 // Attack 10 of issue 30: a dozen requests in a row that make a replica
 // answer 500, at low traffic, do not eject it, whatever clients sent them:
 // the defaults want 20 answers in the last interval or two, half of them
 // failed, as Envoy's failure_percentage. A replica failing most of a real
 // volume, to several clients, is ejected.
 func TestStrikesNeedVolumeAndShare(t *testing.T) {
-	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a"}, {Name: "b", URL: "http://b"}}, Options{}, ids())
-	a, b := p.Replicas()[0], p.Replicas()[1]
-	var e Ejection
-	now := time.Unix(1000, 0)
+	a, b, e, now := twoReplicas()
 	for i := range 12 {
 		if d := a.Strike(now.Add(time.Duration(i)*time.Second), e, uint64(i)); d != 0 {
 			t.Fatalf("strike %d of a dozen at low traffic ejected for %v", i+1, d)
@@ -153,10 +157,7 @@ func TestStrikesNeedVolumeAndShare(t *testing.T) {
 // second client is the evidence that the replica, not one client's
 // requests, is failing, and ejects it.
 func TestStrikesNeedSeveralSources(t *testing.T) {
-	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a"}, {Name: "b", URL: "http://b"}}, Options{}, ids())
-	a, b := p.Replicas()[0], p.Replicas()[1]
-	var e Ejection
-	now := time.Unix(1000, 0)
+	a, b, e, now := twoReplicas()
 	for i := range 30 {
 		at := now.Add(time.Duration(i) * time.Millisecond)
 		if d := a.Strike(at, e, 7); d != 0 {

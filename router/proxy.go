@@ -26,9 +26,9 @@ type flight struct {
 	auth []string // the client's Authorization values
 	body *body    // the request body; the handler releases it
 	next int      // index in the ranking of the next candidate to try
-	// source is the client's key for passive ejection (clientSource): a
-	// replica's soft failures must come from several to eject it.
-	source uint64
+	// remote is the client's address (http.Request.RemoteAddr), keyed for
+	// passive ejection only when a soft failure needs it (source).
+	remote string
 	// stripUsage says the router asked the replica for the stream's usage
 	// chunk, which the client must not see.
 	stripUsage bool
@@ -51,7 +51,7 @@ func (f *flight) current() *routing.Candidate { return f.rt.Served }
 // forward proxies r, under ctx (r's context, or one derived from it), to
 // f's replica.
 func (s *Server) forward(w http.ResponseWriter, r *http.Request, ctx context.Context, f *flight) {
-	f.in, f.auth, f.source = r.URL, r.Header.Values("Authorization"), clientSource(r.RemoteAddr)
+	f.in, f.auth, f.remote = r.URL, r.Header.Values("Authorization"), r.RemoteAddr
 	r = r.WithContext(context.WithValue(ctx, flightKey{}, f))
 	// The body each attempt sends is the flight's (rewrite, failover):
 	// ReverseProxy wraps the one it is given in a reader without WriteTo,
@@ -161,7 +161,7 @@ func (s *Server) modifyResponse(resp *http.Response) error {
 	// replica's silence, not the time the layers above take to gather a
 	// whole event.
 	var body io.ReadCloser = newIdleBody(resp.Body, s.o.Timeouts.Idle, s.o.Timeouts.FirstByte, func() {
-		s.core.e.Strike(c.Replica, time.Now(), s.o.Ejection, f.source)
+		s.core.e.Strike(c.Replica, time.Now(), s.o.Ejection, f.source())
 		s.core.o.Metrics.UpstreamError(c.Replica.Name, "idle")
 		s.o.Logger.Warn("replica went silent mid-response; cutting it off", "replica", c.Replica.Name, "path", resp.Request.URL.Path)
 		f.cancel()
@@ -214,14 +214,14 @@ func (t *failover) RoundTrip(req *http.Request) (*http.Response, error) {
 				// A 500 or 504 may be this request's own (vLLM answers 500
 				// to some inputs): it reaches the client as it is, and
 				// only a run of them, from several clients, ejects the replica.
-				t.s.core.e.Strike(cur.Replica, now, t.s.o.Ejection, f.source)
+				t.s.core.e.Strike(cur.Replica, now, t.s.o.Ejection, f.source())
 				return resp, nil
 			}
 			t.s.core.e.Fail(cur.Replica, now, t.s.o.Ejection)
 		default:
 			kind := errorKind(err)
 			if kind == "timeout" { // no answer within first_byte: hung, or only slow
-				t.s.core.e.Strike(cur.Replica, now, t.s.o.Ejection, f.source)
+				t.s.core.e.Strike(cur.Replica, now, t.s.o.Ejection, f.source())
 			} else {
 				t.s.core.e.Fail(cur.Replica, now, t.s.o.Ejection)
 			}
@@ -248,6 +248,10 @@ func (t *failover) moveOn(f *flight) bool {
 	defer func() { f.next++ }()
 	return t.s.core.Failover(f.rt, f.next)
 }
+
+// source is the client's key for passive ejection (clientSource): a
+// replica's soft failures must come from several to eject it.
+func (f *flight) source() uint64 { return clientSource(f.remote) }
 
 // clientSource returns the key of the client at remoteAddr (an
 // http.Request's RemoteAddr) for passive ejection: a hash of its IPv4

@@ -83,10 +83,6 @@ func (c *counting) readLocked(id int) reading {
 	return r
 }
 
-// predict is the cached tokens replica id's engine is expected to report
-// for a match m.
-func (c *counting) predict(id int, m cachemodel.Match) int { return c.read(id).predict(m) }
-
 // predict is the cached tokens an engine counting as r reports for a
 // match m.
 func (r reading) predict(m cachemodel.Match) int {

@@ -40,7 +40,7 @@ func TestCountingLearnsHowTheEngineCounts(t *testing.T) {
 		{0, held, 224}, {1, held, 160}, {2, held, 160}, {3, routed, 160}, {4, routed, 96},
 		{5, routed, 112}, {6, both, 160},
 	} {
-		if got := c.predict(tc.id, tc.m); abs(got-tc.want) > block/4 { // the priors fade, never quite vanish
+		if got := c.read(tc.id).predict(tc.m); abs(got-tc.want) > block/4 { // the priors fade, never quite vanish
 			t.Errorf("replica %d: predicted %d for %+v, want %d (read %+v)", tc.id, got, tc.m, tc.want, c.read(tc.id))
 		}
 	}

@@ -188,12 +188,6 @@ func (u *units) forget(replica int) {
 // combine sets the model's ratio and fit from its replicas'; with none
 // heard from, the ratio stays. v.mu must be held.
 func (v *unit) combine() {
-	if !slices.ContainsFunc(v.per, func(p perUnit) bool { return p.seen }) {
-		v.fit.Store(nil)
-		return
-	}
-	ratio := math.Exp(v.median(func(p *perUnit) (float64, bool) { return p.log, p.seen }))
-	v.ratio.Store(math.Float64bits(min(max(ratio, minRatio), maxRatio)))
 	seen, fitted := 0, 0
 	for i := range v.per {
 		if v.per[i].seen {
@@ -203,6 +197,12 @@ func (v *unit) combine() {
 			fitted++
 		}
 	}
+	if seen == 0 {
+		v.fit.Store(nil)
+		return
+	}
+	ratio := math.Exp(v.median(func(p *perUnit) (float64, bool) { return p.log, p.seen }))
+	v.ratio.Store(math.Float64bits(min(max(ratio, minRatio), maxRatio)))
 	if 2*fitted <= seen {
 		v.fit.Store(nil)
 		return
