@@ -7,6 +7,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/semroute/semroute/blockhash"
+
 	"github.com/semroute/semroute/replica"
 )
 
@@ -67,7 +68,7 @@ func (f *Fleet) applyBatch(data []byte, first string) {
 func (f *Fleet) apply(p *peer, r *record, now time.Time) {
 	f.applied.Add(1)
 	p.records++
-	cache, pool := f.eng.Cache(), f.eng.Pool()
+	pool := f.eng.Pool()
 	switch r.typ {
 	case recRoute, recReply:
 		rep, ok := pool.Get(r.replica)
@@ -76,49 +77,36 @@ func (f *Fleet) apply(p *peer, r *record, now time.Time) {
 			return
 		}
 		if old := p.flight[r.req]; old != nil && r.typ == recRoute {
-			f.end(p, old, now) // before resolve: both use f.scratch
+			f.end(p, old, now)
 			delete(p.flight, r.req)
 		}
 		all, ok := f.resolve(&r.chain)
+		if !ok {
+			all = nil
+		}
 		if r.typ == recReply {
-			if ok && len(all) > 0 {
-				cache.Extend(rep.ID, all, r.chain.prefix, now.UnixNano())
-			}
+			f.eng.Picture().Replied(rep.ID, all, r.chain.prefix, now)
 			return
 		}
 		f.bound(r, all, ok)
-		tracked := f.flights < maxFlights // an untracked request would never be unpinned
-		fl := &flight{r: rep, work: replica.Work{Prefill: r.prefill, Tokens: r.tokens}, start: now}
-		if ok && len(all) > 0 {
-			tokens := chainTokens(all)
-			st, _ := cache.Stats(rep.ID)
-			if tracked && f.keys+len(all) <= maxPinnedKeys && (st.Budget == 0 || f.pinned[rep.ID]+tokens <= st.Budget/pinShare) {
-				if _, fl.pins = cache.Commit(rep.ID, all, now.UnixNano()); fl.pins.Blocks() > 0 {
-					fl.keys = make([]uint64, fl.pins.Blocks())
-					for i := range fl.keys {
-						fl.keys[i] = all[i].Hash
-					}
-					fl.pinned = chainTokens(all[:len(fl.keys)])
-					p.keys += len(fl.keys)
-					f.keys += len(fl.keys)
-					f.pinned[rep.ID] += fl.pinned
-				}
-			} else {
-				cache.Record(rep.ID, all, now.UnixNano())
-			}
-		}
-		if !tracked {
+		if f.flights >= maxFlights { // an untracked request would never be unpinned
+			f.eng.Picture().Routed(rep.ID, all, now)
 			return
 		}
-		if len(all) > 0 {
-			fl.last, fl.has = all[len(all)-1].Hash, true
-		}
-		rep.Begin(&fl.work)
+		st, _ := f.eng.Picture().Stats(rep.ID)
+		pin := f.keys+len(all) <= maxPinnedKeys && (st.Budget == 0 || f.pinned[rep.ID]+chainTokens(all) <= st.Budget/pinShare)
+		fl := &flight{start: now}
+		fl.l = f.eng.PeerLease(rep, all, replica.Work{Prefill: r.prefill, Tokens: r.tokens}, pin, now)
+		n, tokens := fl.l.Pinned()
+		fl.keys, fl.pinned = n, tokens
+		p.keys += n
+		f.keys += n
+		f.pinned[rep.ID] += tokens
 		p.flight[r.req] = fl
 		f.flights++
 	case recPrefill:
 		if fl := p.flight[r.req]; fl != nil {
-			fl.r.PrefillDone(&fl.work, now)
+			fl.l.FirstToken(now)
 		}
 	case recDone:
 		fl := p.flight[r.req]
@@ -183,7 +171,7 @@ func (f *Fleet) resolve(c *chain) ([]blockhash.Block, bool) {
 	all := f.scratch[:0]
 	if c.prefix > 0 {
 		var ok bool
-		all, ok = f.eng.Cache().Chain(c.prefixKey, all)
+		all, ok = f.eng.Picture().Chain(c.prefixKey, all)
 		if !ok || len(all) != c.prefix {
 			f.unresolved.Add(1)
 			f.scratch = all[:0]

@@ -5,7 +5,6 @@ import (
 	"testing"
 
 	"github.com/semroute/semroute/blockhash"
-	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
 
@@ -31,9 +30,10 @@ func BenchmarkBytesPerRoutedRequest(b *testing.B) {
 				blocks[i] = blockhash.Block{Hash: uint64(i)*0x9e3779b97f4a7c15 + 1, Tokens: 16, Kind: blockhash.KindSystem}
 			}
 			blocks[len(blocks)-3].Tokens = 7
-			d := &routing.Decision{Blocks: blocks[:tc.matched+tc.fresh], Work: replica.Work{Prefill: int64(16 * tc.fresh), Tokens: int64(16 * (tc.matched + tc.fresh))}}
+			d := &routing.Decision{Blocks: blocks[:tc.matched+tc.fresh], Tokens: 16 * (tc.matched + tc.fresh)}
 			c := &routing.Candidate{Replica: r}
-			c.Match.Blocks = tc.matched
+			c.Match.Blocks, c.Match.Tokens = tc.matched, 16*tc.matched
+			e.Commit(d, c) // the lease whose work the records carry
 			const batch = 64
 			var total int
 			b.ResetTimer()

@@ -47,7 +47,6 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/semroute/semroute/blockhash"
-	"github.com/semroute/semroute/cachemodel"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
@@ -236,20 +235,13 @@ type peer struct {
 	records int64
 }
 
-// flight is a peer's request in flight on one of our replicas.
+// flight is a peer's request in flight on one of our replicas: its lease
+// there (its pins and load, as its own router holds them), and what it
+// adds to the bounds on pins: keys is its pinned blocks, pinned their
+// tokens. start is when its record was applied (local clock).
 type flight struct {
-	r    *replica.Replica
-	work replica.Work
-	last uint64 // key of the request's last block, to release its chain
-	has  bool
-	// pins are what the request pinned in this picture, as its own
-	// router's picture pins it (cachemodel.Model.Commit), and keys the
-	// pinned blocks' keys, so that they are unpinned even if the chain
-	// can no longer be rebuilt from the picture.
-	pins cachemodel.Pins
-	keys []uint64
-	// pinned is the tokens of the pinned blocks, start when the record
-	// was applied (local clock).
+	l      *routing.Lease
+	keys   int
 	pinned int64
 	start  time.Time
 }
@@ -257,9 +249,9 @@ type flight struct {
 // maxFlights bounds the requests in flight kept for all peers together.
 const maxFlights = 1 << 16
 
-// maxPinnedKeys bounds the keys of pinned blocks kept for all peers
-// together (32 MiB): past it peers' requests are recorded without pins.
-const maxPinnedKeys = 1 << 22
+// maxPinnedKeys bounds the pinned blocks kept for all peers together (24
+// bytes each: 24 MiB): past it peers' requests are recorded without pins.
+const maxPinnedKeys = 1 << 20
 
 // pinShare is the share of a replica's token budget that peers' requests
 // may pin: past it they are recorded without pins, so that the picture
@@ -553,7 +545,7 @@ func (f *Fleet) expire() {
 				delete(p.flight, id)
 				f.stale.Add(1)
 			case age >= f.o.PrefillTTL:
-				fl.r.PrefillDone(&fl.work, now)
+				fl.l.FirstToken(now)
 			}
 		}
 	}
@@ -570,27 +562,11 @@ func (f *Fleet) endAll(p *peer, now time.Time) {
 // end ends p's request in flight fl: its work stops counting, and its
 // blocks are freed in the picture (and unpinned). f.amu must be held.
 func (f *Fleet) end(p *peer, fl *flight, now time.Time) {
-	fl.r.End(&fl.work, now)
+	fl.l.End(now)
 	f.flights--
-	cache := f.eng.Cache()
-	if fl.keys != nil {
-		p.keys -= len(fl.keys)
-		f.keys -= len(fl.keys)
-		f.pinned[fl.r.ID] -= fl.pinned
-		blocks := f.scratch[:0]
-		for _, k := range fl.keys {
-			blocks = append(blocks, blockhash.Block{Hash: k})
-		}
-		cache.Done(fl.r.ID, blocks, fl.pins, now.UnixNano())
-		f.scratch = blocks[:0]
-		return
-	}
-	if fl.has {
-		if chain, ok := cache.Chain(fl.last, f.scratch[:0]); ok {
-			cache.Release(fl.r.ID, chain, now.UnixNano())
-			f.scratch = chain[:0]
-		}
-	}
+	p.keys -= fl.keys
+	f.keys -= fl.keys
+	f.pinned[fl.l.Replica().ID] -= fl.pinned
 }
 
 // Committed implements routing.Sync.
@@ -602,8 +578,9 @@ func (f *Fleet) Committed(d *routing.Decision, c *routing.Candidate) {
 		b = append(b, recRoute)
 		b = binary.AppendUvarint(b, d.SyncID)
 		b = appendStr(b, c.Replica.Name)
-		b = binary.AppendUvarint(b, uint64(max(d.Work.Prefill, 0)))
-		b = binary.AppendUvarint(b, uint64(max(d.Work.Tokens, 0)))
+		w := d.Lease().Work()
+		b = binary.AppendUvarint(b, uint64(max(w.Prefill, 0)))
+		b = binary.AppendUvarint(b, uint64(max(w.Tokens, 0)))
 		return appendChain(b, d.Blocks, c.Match.Blocks)
 	})
 }

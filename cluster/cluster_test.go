@@ -105,7 +105,7 @@ func prompt(e *routing.Engine, seed uint64, n int) routing.Request {
 // matchOn returns the tokens replica name holds of blocks in e's picture.
 func matchOn(e *routing.Engine, name string, blocks []blockhash.Block) int {
 	r, _ := e.Pool().Get(name)
-	return e.Cache().Match(blocks, nil, nil)[r.ID].Tokens
+	return e.Picture().Match(blocks)[r.ID].Tokens
 }
 
 func TestCodecRoundTrip(t *testing.T) {
@@ -180,13 +180,13 @@ func TestPeersShareThePicture(t *testing.T) {
 	if l := rb.Load(time.Now()); l.PendingTokens == 0 {
 		t.Fatalf("peer's replica has no pending prefill: %+v", l)
 	}
-	ea.PrefillDone(d, d.Chosen())
+	d.Lease().FirstToken(ea.Now())
 	waitFor(t, "prefill done on the peer", func() bool { return rb.Load(time.Now()).PendingTokens == 0 })
 	reply := ea.LearnReply(d, d.Chosen().Replica, []byte("an answer of some length to make a block or two of reply text, "+
 		"repeated: an answer of some length to make a block or two of reply text"))
 	chain := append(append([]blockhash.Block(nil), d.Blocks...), reply...)
 	waitFor(t, "reply on the peer", func() bool { return matchOn(eb, name, chain) == matchOn(ea, name, chain) })
-	ea.Done(d, d.Chosen())
+	d.Lease().End(ea.Now())
 	waitFor(t, "end on the peer", func() bool { return rb.Load(time.Now()).InFlight == 0 })
 
 	// A second request sharing the system prompt names it by its last
@@ -201,7 +201,7 @@ func TestPeersShareThePicture(t *testing.T) {
 		t.Fatalf("second request went to %s matching %d blocks", d2.Chosen().Replica.Name, d2.Chosen().Match.Blocks)
 	}
 	waitFor(t, "second request on the peer", func() bool { return matchOn(eb, name, d2.Blocks) == d2.Tokens })
-	ea.Done(d2, d2.Chosen())
+	d2.Lease().End(ea.Now())
 
 	ra, _ := ea.Pool().Get("c")
 	ea.Fail(ra, time.Now(), replica.Ejection{})
@@ -226,7 +226,7 @@ func TestWarmStartFromAPeer(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		ea.Done(d, d.Chosen())
+		d.Lease().End(ea.Now())
 		ds = append(ds, d)
 	}
 	fb, eb := startFleet(t, ns.ClientURL(), "rb")
@@ -289,7 +289,7 @@ func TestNATSDownThenBack(t *testing.T) {
 		if err != nil {
 			t.Fatalf("routing with NATS down: %v", err)
 		}
-		ea.Done(d, d.Chosen())
+		d.Lease().End(ea.Now())
 		ds = append(ds, d)
 	}
 	if st := fa.Stats(); st.DroppedDown == 0 {

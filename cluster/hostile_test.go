@@ -311,7 +311,7 @@ func TestForgedPeersCannotGrowMemory(t *testing.T) {
 	}
 	for _, s := range specs {
 		r, _ := e.Pool().Get(s.Name)
-		st, _ := e.Cache().Stats(r.ID)
+		st, _ := e.Picture().Stats(r.ID)
 		if st.Tokens > st.Budget {
 			t.Fatalf("%s: the picture holds %d tokens, its budget is %d", s.Name, st.Tokens, st.Budget)
 		}

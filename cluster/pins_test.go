@@ -34,15 +34,15 @@ func TestPeerRequestsPinned(t *testing.T) {
 		return appendChain(appendUv(appendUv(b, 50), 100), theirs, 0)
 	}
 	done := func(req uint64) []byte { return appendUv([]byte{recDone}, req) }
-	held := func() int { return e.Cache().Match(theirs, nil, nil)[r.ID].Blocks }
-	ours := func(seed uint64) { e.Cache().Record(r.ID, prompt(e, seed, 12).Blocks, time.Now().UnixNano()) }
+	held := func() int { return e.Picture().Match(theirs)[r.ID].Blocks }
+	ours := func(seed uint64) { e.Picture().Routed(r.ID, prompt(e, seed, 12).Blocks, time.Now()) }
 
 	apply(batch(1, route(1)))
 	ours(100) // 24 blocks in a budget of 16: only ours can go
 	if got := held(); got != len(theirs) {
 		t.Fatalf("the peer's running prompt holds %d of %d blocks after ours overfilled the picture", got, len(theirs))
 	}
-	if st, _ := e.Cache().Stats(r.ID); st.Tokens > st.Budget {
+	if st, _ := e.Picture().Stats(r.ID); st.Tokens > st.Budget {
 		t.Fatalf("the picture holds %d tokens, its budget %d", st.Tokens, st.Budget)
 	}
 	apply(batch(2, done(1)))

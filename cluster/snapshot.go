@@ -145,7 +145,7 @@ func (f *Fleet) load(peer string) (int, error) {
 // engine's own, and a block stored from a snapshot would have no engine
 // hash for its removal to be applied.
 func (f *Fleet) applyChunk(b []byte) (int, error) {
-	cache, pool := f.eng.Cache(), f.eng.Pool()
+	cache, pool := f.eng.Picture(), f.eng.Pool()
 	r := &reader{b: b}
 	if r.byte() != version {
 		return 0, errMalformed
@@ -186,7 +186,7 @@ func (f *Fleet) serve(m *nats.Msg) {
 	if m.Reply == "" {
 		return
 	}
-	cache := f.eng.Cache()
+	cache := f.eng.Picture()
 	var chunks [][]byte
 	cur := []byte{version}
 	for _, rep := range f.eng.Pool().Replicas() {

@@ -48,11 +48,23 @@ type Counts struct {
 	Cleared uint64
 }
 
+// Picture is what the events change: the router's picture of its
+// replicas' caches (routing.Picture, its owner's named operations; a
+// cachemodel.Model in a test). Safe for concurrent use.
+type Picture interface {
+	Store(id int, parent uint64, hasParent bool, blocks []blockhash.Block, cpu bool, now int64) (ok bool, evicted int)
+	Remove(id int, key uint64, cpu bool) (removed, left bool)
+	Clear(id int)
+	SetEventDriven(id int, on bool)
+	ExpirePending(now int64)
+	Stats(id int) (cachemodel.Stats, bool)
+}
+
 // Applier applies one replica's KV events to the cache picture. It is not
 // safe for concurrent use: one goroutine (the Subscriber's) applies; Counts
 // may be read from any.
 type Applier struct {
-	model     *cachemodel.Model
+	model     Picture
 	id        int
 	blockSize int
 	maxBlocks int
@@ -100,7 +112,7 @@ const seenBlocks = 1 << 15
 // caches blocks of blockSize tokens (the router's precise block size:
 // events of another size are skipped). onLoRA, if set, hears every LoRA
 // adapter named by a stored block. maxBlocks ≤ 0 means DefaultMaxBlocks.
-func NewApplier(model *cachemodel.Model, id, blockSize, maxBlocks int, onLoRA func(string)) *Applier {
+func NewApplier(model Picture, id, blockSize, maxBlocks int, onLoRA func(string)) *Applier {
 	if maxBlocks <= 0 {
 		maxBlocks = DefaultMaxBlocks
 	}

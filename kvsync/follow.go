@@ -7,7 +7,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/semroute/semroute/cachemodel"
 	"github.com/semroute/semroute/kvevents"
 )
 
@@ -19,7 +18,7 @@ const DefaultSilence = 10 * time.Second
 // Options configure a Follower. Model, Endpoint and BlockSize are
 // required.
 type Options struct {
-	Model *cachemodel.Model
+	Model Picture
 	// ID and Name are the replica's in the picture and in logs.
 	ID   int
 	Name string

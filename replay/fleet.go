@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/semroute/semroute/blockhash"
-	"github.com/semroute/semroute/cachemodel"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
@@ -60,7 +59,7 @@ func (f *fleetDecider) decide(i int, now int64) (int, int, int, error) {
 	f.of[i] = k
 	r, cached, blocks, err := f.rs[k].decide(i, now)
 	if err == nil {
-		f.tokens[i] = f.rs[k].ds[i].Work.Tokens
+		f.tokens[i] = f.rs[k].ds[i].Lease().Work().Tokens
 		f.active[r] += float64(f.tokens[i])
 	}
 	return r, cached, blocks, err
@@ -109,15 +108,8 @@ type fleetSync struct {
 	q     []syncOp
 	head  int
 	next  uint64
-	// works[j][id] is router j's copy of another router's request id.
-	works []map[uint64]*peerWork
-}
-
-type peerWork struct {
-	rep    int
-	work   replica.Work
-	blocks []blockhash.Block
-	pins   cachemodel.Pins
+	// works[j][id] is router j's lease of another router's request id.
+	works []map[uint64]*routing.Lease
 }
 
 const (
@@ -164,26 +156,21 @@ func (s *fleetSync) flush(now int64) {
 }
 
 func (s *fleetSync) apply(j int, r *engineDecider, op *syncOp) {
-	reps := r.pool.Replicas()
 	at := time.Unix(0, op.t)
 	switch op.kind {
-	case opCommit:
-		_, pins := r.cache.Commit(op.rep, op.blocks, op.t) // pinned as in cluster's apply
-		w := &peerWork{rep: op.rep, work: op.work, blocks: op.blocks, pins: pins}
-		reps[op.rep].Begin(&w.work)
-		s.works[j][op.id] = w
+	case opCommit: // pinned as cluster pins a peer's request
+		s.works[j][op.id] = r.eng.PeerLease(r.pool.Replicas()[op.rep], op.blocks, op.work, true, at)
 	case opPrefill:
-		if w := s.works[j][op.id]; w != nil {
-			reps[w.rep].PrefillDone(&w.work, at)
+		if l := s.works[j][op.id]; l != nil {
+			l.FirstToken(at)
 		}
 	case opDone:
-		if w := s.works[j][op.id]; w != nil {
-			reps[w.rep].End(&w.work, at)
-			r.cache.Done(w.rep, w.blocks, w.pins, op.t)
+		if l := s.works[j][op.id]; l != nil {
+			l.End(at)
 			delete(s.works[j], op.id)
 		}
 	case opExtend:
-		r.cache.Extend(op.rep, op.blocks, op.n, op.t)
+		r.pic.Replied(op.rep, op.blocks, op.n, at)
 	}
 }
 
@@ -199,7 +186,7 @@ func (x *sender) Committed(d *routing.Decision, c *routing.Candidate) {
 	x.s.next++
 	d.SyncID = x.s.next
 	x.s.push(syncOp{t: *x.now + x.s.delay, from: x.from, kind: opCommit, id: d.SyncID, rep: c.Replica.ID,
-		work: replica.Work{Prefill: d.Work.Prefill, Tokens: d.Work.Tokens}, blocks: append([]blockhash.Block(nil), d.Blocks...)})
+		work: d.Lease().Work(), blocks: append([]blockhash.Block(nil), d.Blocks...)})
 }
 
 func (x *sender) PrefillDone(d *routing.Decision, _ *routing.Candidate) {

@@ -335,9 +335,9 @@ func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
 		fleet = &fleetDecider{rs: rs, of: make([]int, len(reqs)), rng: rand.New(rand.NewPCG(m.Policy.Seed, uint64(routers))),
 			active: make([]float64, m.Replicas), tokens: make([]int64, len(reqs))}
 		if run.Sync == SyncShared {
-			fleet.sync = &fleetSync{rs: rs, delay: run.SyncDelay.Nanoseconds(), works: make([]map[uint64]*peerWork, routers)}
+			fleet.sync = &fleetSync{rs: rs, delay: run.SyncDelay.Nanoseconds(), works: make([]map[uint64]*routing.Lease, routers)}
 			for k, r := range rs {
-				fleet.sync.works[k] = map[uint64]*peerWork{}
+				fleet.sync.works[k] = map[uint64]*routing.Lease{}
 				r.eng.SetSync(&sender{s: fleet.sync, from: k, now: &clock})
 			}
 		}
@@ -367,7 +367,7 @@ func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
 			}
 			for _, x := range rs {
 				for _, r := range x.pool.Replicas() {
-					x.cache.SetEventDriven(r.ID, true)
+					x.pic.SetEventDriven(r.ID, true)
 				}
 			}
 		}
@@ -380,7 +380,7 @@ func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
 		for _, x := range rs {
 			p.Orphans += x.orphans
 			for _, r := range x.pool.Replicas() {
-				if st, ok := x.cache.Stats(r.ID); ok {
+				if st, ok := x.pic.Stats(r.ID); ok {
 					p.PendingExpired += st.PendingExpired
 				}
 			}
@@ -436,7 +436,7 @@ func newEngineDecider(reqs []Request, m *Model, run Run, clock *int64) (*engineD
 	if err != nil {
 		return nil, err
 	}
-	return &engineDecider{m: m, reqs: reqs, eng: eng, pol: pol, cache: eng.Cache(), pool: eng.Pool(), clock: clock,
+	return &engineDecider{m: m, reqs: reqs, eng: eng, pol: pol, pic: eng.Picture(), pool: eng.Pool(), clock: clock,
 		ds: make([]*routing.Decision, len(reqs)), served: make([]*routing.Candidate, len(reqs)), picture: run.Picture}, nil
 }
 

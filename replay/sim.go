@@ -377,7 +377,7 @@ type engineDecider struct {
 	reqs   []Request
 	eng    *routing.Engine
 	pol    routing.Policy
-	cache  *cachemodel.Model
+	pic    *routing.Picture
 	pool   *replica.Pool
 	clock  *int64
 	ds     []*routing.Decision
@@ -391,7 +391,7 @@ type engineDecider struct {
 func (e *engineDecider) decide(i int, now int64) (int, int, int, error) {
 	*e.clock = now
 	if e.picture == PictureEvents {
-		e.cache.ExpirePending(now)
+		e.pic.ExpirePending(now)
 	}
 	req := &e.reqs[i]
 	d, err := e.eng.Decide(routing.Request{Blocks: req.Blocks, Key: req.Key, Text: req.Text, Policy: e.pol}, true)
@@ -405,7 +405,7 @@ func (e *engineDecider) decide(i int, now int64) (int, int, int, error) {
 
 func (e *engineDecider) prefillDone(i int, now int64, cached int) {
 	*e.clock = now
-	e.eng.PrefillDone(e.ds[i], e.served[i])
+	e.ds[i].Lease().FirstToken(time.Unix(0, now))
 	if e.picture == PictureFeedback {
 		e.eng.Feedback(e.ds[i], e.served[i], cached)
 	}
@@ -414,19 +414,19 @@ func (e *engineDecider) prefillDone(i int, now int64, cached int) {
 // stored and removed make the engine decider the events mode's cacheSink:
 // the engine's cache changes reach the picture as KV events would.
 func (e *engineDecider) stored(rep int, parent uint64, hasParent bool, blocks []blockhash.Block, now int64) {
-	if ok, _ := e.cache.Store(rep, parent, hasParent, blocks, false, now); !ok {
+	if ok, _ := e.pic.Store(rep, parent, hasParent, blocks, false, now); !ok {
 		e.orphans += int64(len(blocks)) // as kvsync.Applier counts them
 	}
 }
 
-func (e *engineDecider) removed(rep int, key uint64) { e.cache.Remove(rep, key, false) }
+func (e *engineDecider) removed(rep int, key uint64) { e.pic.Remove(rep, key, false) }
 
 func (e *engineDecider) done(i int, now int64) {
 	*e.clock = now
-	e.eng.Done(e.ds[i], e.served[i])
+	e.ds[i].Lease().End(time.Unix(0, now))
 	if e.m.RecordReplies && e.reqs[i].Reply != nil {
 		all := append(append([]blockhash.Block(nil), e.reqs[i].Blocks...), e.reqs[i].Reply...)
-		e.cache.Extend(e.served[i].Replica.ID, all, len(e.reqs[i].Blocks), now) // as Engine.LearnReply does
+		e.pic.Replied(e.served[i].Replica.ID, all, len(e.reqs[i].Blocks), time.Unix(0, now))
 	}
 	e.ds[i], e.served[i] = nil, nil
 }

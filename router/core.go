@@ -290,7 +290,7 @@ func (rt *Routed) ttft() time.Duration {
 func (c *Core) FirstByte(rt *Routed) {
 	rt.once.Do(func() {
 		rt.first = c.e.Now()
-		c.e.PrefillDone(rt.Decision, rt.Served)
+		rt.Lease().FirstToken(rt.first)
 	})
 }
 
@@ -300,7 +300,7 @@ func (c *Core) Failover(rt *Routed, next int) bool {
 	if next >= len(rt.Ranked) {
 		return false
 	}
-	c.e.Done(rt.Decision, rt.Served)
+	rt.Lease().End(c.e.Now())
 	rt.Served = &rt.Ranked[next]
 	c.e.Commit(rt.Decision, rt.Served)
 	c.o.Metrics.retried(rt)
@@ -311,7 +311,7 @@ func (c *Core) Failover(rt *Routed, next int) bool {
 // the engine is done with the prompt's blocks, which the picture may now
 // evict, though the client may still be reading. Finish does it if this
 // was not called.
-func (c *Core) EngineDone(rt *Routed) { c.e.Release(rt.Decision, rt.Served) }
+func (c *Core) EngineDone(rt *Routed) { rt.Lease().EngineDone(c.e.Now()) }
 
 // Outcome is how a routed request ended, as the front end saw it.
 type Outcome = decisionlog.Outcome
@@ -322,7 +322,7 @@ type Outcome = decisionlog.Outcome
 func (c *Core) Finish(rt *Routed, o Outcome, reply []byte) {
 	defer c.e.Recycle(rt.Decision) // after the decision log's record read the candidates
 	now := c.e.Now()
-	c.e.Done(rt.Decision, rt.Served)
+	rt.Lease().End(now)
 	if o.PromptTokens > 0 && o.Status == 200 && !rt.req.PassThrough {
 		c.e.ObserveUsage(rt.req.Model, rt.Decision, int(o.PromptTokens))
 		if c.o.Agreement != nil {

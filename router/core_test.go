@@ -186,8 +186,8 @@ func TestCoreLifecyclesLeaveNoPins(t *testing.T) {
 		t.Fatalf("%d still held", n)
 	}
 	for id := 0; id < 3; id++ {
-		f.e.Cache().Record(id, f.e.Prepare(parseChat(t, "user", "last"), "z", false).Blocks, f.now.UnixNano())
-		if st, _ := f.e.Cache().Stats(id); st.Tokens > budget {
+		f.e.Picture().Routed(id, f.e.Prepare(parseChat(t, "user", "last"), "z", false).Blocks, f.now)
+		if st, _ := f.e.Picture().Stats(id); st.Tokens > budget {
 			t.Errorf("replica %d: %d tokens over a budget of %d with nothing in flight", id, st.Tokens, budget)
 		}
 	}
@@ -211,7 +211,7 @@ func TestEngineDoneUnpinsBeforeFinish(t *testing.T) {
 	c.EngineDone(slow)
 	f.now = f.now.Add(time.Second)
 	next := route(strings.Repeat("another prompt entirely. ", 400)) // more than the budget alone
-	if got := f.e.Cache().Match(blocks, nil, nil)[0].Blocks; got != 0 {
+	if got := f.e.Picture().Match(blocks)[0].Blocks; got != 0 {
 		t.Fatalf("the first prompt, its answer ended, holds %d blocks after a second prompt filled the picture: still pinned", got)
 	}
 	c.Finish(slow, Outcome{Status: 200}, nil)

@@ -310,7 +310,7 @@ func (g *GRPCService) ListReplicas(context.Context, *pb.ListReplicasRequest) (*p
 	now := g.core.e.Now()
 	out := &pb.ListReplicasResponse{}
 	for _, r := range g.core.e.Pool().Replicas() {
-		st, _ := g.core.e.Cache().Stats(r.ID)
+		st, _ := g.core.e.Picture().Stats(r.ID)
 		l := r.Load(now)
 		out.Replicas = append(out.Replicas, &pb.Replica{
 			Name: r.Name, Url: r.PublicURL(), Healthy: r.Available(now), InFlight: l.InFlight, PendingTokens: l.PendingTokens,

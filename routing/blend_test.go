@@ -87,7 +87,7 @@ func modelDecider(t *testing.T, e *Engine, pol Policy) func(model, only string, 
 		if err != nil {
 			t.Fatal(err)
 		}
-		e.Done(d, d.Chosen())
+		d.Lease().End(e.Now())
 		return d
 	}
 }

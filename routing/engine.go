@@ -112,14 +112,11 @@ type Engine struct {
 
 	adapters atomic.Pointer[map[string]bool] // NoteAdapter's, copy-on-write under mu
 
-	fbMu   sync.Mutex
-	fbBase map[int]int64 // Feedback: each replica's budget before any correction
-
 	counting counting // how each event-driven replica's engine counts its hits
 
 	sync Sync // SetSync's; nil: a router alone
 
-	segs *cachemodel.Segments // the blending replicas' segments; nil: none blends
+	pic *Picture // the picture's owner: every write to cache and segs goes through it or a Lease
 }
 
 // newEngine returns an Engine over split, cache and pool.
@@ -139,7 +136,7 @@ func newEngine(o EngineOptions, split *blockhash.Splitter, cache *cachemodel.Mod
 	o.MatcherThreshold = cmp.Or(o.MatcherThreshold, DefaultMatcherThreshold)
 	o.HotUses = cmp.Or(o.HotUses, 8)
 	o.HotShare = cmp.Or(o.HotShare, 1.5)
-	e := &Engine{o: o, split: split, cache: cache, pool: pool}
+	e := &Engine{o: o, split: split, cache: cache, pool: pool, pic: &Picture{cache: cache}}
 	if o.SharedActive {
 		e.active = map[int]map[uint64]int32{}
 	}
@@ -151,9 +148,6 @@ func (e *Engine) Splitter() *blockhash.Splitter { return e.split }
 
 // Pool returns the engine's replica pool.
 func (e *Engine) Pool() *replica.Pool { return e.pool }
-
-// Cache returns the engine's cache picture.
-func (e *Engine) Cache() *cachemodel.Model { return e.cache }
 
 // Now returns the engine's clock reading.
 func (e *Engine) Now() time.Time { return e.o.Now() }
@@ -172,14 +166,14 @@ type Decision struct {
 	// the choice. Candidates holds every candidate scored, in no order.
 	Ranked     []Candidate
 	Candidates []Candidate
-	// Work is the request's load on the replica now serving it (set by
-	// Commit).
-	Work replica.Work
 	// SyncID names the request to the engine's Sync (which sets it); 0
 	// without one.
 	SyncID uint64
-	// served is the id of the replica now serving it (set by Commit).
-	served int
+	// served is the id of the replica now serving it, leaseOf its
+	// candidate, lease its time there (set by Commit).
+	served  int
+	leaseOf *Candidate
+	lease   Lease
 
 	pooled  bool              // Blocks came from the block pool
 	learned []blockhash.Block // LearnReply's chain, from the block pool
@@ -190,11 +184,11 @@ type Decision struct {
 	// (PrepareTokens), keyed as its KV events are.
 	precise     bool
 	blockTokens int
-	// pins are what Commit pinned of Blocks on the serving replica's
-	// picture, for Release to unpin; released once it did.
-	pins     cachemodel.Pins
-	released bool
 }
+
+// Lease returns d's time on the replica serving it (Engine.Commit), whose
+// steps the front end reports: FirstToken, EngineDone, End.
+func (d *Decision) Lease() *Lease { return &d.lease }
 
 // Precise reports whether d was decided on the engine's own tokens
 // (PrepareTokens) rather than on an estimate.
@@ -301,7 +295,7 @@ func (e *Engine) PrepareTokens(req *blockhash.Request, ids []int32, blockTokens 
 		seed = blockhash.TokenSeed(req.Model)
 	}
 	bl, tail := blockhash.AppendTokenBlocks(newBlocks(len(ids)/max(blockTokens, 1)), seed, ids, blockTokens, req)
-	if e.segs != nil { // a replica blends: its documents' blocks need keys of their own
+	if e.pic.segs != nil { // a replica blends: its documents' blocks need keys of their own
 		blockhash.SetTokenSegments(bl, len(ids), blockTokens, req)
 	}
 	in := Request{Blocks: bl, Tail: tail, pooled: true, exact: true, blockTokens: blockTokens, Model: req.Model}
@@ -522,9 +516,9 @@ func (e *Engine) lookup(d *Decision, sc *scratch) {
 	sc.sizes = e.cache.Sizes(sc.sizes[:0])
 	e.cache.Past(d.Blocks, sc.matches)
 	sc.beyond = sc.beyond[:0]
-	if e.segs != nil {
+	if e.pic.segs != nil {
 		sc.beyond = append(sc.beyond, make([]float64, len(sc.matches))...)
-		e.segs.Beyond(d.Blocks, sc.matches, sc.beyond)
+		e.pic.segs.Beyond(d.Blocks, sc.matches, sc.beyond)
 	}
 }
 
@@ -738,36 +732,6 @@ func (e *Engine) Recycle(d *Decision) {
 	d.learned = nil
 }
 
-// Commit caches d's blocks on c's replica and counts the request's work
-// there; the blocks stay pinned in the picture (not evicted, as vLLM keeps
-// a running request's blocks) until Done. Call Done with the same
-// candidate when the request ends.
-func (e *Engine) Commit(d *Decision, c *Candidate) {
-	now := e.o.Now().UnixNano()
-	d.served = c.Replica.ID
-	_, d.pins = e.cache.Commit(c.Replica.ID, d.Blocks, now)
-	if e.segs != nil && c.Replica.Reuse.Blend() {
-		e.segs.Record(c.Replica.ID, d.Blocks, now)
-	}
-	d.released = false
-	prefill := max(int64(d.Tokens-c.Match.Tokens)-int64(c.Reuse), 0)
-	d.Work = replica.Work{Prefill: prefill, Tokens: e.activate(c.Replica.ID, d.Blocks, 1)}
-	c.Replica.Begin(&d.Work)
-	if e.sync != nil {
-		e.sync.Committed(d, c)
-	}
-	if len(d.Blocks) == 0 {
-		return // no prompt (a pass-through request): not a prefill to average
-	}
-	for { // avg ← avg + (x − avg)/32, lock-free
-		old := e.avgPrefill.Load()
-		avg := math.Float64frombits(old)
-		if e.avgPrefill.CompareAndSwap(old, math.Float64bits(avg+(float64(d.Work.Prefill)-avg)/32)) {
-			break
-		}
-	}
-}
-
 // activate adds delta (±1) to the running count of blocks on replica id
 // and returns the tokens that became held (delta 1) or released (delta −1):
 // with SharedActive, only blocks no other running request holds; without,
@@ -800,46 +764,6 @@ func (e *Engine) activate(id int, blocks []blockhash.Block, delta int32) int64 {
 		}
 	}
 	return n
-}
-
-// PrefillDone reports that the replica serving d has finished its prefill
-// (the first token arrived).
-func (e *Engine) PrefillDone(d *Decision, c *Candidate) {
-	c.Replica.PrefillDone(&d.Work, e.o.Now())
-	if e.sync != nil {
-		e.sync.PrefillDone(d, c)
-	}
-}
-
-// Release tells the cache model that the engine is done with d's blocks
-// on c's replica: the answer has ended upstream, though the client may
-// still be reading it. Their pins go and their free time is recorded, as
-// vLLM frees a request's blocks when it finishes. Done does it if it was
-// not done; calling it again does nothing. Not safe for use concurrent
-// with Done or Commit on d.
-func (e *Engine) Release(d *Decision, c *Candidate) { e.release(d, c, e.o.Now()) }
-
-func (e *Engine) release(d *Decision, c *Candidate, now time.Time) {
-	if d.released {
-		return
-	}
-	d.released = true
-	e.cache.Done(c.Replica.ID, d.Blocks, d.pins, now.UnixNano())
-	d.pins = cachemodel.Pins{}
-}
-
-// Done ends the work counted by Commit and, unless Release did, tells the
-// cache model the request's blocks were freed.
-func (e *Engine) Done(d *Decision, c *Candidate) {
-	now := e.o.Now()
-	if e.active != nil {
-		d.Work.Tokens = e.activate(c.Replica.ID, d.Blocks, -1)
-	}
-	c.Replica.End(&d.Work, now)
-	e.release(d, c, now)
-	if e.sync != nil {
-		e.sync.Done(d, c)
-	}
 }
 
 // LearnReply caches the assistant's reply, chained after the request's
@@ -910,34 +834,10 @@ func (e *Engine) Feedback(d *Decision, c *Candidate, cached int) int64 {
 	if diff > -block && diff < block {
 		return 0
 	}
-	st, ok := e.cache.Stats(id)
-	if !ok || st.Budget == 0 {
-		if diff > 0 {
-			return e.cache.Shrink(id, diff)
-		}
-		return 0
-	}
-	e.fbMu.Lock()
-	if e.fbBase == nil {
-		e.fbBase = map[int]int64{}
-	}
-	base, seen := e.fbBase[id]
-	if !seen {
-		base = st.Budget
-		e.fbBase[id] = base
-	}
-	e.fbMu.Unlock()
-	budget := min(max(st.Budget-diff/8, base/4), base*4)
-	e.cache.SetBudget(id, budget)
-	if diff > 0 {
-		return e.cache.Shrink(id, diff)
-	}
-	return 0
+	return e.pic.correct(id, diff)
 }
 
 func (e *Engine) forgetFeedback(id int) {
-	e.fbMu.Lock()
-	delete(e.fbBase, id)
-	e.fbMu.Unlock()
+	e.pic.forgetBase(id)
 	e.counting.forget(id)
 }

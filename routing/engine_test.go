@@ -39,7 +39,7 @@ func newFixture(t testing.TB, replicas int, policy string) *fixture {
 	if err != nil {
 		t.Fatal(err)
 	}
-	f.cache, f.pool, f.pol = f.e.Cache(), f.e.Pool(), pol
+	f.cache, f.pool, f.pol = f.e.cache, f.e.Pool(), pol
 	return f
 }
 
@@ -144,7 +144,7 @@ func TestRecycledBlocks(t *testing.T) {
 		t.Fatal(err)
 	}
 	f.e.LearnReply(d, d.Chosen().Replica, []byte(strings.Repeat("a reply ", 100)))
-	f.e.Done(d, d.Chosen())
+	d.Lease().End(f.e.Now())
 	f.e.Recycle(d)
 	if len(d.Blocks) != len(want) {
 		t.Fatalf("Recycle dropped the caller's blocks: %d left of %d", len(d.Blocks), len(want))
@@ -163,7 +163,7 @@ func TestRecycledBlocks(t *testing.T) {
 		if got := f.cache.Match(chain, nil, nil); got[d.Chosen().Replica.ID].Blocks != len(chain) {
 			t.Fatalf("decision %d: the reply's chain is not cached: %+v", i, got)
 		}
-		f.e.Done(d, d.Chosen())
+		d.Lease().End(f.e.Now())
 		f.e.Recycle(d)
 		if d.Blocks != nil {
 			t.Fatalf("decision %d: Recycle kept the pooled blocks", i)
@@ -181,11 +181,11 @@ func TestCommitAndDoneBalanceLoad(t *testing.T) {
 	if l := c.Replica.Load(f.now); l.InFlight != 1 || l.PendingTokens != 1000 || l.ActiveTokens != 1000 || l.RecentTokens != 0 {
 		t.Fatalf("after commit: %+v", l)
 	}
-	f.e.PrefillDone(d, c)
+	d.Lease().FirstToken(f.e.Now())
 	if l := c.Replica.Load(f.now); l.InFlight != 1 || l.PendingTokens != 0 || l.ActiveTokens != 1000 || l.RecentTokens != 1000 {
 		t.Fatalf("after prefill: %+v", l)
 	}
-	f.e.Done(d, c)
+	d.Lease().End(f.e.Now())
 	if l := c.Replica.Load(f.now); l.InFlight != 0 || l.PendingTokens != 0 || l.RecentTokens != 1000 {
 		t.Fatalf("at done: %+v", l)
 	}
@@ -202,7 +202,7 @@ func TestLearnReplyMatchesNextTurn(t *testing.T) {
 	r := d.Chosen().Replica
 	reply := strings.Repeat("Caching keeps computed state. ", 40)
 	f.e.LearnReply(d, r, blockhash.AssistantText(reply, nil))
-	f.e.Done(d, d.Chosen())
+	d.Lease().End(f.e.Now())
 
 	turn2 := parseChat(t, "system", "be brief", "user", strings.Repeat("tell me about caching. ", 30),
 		"assistant", reply, "user", "and eviction?")
@@ -265,11 +265,11 @@ func TestSharedActiveCountsSharedBlocksOnce(t *testing.T) {
 		if got := r.Load(f.now).ActiveTokens; got != want {
 			t.Fatalf("shared=%v: active %v, want %v", shared, got, want)
 		}
-		f.e.Done(d1, d1.Chosen())
+		d1.Lease().End(f.e.Now())
 		if got := r.Load(f.now).ActiveTokens; got != 1100 {
 			t.Fatalf("shared=%v: after one ends, active %v, want 1100", shared, got)
 		}
-		f.e.Done(d2, d2.Chosen())
+		d2.Lease().End(f.e.Now())
 		if got := r.Load(f.now).ActiveTokens; got != 0 {
 			t.Fatalf("shared=%v: after both end, active %v", shared, got)
 		}
@@ -293,7 +293,7 @@ func TestHotAfterHotUsesRequests(t *testing.T) {
 		}
 		c := d.Chosen()
 		f.e.LearnReply(d, c.Replica, []byte(fmt.Sprint("the answer to question ", i)))
-		f.e.Done(d, c)
+		d.Lease().End(f.e.Now())
 		f.now = f.now.Add(100 * time.Millisecond)
 	}
 	d, err := f.decide(parseChat(t, "system", sys, "user", "question 9"), "", false)
@@ -317,7 +317,7 @@ func TestTokensInTheEnginesUnit(t *testing.T) {
 		t.Fatal(err)
 	}
 	estimated := d.Tokens
-	f.e.Done(d, d.Chosen())
+	d.Lease().End(f.e.Now())
 	for range 40 { // the engine counts 0.6 of the estimate
 		f.e.ObserveUsage("m", d, estimated*6/10)
 	}

@@ -102,7 +102,7 @@ func New(o Options) (*Engine, error) {
 	if err != nil {
 		return nil, err
 	}
-	e.segs = segs
+	e.pic.segs = segs
 	e.join = join
 	return e, nil
 }
@@ -115,7 +115,7 @@ func (e *Engine) AddReplica(s replica.Spec) (*replica.Replica, error) {
 	if e.join == nil {
 		return nil, errors.New("routing: AddReplica needs an engine made by New")
 	}
-	if s.Reuse.Blend() && e.segs == nil {
+	if s.Reuse.Blend() && e.pic.segs == nil {
 		return nil, errors.New("routing: a blending replica joins only a pool that had one from the start (its prompts' segment keys are computed from then on)")
 	}
 	if s.Reuse.Donor() && e.o.Matcher == nil {
@@ -124,35 +124,10 @@ func (e *Engine) AddReplica(s replica.Spec) (*replica.Replica, error) {
 	return e.pool.Add(s, e.join)
 }
 
-// SetBudget sets replica id's budget to what its engine reports (tokens;
-// vllm:cache_config_info): the picture evicts down to it at its next
-// record, and Feedback's corrections start again from it, held within a
-// quarter and four times it. Safe for concurrent use.
-func (e *Engine) SetBudget(id int, tokens int64) {
-	e.fbMu.Lock()
-	if e.fbBase != nil {
-		delete(e.fbBase, id) // the next correction's base is the budget set here
-	}
-	e.cache.SetBudget(id, tokens)
-	e.fbMu.Unlock()
-}
-
-// ClearPicture empties replica id's pictures, its cache's and its
-// segments' (its engine restarted).
-func (e *Engine) ClearPicture(id int) {
-	e.cache.Clear(id)
-	if e.segs != nil {
-		e.segs.Clear(id)
-	}
-}
-
 // DropPicture forgets replica id's pictures and what its reports taught of
 // token units (it left the pool and nothing is in flight on it), so that a
 // replica reusing its id starts clean.
 func (e *Engine) DropPicture(id int) {
-	e.cache.RemoveReplica(id)
-	if e.segs != nil {
-		e.segs.RemoveReplica(id)
-	}
+	e.pic.drop(id)
 	e.units.forget(id)
 }

@@ -158,8 +158,8 @@ func TestUsageLearnedOnTheServingReplica(t *testing.T) {
 			reported = 1
 		}
 		f.e.ObserveUsage("m", d, reported)
-		f.e.Done(d, c)
-		f.e.Release(d, c)
+		d.Lease().End(f.e.Now())
+		d.Lease().EngineDone(f.e.Now())
 	}
 	if s := f.e.TokenScale("m"); math.Abs(s-0.6) > 0.01 {
 		t.Fatalf("one lying replica of three moved the unit to %v, want the others' 0.6", s)

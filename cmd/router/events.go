@@ -11,7 +11,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/semroute/semroute/agreement"
-	"github.com/semroute/semroute/cachemodel"
 	"github.com/semroute/semroute/kvevents"
 	"github.com/semroute/semroute/kvsync"
 	"github.com/semroute/semroute/replica"
@@ -22,7 +21,7 @@ import (
 // followers runs one kvsync.Follower per replica whose engine publishes
 // KV events, from when it joins the pool until it is retired.
 type followers struct {
-	cache     *cachemodel.Model
+	cache     *routing.Picture
 	engine    *routing.Engine
 	blockSize int
 	precise   bool // tokenizer.mode is not estimate: requests are keyed as events are
@@ -40,7 +39,7 @@ type listener struct {
 	users int
 }
 
-func newFollowers(cache *cachemodel.Model, eng *routing.Engine, blockSize int, precise bool, log *slog.Logger) *followers {
+func newFollowers(cache *routing.Picture, eng *routing.Engine, blockSize int, precise bool, log *slog.Logger) *followers {
 	return &followers{cache: cache, engine: eng, blockSize: blockSize, precise: precise, log: log, by: map[int]*kvsync.Follower{},
 		listeners: map[string]*listener{}, listenOf: map[int]string{}}
 }

@@ -7,17 +7,17 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/semroute/semroute/cachemodel"
 	"github.com/semroute/semroute/decisionlog"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/router"
+	"github.com/semroute/semroute/routing"
 )
 
 // replicaCollector exports every replica's state when scraped, so replicas
 // that leave the pool leave the metrics too.
 type replicaCollector struct {
 	pool  *replica.Pool
-	cache *cachemodel.Model
+	cache *routing.Picture
 }
 
 var (
@@ -87,7 +87,7 @@ func buildInfo() (ver, commit, goVersion string) {
 
 // registerOps registers the process-level metrics: replicas, the decision
 // log and build info.
-func registerOps(reg *prometheus.Registry, pool *replica.Pool, cache *cachemodel.Model, dl *decisionlog.Writer, core *router.Core) {
+func registerOps(reg *prometheus.Registry, pool *replica.Pool, cache *routing.Picture, dl *decisionlog.Writer, core *router.Core) {
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "semroute_grpc_held_decisions",
 		Help: "gRPC Route decisions awaiting Release (capped by grpc.max_held_decisions)."},
 		func() float64 { n, _ := core.Held(); return float64(n) }))

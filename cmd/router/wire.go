@@ -24,7 +24,6 @@ import (
 
 	"github.com/semroute/semroute/agreement"
 	"github.com/semroute/semroute/blockhash"
-	"github.com/semroute/semroute/cachemodel"
 	"github.com/semroute/semroute/cluster"
 	"github.com/semroute/semroute/configs"
 	"github.com/semroute/semroute/decisionlog"
@@ -42,7 +41,7 @@ type app struct {
 	agreement *agreement.Tracker // each replica's sources against its engine
 	cfg       *configs.Config    // as built; see current for reloads
 	log       *slog.Logger
-	cache     *cachemodel.Model
+	cache     *routing.Picture
 	pool      *replica.Pool
 	engine    *routing.Engine
 	core      *router.Core
@@ -135,7 +134,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	if err != nil {
 		return nil, fmt.Errorf("config: %w", err)
 	}
-	cache, pool := eng.Cache(), eng.Pool()
+	cache, pool := eng.Picture(), eng.Pool()
 	fleet, err := newFleet(cfg.Cluster, cfg.Health.Ejection(), eng, log)
 	if err != nil {
 		return nil, err
@@ -235,9 +234,9 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		ScrapeInterval: scrapeInterval(h.ScrapeInterval), Logger: log,
 		OnBudget: func(r *replica.Replica, tokens int64) {
 			clamped.WithLabelValues(r.Name) // 0 until it reports too much
-			eng.SetBudget(r.ID, tokens)
+			eng.Picture().SetBudget(r.ID, tokens)
 		},
-		OnRestart: func(r *replica.Replica) { eng.ClearPicture(r.ID) },
+		OnRestart: func(r *replica.Replica) { eng.Picture().Clear(r.ID) },
 		OnAdapters: func(_ *replica.Replica, adapters []string) {
 			for _, a := range adapters {
 				eng.NoteAdapter(a) // precise mode keys an adapter's blocks as its engine does

@@ -1,0 +1,227 @@
+package routing
+
+import (
+	"math"
+	"time"
+
+	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/cachemodel"
+	"github.com/semroute/semroute/replica"
+)
+
+// A Lease is one request's time on one replica, from the moment it is
+// committed there to its end: the blocks it pins in the replica's picture
+// (as vLLM keeps a running request's blocks out of its free queue) and its
+// share of the replica's load (replica.Work). It is the only place pins and
+// load are taken and given back, for this router's own requests
+// (Engine.Commit), its fleet peers' (Engine.PeerLease) and a replay's.
+//
+// Its states, and the step that leads to each (a step from a later state
+// does nothing, so every step is idempotent and the front ends may call
+// them in any order):
+//
+//	state         step                  what it does
+//	LeaseIdle     (zero value)          nothing held
+//	LeasePrefill  Engine.Commit, begin  blocks recorded and pinned; work counted, its prefill pending
+//	LeaseDecode   FirstToken            the prefill's tokens move from pending to recent work
+//	LeaseDrained  EngineDone            the engine freed the blocks: pins released (prefill ended if it was not)
+//	LeaseEnded    End                   work no longer counted; pins released if they were not
+//
+// The states the next capabilities add sit at its ends: a request waiting
+// in the router's own queue is LeaseIdle until it is committed; a
+// disaggregated request holds one lease on its prefill replica, ended at
+// the transfer, and one on its decode replica.
+//
+// A Lease is not safe for concurrent use: one request's steps are made in
+// order by the goroutine (or the event loop) that carries it.
+type Lease struct {
+	e     *Engine
+	rep   *replica.Replica
+	d     *Decision // this router's decision, told to the Sync; nil for a peer's
+	work  replica.Work
+	pins  cachemodel.Pins
+	state LeaseState
+	// blocks are the chain committed: d.Blocks for a decision, a copy of
+	// the pinned ones for a peer's. last is the chain's last key, for a
+	// peer's unpinned request whose chain is rebuilt from the picture at
+	// its end.
+	blocks  []blockhash.Block
+	last    uint64
+	hasLast bool
+	shared  bool // counted in Engine.active (SharedActive)
+}
+
+// LeaseState is where a Lease is in its life; see Lease.
+type LeaseState uint8
+
+// The states of a Lease, in the only order it moves through them.
+const (
+	LeaseIdle LeaseState = iota
+	LeasePrefill
+	LeaseDecode
+	LeaseDrained
+	LeaseEnded
+)
+
+var leaseStateNames = [...]string{"idle", "prefill", "decode", "drained", "ended"}
+
+func (s LeaseState) String() string {
+	if int(s) < len(leaseStateNames) {
+		return leaseStateNames[s]
+	}
+	return "unknown"
+}
+
+// State returns where l is in its life.
+func (l *Lease) State() LeaseState { return l.state }
+
+// Replica returns the replica l is on; nil while LeaseIdle.
+func (l *Lease) Replica() *replica.Replica { return l.rep }
+
+// Work returns the load l counts on its replica.
+func (l *Lease) Work() replica.Work { return l.work }
+
+// Pinned returns how many blocks, from the first, l pins, and their
+// tokens; both 0 once the pins are released.
+func (l *Lease) Pinned() (blocks int, tokens int64) {
+	if l.state >= LeaseDrained {
+		return 0, 0
+	}
+	n := min(l.pins.Blocks(), len(l.blocks))
+	for _, b := range l.blocks[:n] {
+		tokens += int64(b.Tokens)
+	}
+	return n, tokens
+}
+
+// begin records blocks on r and, when pin, pins them; counts w (its
+// Tokens recomputed under SharedActive when shared) on r. l must be idle or
+// ended: a lease is begun again for a failover.
+func (l *Lease) begin(e *Engine, r *replica.Replica, d *Decision, blocks []blockhash.Block, w replica.Work, pin, shared bool, now time.Time) {
+	*l = Lease{e: e, rep: r, d: d, work: w, blocks: blocks, shared: shared && e.active != nil, state: LeasePrefill}
+	switch {
+	case len(blocks) == 0:
+	case pin:
+		_, l.pins = e.cache.Commit(r.ID, blocks, now.UnixNano())
+	default:
+		e.cache.Record(r.ID, blocks, now.UnixNano())
+		l.last, l.hasLast, l.blocks = blocks[len(blocks)-1].Hash, true, nil
+	}
+	if l.shared {
+		l.work.Tokens = e.activate(r.ID, blocks, 1)
+	}
+	r.Begin(&l.work)
+}
+
+// FirstToken reports that the replica finished the prompt's prefill (its
+// first token arrived) at now.
+func (l *Lease) FirstToken(now time.Time) {
+	if l.state != LeasePrefill {
+		return
+	}
+	l.state = LeaseDecode
+	l.rep.PrefillDone(&l.work, now)
+	if l.d != nil && l.e.sync != nil {
+		l.e.sync.PrefillDone(l.d, l.d.leaseOf)
+	}
+}
+
+// EngineDone reports that the engine finished the request at now: it
+// freed the request's blocks, which the picture may now evict, though the
+// client may still be reading the answer. Their free time is recorded.
+func (l *Lease) EngineDone(now time.Time) {
+	if l.state == LeaseIdle || l.state >= LeaseDrained {
+		return
+	}
+	l.rep.PrefillDone(&l.work, now)
+	l.state = LeaseDrained
+	l.free(now)
+}
+
+// free releases l's pins and records its blocks' free time.
+func (l *Lease) free(now time.Time) {
+	id := l.rep.ID
+	switch {
+	case l.blocks != nil:
+		l.e.cache.Done(id, l.blocks, l.pins, now.UnixNano())
+	case l.hasLast:
+		var buf [64]blockhash.Block
+		if chain, ok := l.e.cache.Chain(l.last, buf[:0]); ok {
+			l.e.cache.Release(id, chain, now.UnixNano())
+		}
+	}
+	l.pins = cachemodel.Pins{}
+}
+
+// End ends l at now: its work stops counting on the replica and, unless
+// EngineDone did, its blocks are freed. The lease is ended; Engine.Commit
+// may begin it again on another replica.
+func (l *Lease) End(now time.Time) {
+	if l.state == LeaseIdle || l.state == LeaseEnded {
+		return
+	}
+	if l.shared {
+		l.work.Tokens = l.e.activate(l.rep.ID, l.blocks, -1)
+	}
+	l.rep.End(&l.work, now)
+	if l.state < LeaseDrained {
+		l.free(now)
+	}
+	l.state = LeaseEnded
+	if l.d != nil && l.e.sync != nil {
+		l.e.sync.Done(l.d, l.d.leaseOf)
+	}
+}
+
+// PeerLease begins a lease for a request another router of the fleet
+// committed on r (its fleet record): w is the load that router counted,
+// blocks its chain. With pin the blocks are pinned as that router pinned
+// them, and the lease keeps its own copy of them; without, they are only
+// recorded (a bound on what peers may pin was reached) and freed at the
+// end through the picture's chain of the last one. It tells no Sync.
+func (e *Engine) PeerLease(r *replica.Replica, blocks []blockhash.Block, w replica.Work, pin bool, now time.Time) *Lease {
+	l := &Lease{}
+	if pin {
+		blocks = append([]blockhash.Block(nil), blocks...)
+	}
+	l.begin(e, r, nil, blocks, w, pin, false, now)
+	switch n := l.pins.Blocks(); {
+	case !pin || n == len(l.blocks):
+	case n == 0: // the eviction policy admitted none: freed as an unpinned one
+		l.last, l.hasLast, l.blocks = blocks[len(blocks)-1].Hash, true, nil
+	default:
+		l.blocks = l.blocks[:n] // only the pinned are unpinned
+	}
+	return l
+}
+
+// Commit begins d's lease on c's replica: d's blocks are recorded and
+// pinned there, and the request's work counted, until the lease ends
+// (Decision.Lease().End). A decision moved to another candidate (a
+// failover) ends its lease first.
+func (e *Engine) Commit(d *Decision, c *Candidate) {
+	now := e.o.Now()
+	d.served, d.leaseOf = c.Replica.ID, c
+	if e.pic.segs != nil && c.Replica.Reuse.Blend() {
+		e.pic.segs.Record(c.Replica.ID, d.Blocks, now.UnixNano())
+	}
+	prefill := max(int64(d.Tokens-c.Match.Tokens)-int64(c.Reuse), 0)
+	var tokens int64
+	for _, b := range d.Blocks {
+		tokens += int64(b.Tokens)
+	}
+	d.lease.begin(e, c.Replica, d, d.Blocks, replica.Work{Prefill: prefill, Tokens: tokens}, true, true, now)
+	if e.sync != nil {
+		e.sync.Committed(d, c)
+	}
+	if len(d.Blocks) == 0 {
+		return // no prompt (a pass-through request): not a prefill to average
+	}
+	for { // avg ← avg + (x − avg)/32, lock-free
+		old := e.avgPrefill.Load()
+		avg := math.Float64frombits(old)
+		if e.avgPrefill.CompareAndSwap(old, math.Float64bits(avg+(float64(prefill)-avg)/32)) {
+			break
+		}
+	}
+}
