@@ -168,7 +168,7 @@ func TestPeersShareThePicture(t *testing.T) {
 	waitFor(t, "peers", func() bool { return fa.Stats().Peers == 1 })
 
 	req := prompt(ea, 1, 10)
-	req.Policy, _ = routing.NewPolicy("semantic", routing.PolicyConfig{})
+	req.Policy, _ = routing.NewPolicy(routing.PolicySpec{Type: "semantic"})
 	d, err := ea.Decide(req, true)
 	if err != nil {
 		t.Fatal(err)
@@ -217,7 +217,7 @@ func TestPeersShareThePicture(t *testing.T) {
 func TestWarmStartFromAPeer(t *testing.T) {
 	ns := serve(t, -1)
 	fa, ea := startFleet(t, ns.ClientURL(), "ra")
-	pol, _ := routing.NewPolicy("round_robin", routing.PolicyConfig{})
+	pol, _ := routing.NewPolicy(routing.PolicySpec{Type: "round_robin"})
 	var ds []*routing.Decision
 	for i := range 30 {
 		req := prompt(ea, uint64(i), 8)
@@ -252,7 +252,7 @@ func TestPeerGoneTakesItsLoad(t *testing.T) {
 	fb, eb := startFleet(t, ns.ClientURL(), "rb")
 	waitFor(t, "peers", func() bool { return fb.Stats().Peers == 1 })
 	req := prompt(ea, 5, 6)
-	req.Policy, _ = routing.NewPolicy("semantic", routing.PolicyConfig{})
+	req.Policy, _ = routing.NewPolicy(routing.PolicySpec{Type: "semantic"})
 	d, err := ea.Decide(req, true)
 	if err != nil {
 		t.Fatal(err)
@@ -280,7 +280,7 @@ func TestNATSDownThenBack(t *testing.T) {
 	waitFor(t, "peers", func() bool { return fa.Stats().Peers == 1 && fb.Stats().Peers == 1 })
 	ns.Shutdown()
 	waitFor(t, "disconnected", func() bool { return !fa.Connected() && !fb.Connected() })
-	pol, _ := routing.NewPolicy("round_robin", routing.PolicyConfig{})
+	pol, _ := routing.NewPolicy(routing.PolicySpec{Type: "round_robin"})
 	var ds []*routing.Decision
 	for i := range 12 {
 		req := prompt(ea, uint64(100+i), 8)

@@ -320,7 +320,7 @@ func TestForgedPeersCannotGrowMemory(t *testing.T) {
 
 // withPolicy gives req the default policy.
 func withPolicy(req routing.Request) routing.Request {
-	req.Policy, _ = routing.NewPolicy("semantic", routing.PolicyConfig{})
+	req.Policy, _ = routing.NewPolicy(routing.PolicySpec{Type: "semantic"})
 	return req
 }
 

@@ -9,10 +9,13 @@ package configs
 import (
 	_ "embed"
 	"fmt"
+	"maps"
 	"os"
+	"reflect"
 	"strings"
 	"time"
 
+	"github.com/go-viper/mapstructure/v2"
 	"github.com/spf13/viper"
 
 	"github.com/semroute/semroute/blockhash"
@@ -215,7 +218,12 @@ type LogConfig struct {
 
 // RoutingConfig selects and tunes the routing policy.
 type RoutingConfig struct {
-	Policy            string             `mapstructure:"policy" json:"policy"`
+	// Policy is the routing policy and its own parameters:
+	// `policy: {type: dynamo, params: {temperature: 0.5}}`, or only its
+	// type (`policy: semantic`). LoadWeight, RecentWeight, SpillFactor and
+	// SpillMarginTokens are the semantic policy's parameters by their older
+	// keys; its params win over them.
+	Policy            routing.PolicySpec `mapstructure:"policy" json:"policy"`
 	LoadWeight        float64            `mapstructure:"load_weight" json:"load_weight"`
 	RecentWeight      float64            `mapstructure:"recent_weight" json:"recent_weight"`
 	SpillFactor       float64            `mapstructure:"spill_factor" json:"spill_factor"`
@@ -237,16 +245,18 @@ type RoutingConfig struct {
 	ReleaseAfter time.Duration `mapstructure:"release_after" json:"release_after"`
 }
 
-// ArmConfig is one A/B arm: a routing policy and its share of sessions. The
-// semantic policy's parameters default to the routing section's.
+// ArmConfig is one A/B arm: a routing policy with its parameters, in the
+// shape of routing.policy, and its share of sessions. The semantic policy's
+// parameters default to the routing section's; the arm's own older keys
+// (load_weight, ...) and then its params override them.
 type ArmConfig struct {
-	Name              string   `mapstructure:"name" json:"name"`
-	Policy            string   `mapstructure:"policy" json:"policy"`
-	Weight            float64  `mapstructure:"weight" json:"weight"`
-	LoadWeight        *float64 `mapstructure:"load_weight" json:"load_weight"`
-	RecentWeight      *float64 `mapstructure:"recent_weight" json:"recent_weight"`
-	SpillFactor       *float64 `mapstructure:"spill_factor" json:"spill_factor"`
-	SpillMarginTokens *float64 `mapstructure:"spill_margin_tokens" json:"spill_margin_tokens"`
+	Name              string             `mapstructure:"name" json:"name"`
+	Policy            routing.PolicySpec `mapstructure:"policy" json:"policy"`
+	Weight            float64            `mapstructure:"weight" json:"weight"`
+	LoadWeight        *float64           `mapstructure:"load_weight" json:"load_weight"`
+	RecentWeight      *float64           `mapstructure:"recent_weight" json:"recent_weight"`
+	SpillFactor       *float64           `mapstructure:"spill_factor" json:"spill_factor"`
+	SpillMarginTokens *float64           `mapstructure:"spill_margin_tokens" json:"spill_margin_tokens"`
 }
 
 // DecisionLogConfig configures the JSONL decision log.
@@ -535,11 +545,52 @@ func LoadBytes(v *viper.Viper, yaml []byte) (*Config, error) {
 // Decode unmarshals v and validates it.
 func Decode(v *viper.Viper) (*Config, error) {
 	var c Config
-	if err := v.UnmarshalExact(&c); err != nil {
+	if err := v.UnmarshalExact(&c, viper.DecodeHook(mapstructure.ComposeDecodeHookFunc(
+		mapstructure.StringToTimeDurationHookFunc(), mapstructure.StringToSliceHookFunc(","), policyByType))); err != nil {
 		return nil, fmt.Errorf("config: %w", err)
 	}
 	if err := c.Validate(); err != nil {
 		return nil, err
 	}
 	return &c, nil
+}
+
+// policyByType decodes a policy given as a string (`policy: semantic`,
+// SEMROUTE_ROUTING_POLICY) as the spec of that type with no params.
+func policyByType(from, to reflect.Type, data any) (any, error) {
+	if to == reflect.TypeFor[routing.PolicySpec]() && from.Kind() == reflect.String {
+		return map[string]any{"type": data}, nil
+	}
+	return data, nil
+}
+
+// PolicySpec returns the routing policy of the section (no arms): its
+// policy with the semantic policy's older keys under its params.
+func (r RoutingConfig) PolicySpec() routing.PolicySpec {
+	return r.spec(r.Policy, nil)
+}
+
+// ArmSpec returns arm i's routing policy, its semantic parameters merged
+// from the section's older keys, the arm's and its params, in that order.
+func (r RoutingConfig) ArmSpec(i int) routing.PolicySpec {
+	a := r.Arms[i]
+	return r.spec(a.Policy, map[string]*float64{"load_weight": a.LoadWeight, "recent_weight": a.RecentWeight,
+		"spill_factor": a.SpillFactor, "spill_margin_tokens": a.SpillMarginTokens})
+}
+
+func (r RoutingConfig) spec(s routing.PolicySpec, arm map[string]*float64) routing.PolicySpec {
+	s.Seed = r.Seed
+	if p, ok := routing.LookupPolicy(s.Type); !ok || p.Name != "semantic" {
+		return s
+	}
+	params := routing.Params{"load_weight": r.LoadWeight, "recent_weight": r.RecentWeight,
+		"spill_factor": r.SpillFactor, "spill_margin_tokens": r.SpillMarginTokens}
+	for k, v := range arm {
+		if v != nil {
+			params[k] = *v
+		}
+	}
+	maps.Copy(params, s.Params)
+	s.Params = params
+	return s
 }

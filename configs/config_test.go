@@ -32,13 +32,34 @@ func TestGoodConfigs(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.Routing.Policy != "least_load" || c.Routing.LoadHalfLife != 0 || c.Health.Fall != 3 || c.Timeouts.FirstByte != time.Second ||
+	if c.Routing.Policy.Type != "least_load" || c.Routing.LoadHalfLife != 0 || c.Health.Fall != 3 || c.Timeouts.FirstByte != time.Second ||
 		c.Routing.RecordReplies || c.Routing.KindWeights["user_query"] != 0 ||
 		len(c.Routing.Arms) != 2 || *c.Routing.Arms[0].LoadWeight != 0.5 || c.Routing.Arms[1].LoadWeight != nil ||
 		c.GRPCListen != "127.0.0.1:9001" || !c.DecisionLog.RawIDs || c.Replicas[0].Weight != 2 || c.Blocks.BytesPerToken != 3 ||
 		c.Replicas[0].Spec().Reuse != (replica.Reuse{Mode: replica.ReuseBlend, Recompute: 0.2}) ||
 		c.Replicas[1].Spec().Reuse != (replica.Reuse{Mode: replica.ReuseDonor, MinSimilarity: 0.6}) {
 		t.Fatalf("decoded %+v", c)
+	}
+}
+
+// TestPolicyParamsReachTheSpecs: a policy's params, its older keys and an
+// arm's are merged in the documented order.
+func TestPolicyParamsReachTheSpecs(t *testing.T) {
+	c, err := Load(NewViper(), "testdata/policy-params.good.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s := c.Routing.PolicySpec(); s.Type != "dynamo" || s.Params["temperature"] != 0.5 || s.Params["overlap_weight"] != 2 || s.Params["load_weight"] != nil {
+		t.Errorf("routing.policy: %+v", s)
+	}
+	if s := c.Routing.ArmSpec(2); s.Params["load_weight"] != 0.3 || s.Params["spill_factor"] != 2.0 {
+		t.Errorf("an arm's older key: %+v", s)
+	}
+	if s := c.Routing.ArmSpec(3); s.Params["load_weight"] != 0.2 || s.Params["spill_factor"] != 3 {
+		t.Errorf("an arm's params over its older key: %+v", s)
+	}
+	if s := c.Routing.ArmSpec(1); s.Params["prefix_weight"] != 5 {
+		t.Errorf("llmd's params: %+v", s)
 	}
 }
 
@@ -56,6 +77,9 @@ func TestBadConfigs(t *testing.T) {
 		"bad-duration.bad.yaml":              {"load_half_life"},
 		"bad-yaml.bad.yaml":                  {"parse config"},
 		"fleet-without-credentials.bad.yaml": {"cluster:", "no NATS credentials", "insecure: true"},
+		"policy-params.bad.yaml": {`routing.policy: policy dynamo: unknown parameter "temprature" (have overlap_weight, temperature)`,
+			"routing.arms[0].policy: policy sglang: cache_threshold", "routing.arms[1].policy: policy round_robin takes no parameters",
+			`routing.arms[2].policy: unknown routing policy "semantik"`},
 	}
 	files, _ := filepath.Glob("testdata/*.bad.yaml")
 	if len(files) != len(want) {
@@ -81,7 +105,7 @@ func TestDefaultsAndEmbeddedConfigsValidate(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.Routing.Policy != "semantic" || c.Blocks.BlockTokens != 64 || !c.Routing.RecordReplies || c.Routing.RecentWeight != 1 || c.Routing.LoadWeight != 0.1 || c.Runtime.GCFloorMB != 64 {
+	if c.Routing.Policy.Type != "semantic" || c.Blocks.BlockTokens != 64 || !c.Routing.RecordReplies || c.Routing.RecentWeight != 1 || c.Routing.LoadWeight != 0.1 || c.Runtime.GCFloorMB != 64 {
 		t.Fatalf("defaults %+v", c)
 	}
 	for name, b := range map[string][]byte{"demo.yaml": DemoYAML, "router.yaml": ExampleYAML} {
@@ -105,8 +129,8 @@ func TestEnvironmentOverridesFile(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.Routing.Policy != "round_robin" || c.Limits.MaxMessages != 7 {
-		t.Fatalf("env not applied: policy %q, max_messages %d", c.Routing.Policy, c.Limits.MaxMessages)
+	if c.Routing.Policy.Type != "round_robin" || c.Limits.MaxMessages != 7 {
+		t.Fatalf("env not applied: policy %q, max_messages %d", c.Routing.Policy.Type, c.Limits.MaxMessages)
 	}
 	t.Setenv("SEMROUTE_ROUTING_ATTEMPTS", "99")
 	if _, err := Load(NewViper(), "testdata/full.good.yaml"); err == nil || !strings.Contains(err.Error(), "routing.attempts") {

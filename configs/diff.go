@@ -19,7 +19,7 @@ func diff(a, b reflect.Value, prefix string, out *[]string) {
 	t := a.Type()
 	for i := range t.NumField() {
 		key, _, _ := strings.Cut(t.Field(i).Tag.Get("mapstructure"), ",")
-		if key == "" {
+		if key == "" || key == "-" {
 			continue
 		}
 		key = prefix + key

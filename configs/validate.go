@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net"
 	"net/url"
-	"slices"
 	"strings"
 	"time"
 
@@ -116,8 +115,8 @@ func (l LogConfig) validate(p *problems) {
 }
 
 func (r RoutingConfig) validate(p *problems) {
-	if !slices.Contains(routing.PolicyNames, r.Policy) {
-		p.bad("routing.policy", "unknown policy %q (have %v)", r.Policy, routing.PolicyNames)
+	if _, err := routing.NewPolicy(r.PolicySpec()); err != nil {
+		p.bad("routing.policy", "%v", err)
 	}
 	if r.LoadWeight < 0 {
 		p.bad("routing.load_weight", "must not be negative")
@@ -147,8 +146,8 @@ func (r RoutingConfig) validate(p *problems) {
 	for i, a := range r.Arms {
 		f := fmt.Sprintf("routing.arms[%d]", i)
 		arms(i, a.Name)
-		if !slices.Contains(routing.PolicyNames, a.Policy) {
-			p.bad(f+".policy", "unknown policy %q (have %v)", a.Policy, routing.PolicyNames)
+		if _, err := routing.NewPolicy(r.ArmSpec(i)); err != nil {
+			p.bad(f+".policy", "%v", err)
 		}
 		if a.Weight <= 0 {
 			p.bad(f+".weight", "must be positive")

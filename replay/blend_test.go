@@ -16,8 +16,8 @@ import (
 // figures are exact.
 func TestBlendEnginesAndEngineAwareCredit(t *testing.T) {
 	reqs := blendTrace(t, GenOptions{Seed: 7, Sessions: 300, Docs: 60})
-	prefixOnly := routing.PolicyConfig{PrefixOnly: true}
-	runs := []Run{{Policy: "semantic"}, {Label: "semantic-prefix-credit", Policy: "semantic", Config: &prefixOnly}}
+	prefixOnly := routing.Params{"prefix_only": true}
+	runs := []Run{{Policy: "semantic"}, {Label: "semantic-prefix-credit", Policy: "semantic", Params: prefixOnly}}
 	cached := func(reuse string) (aware, prefix int64) {
 		m := Model{Replicas: 4, BudgetTokens: 20000, Reuse: replica.Reuse{Mode: reuse}}
 		sum, err := Replay(reqs, m, runs)
@@ -69,8 +69,8 @@ func TestBlendCreditOnTopicRAG(t *testing.T) {
 // TTFT p50 and p99 (or level, with level), and imbalance ≤ 1.10.
 func checkEngineAwareCredit(t *testing.T, reqs []Request, mode string, level bool) {
 	t.Helper()
-	prefixOnly := routing.PolicyConfig{PrefixOnly: true}
-	runs := []Run{{Policy: "semantic"}, {Label: "semantic-prefix-credit", Policy: "semantic", Config: &prefixOnly}, {Policy: "llmd"}, {Policy: "sglang"}}
+	prefixOnly := routing.Params{"prefix_only": true}
+	runs := []Run{{Policy: "semantic"}, {Label: "semantic-prefix-credit", Policy: "semantic", Params: prefixOnly}, {Policy: "llmd"}, {Policy: "sglang"}}
 	m := Model{Replicas: 4, BudgetTokens: 10000, RecordReplies: true, Reuse: replica.Reuse{Mode: mode}}
 	sum, err := Replay(reqs, m, runs)
 	if err != nil {

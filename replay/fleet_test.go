@@ -83,7 +83,7 @@ func TestSpreadTies(t *testing.T) {
 func fleetRuns(t *testing.T, reqs []Request, spread, delay time.Duration) (one, none, shared *Result) {
 	t.Helper()
 	m := Model{Replicas: 8, BudgetTokens: 1_000_000, BlockTokens: 512, SpreadTies: spread}
-	m.Policy.Seed = 1
+	m.Seed = 1
 	runs := []Run{
 		{Label: "one", Policy: "semantic", Picture: PictureApproximate},
 		{Label: "none", Policy: "semantic", Picture: PictureApproximate, Routers: 4, Sync: SyncNone},

@@ -80,7 +80,7 @@ func TestGoldenReports(t *testing.T) {
 			reqs: func(t *testing.T) []Request { return goldenMooncake(t, "testdata/conversation_head1500.jsonl") },
 			model: func() Model {
 				m := Model{Replicas: 8, BudgetTokens: 1_000_000, BlockTokens: 512}
-				m.Policy.Seed = 1
+				m.Seed = 1
 				return m
 			},
 			runs: func(Model) []Run { return goldenPolicies("semantic", "round_robin", "llmd", "sglang", "dynamo") },
@@ -92,7 +92,7 @@ func TestGoldenReports(t *testing.T) {
 			reqs: func(t *testing.T) []Request { return goldenMooncake(t, "testdata/synthetic_head1500.jsonl") },
 			model: func() Model {
 				m := Model{Replicas: 8, BudgetTokens: 1_000_000, BlockTokens: 512, Eviction: "lru"}
-				m.Policy.Seed = 1
+				m.Seed = 1
 				return m
 			},
 			runs: func(Model) []Run {
@@ -108,7 +108,7 @@ func TestGoldenReports(t *testing.T) {
 			model: func() Model {
 				m := Model{Replicas: 4, BudgetTokens: 25_000, BlockTokens: blockhash.DefaultBlockTokens,
 					RecordReplies: true, SharedActive: true, Speedup: 2}
-				m.Policy.Seed = 1
+				m.Seed = 1
 				m.Matcher = func() routing.Matcher {
 					mm, err := matcher.New(matcher.Options{})
 					if err != nil {
@@ -120,7 +120,7 @@ func TestGoldenReports(t *testing.T) {
 			},
 			runs: func(m Model) []Run {
 				runs := goldenPolicies("semantic", "round_robin", "llmd", "sglang")
-				runs = append(runs, Ablations(m.Policy)...)
+				runs = append(runs, Ablations(m.Params["semantic"])...)
 				return append(runs, Run{Label: "semantic+matcher", Policy: "semantic", Matcher: true})
 			},
 		},

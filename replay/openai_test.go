@@ -131,7 +131,7 @@ func TestMatcherRunAndReport(t *testing.T) {
 		}
 		return mm
 	}
-	runs := append([]Run{{Policy: "semantic"}, {Label: "semantic+matcher", Policy: "semantic", Matcher: true}, {Policy: "llmd"}}, Ablations(m.Policy)...)
+	runs := append([]Run{{Policy: "semantic"}, {Label: "semantic+matcher", Policy: "semantic", Matcher: true}, {Policy: "llmd"}}, Ablations(nil)...)
 	sum, err := Replay(reqs, m, runs)
 	if err != nil {
 		t.Fatal(err)

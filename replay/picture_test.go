@@ -56,7 +56,7 @@ func tightTrace(n int, seed uint64) []Request {
 
 func tightModel() Model {
 	m := Model{Replicas: 4, BudgetTokens: 3000, BlockTokens: 16, InterToken: 2 * time.Millisecond}
-	m.Policy.Seed = 1
+	m.Seed = 1
 	return m
 }
 

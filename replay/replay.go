@@ -3,6 +3,7 @@ package replay
 import (
 	"cmp"
 	"fmt"
+	"maps"
 	"math/rand/v2"
 	"runtime"
 	"sync"
@@ -202,12 +203,12 @@ type ModelSummary struct {
 }
 
 // Run is one policy to replay: a routing policy by name, with the model's
-// policy parameters unless Config is set, and kind weights unless Weights
-// is set. Label names it in the report (default: Policy).
+// parameters for it (Model.Params) unless Params is set, and kind weights
+// unless Weights is set. Label names it in the report (default: Policy).
 type Run struct {
 	Label   string
 	Policy  string
-	Config  *routing.PolicyConfig
+	Params  routing.Params
 	Weights *cachemodel.Weights
 	Matcher bool
 	// Picture is how the router's cache picture learns what the engines
@@ -250,7 +251,7 @@ func Replay(reqs []Request, m Model, runs []Run) (*Summary, error) {
 			BlockTokens: m.BlockTokens, MaxRunning: m.MaxRunning,
 			PrefillOverheadMS: float64(m.PrefillOverhead) / 1e6, PrefillPerTokenUS: float64(m.PrefillPerToken) / 1e3,
 			InterTokenMS: float64(m.InterToken) / 1e6, Eviction: m.Eviction, Speedup: m.Speedup, SpreadTiesMS: float64(m.SpreadTies) / 1e6,
-			RecordReplies: m.RecordReplies, SharedActive: m.SharedActive, Seed: m.Policy.Seed, Matcher: m.Matcher != nil,
+			RecordReplies: m.RecordReplies, SharedActive: m.SharedActive, Seed: m.Seed, Matcher: m.Matcher != nil,
 		},
 	}
 	if m.Reuse.Blend() || m.Reuse.Donor() {
@@ -332,7 +333,7 @@ func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
 	var d decider = rs[0]
 	var fleet *fleetDecider
 	if routers > 1 {
-		fleet = &fleetDecider{rs: rs, of: make([]int, len(reqs)), rng: rand.New(rand.NewPCG(m.Policy.Seed, uint64(routers))),
+		fleet = &fleetDecider{rs: rs, of: make([]int, len(reqs)), rng: rand.New(rand.NewPCG(m.Seed, uint64(routers))),
 			active: make([]float64, m.Replicas), tokens: make([]int64, len(reqs))}
 		if run.Sync == SyncShared {
 			fleet.sync = &fleetSync{rs: rs, delay: run.SyncDelay.Nanoseconds(), works: make([]map[uint64]*routing.Lease, routers)}
@@ -392,11 +393,11 @@ func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
 // newEngineDecider builds one router of a run: its engine, picture and
 // replica pool, on the shared clock.
 func newEngineDecider(reqs []Request, m *Model, run Run, clock *int64) (*engineDecider, error) {
-	cfg := m.Policy
-	if run.Config != nil {
-		cfg = *run.Config
+	params := run.Params
+	if p, ok := routing.LookupPolicy(run.Policy); ok && params == nil {
+		params = m.Params[p.Name]
 	}
-	pol, err := routing.NewPolicy(run.Policy, cfg)
+	pol, err := routing.NewPolicy(routing.PolicySpec{Type: run.Policy, Params: params, Seed: m.Seed})
 	if err != nil {
 		return nil, err
 	}
@@ -458,13 +459,16 @@ func runReference(reqs []Request, m *Model, name string, budget int64) (*Result,
 }
 
 // Ablations are the semantic policy with every kind weight 1, and with
-// load ignored (load and recent weights near zero, no spill), to show what
-// each part contributes.
-func Ablations(base routing.PolicyConfig) []Run {
-	noLoad := base
-	noLoad.LoadWeight, noLoad.RecentWeight, noLoad.SpillFactor, noLoad.SpillMarginTokens = 1e-12, -1, 1e12, 1e18
+// load ignored (load and recent weights zero, no spill), to show what each
+// part contributes; base is its parameters otherwise.
+func Ablations(base routing.Params) []Run {
+	noLoad := maps.Clone(base)
+	if noLoad == nil {
+		noLoad = routing.Params{}
+	}
+	maps.Copy(noLoad, routing.Params{"load_weight": 0, "recent_weight": 0, "spill_factor": 1e12, "spill_margin_tokens": 1e18})
 	return []Run{
-		{Label: "semantic-unit-weights", Policy: "semantic", Weights: cachemodel.UnitWeights()},
-		{Label: "semantic-no-load", Policy: "semantic", Config: &noLoad},
+		{Label: "semantic-unit-weights", Policy: "semantic", Params: base, Weights: cachemodel.UnitWeights()},
+		{Label: "semantic-no-load", Policy: "semantic", Params: noLoad},
 	}
 }

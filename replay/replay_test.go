@@ -208,7 +208,7 @@ func TestReplayIsDeterministic(t *testing.T) {
 		runs = append(runs, Run{Policy: p})
 	}
 	m := Model{BlockTokens: 512}
-	m.Policy.Seed = 9
+	m.Seed = 9
 	a, err := Replay(reqs, m, runs)
 	if err != nil {
 		t.Fatal(err)

@@ -53,8 +53,12 @@ type Model struct {
 	SharedActive bool
 	// LoadHalfLife of the replicas' recent-work signal. Default 10s.
 	LoadHalfLife time.Duration
-	// Policy holds the routing policies' parameters; its Seed seeds them.
-	Policy routing.PolicyConfig
+	// Seed seeds the randomised policies and a fleet's spread of requests
+	// over its routers; 0 draws one at random.
+	Seed uint64
+	// Params are each policy's parameters, by its registered name, for the
+	// runs that set none of their own (Run.Params).
+	Params map[string]routing.Params
 	// Weights are the kind weights; nil means routing.DefaultWeights.
 	Weights *cachemodel.Weights
 	// Matcher, when not nil, makes a semantic matcher for each run.

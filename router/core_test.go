@@ -113,7 +113,7 @@ func TestCoreHoldReleaseExpire(t *testing.T) {
 
 func TestArmsValidateAndSplit(t *testing.T) {
 	f := newFixture(t, 2, "semantic")
-	rr, _ := routing.NewPolicy("round_robin", routing.PolicyConfig{})
+	rr, _ := routing.NewPolicy(routing.PolicySpec{Type: "round_robin"})
 	if _, err := NewCore(CoreOptions{Engine: f.e, Arms: []Arm{{Name: "a", Policy: rr, Weight: 1}, {Name: "a", Policy: rr, Weight: 1}}}); err == nil {
 		t.Fatal("duplicate arm accepted")
 	}

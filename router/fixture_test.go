@@ -32,7 +32,7 @@ func newFixtureBudget(t testing.TB, replicas int, policy string, budget int64) *
 	for i := range specs {
 		specs[i] = replica.Spec{Name: fmt.Sprint("r", i), URL: fmt.Sprintf("http://127.0.0.1:%d", 9000+i), BudgetTokens: budget}
 	}
-	pol, err := routing.NewPolicy(policy, routing.PolicyConfig{})
+	pol, err := routing.NewPolicy(routing.PolicySpec{Type: policy})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -63,7 +63,7 @@ func BenchmarkBodiesInFlight(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
-			rr, _ := routing.NewPolicy("round_robin", routing.PolicyConfig{})
+			rr, _ := routing.NewPolicy(routing.PolicySpec{Type: "round_robin"})
 			co := CoreOptions{Engine: e, Arms: []Arm{{Name: "default", Policy: rr, Weight: 1}}}
 			if precise {
 				tok, err := tokenizer.New(tokenizer.Options{URL: up.URL, Timeout: time.Minute})

@@ -39,7 +39,7 @@ func routerOver(t *testing.T, o ServerOptions, tok Tokenizer, log DecisionLogger
 	if err != nil {
 		t.Fatal(err)
 	}
-	rr, _ := routing.NewPolicy("round_robin", routing.PolicyConfig{})
+	rr, _ := routing.NewPolicy(routing.PolicySpec{Type: "round_robin"})
 	copts := CoreOptions{Engine: e, Arms: []Arm{{Name: "default", Policy: rr, Weight: 1}}, Log: log}
 	if tok != nil {
 		copts.Tokenizer, copts.BlockTokens = tok, 16

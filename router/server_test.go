@@ -43,7 +43,7 @@ func serverWith(t *testing.T, o ServerOptions, m *Metrics, urls ...string) (*htt
 	if err != nil {
 		t.Fatal(err)
 	}
-	rr, _ := routing.NewPolicy("round_robin", routing.PolicyConfig{})
+	rr, _ := routing.NewPolicy(routing.PolicySpec{Type: "round_robin"})
 	core, err := NewCore(CoreOptions{Engine: e, Arms: []Arm{{Name: "default", Policy: rr, Weight: 1}}, Metrics: m})
 	if err != nil {
 		t.Fatal(err)

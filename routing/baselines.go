@@ -73,6 +73,12 @@ func (p *PowerOfTwo) Score(_ *View, cands []Candidate) {
 	}
 }
 
+// ConsistentHashParams are consistent_hash's parameters.
+type ConsistentHashParams struct {
+	// VirtualNodes per replica on the ring. Default 160.
+	VirtualNodes int `json:"virtual_nodes"`
+}
+
 // ConsistentHash maps the session key onto a hash ring with VirtualNodes
 // points per replica and takes the first replica clockwise (Karger et al.,
 // 1997; SGLang router's consistent_hash, 160 virtual nodes by default). The
@@ -144,11 +150,11 @@ func binaryKey(k uint64) []byte {
 type SGLangParams struct {
 	// CacheThreshold: route to the best match only if matched ÷ prompt
 	// exceeds it. Default 0.3.
-	CacheThreshold float64
+	CacheThreshold float64 `json:"cache_threshold"`
 	// BalanceAbsThreshold and BalanceRelThreshold: the system is imbalanced
 	// when max − min load > abs and max > rel × min. Defaults 64 and 1.5.
-	BalanceAbsThreshold float64
-	BalanceRelThreshold float64
+	BalanceAbsThreshold float64 `json:"balance_abs_threshold"`
+	BalanceRelThreshold float64 `json:"balance_rel_threshold"`
 }
 
 // SGLang ports SGLang router's cache_aware policy
@@ -202,10 +208,10 @@ func (p *SGLang) Score(in *View, cands []Candidate) {
 // DynamoParams are NVIDIA Dynamo KV router's parameters.
 type DynamoParams struct {
 	// OverlapWeight multiplies prefill blocks. Default 1.
-	OverlapWeight float64
+	OverlapWeight float64 `json:"overlap_weight"`
 	// Temperature > 0 samples from softmax(−normalized cost / T); 0 (the
 	// default) takes the lowest cost.
-	Temperature float64
+	Temperature float64 `json:"temperature"`
 }
 
 // Dynamo ports NVIDIA Dynamo's KV router cost (ai-dynamo/dynamo,
@@ -262,7 +268,9 @@ func (p *Dynamo) Score(in *View, cands []Candidate) {
 type LLMDParams struct {
 	// Weights of the prefix-cache, queue and kv-cache-utilization scorers.
 	// Defaults 3, 2, 2.
-	PrefixWeight, QueueWeight, KVWeight float64
+	PrefixWeight float64 `json:"prefix_weight"`
+	QueueWeight  float64 `json:"queue_weight"`
+	KVWeight     float64 `json:"kv_weight"`
 }
 
 // LLMD ports llm-d's inference scheduler default profile (the
@@ -308,10 +316,10 @@ func (p *LLMD) Score(in *View, cands []Candidate) {
 type AIBrixParams struct {
 	// ImbalanceCount: when max − min running requests exceeds it, route to
 	// the least running. Default 16.
-	ImbalanceCount float64
+	ImbalanceCount float64 `json:"imbalance_count"`
 	// StdDevFactor k: a matching replica is taken only if its running
 	// requests are at most mean + k·σ. Default 2.
-	StdDevFactor float64
+	StdDevFactor float64 `json:"std_dev_factor"`
 }
 
 // AIBrix ports AIBrix's prefix-cache-aware routing (vllm-project/aibrix,
@@ -374,11 +382,11 @@ func (p *AIBrix) Score(_ *View, cands []Candidate) {
 type SemanticKVParams struct {
 	// SessionBonusTokens is added for the replica that served the session's
 	// previous request. Default 512.
-	SessionBonusTokens float64
+	SessionBonusTokens float64 `json:"session_bonus_tokens"`
 	// LoadWeight multiplies pending prefill tokens. Default 1.
-	LoadWeight float64
+	LoadWeight float64 `json:"load_weight"`
 	// Sessions bounds the session → replica memory. Default 65536.
-	Sessions int
+	Sessions int `json:"sessions"`
 }
 
 // SemanticKV is the router score of SemanticKV as this project's issue

@@ -11,7 +11,7 @@ import (
 
 func mustPolicy(t *testing.T, name string) Policy {
 	t.Helper()
-	p, err := NewPolicy(name, PolicyConfig{Seed: 7})
+	p, err := NewPolicy(PolicySpec{Type: name, Seed: 7})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -111,7 +111,7 @@ func TestDynamoDocumentedExample(t *testing.T) {
 }
 
 func TestDynamoTemperatureSamples(t *testing.T) {
-	p, _ := NewPolicy("dynamo", PolicyConfig{Seed: 3, Dynamo: DynamoParams{Temperature: 1}})
+	p, _ := NewPolicy(PolicySpec{Type: "dynamo", Seed: 3, Params: Params{"temperature": 1}})
 	wins := map[string]int{}
 	for i := 0; i < 300; i++ {
 		cs := cands(3)
@@ -188,7 +188,7 @@ func TestSemanticKVSessionBonus(t *testing.T) {
 }
 
 func TestEveryPolicyPicksAvailableCandidate(t *testing.T) {
-	for _, name := range PolicyNames {
+	for _, name := range PolicyNames() {
 		p := mustPolicy(t, name)
 		for n := 1; n <= 5; n++ {
 			cs := cands(n)

@@ -155,7 +155,7 @@ func BenchmarkJSONDecode(b *testing.B) {
 func BenchmarkScore(b *testing.B) {
 	for _, replicas := range []int{8, 64, 1024} {
 		b.Run(fmt.Sprintf("replicas=%d", replicas), func(b *testing.B) {
-			p, _ := NewPolicy("semantic", PolicyConfig{})
+			p, _ := NewPolicy(PolicySpec{Type: "semantic"})
 			cs := cands(replicas)
 			for i := range cs {
 				cs[i].Match.Weighted = float64(i % 7 * 100)

@@ -26,7 +26,7 @@ func TestBlendCreditsSegmentsBeyondThePrefix(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		pol, _ := NewPolicy("semantic", PolicyConfig{PrefixOnly: prefixOnly})
+		pol, _ := NewPolicy(PolicySpec{Type: "semantic", Params: Params{"prefix_only": prefixOnly}})
 		decide := decider(t, e, pol)
 		out := strings.Repeat("search result: the river delta floods each spring. ", 60) // ~3 KB
 		first := decide("r1", "system", "You are terse.", "tool", out, "user", "summarise")

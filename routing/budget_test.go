@@ -15,7 +15,7 @@ func TestReportedBudgetResetsFeedbackBase(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pol, _ := NewPolicy("semantic", PolicyConfig{})
+	pol, _ := NewPolicy(PolicySpec{Type: "semantic"})
 	decide := func() (*Decision, *Candidate) {
 		in := e.Prepare(parseChat(t, "system", "You are terse.", "user", strings.Repeat("word ", 500)), "", false)
 		in.Policy = pol

@@ -33,7 +33,7 @@ func TestDonorCreditsSimilarPrompt(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pol, _ := NewPolicy("semantic", PolicyConfig{})
+	pol, _ := NewPolicy(PolicySpec{Type: "semantic"})
 	decide := decider(t, e, pol)
 	var doc strings.Builder
 	for i := range 400 {
@@ -84,7 +84,7 @@ func TestDonorFeedbackOnlyBelowThePrefix(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pol, _ := NewPolicy("semantic", PolicyConfig{})
+	pol, _ := NewPolicy(PolicySpec{Type: "semantic"})
 	in := e.Prepare(parseChat(t, "system", "You are terse.", "user", strings.Repeat("word ", 500)), "", false)
 	in.Policy = pol
 	d, err := e.Decide(in, true)
@@ -136,7 +136,7 @@ func TestDonorKeepsModelsApart(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pol, _ := NewPolicy("semantic", PolicyConfig{})
+	pol, _ := NewPolicy(PolicySpec{Type: "semantic"})
 	var doc strings.Builder
 	for i := range 400 {
 		fmt.Fprintf(&doc, "fact%d ", i)

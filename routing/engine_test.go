@@ -30,7 +30,7 @@ func newFixture(t testing.TB, replicas int, policy string) *fixture {
 	for i := range specs {
 		specs[i] = replica.Spec{Name: fmt.Sprint("r", i), URL: fmt.Sprintf("http://127.0.0.1:%d", 9000+i)}
 	}
-	pol, err := NewPolicy(policy, PolicyConfig{})
+	pol, err := NewPolicy(PolicySpec{Type: policy})
 	if err != nil {
 		t.Fatal(err)
 	}

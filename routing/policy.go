@@ -98,46 +98,28 @@ type Observer interface {
 	Chosen(in *View, c *Candidate)
 }
 
-// PolicyConfig holds every policy's parameters; each policy reads its own.
-// Zero fields take the documented defaults.
-type PolicyConfig struct {
-	// Seed seeds the randomised policies (random, power_of_two, dynamo with
-	// a temperature); 0 draws a seed at random.
-	Seed uint64
-	// LoadWeight multiplies a replica's queued work (tokens) in the
-	// semantic cost. Default 0.1 (see PrefixCost).
-	LoadWeight float64
+// PrefixCostParams are the semantic policy's parameters (PrefixCost).
+type PrefixCostParams struct {
+	// LoadWeight multiplies a replica's queued work (tokens) in the cost.
+	// Default 0.1; at least 0.
+	LoadWeight float64 `json:"load_weight"`
 	// RecentWeight is the share of a replica's recently finished prefill
 	// tokens (replica.Load.RecentTokens) counted as queued work: it predicts
 	// the queue a replica will have and keeps load meaningful when requests
 	// rarely overlap. Default 1; negative means 0.
-	RecentWeight float64
+	RecentWeight float64 `json:"recent_weight"`
 	// SpillFactor and SpillMarginTokens: a replica whose queued work exceeds
 	// SpillFactor × the mean + SpillMarginTokens is skipped (ranked after
-	// every other) by the semantic policy. Defaults 2 and 2048.
-	SpillFactor       float64
-	SpillMarginTokens float64
-
-	SGLang     SGLangParams
-	Dynamo     DynamoParams
-	LLMD       LLMDParams
-	AIBrix     AIBrixParams
-	SemanticKV SemanticKVParams
-	// VirtualNodes per replica on the consistent_hash ring. Default 160.
-	VirtualNodes int
-	// PrefixOnly makes the semantic policy credit only the exact prefix,
-	// whatever else an engine reuses (Candidate.Reuse): the baseline that
-	// engine-aware credit is measured against.
-	PrefixOnly bool
+	// every other). Defaults 2 (at least 1) and 2048 (at least 0).
+	SpillFactor       float64 `json:"spill_factor"`
+	SpillMarginTokens float64 `json:"spill_margin_tokens"`
+	// PrefixOnly credits only the exact prefix, whatever else an engine
+	// reuses (Candidate.Reuse): the baseline that engine-aware credit is
+	// measured against.
+	PrefixOnly bool `json:"prefix_only"`
 }
 
-func def(v *float64, d float64) {
-	if *v == 0 {
-		*v = d
-	}
-}
-
-// Defaults of PrefixCost's parameters in PolicyConfig.
+// Defaults of PrefixCostParams.
 const (
 	DefaultLoadWeight        = 0.1
 	DefaultRecentWeight      = 1.0
@@ -145,76 +127,101 @@ const (
 	DefaultSpillMarginTokens = 2048.0
 )
 
-func (c *PolicyConfig) defaults() {
-	def(&c.LoadWeight, DefaultLoadWeight)
-	switch {
-	case c.RecentWeight == 0:
-		c.RecentWeight = DefaultRecentWeight
-	case c.RecentWeight < 0:
-		c.RecentWeight = 0
-	}
-	def(&c.SpillFactor, DefaultSpillFactor)
-	def(&c.SpillMarginTokens, DefaultSpillMarginTokens)
-	def(&c.SGLang.CacheThreshold, 0.3)
-	def(&c.SGLang.BalanceAbsThreshold, 64)
-	def(&c.SGLang.BalanceRelThreshold, 1.5)
-	def(&c.Dynamo.OverlapWeight, 1)
-	def(&c.LLMD.PrefixWeight, 3)
-	def(&c.LLMD.QueueWeight, 2)
-	def(&c.LLMD.KVWeight, 2)
-	def(&c.AIBrix.ImbalanceCount, 16)
-	def(&c.AIBrix.StdDevFactor, 2)
-	def(&c.SemanticKV.SessionBonusTokens, 512)
-	def(&c.SemanticKV.LoadWeight, 1)
-	if c.SemanticKV.Sessions <= 0 {
-		c.SemanticKV.Sessions = 65536
-	}
-	if c.VirtualNodes <= 0 {
-		c.VirtualNodes = 160
-	}
+// DefaultPrefixCostParams returns the semantic policy's defaults.
+func DefaultPrefixCostParams() PrefixCostParams {
+	return PrefixCostParams{LoadWeight: DefaultLoadWeight, RecentWeight: DefaultRecentWeight,
+		SpillFactor: DefaultSpillFactor, SpillMarginTokens: DefaultSpillMarginTokens}
 }
 
-// PolicyNames lists the routing policies NewPolicy knows.
-var PolicyNames = []string{
-	"semantic", "round_robin", "random", "least_load", "power_of_two", "consistent_hash",
-	"sglang", "dynamo", "llmd", "aibrix", "semantickv",
-}
-
-// NewPolicy returns the named routing policy.
-func NewPolicy(name string, c PolicyConfig) (Policy, error) {
-	c.defaults()
+func (c *PrefixCostParams) valid() error {
+	c.RecentWeight = max(c.RecentWeight, 0)
 	if c.LoadWeight < 0 || c.SpillFactor < 1 || c.SpillMarginTokens < 0 {
-		return nil, fmt.Errorf("policy %s: load_weight must be ≥ 0, spill_factor ≥ 1, spill_margin_tokens ≥ 0", name)
+		return fmt.Errorf("load_weight must be ≥ 0, spill_factor ≥ 1, spill_margin_tokens ≥ 0")
 	}
-	switch name {
-	case "semantic":
-		return &PrefixCost{cfg: c}, nil
-	case "round_robin":
-		return &RoundRobin{}, nil
-	case "random":
-		return &Random{rng: newSeededRand(c.Seed)}, nil
-	case "least_load":
-		return LeastLoad{}, nil
-	case "power_of_two":
-		return &PowerOfTwo{rng: newSeededRand(c.Seed)}, nil
-	case "consistent_hash":
-		return &ConsistentHash{VirtualNodes: c.VirtualNodes}, nil
-	case "sglang":
-		return &SGLang{p: c.SGLang}, nil
-	case "dynamo":
-		return &Dynamo{p: c.Dynamo, rng: newSeededRand(c.Seed)}, nil
-	case "llmd":
-		return &LLMD{p: c.LLMD}, nil
-	case "aibrix":
-		return &AIBrix{p: c.AIBrix}, nil
-	case "semantickv":
-		sessions, err := lru.New[uint64, string](c.SemanticKV.Sessions)
-		if err != nil {
-			return nil, err
+	return nil
+}
+
+// nonNegative returns an error naming the first of names whose value in
+// vals is negative (or not a number).
+func nonNegative(names []string, vals ...float64) error {
+	for i, v := range vals {
+		if !(v >= 0) {
+			return fmt.Errorf("%s must be ≥ 0, not %v", names[i], v)
 		}
-		return &SemanticKV{p: c.SemanticKV, sessions: sessions}, nil
 	}
-	return nil, fmt.Errorf("unknown routing policy %q (have %v)", name, PolicyNames)
+	return nil
+}
+
+// The registered policies, in the order PolicyNames() lists them.
+func init() {
+	RegisterPolicy(PolicyPlugin{Name: "semantic", Params: PrefixCostParams{},
+		New: func(p Params, _ uint64) (Policy, error) {
+			c, err := decodeParams(p, DefaultPrefixCostParams(), (*PrefixCostParams).valid)
+			return &PrefixCost{cfg: c}, err
+		}})
+	RegisterPolicy(PolicyPlugin{Name: "round_robin",
+		New: func(Params, uint64) (Policy, error) { return &RoundRobin{}, nil }})
+	RegisterPolicy(PolicyPlugin{Name: "random",
+		New: func(_ Params, seed uint64) (Policy, error) { return &Random{rng: newSeededRand(seed)}, nil }})
+	RegisterPolicy(PolicyPlugin{Name: "least_load",
+		New: func(Params, uint64) (Policy, error) { return LeastLoad{}, nil }})
+	RegisterPolicy(PolicyPlugin{Name: "power_of_two",
+		New: func(_ Params, seed uint64) (Policy, error) { return &PowerOfTwo{rng: newSeededRand(seed)}, nil }})
+	RegisterPolicy(PolicyPlugin{Name: "consistent_hash", Params: ConsistentHashParams{},
+		New: func(p Params, _ uint64) (Policy, error) {
+			c, err := decodeParams(p, ConsistentHashParams{VirtualNodes: 160}, func(c *ConsistentHashParams) error {
+				if c.VirtualNodes < 1 || c.VirtualNodes > 1<<16 {
+					return fmt.Errorf("virtual_nodes must be in [1, 65536], not %d", c.VirtualNodes)
+				}
+				return nil
+			})
+			return &ConsistentHash{VirtualNodes: c.VirtualNodes}, err
+		}})
+	RegisterPolicy(PolicyPlugin{Name: "sglang", Params: SGLangParams{},
+		New: func(p Params, _ uint64) (Policy, error) {
+			c, err := decodeParams(p, SGLangParams{CacheThreshold: 0.3, BalanceAbsThreshold: 64, BalanceRelThreshold: 1.5}, func(c *SGLangParams) error {
+				if !(c.CacheThreshold >= 0 && c.CacheThreshold <= 1) || !(c.BalanceRelThreshold >= 1) {
+					return fmt.Errorf("cache_threshold must be in [0, 1] and balance_rel_threshold ≥ 1")
+				}
+				return nonNegative([]string{"balance_abs_threshold"}, c.BalanceAbsThreshold)
+			})
+			return &SGLang{p: c}, err
+		}})
+	RegisterPolicy(PolicyPlugin{Name: "dynamo", Params: DynamoParams{},
+		New: func(p Params, seed uint64) (Policy, error) {
+			c, err := decodeParams(p, DynamoParams{OverlapWeight: 1}, func(c *DynamoParams) error {
+				return nonNegative([]string{"overlap_weight", "temperature"}, c.OverlapWeight, c.Temperature)
+			})
+			return &Dynamo{p: c, rng: newSeededRand(seed)}, err
+		}})
+	RegisterPolicy(PolicyPlugin{Name: "llmd", Aliases: []string{"llm-d"}, Params: LLMDParams{},
+		New: func(p Params, _ uint64) (Policy, error) {
+			c, err := decodeParams(p, LLMDParams{PrefixWeight: 3, QueueWeight: 2, KVWeight: 2}, func(c *LLMDParams) error {
+				return nonNegative([]string{"prefix_weight", "queue_weight", "kv_weight"}, c.PrefixWeight, c.QueueWeight, c.KVWeight)
+			})
+			return &LLMD{p: c}, err
+		}})
+	RegisterPolicy(PolicyPlugin{Name: "aibrix", Params: AIBrixParams{},
+		New: func(p Params, _ uint64) (Policy, error) {
+			c, err := decodeParams(p, AIBrixParams{ImbalanceCount: 16, StdDevFactor: 2}, func(c *AIBrixParams) error {
+				return nonNegative([]string{"imbalance_count", "std_dev_factor"}, c.ImbalanceCount, c.StdDevFactor)
+			})
+			return &AIBrix{p: c}, err
+		}})
+	RegisterPolicy(PolicyPlugin{Name: "semantickv", Params: SemanticKVParams{},
+		New: func(p Params, _ uint64) (Policy, error) {
+			c, err := decodeParams(p, SemanticKVParams{SessionBonusTokens: 512, LoadWeight: 1, Sessions: 65536}, func(c *SemanticKVParams) error {
+				if c.Sessions < 1 || c.Sessions > 1<<24 {
+					return fmt.Errorf("sessions must be in [1, 16777216], not %d", c.Sessions)
+				}
+				return nonNegative([]string{"session_bonus_tokens", "load_weight"}, c.SessionBonusTokens, c.LoadWeight)
+			})
+			if err != nil {
+				return nil, err
+			}
+			sessions, err := lru.New[uint64, string](c.Sessions)
+			return &SemanticKV{p: c, sessions: sessions}, err
+		}})
 }
 
 // PrefixCost is semroute's own policy. Every cost is in prefill tokens:
@@ -239,7 +246,7 @@ func NewPolicy(name string, c PolicyConfig) (Policy, error) {
 // SpillFactor × mean + SpillMarginTokens, or whose KV cache is at least
 // KVSpill full (vllm:kv_cache_usage_perc: it would queue or preempt), is
 // ranked last (reason "spill"); if it still wins nothing else was available.
-type PrefixCost struct{ cfg PolicyConfig }
+type PrefixCost struct{ cfg PrefixCostParams }
 
 var _ Policy = (*PrefixCost)(nil)
 

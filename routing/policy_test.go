@@ -20,7 +20,7 @@ func cands(n int) []Candidate {
 }
 
 func TestSemanticCost(t *testing.T) {
-	p, err := NewPolicy("semantic", PolicyConfig{LoadWeight: 1, RecentWeight: 0.5})
+	p, err := NewPolicy(PolicySpec{Type: "semantic", Params: Params{"load_weight": 1, "recent_weight": 0.5}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -71,14 +71,14 @@ func TestSemanticCost(t *testing.T) {
 }
 
 func TestNewPolicyValidates(t *testing.T) {
-	if _, err := NewPolicy("nope", PolicyConfig{}); err == nil {
+	if _, err := NewPolicy(PolicySpec{Type: "nope"}); err == nil {
 		t.Error("unknown policy accepted")
 	}
-	if _, err := NewPolicy("semantic", PolicyConfig{SpillFactor: 0.5}); err == nil {
+	if _, err := NewPolicy(PolicySpec{Type: "semantic", Params: Params{"spill_factor": 0.5}}); err == nil {
 		t.Error("spill factor below 1 accepted")
 	}
-	for _, n := range PolicyNames {
-		p, err := NewPolicy(n, PolicyConfig{})
+	for _, n := range PolicyNames() {
+		p, err := NewPolicy(PolicySpec{Type: n})
 		if err != nil || p.Name() != n {
 			t.Errorf("NewPolicy(%q) = %v, %v", n, p, err)
 		}
@@ -86,7 +86,7 @@ func TestNewPolicyValidates(t *testing.T) {
 }
 
 func TestRoundRobinCycles(t *testing.T) {
-	p, _ := NewPolicy("round_robin", PolicyConfig{})
+	p, _ := NewPolicy(PolicySpec{Type: "round_robin"})
 	var got []string
 	for i := 0; i < 6; i++ {
 		cs := cands(3)
@@ -196,7 +196,7 @@ func TestRankMatchesSort(t *testing.T) {
 }
 
 func TestRandomSpreads(t *testing.T) {
-	rp, _ := NewPolicy("random", PolicyConfig{Seed: 1})
+	rp, _ := NewPolicy(PolicySpec{Type: "random", Seed: 1})
 	wins := map[string]int{}
 	for i := 0; i < 400; i++ {
 		cs := cands(4)

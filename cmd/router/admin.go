@@ -191,7 +191,7 @@ func (a *app) reload() error {
 // restart.
 var liveKeys = []string{
 	"replicas", "admin.token", "grpc.token", "limits.",
-	"routing.policy", "routing.load_weight", "routing.recent_weight", "routing.spill_factor",
+	"routing.policy.", "routing.load_weight", "routing.recent_weight", "routing.spill_factor",
 	"routing.spill_margin_tokens", "routing.seed", "routing.arms",
 }
 

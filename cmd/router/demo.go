@@ -212,7 +212,7 @@ func (d *demo) startRouter(v *viper.Viper, logw io.Writer, picture string) error
 	if d.app == nil {
 		d.app, d.run = a, run
 	}
-	log.Info("semroute demo listening", "addr", run.http.addr, "grpc", run.grpcAddr(), "replicas", len(cfg.Replicas), "policy", cfg.Routing.Policy,
+	log.Info("semroute demo listening", "addr", run.http.addr, "grpc", run.grpcAddr(), "replicas", len(cfg.Replicas), "policy", cfg.Routing.Policy.Type,
 		"tokenizer", cfg.Tokenizer.Mode, "picture", cmp.Or(picture, "approximate"))
 	return nil
 }

@@ -84,7 +84,7 @@ func newServe() *cobra.Command {
 			}
 			floor, stopFloor := startGCFloor(cfg.Runtime)
 			defer stopFloor()
-			log.Info("semroute listening", "addr", r.http.addr, "grpc", r.grpcAddr(), "replicas", len(cfg.Replicas), "policy", cfg.Routing.Policy, "gc_floor", floor)
+			log.Info("semroute listening", "addr", r.http.addr, "grpc", r.grpcAddr(), "replicas", len(cfg.Replicas), "policy", cfg.Routing.Policy.Type, "gc_floor", floor)
 			ctx, stop := signalContext()
 			defer stop()
 			<-ctx.Done()

@@ -1,8 +1,10 @@
 package main
 
 import (
+	"bytes"
 	"cmp"
 	"fmt"
+	"maps"
 	"os"
 	"strings"
 	"time"
@@ -10,6 +12,7 @@ import (
 	"github.com/semroute/semroute/eviction"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
+	"go.yaml.in/yaml/v3"
 
 	"github.com/spf13/cobra"
 
@@ -30,6 +33,8 @@ func newReplay() *cobra.Command {
 		m                        replay.Model
 		seed                     uint64
 		ablate, withMatcher      bool
+		semantic                 routing.PrefixCostParams
+		policyFile               string
 	)
 	cmd := &cobra.Command{
 		Use:   "replay",
@@ -85,20 +90,29 @@ report.html to --out.`,
 				blockTokens = blockhash.DefaultBlockTokens
 			}
 			m.BlockTokens = blockTokens
-			m.Policy.Seed = seed
+			m.Seed = seed
+			m.Params = map[string]routing.Params{"semantic": {"load_weight": semantic.LoadWeight, "recent_weight": semantic.RecentWeight,
+				"spill_factor": semantic.SpillFactor, "spill_margin_tokens": semantic.SpillMarginTokens}}
 			var runs []replay.Run
 			for _, p := range strings.Split(pols, ",") {
 				if p = strings.TrimSpace(p); p != "" {
 					runs = append(runs, replay.Run{Policy: p})
 				}
 			}
+			if policyFile != "" {
+				more, err := readPolicyFile(policyFile)
+				if err != nil {
+					return err
+				}
+				runs = append(runs, more...)
+			}
 			if ablate {
-				runs = append(runs, replay.Ablations(m.Policy)...)
+				runs = append(runs, replay.Ablations(m.Params["semantic"])...)
 			}
 			if m.Reuse.Blend() || m.Reuse.Donor() { // the baseline engine-aware credit is measured against
-				prefixOnly := m.Policy
-				prefixOnly.PrefixOnly = true
-				runs = append(runs, replay.Run{Label: "semantic-prefix-credit", Policy: "semantic", Config: &prefixOnly})
+				prefixOnly := maps.Clone(m.Params["semantic"])
+				prefixOnly["prefix_only"] = true
+				runs = append(runs, replay.Run{Label: "semantic-prefix-credit", Policy: "semantic", Params: prefixOnly})
 			}
 			if withMatcher {
 				m.Matcher = func() routing.Matcher {
@@ -165,7 +179,8 @@ report.html to --out.`,
 	f.StringVar(&trace, "trace", "", "trace file (JSONL)")
 	f.StringVar(&format, "format", "mooncake", "trace format: mooncake, openai, or decisions (a router decision log)")
 	f.StringVar(&out, "out", "replay-out", "directory for the report")
-	f.StringVar(&pols, "policies", strings.Join(routing.PolicyNames, ","), "routing policies to compare, comma-separated")
+	f.StringVar(&pols, "policies", strings.Join(routing.PolicyNames(), ","), "routing policies to compare with their default parameters, comma-separated (empty: none but --policy-file's)")
+	f.StringVar(&policyFile, "policy-file", "", "a YAML list of further runs, each a policy with its own parameters as config's routing.policy takes them: - {label: dynamo-t05, type: dynamo, params: {temperature: 0.5}}")
 	f.IntVar(&blockTokens, "block-tokens", 0, "tokens per block (default 512 for mooncake, 64 for openai)")
 	f.IntVar(&m.Replicas, "replicas", replay.DefaultReplicas, "replicas")
 	f.Int64Var(&m.BudgetTokens, "budget-tokens", replay.DefaultBudgetTokens, "KV cache per replica, tokens")
@@ -179,10 +194,10 @@ report.html to --out.`,
 	f.BoolVar(&m.RecordReplies, "record-replies", true, "cache a reply's blocks when its request finishes (openai traces)")
 	f.BoolVar(&m.SharedActive, "shared-active", false, "count blocks shared by running requests once in KV load (cascade attention)")
 	f.Uint64Var(&seed, "seed", 1, "seed of the randomised policies")
-	f.Float64Var(&m.Policy.LoadWeight, "load-weight", routing.DefaultLoadWeight, "semantic: weight of queued tokens")
-	f.Float64Var(&m.Policy.RecentWeight, "recent-weight", routing.DefaultRecentWeight, "semantic: share of recently finished prefill counted as load (negative for none)")
-	f.Float64Var(&m.Policy.SpillFactor, "spill-factor", routing.DefaultSpillFactor, "semantic: skip replicas above this × mean load + margin")
-	f.Float64Var(&m.Policy.SpillMarginTokens, "spill-margin-tokens", routing.DefaultSpillMarginTokens, "semantic: see --spill-factor")
+	f.Float64Var(&semantic.LoadWeight, "load-weight", routing.DefaultLoadWeight, "semantic: weight of queued tokens")
+	f.Float64Var(&semantic.RecentWeight, "recent-weight", routing.DefaultRecentWeight, "semantic: share of recently finished prefill counted as load (negative for none)")
+	f.Float64Var(&semantic.SpillFactor, "spill-factor", routing.DefaultSpillFactor, "semantic: skip replicas above this × mean load + margin")
+	f.Float64Var(&semantic.SpillMarginTokens, "spill-margin-tokens", routing.DefaultSpillMarginTokens, "semantic: see --spill-factor")
 	f.DurationVar(&m.LoadHalfLife, "load-half-life", replica.DefaultHalfLife, "half-life of the recent-work signal")
 	f.BoolVar(&withMatcher, "matcher", false, "also run the semantic policy with the MinHash semantic matcher (useful on openai traces)")
 	f.BoolVar(&ablate, "ablations", false, "also run the semantic policy with unit kind weights and with load ignored")
@@ -245,4 +260,38 @@ func newGenTrace() *cobra.Command {
 	f.StringVar(&o.Workload, "workload", "mixed", "mixed (RAG, chats and agents), or blend (documents and tool outputs that recur after other prefixes and in other orders; see replay.GenOptions)")
 	f.Float64Var(&o.ThinkSeconds, "think-seconds", 20, "mean time between a session's turns")
 	return cmd
+}
+
+// policyRun is one entry of a --policy-file.
+type policyRun struct {
+	Label  string         `yaml:"label"`
+	Type   string         `yaml:"type"`
+	Params routing.Params `yaml:"params"`
+}
+
+// readPolicyFile reads a --policy-file: a YAML list of runs, each checked
+// by building its policy.
+func readPolicyFile(path string) ([]replay.Run, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var prs []policyRun
+	dec := yaml.NewDecoder(bytes.NewReader(b))
+	dec.KnownFields(true)
+	if err := dec.Decode(&prs); err != nil {
+		return nil, fmt.Errorf("--policy-file %s: %w", path, err)
+	}
+	runs := make([]replay.Run, 0, len(prs))
+	for i, pr := range prs {
+		if _, err := routing.NewPolicy(routing.PolicySpec{Type: pr.Type, Params: pr.Params}); err != nil {
+			return nil, fmt.Errorf("--policy-file %s: run %d: %w", path, i, err)
+		}
+		params := pr.Params
+		if params == nil {
+			params = routing.Params{} // its own defaults, not the semantic flags'
+		}
+		runs = append(runs, replay.Run{Label: cmp.Or(pr.Label, pr.Type), Policy: pr.Type, Params: params})
+	}
+	return runs, nil
 }

@@ -60,7 +60,16 @@ func TestCLIReplayMooncakeAndErrors(t *testing.T) {
 	if !strings.Contains(out, "| dynamo |") || !strings.Contains(out, "2 requests (mooncake format)") {
 		t.Fatalf("output:\n%s", out)
 	}
+	pf := filepath.Join(dir, "runs.yaml")
+	os.WriteFile(pf, []byte("- {label: dynamo-t05, type: dynamo, params: {temperature: 0.5, overlap_weight: 2}}\n- {type: llm-d, params: {kv_weight: 0}}\n"), 0o600)
+	out = runCLI(t, "replay", "--trace", trace, "--policies", "", "--policy-file", pf, "--out", filepath.Join(dir, "pf"))
+	if !strings.Contains(out, "| dynamo-t05 |") || !strings.Contains(out, "| llm-d |") || strings.Contains(out, "| semantic |") {
+		t.Fatalf("--policy-file runs:\n%s", out)
+	}
+	badFile := filepath.Join(dir, "bad.yaml")
+	os.WriteFile(badFile, []byte("- {type: dynamo, params: {temprature: 0.5}}\n"), 0o600)
 	for _, args := range [][]string{
+		{"replay", "--trace", trace, "--policy-file", badFile},
 		{"replay", "--trace", trace, "--format", "csv"},
 		{"replay", "--trace", filepath.Join(dir, "missing")},
 		{"replay", "--trace", trace, "--policies", "nope"},

@@ -433,12 +433,8 @@ func (r *running) shutdown(grace time.Duration) error {
 // armsFor builds the A/B arms of cfg: its arms, or one arm, "default",
 // running routing.policy.
 func armsFor(cfg *configs.Config) ([]router.Arm, error) {
-	pc := routing.PolicyConfig{
-		Seed: cfg.Routing.Seed, LoadWeight: cfg.Routing.LoadWeight, RecentWeight: cfg.Routing.RecentWeight,
-		SpillFactor: cfg.Routing.SpillFactor, SpillMarginTokens: cfg.Routing.SpillMarginTokens,
-	}
 	if len(cfg.Routing.Arms) == 0 {
-		pol, err := routing.NewPolicy(cfg.Routing.Policy, pc)
+		pol, err := routing.NewPolicy(cfg.Routing.PolicySpec())
 		if err != nil {
 			return nil, fmt.Errorf("config: routing: %w", err)
 		}
@@ -446,17 +442,7 @@ func armsFor(cfg *configs.Config) ([]router.Arm, error) {
 	}
 	var arms []router.Arm
 	for i, a := range cfg.Routing.Arms {
-		apc := pc
-		set := func(dst *float64, v *float64) {
-			if v != nil {
-				*dst = *v
-			}
-		}
-		set(&apc.LoadWeight, a.LoadWeight)
-		set(&apc.RecentWeight, a.RecentWeight)
-		set(&apc.SpillFactor, a.SpillFactor)
-		set(&apc.SpillMarginTokens, a.SpillMarginTokens)
-		ap, err := routing.NewPolicy(a.Policy, apc)
+		ap, err := routing.NewPolicy(cfg.Routing.ArmSpec(i))
 		if err != nil {
 			return nil, fmt.Errorf("config: routing.arms[%d]: %w", i, err)
 		}

@@ -1,0 +1,163 @@
+package routing
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"reflect"
+	"slices"
+	"strings"
+	"sync"
+)
+
+// Params are a plugin's parameters as config gives them: snake_case names
+// to values, in the shape of the endpoint-picker framework's plugin
+// configs ({type, parameters}). A nil Params means every default.
+type Params map[string]any
+
+// Decode fills into, a pointer to a struct whose fields carry json tags,
+// from p: a name the struct does not have is an error naming the ones it
+// has, as is a value of the wrong type. Fields p does not name keep their
+// value.
+func (p Params) Decode(into any) error {
+	if len(p) == 0 {
+		return nil
+	}
+	b, err := json.Marshal(map[string]any(p))
+	if err != nil {
+		return fmt.Errorf("params: %w", err)
+	}
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(into); err != nil {
+		names := ParamNames(into)
+		for k := range p {
+			if !slices.Contains(names, k) {
+				return fmt.Errorf("unknown parameter %q (have %s)", k, strings.Join(names, ", "))
+			}
+		}
+		return fmt.Errorf("params: %w", err)
+	}
+	return nil
+}
+
+// ParamNames returns the parameter names of a params struct (or a pointer
+// to one): its fields' json names.
+func ParamNames(params any) []string {
+	t := reflect.TypeOf(params)
+	for t != nil && t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	if t == nil || t.Kind() != reflect.Struct {
+		return nil
+	}
+	var names []string
+	for i := range t.NumField() {
+		f := t.Field(i)
+		if name, _, _ := strings.Cut(f.Tag.Get("json"), ","); name != "" && name != "-" {
+			names = append(names, name)
+		}
+	}
+	return names
+}
+
+// PolicySpec names a routing policy and its parameters: config's
+// routing.policy (`{type: dynamo, params: {temperature: 0.5}}`, or just
+// the type), an A/B arm's, a replay run's.
+type PolicySpec struct {
+	// Type is the policy's registered name or one of its aliases.
+	Type string `json:"type" mapstructure:"type"`
+	// Params are the policy's own parameters; the policy validates them.
+	Params Params `json:"params,omitempty" mapstructure:"params"`
+	// Seed seeds a randomised policy; 0 draws one at random. Config sets
+	// it from routing.seed, the replay from its --seed.
+	Seed uint64 `json:"-" mapstructure:"-"`
+}
+
+// PolicyPlugin is a routing policy's registration.
+type PolicyPlugin struct {
+	// Name is the policy's name: in config, decision logs, metrics and
+	// replay reports.
+	Name string
+	// Aliases are other spellings config accepts for it.
+	Aliases []string
+	// Params is the zero value of its parameters' struct, for their names
+	// (nil: it takes none).
+	Params any
+	// New builds the policy from its parameters and a seed (0: random).
+	New func(p Params, seed uint64) (Policy, error)
+}
+
+var registry struct {
+	sync.RWMutex
+	order  []string                 // names, in registration order
+	byName map[string]*PolicyPlugin // names and aliases
+}
+
+// RegisterPolicy adds a routing policy to those NewPolicy builds. It
+// panics on a name or alias already registered: registration happens in
+// init, and two plugins under one name is a programming error.
+func RegisterPolicy(p PolicyPlugin) {
+	registry.Lock()
+	defer registry.Unlock()
+	if registry.byName == nil {
+		registry.byName = map[string]*PolicyPlugin{}
+	}
+	for _, n := range append([]string{p.Name}, p.Aliases...) {
+		if _, dup := registry.byName[n]; dup || n == "" {
+			panic(fmt.Sprintf("routing: policy %q registered twice", n))
+		}
+		registry.byName[n] = &p
+	}
+	registry.order = append(registry.order, p.Name)
+}
+
+// PolicyNames lists the registered routing policies' names, in the order
+// they were registered (semroute's own first, then the baselines, then
+// the ports of other routers).
+func PolicyNames() []string {
+	registry.RLock()
+	defer registry.RUnlock()
+	return slices.Clone(registry.order)
+}
+
+// LookupPolicy returns the registration of a policy name or alias.
+func LookupPolicy(name string) (PolicyPlugin, bool) {
+	registry.RLock()
+	defer registry.RUnlock()
+	p, ok := registry.byName[name]
+	if !ok {
+		return PolicyPlugin{}, false
+	}
+	return *p, true
+}
+
+// NewPolicy builds the routing policy s names, with its parameters.
+func NewPolicy(s PolicySpec) (Policy, error) {
+	p, ok := LookupPolicy(s.Type)
+	if !ok {
+		return nil, fmt.Errorf("unknown routing policy %q (have %s)", s.Type, strings.Join(PolicyNames(), ", "))
+	}
+	if p.Params == nil && len(s.Params) > 0 {
+		return nil, fmt.Errorf("policy %s takes no parameters", p.Name)
+	}
+	pol, err := p.New(s.Params, s.Seed)
+	if err != nil {
+		return nil, fmt.Errorf("policy %s: %w", p.Name, err)
+	}
+	return pol, nil
+}
+
+// decodeParams decodes p over def (the defaults) and checks the result
+// with valid, if any.
+func decodeParams[T any](p Params, def T, valid func(*T) error) (T, error) {
+	if err := p.Decode(&def); err != nil {
+		return def, err
+	}
+	if valid != nil {
+		if err := valid(&def); err != nil {
+			return def, err
+		}
+	}
+	return def, nil
+}
