@@ -24,6 +24,7 @@ import (
 	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/matcher"
 	"github.com/semroute/semroute/monitor"
+	"github.com/semroute/semroute/plugin"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 	"github.com/semroute/semroute/tokenizer"
@@ -290,8 +291,10 @@ type BlocksConfig struct {
 
 // CacheConfig sets the cache picture.
 type CacheConfig struct {
-	Eviction            string `mapstructure:"eviction" json:"eviction"`
-	DefaultBudgetTokens int64  `mapstructure:"default_budget_tokens" json:"default_budget_tokens"`
+	// Eviction is the picture's eviction policy and its parameters:
+	// `eviction: vllm`, or `{type: adaptive_semantic, params: {...}}`.
+	Eviction            plugin.Spec `mapstructure:"eviction" json:"eviction"`
+	DefaultBudgetTokens int64       `mapstructure:"default_budget_tokens" json:"default_budget_tokens"`
 	// MaxBudgetTokens bounds the budget a replica reports
 	// (vllm:cache_config_info), in tokens: more is clamped, warned about
 	// and counted. Default 8,388,608 (monitor.DefaultMaxBudget).
@@ -556,9 +559,10 @@ func Decode(v *viper.Viper) (*Config, error) {
 }
 
 // policyByType decodes a policy given as a string (`policy: semantic`,
-// SEMROUTE_ROUTING_POLICY) as the spec of that type with no params.
+// SEMROUTE_ROUTING_POLICY, `eviction: lru`) as the spec of that type with
+// no params.
 func policyByType(from, to reflect.Type, data any) (any, error) {
-	if to == reflect.TypeFor[routing.PolicySpec]() && from.Kind() == reflect.String {
+	if (to == reflect.TypeFor[routing.PolicySpec]() || to == reflect.TypeFor[plugin.Spec]()) && from.Kind() == reflect.String {
 		return map[string]any{"type": data}, nil
 	}
 	return data, nil

@@ -186,7 +186,7 @@ func (b BlocksConfig) Options() blockhash.Options {
 }
 
 func (c CacheConfig) validate(p *problems) {
-	if _, err := eviction.Lookup(c.Eviction); err != nil {
+	if _, err := eviction.New(c.Eviction); err != nil {
 		p.bad("cache.eviction", "%v", err)
 	}
 	if c.MaxBudgetTokens < 0 || c.MaxBudgetTokens > 1<<40 {

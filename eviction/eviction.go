@@ -19,6 +19,7 @@ import (
 	lru "github.com/hashicorp/golang-lru/v2/simplelru"
 
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/plugin"
 )
 
 // Info describes one cached block on one replica. Times are nanoseconds on
@@ -81,15 +82,27 @@ type Evicted interface {
 // Factory makes a fresh policy for one replica.
 type Factory func() Policy
 
-// registry maps names to factories; see New for the parameters used.
-var registry = map[string]Factory{
-	"fifo":              func() Policy { return NewFIFO() },
-	"lru":               func() Policy { return NewLRU() },
-	"lfu":               func() Policy { return NewLFU() },
-	"size_lru":          func() Policy { return NewSizeLRU() },
-	"vllm":              func() Policy { return NewVLLM() },
-	"static_semantic":   func() Policy { return NewKindWeighted(KindParams{}) },
-	"adaptive_semantic": func() Policy { return NewAdaptiveKind(AdaptiveParams{}) },
+// registered is one eviction policy's registration: its parameters'
+// struct (nil: it takes none) and the constructor of its factory.
+type registered struct {
+	params any
+	new    func(plugin.Params) (Factory, error)
+}
+
+// none is the constructor of a policy that takes no parameters.
+func none(f Factory) func(plugin.Params) (Factory, error) {
+	return func(plugin.Params) (Factory, error) { return f, nil }
+}
+
+// registry maps names to policies; see New.
+var registry = map[string]registered{
+	"fifo":              {new: none(NewFIFO)},
+	"lru":               {new: none(NewLRU)},
+	"lfu":               {new: none(NewLFU)},
+	"size_lru":          {new: none(NewSizeLRU)},
+	"vllm":              {new: none(NewVLLM)},
+	"static_semantic":   {params: staticSpec{}, new: newStatic},
+	"adaptive_semantic": {params: adaptiveSpec{}, new: newAdaptive},
 }
 
 // Default is the eviction policy of the live router's picture.
@@ -105,13 +118,104 @@ func Names() []string {
 	return out
 }
 
+// ParamNames returns the parameter names the named policy takes.
+func ParamNames(name string) []string { return plugin.Names(registry[name].params) }
+
 // Lookup returns the factory registered under name, with default parameters.
-func Lookup(name string) (Factory, error) {
-	f, ok := registry[name]
+func Lookup(name string) (Factory, error) { return New(plugin.Spec{Type: name}) }
+
+// New returns the factory of the policy s names, with its parameters
+// decoded and checked.
+func New(s plugin.Spec) (Factory, error) {
+	r, ok := registry[s.Type]
 	if !ok {
-		return nil, fmt.Errorf("unknown eviction policy %q (have %v)", name, Names())
+		return nil, fmt.Errorf("unknown eviction policy %q (have %v)", s.Type, Names())
+	}
+	if r.params == nil && len(s.Params) > 0 {
+		return nil, fmt.Errorf("eviction policy %s takes no parameters", s.Type)
+	}
+	f, err := r.new(s.Params)
+	if err != nil {
+		return nil, fmt.Errorf("eviction policy %s: %w", s.Type, err)
 	}
 	return f, nil
+}
+
+// staticSpec is static_semantic's parameters as config gives them.
+type staticSpec struct {
+	// Weights by kind name (system, tools, ...); kinds not named keep
+	// their default value.
+	Weights      map[string]float64 `json:"weights"`
+	SizeExponent float64            `json:"size_exponent"`
+}
+
+func (c staticSpec) params() (KindParams, error) {
+	w := DefaultKindValues()
+	for name, v := range c.Weights {
+		k, err := blockhash.ParseKind(name)
+		if err != nil {
+			return KindParams{}, fmt.Errorf("weights: %w", err)
+		}
+		if !(v >= 0) {
+			return KindParams{}, fmt.Errorf("weights.%s must be ≥ 0, not %v", name, v)
+		}
+		w[k] = v
+	}
+	if !(c.SizeExponent > 0 && c.SizeExponent <= 2) {
+		return KindParams{}, fmt.Errorf("size_exponent must be in (0, 2], not %v", c.SizeExponent)
+	}
+	return KindParams{Weights: w, SizeExponent: c.SizeExponent}, nil
+}
+
+func newStatic(p plugin.Params) (Factory, error) {
+	c := staticSpec{SizeExponent: 1}
+	if err := p.Decode(&c); err != nil {
+		return nil, err
+	}
+	kp, err := c.params()
+	if err != nil {
+		return nil, err
+	}
+	return func() Policy { return NewKindWeighted(kp) }, nil
+}
+
+// adaptiveSpec is adaptive_semantic's parameters as config gives them.
+type adaptiveSpec struct {
+	staticSpec
+	HitGain        float64         `json:"hit_gain"`
+	RegretGain     float64         `json:"regret_gain"`
+	WeightHalfLife plugin.Duration `json:"weight_half_life"`
+	MinWeight      float64         `json:"min_weight"`
+	MaxWeight      float64         `json:"max_weight"`
+	Ghosts         int             `json:"ghosts"`
+	AdmitBelow     float64         `json:"admit_below"`
+}
+
+func newAdaptive(p plugin.Params) (Factory, error) {
+	c := adaptiveSpec{staticSpec: staticSpec{SizeExponent: 1}, HitGain: 0.01, RegretGain: 0.05, WeightHalfLife: plugin.Duration(time.Minute),
+		MinWeight: 0.1, MaxWeight: 10, Ghosts: 65536, AdmitBelow: 0.25}
+	if err := p.Decode(&c); err != nil {
+		return nil, err
+	}
+	kp, err := c.params()
+	if err != nil {
+		return nil, err
+	}
+	switch {
+	case !(c.HitGain > 0 && c.RegretGain > 0):
+		return nil, fmt.Errorf("hit_gain and regret_gain must be > 0")
+	case c.AdmitBelow == 0 || c.AdmitBelow != c.AdmitBelow:
+		return nil, fmt.Errorf("admit_below must not be 0 (a negative value admits everything)")
+	case !(c.MinWeight > 0 && c.MaxWeight >= c.MinWeight):
+		return nil, fmt.Errorf("min_weight must be > 0 and max_weight ≥ min_weight")
+	case c.WeightHalfLife <= 0:
+		return nil, fmt.Errorf("weight_half_life must be positive")
+	case c.Ghosts < 1 || c.Ghosts > 1<<24:
+		return nil, fmt.Errorf("ghosts must be in [1, 16777216], not %d", c.Ghosts)
+	}
+	ap := AdaptiveParams{KindParams: kp, HitGain: c.HitGain, RegretGain: c.RegretGain, WeightHalfLife: time.Duration(c.WeightHalfLife),
+		MinWeight: c.MinWeight, MaxWeight: c.MaxWeight, Ghosts: c.Ghosts, AdmitBelow: c.AdmitBelow}
+	return func() Policy { return NewAdaptiveKind(ap) }, nil
 }
 
 // ordered is a Policy whose order is a function of each block's Info: the

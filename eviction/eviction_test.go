@@ -6,8 +6,10 @@ import (
 	"math/rand"
 	"sort"
 	"testing"
+	"time"
 
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/plugin"
 )
 
 func drain(p Policy) []uint64 {
@@ -585,6 +587,44 @@ func TestPrioHeapAgainstScan(t *testing.T) {
 		}
 		if h.Len() != len(ref) {
 			t.Fatalf("op %d: Len %d, want %d", op, h.Len(), len(ref))
+		}
+	}
+}
+
+// TestNewWithParams: the parametrised policies take their parameters by
+// name, refuse wrong ones with the names they have, and the others take
+// none.
+func TestNewWithParams(t *testing.T) {
+	for _, name := range Names() {
+		if _, err := Lookup(name); err != nil {
+			t.Errorf("%s with defaults: %v", name, err)
+		}
+		if ParamNames(name) == nil {
+			if _, err := New(plugin.Spec{Type: name, Params: plugin.Params{"x": 1}}); err == nil {
+				t.Errorf("%s took a parameter", name)
+			}
+		}
+	}
+	good := plugin.Params{"weights": map[string]any{"system": 5, "user_query": 0}, "size_exponent": 0.5, "hit_gain": 0.1,
+		"weight_half_life": "30s", "ghosts": 100, "admit_below": -1}
+	f, err := New(plugin.Spec{Type: "adaptive_semantic", Params: good})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ap := f().(*adaptive).ap; ap.Weights[blockhash.KindSystem] != 5 || ap.Weights[blockhash.KindTools] != 2 || ap.SizeExponent != 0.5 ||
+		ap.WeightHalfLife != 30*time.Second || ap.Ghosts != 100 || ap.AdmitBelow != -1 || ap.RegretGain != 0.05 {
+		t.Errorf("adaptive params %+v", ap)
+	}
+	for _, bad := range []plugin.Spec{
+		{Type: "static_semantic", Params: plugin.Params{"weights": map[string]any{"sytem": 1}}},
+		{Type: "static_semantic", Params: plugin.Params{"size_exponent": 0}},
+		{Type: "adaptive_semantic", Params: plugin.Params{"min_weight": 5, "max_weight": 1}},
+		{Type: "adaptive_semantic", Params: plugin.Params{"weight_half_life": "soon"}},
+		{Type: "adaptive_semantic", Params: plugin.Params{"ghost": 1}},
+		{Type: "nope"},
+	} {
+		if _, err := New(bad); err == nil {
+			t.Errorf("%+v accepted", bad)
 		}
 	}
 }

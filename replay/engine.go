@@ -10,7 +10,6 @@ import (
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
-	"github.com/semroute/semroute/eviction"
 	"github.com/semroute/semroute/matcher"
 )
 
@@ -135,7 +134,7 @@ type goneBlock struct {
 }
 
 func newEngineCaches(m *Model, budgets []int64) (*engineCaches, error) {
-	inner, err := eviction.Lookup(m.Eviction)
+	inner, err := m.evictionPolicy()
 	if err != nil {
 		return nil, err
 	}

@@ -11,7 +11,6 @@ import (
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
-	"github.com/semroute/semroute/eviction"
 	"github.com/semroute/semroute/matcher"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
@@ -185,18 +184,19 @@ type Summary struct {
 
 // ModelSummary records the replica model's parameters.
 type ModelSummary struct {
-	BlockTokens       int     `json:"block_tokens"`
-	MaxRunning        int     `json:"max_running"`
-	PrefillOverheadMS float64 `json:"prefill_overhead_ms"`
-	PrefillPerTokenUS float64 `json:"prefill_per_token_us"`
-	InterTokenMS      float64 `json:"inter_token_ms"`
-	Eviction          string  `json:"eviction"`
-	Speedup           float64 `json:"speedup"`
-	SpreadTiesMS      float64 `json:"spread_ties_ms,omitempty"`
-	RecordReplies     bool    `json:"record_replies"`
-	SharedActive      bool    `json:"shared_active"`
-	Seed              uint64  `json:"seed"`
-	Matcher           bool    `json:"semantic_matcher"`
+	BlockTokens       int            `json:"block_tokens"`
+	MaxRunning        int            `json:"max_running"`
+	PrefillOverheadMS float64        `json:"prefill_overhead_ms"`
+	PrefillPerTokenUS float64        `json:"prefill_per_token_us"`
+	InterTokenMS      float64        `json:"inter_token_ms"`
+	Eviction          string         `json:"eviction"`
+	EvictionParams    map[string]any `json:"eviction_params,omitempty"`
+	Speedup           float64        `json:"speedup"`
+	SpreadTiesMS      float64        `json:"spread_ties_ms,omitempty"`
+	RecordReplies     bool           `json:"record_replies"`
+	SharedActive      bool           `json:"shared_active"`
+	Seed              uint64         `json:"seed"`
+	Matcher           bool           `json:"semantic_matcher"`
 	// Reuse is the engines' reuse beyond the exact prefix (Model.Reuse:
 	// "blend" or "donor"); empty for exact-prefix engines.
 	Reuse string `json:"reuse,omitempty"`
@@ -250,7 +250,7 @@ func Replay(reqs []Request, m Model, runs []Run) (*Summary, error) {
 		Model: ModelSummary{
 			BlockTokens: m.BlockTokens, MaxRunning: m.MaxRunning,
 			PrefillOverheadMS: float64(m.PrefillOverhead) / 1e6, PrefillPerTokenUS: float64(m.PrefillPerToken) / 1e3,
-			InterTokenMS: float64(m.InterToken) / 1e6, Eviction: m.Eviction, Speedup: m.Speedup, SpreadTiesMS: float64(m.SpreadTies) / 1e6,
+			InterTokenMS: float64(m.InterToken) / 1e6, Eviction: m.Eviction, EvictionParams: m.EvictionParams, Speedup: m.Speedup, SpreadTiesMS: float64(m.SpreadTies) / 1e6,
 			RecordReplies: m.RecordReplies, SharedActive: m.SharedActive, Seed: m.Seed, Matcher: m.Matcher != nil,
 		},
 	}
@@ -401,7 +401,7 @@ func newEngineDecider(reqs []Request, m *Model, run Run, clock *int64) (*engineD
 	if err != nil {
 		return nil, err
 	}
-	evict, err := eviction.Lookup(m.Eviction)
+	evict, err := m.evictionPolicy()
 	if err != nil {
 		return nil, err
 	}
@@ -442,7 +442,7 @@ func newEngineDecider(reqs []Request, m *Model, run Run, clock *int64) (*engineD
 }
 
 func runReference(reqs []Request, m *Model, name string, budget int64) (*Result, error) {
-	evict, err := eviction.Lookup(m.Eviction)
+	evict, err := m.evictionPolicy()
 	if err != nil {
 		return nil, err
 	}

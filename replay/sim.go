@@ -12,6 +12,7 @@ import (
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
 	"github.com/semroute/semroute/eviction"
+	"github.com/semroute/semroute/plugin"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
@@ -35,9 +36,10 @@ type Model struct {
 	// InterToken: decode takes output tokens × InterToken after the first
 	// token, alongside other requests' prefill. Default 20ms.
 	InterToken time.Duration
-	// Eviction is the replicas' eviction policy (eviction.Lookup). Default
-	// eviction.Default (vLLM's order).
-	Eviction string
+	// Eviction is the replicas' eviction policy (eviction.New), with
+	// EvictionParams. Default eviction.Default (vLLM's order).
+	Eviction       string
+	EvictionParams plugin.Params
 	// Speedup divides every arrival time. Default 1.
 	Speedup float64
 	// SpreadTies spreads each run of requests that arrive in the same
@@ -118,7 +120,7 @@ func (m *Model) defaults() error {
 	case m.SpreadTies < 0 || m.SpreadTies > MaxSpreadTies:
 		return fmt.Errorf("spread ties %v: want 0 to %v", m.SpreadTies, MaxSpreadTies)
 	}
-	if _, err := eviction.Lookup(m.Eviction); err != nil {
+	if _, err := m.evictionPolicy(); err != nil {
 		return err
 	}
 	return m.Reuse.Check()
@@ -490,4 +492,9 @@ func sortedCopy(xs []float64) []float64 {
 	out := append([]float64(nil), xs...)
 	sort.Float64s(out)
 	return out
+}
+
+// evictionPolicy returns the factory of the model's eviction policy.
+func (m *Model) evictionPolicy() (eviction.Factory, error) {
+	return eviction.New(plugin.Spec{Type: m.Eviction, Params: m.EvictionParams})
 }

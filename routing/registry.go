@@ -1,65 +1,16 @@
 package routing
 
 import (
-	"bytes"
-	"encoding/json"
 	"fmt"
-	"reflect"
 	"slices"
 	"strings"
 	"sync"
+
+	"github.com/semroute/semroute/plugin"
 )
 
-// Params are a plugin's parameters as config gives them: snake_case names
-// to values, in the shape of the endpoint-picker framework's plugin
-// configs ({type, parameters}). A nil Params means every default.
-type Params map[string]any
-
-// Decode fills into, a pointer to a struct whose fields carry json tags,
-// from p: a name the struct does not have is an error naming the ones it
-// has, as is a value of the wrong type. Fields p does not name keep their
-// value.
-func (p Params) Decode(into any) error {
-	if len(p) == 0 {
-		return nil
-	}
-	b, err := json.Marshal(map[string]any(p))
-	if err != nil {
-		return fmt.Errorf("params: %w", err)
-	}
-	dec := json.NewDecoder(bytes.NewReader(b))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(into); err != nil {
-		names := ParamNames(into)
-		for k := range p {
-			if !slices.Contains(names, k) {
-				return fmt.Errorf("unknown parameter %q (have %s)", k, strings.Join(names, ", "))
-			}
-		}
-		return fmt.Errorf("params: %w", err)
-	}
-	return nil
-}
-
-// ParamNames returns the parameter names of a params struct (or a pointer
-// to one): its fields' json names.
-func ParamNames(params any) []string {
-	t := reflect.TypeOf(params)
-	for t != nil && t.Kind() == reflect.Pointer {
-		t = t.Elem()
-	}
-	if t == nil || t.Kind() != reflect.Struct {
-		return nil
-	}
-	var names []string
-	for i := range t.NumField() {
-		f := t.Field(i)
-		if name, _, _ := strings.Cut(f.Tag.Get("json"), ","); name != "" && name != "-" {
-			names = append(names, name)
-		}
-	}
-	return names
-}
+// Params are a policy's parameters as config gives them (plugin.Params).
+type Params = plugin.Params
 
 // PolicySpec names a routing policy and its parameters: config's
 // routing.policy (`{type: dynamo, params: {temperature: 0.5}}`, or just

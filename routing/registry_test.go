@@ -3,6 +3,8 @@ package routing
 import (
 	"strings"
 	"testing"
+
+	"github.com/semroute/semroute/plugin"
 )
 
 // TestPolicyParams: every registered policy's every parameter is settable
@@ -11,7 +13,7 @@ import (
 func TestPolicyParams(t *testing.T) {
 	for _, name := range PolicyNames() {
 		p, _ := LookupPolicy(name)
-		for _, param := range ParamNames(p.Params) {
+		for _, param := range plugin.Names(p.Params) {
 			v := any(1.5)
 			switch param {
 			case "virtual_nodes", "sessions":

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"cmp"
+	"encoding/json"
 	"fmt"
 	"maps"
 	"os"
@@ -35,6 +36,7 @@ func newReplay() *cobra.Command {
 		ablate, withMatcher      bool
 		semantic                 routing.PrefixCostParams
 		policyFile               string
+		evictionParams           string
 	)
 	cmd := &cobra.Command{
 		Use:   "replay",
@@ -46,6 +48,11 @@ report.html to --out.`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if _, err := replay.ParseFormat(format); err != nil {
 				return err
+			}
+			if evictionParams != "" {
+				if err := json.Unmarshal([]byte(evictionParams), &m.EvictionParams); err != nil {
+					return fmt.Errorf("--eviction-params: %w", err)
+				}
 			}
 			f, err := os.Open(trace)
 			if err != nil {
@@ -189,6 +196,7 @@ report.html to --out.`,
 	f.DurationVar(&m.PrefillPerToken, "prefill-per-token", replay.DefaultPrefillPerToken, "prefill time per uncached token")
 	f.DurationVar(&m.InterToken, "inter-token", replay.DefaultInterToken, "decode time per output token")
 	f.StringVar(&m.Eviction, "eviction", eviction.Default, "replicas' eviction policy")
+	f.StringVar(&evictionParams, "eviction-params", "", `the eviction policy's parameters as a JSON object, as config's cache.eviction params: '{"size_exponent": 0.5}'`)
 	f.Float64Var(&m.Speedup, "speedup", 1, "divide arrival times by this")
 	f.DurationVar(&m.SpreadTies, "spread-ties", 0, "spread requests that share one millisecond evenly over this span or up to the next, as a trace whose timestamps were bucketed to it (the Mooncake conversation trace: about 3s); 0 replays them at once; at most 1h")
 	f.BoolVar(&m.RecordReplies, "record-replies", true, "cache a reply's blocks when its request finishes (openai traces)")

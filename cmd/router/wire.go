@@ -91,7 +91,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	if err := cfg.CheckServable(); err != nil {
 		return nil, err
 	}
-	evict, err := eviction.Lookup(cfg.Cache.Eviction)
+	evict, err := eviction.New(cfg.Cache.Eviction)
 	if err != nil {
 		return nil, fmt.Errorf("config: cache.eviction: %w", err)
 	}
