@@ -987,6 +987,23 @@ func (m *Model) Sizes(out []int64) []int64 {
 	return out
 }
 
+// Budgets is Sizes for the replicas' budgets (tokens; 0: none).
+func (m *Model) Budgets(out []int64) []int64 {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	if cap(out) < len(m.replicas) {
+		out = make([]int64, len(m.replicas))
+	}
+	out = out[:len(m.replicas)]
+	for id, r := range m.replicas {
+		out[id] = 0
+		if r != nil {
+			out[id] = r.Budget
+		}
+	}
+	return out
+}
+
 // evict drops replica rid's slot of block k, which the policy chose as a
 // leaf, and reports whether it was there.
 func (m *Model) evict(st *replicaState, rid int32, k uint64) bool {

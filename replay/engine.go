@@ -36,8 +36,7 @@ const (
 // PictureModes are the picture modes, in the order reports list them.
 var PictureModes = []string{PictureApproximate, PictureFeedback, PictureEvents}
 
-// checkPicture validates a Run.Picture; "" (no engine simulated apart from
-// the picture) is valid.
+// checkPicture validates a Run.Picture; "" (PictureFeedback) is valid.
 func checkPicture(p string) error {
 	if p == "" {
 		return nil

@@ -33,8 +33,6 @@ func checkSync(r Run) error {
 		return fmt.Errorf("sync %q is not %s or %s", r.Sync, SyncNone, SyncShared)
 	case r.SyncDelay < 0:
 		return fmt.Errorf("negative sync delay %v", r.SyncDelay)
-	case r.Picture == "":
-		return fmt.Errorf("%d routers need a picture mode: with several pictures, none stands for the engines' caches", r.Routers)
 	}
 	return nil
 }

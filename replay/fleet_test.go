@@ -184,7 +184,6 @@ func TestFleetRunChecks(t *testing.T) {
 		{Run{Policy: "semantic", Routers: 65, Sync: SyncShared, Picture: PictureApproximate}, Model{}, "at most 64"},
 		{Run{Policy: "semantic", Routers: 2, Sync: "gossip", Picture: PictureApproximate}, Model{}, "is not none or shared"},
 		{Run{Policy: "semantic", Routers: 2, Sync: SyncShared, SyncDelay: -1, Picture: PictureApproximate}, Model{}, "negative sync delay"},
-		{Run{Policy: "semantic", Routers: 2, Sync: SyncShared}, Model{}, "need a picture mode"},
 		{Run{Policy: "semantic"}, Model{SpreadTies: -time.Second}, "spread ties -1s: want 0 to 1h0m0s"},
 		{Run{Policy: "semantic"}, Model{SpreadTies: 2 * time.Hour}, "spread ties 2h0m0s"},
 	} {

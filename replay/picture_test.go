@@ -136,17 +136,17 @@ func TestPictureUnknownMode(t *testing.T) {
 	}
 }
 
-// TestPictureReports: runs with a picture mode carry the prediction in
-// summary.json, summary.md, report.html and their CSV; a replay without
-// any has none of it (the golden files check that byte for byte).
+// TestPictureReports: every run carries the prediction in summary.json,
+// summary.md, report.html and its CSV, a run without a picture mode under
+// feedback's (the default); the references, which have no picture, none.
 func TestPictureReports(t *testing.T) {
 	reqs := tightTrace(200, 2)
 	sum, err := Replay(reqs, tightModel(), []Run{{Policy: "semantic"}, {Label: "semantic/events", Policy: "semantic", Picture: PictureEvents}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if sum.Policies[0].Prediction != nil || sum.Pooled.Prediction != nil {
-		t.Fatal("a run without a picture mode has a prediction")
+	if p := sum.Policies[0].Prediction; p == nil || p.Picture != PictureFeedback || sum.Pooled.Prediction != nil {
+		t.Fatalf("the default run's prediction %+v, the pooled reference's %+v", p, sum.Pooled.Prediction)
 	}
 	dir := t.TempDir()
 	if err := sum.Write(dir); err != nil {
@@ -171,7 +171,7 @@ func TestPictureReports(t *testing.T) {
 	if err := json.Unmarshal(b, &js); err != nil {
 		t.Fatal(err)
 	}
-	if p := js.Policies[1].Prediction; js.Policies[0].Prediction != nil || p == nil || p.Picture != "events" || p.Actual == 0 || p.Actual != sum.Policies[1].CachedTokens {
+	if p := js.Policies[1].Prediction; js.Policies[0].Prediction == nil || p == nil || p.Picture != "events" || p.Actual == 0 || p.Actual != sum.Policies[1].CachedTokens {
 		t.Fatalf("summary.json policies: %+v", js.Policies)
 	}
 	md, _ := os.ReadFile(filepath.Join(dir, "summary.md"))
@@ -191,9 +191,9 @@ func TestPictureReports(t *testing.T) {
 	if lines := strings.Split(string(csv), "\n"); !strings.HasSuffix(lines[0], ",predicted_cached_tokens") || strings.Count(lines[1], ",") != 5 {
 		t.Fatalf("semantic_events.csv starts %q", lines[:2])
 	}
-	plain, _ := os.ReadFile(filepath.Join(dir, "runs", "semantic.csv"))
-	if strings.Contains(string(plain), "predicted") {
-		t.Error("semantic.csv, without a picture mode, has a prediction column")
+	pooled, _ := os.ReadFile(filepath.Join(dir, "runs", "pooled.csv"))
+	if strings.Contains(string(pooled), "predicted") {
+		t.Error("pooled.csv, a reference without a picture, has a prediction column")
 	}
 }
 

@@ -212,18 +212,14 @@ type Run struct {
 	Weights *cachemodel.Weights
 	Matcher bool
 	// Picture is how the router's cache picture learns what the engines
-	// hold: PictureApproximate, PictureFeedback or PictureEvents. Each
-	// simulates every replica's engine cache apart from the picture
-	// (engineCaches): cached tokens, hit rates and prefill times are then
-	// the engines', and Result.Prediction measures the picture's error.
-	//
-	// "" is the replay as it was before picture modes, and the figures
-	// the golden files and the README hold: the picture stands for the
-	// engines' caches (a request's cached tokens are what the picture
-	// matched on its replica), so there is no prediction error to measure.
-	// Its picture learns as PictureApproximate's does; the two differ in
-	// what the engines are taken to hold, and so in prefill times, load and
-	// the routing that follows.
+	// hold: PictureApproximate, PictureFeedback or PictureEvents; "" is
+	// PictureFeedback, the live router's default for engines without KV
+	// events. Every replica's engine cache is simulated apart from the
+	// picture (engineCaches), as vLLM's scheduler runs it: a request runs
+	// only when its blocks fit beside those of the requests running, so an
+	// engine never holds more than its budget. Cached tokens, hit rates and
+	// prefill times are the engines', and Result.Prediction measures the
+	// picture's error.
 	Picture string
 	// Routers > 1 sends each request to one of that many routers at
 	// random, as a Kubernetes Service would, each with its own picture and
@@ -320,6 +316,7 @@ func Replay(reqs []Request, m Model, runs []Run) (*Summary, error) {
 
 func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
 	label := cmp.Or(run.Label, run.Policy)
+	mode := cmp.Or(run.Picture, PictureFeedback)
 	var clock int64
 	routers := max(run.Routers, 1)
 	rs := make([]*engineDecider, routers)
@@ -349,7 +346,7 @@ func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
 	for _, r := range rs {
 		pools = append(pools, r.pool)
 	}
-	if run.Picture != "" {
+	{
 		budgets := make([]int64, m.Replicas)
 		for i := range budgets {
 			budgets[i] = m.BudgetTokens
@@ -361,7 +358,7 @@ func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
 		if s.engines, err = newEngineCaches(m, budgets); err != nil {
 			return nil, err
 		}
-		if run.Picture == PictureEvents {
+		if mode == PictureEvents {
 			s.engines.sink = rs[0]
 			if fleet != nil {
 				s.engines.sink = fleet
@@ -377,7 +374,7 @@ func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
 		return nil, fmt.Errorf("%s: %w", label, err)
 	}
 	if p := s.res.Prediction; p != nil {
-		p.Picture = run.Picture
+		p.Picture = mode
 		for _, x := range rs {
 			p.Orphans += x.orphans
 			for _, r := range x.pool.Replicas() {
@@ -438,7 +435,7 @@ func newEngineDecider(reqs []Request, m *Model, run Run, clock *int64) (*engineD
 		return nil, err
 	}
 	return &engineDecider{m: m, reqs: reqs, eng: eng, pol: pol, pic: eng.Picture(), pool: eng.Pool(), clock: clock,
-		ds: make([]*routing.Decision, len(reqs)), served: make([]*routing.Candidate, len(reqs)), picture: run.Picture}, nil
+		ds: make([]*routing.Decision, len(reqs)), served: make([]*routing.Candidate, len(reqs)), picture: cmp.Or(run.Picture, PictureFeedback)}, nil
 }
 
 func runReference(reqs []Request, m *Model, name string, budget int64) (*Result, error) {

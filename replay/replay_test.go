@@ -4,6 +4,7 @@ import (
 	"container/list"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 
@@ -93,13 +94,20 @@ func (c *plainLRU) serve(blocks []blockhash.Block) (cached int) {
 	return cached
 }
 
-func lruReference(reqs []Request, replicas int, budget int64) (cached []int, total int64) {
+// lruReference serves reqs round robin on plain LRU caches, each request
+// whole before the next: its prompt, then at its end the full blocks of
+// its output (outputBlocks, as vLLM caches what it generated), every block
+// of blockTokens tokens (0: no output cached).
+func lruReference(reqs []Request, replicas int, budget int64, blockTokens int) (cached []int, total int64) {
 	caches := make([]*plainLRU, replicas)
 	for i := range caches {
 		caches[i] = newPlainLRU(budget)
 	}
 	for i := range reqs {
 		c := caches[i%replicas].serve(reqs[i].Blocks)
+		if out := outputBlocks(&reqs[i], i, blockTokens); blockTokens > 0 && len(out) > 0 {
+			caches[i%replicas].serve(append(slices.Clone(reqs[i].Blocks), out...))
+		}
 		cached = append(cached, c)
 		total += int64(c)
 	}
@@ -108,15 +116,19 @@ func lruReference(reqs []Request, replicas int, budget int64) (cached []int, tot
 
 // TestRunningPromptPinned: a running request's blocks are not evicted,
 // as vLLM keeps them off its free queue. On one replica of 3 blocks, a
-// prompt that runs for seconds (100 output tokens) keeps its blocks while
-// a second prompt records; a third request asking for the first prompt
-// while it still runs finds it whole. Without pins the second prompt
-// evicted the first, least recently used, and the third found nothing.
+// prompt of 2 blocks runs for seconds (100 output tokens); a short request
+// of one block runs and finishes beside it, and a third one-block request
+// then needs room: the engine evicts the finished request's block, not the
+// running prompt's, although they were used last; a fourth request asking
+// for the first prompt while it still runs finds it whole. Without pins
+// the running prompt's leaf went (least recently used) and the fourth found
+// half of it.
 func TestRunningPromptPinned(t *testing.T) {
 	reqs := mooncake(t, 2,
-		`{"timestamp": 0, "input_length": 6, "output_length": 100, "hash_ids": [1, 2, 3]}`,
-		`{"timestamp": 50, "input_length": 6, "output_length": 1, "hash_ids": [4, 5, 6]}`,
-		`{"timestamp": 100, "input_length": 6, "output_length": 1, "hash_ids": [1, 2, 3]}`)
+		`{"timestamp": 0, "input_length": 4, "output_length": 100, "hash_ids": [1, 2]}`,
+		`{"timestamp": 10, "input_length": 2, "output_length": 1, "hash_ids": [3]}`,
+		`{"timestamp": 100, "input_length": 2, "output_length": 1, "hash_ids": [5]}`,
+		`{"timestamp": 200, "input_length": 4, "output_length": 1, "hash_ids": [1, 2]}`)
 	sum, err := Replay(reqs, Model{Replicas: 1, BudgetTokens: 6, BlockTokens: 2, Eviction: "lru"}, []Run{{Policy: "round_robin"}})
 	if err != nil {
 		t.Fatal(err)
@@ -125,8 +137,32 @@ func TestRunningPromptPinned(t *testing.T) {
 	for _, r := range sum.Policies[0].rows {
 		got = append(got, r.cachedTokens)
 	}
-	if fmt.Sprint(got) != "[0 0 6]" {
-		t.Fatalf("cached %v, want [0 0 6]: the running prompt kept whole", got)
+	if fmt.Sprint(got) != "[0 0 0 4]" {
+		t.Fatalf("cached %v, want [0 0 0 4]: the running prompt kept whole", got)
+	}
+}
+
+// TestAdmissionWaitsForRoom: a replica's engine never holds more than its
+// budget for the prompts it runs: a request whose blocks do not fit beside
+// the running ones waits, however many running slots are free, and its
+// wait counts in its TTFT; one that fits runs at once.
+func TestAdmissionWaitsForRoom(t *testing.T) {
+	reqs := mooncake(t, 2,
+		`{"timestamp": 0, "input_length": 4, "output_length": 100, "hash_ids": [1, 2]}`,
+		`{"timestamp": 10, "input_length": 4, "output_length": 1, "hash_ids": [1, 2]}`,
+		`{"timestamp": 20, "input_length": 4, "output_length": 1, "hash_ids": [3, 4]}`)
+	m := Model{Replicas: 1, BudgetTokens: 6, BlockTokens: 2, Eviction: "lru"}
+	sum, err := Replay(reqs, m, []Run{{Policy: "round_robin"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rows := sum.Policies[0].rows
+	if rows[1].ttftMS > 100 || rows[1].cachedTokens != 4 {
+		t.Errorf("request 1 (the running prompt again: nothing new to hold) waited %.0f ms and found %d tokens", rows[1].ttftMS, rows[1].cachedTokens)
+	}
+	decode := float64(100*DefaultInterToken) / 1e6 // ms the first request runs after its prefill
+	if rows[2].ttftMS < decode-20 {
+		t.Errorf("request 2 (4 new tokens beside 4 running, budget 6) started after %.0f ms, before the first ended (%.0f ms)", rows[2].ttftMS, decode)
 	}
 }
 
@@ -165,7 +201,7 @@ func TestRoundRobinIsPlainLRUByHand(t *testing.T) {
 	if fmt.Sprint(got) != fmt.Sprint(want) || rr.CachedTokens != 20 || rr.PromptTokens != 48 {
 		t.Fatalf("cached %v (total %d of %d), want %v (20 of 48)", got, rr.CachedTokens, rr.PromptTokens, want)
 	}
-	if ref, _ := lruReference(reqs, 2, 6); fmt.Sprint(ref) != fmt.Sprint(want) {
+	if ref, _ := lruReference(reqs, 2, 6, 2); fmt.Sprint(ref) != fmt.Sprint(want) {
 		t.Fatalf("the reference itself gives %v", ref)
 	}
 }
@@ -186,11 +222,13 @@ func TestRoundRobinIsPlainLRUOnConversationTrace(t *testing.T) {
 		t.Fatal(err)
 	}
 	const replicas, budget = 8, 1_000_000
-	sum, err := Replay(reqs, Model{Replicas: replicas, BudgetTokens: budget, BlockTokens: 512, Eviction: "lru"}, []Run{{Policy: "round_robin"}})
+	// One request running per replica at a time: none of its blocks is
+	// pinned when the next is served, as none is in a plain LRU cache.
+	sum, err := Replay(reqs, Model{Replicas: replicas, BudgetTokens: budget, BlockTokens: 512, Eviction: "lru", MaxRunning: 1}, []Run{{Policy: "round_robin"}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, want := lruReference(reqs, replicas, budget)
+	_, want := lruReference(reqs, replicas, budget, 512)
 	got := sum.Policies[0].CachedTokens
 	t.Logf("round_robin cached %d tokens (hit rate %.4f); plain per-replica LRU: %d", got, sum.Policies[0].TokenHitRate, want)
 	if got != want {

@@ -143,10 +143,12 @@ type decider interface {
 
 // simReplica is one replica's queues.
 type simReplica struct {
-	running    int   // admitted: prefilling, waiting for prefill, or decoding
-	admitQ     []int // waiting for a running slot
-	prefillQ   []int // admitted, waiting for the prefill server
-	prefilling int   // request in prefill, or -1
+	running    int              // admitted: prefilling, waiting for prefill, or decoding
+	kv         int64            // KV tokens the running requests' prompts hold: their distinct blocks
+	held       map[uint64]int32 // running requests per prompt block (by hash) on this replica
+	admitQ     []int            // waiting for a running slot and room in the KV cache
+	prefillQ   []int            // admitted, waiting for the prefill server
+	prefilling int              // request in prefill, or -1
 	decoding   int
 	computed   int64 // prefill tokens computed
 }
@@ -227,8 +229,8 @@ func (s *sim) observe(r int, now int64, pools []*replica.Pool) {
 		running++
 	}
 	kv := 0.0
-	if s.m.BudgetTokens > 0 {
-		kv = s.d.kvTokens(r, now) / float64(s.m.BudgetTokens)
+	if s.m.BudgetTokens > 0 { // vllm:kv_cache_usage_perc: what the running requests hold
+		kv = float64(st.kv) / float64(s.m.BudgetTokens)
 	}
 	o := replica.Observed{Running: running, Waiting: int64(len(st.admitQ) + len(st.prefillQ)), KVUsage: kv}
 	for _, p := range pools { // every router scrapes the replica alike
@@ -258,15 +260,78 @@ func (s *sim) startPrefill(r int, now int64) {
 	s.push(now+dur, evPrefillDone, i)
 }
 
+// admit queues request i on replica r at now, and runs what fits.
 func (s *sim) admit(r, i int, now int64) {
 	st := &s.reps[r]
-	if st.running >= s.m.MaxRunning {
-		st.admitQ = append(st.admitQ, i)
-		return
+	st.admitQ = append(st.admitQ, i)
+	s.admitWaiting(r, now)
+}
+
+// kvNeed is the KV tokens request i adds to replica r's running
+// requests: its prompt blocks none of them holds. Output tokens are not
+// counted, as vLLM's scheduler admits on the prompt's blocks and allocates
+// the output's as it decodes.
+func (s *sim) kvNeed(r, i int) int64 {
+	st := &s.reps[r]
+	var need int64
+	for _, b := range s.reqs[i].Blocks {
+		if st.held[b.Hash] == 0 {
+			need += int64(b.Tokens)
+		}
 	}
-	st.running++
-	st.prefillQ = append(st.prefillQ, i)
-	s.startPrefill(r, now)
+	if len(s.reqs[i].Blocks) == 0 {
+		need += int64(s.reqs[i].Tokens)
+	}
+	return need
+}
+
+// hold adds (delta 1) or removes (−1) request i's KV tokens on replica r.
+func (s *sim) hold(r, i int, delta int32) {
+	st := &s.reps[r]
+	if st.held == nil {
+		st.held = map[uint64]int32{}
+	}
+	var n int64
+	if len(s.reqs[i].Blocks) == 0 {
+		n += int64(s.reqs[i].Tokens)
+	}
+	for _, b := range s.reqs[i].Blocks {
+		before := st.held[b.Hash]
+		switch after := before + delta; {
+		case after <= 0:
+			delete(st.held, b.Hash)
+			if before > 0 {
+				n += int64(b.Tokens)
+			}
+		case before == 0:
+			st.held[b.Hash] = after
+			n += int64(b.Tokens)
+		default:
+			st.held[b.Hash] = after
+		}
+	}
+	st.kv += int64(delta) * n
+}
+
+// admitWaiting runs replica r's waiting requests, first come first
+// served, while there is a running slot and room for each in the KV cache,
+// as vLLM's scheduler admits a request only when its blocks fit: a
+// replica's engine never holds more than BudgetTokens for its running
+// requests, and a request waits (its wait counted in its TTFT) until
+// they do. A request larger than the whole cache runs alone.
+func (s *sim) admitWaiting(r int, now int64) {
+	st := &s.reps[r]
+	for len(st.admitQ) > 0 && st.running < s.m.MaxRunning {
+		i := st.admitQ[0]
+		if st.running > 0 && s.m.BudgetTokens > 0 && st.kv+s.kvNeed(r, i) > s.m.BudgetTokens {
+			return
+		}
+		st.admitQ = st.admitQ[1:]
+		st.running++
+		s.hold(r, i, 1)
+		st.prefillQ = append(st.prefillQ, i)
+		s.startPrefill(r, now)
+	}
 }
 
 // run replays s.reqs and fills s.res; pools are the routers' replica
@@ -356,13 +421,8 @@ func (s *sim) run(pools ...*replica.Pool) error {
 			}
 			st.decoding--
 			st.running--
-			if len(st.admitQ) > 0 {
-				j := st.admitQ[0]
-				st.admitQ = st.admitQ[1:]
-				st.running++
-				st.prefillQ = append(st.prefillQ, j)
-				s.startPrefill(r, now)
-			}
+			s.hold(r, i, -1)
+			s.admitWaiting(r, now)
 			s.observe(r, now, pools)
 		}
 	}

@@ -439,7 +439,7 @@ func (e *Engine) preferDonor(d *Decision, sketch []uint64) {
 	}
 	for i := range d.Candidates {
 		c := d.Candidates[i]
-		if c.Replica.ID != id || c.Reason == "spill" {
+		if c.Replica.ID != id || c.Tier > 0 { // spilled, or no room: not moved to the front
 			continue
 		}
 		c.Reason = "donor"
@@ -514,6 +514,7 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 func (e *Engine) lookup(d *Decision, sc *scratch) {
 	sc.matches = e.cache.Match(d.Blocks, e.o.Weights, sc.matches[:0])
 	sc.sizes = e.cache.Sizes(sc.sizes[:0])
+	sc.budgets = e.cache.Budgets(sc.budgets[:0])
 	e.cache.Past(d.Blocks, sc.matches)
 	sc.beyond = sc.beyond[:0]
 	if e.pic.segs != nil {
@@ -593,7 +594,7 @@ func (g *gathering) models(r *replica.Replica) (rank int8, ok bool) {
 func (e *Engine) credit(c *Candidate, sc *scratch) {
 	id := c.Replica.ID
 	if id < len(sc.matches) {
-		c.Match, c.CacheTokens = sc.matches[id], sc.sizes[id]
+		c.Match, c.CacheTokens, c.Budget = sc.matches[id], sc.sizes[id], sc.budgets[id]
 	}
 	if id < len(sc.beyond) && c.Replica.Reuse.Blend() {
 		c.Reuse = sc.beyond[id] * c.Replica.Reuse.Share()
@@ -647,6 +648,7 @@ func (e *Engine) creditDonors(d *Decision, sketch []uint64, at []int32) {
 type scratch struct {
 	matches []cachemodel.Match
 	sizes   []int64
+	budgets []int64
 	beyond  []float64
 	at      []int32 // creditDonors' candidate by replica ID
 }

@@ -41,8 +41,10 @@ type Candidate struct {
 	Replica *replica.Replica
 	Match   cachemodel.Match
 	Load    replica.Load
-	// CacheTokens is the tokens the replica holds in the cache picture.
+	// CacheTokens is the tokens the replica holds in the cache picture,
+	// Budget its budget there (tokens; 0: unknown or unlimited).
 	CacheTokens int64
+	Budget      int64
 	// Reuse is the prompt tokens past Match that the replica's engine is
 	// expected to reuse (replica.Reuse): for a blending engine, the tokens
 	// of the reusable blocks it holds elsewhere in its segments, less its
@@ -245,7 +247,9 @@ func init() {
 // global system prompt go, and the prefix is replicated wherever they land. A replica whose queued work is above
 // SpillFactor × mean + SpillMarginTokens, or whose KV cache is at least
 // KVSpill full (vllm:kv_cache_usage_perc: it would queue or preempt), is
-// ranked last (reason "spill"); if it still wins nothing else was available.
+// ranked last (reason "spill"), as is one whose engine has no room for the
+// request's blocks now (reason "kv", see fits); if it still wins nothing
+// else was available.
 type PrefixCost struct{ cfg PrefixCostParams }
 
 var _ Policy = (*PrefixCost)(nil)
@@ -273,6 +277,8 @@ func (p *PrefixCost) Score(in *View, cands []Candidate) {
 		switch {
 		case load > limit || c.Load.KVUsage >= KVSpill:
 			c.Tier, c.Reason = 1, "spill" // after every replica that is not spilled
+		case !fits(in, c):
+			c.Tier, c.Reason = 1, "kv" // it would wait for room: spilled too
 		case in.Hot.Blocks > c.Match.Blocks:
 			c.Reason = "hot"
 		case c.Match.Blocks > 0:
@@ -283,6 +289,22 @@ func (p *PrefixCost) Score(in *View, cands []Candidate) {
 			c.Reason = "miss"
 		}
 	}
+}
+
+// fits reports whether the request's tokens fit in the KV cache c's engine
+// has free now (1 − vllm:kv_cache_usage_perc of its budget). An engine runs
+// a request only when its blocks fit, its cached but idle blocks included
+// (vLLM's scheduler takes them off the free queue, and keeps the request
+// waiting otherwise, first come first served), so one that does not fit
+// waits for running requests to end, however long its prefix. Blocks that
+// a running request holds already need no room, but the picture does not
+// say cheaply which those are: the whole prompt is counted. True when the
+// engine reports no usage or the budget is unknown.
+func fits(in *View, c *Candidate) bool {
+	if c.Budget <= 0 || c.Load.KVUsage <= 0 {
+		return true
+	}
+	return float64(in.Tokens) <= (1-c.Load.KVUsage)*float64(c.Budget)
 }
 
 func (p *PrefixCost) queued(l replica.Load, avgPrefill float64) float64 {

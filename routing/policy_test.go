@@ -19,6 +19,32 @@ func cands(n int) []Candidate {
 	return out
 }
 
+// TestSemanticNoRoom: a replica whose engine has no free KV for the
+// request's blocks is ranked after the others however long its prefix,
+// with reason "kv".
+func TestSemanticNoRoom(t *testing.T) {
+	p, _ := NewPolicy(PolicySpec{Type: "semantic"})
+	in := &View{Tokens: 1000, Weighted: 1000}
+	for _, tc := range []struct {
+		usage float64
+		want  string
+	}{
+		{0.95, "kv"},   // 500 free, 1000 to allocate
+		{0.91, "kv"},   // 900 free
+		{0.5, "match"}, // 5000 free
+		{0, "match"},   // no usage reported: no verdict
+	} {
+		cs := cands(2)
+		cs[0].Match = cachemodel.Match{Blocks: 10, Tokens: 900, Weighted: 900}
+		cs[0].Load.KVUsage, cs[0].Budget = tc.usage, 10_000
+		cs[1].Budget = 10_000
+		p.Score(in, cs)
+		if cs[0].Reason != tc.want || (cs[0].Tier == 1) != (tc.want == "kv") {
+			t.Errorf("usage %v: reason %s, tier %d; want %s", tc.usage, cs[0].Reason, cs[0].Tier, tc.want)
+		}
+	}
+}
+
 func TestSemanticCost(t *testing.T) {
 	p, err := NewPolicy(PolicySpec{Type: "semantic", Params: Params{"load_weight": 1, "recent_weight": 0.5}})
 	if err != nil {

@@ -135,10 +135,12 @@ report.html to --out.`,
 			if err != nil {
 				return err
 			}
-			if routers > 1 && len(modes) == 0 {
-				modes = []string{replay.PictureApproximate} // several pictures: none stands for the engines' caches
+			if len(modes) == 1 {
+				for i := range runs {
+					runs[i].Picture = modes[0]
+				}
 			}
-			if len(modes) > 0 { // every run once per mode, side by side: semantic/approximate, semantic/events, …
+			if len(modes) > 1 { // every run once per mode, side by side: semantic/approximate, semantic/events, …
 				var each []replay.Run
 				for _, r := range runs {
 					for _, mode := range modes {
@@ -210,8 +212,8 @@ report.html to --out.`,
 	f.BoolVar(&withMatcher, "matcher", false, "also run the semantic policy with the MinHash semantic matcher (useful on openai traces)")
 	f.BoolVar(&ablate, "ablations", false, "also run the semantic policy with unit kind weights and with load ignored")
 	f.StringVar(&pictures, "picture", "", "picture modes, comma-separated ("+strings.Join(replay.PictureModes, ",")+
-		"): simulate each replica's engine cache apart from the router's picture, run every policy once per mode, and report the picture's prediction error; "+
-		"empty: the picture stands for the engines' caches, as before picture modes")
+		"): how the router's picture learns what each replica's engine cache (simulated apart) holds; several run every policy once per mode side by side; "+
+		"empty: feedback, the live router's default for engines without KV events")
 	f.IntVar(&routers, "routers", 1, "send each request to one of this many routers at random, as a Kubernetes Service would, and compare with one router (needs a picture mode; default approximate)")
 	f.StringVar(&syncs, "sync", "none,shared", "with --routers: whether the routers share their pictures and load (none, shared; comma-separated to compare)")
 	f.DurationVar(&syncDelay, "sync-delay", 5*time.Millisecond, "with --sync shared: the time a router's change takes to reach the others")
