@@ -167,10 +167,19 @@ func (s *Summary) Markdown(w io.Writer) error {
 		for _, r := range append(append([]*Result{}, s.Policies...), s.Extra...) {
 			fmt.Fprintf(&b, "| %s | %d | %.4f | %.4f |\n", r.Name, r.Changed, r.ChangedShare, r.TokenHitRate)
 		}
+		b.WriteString("\n" + changedNote + "\n")
 	}
 	_, err := io.WriteString(w, b.String())
 	return err
 }
+
+// changedNote says why a policy replayed on its own decision log may still
+// change some of them.
+const changedNote = "Replayed under the policy that made them, decisions change only where the live router knew " +
+	"what the replay does not: other routers' requests (a fleet), the replicas' reported load and KV usage between " +
+	"requests, and, in precise mode, its engines' KV events as they arrived and the tokens they counted; " +
+	"the replay's picture learns by feedback. Sequential traffic replays unchanged in both modes " +
+	"(go test -run TestDecisionLogReplaysToSameDecisions ./cmd/router)."
 
 // HTML writes the report page (filled in below).
 func (s *Summary) HTML(w io.Writer) error { return s.html(w) }
