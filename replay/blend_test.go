@@ -61,13 +61,15 @@ func TestBlendCreditOnTopicRAG(t *testing.T) {
 
 // checkEngineAwareCredit replays reqs on 4 engines of 10,000 tokens that
 // reuse as mode says and checks that the semantic policy crediting what
-// they reuse saves at least 1.45× the tokens of exact-prefix routing
+// they reuse saves at least 1.4× the tokens of exact-prefix routing
 // (itself crediting the prefix alone, and the llmd and sglang ports), with
-// a lower TTFT p50 (or level, with level), a p99 at most a tenth above
-// theirs, and imbalance ≤ 1.10. The engines admit a request only when its
-// blocks fit beside the running ones (issue 31): engine-aware credit packs
-// documents where they are reused, and those engines' KV fills first, so
-// its p99 is no longer always below exact-prefix routing's.
+// a lower TTFT p50 (or within 1%, with level), a p99 at most a tenth above
+// theirs, and imbalance ≤ 1.10. Since issue 31 the engines admit a request
+// only when its blocks fit beside the running ones, and blend and reuse
+// donors by their own code (package enginereuse), not the router's: the
+// gains are smaller than when the engines reused what the router credited
+// by construction, and the p99 no longer always below exact-prefix
+// routing's.
 func checkEngineAwareCredit(t *testing.T, reqs []Request, mode string, level bool) {
 	t.Helper()
 	prefixOnly := routing.Params{"prefix_only": true}
@@ -82,11 +84,11 @@ func checkEngineAwareCredit(t *testing.T, reqs []Request, mode string, level boo
 	if aware.LoadImbalance > 1.10 {
 		t.Errorf("imbalance %.3f", aware.LoadImbalance)
 	}
-	worse := func(a, b float64) bool { return a > b || (a == b && !level) }
+	worse := func(a, b float64) bool { return a > b*1.01 || (a >= b && !level) }
 	for _, p := range sum.Policies[1:len(runs)] {
 		ratio := float64(aware.CachedTokens) / float64(p.CachedTokens)
 		t.Logf("%s: %d saved (%.2f×), TTFT p50 %.0f p99 %.0f ms", p.Name, p.CachedTokens, ratio, p.TTFTP50MS, p.TTFTP99MS)
-		if ratio < 1.45 || worse(aware.TTFTP50MS, p.TTFTP50MS) || aware.TTFTP99MS > 1.1*p.TTFTP99MS {
+		if ratio < 1.4 || worse(aware.TTFTP50MS, p.TTFTP50MS) || aware.TTFTP99MS > 1.1*p.TTFTP99MS {
 			t.Errorf("against %s: %.2f× the tokens saved, TTFT p50 %.0f against %.0f, p99 %.0f against %.0f",
 				p.Name, ratio, aware.TTFTP50MS, p.TTFTP50MS, aware.TTFTP99MS, p.TTFTP99MS)
 		}

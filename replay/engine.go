@@ -10,7 +10,7 @@ import (
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
-	"github.com/semroute/semroute/matcher"
+	"github.com/semroute/semroute/internal/enginereuse"
 )
 
 // Picture modes: how the router's cache picture (its cachemodel.Model)
@@ -110,16 +110,19 @@ type engineCaches struct {
 	match   []cachemodel.Match
 	all     []blockhash.Block
 	evict   int64 // blocks evicted
-	// segs are blending engines' segment stores (Model.Reuse), every
-	// segment kept; nil for prefix engines.
-	segs   *cachemodel.Segments
-	beyond []float64
-	// donors are donor engines' providers (Model.Reuse): every finished
-	// prompt's sketch, found by similarity, and its blocks by key; nil for
-	// other engines.
-	donors      *matcher.MinHash
+	// segs are blending engines' segment stores (Model.Reuse), one a
+	// replica, keyed by the blocks' segment keys; nil for prefix engines.
+	// share is the share of a reused segment's tokens not computed again.
+	// Both are the engines' own (package enginereuse), apart from the
+	// router's segment picture.
+	segs  []*enginereuse.Store
+	share float64
+	// donors are donor engines' providers (Model.Reuse), one a replica:
+	// every finished prompt's sample, found by similarity, and its blocks
+	// by key; nil for other engines.
+	donors      []*enginereuse.Donors
 	donorBlocks *lru.LRU[donorAt, []blockhash.Block] // as many as donors; one leaving forgets the other
-	sketches    map[int][]uint64                     // by running request: its text's sketch, to register when it ends
+	samples     map[int]enginereuse.Sample           // by running request: its text's sample, to register when it ends
 }
 
 type donorAt struct {
@@ -142,20 +145,10 @@ func newEngineCaches(m *Model, budgets []int64) (*engineCaches, error) {
 		Policy:  inner,
 		OnEvict: func(rep int, key uint64) { e.gone = append(e.gone, goneBlock{rep, key}) },
 	})
-	if m.Reuse.Blend() {
-		all := make([]blockhash.Kind, blockhash.NumKinds)
-		for k := range all {
-			all[k] = blockhash.Kind(k)
-		}
-		e.segs = cachemodel.NewSegments(inner, all)
-		e.beyond = make([]float64, len(budgets))
-	}
+	e.share = 1 - cmp.Or(m.Reuse.Recompute, enginereuse.DefaultRecompute)
 	if m.Reuse.Donor() {
-		if e.donors, err = matcher.New(matcher.Options{MinSimilarity: m.Reuse.Similarity()}); err != nil {
-			return nil, err
-		}
-		e.donorBlocks, _ = lru.NewLRU(matcher.DefaultMaxDonors, func(at donorAt, _ []blockhash.Block) { e.donors.Forget(at.rep, at.key) })
-		e.sketches = map[int][]uint64{}
+		e.donorBlocks, _ = lru.NewLRU(donorsPerEngine*len(budgets), func(at donorAt, _ []blockhash.Block) { e.donors[at.rep].Forget(0, at.key) })
+		e.samples = map[int]enginereuse.Sample{}
 	}
 	for r, b := range budgets {
 		id, err := e.cache.AddReplica(fmt.Sprintf("engine-%d", r), b)
@@ -165,12 +158,26 @@ func newEngineCaches(m *Model, budgets []int64) (*engineCaches, error) {
 		if id != r {
 			return nil, fmt.Errorf("engine cache: replica %d got id %d", r, id)
 		}
-		if e.segs != nil {
-			e.segs.AddReplica(r, cmp.Or(m.Reuse.BudgetTokens, b))
+		if m.Reuse.Blend() {
+			st, err := enginereuse.NewStore(int(cmp.Or(m.Reuse.BudgetTokens, b)), 1)
+			if err != nil {
+				return nil, err
+			}
+			e.segs = append(e.segs, st)
+		}
+		if m.Reuse.Donor() {
+			ds, err := enginereuse.NewDonors(m.Reuse.MinSimilarity, donorsPerEngine)
+			if err != nil {
+				return nil, err
+			}
+			e.donors = append(e.donors, ds)
 		}
 	}
 	return e, nil
 }
+
+// donorsPerEngine bounds each donor engine's provider.
+const donorsPerEngine = 4096
 
 // held returns how many of blocks, from the first, replica rep holds.
 func (e *engineCaches) held(rep int, blocks []blockhash.Block) cachemodel.Match {
@@ -194,15 +201,23 @@ func (e *engineCaches) serve(i, rep int, req *Request, now int64) (tokens, nbloc
 	hit := e.held(rep, blocks)
 	tokens = hit.Tokens
 	if e.segs != nil {
-		clear(e.beyond)
-		e.segs.Beyond(blocks, e.match, e.beyond)
-		tokens += int(e.beyond[rep] * e.m.Reuse.Share())
-		e.segs.Record(rep, blocks, now)
+		st, beyond := e.segs[rep], 0
+		for _, b := range blocks[hit.Blocks:] {
+			if b.Seg != 0 && st.Has(b.Seg) {
+				beyond += int(b.Tokens)
+			}
+		}
+		tokens += int(float64(beyond) * e.share)
+		for _, b := range blocks {
+			if b.Seg != 0 {
+				st.Put(b.Seg, int(b.Tokens))
+			}
+		}
 	}
 	if e.donors != nil && req.Text != nil {
-		sk := e.donors.Sketch("", req.Text) // one model per replica: the engine's provider needs no salt
-		e.sketches[i] = sk
-		tokens = max(tokens, e.donorTokens(rep, sk, req.Tokens))
+		sm := enginereuse.NewSample(req.Text)
+		e.samples[i] = sm
+		tokens = max(tokens, e.donorTokens(rep, sm, req.Tokens))
 	}
 	_, e.running[i] = e.cache.Commit(rep, blocks, now)
 	e.tell(rep, blocks, hit.Blocks, now)
@@ -210,19 +225,14 @@ func (e *engineCaches) serve(i, rep int, req *Request, now int64) (tokens, nbloc
 }
 
 // donorTokens returns the tokens replica rep's engine takes from its most
-// similar donor for a prompt of tokens tokens whose text sk sketches: what
+// similar donor for a prompt of tokens tokens whose text sm samples: what
 // it holds of the donor's blocks from the first, up to the prompt's tokens.
-func (e *engineCaches) donorTokens(rep int, sk []uint64, tokens int) int {
-	var at donorAt
-	found := false
-	e.donors.Donors(sk, func(r int, key uint64, _ int, _ float64) {
-		if r == rep {
-			at, found = donorAt{r, key}, true
-		}
-	})
+func (e *engineCaches) donorTokens(rep int, sm enginereuse.Sample, tokens int) int {
+	key, found := e.donors[rep].Find(0, sm)
 	if !found {
 		return 0
 	}
+	at := donorAt{rep, key}
 	donor, _ := e.donorBlocks.Get(at)
 	held := e.held(rep, donor).Tokens
 	if held == 0 {
@@ -234,15 +244,15 @@ func (e *engineCaches) donorTokens(rep int, sk []uint64, tokens int) int {
 
 // finish ends request i on replica rep at now: the full blocks of its
 // output are cached after its prompt, and every block is freed. A donor
-// engine registers the prompt, sketched by serve, as a donor.
+// engine registers the prompt, sampled by serve, as a donor.
 func (e *engineCaches) finish(i, rep int, req *Request, output []blockhash.Block, now int64) {
 	prompt := req.Blocks
-	if sk, ok := e.sketches[i]; ok {
-		delete(e.sketches, i)
+	if sm, ok := e.samples[i]; ok {
+		delete(e.samples, i)
 		if len(prompt) > 0 {
 			at := donorAt{rep, prompt[len(prompt)-1].Hash}
 			e.donorBlocks.Add(at, prompt)
-			e.donors.Register(at.key, rep, req.Tokens, sk)
+			e.donors[rep].Put(0, at.key, sm)
 		}
 	}
 	all := append(append(e.all[:0], prompt...), output...)

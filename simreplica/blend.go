@@ -5,12 +5,9 @@ import (
 	"fmt"
 	"math"
 	"slices"
-	"sync"
-
-	lru "github.com/hashicorp/golang-lru/v2/simplelru"
 
 	"github.com/semroute/semroute/blockhash"
-	"github.com/semroute/semroute/replica"
+	"github.com/semroute/semroute/internal/enginereuse"
 )
 
 // Blend makes a replica reuse the KV of content segments wherever they
@@ -40,9 +37,10 @@ type Blend struct {
 	BudgetTokens int
 }
 
-// DefaultRecompute is Blend.Recompute's default, CacheBlend's share, as
-// the router assumes it (replica.Reuse).
-const DefaultRecompute = replica.DefaultRecompute
+// DefaultRecompute is Blend.Recompute's default, CacheBlend's share: this
+// simulated engine's own (enginereuse.DefaultRecompute), set apart from
+// what the router assumes.
+const DefaultRecompute = enginereuse.DefaultRecompute
 
 // segmentSalt keeps segment keys apart from block keys.
 const segmentSalt = 0x5e6b1e4d
@@ -54,42 +52,34 @@ type span struct {
 	key      uint64
 }
 
-// blendStore is a replica's segment store: segment key → tokens, under a
-// token budget, least recently used first out. Safe for concurrent use.
+// blendStore is a replica's segment store (enginereuse.Store) and its
+// recompute share. Safe for concurrent use.
 type blendStore struct {
 	recompute float64
-	budget    int
-	mu        sync.Mutex
-	lru       *lru.LRU[uint64, int]
-	tokens    int // held, ≤ budget
+	store     *enginereuse.Store
 }
 
 func newBlendStore(b Blend, blockSize int) (*blendStore, error) {
 	if b.Recompute < 0 || b.Recompute >= 1 || math.IsNaN(b.Recompute) {
 		return nil, fmt.Errorf("simreplica: Blend.Recompute %v is not in (0, 1)", b.Recompute)
 	}
-	s := &blendStore{recompute: b.Recompute, budget: b.BudgetTokens}
-	// Every stored segment holds at least a block, so this many entries
-	// never bind before the token budget does.
-	l, err := lru.NewLRU[uint64, int](s.budget/blockSize+1, func(_ uint64, n int) { s.tokens -= n })
+	// Every stored segment holds at least a block.
+	st, err := enginereuse.NewStore(b.BudgetTokens, blockSize)
 	if err != nil {
 		return nil, err
 	}
-	s.lru = l
-	return s, nil
+	return &blendStore{recompute: b.Recompute, store: st}, nil
 }
 
 // reuse returns the tokens of spans, past the first cached ones, that the
 // store holds and the engine need not compute.
 func (s *blendStore) reuse(spans []span, cached int) int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
 	n := 0
 	for _, sp := range spans {
 		if sp.to <= cached {
 			continue // inside the prefix cache's hit
 		}
-		if _, ok := s.lru.Get(sp.key); ok {
+		if s.store.Has(sp.key) {
 			t := sp.to - max(sp.from, cached)
 			n += t - int(math.Ceil(float64(t)*s.recompute))
 		}
@@ -100,29 +90,12 @@ func (s *blendStore) reuse(spans []span, cached int) int {
 // put stores spans, evicting the least recently used segments past the
 // budget.
 func (s *blendStore) put(spans []span) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
 	for _, sp := range spans {
-		n := sp.to - sp.from
-		if n > s.budget {
-			continue
-		}
-		if _, ok := s.lru.Get(sp.key); ok {
-			continue
-		}
-		for s.tokens+n > s.budget {
-			s.lru.RemoveOldest()
-		}
-		s.lru.Add(sp.key, n)
-		s.tokens += n
+		s.store.Put(sp.key, sp.to-sp.from)
 	}
 }
 
-func (s *blendStore) clear() {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.lru.Purge()
-}
+func (s *blendStore) clear() { s.store.Clear() }
 
 // maxSpans bounds the segments of one prompt looked up.
 const maxSpans = 256

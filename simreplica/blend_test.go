@@ -214,8 +214,4 @@ func TestBlendDocumentStartingWithWhitespace(t *testing.T) {
 }
 
 // held returns the segments and tokens stored.
-func (s *blendStore) held() (segments, tokens int) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.lru.Len(), s.tokens
-}
+func (s *blendStore) held() (segments, tokens int) { return s.store.Held() }

@@ -8,8 +8,7 @@ import (
 
 	lru "github.com/hashicorp/golang-lru/v2/simplelru"
 
-	"github.com/semroute/semroute/matcher"
-	"github.com/semroute/semroute/replica"
+	"github.com/semroute/semroute/internal/enginereuse"
 )
 
 // Donor makes a replica reuse the KV of an earlier prompt similar to a
@@ -28,9 +27,9 @@ import (
 //
 // A donor is taken only for a prompt of the same model (base or adapter).
 // The replica's provider measures similarity as the reference providers
-// do: the Jaccard similarity of the rendered prompts' 5-word shingles,
-// estimated with bottom-64 MinHash sketches (package matcher). A donor
-// whose first block is evicted is forgotten.
+// do, with the Jaccard similarity of the rendered prompts' 5-word shingles,
+// here sampled one in four (package enginereuse, apart from the router's
+// own estimate of it). A donor whose first block is evicted is forgotten.
 type Donor struct {
 	// MinSimilarity is the least similarity of a donor reused, in (0, 1];
 	// zero means the default, 0.5.
@@ -40,22 +39,23 @@ type Donor struct {
 	MaxDonors int
 }
 
-// DefaultMinSimilarity is Donor.MinSimilarity's default, as the router
-// assumes it (replica.Reuse).
-const DefaultMinSimilarity = replica.DefaultMinSimilarity
+// DefaultMinSimilarity is Donor.MinSimilarity's default, this simulated
+// engine's own (enginereuse.DefaultMinSimilarity), set apart from what the
+// router assumes.
+const DefaultMinSimilarity = enginereuse.DefaultMinSimilarity
 
-// donorStore is a replica's donors: their sketches in a MinHash index and
-// their block keys. Safe for concurrent use.
+// donorStore is a replica's donors: their samples in the engine's own
+// provider and their block keys. Safe for concurrent use.
 type donorStore struct {
-	mh *matcher.MinHash
+	d *enginereuse.Donors
 
 	mu   sync.Mutex
 	keys *lru.LRU[uint64, donorEntry] // donor key (its deepest block's) → its blocks' keys
 }
 
 // donorEntry is a donor's blocks' keys and the model it was served under
-// (its index: 0 the base model, 1 + i adapter i), the index's namespace: a
-// donor is never taken for another model's prompt.
+// (its index: 0 the base model, 1 + i adapter i), the provider's
+// namespace: a donor is never taken for another model's prompt.
 type donorEntry struct {
 	keys  []uint64
 	model int
@@ -66,47 +66,42 @@ func newDonorStore(d Donor) (*donorStore, error) {
 		return nil, fmt.Errorf("simreplica: Donor.MinSimilarity %v must be in [0, 1] and MaxDonors %d ≥ 0", d.MinSimilarity, d.MaxDonors)
 	}
 	n := cmp.Or(d.MaxDonors, 4096)
-	mh, err := matcher.New(matcher.Options{MinSimilarity: cmp.Or(d.MinSimilarity, DefaultMinSimilarity), MaxDonors: n})
+	ds, err := enginereuse.NewDonors(d.MinSimilarity, n)
 	if err != nil {
 		return nil, err
 	}
-	s := &donorStore{mh: mh}
-	s.keys, _ = lru.NewLRU(n, func(key uint64, e donorEntry) { mh.Forget(e.model, key) }) // n > 0
+	s := &donorStore{d: ds}
+	s.keys, _ = lru.NewLRU(n, func(key uint64, e donorEntry) { ds.Forget(e.model, key) }) // n > 0
 	return s, nil
 }
 
-// find returns the sketch of prompt, a prompt of model (its index), and
+// find returns the sample of prompt, a prompt of model (its index), and
 // the key and block keys of its most similar donor of the same model, or
 // nil keys. The keys are the store's: read them, do not keep them past the
 // request.
-func (s *donorStore) find(prompt []byte, model int) (sketch []uint64, key uint64, keys []uint64) {
-	sketch = s.mh.Sketch("", [][]byte{prompt})
-	found := false
-	s.mh.Donors(sketch, func(ns int, k uint64, _ int, _ float64) {
-		if ns == model {
-			key, found = k, true
-		}
-	})
+func (s *donorStore) find(prompt []byte, model int) (sample enginereuse.Sample, key uint64, keys []uint64) {
+	sample = enginereuse.NewSample([][]byte{prompt})
+	key, found := s.d.Find(model, sample)
 	if !found {
-		return sketch, 0, nil
+		return sample, 0, nil
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	e, _ := s.keys.Get(key)
-	return sketch, key, e.keys
+	return sample, key, e.keys
 }
 
 // forget drops the donor keyed by key.
 func (s *donorStore) forget(key uint64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.keys.Remove(key) // the eviction callback forgets its sketch
+	s.keys.Remove(key) // the eviction callback forgets its sample
 }
 
-// put registers a finished prompt of model (its index) and tokens tokens,
-// its sketch (find's; kept) and its blocks' keys, as a donor. A prompt
-// without a full block is none.
-func (s *donorStore) put(sketch []uint64, model int, keys []uint64, tokens int) {
+// put registers a finished prompt of model (its index), its sample
+// (find's; kept) and its blocks' keys, as a donor. A prompt without a full
+// block is none.
+func (s *donorStore) put(sample enginereuse.Sample, model int, keys []uint64) {
 	if len(keys) == 0 {
 		return
 	}
@@ -114,7 +109,7 @@ func (s *donorStore) put(sketch []uint64, model int, keys []uint64, tokens int) 
 	s.mu.Lock()
 	s.keys.Add(key, donorEntry{slices.Clone(keys), model})
 	s.mu.Unlock()
-	s.mh.Register(key, model, tokens, sketch)
+	s.d.Put(model, key, sample)
 }
 
 func (s *donorStore) clear() {

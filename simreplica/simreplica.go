@@ -46,6 +46,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/internal/enginereuse"
 	"github.com/semroute/semroute/kvevents"
 )
 
@@ -623,10 +624,11 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	if s.blend != nil { // found before the prefill turn, which is one at a time
 		sc.spans, sc.seg = s.spans(sc.spans[:0], sc.seg, req, sc.ids, m)
 	}
-	var donorSketch, donorKeys []uint64
+	var donorSample enginereuse.Sample
+	var donorKeys []uint64
 	var donorKey uint64
 	if s.donor != nil { // so is the donor: similarity does not change with the cache
-		donorSketch, donorKey, donorKeys = s.donor.find(sc.prompt, m.loraID)
+		donorSample, donorKey, donorKeys = s.donor.find(sc.prompt, m.loraID)
 	}
 	s.requests.Add(1)
 	ctx := r.Context()
@@ -687,7 +689,7 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 				s.blend.put(sc.spans)
 			}
 			if s.donor != nil {
-				s.donor.put(donorSketch, m.loraID, keys, tokens)
+				s.donor.put(donorSample, m.loraID, keys)
 			}
 		}
 		return ok
