@@ -117,6 +117,8 @@ type Engine struct {
 	sync Sync // SetSync's; nil: a router alone
 
 	pic *Picture // the picture's owner: every write to cache and segs goes through it or a Lease
+
+	reuses *reuses // each replica's Reuse, set as it joins (New's)
 }
 
 // newEngine returns an Engine over split, cache and pool.
@@ -136,7 +138,7 @@ func newEngine(o EngineOptions, split *blockhash.Splitter, cache *cachemodel.Mod
 	o.MatcherThreshold = cmp.Or(o.MatcherThreshold, DefaultMatcherThreshold)
 	o.HotUses = cmp.Or(o.HotUses, 8)
 	o.HotShare = cmp.Or(o.HotShare, 1.5)
-	e := &Engine{o: o, split: split, cache: cache, pool: pool, pic: &Picture{cache: cache}}
+	e := &Engine{o: o, split: split, cache: cache, pool: pool, pic: &Picture{cache: cache}, reuses: new(reuses)}
 	if o.SharedActive {
 		e.active = map[int]map[uint64]int32{}
 	}
@@ -559,7 +561,7 @@ func (g *gathering) gather(panicking bool) (ejected bool) {
 		g.n++
 		c.Replica, c.Load, c.adapter = r, r.Load(g.now), rank
 		g.e.credit(c, g.sc)
-		g.donors = g.donors || r.Reuse.Donor()
+		g.donors = g.donors || reuseModes[g.e.reuses.of(r.ID).Mode()].matcher
 	}
 	return ejected
 }
@@ -596,9 +598,7 @@ func (e *Engine) credit(c *Candidate, sc *scratch) {
 	if id < len(sc.matches) {
 		c.Match, c.CacheTokens, c.Budget = sc.matches[id], sc.sizes[id], sc.budgets[id]
 	}
-	if id < len(sc.beyond) && c.Replica.Reuse.Blend() {
-		c.Reuse = sc.beyond[id] * c.Replica.Reuse.Share()
-	}
+	c.Reuse = e.reuses.of(id).credit(c, sc)
 	c.predicted = c.Match.Confirmed
 	if c.Match.Past > 0 || c.Match.Tokens > c.Match.Confirmed { // the readings differ: one lock
 		rd := e.counting.read(id)
@@ -623,12 +623,7 @@ func (e *Engine) creditDonorsOf(d *Decision, sketch []uint64, sc *scratch) {
 }
 
 // creditDonors credits each candidate whose engine reuses donors with its
-// most similar donor, if the engine would take it (at least its
-// replica.Reuse.Similarity): the donor's tokens past the exact match, up to
-// the prompt's, times the similarity. The engine reuses what it holds of
-// the donor in place of the prompt's own prefix (SGLang PR 20806: the
-// donor's tokens are looked up in the prefix cache); the similarity
-// discounts a donor the engine's own provider may rank otherwise.
+// most similar donor, if the engine would take it (Reuse.donor).
 // at[id] is the candidate index + 1 of the replica with that ID (0: not
 // a candidate), so that a donor costs one lookup however many replicas.
 func (e *Engine) creditDonors(d *Decision, sketch []uint64, at []int32) {
@@ -637,8 +632,8 @@ func (e *Engine) creditDonors(d *Decision, sketch []uint64, at []int32) {
 			return
 		}
 		c := &d.Candidates[at[r]-1]
-		if c.Replica.Reuse.Donor() && sim >= c.Replica.Reuse.Similarity() {
-			c.Reuse = sim * float64(max(min(tokens, d.Tokens)-c.Match.Tokens, 0))
+		if credit, ok := e.reuses.of(r).donor(c, d.Tokens, tokens, sim); ok {
+			c.Reuse = credit
 		}
 	})
 }
@@ -820,16 +815,9 @@ func (e *Engine) Feedback(d *Decision, c *Candidate, cached int) int64 {
 		e.counting.observe(id, c.Match, cached, cmp.Or(d.blockTokens, e.split.BlockTokens()))
 		return 0
 	}
-	// A blending engine reports what it reused too. A donor engine reports
-	// at least its exact prefix, and whatever its own provider found
-	// besides: only fewer than the prefix measures the picture.
-	donor := c.Replica.Reuse.Donor()
-	predicted := int64(c.Match.Tokens)
-	if !donor {
-		predicted += int64(c.Reuse)
-	}
+	predicted, onlyFewer := e.reuses.of(id).predicted(c)
 	diff := predicted - int64(cached)
-	if donor && diff < 0 {
+	if onlyFewer && diff < 0 {
 		return 0
 	}
 	block := int64(cmp.Or(d.blockTokens, e.split.BlockTokens()))

@@ -202,9 +202,7 @@ func (e *Engine) PeerLease(r *replica.Replica, blocks []blockhash.Block, w repli
 func (e *Engine) Commit(d *Decision, c *Candidate) {
 	now := e.o.Now()
 	d.served, d.leaseOf = c.Replica.ID, c
-	if e.pic.segs != nil && c.Replica.Reuse.Blend() {
-		e.pic.segs.Record(c.Replica.ID, d.Blocks, now.UnixNano())
-	}
+	e.reuses.of(c.Replica.ID).committed(e.pic, d, c, now.UnixNano())
 	prefill := max(int64(d.Tokens-c.Match.Tokens)-int64(c.Reuse), 0)
 	var tokens int64
 	for _, b := range d.Blocks {

@@ -3,7 +3,6 @@ package routing
 import (
 	"cmp"
 	"errors"
-	"slices"
 	"time"
 
 	"github.com/semroute/semroute/blockhash"
@@ -51,11 +50,12 @@ type Options struct {
 // New builds the splitter, the cache picture, the replica pool and the
 // Engine over them.
 func New(o Options) (*Engine, error) {
-	if o.Engine.Matcher == nil && slices.ContainsFunc(o.Replicas, func(r replica.Spec) bool { return r.Reuse.Donor() }) {
+	needSegs, needMatcher := reuseNeeds(o.Replicas)
+	if o.Engine.Matcher == nil && needMatcher {
 		return nil, errDonorNeedsMatcher
 	}
 	var segs *cachemodel.Segments
-	if o.Blending || slices.ContainsFunc(o.Replicas, func(r replica.Spec) bool { return r.Reuse.Blend() }) {
+	if o.Blending || needSegs {
 		kinds := o.BlendKinds
 		if kinds == nil {
 			kinds = []blockhash.Kind{blockhash.KindRetrievedContext, blockhash.KindToolOutput}
@@ -73,7 +73,12 @@ func New(o Options) (*Engine, error) {
 	}
 	cache := cachemodel.New(co)
 	var e *Engine
+	rs := new(reuses)
 	join := func(s replica.Spec) (int, error) {
+		u, err := newReuse(s.Reuse)
+		if err != nil {
+			return 0, err
+		}
 		budget := s.BudgetTokens
 		if budget == 0 && o.DefaultBudget > 0 {
 			budget = o.DefaultBudget
@@ -85,14 +90,18 @@ func New(o Options) (*Engine, error) {
 		if err == nil && e != nil {
 			e.forgetFeedback(id) // a reused id starts from its own budget
 		}
-		if err == nil && segs != nil {
-			if s.Reuse.Blend() {
+		if err != nil {
+			return id, err
+		}
+		rs.set(id, u)
+		if segs != nil {
+			if reuseModes[u.Mode()].segments {
 				segs.AddReplica(id, cmp.Or(s.Reuse.BudgetTokens, budget))
 			} else {
 				segs.RemoveReplica(id)
 			}
 		}
-		return id, err
+		return id, nil
 	}
 	pool, err := replica.NewPool(o.Replicas, replica.Options{HalfLife: o.LoadHalfLife}, join)
 	if err != nil {
@@ -103,7 +112,7 @@ func New(o Options) (*Engine, error) {
 		return nil, err
 	}
 	e.pic.segs = segs
-	e.join = join
+	e.join, e.reuses = join, rs
 	return e, nil
 }
 
@@ -115,10 +124,11 @@ func (e *Engine) AddReplica(s replica.Spec) (*replica.Replica, error) {
 	if e.join == nil {
 		return nil, errors.New("routing: AddReplica needs an engine made by New")
 	}
-	if s.Reuse.Blend() && e.pic.segs == nil {
+	segments, matcher := reuseNeeds([]replica.Spec{s})
+	if segments && e.pic.segs == nil {
 		return nil, errors.New("routing: a blending replica joins only a pool that had one from the start (its prompts' segment keys are computed from then on)")
 	}
-	if s.Reuse.Donor() && e.o.Matcher == nil {
+	if matcher && e.o.Matcher == nil {
 		return nil, errDonorNeedsMatcher
 	}
 	return e.pool.Add(s, e.join)

@@ -284,7 +284,7 @@ func (p *PrefixCost) Score(in *View, cands []Candidate) {
 		case c.Match.Blocks > 0:
 			c.Reason = "match"
 		case reuse > 0:
-			c.Reason = c.Replica.Reuse.Mode // "blend" or "donor"
+			c.Reason = c.Replica.Reuse.Mode // the engine's reuse mode: "blend" or "donor"
 		default:
 			c.Reason = "miss"
 		}
