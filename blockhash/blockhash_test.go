@@ -395,6 +395,6 @@ func BenchmarkParseConversation(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		r.Release()
+		r.Recycle()
 	}
 }

@@ -82,7 +82,7 @@ type Request struct {
 	MaxTokens int
 	Parts     []Part
 
-	p *fastjson.Parser // holds the memory Parts alias; see Release
+	p *fastjson.Parser // holds the memory Parts alias; see Recycle
 
 	budget *Budget // the budget the parse took held values from, or nil
 	held   int64
@@ -107,7 +107,7 @@ type Limits struct {
 	MaxValues int
 	// Budget, if set, is shared by the requests parsed at once: a body of
 	// more than BudgetFloor values takes its values from it until
-	// Request.Release, and is refused with ErrBusy when the budget cannot
+	// Request.Recycle, and is refused with ErrBusy when the budget cannot
 	// cover it. It bounds the memory of parsing across requests.
 	Budget *Budget
 }
@@ -163,7 +163,7 @@ func (b *Budget) take(n int64) bool {
 var ErrBusy = errors.New("too many large request bodies are being parsed at once; retry later")
 
 // parsers lends the fastjson parsers whose memory a parsed Request's parts
-// alias until Release.
+// alias until Recycle.
 var parsers fastjson.ParserPool
 
 // TokenIDsOnly reports whether the request's prompt is all token ids (a
@@ -177,13 +177,13 @@ func (r *Request) TokenIDsOnly() bool {
 	return len(r.Parts) > 0
 }
 
-// Release gives the memory that r's parts alias back for reuse by a later
+// Recycle gives the memory that r's parts alias back for reuse by a later
 // parse, and the values it took back to its Budget. Neither r nor any
 // Part.Text of it may be used afterwards. Calling it is optional unless the
 // request was parsed with a Budget (then its values stay taken until it
 // is); an unreleased request is collected as usual. Calling it twice is
 // harmless.
-func (r *Request) Release() {
+func (r *Request) Recycle() {
 	if r.p != nil {
 		if r.held == 0 { // a large parse's tree is left to the collector, not kept in the pool
 			parsers.Put(r.p)
@@ -239,7 +239,7 @@ func decode(data []byte, ep Endpoint, lim Limits) (*body, *Request, error) {
 	r.p = parsers.Get()
 	b, err := r.common(data, ep)
 	if err != nil {
-		r.Release()
+		r.Recycle()
 		return nil, nil, err
 	}
 	return b, r, nil
@@ -385,14 +385,14 @@ func integer(v *fastjson.Value, field string) (int, error) {
 // ParseChat parses a /v1/chat/completions body. The parts come out in the
 // order a chat template renders them: tool schemas, then the messages in order
 // (a system message is normally first already and stays where it is).
-// Their Text aliases memory the request holds until Release.
+// Their Text aliases memory the request holds until Recycle.
 func ParseChat(data []byte, lim Limits) (*Request, error) {
 	b, r, err := decode(data, Chat, lim)
 	if err != nil {
 		return nil, err
 	}
 	if err := r.chat(b, lim); err != nil {
-		r.Release()
+		r.Recycle()
 		return nil, err
 	}
 	return r, nil
@@ -651,14 +651,14 @@ func AssistantText(content string, toolCalls [][2]string) []byte {
 // ParseCompletion parses a /v1/completions body. "prompt" may be a string, an
 // array of strings, an array of token ids, or an array of token-id arrays; each
 // string or token array is one part, in order. String parts alias memory the
-// request holds until Release.
+// request holds until Recycle.
 func ParseCompletion(data []byte, lim Limits) (*Request, error) {
 	b, r, err := decode(data, Completion, lim)
 	if err != nil {
 		return nil, err
 	}
 	if err := r.completion(b, lim); err != nil {
-		r.Release()
+		r.Recycle()
 		return nil, err
 	}
 	return r, nil

@@ -29,7 +29,7 @@ func parseErr(t *testing.T, ep Endpoint, body string, lim Limits) *InputError {
 	t.Helper()
 	r, err := Parse(ep, []byte(body), lim)
 	if err == nil {
-		r.Release()
+		r.Recycle()
 		t.Fatalf("accepted %.80q", body)
 	}
 	var ie *InputError
@@ -86,7 +86,7 @@ func TestNestingLimit(t *testing.T) {
 					if err != nil {
 						t.Fatalf("endpoint %d: %.200v", ep, err)
 					}
-					r.Release()
+					r.Recycle()
 					continue
 				}
 				ie := parseErr(t, ep, body, tc.lim)
@@ -148,7 +148,7 @@ func TestStrictJSON(t *testing.T) {
 				t.Errorf("%q: err = %v, want ok = %v", body, err, tc.ok)
 			}
 			if err == nil {
-				r.Release()
+				r.Recycle()
 			}
 		}
 	}
@@ -294,7 +294,7 @@ func TestKeysMatchExactly(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			defer r.Release()
+			defer r.Recycle()
 			tc.check(t, r)
 		})
 	}
@@ -370,7 +370,7 @@ func TestDuplicateKeys(t *testing.T) {
 			t.Errorf("%s: %v", a.body, err)
 			continue
 		}
-		r.Release()
+		r.Recycle()
 	}
 	// An unread duplicate inside an image part is read as the replica
 	// reads it: the last.
@@ -381,7 +381,7 @@ func TestDuplicateKeys(t *testing.T) {
 	if want := `{"image_url":{"url":"b"},"type":"image_url"}`; string(r.Parts[0].Text) != want {
 		t.Errorf("image part = %q, want %q", r.Parts[0].Text, want)
 	}
-	r.Release()
+	r.Recycle()
 }
 
 func TestClip(t *testing.T) {
@@ -552,7 +552,7 @@ func FuzzNestingLimit(f *testing.F) {
 		for _, ep := range []Endpoint{Chat, Completion} {
 			r, err := Parse(ep, body, lim)
 			if err == nil {
-				r.Release()
+				r.Recycle()
 				continue
 			}
 			if len(err.Error()) > maxErrorLen {
@@ -608,7 +608,7 @@ func BenchmarkNestingRejected(b *testing.B) {
 						b.Fatalf("err = %.200v", err)
 					}
 					if r != nil {
-						r.Release()
+						r.Recycle()
 					}
 				}
 			})
@@ -677,7 +677,7 @@ func BenchmarkParseLarge(b *testing.B) {
 				if err != nil {
 					b.Fatal(err)
 				}
-				r.Release()
+				r.Recycle()
 			}
 		})
 	}
@@ -685,7 +685,7 @@ func BenchmarkParseLarge(b *testing.B) {
 
 // TestValuesBounded: a body's values are counted in the pre-scan and
 // refused past Limits.MaxValues; large bodies take their values from a
-// shared Budget until Release; a token-id prompt is one prompt, however
+// shared Budget until Recycle; a token-id prompt is one prompt, however
 // long, for MaxMessages.
 func TestValuesBounded(t *testing.T) {
 	ids := func(n int) []byte {
@@ -697,7 +697,7 @@ func TestValuesBounded(t *testing.T) {
 	if err != nil {
 		t.Fatalf("10,000 values with a limit of 10,000: %v", err)
 	}
-	full.Release()
+	full.Recycle()
 	if _, err := ParseCompletion(ids(10000-4), lim); err == nil || !strings.Contains(err.Error(), "more values than the limit of 10000") {
 		t.Fatalf("10,001 values: %v", err)
 	}
@@ -712,9 +712,9 @@ func TestValuesBounded(t *testing.T) {
 	if err != nil || lim.Budget.Used() != 8005 {
 		t.Fatalf("a body under the floor takes from the budget: %v, used %d", err, lim.Budget.Used())
 	}
-	small.Release()
-	a.Release()
-	a.Release()
+	small.Recycle()
+	a.Recycle()
+	a.Recycle()
 	if lim.Budget.Used() != 0 {
 		t.Fatalf("budget used %d after release", lim.Budget.Used())
 	}
@@ -722,7 +722,7 @@ func TestValuesBounded(t *testing.T) {
 	if err != nil || len(b.Parts) != 1 || b.Parts[0].Tokens != 8000 {
 		t.Fatalf("after release: %v", err)
 	}
-	b.Release()
+	b.Recycle()
 }
 
 // BenchmarkManyValues parses bodies of small values ("1,") of 10 KB to
@@ -741,7 +741,7 @@ func BenchmarkManyValues(b *testing.B) {
 					b.Fatalf("err = %.200v", err)
 				}
 				if r != nil {
-					r.Release()
+					r.Recycle()
 				}
 			}
 		})

@@ -612,7 +612,7 @@ func FuzzParseMatchesReference(f *testing.F) {
 		case werr == nil && gerr != nil:
 			t.Fatalf("reference accepts, parser rejects: %v", gerr)
 		}
-		defer got.Release()
+		defer got.Recycle()
 		if tokenized && len(dups) > 0 {
 			t.Fatalf("accepted with repeated read keys %q", dups)
 		}

@@ -32,7 +32,7 @@ func TestSegmentKeysArePositionIndependent(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		defer r.Release()
+		defer r.Recycle()
 		return s.Split(nil, r)
 	}
 	// segKeys maps each retrieved-context block's Seg to its Hash.
@@ -66,7 +66,7 @@ func TestSegmentKeysArePositionIndependent(t *testing.T) {
 	// Off, no segment keys; the prefix hashes are the same either way.
 	plain, _ := NewSplitter(Options{})
 	r, _ := Parse(Chat, body("You are terse.", docA, docB), Limits{})
-	defer r.Release()
+	defer r.Recycle()
 	a, b := plain.Split(nil, r), s.Split(nil, r)
 	for i := range a {
 		if a[i].Seg != 0 || a[i].Hash != b[i].Hash || a[i].Kind != b[i].Kind {
@@ -106,7 +106,7 @@ func TestTokenSegmentKeys(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		t.Cleanup(r.Release)
+		t.Cleanup(r.Recycle)
 		// A template of 4 ids per message, then one id per word.
 		p := prompt{r: r, docs: map[string][2]int{}}
 		for i := range r.Parts {

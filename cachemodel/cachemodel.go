@@ -434,7 +434,7 @@ func (m *Model) Record(id int, blocks []blockhash.Block, now int64) int {
 // prefix the same request recorded already (its prompt, when its reply is
 // learned): they are not counted again, neither as a use of each block (hot
 // prefixes, hits) nor as a request, and their recency is left as the
-// request's end set it (Release); only those the replica no longer holds are
+// request's end set it (Free); only those the replica no longer holds are
 // cached again. Extend(id, blocks, 0, now) is Record. It returns the number
 // of blocks evicted.
 func (m *Model) Extend(id int, blocks []blockhash.Block, from int, now int64) int {
@@ -873,16 +873,16 @@ func (m *Model) mark(st *replicaState, s *slot, key uint64, flag uint8, now int6
 	}
 }
 
-// Release records that a request using blocks on replica id finished at now,
+// Free records that a request using blocks on replica id finished at now,
 // for policies that order blocks by when they were freed
 // (eviction.FreeObserver): for them a block's recency is the later of its
 // last use and its last free. Other policies do not see it. It stops at
 // the first block the replica no longer holds.
-func (m *Model) Release(id int, blocks []blockhash.Block, now int64) {
+func (m *Model) Free(id int, blocks []blockhash.Block, now int64) {
 	m.Done(id, blocks, Pins{}, now)
 }
 
-// Done is Release for a request Commit started: the blocks Commit pinned
+// Done is Free for a request Commit started: the blocks Commit pinned
 // lose the request's pin, and a leaf left with none becomes a candidate
 // for eviction again. Every one of them is unpinned that the replica
 // still holds, wherever the release stops; none is if the replica's

@@ -348,8 +348,8 @@ func TestReleaseOrdersVLLMEviction(t *testing.T) {
 	m.Record(0, a, 1)
 	m.Record(0, b, 2)
 	// a's request finished after b's: under vLLM's order b goes first.
-	m.Release(0, b, 3)
-	m.Release(0, a, 4)
+	m.Free(0, b, 3)
+	m.Free(0, a, 4)
 	m.Record(0, chain("c", 3, 0), 5)
 	if got := m.Match(b, nil, nil)[0].Blocks; got != 0 {
 		t.Fatalf("b holds %d blocks, want 0", got)

@@ -80,8 +80,8 @@ func TestExtendShortcutChangesNothing(t *testing.T) {
 					p = r.p
 				case op < 88:
 					p = prompts[rng.IntN(len(prompts))]
-					a.Release(id, p, now)
-					b.Release(id, p, now)
+					a.Free(id, p, now)
+					b.Free(id, p, now)
 				case op < 95:
 					n := int64(1 + rng.IntN(60))
 					a.Shrink(id, n)
@@ -191,7 +191,7 @@ func TestReleaseWalkUnheldAncestor(t *testing.T) {
 					t.Errorf("rid %d: Release panicked: %v", rid, r)
 				}
 			}()
-			m.Release(rid, c, 99)
+			m.Free(rid, c, 99)
 		}()
 		n := m.nodes.get(c[1].Hash)
 		i, _ := m.find(n, int32(other))

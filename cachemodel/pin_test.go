@@ -255,7 +255,7 @@ func TestPinInvariantRandom(t *testing.T) {
 					case op < 62:
 						m.Record(id, prompts[rng.IntN(len(prompts))], now)
 					case op < 66:
-						m.Release(id, prompts[rng.IntN(len(prompts))], now)
+						m.Free(id, prompts[rng.IntN(len(prompts))], now)
 					case op < 72:
 						p := prompts[rng.IntN(len(prompts))]
 						j := rng.IntN(len(p))

@@ -292,7 +292,7 @@ type BlocksConfig struct {
 // CacheConfig sets the cache picture.
 type CacheConfig struct {
 	// Eviction is the picture's eviction policy and its parameters:
-	// `eviction: vllm`, or `{type: adaptive_semantic, params: {...}}`.
+	// `eviction: vllm`, or `{type: kind_adaptive, params: {...}}`.
 	Eviction            plugin.Spec `mapstructure:"eviction" json:"eviction"`
 	DefaultBudgetTokens int64       `mapstructure:"default_budget_tokens" json:"default_budget_tokens"`
 	// MaxBudgetTokens bounds the budget a replica reports

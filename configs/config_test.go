@@ -79,7 +79,7 @@ func TestBadConfigs(t *testing.T) {
 		"fleet-without-credentials.bad.yaml": {"cluster:", "no NATS credentials", "insecure: true"},
 		"policy-params.bad.yaml": {`routing.policy: policy dynamo: unknown parameter "temprature" (have overlap_weight, temperature)`,
 			"routing.arms[0].policy: policy sglang: cache_threshold", "routing.arms[1].policy: policy round_robin takes no parameters",
-			`routing.arms[2].policy: unknown routing policy "semantik"`, "cache.eviction: eviction policy static_semantic: weights"},
+			`routing.arms[2].policy: unknown routing policy "semantik"`, "cache.eviction: eviction policy kind_weighted: weights"},
 	}
 	files, _ := filepath.Glob("testdata/*.bad.yaml")
 	if len(files) != len(want) {

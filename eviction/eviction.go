@@ -11,6 +11,7 @@
 package eviction
 
 import (
+	"cmp"
 	"fmt"
 	"math"
 	"sort"
@@ -96,14 +97,17 @@ func none(f Factory) func(plugin.Params) (Factory, error) {
 
 // registry maps names to policies; see New.
 var registry = map[string]registered{
-	"fifo":              {new: none(NewFIFO)},
-	"lru":               {new: none(NewLRU)},
-	"lfu":               {new: none(NewLFU)},
-	"size_lru":          {new: none(NewSizeLRU)},
-	"vllm":              {new: none(NewVLLM)},
-	"static_semantic":   {params: staticSpec{}, new: newStatic},
-	"adaptive_semantic": {params: adaptiveSpec{}, new: newAdaptive},
+	"fifo":          {new: none(NewFIFO)},
+	"lru":           {new: none(NewLRU)},
+	"lfu":           {new: none(NewLFU)},
+	"size_lru":      {new: none(NewSizeLRU)},
+	"vllm":          {new: none(NewVLLM)},
+	"kind_weighted": {params: staticSpec{}, new: newStatic},
+	"kind_adaptive": {params: adaptiveSpec{}, new: newAdaptive},
 }
+
+// aliases are older names of registered policies, still accepted.
+var aliases = map[string]string{"static_semantic": "kind_weighted", "adaptive_semantic": "kind_adaptive"}
 
 // Default is the eviction policy of the live router's picture.
 const Default = "vllm"
@@ -119,7 +123,9 @@ func Names() []string {
 }
 
 // ParamNames returns the parameter names the named policy takes.
-func ParamNames(name string) []string { return plugin.Names(registry[name].params) }
+func ParamNames(name string) []string {
+	return plugin.Names(registry[cmp.Or(aliases[name], name)].params)
+}
 
 // Lookup returns the factory registered under name, with default parameters.
 func Lookup(name string) (Factory, error) { return New(plugin.Spec{Type: name}) }
@@ -127,6 +133,7 @@ func Lookup(name string) (Factory, error) { return New(plugin.Spec{Type: name}) 
 // New returns the factory of the policy s names, with its parameters
 // decoded and checked.
 func New(s plugin.Spec) (Factory, error) {
+	s.Type = cmp.Or(aliases[s.Type], s.Type)
 	r, ok := registry[s.Type]
 	if !ok {
 		return nil, fmt.Errorf("unknown eviction policy %q (have %v)", s.Type, Names())
@@ -141,7 +148,7 @@ func New(s plugin.Spec) (Factory, error) {
 	return f, nil
 }
 
-// staticSpec is static_semantic's parameters as config gives them.
+// staticSpec is kind_weighted's parameters as config gives them.
 type staticSpec struct {
 	// Weights by kind name (system, tools, ...); kinds not named keep
 	// their default value.
@@ -179,7 +186,7 @@ func newStatic(p plugin.Params) (Factory, error) {
 	return func() Policy { return NewKindWeighted(kp) }, nil
 }
 
-// adaptiveSpec is adaptive_semantic's parameters as config gives them.
+// adaptiveSpec is kind_adaptive's parameters as config gives them.
 type adaptiveSpec struct {
 	staticSpec
 	HitGain        float64         `json:"hit_gain"`

@@ -43,7 +43,7 @@ func TestOrders(t *testing.T) {
 		{"fifo", "[3 4 1 2]"},
 		{"lru", "[1 4 2 3]"},
 		{"lfu", "[2 4 3 1]"},             // hits 0, 1 (older), 1, 5
-		{"static_semantic", "[2 3 4 1]"}, // values 0, ln2, 2 ln2, ln6
+		{"kind_weighted", "[2 3 4 1]"}, // values 0, ln2, 2 ln2, ln6
 		{"vllm", "[1 4 2 3]"},            // nothing freed: as LRU
 	}
 	for _, tc := range cases {
@@ -225,7 +225,7 @@ var references = map[string]func(a, b Info) bool{
 	"lru":  byFields(lastUsed, deeper),
 	"lfu":  byFields(func(i Info) float64 { return float64(i.Hits) }, lastUsed, deeper),
 	"vllm": byFields(func(i Info) float64 { return float64(max(i.LastUsed, i.Freed)) }, deeper),
-	"static_semantic": byFields(func(i Info) float64 {
+	"kind_weighted": byFields(func(i Info) float64 {
 		return DefaultKindValues()[i.Kind] * math.Log(1+float64(i.Hits)) // tokens^(1-1) = 1
 	}, lastUsed, deeper),
 }
@@ -421,7 +421,7 @@ func (r *refAdaptive) key(i Info) float64 {
 	return float64(i.LastUsed) + float64(r.ap.WeightHalfLife)/math.Ln2*math.Log(v)
 }
 
-// FuzzStatefulAgainstReference compares size_lru and adaptive_semantic with
+// FuzzStatefulAgainstReference compares size_lru and kind_adaptive with
 // their references, each over the same operations.
 func FuzzStatefulAgainstReference(f *testing.F) {
 	f.Add([]byte{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14})
@@ -617,10 +617,10 @@ func TestNewWithParams(t *testing.T) {
 	}
 	for _, bad := range []plugin.Spec{
 		{Type: "static_semantic", Params: plugin.Params{"weights": map[string]any{"sytem": 1}}},
-		{Type: "static_semantic", Params: plugin.Params{"size_exponent": 0}},
-		{Type: "adaptive_semantic", Params: plugin.Params{"min_weight": 5, "max_weight": 1}},
-		{Type: "adaptive_semantic", Params: plugin.Params{"weight_half_life": "soon"}},
-		{Type: "adaptive_semantic", Params: plugin.Params{"ghost": 1}},
+		{Type: "kind_weighted", Params: plugin.Params{"size_exponent": 0}},
+		{Type: "kind_adaptive", Params: plugin.Params{"min_weight": 5, "max_weight": 1}},
+		{Type: "kind_adaptive", Params: plugin.Params{"weight_half_life": "soon"}},
+		{Type: "kind_adaptive", Params: plugin.Params{"ghost": 1}},
 		{Type: "nope"},
 	} {
 		if _, err := New(bad); err == nil {

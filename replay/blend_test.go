@@ -19,7 +19,7 @@ func TestBlendEnginesAndEngineAwareCredit(t *testing.T) {
 	prefixOnly := routing.Params{"prefix_only": true}
 	runs := []Run{{Policy: "semantic"}, {Label: "semantic-prefix-credit", Policy: "semantic", Params: prefixOnly}}
 	cached := func(reuse string) (aware, prefix int64) {
-		m := Model{Replicas: 4, BudgetTokens: 20000, Reuse: replica.Reuse{Mode: reuse}}
+		m := Config{Replicas: 4, BudgetTokens: 20000, Reuse: replica.Reuse{Mode: reuse}}
 		sum, err := Replay(reqs, m, runs)
 		if err != nil {
 			t.Fatal(err)
@@ -74,7 +74,7 @@ func checkEngineAwareCredit(t *testing.T, reqs []Request, mode string, level boo
 	t.Helper()
 	prefixOnly := routing.Params{"prefix_only": true}
 	runs := []Run{{Policy: "semantic"}, {Label: "semantic-prefix-credit", Policy: "semantic", Params: prefixOnly}, {Policy: "llmd"}, {Policy: "sglang"}}
-	m := Model{Replicas: 4, BudgetTokens: 10000, RecordReplies: true, Reuse: replica.Reuse{Mode: mode}}
+	m := Config{Replicas: 4, BudgetTokens: 10000, RecordReplies: true, Reuse: replica.Reuse{Mode: mode}}
 	sum, err := Replay(reqs, m, runs)
 	if err != nil {
 		t.Fatal(err)

@@ -35,7 +35,7 @@ func TestDecisionsWithAShortPromptReplay(t *testing.T) {
 	if len(tr.Requests) != 2 || len(tr.Requests[1].Blocks) != 0 || tr.Requests[1].Tokens != 7 {
 		t.Fatalf("read %+v", tr.Requests)
 	}
-	sum, err := Replay(tr.Requests, Model{ReplicaNames: tr.Replicas, Budgets: tr.Budgets}, []Run{{Policy: "semantic"}})
+	sum, err := Replay(tr.Requests, Config{ReplicaNames: tr.Replicas, Budgets: tr.Budgets}, []Run{{Policy: "semantic"}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -102,7 +102,7 @@ type cacheSink interface {
 // directly. (The live router keys an engine's events from the token ids
 // they carry, kvsync.Applier; a trace has no token ids and needs none.)
 type engineCaches struct {
-	m       *Model
+	m       *Config
 	cache   *cachemodel.Model
 	running map[int]cachemodel.Pins // by request: the blocks its engine holds while it runs
 	gone    []goneBlock             // evictions heard by OnEvict, not yet passed on
@@ -110,14 +110,14 @@ type engineCaches struct {
 	match   []cachemodel.Match
 	all     []blockhash.Block
 	evict   int64 // blocks evicted
-	// segs are blending engines' segment stores (Model.Reuse), one a
+	// segs are blending engines' segment stores (Config.Reuse), one a
 	// replica, keyed by the blocks' segment keys; nil for prefix engines.
 	// share is the share of a reused segment's tokens not computed again.
 	// Both are the engines' own (package enginereuse), apart from the
 	// router's segment picture.
 	segs  []*enginereuse.Store
 	share float64
-	// donors are donor engines' providers (Model.Reuse), one a replica:
+	// donors are donor engines' providers (Config.Reuse), one a replica:
 	// every finished prompt's sample, found by similarity, and its blocks
 	// by key; nil for other engines.
 	donors      []*enginereuse.Donors
@@ -135,7 +135,7 @@ type goneBlock struct {
 	key uint64
 }
 
-func newEngineCaches(m *Model, budgets []int64) (*engineCaches, error) {
+func newEngineCaches(m *Config, budgets []int64) (*engineCaches, error) {
 	inner, err := m.evictionPolicy()
 	if err != nil {
 		return nil, err
@@ -190,7 +190,7 @@ func (e *engineCaches) held(rep int, blocks []blockhash.Block) cachemodel.Match 
 // blocks, pinned while the request runs (an engine does not evict a
 // running request's blocks).
 //
-// A blending engine (Model.Reuse) also reuses every block past the prefix
+// A blending engine (Config.Reuse) also reuses every block past the prefix
 // that its segment store holds, computing its recompute share again, and
 // then keeps the prompt's segments. A donor engine reuses, in place of
 // its own prefix, what it holds of the most similar prompt it finished

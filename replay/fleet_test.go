@@ -65,7 +65,7 @@ func TestSpreadTies(t *testing.T) {
 		reqs[i].Blocks = []blockhash.Block{{Hash: uint64(i + 1), Tokens: 64}}
 		reqs[i].Tokens = 64
 	}
-	sum, err := Replay(reqs, Model{Replicas: 2, SpreadTies: time.Second}, []Run{{Policy: "round_robin"}})
+	sum, err := Replay(reqs, Config{Replicas: 2, SpreadTies: time.Second}, []Run{{Policy: "round_robin"}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -82,7 +82,7 @@ func TestSpreadTies(t *testing.T) {
 // and sharing after delay, on 8 replicas of the README's model.
 func fleetRuns(t *testing.T, reqs []Request, spread, delay time.Duration) (one, none, shared *Result) {
 	t.Helper()
-	m := Model{Replicas: 8, BudgetTokens: 1_000_000, BlockTokens: 512, SpreadTies: spread}
+	m := Config{Replicas: 8, BudgetTokens: 1_000_000, BlockTokens: 512, SpreadTies: spread}
 	m.Seed = 1
 	runs := []Run{
 		{Label: "one", Policy: "semantic", Picture: PictureApproximate},
@@ -153,7 +153,7 @@ func TestFleetTiedArrivals(t *testing.T) {
 		t.Errorf("4 routers sharing at 5 ms on tied arrivals: TTFT p99 %.0f against %.0f ms; the ties no longer cost, so spreading them is no longer needed", late.TTFTP99MS, one.TTFTP99MS)
 	}
 	var b strings.Builder
-	m := Model{Replicas: 8, BlockTokens: 512}
+	m := Config{Replicas: 8, BlockTokens: 512}
 	sum, err := Replay(reqs[:200], m, []Run{{Policy: "round_robin"}})
 	if err != nil {
 		t.Fatal(err)
@@ -177,15 +177,15 @@ func TestFleetRunChecks(t *testing.T) {
 	reqs := []Request{{Arrival: 1, Tokens: 1, Blocks: nil}}
 	for _, c := range []struct {
 		run  Run
-		m    Model
+		m    Config
 		want string
 	}{
-		{Run{Policy: "semantic", Sync: SyncShared}, Model{}, "without routers"},
-		{Run{Policy: "semantic", Routers: 65, Sync: SyncShared, Picture: PictureApproximate}, Model{}, "at most 64"},
-		{Run{Policy: "semantic", Routers: 2, Sync: "gossip", Picture: PictureApproximate}, Model{}, "is not none or shared"},
-		{Run{Policy: "semantic", Routers: 2, Sync: SyncShared, SyncDelay: -1, Picture: PictureApproximate}, Model{}, "negative sync delay"},
-		{Run{Policy: "semantic"}, Model{SpreadTies: -time.Second}, "spread ties -1s: want 0 to 1h0m0s"},
-		{Run{Policy: "semantic"}, Model{SpreadTies: 2 * time.Hour}, "spread ties 2h0m0s"},
+		{Run{Policy: "semantic", Sync: SyncShared}, Config{}, "without routers"},
+		{Run{Policy: "semantic", Routers: 65, Sync: SyncShared, Picture: PictureApproximate}, Config{}, "at most 64"},
+		{Run{Policy: "semantic", Routers: 2, Sync: "gossip", Picture: PictureApproximate}, Config{}, "is not none or shared"},
+		{Run{Policy: "semantic", Routers: 2, Sync: SyncShared, SyncDelay: -1, Picture: PictureApproximate}, Config{}, "negative sync delay"},
+		{Run{Policy: "semantic"}, Config{SpreadTies: -time.Second}, "spread ties -1s: want 0 to 1h0m0s"},
+		{Run{Policy: "semantic"}, Config{SpreadTies: 2 * time.Hour}, "spread ties 2h0m0s"},
 	} {
 		if _, err := Replay(reqs, c.m, []Run{c.run}); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%+v: error %v, want %q", c.run, err, c.want)

@@ -69,8 +69,8 @@ func TestGoldenReports(t *testing.T) {
 	cases := []struct {
 		name, trace, format string
 		reqs                func(t *testing.T) []Request
-		model               func() Model
-		runs                func(m Model) []Run
+		model               func() Config
+		runs                func(m Config) []Run
 	}{
 		{
 			// The first 1,500 requests of the conversation trace on the
@@ -78,24 +78,24 @@ func TestGoldenReports(t *testing.T) {
 			// eviction order).
 			name: "conversation", trace: "testdata/conversation_head1500.jsonl", format: "mooncake",
 			reqs: func(t *testing.T) []Request { return goldenMooncake(t, "testdata/conversation_head1500.jsonl") },
-			model: func() Model {
-				m := Model{Replicas: 8, BudgetTokens: 1_000_000, BlockTokens: 512}
+			model: func() Config {
+				m := Config{Replicas: 8, BudgetTokens: 1_000_000, BlockTokens: 512}
 				m.Seed = 1
 				return m
 			},
-			runs: func(Model) []Run { return goldenPolicies("semantic", "round_robin", "llmd", "sglang", "dynamo") },
+			runs: func(Config) []Run { return goldenPolicies("semantic", "round_robin", "llmd", "sglang", "dynamo") },
 		},
 		{
 			// The first 1,500 requests of the synthetic trace on smaller
 			// LRU caches.
 			name: "synthetic", trace: "testdata/synthetic_head1500.jsonl", format: "mooncake",
 			reqs: func(t *testing.T) []Request { return goldenMooncake(t, "testdata/synthetic_head1500.jsonl") },
-			model: func() Model {
-				m := Model{Replicas: 8, BudgetTokens: 1_000_000, BlockTokens: 512, Eviction: "lru"}
+			model: func() Config {
+				m := Config{Replicas: 8, BudgetTokens: 1_000_000, BlockTokens: 512, Eviction: "lru"}
 				m.Seed = 1
 				return m
 			},
-			runs: func(Model) []Run {
+			runs: func(Config) []Run {
 				return goldenPolicies("semantic", "round_robin", "llmd", "sglang", "dynamo", "random", "semantickv")
 			},
 		},
@@ -105,8 +105,8 @@ func TestGoldenReports(t *testing.T) {
 			// ablations and the semantic matcher.
 			name: "openai", trace: "gentrace seed 7, 40 sessions", format: "openai",
 			reqs: goldenOpenAI,
-			model: func() Model {
-				m := Model{Replicas: 4, BudgetTokens: 25_000, BlockTokens: blockhash.DefaultBlockTokens,
+			model: func() Config {
+				m := Config{Replicas: 4, BudgetTokens: 25_000, BlockTokens: blockhash.DefaultBlockTokens,
 					RecordReplies: true, SharedActive: true, Speedup: 2}
 				m.Seed = 1
 				m.Matcher = func() routing.Matcher {
@@ -118,7 +118,7 @@ func TestGoldenReports(t *testing.T) {
 				}
 				return m
 			},
-			runs: func(m Model) []Run {
+			runs: func(m Config) []Run {
 				runs := goldenPolicies("semantic", "round_robin", "llmd", "sglang")
 				runs = append(runs, Ablations(m.Params["semantic"])...)
 				return append(runs, Run{Label: "semantic+matcher", Policy: "semantic", Matcher: true})

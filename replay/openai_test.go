@@ -110,7 +110,7 @@ func TestRecordRepliesRaisesHits(t *testing.T) {
 	reqs := generated(t, 80)
 	var rates []float64
 	for _, record := range []bool{false, true} {
-		sum, err := Replay(reqs, Model{Replicas: 4, BlockTokens: 16, RecordReplies: record}, []Run{{Policy: "semantic"}})
+		sum, err := Replay(reqs, Config{Replicas: 4, BlockTokens: 16, RecordReplies: record}, []Run{{Policy: "semantic"}})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -123,7 +123,7 @@ func TestRecordRepliesRaisesHits(t *testing.T) {
 
 func TestMatcherRunAndReport(t *testing.T) {
 	reqs := generated(t, 60)
-	m := Model{Replicas: 4, BlockTokens: 16, RecordReplies: true, SharedActive: true}
+	m := Config{Replicas: 4, BlockTokens: 16, RecordReplies: true, SharedActive: true}
 	m.Matcher = func() routing.Matcher {
 		mm, err := matcher.New(matcher.Options{})
 		if err != nil {

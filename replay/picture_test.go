@@ -54,8 +54,8 @@ func tightTrace(n int, seed uint64) []Request {
 	return out
 }
 
-func tightModel() Model {
-	m := Model{Replicas: 4, BudgetTokens: 3000, BlockTokens: 16, InterToken: 2 * time.Millisecond}
+func tightModel() Config {
+	m := Config{Replicas: 4, BudgetTokens: 3000, BlockTokens: 16, InterToken: 2 * time.Millisecond}
 	m.Seed = 1
 	return m
 }
@@ -205,7 +205,7 @@ func TestEnginePinsRunningRequests(t *testing.T) {
 		`{"timestamp": 1, "input_length": 6, "output_length": 1, "hash_ids": [4, 5, 6]}`,
 		`{"timestamp": 2, "input_length": 6, "output_length": 1, "hash_ids": [1, 2, 3]}`)
 	for _, ev := range []string{"lru", "vllm"} {
-		m := Model{Eviction: ev}
+		m := Config{Eviction: ev}
 		e, err := newEngineCaches(&m, []int64{8}) // four blocks
 		if err != nil {
 			t.Fatal(err)

@@ -168,7 +168,7 @@ type Summary struct {
 	// the one before them, in the trace as read (Ties).
 	TiedArrivals int          `json:"tied_arrivals"`
 	Replicas     int          `json:"replicas"`
-	ReplicaNames []string     `json:"replica_names,omitempty"` // as Model.ReplicaNames
+	ReplicaNames []string     `json:"replica_names,omitempty"` // as Config.ReplicaNames
 	BudgetTokens int64        `json:"budget_tokens"`
 	Model        ModelSummary `json:"model"`
 	Policies     []*Result    `json:"policies"`
@@ -197,13 +197,13 @@ type ModelSummary struct {
 	SharedActive      bool           `json:"shared_active"`
 	Seed              uint64         `json:"seed"`
 	Matcher           bool           `json:"semantic_matcher"`
-	// Reuse is the engines' reuse beyond the exact prefix (Model.Reuse:
+	// Reuse is the engines' reuse beyond the exact prefix (Config.Reuse:
 	// "blend" or "donor"); empty for exact-prefix engines.
 	Reuse string `json:"reuse,omitempty"`
 }
 
 // Run is one policy to replay: a routing policy by name, with the model's
-// parameters for it (Model.Params) unless Params is set, and kind weights
+// parameters for it (Config.Params) unless Params is set, and kind weights
 // unless Weights is set. Label names it in the report (default: Policy).
 type Run struct {
 	Label   string
@@ -233,7 +233,7 @@ type Run struct {
 // Replay runs every run over reqs under model m, in parallel, plus the
 // pooled and infinite references, and returns the summary. Runs are
 // independent and deterministic.
-func Replay(reqs []Request, m Model, runs []Run) (*Summary, error) {
+func Replay(reqs []Request, m Config, runs []Run) (*Summary, error) {
 	if err := m.defaults(); err != nil {
 		return nil, err
 	}
@@ -314,7 +314,7 @@ func Replay(reqs []Request, m Model, runs []Run) (*Summary, error) {
 	return sum, nil
 }
 
-func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
+func runPolicy(reqs []Request, m *Config, run Run) (*Result, error) {
 	label := cmp.Or(run.Label, run.Policy)
 	mode := cmp.Or(run.Picture, PictureFeedback)
 	var clock int64
@@ -389,7 +389,7 @@ func runPolicy(reqs []Request, m *Model, run Run) (*Result, error) {
 
 // newEngineDecider builds one router of a run: its engine, picture and
 // replica pool, on the shared clock.
-func newEngineDecider(reqs []Request, m *Model, run Run, clock *int64) (*engineDecider, error) {
+func newEngineDecider(reqs []Request, m *Config, run Run, clock *int64) (*engineDecider, error) {
 	params := run.Params
 	if p, ok := routing.LookupPolicy(run.Policy); ok && params == nil {
 		params = m.Params[p.Name]
@@ -438,7 +438,7 @@ func newEngineDecider(reqs []Request, m *Model, run Run, clock *int64) (*engineD
 		ds: make([]*routing.Decision, len(reqs)), served: make([]*routing.Candidate, len(reqs)), picture: cmp.Or(run.Picture, PictureFeedback)}, nil
 }
 
-func runReference(reqs []Request, m *Model, name string, budget int64) (*Result, error) {
+func runReference(reqs []Request, m *Config, name string, budget int64) (*Result, error) {
 	evict, err := m.evictionPolicy()
 	if err != nil {
 		return nil, err

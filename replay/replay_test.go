@@ -129,7 +129,7 @@ func TestRunningPromptPinned(t *testing.T) {
 		`{"timestamp": 10, "input_length": 2, "output_length": 1, "hash_ids": [3]}`,
 		`{"timestamp": 100, "input_length": 2, "output_length": 1, "hash_ids": [5]}`,
 		`{"timestamp": 200, "input_length": 4, "output_length": 1, "hash_ids": [1, 2]}`)
-	sum, err := Replay(reqs, Model{Replicas: 1, BudgetTokens: 6, BlockTokens: 2, Eviction: "lru"}, []Run{{Policy: "round_robin"}})
+	sum, err := Replay(reqs, Config{Replicas: 1, BudgetTokens: 6, BlockTokens: 2, Eviction: "lru"}, []Run{{Policy: "round_robin"}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -151,7 +151,7 @@ func TestAdmissionWaitsForRoom(t *testing.T) {
 		`{"timestamp": 0, "input_length": 4, "output_length": 100, "hash_ids": [1, 2]}`,
 		`{"timestamp": 10, "input_length": 4, "output_length": 1, "hash_ids": [1, 2]}`,
 		`{"timestamp": 20, "input_length": 4, "output_length": 1, "hash_ids": [3, 4]}`)
-	m := Model{Replicas: 1, BudgetTokens: 6, BlockTokens: 2, Eviction: "lru"}
+	m := Config{Replicas: 1, BudgetTokens: 6, BlockTokens: 2, Eviction: "lru"}
 	sum, err := Replay(reqs, m, []Run{{Policy: "round_robin"}})
 	if err != nil {
 		t.Fatal(err)
@@ -189,7 +189,7 @@ func TestRoundRobinIsPlainLRUByHand(t *testing.T) {
 		`{"timestamp": 6000, "input_length": 6, "output_length": 1, "hash_ids": [1, 2, 4]}`,
 		`{"timestamp": 7000, "input_length": 6, "output_length": 1, "hash_ids": [1, 2, 4]}`)
 	want := []int{0, 0, 4, 6, 4, 0, 4, 2}
-	sum, err := Replay(reqs, Model{Replicas: 2, BudgetTokens: 6, BlockTokens: 2, Eviction: "lru"}, []Run{{Policy: "round_robin"}})
+	sum, err := Replay(reqs, Config{Replicas: 2, BudgetTokens: 6, BlockTokens: 2, Eviction: "lru"}, []Run{{Policy: "round_robin"}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -224,7 +224,7 @@ func TestRoundRobinIsPlainLRUOnConversationTrace(t *testing.T) {
 	const replicas, budget = 8, 1_000_000
 	// One request running per replica at a time: none of its blocks is
 	// pinned when the next is served, as none is in a plain LRU cache.
-	sum, err := Replay(reqs, Model{Replicas: replicas, BudgetTokens: budget, BlockTokens: 512, Eviction: "lru", MaxRunning: 1}, []Run{{Policy: "round_robin"}})
+	sum, err := Replay(reqs, Config{Replicas: replicas, BudgetTokens: budget, BlockTokens: 512, Eviction: "lru", MaxRunning: 1}, []Run{{Policy: "round_robin"}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -245,7 +245,7 @@ func TestReplayIsDeterministic(t *testing.T) {
 	for _, p := range []string{"semantic", "random", "power_of_two", "dynamo", "semantickv"} {
 		runs = append(runs, Run{Policy: p})
 	}
-	m := Model{BlockTokens: 512}
+	m := Config{BlockTokens: 512}
 	m.Seed = 9
 	a, err := Replay(reqs, m, runs)
 	if err != nil {

@@ -17,8 +17,8 @@ import (
 	"github.com/semroute/semroute/routing"
 )
 
-// Model is the simulated fleet. Zero fields take the defaults.
-type Model struct {
+// Config is the simulated fleet. Zero fields take the defaults.
+type Config struct {
 	Replicas     int   // default 8
 	BudgetTokens int64 // KV cache per replica in tokens; default 1,000,000
 	// BlockTokens is the block size policies are told (Dynamo counts
@@ -78,7 +78,7 @@ type Model struct {
 	Reuse replica.Reuse
 }
 
-// Defaults of Model.
+// Defaults of Config.
 const (
 	DefaultReplicas        = 8
 	DefaultBlockTokens     = 64
@@ -89,7 +89,7 @@ const (
 	DefaultInterToken      = 20 * time.Millisecond
 )
 
-func (m *Model) defaults() error {
+func (m *Config) defaults() error {
 	if len(m.ReplicaNames) > 0 {
 		m.Replicas = len(m.ReplicaNames)
 		if len(m.Budgets) != 0 && len(m.Budgets) != len(m.ReplicaNames) {
@@ -189,7 +189,7 @@ const buckets = 60
 
 // sim is one run's discrete-event model.
 type sim struct {
-	m     *Model
+	m     *Config
 	reqs  []Request
 	d     decider
 	reps  []simReplica
@@ -439,7 +439,7 @@ func (s *sim) run(pools ...*replica.Pool) error {
 
 // engineDecider routes through the live router's engine.
 type engineDecider struct {
-	m      *Model
+	m      *Config
 	reqs   []Request
 	eng    *routing.Engine
 	pol    routing.Policy
@@ -504,7 +504,7 @@ func (e *engineDecider) kvTokens(rep int, now int64) float64 {
 // pooledDecider is a reference: one cache shared by every replica, each
 // request sent to the replica whose prefill queue is shortest.
 type pooledDecider struct {
-	m     *Model
+	m     *Config
 	reqs  []Request
 	cache *cachemodel.Model
 	s     *sim
@@ -531,7 +531,7 @@ func (p *pooledDecider) decide(i int, now int64) (int, int, int, error) {
 func (p *pooledDecider) prefillDone(int, int64, int) {}
 
 func (p *pooledDecider) done(i int, now int64) {
-	p.cache.Release(0, p.reqs[i].Blocks, now)
+	p.cache.Free(0, p.reqs[i].Blocks, now)
 	if p.m.RecordReplies && p.reqs[i].Reply != nil {
 		p.cache.Extend(0, append(append([]blockhash.Block(nil), p.reqs[i].Blocks...), p.reqs[i].Reply...), len(p.reqs[i].Blocks), now)
 	}
@@ -555,6 +555,6 @@ func sortedCopy(xs []float64) []float64 {
 }
 
 // evictionPolicy returns the factory of the model's eviction policy.
-func (m *Model) evictionPolicy() (eviction.Factory, error) {
+func (m *Config) evictionPolicy() (eviction.Factory, error) {
 	return eviction.New(plugin.Spec{Type: m.Eviction, Params: m.EvictionParams})
 }

@@ -105,7 +105,7 @@ func BenchmarkPictureInFlight(b *testing.B) {
 			b.Fatal(err)
 		}
 		in := core.Prepare(context.Background(), req, body, "")
-		req.Release()
+		req.Recycle()
 		rt, err := core.Route(CoreRequest{Input: in, Model: req.Model, Route: "chat"})
 		if err != nil {
 			b.Fatal(err)

@@ -521,7 +521,7 @@ func (st *epStream) input() (in CoreRequest, fwd []byte, refused *apiError) {
 		e := shedOr(err)
 		return in, nil, &e
 	}
-	defer req.Release()
+	defer req.Recycle()
 	if e := maxTokensError(req.MaxTokens, &lim); e != nil {
 		return in, nil, e
 	}

@@ -227,7 +227,7 @@ func (g *GRPCService) Route(ctx context.Context, in *pb.RouteRequest) (*pb.Route
 	case err != nil:
 		return nil, invalid(err)
 	}
-	defer req.Release()
+	defer req.Recycle()
 	var ri routing.Request
 	if _, ok := in.GetInput().(*pb.RouteRequest_Blocks); ok {
 		ri = g.preSplit(req, in.GetSessionId())

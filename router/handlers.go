@@ -54,7 +54,7 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 		writeError(w, classify(err))
 		return
 	}
-	defer req.Release() // on the error paths; released early below
+	defer req.Recycle() // on the error paths; released early below
 	if e := maxTokensError(req.MaxTokens, lim); e != nil {
 		writeError(w, *e)
 		return
@@ -88,7 +88,7 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 			return
 		}
 	}
-	req.Release() // the parse is done with: its tree is not held while the response streams
+	req.Recycle() // the parse is done with: its tree is not held while the response streams
 	rt, err := s.core.Route(CoreRequest{Input: in, Model: req.Model, Session: sid, Tenant: tenant, Route: route})
 	if err != nil {
 		span.SetStatus(codes.Error, err.Error())

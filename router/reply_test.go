@@ -233,7 +233,7 @@ func TestReplyJSONToolCallsRenderAsTheNextTurn(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer next.Release()
+	defer next.Recycle()
 	if want := next.Parts[len(next.Parts)-1].Text; !ok || !bytes.Equal(got, want) {
 		t.Fatalf("reply %q %v, the next turn renders %q", got, ok, want)
 	}

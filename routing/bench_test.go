@@ -85,7 +85,7 @@ func benchDecide(b *testing.B, f *fixture, tokens int, model string, setBytes bo
 			b.Fatal(err)
 		}
 		f.e.Recycle(d) // as Core.Finish does
-		req.Release()
+		req.Recycle()
 	}
 }
 
@@ -103,7 +103,7 @@ func BenchmarkParse(b *testing.B) {
 				if err != nil {
 					b.Fatal(err)
 				}
-				req.Release()
+				req.Recycle()
 			}
 		})
 	}

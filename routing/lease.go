@@ -147,7 +147,7 @@ func (l *Lease) free(now time.Time) {
 	case l.hasLast:
 		var buf [64]blockhash.Block
 		if chain, ok := l.e.cache.Chain(l.last, buf[:0]); ok {
-			l.e.cache.Release(id, chain, now.UnixNano())
+			l.e.cache.Free(id, chain, now.UnixNano())
 		}
 	}
 	l.pins = cachemodel.Pins{}

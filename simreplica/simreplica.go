@@ -590,7 +590,7 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 		writeError(w, http.StatusBadRequest, "BadRequestError", err.Error())
 		return
 	}
-	defer req.Release()
+	defer req.Recycle()
 	m, ok := s.model(req.Model)
 	if !ok {
 		modelNotFound(w, req.Model)

@@ -181,7 +181,7 @@ func (s *Server) tokenize(w http.ResponseWriter, r *http.Request) {
 			bad(err.Error())
 			return
 		}
-		defer req.Release()
+		defer req.Recycle()
 	} else {
 		bad("either prompt or messages is required")
 		return

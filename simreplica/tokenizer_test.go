@@ -175,7 +175,7 @@ func TestChatTemplate(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer req.Release()
+	defer req.Recycle()
 	const (
 		head = `<|begin_of_text|>` +
 			`<|start_header_id|>system<|end_header_id|>` + "\n\n" + `Available tools: [{"type":"function","function":{"name":"f"}}]<|eot_id|>` +

@@ -107,6 +107,6 @@ func TestTopLevelAgreesWithTheParser(t *testing.T) {
 		if model != req.Model || len(msgs) != len(req.Parts) {
 			t.Fatalf("%s: model %q and %d messages, the parser read %q and %d", body, model, len(msgs), req.Model, len(req.Parts))
 		}
-		req.Release()
+		req.Recycle()
 	}
 }

@@ -280,7 +280,7 @@ func decisionLogReplays(t *testing.T, picture string) {
 	if replies == 0 && picture != "events" { // a precise decision learns no reply: the engine's events say what it cached
 		t.Fatal("no reply blocks in the log")
 	}
-	sum, err := replay.Replay(tr.Requests, replay.Model{ReplicaNames: tr.Replicas, Budgets: tr.Budgets, RecordReplies: true},
+	sum, err := replay.Replay(tr.Requests, replay.Config{ReplicaNames: tr.Replicas, Budgets: tr.Budgets, RecordReplies: true},
 		[]replay.Run{{Policy: "semantic"}, {Policy: "round_robin"}})
 	if err != nil {
 		t.Fatal(err)

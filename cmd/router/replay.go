@@ -31,7 +31,7 @@ func newReplay() *cobra.Command {
 		syncDelay                time.Duration
 		sample                   int
 		blockTokens              int
-		m                        replay.Model
+		m                        replay.Config
 		seed                     uint64
 		ablate, withMatcher      bool
 		semantic                 routing.PrefixCostParams
