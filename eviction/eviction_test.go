@@ -42,9 +42,9 @@ func TestOrders(t *testing.T) {
 	}{
 		{"fifo", "[3 4 1 2]"},
 		{"lru", "[1 4 2 3]"},
-		{"lfu", "[2 4 3 1]"},             // hits 0, 1 (older), 1, 5
+		{"lfu", "[2 4 3 1]"},           // hits 0, 1 (older), 1, 5
 		{"kind_weighted", "[2 3 4 1]"}, // values 0, ln2, 2 ln2, ln6
-		{"vllm", "[1 4 2 3]"},            // nothing freed: as LRU
+		{"vllm", "[1 4 2 3]"},          // nothing freed: as LRU
 	}
 	for _, tc := range cases {
 		t.Run(tc.policy, func(t *testing.T) {
