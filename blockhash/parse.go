@@ -247,6 +247,27 @@ func decode(data []byte, ep Endpoint, lim Limits) (*body, *Request, error) {
 
 // common parses data and reads the fields both endpoints share, and ep's.
 func (r *Request) common(data []byte, ep Endpoint) (*body, error) {
+	b, err := r.top(data, ep)
+	if err != nil {
+		return nil, err
+	}
+	if err := r.identity(b); err != nil {
+		return nil, err
+	}
+	if err := r.generation(b); err != nil {
+		return nil, err
+	}
+	if r.Model == "" {
+		return nil, inputErr("model", "is required")
+	}
+	if len(r.Model) > MaxModelBytes {
+		return nil, inputErr("model", "is %d bytes, more than the limit of %d", len(r.Model), MaxModelBytes)
+	}
+	return b, nil
+}
+
+// top parses data and finds ep's top-level keys, each at most once.
+func (r *Request) top(data []byte, ep Endpoint) (*body, error) {
 	root, err := r.p.ParseBytes(data)
 	if err != nil {
 		return nil, jsonErr(err)
@@ -267,15 +288,26 @@ func (r *Request) common(data []byte, ep Endpoint) (*body, error) {
 	default:
 		return nil, inputErr("", "request body must be a JSON object")
 	}
+	return b, nil
+}
+
+// identity reads the body's model and user.
+func (r *Request) identity(b *body) error {
 	m, err := str(b.model, "model")
 	if err != nil {
-		return nil, err
+		return err
 	}
 	u, err := str(b.user, "user")
 	if err != nil {
-		return nil, err
+		return err
 	}
 	r.Model, r.User = string(m), string(u)
+	return nil
+}
+
+// generation reads how the answer is asked for: streaming, its options and
+// the most tokens to generate (max_completion_tokens over max_tokens).
+func (r *Request) generation(b *body) error {
 	if b.streamOptions != nil {
 		r.StreamOptions = true
 		if u := b.streamOptions.Get("include_usage"); u != nil && u.Type() == fastjson.TypeTrue {
@@ -283,32 +315,27 @@ func (r *Request) common(data []byte, ep Endpoint) (*body, error) {
 		}
 	}
 	if !isNull(b.stream) {
+		var err error
 		if r.Stream, err = b.stream.Bool(); err != nil {
-			return nil, inputErr("stream", "must be a boolean")
+			return inputErr("stream", "must be a boolean")
 		}
 	}
 	maxTokens, err := integer(b.maxTokens, "max_tokens")
 	if err != nil {
-		return nil, err
+		return err
 	}
 	maxCompletion, err := integer(b.maxCompletion, "max_completion_tokens")
 	if err != nil {
-		return nil, err
+		return err
 	}
 	r.MaxTokens = maxTokens
 	if !isNull(b.maxCompletion) {
 		r.MaxTokens = maxCompletion
 	}
 	if r.MaxTokens < 0 {
-		return nil, inputErr("max_tokens", "must not be negative")
+		return inputErr("max_tokens", "must not be negative")
 	}
-	if r.Model == "" {
-		return nil, inputErr("model", "is required")
-	}
-	if len(r.Model) > MaxModelBytes {
-		return nil, inputErr("model", "is %d bytes, more than the limit of %d", len(r.Model), MaxModelBytes)
-	}
-	return b, nil
+	return nil
 }
 
 // The keys read from each kind of object: no object the router reads may
@@ -399,19 +426,9 @@ func ParseChat(data []byte, lim Limits) (*Request, error) {
 }
 
 func (r *Request) chat(b *body, lim Limits) error {
-	var msgs []*fastjson.Value
-	if !isNull(b.messages) {
-		a, err := b.messages.Array()
-		if err != nil {
-			return inputErr("messages", "must be an array")
-		}
-		msgs = a
-	}
-	if len(msgs) == 0 {
-		return inputErr("messages", "is required and must not be empty")
-	}
-	if lim.MaxMessages > 0 && len(msgs) > lim.MaxMessages {
-		return inputErr("messages", "has %d entries, more than the limit of %d", len(msgs), lim.MaxMessages)
+	msgs, err := messagesOf(b, lim)
+	if err != nil {
+		return err
 	}
 	r.Parts = make([]Part, 0, len(msgs)+1)
 	if !isNull(b.tools) {
@@ -434,32 +451,60 @@ func (r *Request) chat(b *body, lim Limits) error {
 	}
 	for i := range parsed {
 		m := &parsed[i]
-		var p Part
-		switch string(m.role) {
-		case "system", "developer":
-			p.Role, p.Base = RoleSystem, KindSystem
-		case "user":
-			p.Role, p.Base = RoleUser, KindUserHistory
-			if i == lastUser {
-				p.Base = KindUserQuery
-			}
-		case "assistant":
-			p.Role, p.Base = RoleAssistant, KindAssistantHistory
-		case "tool", "function":
-			p.Role, p.Base = RoleTool, KindToolOutput
-		case "":
-			return inputErr(fmt.Sprintf("messages[%d].role", i), "is required")
-		default:
-			return inputErr(fmt.Sprintf("messages[%d].role", i), "unknown role %s", quoted(m.role, 64))
-		}
-		text, segs, err := m.text(i)
+		p, err := m.part(i, i == lastUser)
 		if err != nil {
 			return err
 		}
-		p.Text, p.Segs = text, segs
+		if p.Text, p.Segs, err = m.text(i); err != nil {
+			return err
+		}
 		r.Parts = append(r.Parts, p)
 	}
 	return nil
+}
+
+// messagesOf returns the body's messages: a non-empty array within the
+// limit.
+func messagesOf(b *body, lim Limits) ([]*fastjson.Value, error) {
+	var msgs []*fastjson.Value
+	if !isNull(b.messages) {
+		a, err := b.messages.Array()
+		if err != nil {
+			return nil, inputErr("messages", "must be an array")
+		}
+		msgs = a
+	}
+	if len(msgs) == 0 {
+		return nil, inputErr("messages", "is required and must not be empty")
+	}
+	if lim.MaxMessages > 0 && len(msgs) > lim.MaxMessages {
+		return nil, inputErr("messages", "has %d entries, more than the limit of %d", len(msgs), lim.MaxMessages)
+	}
+	return msgs, nil
+}
+
+// part returns the part message i becomes, its role and base kind, by its
+// role (lastUser: the last user message, the question).
+func (m *message) part(i int, lastUser bool) (Part, error) {
+	var p Part
+	switch string(m.role) {
+	case "system", "developer":
+		p.Role, p.Base = RoleSystem, KindSystem
+	case "user":
+		p.Role, p.Base = RoleUser, KindUserHistory
+		if lastUser {
+			p.Base = KindUserQuery
+		}
+	case "assistant":
+		p.Role, p.Base = RoleAssistant, KindAssistantHistory
+	case "tool", "function":
+		p.Role, p.Base = RoleTool, KindToolOutput
+	case "":
+		return p, inputErr(fmt.Sprintf("messages[%d].role", i), "is required")
+	default:
+		return p, inputErr(fmt.Sprintf("messages[%d].role", i), "unknown role %s", quoted(m.role, 64))
+	}
+	return p, nil
 }
 
 // message is one chat message's routing fields; byte slices alias the
@@ -500,36 +545,46 @@ func (m *message) read(v *fastjson.Value, i int) error {
 	}
 	m.toolCalls = make([][2][]byte, len(cs))
 	for j, c := range cs {
-		field := func(sub string) string { return fmt.Sprintf("messages[%d].tool_calls[%d]%s", i, j, sub) }
-		if c.Type() == fastjson.TypeNull {
-			continue
+		if err := readCall(&m.toolCalls[j], c, i, j); err != nil {
+			return err
 		}
-		if c.Type() != fastjson.TypeObject {
-			return inputErr(field(""), "must be an object")
-		}
-		var id, fn *fastjson.Value
-		if dup := fields(c, toolCallKeys, &id, &fn); dup != "" {
-			return dupErr(field("." + dup))
-		}
-		if _, ok := stringOf(id); !ok {
-			return inputErr(field(".id"), "must be a string")
-		}
-		if isNull(fn) {
-			continue
-		}
-		if fn.Type() != fastjson.TypeObject {
-			return inputErr(field(".function"), "must be an object")
-		}
-		var fname, args *fastjson.Value
-		if dup := fields(fn, functionKeys, &fname, &args); dup != "" {
-			return dupErr(field(".function." + dup))
-		}
-		if m.toolCalls[j][0], ok = stringOf(fname); !ok {
-			return inputErr(field(".function.name"), "must be a string")
-		}
-		if m.toolCalls[j][1], ok = stringOf(args); !ok {
-			return inputErr(field(".function.arguments"), "must be a string")
-		}
+	}
+	return nil
+}
+
+// readCall reads tool call j of message i into call: its function's name
+// and arguments.
+func readCall(call *[2][]byte, c *fastjson.Value, i, j int) error {
+	field := func(sub string) string { return fmt.Sprintf("messages[%d].tool_calls[%d]%s", i, j, sub) }
+	if c.Type() == fastjson.TypeNull {
+		return nil
+	}
+	if c.Type() != fastjson.TypeObject {
+		return inputErr(field(""), "must be an object")
+	}
+	var id, fn *fastjson.Value
+	if dup := fields(c, toolCallKeys, &id, &fn); dup != "" {
+		return dupErr(field("." + dup))
+	}
+	if _, ok := stringOf(id); !ok {
+		return inputErr(field(".id"), "must be a string")
+	}
+	if isNull(fn) {
+		return nil
+	}
+	if fn.Type() != fastjson.TypeObject {
+		return inputErr(field(".function"), "must be an object")
+	}
+	var fname, args *fastjson.Value
+	if dup := fields(fn, functionKeys, &fname, &args); dup != "" {
+		return dupErr(field(".function." + dup))
+	}
+	var ok bool
+	if call[0], ok = stringOf(fname); !ok {
+		return inputErr(field(".function.name"), "must be a string")
+	}
+	if call[1], ok = stringOf(args); !ok {
+		return inputErr(field(".function.arguments"), "must be a string")
 	}
 	return nil
 }
@@ -556,15 +611,9 @@ func (m *message) text(i int) (_ []byte, segs []int32, _ error) {
 		s, _ := c.StringBytes()
 		buf = append(buf, s...)
 	case c.Type() == fastjson.TypeArray:
-		parts, _ := c.Array()
-		for j, part := range parts {
-			if j > 0 && len(buf) > 0 && (len(segs) == 0 || int(segs[len(segs)-1]) < len(buf)) {
-				segs = append(segs, int32(len(buf)))
-			}
-			var err error
-			if buf, err = appendContentPart(buf, part, i, j); err != nil {
-				return nil, nil, err
-			}
+		var err error
+		if buf, segs, err = appendContentParts(buf, c, i); err != nil {
+			return nil, nil, err
 		}
 	default:
 		return nil, nil, inputErr(fmt.Sprintf("messages[%d].content", i), "must be a string, an array of content parts, or null")
@@ -574,6 +623,22 @@ func (m *message) text(i int) (_ []byte, segs []int32, _ error) {
 		buf = append(buf, tc[0]...)
 		buf = append(buf, 0)
 		buf = append(buf, tc[1]...)
+	}
+	return buf, segs, nil
+}
+
+// appendContentParts appends the routing bytes of message i's content
+// parts, an array, and returns where the second and later ones begin.
+func appendContentParts(buf []byte, c *fastjson.Value, i int) (_ []byte, segs []int32, _ error) {
+	parts, _ := c.Array()
+	for j, part := range parts {
+		if j > 0 && len(buf) > 0 && (len(segs) == 0 || int(segs[len(segs)-1]) < len(buf)) {
+			segs = append(segs, int32(len(buf)))
+		}
+		var err error
+		if buf, err = appendContentPart(buf, part, i, j); err != nil {
+			return nil, nil, err
+		}
 	}
 	return buf, segs, nil
 }

@@ -109,27 +109,21 @@ func scan(data []byte, maxDepth, maxValues int) (int, error) {
 				return values, inputErr("", "invalid JSON: malformed number at byte %d", i)
 			}
 			i = j
-		case classTrue:
-			if !literalAt(data, i, "true") {
+		case classTrue, classFalse, classNull:
+			lit := literals[c]
+			if !literalAt(data, i, lit) {
 				return values, badLiteral(i)
 			}
-			i += len("true")
-		case classFalse:
-			if !literalAt(data, i, "false") {
-				return values, badLiteral(i)
-			}
-			i += len("false")
-		case classNull:
-			if !literalAt(data, i, "null") {
-				return values, badLiteral(i)
-			}
-			i += len("null")
+			i += len(lit)
 		default:
 			return values, inputErr("", "invalid JSON: unexpected %s at byte %d", byteName(data[i]), i)
 		}
 	}
 	return values, nil
 }
+
+// literals are the literal each literal class starts.
+var literals = [...]string{classTrue: "true", classFalse: "false", classNull: "null"}
 
 // The classes of bytes outside strings; any other byte is invalid there.
 const (
@@ -214,43 +208,63 @@ func stringStop(data []byte, j int) int {
 // would read as more of it (a digit, ., e, E, + or -): fastjson takes all
 // of those as one number, and in valid JSON a number is followed by none.
 func skipNumber(data []byte, i int) int {
+	if i = skipInt(data, i); i < 0 {
+		return -1
+	}
 	n := len(data)
+	if i < n && data[i] == '.' {
+		if i = skipSomeDigits(data, i+1); i < 0 {
+			return -1
+		}
+	}
+	if i < n && (data[i] == 'e' || data[i] == 'E') {
+		if i = skipExponent(data, i+1); i < 0 {
+			return -1
+		}
+	}
+	if i < n && numberByte(data[i]) {
+		return -1 // a number runs on where JSON's grammar ends it
+	}
+	return i
+}
+
+// skipInt skips a number's sign and integer part at data[i:] (a zero, or
+// digits not starting with one): −1 if there is none.
+func skipInt(data []byte, i int) int {
 	if data[i] == '-' {
 		i++
 	}
 	switch {
-	case i < n && data[i] == '0':
-		i++
-	case i < n && '1' <= data[i] && data[i] <= '9':
-		i = skipDigits(data, i+1)
-	default:
+	case i >= len(data):
 		return -1
+	case data[i] == '0':
+		return i + 1
+	case '1' <= data[i] && data[i] <= '9':
+		return skipDigits(data, i+1)
 	}
-	if i < n && data[i] == '.' {
-		j := skipDigits(data, i+1)
-		if j == i+1 {
-			return -1
-		}
-		i = j
-	}
-	if i < n && (data[i] == 'e' || data[i] == 'E') {
+	return -1
+}
+
+// skipExponent skips an exponent's sign and digits after its e.
+func skipExponent(data []byte, i int) int {
+	if i < len(data) && (data[i] == '+' || data[i] == '-') {
 		i++
-		if i < n && (data[i] == '+' || data[i] == '-') {
-			i++
-		}
-		j := skipDigits(data, i)
-		if j == i {
-			return -1
-		}
-		i = j
 	}
-	if i < n {
-		switch data[i] {
-		case '0', '1', '2', '3', '4', '5', '6', '7', '8', '9', '.', 'e', 'E', '+', '-':
-			return -1
-		}
+	return skipSomeDigits(data, i)
+}
+
+// numberByte reports whether c may appear in a JSON number.
+func numberByte(c byte) bool {
+	return '0' <= c && c <= '9' || c == '.' || c == 'e' || c == 'E' || c == '+' || c == '-'
+}
+
+// skipSomeDigits is skipDigits for at least one digit: −1 when there is
+// none at i.
+func skipSomeDigits(data []byte, i int) int {
+	if j := skipDigits(data, i); j > i {
+		return j
 	}
-	return i
+	return -1
 }
 
 func skipDigits(data []byte, i int) int {

@@ -176,8 +176,7 @@ func (s *Splitter) AppendPart(dst []Block, parent uint64, p *Part) []Block {
 	}
 	refine := p.Role == RoleUser || p.Role == RolePrompt
 	// Blocks are searched for ``` fences only in a part that has one.
-	fenced := refine && bytes.Contains(text, fence)
-	inFence := false
+	k := kinder{refine: refine, fenced: refine && bytes.Contains(text, fence)}
 	h := parent
 	last := len(text) // where the last segment ends
 	p.EachSeg(func(from, to int) {
@@ -198,20 +197,36 @@ func (s *Splitter) AppendPart(dst []Block, parent uint64, p *Part) []Block {
 				sh = ChainHash(sh, p.Role, b)
 				sk = sh
 			}
-			k := p.Base
-			if refine {
-				switch {
-				case fenced && looksLikeCode(b, inFence), !fenced && symbolDense(b):
-					k = KindCode
-				case doc && (end < to || to < last):
-					k = KindRetrievedContext
-				}
-				if fenced && bytes.Count(b, fence)%2 == 1 {
-					inFence = !inFence
-				}
-			}
-			dst = append(dst, Block{Hash: h, Tokens: int32((len(b) + perToken - 1) / perToken), Kind: k, Seg: sk})
+			kind := k.kind(b, p.Base, doc && (end < to || to < last))
+			dst = append(dst, Block{Hash: h, Tokens: int32((len(b) + perToken - 1) / perToken), Kind: kind, Seg: sk})
 		}
 	})
 	return dst
+}
+
+// kinder refines the kinds of a user or prompt part's blocks, in order:
+// code, by ``` fences where the part has any (fenced) or else by symbol
+// density, and retrieved context, for the blocks of a document but its
+// last.
+type kinder struct {
+	refine, fenced, inFence bool
+}
+
+// kind returns the kind of block b of a part whose kind is base; doc says
+// it is a document's block, not its last.
+func (k *kinder) kind(b []byte, base Kind, doc bool) Kind {
+	if !k.refine {
+		return base
+	}
+	out := base
+	switch {
+	case k.fenced && looksLikeCode(b, k.inFence), !k.fenced && symbolDense(b):
+		out = KindCode
+	case doc:
+		out = KindRetrievedContext
+	}
+	if k.fenced && bytes.Count(b, fence)%2 == 1 {
+		k.inFence = !k.inFence
+	}
+	return out
 }

@@ -71,49 +71,58 @@ func New(o Options) (*Engine, error) {
 	if o.Engine.Matcher != nil {
 		co.OnEvict = o.Engine.Matcher.Forget
 	}
-	cache := cachemodel.New(co)
-	var e *Engine
-	rs := new(reuses)
-	join := func(s replica.Spec) (int, error) {
-		u, err := newReuse(s.Reuse)
-		if err != nil {
-			return 0, err
-		}
-		budget := s.BudgetTokens
-		if budget == 0 && o.DefaultBudget > 0 {
-			budget = o.DefaultBudget
-			if o.OnDefaultBudget != nil {
-				o.OnDefaultBudget(s.Name, budget)
-			}
-		}
-		id, err := cache.AddReplica(s.Name, budget)
-		if err == nil && e != nil {
-			e.forgetFeedback(id) // a reused id starts from its own budget
-		}
-		if err != nil {
-			return id, err
-		}
-		rs.set(id, u)
-		if segs != nil {
-			if reuseModes[u.Mode()].segments {
-				segs.AddReplica(id, cmp.Or(s.Reuse.BudgetTokens, budget))
-			} else {
-				segs.RemoveReplica(id)
-			}
-		}
-		return id, nil
-	}
-	pool, err := replica.NewPool(o.Replicas, replica.Options{HalfLife: o.LoadHalfLife}, join)
+	j := &joiner{o: &o, cache: cachemodel.New(co), segs: segs, reuses: new(reuses)}
+	pool, err := replica.NewPool(o.Replicas, replica.Options{HalfLife: o.LoadHalfLife}, j.join)
 	if err != nil {
 		return nil, err
 	}
-	e, err = newEngine(o.Engine, split, cache, pool)
+	e, err := newEngine(o.Engine, split, j.cache, pool)
 	if err != nil {
 		return nil, err
 	}
 	e.pic.segs = segs
-	e.join, e.reuses = join, rs
+	e.join, e.reuses, j.e = j.join, j.reuses, e
 	return e, nil
+}
+
+// joiner gives a joining replica its pictures and its Reuse (the pool's
+// join, replica.NewPool).
+type joiner struct {
+	o      *Options
+	cache  *cachemodel.Model
+	segs   *cachemodel.Segments
+	reuses *reuses
+	e      *Engine // nil while New builds the pool
+}
+
+func (j *joiner) join(s replica.Spec) (int, error) {
+	u, err := newReuse(s.Reuse)
+	if err != nil {
+		return 0, err
+	}
+	budget := s.BudgetTokens
+	if budget == 0 && j.o.DefaultBudget > 0 {
+		budget = j.o.DefaultBudget
+		if j.o.OnDefaultBudget != nil {
+			j.o.OnDefaultBudget(s.Name, budget)
+		}
+	}
+	id, err := j.cache.AddReplica(s.Name, budget)
+	if err != nil {
+		return id, err
+	}
+	if j.e != nil {
+		j.e.forgetFeedback(id) // a reused id starts from its own budget
+	}
+	j.reuses.set(id, u)
+	if j.segs != nil {
+		if reuseModes[u.Mode()].segments {
+			j.segs.AddReplica(id, cmp.Or(s.Reuse.BudgetTokens, budget))
+		} else {
+			j.segs.RemoveReplica(id)
+		}
+	}
+	return id, nil
 }
 
 var errDonorNeedsMatcher = errors.New("routing: a replica that reuses donors needs EngineOptions.Matcher, the donor index")

@@ -36,27 +36,15 @@ func topLevel(data []byte, names []string, raw [][]byte) error {
 		return nil
 	}
 	for {
-		if i >= len(data) || data[i] != '"' {
-			return errNotJSONObject
-		}
-		end := stringEnd(data, i)
-		if end < 0 {
-			return errNotJSONObject
-		}
-		key := data[i:end] // quoted
-		if i = skipSpace(data, end); i >= len(data) || data[i] != ':' {
-			return errNotJSONObject
-		}
-		i = skipSpace(data, i+1)
-		end = valueEnd(data, i)
-		if end < 0 {
+		key, val, end, ok := member(data, i)
+		if !ok {
 			return errNotJSONObject
 		}
 		if k := keyIndex(key, names); k >= 0 {
 			if raw[k] != nil {
 				return &dupError{Field: names[k]}
 			}
-			raw[k] = data[i:end]
+			raw[k] = val
 		}
 		if i = skipSpace(data, end); i >= len(data) {
 			return errNotJSONObject
@@ -70,6 +58,27 @@ func topLevel(data []byte, names []string, raw [][]byte) error {
 			return errNotJSONObject
 		}
 	}
+}
+
+// member reads the object member at data[i:], `"key": value`: its quoted
+// key, its value's bytes and where the value ends; ok is false where data
+// is not such a member.
+func member(data []byte, i int) (key, val []byte, end int, ok bool) {
+	if i >= len(data) || data[i] != '"' {
+		return nil, nil, 0, false
+	}
+	if end = stringEnd(data, i); end < 0 {
+		return nil, nil, 0, false
+	}
+	key = data[i:end] // quoted
+	if i = skipSpace(data, end); i >= len(data) || data[i] != ':' {
+		return nil, nil, 0, false
+	}
+	i = skipSpace(data, i+1)
+	if end = valueEnd(data, i); end < 0 {
+		return nil, nil, 0, false
+	}
+	return key, data[i:end], end, true
 }
 
 // maxEscapedName bounds the length of a quoted key, escapes and all, that
