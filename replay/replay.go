@@ -224,7 +224,7 @@ type Run struct {
 	// Routers > 1 sends each request to one of that many routers at
 	// random, as a Kubernetes Service would, each with its own picture and
 	// load; Sync says whether they share them (SyncNone or SyncShared,
-	// applied SyncDelay after the fact). It needs a Picture mode.
+	// applied SyncDelay after the fact).
 	Routers   int
 	Sync      string
 	SyncDelay time.Duration

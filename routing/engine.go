@@ -484,7 +484,7 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 	defer scratchPool.Put(sc)
 	e.lookup(d, sc)
 	g := gathering{e: e, d: d, sc: sc, reps: e.pool.Replicas(), now: e.o.Now(), allow: allow, model: model,
-		adapter: model != "" && e.isAdapter(model)}
+		adapter: model != "" && e.isAdapter(model), reuses: e.reuses.load()}
 	d.Candidates = newCandidates(len(g.reps))
 	// Passive ejection is a guess from failures that may have been the
 	// requests' own: when it has taken out every replica the request could
@@ -495,7 +495,7 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 		g.gather(true)
 	}
 	d.Candidates = d.Candidates[:g.n]
-	if g.donors && sketch != nil {
+	if g.reuses.donors && sketch != nil {
 		e.creditDonorsOf(d, sketch, sc)
 	}
 	if len(d.Candidates) == 0 {
@@ -529,16 +529,17 @@ func (e *Engine) lookup(d *Decision, sc *scratch) {
 // it learns of the pool on the way (is the model served at all, are some
 // replicas' models unknown, is there a donor engine).
 type gathering struct {
-	e                       *Engine
-	d                       *Decision
-	sc                      *scratch
-	reps                    []*replica.Replica
-	now                     time.Time
-	allow                   func(*replica.Replica) bool
-	model                   string
-	adapter                 bool // the model is a LoRA adapter somewhere: its replicas are ranked
-	n                       int  // candidates filled
-	unknown, served, donors bool
+	e               *Engine
+	d               *Decision
+	sc              *scratch
+	reps            []*replica.Replica
+	now             time.Time
+	allow           func(*replica.Replica) bool
+	model           string
+	adapter         bool // the model is a LoRA adapter somewhere: its replicas are ranked
+	n               int  // candidates filled
+	unknown, served bool
+	reuses          *reuseSet // the replicas' Reuse, one snapshot for the decision
 }
 
 // gather fills d.Candidates from the replicas the request may use and
@@ -560,8 +561,7 @@ func (g *gathering) gather(panicking bool) (ejected bool) {
 		c := &g.d.Candidates[g.n] // filled in place: a candidate is ~120 bytes
 		g.n++
 		c.Replica, c.Load, c.adapter = r, r.Load(g.now), rank
-		g.e.credit(c, g.sc)
-		g.donors = g.donors || reuseModes[g.e.reuses.of(r.ID).Mode()].matcher
+		g.e.credit(c, g.sc, g.reuses)
 	}
 	return ejected
 }
@@ -593,12 +593,12 @@ func (g *gathering) models(r *replica.Replica) (rank int8, ok bool) {
 
 // credit sets candidate c's match, cache size, reuse past the match and
 // predicted cached tokens from the lookup in sc.
-func (e *Engine) credit(c *Candidate, sc *scratch) {
+func (e *Engine) credit(c *Candidate, sc *scratch, rs *reuseSet) {
 	id := c.Replica.ID
 	if id < len(sc.matches) {
 		c.Match, c.CacheTokens, c.Budget = sc.matches[id], sc.sizes[id], sc.budgets[id]
 	}
-	c.Reuse = e.reuses.of(id).credit(c, sc)
+	c.Reuse = rs.of(id).credit(c, sc)
 	c.predicted = c.Match.Confirmed
 	if c.Match.Past > 0 || c.Match.Tokens > c.Match.Confirmed { // the readings differ: one lock
 		rd := e.counting.read(id)

@@ -86,28 +86,47 @@ func reuseNeeds(specs []replica.Spec) (segments, matcher bool) {
 }
 
 // reuses is each replica's Reuse by id, copy-on-write: replicas join
-// rarely, decisions read it at every candidate.
-type reuses struct{ p atomic.Pointer[[]Reuse] }
+// rarely, decisions read it at every candidate (a decision reads one
+// snapshot, reuseSet).
+type reuses struct{ p atomic.Pointer[reuseSet] }
+
+// reuseSet is one snapshot of reuses: by replica id, and whether any
+// needs the donor index.
+type reuseSet struct {
+	by     []Reuse
+	donors bool
+}
+
+// load returns the current snapshot (empty before any replica joined).
+func (r *reuses) load() *reuseSet {
+	if s := r.p.Load(); s != nil {
+		return s
+	}
+	return &reuseSet{}
+}
 
 // of returns replica id's Reuse (prefix if unknown).
-func (r *reuses) of(id int) Reuse {
-	if s := r.p.Load(); s != nil && id < len(*s) && (*s)[id] != nil {
-		return (*s)[id]
+func (s *reuseSet) of(id int) Reuse {
+	if id < len(s.by) && s.by[id] != nil {
+		return s.by[id]
 	}
 	return prefixReuse{}
 }
 
+// of returns replica id's Reuse in the current snapshot.
+func (r *reuses) of(id int) Reuse { return r.load().of(id) }
+
 // set makes u replica id's Reuse. Callers serialise (the pool's join).
 func (r *reuses) set(id int, u Reuse) {
-	var s []Reuse
-	if old := r.p.Load(); old != nil {
-		s = slices.Clone(*old)
+	s := &reuseSet{by: slices.Clone(r.load().by)}
+	for len(s.by) <= id {
+		s.by = append(s.by, nil)
 	}
-	for len(s) <= id {
-		s = append(s, nil)
+	s.by[id] = u
+	for _, x := range s.by {
+		s.donors = s.donors || x != nil && reuseModes[x.Mode()].matcher
 	}
-	s[id] = u
-	r.p.Store(&s)
+	r.p.Store(s)
 }
 
 // prefixReuse: the engine reuses the exact prefix alone.

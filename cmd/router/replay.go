@@ -5,7 +5,6 @@ import (
 	"cmp"
 	"encoding/json"
 	"fmt"
-	"maps"
 	"os"
 	"strings"
 	"time"
@@ -100,26 +99,21 @@ report.html to --out.`,
 			m.Seed = seed
 			m.Params = map[string]routing.Params{"semantic": {"load_weight": semantic.LoadWeight, "recent_weight": semantic.RecentWeight,
 				"spill_factor": semantic.SpillFactor, "spill_margin_tokens": semantic.SpillMarginTokens}}
-			var runs []replay.Run
+			modes, err := replay.ParsePictures(pictures)
+			if err != nil {
+				return err
+			}
+			x := replay.Matrix{Ablations: ablate, PrefixCredit: m.Reuse.Blend() || m.Reuse.Donor(), Matcher: withMatcher,
+				Pictures: modes, Routers: routers, Syncs: strings.Split(syncs, ","), SyncDelay: syncDelay}
 			for _, p := range strings.Split(pols, ",") {
 				if p = strings.TrimSpace(p); p != "" {
-					runs = append(runs, replay.Run{Policy: p})
+					x.Policies = append(x.Policies, p)
 				}
 			}
 			if policyFile != "" {
-				more, err := readPolicyFile(policyFile)
-				if err != nil {
+				if x.Extra, err = readPolicyFile(policyFile); err != nil {
 					return err
 				}
-				runs = append(runs, more...)
-			}
-			if ablate {
-				runs = append(runs, replay.Ablations(m.Params["semantic"])...)
-			}
-			if m.Reuse.Blend() || m.Reuse.Donor() { // the baseline engine-aware credit is measured against
-				prefixOnly := maps.Clone(m.Params["semantic"])
-				prefixOnly["prefix_only"] = true
-				runs = append(runs, replay.Run{Label: "semantic-prefix-credit", Policy: "semantic", Params: prefixOnly})
 			}
 			if withMatcher {
 				m.Matcher = func() routing.Matcher {
@@ -129,46 +123,8 @@ report.html to --out.`,
 					}
 					return mm
 				}
-				runs = append(runs, replay.Run{Label: "semantic+matcher", Policy: "semantic", Matcher: true})
 			}
-			modes, err := replay.ParsePictures(pictures)
-			if err != nil {
-				return err
-			}
-			if len(modes) == 1 {
-				for i := range runs {
-					runs[i].Picture = modes[0]
-				}
-			}
-			if len(modes) > 1 { // every run once per mode, side by side: semantic/approximate, semantic/events, …
-				var each []replay.Run
-				for _, r := range runs {
-					for _, mode := range modes {
-						x := r
-						x.Label, x.Picture = cmp.Or(r.Label, r.Policy)+"/"+mode, mode
-						each = append(each, x)
-					}
-				}
-				runs = each
-			}
-			if routers > 1 { // each run with one router, then with routers, per sync mode
-				var each []replay.Run
-				for _, r := range runs {
-					x := r
-					x.Label = cmp.Or(r.Label, r.Policy) + "/1-router"
-					each = append(each, x)
-					for _, sm := range strings.Split(syncs, ",") {
-						x := r
-						x.Routers, x.Sync = routers, strings.TrimSpace(sm)
-						if x.Sync == replay.SyncShared {
-							x.SyncDelay = syncDelay
-						}
-						x.Label = fmt.Sprintf("%s/%d-routers-%s", cmp.Or(r.Label, r.Policy), routers, x.Sync)
-						each = append(each, x)
-					}
-				}
-				runs = each
-			}
+			runs := x.Runs(&m)
 			sum, err := replay.Replay(reqs, m, runs)
 			if err != nil {
 				return err
