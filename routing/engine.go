@@ -505,7 +505,9 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 		return nil, ErrNoReplica
 	}
 	in := e.view(d)
+	in.budgets = sc.budgets
 	pol.Score(in, d.Candidates)
+	in.budgets = nil // sc's: it goes back to the pool when rank returns
 	d.Ranked = rank(d.Candidates, d.Key, e.o.Attempts)
 	return in, nil
 }
@@ -596,9 +598,11 @@ func (g *gathering) models(r *replica.Replica) (rank int8, ok bool) {
 func (e *Engine) credit(c *Candidate, sc *scratch, rs *reuseSet) {
 	id := c.Replica.ID
 	if id < len(sc.matches) {
-		c.Match, c.CacheTokens, c.Budget = sc.matches[id], sc.sizes[id], sc.budgets[id]
+		c.Match, c.CacheTokens = sc.matches[id], sc.sizes[id]
 	}
-	c.Reuse = rs.of(id).credit(c, sc)
+	if rs.credits {
+		c.Reuse = rs.of(id).credit(c, sc)
+	}
 	c.predicted = c.Match.Confirmed
 	if c.Match.Past > 0 || c.Match.Tokens > c.Match.Confirmed { // the readings differ: one lock
 		rd := e.counting.read(id)

@@ -34,6 +34,17 @@ type View struct {
 	// and HotShare): they carry more than one replica's share of the
 	// traffic, so they will soon be on several replicas.
 	Hot cachemodel.Match
+	// budgets are the replicas' budgets in the picture, by id (Budget).
+	budgets []int64
+}
+
+// Budget returns c's replica's budget in the cache picture, in tokens (0:
+// unknown or unlimited).
+func (v *View) Budget(c *Candidate) int64 {
+	if id := c.Replica.ID; id < len(v.budgets) {
+		return v.budgets[id]
+	}
+	return 0
 }
 
 // Candidate is one available replica as a policy sees it.
@@ -41,10 +52,8 @@ type Candidate struct {
 	Replica *replica.Replica
 	Match   cachemodel.Match
 	Load    replica.Load
-	// CacheTokens is the tokens the replica holds in the cache picture,
-	// Budget its budget there (tokens; 0: unknown or unlimited).
+	// CacheTokens is the tokens the replica holds in the cache picture.
 	CacheTokens int64
-	Budget      int64
 	// Reuse is the prompt tokens past Match that the replica's engine is
 	// expected to reuse (replica.Reuse): for a blending engine, the tokens
 	// of the reusable blocks it holds elsewhere in its segments, less its
@@ -301,10 +310,11 @@ func (p *PrefixCost) Score(in *View, cands []Candidate) {
 // say cheaply which those are: the whole prompt is counted. True when the
 // engine reports no usage or the budget is unknown.
 func fits(in *View, c *Candidate) bool {
-	if c.Budget <= 0 || c.Load.KVUsage <= 0 {
+	budget := in.Budget(c)
+	if budget <= 0 || c.Load.KVUsage <= 0 {
 		return true
 	}
-	return float64(in.Tokens) <= (1-c.Load.KVUsage)*float64(c.Budget)
+	return float64(in.Tokens) <= (1-c.Load.KVUsage)*float64(budget)
 }
 
 func (p *PrefixCost) queued(l replica.Load, avgPrefill float64) float64 {

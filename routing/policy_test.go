@@ -24,7 +24,7 @@ func cands(n int) []Candidate {
 // with reason "kv".
 func TestSemanticNoRoom(t *testing.T) {
 	p, _ := NewPolicy(PolicySpec{Type: "semantic"})
-	in := &View{Tokens: 1000, Weighted: 1000}
+	in := &View{Tokens: 1000, Weighted: 1000, budgets: []int64{10_000, 10_000}}
 	for _, tc := range []struct {
 		usage float64
 		want  string
@@ -36,8 +36,8 @@ func TestSemanticNoRoom(t *testing.T) {
 	} {
 		cs := cands(2)
 		cs[0].Match = cachemodel.Match{Blocks: 10, Tokens: 900, Weighted: 900}
-		cs[0].Load.KVUsage, cs[0].Budget = tc.usage, 10_000
-		cs[1].Budget = 10_000
+		cs[0].Load.KVUsage = tc.usage
+		cs[1].Replica.ID = 1
 		p.Score(in, cs)
 		if cs[0].Reason != tc.want || (cs[0].Tier == 1) != (tc.want == "kv") {
 			t.Errorf("usage %v: reason %s, tier %d; want %s", tc.usage, cs[0].Reason, cs[0].Tier, tc.want)

@@ -91,10 +91,10 @@ func reuseNeeds(specs []replica.Spec) (segments, matcher bool) {
 type reuses struct{ p atomic.Pointer[reuseSet] }
 
 // reuseSet is one snapshot of reuses: by replica id, and whether any
-// needs the donor index.
+// needs the donor index or credits from the segment picture.
 type reuseSet struct {
-	by     []Reuse
-	donors bool
+	by              []Reuse
+	donors, credits bool
 }
 
 // load returns the current snapshot (empty before any replica joined).
@@ -124,7 +124,10 @@ func (r *reuses) set(id int, u Reuse) {
 	}
 	s.by[id] = u
 	for _, x := range s.by {
-		s.donors = s.donors || x != nil && reuseModes[x.Mode()].matcher
+		if x != nil {
+			m := reuseModes[x.Mode()]
+			s.donors, s.credits = s.donors || m.matcher, s.credits || m.segments
+		}
 	}
 	r.p.Store(s)
 }

@@ -4,6 +4,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 )
@@ -38,6 +39,33 @@ func semanticRow(tables []replayTable, trace string) []string {
 		}
 	}
 	return nil
+}
+
+var blendRE = regexp.MustCompile(`after any persona\): \*\*([0-9.]+)×\*\* in replay`)
+
+// blendGain returns the semantic policy's prefill tokens saved over the
+// best exact-prefix routing's in the README's blend table, as "1.61".
+func blendGain(tables []replayTable) string {
+	saved := map[string]float64{}
+	for _, tb := range tables {
+		if !strings.Contains(strings.Join(tb.args, " "), "--reuse blend") {
+			continue
+		}
+		for _, r := range tb.rows {
+			c := strings.Split(r, "|")
+			if len(c) > 5 {
+				v, err := strconv.ParseFloat(strings.TrimSpace(c[5]), 64)
+				if err == nil {
+					saved[strings.TrimSpace(c[1])] = v
+				}
+			}
+		}
+	}
+	best := max(saved["semantic-prefix-credit"], saved["llmd"], saved["sglang"])
+	if saved["semantic"] == 0 || best == 0 {
+		return ""
+	}
+	return strconv.FormatFloat(saved["semantic"]/best, 'f', 2, 64)
 }
 
 var commandRE = regexp.MustCompile("`go run \\./cmd/router ((?:replay|gentrace) [^`]+)`")
@@ -128,6 +156,14 @@ func TestReadmeReplayTablesAreWhatTheirCommandsPrint(t *testing.T) {
 			t.Errorf("README line %d: the table is not what `go run ./cmd/router %s` prints; it prints:\n%s\n(SEMROUTE_README_UPDATE=1 rewrites the README's tables)",
 				tb.line, strings.Join(tb.args, " "), strings.Join(printed, "\n"))
 		}
+	}
+	tables = replayTables(text) // as updated, if they were
+	// The blend headline: the gain over exact-prefix routing, as the blend
+	// table says.
+	if m := blendRE.FindStringSubmatch(text); m == nil {
+		t.Error("the README's blend headline is gone")
+	} else if g := blendGain(tables); g != m[1] {
+		t.Errorf("the README's blend headline says %s× in replay; its table says %s×", m[1], g)
 	}
 	// The headline: the default's share of the pooled hit rate and its
 	// imbalance on the two public traces, as their tables say.
