@@ -972,36 +972,43 @@ func (m *Model) done(st *replicaState, fo eviction.FreeObserver, n *node, s *slo
 // Sizes writes every replica's tracked tokens into out[id], growing out as
 // Match does, and returns it.
 func (m *Model) Sizes(out []int64) []int64 {
-	m.mu.RLock()
-	defer m.mu.RUnlock()
-	if cap(out) < len(m.replicas) {
-		out = make([]int64, len(m.replicas))
-	}
-	out = out[:len(m.replicas)]
-	for id, r := range m.replicas {
-		out[id] = 0
-		if r != nil {
-			out[id] = r.Tokens
-		}
-	}
+	out, _ = m.sizes(out, nil, false)
 	return out
 }
 
-// Budgets is Sizes for the replicas' budgets (tokens; 0: none).
-func (m *Model) Budgets(out []int64) []int64 {
+// SizesBudgets is Sizes, and the replicas' budgets (tokens; 0: none) into
+// budgets[id] likewise, under one lock.
+func (m *Model) SizesBudgets(sizes, budgets []int64) ([]int64, []int64) {
+	return m.sizes(sizes, budgets, true)
+}
+
+func (m *Model) sizes(sizes, budgets []int64, withBudgets bool) ([]int64, []int64) {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
-	if cap(out) < len(m.replicas) {
-		out = make([]int64, len(m.replicas))
+	n := len(m.replicas)
+	sizes = grow(sizes, n)
+	if withBudgets {
+		budgets = grow(budgets, n)
 	}
-	out = out[:len(m.replicas)]
 	for id, r := range m.replicas {
-		out[id] = 0
+		var t, b int64
 		if r != nil {
-			out[id] = r.Budget
+			t, b = r.Tokens, r.Budget
+		}
+		sizes[id] = t
+		if withBudgets {
+			budgets[id] = b
 		}
 	}
-	return out
+	return sizes, budgets
+}
+
+// grow returns s with length n, reallocated if its capacity is less.
+func grow(s []int64, n int) []int64 {
+	if cap(s) < n {
+		return make([]int64, n)
+	}
+	return s[:n]
 }
 
 // evict drops replica rid's slot of block k, which the policy chose as a

@@ -422,3 +422,19 @@ func TestExtendDoesNotCountThePrefixAgain(t *testing.T) {
 		t.Fatalf("after a clear, %d blocks cached, want 7", st.Blocks)
 	}
 }
+
+// TestSizesBudgets: every replica's tracked tokens and budget by id, into
+// slices given empty or nil.
+func TestSizesBudgets(t *testing.T) {
+	m := New(Options{})
+	m.AddReplica("a", 100)
+	m.AddReplica("b", 0)
+	m.Record(1, chain("x", 3, 0), 1)
+	sizes, budgets := m.SizesBudgets(nil, nil)
+	if fmt.Sprint(sizes, budgets) != "[0 3] [100 0]" {
+		t.Fatalf("sizes %v, budgets %v", sizes, budgets)
+	}
+	if got := m.Sizes(make([]int64, 0, 8)); fmt.Sprint(got) != "[0 3]" {
+		t.Fatalf("sizes %v", got)
+	}
+}

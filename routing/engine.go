@@ -517,8 +517,7 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 // blending engines, what it holds beyond the match.
 func (e *Engine) lookup(d *Decision, sc *scratch) {
 	sc.matches = e.cache.Match(d.Blocks, e.o.Weights, sc.matches[:0])
-	sc.sizes = e.cache.Sizes(sc.sizes[:0])
-	sc.budgets = e.cache.Budgets(sc.budgets[:0])
+	sc.sizes, sc.budgets = e.cache.SizesBudgets(sc.sizes[:0], sc.budgets[:0])
 	e.cache.Past(d.Blocks, sc.matches)
 	sc.beyond = sc.beyond[:0]
 	if e.pic.segs != nil {
