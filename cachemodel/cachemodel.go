@@ -56,10 +56,13 @@ type Match struct {
 
 // Stats describes one replica's picture.
 type Stats struct {
-	Name      string
-	Blocks    int64 // blocks tracked
-	Tokens    int64 // their estimated tokens
-	Budget    int64 // token budget; 0 means unlimited
+	Name   string
+	Blocks int64 // blocks tracked
+	Tokens int64 // their estimated tokens
+	Budget int64 // token budget the picture evicts down to; 0 means unlimited
+	// Capacity is the engine's KV cache as configured or reported
+	// (SetBudget), tokens: Budget before any correction (SetTarget).
+	Capacity  int64
 	Evictions int64 // blocks evicted since the replica was added
 	// PendingExpired counts the routed blocks no engine event confirmed
 	// within PendingTTL (SetEventDriven).
@@ -161,7 +164,7 @@ func (m *Model) AddReplica(name string, budgetTokens int64) (int, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.epochs++
-	st := &replicaState{Stats: Stats{Name: name, Budget: budgetTokens}, policy: m.policy(), epoch: m.epochs}
+	st := &replicaState{Stats: Stats{Name: name, Budget: budgetTokens, Capacity: budgetTokens}, policy: m.policy(), epoch: m.epochs}
 	for id, r := range m.replicas {
 		if r == nil {
 			m.replicas[id] = st
@@ -219,9 +222,21 @@ func (m *Model) clear(id int) (keys []uint64) {
 	return keys
 }
 
-// SetBudget changes a replica's token budget (0 = unlimited); the next Record
-// on it evicts down to the new budget.
+// SetBudget sets a replica's capacity and token budget (0 = unlimited), as
+// its engine reports or config sets them; the next Record on it evicts down
+// to the new budget.
 func (m *Model) SetBudget(id int, budgetTokens int64) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.valid(id) && budgetTokens >= 0 {
+		m.replicas[id].Budget, m.replicas[id].Capacity = budgetTokens, budgetTokens
+	}
+}
+
+// SetTarget sets the token budget a replica's picture evicts down to,
+// leaving its capacity as reported: a correction of the picture, not of
+// the engine.
+func (m *Model) SetTarget(id int, budgetTokens int64) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.valid(id) && budgetTokens >= 0 {
@@ -976,8 +991,9 @@ func (m *Model) Sizes(out []int64) []int64 {
 	return out
 }
 
-// SizesBudgets is Sizes, and the replicas' budgets (tokens; 0: none) into
-// budgets[id] likewise, under one lock.
+// SizesBudgets is Sizes, and the replicas' capacities (Stats.Capacity:
+// their engines' KV as reported, tokens; 0: unknown) into budgets[id]
+// likewise, under one lock.
 func (m *Model) SizesBudgets(sizes, budgets []int64) ([]int64, []int64) {
 	return m.sizes(sizes, budgets, true)
 }
@@ -993,7 +1009,7 @@ func (m *Model) sizes(sizes, budgets []int64, withBudgets bool) ([]int64, []int6
 	for id, r := range m.replicas {
 		var t, b int64
 		if r != nil {
-			t, b = r.Tokens, r.Budget
+			t, b = r.Tokens, r.Capacity
 		}
 		sizes[id] = t
 		if withBudgets {

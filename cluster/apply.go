@@ -97,7 +97,8 @@ func (f *Fleet) apply(p *peer, r *record, now time.Time) {
 		pin := f.keys+len(all) <= maxPinnedKeys && (st.Budget == 0 || f.pinned[rep.ID]+chainTokens(all) <= st.Budget/pinShare)
 		fl := &flight{start: now}
 		fl.l = f.eng.PeerLease(rep, all, replica.Work{Prefill: r.prefill, Tokens: r.tokens}, pin, now)
-		n, tokens := fl.l.Pinned()
+		n := fl.l.Kept()
+		_, tokens := fl.l.Pinned()
 		fl.keys, fl.pinned = n, tokens
 		p.keys += n
 		f.keys += n

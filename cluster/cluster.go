@@ -229,7 +229,7 @@ type peer struct {
 	seq    uint64
 	seen   time.Time
 	flight map[uint64]*flight // its requests in flight, by its request id
-	keys   int                // the flights' pinned keys, all together
+	keys   int                // the flights' kept blocks, all together
 	// records is the records applied from the peer: only a peer that has
 	// published some is asked for a snapshot.
 	records int64
@@ -237,8 +237,9 @@ type peer struct {
 
 // flight is a peer's request in flight on one of our replicas: its lease
 // there (its pins and load, as its own router holds them), and what it
-// adds to the bounds on pins: keys is its pinned blocks, pinned their
-// tokens. start is when its record was applied (local clock).
+// adds to the bounds on pins: keys is the blocks of its chain it keeps
+// (Lease.Kept), pinned the tokens it pins. start is when its record was
+// applied (local clock).
 type flight struct {
 	l      *routing.Lease
 	keys   int

@@ -63,7 +63,12 @@ func Names(params any) []string {
 	}
 	var names []string
 	for i := range t.NumField() {
-		if name, _, _ := strings.Cut(t.Field(i).Tag.Get("json"), ","); name != "" && name != "-" {
+		f := t.Field(i)
+		name, _, _ := strings.Cut(f.Tag.Get("json"), ",")
+		switch {
+		case name == "" && f.Anonymous: // an embedded struct's fields are its own, as encoding/json reads them
+			names = append(names, Names(reflect.Zero(f.Type).Interface())...)
+		case name != "" && name != "-":
 			names = append(names, name)
 		}
 	}

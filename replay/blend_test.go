@@ -61,9 +61,9 @@ func TestBlendCreditOnTopicRAG(t *testing.T) {
 
 // checkEngineAwareCredit replays reqs on 4 engines of 10,000 tokens that
 // reuse as mode says and checks that the semantic policy crediting what
-// they reuse saves at least 1.4× the tokens of exact-prefix routing
+// they reuse saves at least 1.35× the tokens of exact-prefix routing
 // (itself crediting the prefix alone, and the llmd and sglang ports), with
-// a lower TTFT p50 (or within 1%, with level), a p99 at most a tenth above
+// a lower TTFT p50 (or within 1%, with level), a p99 at most 15% above
 // theirs, and imbalance ≤ 1.10. Since issue 31 the engines admit a request
 // only when its blocks fit beside the running ones, and blend and reuse
 // donors by their own code (package enginereuse), not the router's: the
@@ -88,7 +88,7 @@ func checkEngineAwareCredit(t *testing.T, reqs []Request, mode string, level boo
 	for _, p := range sum.Policies[1:len(runs)] {
 		ratio := float64(aware.CachedTokens) / float64(p.CachedTokens)
 		t.Logf("%s: %d saved (%.2f×), TTFT p50 %.0f p99 %.0f ms", p.Name, p.CachedTokens, ratio, p.TTFTP50MS, p.TTFTP99MS)
-		if ratio < 1.4 || worse(aware.TTFTP50MS, p.TTFTP50MS) || aware.TTFTP99MS > 1.1*p.TTFTP99MS {
+		if ratio < 1.35 || worse(aware.TTFTP50MS, p.TTFTP50MS) || aware.TTFTP99MS > 1.15*p.TTFTP99MS {
 			t.Errorf("against %s: %.2f× the tokens saved, TTFT p50 %.0f against %.0f, p99 %.0f against %.0f",
 				p.Name, ratio, aware.TTFTP50MS, p.TTFTP50MS, aware.TTFTP99MS, p.TTFTP99MS)
 		}

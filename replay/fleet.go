@@ -45,22 +45,13 @@ type fleetDecider struct {
 	of   []int // request → router
 	rng  *rand.Rand
 	sync *fleetSync // nil: SyncNone
-	// active is each replica's prompt tokens in flight, from every router:
-	// the engine's KV usage gauge, which every router scrapes alike.
-	active []float64
-	tokens []int64 // request → its Work.Tokens
 }
 
 func (f *fleetDecider) decide(i int, now int64) (int, int, int, error) {
 	f.sync.flush(now)
 	k := f.rng.IntN(len(f.rs))
 	f.of[i] = k
-	r, cached, blocks, err := f.rs[k].decide(i, now)
-	if err == nil {
-		f.tokens[i] = f.rs[k].ds[i].Lease().Work().Tokens
-		f.active[r] += float64(f.tokens[i])
-	}
-	return r, cached, blocks, err
+	return f.rs[k].decide(i, now)
 }
 
 func (f *fleetDecider) prefillDone(i int, now int64, cached int) {
@@ -73,15 +64,12 @@ func (f *fleetDecider) done(i int, now int64) {
 	k := f.of[i]
 	d := f.rs[k]
 	rep := d.served[i].Replica.ID
-	f.active[rep] -= float64(f.tokens[i])
 	d.done(i, now)
 	if f.sync != nil && d.m.RecordReplies && d.reqs[i].Reply != nil {
 		all := append(append([]blockhash.Block(nil), d.reqs[i].Blocks...), d.reqs[i].Reply...)
 		f.sync.push(syncOp{t: now + f.sync.delay, from: k, kind: opExtend, rep: rep, blocks: all, n: len(d.reqs[i].Blocks)})
 	}
 }
-
-func (f *fleetDecider) kvTokens(rep int, _ int64) float64 { return f.active[rep] }
 
 // stored and removed: every router follows the engines' KV events itself.
 func (f *fleetDecider) stored(rep int, parent uint64, hasParent bool, blocks []blockhash.Block, now int64) {

@@ -330,8 +330,7 @@ func runPolicy(reqs []Request, m *Config, run Run) (*Result, error) {
 	var d decider = rs[0]
 	var fleet *fleetDecider
 	if routers > 1 {
-		fleet = &fleetDecider{rs: rs, of: make([]int, len(reqs)), rng: rand.New(rand.NewPCG(m.Seed, uint64(routers))),
-			active: make([]float64, m.Replicas), tokens: make([]int64, len(reqs))}
+		fleet = &fleetDecider{rs: rs, of: make([]int, len(reqs)), rng: rand.New(rand.NewPCG(m.Seed, uint64(routers)))}
 		if run.Sync == SyncShared {
 			fleet.sync = &fleetSync{rs: rs, delay: run.SyncDelay.Nanoseconds(), works: make([]map[uint64]*routing.Lease, routers)}
 			for k, r := range rs {

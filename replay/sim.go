@@ -137,8 +137,6 @@ type decider interface {
 	// found cached tokens of its prompt.
 	prefillDone(i int, now int64, cached int)
 	done(i int, now int64)
-	// kvTokens returns the KV tokens replica rep holds for running requests.
-	kvTokens(rep int, now int64) float64
 }
 
 // simReplica is one replica's queues.
@@ -229,8 +227,8 @@ func (s *sim) observe(r int, now int64, pools []*replica.Pool) {
 		running++
 	}
 	kv := 0.0
-	if s.m.BudgetTokens > 0 { // vllm:kv_cache_usage_perc: what the running requests hold
-		kv = float64(st.kv) / float64(s.m.BudgetTokens)
+	if b := s.budget(r); b > 0 { // vllm:kv_cache_usage_perc: what the running requests hold
+		kv = float64(st.kv) / float64(b)
 	}
 	o := replica.Observed{Running: running, Waiting: int64(len(st.admitQ) + len(st.prefillQ)), KVUsage: kv}
 	for _, p := range pools { // every router scrapes the replica alike
@@ -265,6 +263,15 @@ func (s *sim) admit(r, i int, now int64) {
 	st := &s.reps[r]
 	st.admitQ = append(st.admitQ, i)
 	s.admitWaiting(r, now)
+}
+
+// budget returns replica r's KV cache in tokens: its own (Config.Budgets,
+// a decision log's) or the config's for all.
+func (s *sim) budget(r int) int64 {
+	if r < len(s.m.Budgets) {
+		return s.m.Budgets[r]
+	}
+	return s.m.BudgetTokens
 }
 
 // kvNeed is the KV tokens request i adds to replica r's running
@@ -323,7 +330,7 @@ func (s *sim) admitWaiting(r int, now int64) {
 	st := &s.reps[r]
 	for len(st.admitQ) > 0 && st.running < s.m.MaxRunning {
 		i := st.admitQ[0]
-		if st.running > 0 && s.m.BudgetTokens > 0 && st.kv+s.kvNeed(r, i) > s.m.BudgetTokens {
+		if b := s.budget(r); st.running > 0 && b > 0 && st.kv+s.kvNeed(r, i) > b {
 			return
 		}
 		st.admitQ = st.admitQ[1:]
@@ -387,6 +394,7 @@ func (s *sim) run(pools ...*replica.Pool) error {
 				}
 				s.reps[r].computed += int64(s.reqs[i].Tokens - s.cache[i])
 				s.reps[r].decoding++
+				s.hold(r, i, 1) // it ran when it ran live: its KV counts in the replica's usage
 				s.observe(r, now, pools)
 				s.push(now+lg.TTFTNs, evPrefillDone, i)
 				continue
@@ -416,6 +424,7 @@ func (s *sim) run(pools ...*replica.Pool) error {
 			st := &s.reps[r]
 			if s.reqs[i].Logged != nil {
 				st.decoding--
+				s.hold(r, i, -1)
 				s.observe(r, now, pools)
 				continue
 			}
@@ -497,10 +506,6 @@ func (e *engineDecider) done(i int, now int64) {
 	e.ds[i], e.served[i] = nil, nil
 }
 
-func (e *engineDecider) kvTokens(rep int, now int64) float64 {
-	return e.pool.Replicas()[rep].Load(time.Unix(0, now)).ActiveTokens
-}
-
 // pooledDecider is a reference: one cache shared by every replica, each
 // request sent to the replica whose prefill queue is shortest.
 type pooledDecider struct {
@@ -536,8 +541,6 @@ func (p *pooledDecider) done(i int, now int64) {
 		p.cache.Extend(0, append(append([]blockhash.Block(nil), p.reqs[i].Blocks...), p.reqs[i].Reply...), len(p.reqs[i].Blocks), now)
 	}
 }
-
-func (p *pooledDecider) kvTokens(int, int64) float64 { return 0 }
 
 // percentile returns the q-quantile (0..1) of sorted xs, nearest rank.
 func percentile(sorted []float64, q float64) float64 {

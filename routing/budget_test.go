@@ -42,3 +42,34 @@ func TestReportedBudgetResetsFeedbackBase(t *testing.T) {
 		t.Fatalf("budget %d after the engine reported 4,000,000 and a correction upwards, want at least that", st.Budget)
 	}
 }
+
+// budgetSeen is a policy that records the budget the view gives it.
+type budgetSeen struct{ got int64 }
+
+func (*budgetSeen) Name() string { return "budget_seen" }
+func (b *budgetSeen) Score(in *View, cands []Candidate) {
+	for i := range cands {
+		b.got = in.Budget(&cands[i])
+	}
+}
+
+// TestViewBudgetIsTheCapacity: the budget a policy sees is the engine's KV
+// capacity as reported, not the picture's budget as feedback corrected it
+// (vllm:kv_cache_usage_perc is a share of the former).
+func TestViewBudgetIsTheCapacity(t *testing.T) {
+	f := newFixture(t, 1, "semantic")
+	f.e.Picture().SetBudget(0, 100_000)
+	f.e.pic.correct(0, 200_000)                                                         // the engine reported far fewer cached tokens than predicted
+	if st, _ := f.e.Picture().Stats(0); st.Budget != 75_000 || st.Capacity != 100_000 { // 100,000 − 200,000/8
+		t.Fatalf("after a correction: budget %d, capacity %d", st.Budget, st.Capacity)
+	}
+	p := &budgetSeen{}
+	in := f.e.Prepare(parseChat(t, "user", "hello"), "s", false)
+	in.Policy = p
+	if _, err := f.e.Decide(in, false); err != nil {
+		t.Fatal(err)
+	}
+	if p.got != 100_000 {
+		t.Fatalf("the policy saw a budget of %d, want the capacity 100000", p.got)
+	}
+}

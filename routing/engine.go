@@ -441,7 +441,7 @@ func (e *Engine) preferDonor(d *Decision, sketch []uint64) {
 	}
 	for i := range d.Candidates {
 		c := d.Candidates[i]
-		if c.Replica.ID != id || c.Tier > 0 { // spilled, or no room: not moved to the front
+		if c.Replica.ID != id || c.Reason == reasonSpill || c.Reason == reasonNoRoom { // not moved to the front
 			continue
 		}
 		c.Reason = "donor"
@@ -507,7 +507,7 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 	in := e.view(d)
 	in.budgets = sc.budgets
 	pol.Score(in, d.Candidates)
-	in.budgets = nil // sc's: it goes back to the pool when rank returns
+	in.budgets = nil // sc's: it goes back to the pool when rank returns (an Observer's Chosen sees no budgets)
 	d.Ranked = rank(d.Candidates, d.Key, e.o.Attempts)
 	return in, nil
 }
@@ -831,6 +831,5 @@ func (e *Engine) Feedback(d *Decision, c *Candidate, cached int) int64 {
 }
 
 func (e *Engine) forgetFeedback(id int) {
-	e.pic.forgetBase(id)
 	e.counting.forget(id)
 }

@@ -95,9 +95,10 @@ func (l *Lease) Pinned() (blocks int, tokens int64) {
 }
 
 // begin records blocks on r and, when pin, pins them; counts w (its
-// Tokens recomputed under SharedActive when shared) on r. l must be idle or
-// ended: a lease is begun again for a failover.
+// Tokens recomputed under SharedActive when shared) on r. A lease still
+// live is ended first: a lease is begun again for a failover.
 func (l *Lease) begin(e *Engine, r *replica.Replica, d *Decision, blocks []blockhash.Block, w replica.Work, pin, shared bool, now time.Time) {
+	l.End(now)
 	*l = Lease{e: e, rep: r, d: d, work: w, blocks: blocks, shared: shared && e.active != nil, state: LeasePrefill}
 	switch {
 	case len(blocks) == 0:
@@ -133,7 +134,7 @@ func (l *Lease) EngineDone(now time.Time) {
 	if l.state == LeaseIdle || l.state >= LeaseDrained {
 		return
 	}
-	l.rep.PrefillDone(&l.work, now)
+	l.FirstToken(now) // the prefill ended too, if no token said so
 	l.state = LeaseDrained
 	l.free(now)
 }
@@ -176,24 +177,21 @@ func (l *Lease) End(now time.Time) {
 // PeerLease begins a lease for a request another router of the fleet
 // committed on r (its fleet record): w is the load that router counted,
 // blocks its chain. With pin the blocks are pinned as that router pinned
-// them, and the lease keeps its own copy of them; without, they are only
-// recorded (a bound on what peers may pin was reached) and freed at the
-// end through the picture's chain of the last one. It tells no Sync.
+// them, and the lease keeps its own copy of the chain (Kept), to free it
+// all and unpin what was pinned; without, they are only recorded (a bound
+// on what peers may pin was reached) and freed at the end through the
+// picture's chain of the last one. It tells no Sync.
 func (e *Engine) PeerLease(r *replica.Replica, blocks []blockhash.Block, w replica.Work, pin bool, now time.Time) *Lease {
 	l := &Lease{}
 	if pin {
 		blocks = append([]blockhash.Block(nil), blocks...)
 	}
 	l.begin(e, r, nil, blocks, w, pin, false, now)
-	switch n := l.pins.Blocks(); {
-	case !pin || n == len(l.blocks):
-	case n == 0: // the eviction policy admitted none: freed as an unpinned one
-		l.last, l.hasLast, l.blocks = blocks[len(blocks)-1].Hash, true, nil
-	default:
-		l.blocks = l.blocks[:n] // only the pinned are unpinned
-	}
 	return l
 }
+
+// Kept returns how many blocks l keeps a copy of (a peer's pinned chain).
+func (l *Lease) Kept() int { return len(l.blocks) }
 
 // Commit begins d's lease on c's replica: d's blocks are recorded and
 // pinned there, and the request's work counted, until the lease ends
@@ -201,6 +199,7 @@ func (e *Engine) PeerLease(r *replica.Replica, blocks []blockhash.Block, w repli
 // failover) ends its lease first.
 func (e *Engine) Commit(d *Decision, c *Candidate) {
 	now := e.o.Now()
+	d.lease.End(now) // a lease still live ends where it was
 	d.served, d.leaseOf = c.Replica.ID, c
 	e.reuses.of(c.Replica.ID).committed(e.pic, d, c, now.UnixNano())
 	prefill := max(int64(d.Tokens-c.Match.Tokens)-int64(c.Reuse), 0)

@@ -11,15 +11,15 @@ import (
 // Picture is the router's picture of every replica's cache, and its only
 // writer: what others may change in it they change through its named
 // operations (the engine's own requests through Engine.Commit, Leases and
-// LearnReply). It holds the cache picture (cachemodel.Model), the blending
-// replicas' segments, and the base of each replica's budget corrections.
-// Safe for concurrent use.
+// LearnReply). It holds the cache picture (cachemodel.Model), with each
+// replica's capacity (its engine's KV, as reported) and the budget its
+// picture evicts down to (the capacity, corrected by feedback), and the
+// blending replicas' segments. Safe for concurrent use.
 type Picture struct {
 	cache *cachemodel.Model
 	segs  *cachemodel.Segments // the blending replicas' segments; nil: none blends
 
-	mu   sync.Mutex
-	base map[int]int64 // each replica's budget before any feedback correction
+	mu sync.Mutex // SetBudget against correct's read-modify-write
 }
 
 // Picture returns the engine's cache picture.
@@ -83,13 +83,12 @@ func (p *Picture) Clear(id int) {
 	}
 }
 
-// drop forgets replica id's pictures and its budget's base (it left).
+// drop forgets replica id's pictures (it left).
 func (p *Picture) drop(id int) {
 	p.cache.RemoveReplica(id)
 	if p.segs != nil {
 		p.segs.RemoveReplica(id)
 	}
-	p.forgetBase(id)
 }
 
 // Routed records blocks on replica id for a request another router routed
@@ -116,39 +115,24 @@ func (p *Picture) Replied(id int, chain []blockhash.Block, from int, now time.Ti
 // held within a quarter and four times it.
 func (p *Picture) SetBudget(id int, tokens int64) {
 	p.mu.Lock()
-	delete(p.base, id) // the next correction's base is the budget set here
-	p.cache.SetBudget(id, tokens)
+	p.cache.SetBudget(id, tokens) // the capacity: the next correction's base
 	p.mu.Unlock()
 }
 
 // correct moves replica id's budget by −diff/8 tokens, within a quarter
-// and four times its budget before the first correction, and evicts its
-// oldest blocks to the amount of diff when diff > 0. It returns the tokens
-// evicted.
+// and four times its capacity, and evicts its oldest blocks to the amount
+// of diff when diff > 0. It returns the tokens evicted.
 func (p *Picture) correct(id int, diff int64) int64 {
 	p.mu.Lock() // with SetBudget: a reported budget is never overwritten by one read before it
-	if st, ok := p.cache.Stats(id); ok && st.Budget > 0 {
-		if p.base == nil {
-			p.base = map[int]int64{}
-		}
-		base, seen := p.base[id]
-		if !seen {
-			base = st.Budget
-			p.base[id] = base
-		}
-		p.cache.SetBudget(id, min(max(st.Budget-diff/8, base/4), base*4))
+	if st, ok := p.cache.Stats(id); ok && st.Budget > 0 && st.Capacity > 0 {
+		base := st.Capacity
+		p.cache.SetTarget(id, min(max(st.Budget-diff/8, base/4), base*4))
 	}
 	p.mu.Unlock()
 	if diff > 0 {
 		return p.cache.Shrink(id, diff)
 	}
 	return 0
-}
-
-func (p *Picture) forgetBase(id int) {
-	p.mu.Lock()
-	delete(p.base, id)
-	p.mu.Unlock()
 }
 
 // Match returns, for every replica by id, how much of blocks' prefix its

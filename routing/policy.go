@@ -34,12 +34,13 @@ type View struct {
 	// and HotShare): they carry more than one replica's share of the
 	// traffic, so they will soon be on several replicas.
 	Hot cachemodel.Match
-	// budgets are the replicas' budgets in the picture, by id (Budget).
+	// budgets are the replicas' KV capacities, by id (Budget).
 	budgets []int64
 }
 
-// Budget returns c's replica's budget in the cache picture, in tokens (0:
-// unknown or unlimited).
+// Budget returns c's replica's KV cache, in tokens, as its engine reports
+// it or config sets it (not as feedback corrects the picture's); 0 when
+// unknown or unlimited, and during an Observer's Chosen.
 func (v *View) Budget(c *Candidate) int64 {
 	if id := c.Replica.ID; id < len(v.budgets) {
 		return v.budgets[id]
@@ -285,9 +286,9 @@ func (p *PrefixCost) Score(in *View, cands []Candidate) {
 		c.Score = in.Weighted - matched + p.cfg.LoadWeight*load
 		switch {
 		case load > limit || c.Load.KVUsage >= KVSpill:
-			c.Tier, c.Reason = 1, "spill" // after every replica that is not spilled
+			c.Tier, c.Reason = 1, reasonSpill // after every replica that is not spilled
 		case !fits(in, c):
-			c.Tier, c.Reason = 1, "kv" // it would wait for room: spilled too
+			c.Tier, c.Reason = 1, reasonNoRoom // it would wait for room: spilled too
 		case in.Hot.Blocks > c.Match.Blocks:
 			c.Reason = "hot"
 		case c.Match.Blocks > 0:
@@ -320,6 +321,12 @@ func fits(in *View, c *Candidate) bool {
 func (p *PrefixCost) queued(l replica.Load, avgPrefill float64) float64 {
 	return max(l.PendingTokens, float64(l.Waiting)*avgPrefill) + p.cfg.RecentWeight*l.RecentTokens
 }
+
+// The semantic policy's reasons for ranking a replica after the others.
+const (
+	reasonSpill  = "spill"
+	reasonNoRoom = "kv"
+)
 
 // KVSpill is the KV cache usage from which the semantic policy skips a
 // replica.

@@ -126,7 +126,7 @@ func NewSample(text [][]byte) Sample {
 			}
 			v *= fnvPrime // ^ 0
 		}
-		if v%sampleMod == 0 {
+		if v = mix(v); v%sampleMod == 0 { // FNV-1a's low bits see only the bytes' low bits: mixed first
 			out = append(out, v)
 		}
 	}
@@ -151,6 +151,14 @@ func splitWords(b []byte) [][]byte {
 		out = append(out, b[start:])
 	}
 	return out
+}
+
+// mix is a 64-bit finaliser (Stafford's variant 13, as SplitMix64's): every
+// output bit depends on every input bit.
+func mix(x uint64) uint64 {
+	x = (x ^ x>>30) * 0xbf58476d1ce4e5b9
+	x = (x ^ x>>27) * 0x94d049bb133111eb
+	return x ^ x>>31
 }
 
 // Jaccard returns |a ∩ b| ÷ |a ∪ b| of two samples.
