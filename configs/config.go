@@ -387,6 +387,10 @@ type Replica struct {
 	KVEvents KVEventsConfig `mapstructure:"kv_events" json:"kv_events"`
 	// Reuse is what the replica's engine reuses beyond the exact prefix.
 	Reuse ReuseConfig `mapstructure:"reuse" json:"reuse"`
+	// MaxRunning is how many requests the replica's engine runs at once
+	// before it queues (vLLM's --max-num-seqs); 0: learned from what it
+	// reports.
+	MaxRunning int64 `mapstructure:"max_running" json:"max_running,omitempty"`
 }
 
 // ReuseConfig is an engine's reuse of KV beyond the exact prefix

@@ -34,6 +34,10 @@ type Spec struct {
 	// the exact prefix; the zero value: the prefix only, as vLLM's prefix
 	// caching.
 	Reuse Reuse
+	// MaxRunning is how many requests the replica's engine runs at once
+	// before it queues the next (vLLM's --max-num-seqs); 0: learned from
+	// what it reports (Replica.Capacity).
+	MaxRunning int64
 }
 
 // Reuse modes (Reuse.Mode).
@@ -185,6 +189,10 @@ type Replica struct {
 	downUntil atomic.Int64
 	observed  atomic.Pointer[Observed]
 	models    atomic.Pointer[Models] // nil, or Served nil: not known yet
+	// maxRunning is Spec.MaxRunning; learned is the running count the
+	// engine last reported while it queued (0: none seen): see Capacity.
+	maxRunning int64
+	learned    atomic.Int64
 	// activeDown is set by failed active health checks; draining by an
 	// operator removing the replica.
 	activeDown atomic.Bool
@@ -307,8 +315,45 @@ func (r *Replica) End(w *Work, now time.Time) {
 	r.active.Add(-w.Tokens)
 }
 
-// Observe records the replica's own load gauges.
-func (r *Replica) Observe(o Observed) { r.observed.Store(&o) }
+// Observe records the replica's own load gauges. A report of requests
+// waiting beside requests running teaches the replica's capacity: its
+// engine ran that many and queued the next.
+func (r *Replica) Observe(o Observed) {
+	r.observed.Store(&o)
+	if o.Waiting > 0 && o.Running > 0 {
+		r.learned.Store(o.Running)
+	}
+}
+
+// Capacity returns how many requests the replica runs at once before its
+// engine queues the next: Spec.MaxRunning when set, else what it last
+// reported running while it queued (vllm:num_requests_running beside a
+// nonzero vllm:num_requests_waiting; less than --max-num-seqs when its KV
+// cache is what binds), else 0: not known yet.
+func (r *Replica) Capacity() int64 {
+	if r.maxRunning > 0 {
+		return r.maxRunning
+	}
+	return r.learned.Load()
+}
+
+// SaturatedKV is the KV cache usage (vllm:kv_cache_usage_perc) at which a
+// replica counts as saturated: its engine would queue, or preempt, the next
+// request.
+const SaturatedKV = 0.98
+
+// Saturated reports whether the replica's engine would queue the next
+// request sent to it now: the requests in flight to it (this router's and,
+// in a fleet, its peers') reach its Capacity, or it reports requests
+// waiting, or its KV cache is SaturatedKV full. A replica of unknown
+// capacity that reports nothing is not saturated.
+func (r *Replica) Saturated() bool {
+	if c := r.Capacity(); c > 0 && r.inFlight.Load() >= c {
+		return true
+	}
+	o := r.observed.Load()
+	return o != nil && (o.Waiting > 0 || o.KVUsage >= SaturatedKV)
+}
 
 // decayed returns the recent-work counter at now.
 func (r *Replica) decayed(now int64) float64 {
@@ -672,7 +717,10 @@ func (p *Pool) build(s Spec) (*Replica, error) {
 	if err := s.Reuse.Check(); err != nil {
 		return nil, fmt.Errorf("replica %s: %w", s.Name, err)
 	}
-	r := &Replica{Name: s.Name, URL: u, Weight: s.Weight, Reuse: s.Reuse, halfLife: p.opts.HalfLife}
+	if s.MaxRunning < 0 {
+		return nil, fmt.Errorf("replica %s: negative max_running %d", s.Name, s.MaxRunning)
+	}
+	r := &Replica{Name: s.Name, URL: u, Weight: s.Weight, Reuse: s.Reuse, halfLife: p.opts.HalfLife, maxRunning: s.MaxRunning}
 	r.budget.Store(s.BudgetTokens)
 	return r, nil
 }

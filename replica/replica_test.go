@@ -84,3 +84,41 @@ func TestObserved(t *testing.T) {
 		t.Fatalf("observed %+v", l.Observed)
 	}
 }
+
+// TestSaturated: a replica is saturated when its engine would queue the
+// next request: its requests in flight reach its capacity (configured, or
+// learned from a report of requests waiting beside requests running), or it
+// reports requests waiting, or its KV cache is full.
+func TestSaturated(t *testing.T) {
+	p, err := NewPool([]Spec{{Name: "set", URL: "http://a", MaxRunning: 2}, {Name: "learned", URL: "http://b"}}, Options{}, ids())
+	if err != nil {
+		t.Fatal(err)
+	}
+	set, learned := p.Replicas()[0], p.Replicas()[1]
+	var w [3]Work
+	steps := []struct {
+		name    string
+		do      func()
+		set     bool
+		learned bool
+		capL    int64
+	}{
+		{"idle", func() {}, false, false, 0},
+		{"one in flight each", func() { set.Begin(&w[0]); learned.Begin(&w[1]) }, false, false, 0},
+		{"two in flight on set: its capacity", func() { set.Begin(&w[2]) }, true, false, 0},
+		{"learned reports 1 running, 3 waiting", func() { learned.Observe(Observed{Running: 1, Waiting: 3}) }, true, true, 1},
+		{"learned's queue drains: one in flight, capacity 1", func() { learned.Observe(Observed{Running: 1}) }, true, true, 1},
+		{"learned's request ends", func() { learned.End(&w[1], time.Now()) }, true, false, 1},
+		{"learned's KV cache is full", func() { learned.Observe(Observed{KVUsage: 0.99}) }, true, true, 1},
+		{"set's requests end", func() { set.End(&w[0], time.Now()); set.End(&w[2], time.Now()) }, false, true, 1},
+	}
+	for _, s := range steps {
+		s.do()
+		if set.Saturated() != s.set || learned.Saturated() != s.learned || learned.Capacity() != s.capL || set.Capacity() != 2 {
+			t.Errorf("%s: saturated %v and %v, capacities %d and %d", s.name, set.Saturated(), learned.Saturated(), set.Capacity(), learned.Capacity())
+		}
+	}
+	if _, err := NewPool([]Spec{{Name: "bad", URL: "http://c", MaxRunning: -1}}, Options{}, ids()); err == nil {
+		t.Error("a negative max_running was accepted")
+	}
+}
