@@ -1,0 +1,223 @@
+package flow
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// clock is a settable clock.
+type clock struct{ t time.Time }
+
+func (c *clock) now() time.Time { return c.t }
+
+func enqueue(t *testing.T, q *Queue, p int, flow string, v any) *Ticket {
+	t.Helper()
+	tk, err := q.Enqueue(Item{Priority: p, Flow: flow, Bytes: 10, Tokens: 100, Value: v})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tk
+}
+
+// order dispatches everything and returns the values in dispatch order.
+func order(q *Queue, cost func(Item) float64) string {
+	var out []string
+	for {
+		tk, ok := q.Dispatch(cost)
+		if !ok {
+			return strings.Join(out, " ")
+		}
+		out = append(out, fmt.Sprint(tk.Value))
+	}
+}
+
+func TestPriorityFirstThenFairness(t *testing.T) {
+	c := &clock{t: time.Unix(0, 0)}
+	q := New(Options{Now: c.now})
+	for i := range 4 {
+		enqueue(t, q, 0, "flood", fmt.Sprint("f", i))
+	}
+	enqueue(t, q, 0, "quiet", "q0")
+	enqueue(t, q, 5, "interactive", "i0")
+	enqueue(t, q, 0, "quiet", "q1")
+	// The interactive priority first; then the flows served least take
+	// turns (ties by name), the flood's rest after the quiet flow is done.
+	if got := order(q, nil); got != "i0 f0 q0 f1 q1 f2 f3" {
+		t.Fatalf("dispatched %s", got)
+	}
+	if n, b := q.Len(); n != 0 || b != 0 {
+		t.Fatalf("left %d requests, %d bytes", n, b)
+	}
+}
+
+// A flow that starts waiting is lifted to the least count waiting: it
+// does not get the service it did not ask for while it was idle.
+func TestIdleFlowIsLifted(t *testing.T) {
+	q := New(Options{})
+	for i := range 3 {
+		enqueue(t, q, 0, "a", fmt.Sprint("a", i))
+	}
+	q.Dispatch(nil)
+	q.Dispatch(nil) // a has been served 200 tokens
+	enqueue(t, q, 0, "b", "b0")
+	enqueue(t, q, 0, "b", "b1")
+	enqueue(t, q, 0, "b", "b2")
+	// b starts at a's count: they alternate, rather than b taking three.
+	if got := order(q, nil); got != "a2 b0 b1 b2" && got != "b0 a2 b1 b2" {
+		t.Fatalf("dispatched %s", got)
+	}
+}
+
+// Within a flow the cheapest of the LookAhead oldest goes, unless the
+// oldest has waited AgeBound.
+func TestLookAheadAndAgeBound(t *testing.T) {
+	c := &clock{t: time.Unix(0, 0)}
+	q := New(Options{Now: c.now, LookAhead: 3, AgeBound: time.Second})
+	for i, cost := range []float64{50, 40, 10, 0} {
+		enqueue(t, q, 0, "f", fmt.Sprintf("r%d:%v", i, cost))
+	}
+	cost := func(it Item) float64 {
+		var v float64
+		fmt.Sscanf(strings.Split(it.Value.(string), ":")[1], "%g", &v)
+		return v
+	}
+	if tk, _ := q.Dispatch(cost); tk.Value != "r2:10" {
+		t.Fatalf("took %v, want the cheapest of the three oldest", tk.Value)
+	}
+	c.t = c.t.Add(2 * time.Second)
+	if tk, _ := q.Dispatch(cost); tk.Value != "r0:50" {
+		t.Fatalf("took %v, want the oldest past its age bound", tk.Value)
+	}
+}
+
+func TestBoundsShedLowerPrioritiesFirst(t *testing.T) {
+	c := &clock{t: time.Unix(0, 0)}
+	q := New(Options{Now: c.now, MaxRequests: 3})
+	low0 := enqueue(t, q, 0, "batch", "low0")
+	c.t = c.t.Add(time.Millisecond)
+	low1 := enqueue(t, q, 0, "batch", "low1")
+	enqueue(t, q, 1, "x", "mid")
+	if _, err := q.Enqueue(Item{Priority: 0, Flow: "batch"}); !errors.Is(err, ErrFull) {
+		t.Fatalf("a fourth request of the lowest priority: %v, want ErrFull", err)
+	}
+	enqueue(t, q, 2, "y", "high") // sheds low1, the newest of the lowest
+	if err := low1.Wait(context.Background()); !errors.Is(err, ErrShed) {
+		t.Fatalf("the shed request's wait: %v", err)
+	}
+	if _, err := q.Enqueue(Item{Priority: -1}); !errors.Is(err, ErrSheddable) {
+		t.Fatalf("a sheddable request: %v", err)
+	}
+	if _, err := q.Enqueue(Item{Priority: 9, Bytes: DefaultMaxBytes + 1}); !errors.Is(err, ErrFull) {
+		t.Fatalf("a request larger than the byte bound: %v", err)
+	}
+	if got := order(q, nil); got != "high mid low0" {
+		t.Fatalf("dispatched %s", got)
+	}
+	if err := low0.Wait(context.Background()); err != nil {
+		t.Fatalf("a dispatched request's wait: %v", err)
+	}
+}
+
+func TestTTLAndCancel(t *testing.T) {
+	c := &clock{t: time.Unix(0, 0)}
+	lost := 0
+	q := New(Options{Now: c.now, TTL: time.Minute, OnLost: func() { lost++ }})
+	old := enqueue(t, q, 0, "f", "old")
+	c.t = c.t.Add(30 * time.Second)
+	young := enqueue(t, q, 0, "f", "young")
+	c.t = c.t.Add(31 * time.Second)
+	if n := q.Expire(); n != 1 {
+		t.Fatalf("expired %d, want 1", n)
+	}
+	if err := old.Wait(context.Background()); !errors.Is(err, ErrExpired) {
+		t.Fatalf("the expired request's wait: %v", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := young.Wait(ctx); !errors.Is(err, context.Canceled) {
+		t.Fatalf("a canceled wait: %v", err)
+	}
+	if n, _ := q.Len(); n != 0 || lost != 0 {
+		t.Fatalf("%d left, %d lost", n, lost)
+	}
+	// A request dispatched before its waiter looked is dispatched, its
+	// context ended or not.
+	raced := enqueue(t, q, 0, "f", "raced")
+	q.Dispatch(nil)
+	if err := raced.Wait(ctx); err != nil || lost != 0 {
+		t.Fatalf("a dispatched request whose context had ended: %v, lost %d", err, lost)
+	}
+}
+
+// TestFlowsAreForgotten: idle flows whose count the waiting ones reached
+// are forgotten, so that a queue of many flows does not keep them all.
+func TestFlowsAreForgotten(t *testing.T) {
+	q := New(Options{})
+	for i := range 1000 {
+		enqueue(t, q, 0, fmt.Sprint("user", i), i)
+		q.Dispatch(nil)
+	}
+	q.Expire()
+	if n := len(q.bands); n != 0 {
+		t.Fatalf("%d priorities kept with nothing waiting", n)
+	}
+}
+
+// TestConcurrentWaiters: waiters that leave, waiters dispatched and a
+// dispatcher racing them: every request ends once, and every slot given
+// to a waiter that had left comes back through OnLost.
+func TestConcurrentWaiters(t *testing.T) {
+	var lost atomicCount
+	q := New(Options{OnLost: lost.inc})
+	const n = 400
+	results := make(chan error, n)
+	for i := range n {
+		tk := enqueue(t, q, i%3, fmt.Sprint("flow", i%7), i)
+		ctx, cancel := context.WithCancel(context.Background())
+		if i%4 == 0 {
+			cancel()
+		}
+		go func() {
+			defer cancel()
+			results <- tk.Wait(ctx)
+		}()
+	}
+	dispatched := 0
+	for {
+		if _, ok := q.Dispatch(nil); !ok {
+			break
+		}
+		dispatched++
+	}
+	ok, canceled := 0, 0
+	for range n {
+		switch err := <-results; {
+		case err == nil:
+			ok++
+		case errors.Is(err, context.Canceled):
+			canceled++
+		default:
+			t.Fatalf("a waiter ended with %v", err)
+		}
+	}
+	if left, _ := q.Len(); left != 0 || ok+canceled != n || dispatched != ok+lost.get() {
+		t.Fatalf("left %d; %d dispatched = %d waiters served + %d lost? %d canceled", left, dispatched, ok, lost.get(), canceled)
+	}
+}
+
+type atomicCount struct {
+	mu sync.Mutex
+	n  int
+}
+
+func (c *atomicCount) inc() { c.mu.Lock(); c.n++; c.mu.Unlock() }
+func (c *atomicCount) get() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.n
+}
