@@ -138,6 +138,9 @@ func (c *Core) SetArms(arms []Arm) error {
 		set.sum += a.Weight
 	}
 	c.arms.Store(set)
+	for _, a := range set.arms {
+		c.o.Metrics.arm(a) // its counters exist, at 0, from the first scrape
+	}
 	return nil
 }
 

@@ -24,6 +24,7 @@ type Metrics struct {
 	ttft           *prometheus.HistogramVec
 	duration       *prometheus.HistogramVec
 	retries        *prometheus.CounterVec
+	saturated      *prometheus.CounterVec
 	upstreamErrors *prometheus.CounterVec
 	heldExpiredN   *prometheus.CounterVec
 	modelTTFT      *prometheus.HistogramVec
@@ -67,6 +68,8 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Tokens evicted from a replica's cache picture because its engine reported fewer cached tokens than predicted (replicas without KV events)."}, []string{"replica"}),
 		tokenizeN: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_tokenize_total",
 			Help: "Requests in precise mode by how their engine tokens were got: ok (from /tokenize or its cache), or estimated because the tokenizer was slow, failed or had no replica."}, []string{"result"}),
+		saturated: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_decisions_saturated_total",
+			Help: "Requests routed while every replica they could use was saturated (replica.Replica.Saturated): the engine they go to queues them."}, []string{"arm", "policy"}),
 		retries: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_retries_total",
 			Help: "Requests moved to another replica before any byte reached the client."}, ap),
 		upstreamErrors: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_upstream_errors_total",
@@ -77,7 +80,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Endpoint-picker streams refused by reason: buffer_full (429: the bodies buffered across streams are at grpc.ext_proc_max_buffered_bytes), body_too_large (413), silent (no message within timeouts.idle), out_of_order (a message the ext_proc protocol's order does not allow)."}, []string{"reason"}),
 	}
 	m.models = map[string]bool{}
-	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.reported, m.trimmedTokens, m.tokenizeN, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors, m.heldExpiredN, m.modelTTFT, m.extProcRefused} {
+	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.reported, m.trimmedTokens, m.tokenizeN, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors, m.heldExpiredN, m.modelTTFT, m.extProcRefused, m.saturated} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -97,8 +100,19 @@ func (m *Metrics) routed(rt *Routed, seconds float64) {
 	}
 	arm, pol := rt.Arm.Name, rt.Policy
 	m.decision.WithLabelValues(arm, pol).Observe(seconds)
+	if rt.Saturated {
+		m.saturated.WithLabelValues(arm, pol).Inc()
+	}
 	if rt.Tokens > 0 {
 		m.matchRatio.WithLabelValues(arm, pol).Observe(float64(rt.Chosen().Match.Tokens) / float64(rt.Tokens))
+	}
+}
+
+// arm makes a's counters that may stay at 0 for long exist from the start,
+// so that a rate over them is 0 rather than no data.
+func (m *Metrics) arm(a Arm) {
+	if m != nil {
+		m.saturated.WithLabelValues(a.Name, a.Policy.Name())
 	}
 }
 

@@ -171,6 +171,10 @@ type Decision struct {
 	// SyncID names the request to the engine's Sync (which sets it); 0
 	// without one.
 	SyncID uint64
+	// Saturated is set when every candidate's replica was saturated when
+	// the request was ranked (replica.Replica.Saturated): its engine will
+	// queue it.
+	Saturated bool
 	// served is the id of the replica now serving it, leaseOf its
 	// candidate, lease its time there (set by Commit).
 	served  int
@@ -495,6 +499,7 @@ func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool
 		g.gather(true)
 	}
 	d.Candidates = d.Candidates[:g.n]
+	d.Saturated = g.n > 0 && !g.room
 	if g.reuses.donors && sketch != nil {
 		e.creditDonorsOf(d, sketch, sc)
 	}
@@ -540,6 +545,7 @@ type gathering struct {
 	adapter         bool // the model is a LoRA adapter somewhere: its replicas are ranked
 	n               int  // candidates filled
 	unknown, served bool
+	room            bool      // some candidate's replica is not saturated
 	reuses          *reuseSet // the replicas' Reuse, one snapshot for the decision
 }
 
@@ -562,6 +568,7 @@ func (g *gathering) gather(panicking bool) (ejected bool) {
 		c := &g.d.Candidates[g.n] // filled in place: a candidate is ~120 bytes
 		g.n++
 		c.Replica, c.Load, c.adapter = r, r.Load(g.now), rank
+		g.room = g.room || !r.Saturated()
 		g.e.credit(c, g.sc, g.reuses)
 	}
 	return ejected

@@ -161,3 +161,29 @@ func TestPeerLease(t *testing.T) {
 		t.Errorf("the peer's blocks: %d of %d in the picture", got, len(blocks))
 	}
 }
+
+// TestDecisionSaturated: a decision says when every replica the request
+// could use was saturated, its engine then queueing it.
+func TestDecisionSaturated(t *testing.T) {
+	f := newFixture(t, 2, "least_load")
+	prompt := parseChat(t, "user", "hello")
+	saturated := func() bool {
+		d, err := f.decide(prompt, "s", false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d.Saturated
+	}
+	rs := f.pool.Replicas()
+	if saturated() {
+		t.Fatal("idle replicas saturated")
+	}
+	rs[0].Observe(replica.Observed{Running: 4, Waiting: 2})
+	if saturated() {
+		t.Fatal("one replica queueing: saturated, though the other has room")
+	}
+	rs[1].Observe(replica.Observed{KVUsage: 0.99})
+	if !saturated() {
+		t.Fatal("both replicas saturated, the decision says not")
+	}
+}

@@ -32,10 +32,12 @@ var (
 	descTokens    = prometheus.NewDesc("semroute_replica_tracked_tokens", "Tokens in the router's picture of the replica's cache.", []string{"replica"}, nil)
 	descBudget    = prometheus.NewDesc("semroute_replica_budget_tokens", "The replica's KV cache budget in tokens: configured, reported by the replica, or else cache.default_budget_tokens.", []string{"replica"}, nil)
 	descEvictions = prometheus.NewDesc("semroute_replica_evictions_total", "Blocks evicted from the router's picture of the replica's cache.", []string{"replica"}, nil)
+	descCapacity  = prometheus.NewDesc("semroute_replica_capacity_requests", "Requests the replica runs before its engine queues the next: replicas[].max_running, else learned from what it reports running while requests wait; 0 while unknown.", []string{"replica"}, nil)
+	descSaturated = prometheus.NewDesc("semroute_replica_saturated", "1 while the replica's engine would queue the next request: its requests in flight reach its capacity, it reports requests waiting, or its KV cache is 98% full.", []string{"replica"}, nil)
 )
 
 func (c replicaCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descHealthy, descDraining, descInFlight, descPending, descRunning, descWaiting, descKVUsage, descBlocks, descTokens, descBudget, descEvictions} {
+	for _, d := range []*prometheus.Desc{descHealthy, descDraining, descInFlight, descPending, descRunning, descWaiting, descKVUsage, descBlocks, descTokens, descBudget, descEvictions, descCapacity, descSaturated} {
 		ch <- d
 	}
 }
@@ -65,6 +67,8 @@ func (c replicaCollector) Collect(ch chan<- prometheus.Metric) {
 		g(descBlocks, float64(st.Blocks))
 		g(descTokens, float64(st.Tokens))
 		g(descBudget, float64(st.Budget))
+		g(descCapacity, float64(r.Capacity()))
+		g(descSaturated, b2f(r.Saturated()))
 		ch <- prometheus.MustNewConstMetric(descEvictions, prometheus.CounterValue, float64(st.Evictions), r.Name)
 	}
 }
