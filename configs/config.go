@@ -21,6 +21,7 @@ import (
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/decisionlog"
 	"github.com/semroute/semroute/eviction"
+	"github.com/semroute/semroute/flow"
 	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/matcher"
 	"github.com/semroute/semroute/monitor"
@@ -60,7 +61,31 @@ type Config struct {
 	Discovery   DiscoveryConfig   `mapstructure:"discovery" json:"discovery"`
 	Runtime     RuntimeConfig     `mapstructure:"runtime" json:"runtime"`
 	Cluster     ClusterConfig     `mapstructure:"cluster" json:"cluster"`
+	FlowControl FlowControlConfig `mapstructure:"flow_control" json:"flow_control"`
 	Replicas    []Replica         `mapstructure:"replicas" json:"replicas"`
+}
+
+// FlowControlConfig is the router's queue (package flow): while every
+// replica a request could use is saturated, it waits in the router, and
+// is decided again when one frees. Read at start only.
+type FlowControlConfig struct {
+	// Enabled turns the queue on. Off: every request goes to a replica at
+	// once, and engines queue.
+	Enabled bool `mapstructure:"enabled" json:"enabled"`
+	// MaxRequests, MaxBytes and TTL bound the queue; past them a request
+	// is answered 429 with Retry-After. Defaults 5,000, 1 GiB and 60 s.
+	MaxRequests int           `mapstructure:"max_requests" json:"max_requests"`
+	MaxBytes    int64         `mapstructure:"max_bytes" json:"max_bytes"`
+	TTL         time.Duration `mapstructure:"ttl" json:"ttl"`
+	// LookAhead is how many of a flow's oldest requests a freed replica
+	// compares; AgeBound the wait past which the oldest goes first.
+	// Defaults 8 and 2 s.
+	LookAhead int           `mapstructure:"look_ahead" json:"look_ahead"`
+	AgeBound  time.Duration `mapstructure:"age_bound" json:"age_bound"`
+	// Priorities maps an inference objective (the x-gateway-inference-
+	// objective or x-llm-d-inference-objective header) to its priority:
+	// higher first; negative: sheddable, never queued. Others: 0.
+	Priorities map[string]int `mapstructure:"priorities" json:"priorities"`
 }
 
 // ClusterConfig makes the router one of a fleet sharing one cache picture
@@ -503,6 +528,13 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("discovery.interval", "10s")
 	v.SetDefault("discovery.budget_tokens", 0)
 	v.SetDefault("runtime.gc_floor_mb", 64)
+	v.SetDefault("flow_control.enabled", false)
+	v.SetDefault("flow_control.max_requests", flow.DefaultMaxRequests)
+	v.SetDefault("flow_control.max_bytes", flow.DefaultMaxBytes)
+	v.SetDefault("flow_control.ttl", flow.DefaultTTL)
+	v.SetDefault("flow_control.look_ahead", flow.DefaultLookAhead)
+	v.SetDefault("flow_control.age_bound", flow.DefaultAgeBound)
+	v.SetDefault("flow_control.priorities", map[string]int{})
 	// The fleet's secrets, so that SEMROUTE_CLUSTER_PASSWORD and the like
 	// reach them from the environment (a Secret), never the config file.
 	for _, k := range []string{"user", "password", "token", "credentials", "nkey_seed"} {

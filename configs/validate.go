@@ -67,6 +67,7 @@ func (c *Config) Validate() error {
 	c.Routing.validate(&p)
 	c.Blocks.validate(&p)
 	c.Cache.validate(&p)
+	c.FlowControl.validate(&p)
 	c.Tokenizer.validate(&p)
 	c.Limits.validate(&p)
 	c.Health.validate(&p)
@@ -382,4 +383,10 @@ func (r Replica) Validate() error {
 func (r Replica) Spec() replica.Spec {
 	return replica.Spec{Name: r.Name, URL: r.URL, BudgetTokens: r.BudgetTokens, Weight: r.Weight,
 		KVEvents: replica.KVEvents(r.KVEvents), Reuse: replica.Reuse(r.Reuse), MaxRunning: r.MaxRunning}
+}
+
+func (f FlowControlConfig) validate(p *problems) {
+	if f.MaxRequests < 1 || f.MaxBytes < 1 || f.TTL <= 0 || f.LookAhead < 1 || f.AgeBound <= 0 {
+		p.bad("flow_control", "max_requests, max_bytes, ttl, look_ahead and age_bound must be positive")
+	}
 }

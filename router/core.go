@@ -19,6 +19,7 @@ import (
 	"github.com/semroute/semroute/agreement"
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/decisionlog"
+	"github.com/semroute/semroute/flow"
 	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/routing"
 	"github.com/semroute/semroute/tokenizer"
@@ -75,6 +76,11 @@ type CoreOptions struct {
 	// decided once more after it, before it is refused, since the model
 	// may be an adapter loaded since the last scrape.
 	RefreshModels func(context.Context)
+	// Queue, if set, is flow control: a request that every replica it
+	// could use would queue waits in it, in the router, and is decided
+	// again when a replica frees (package flow). Nil: every request goes to
+	// a replica at once, as engines queue.
+	Queue *flow.Queue
 }
 
 // Tokenizer gives the engine's token ids of an OpenAI request body of
@@ -198,7 +204,27 @@ type CoreRequest struct {
 	// it goes to the least-loaded replica under the "passthrough" arm, and
 	// is not written to the decision log.
 	PassThrough bool
+	// Ctx ends a wait in the router's queue (flow control); nil: none
+	// ends it but the queue's TTL.
+	Ctx context.Context
+	// Priority (higher first; negative: never queued), Flow (fairness
+	// within a priority) and Bytes (the body's, against the queue's bound)
+	// place the request in the router's queue.
+	Priority int
+	Flow     string
+	Bytes    int64
 }
+
+// QueueError is a request the router's queue would not hold or hold any
+// longer (flow.ErrFull, ErrShed, ErrExpired, ErrSheddable): the client
+// should come back after RetryAfter.
+type QueueError struct {
+	Err        error
+	RetryAfter time.Duration
+}
+
+func (e *QueueError) Error() string { return "router: every replica is saturated: " + e.Err.Error() }
+func (e *QueueError) Unwrap() error { return e.Err }
 
 // Prepare makes the engine's input for a parsed request whose body is
 // body: in precise mode (CoreOptions.Tokenizer) from the engine's token
@@ -246,10 +272,13 @@ type Routed struct {
 	ID     string // empty for a dry run
 	Arm    *Arm
 	Served *routing.Candidate // the candidate carrying the request now
+	// Queued is how long the request waited in the router's queue.
+	Queued time.Duration
 	req    CoreRequest
 	start  time.Time
 	first  time.Time // first response byte; zero until then
 	once   sync.Once
+	freed  atomic.Bool // its replica's slot was offered to the queue
 }
 
 // Route assigns an arm and decides. Unless req.DryRun, the decision is
@@ -262,7 +291,18 @@ func (c *Core) Route(req CoreRequest) (*Routed, error) {
 	req.Input.Policy = arm.Policy
 	start := c.e.Now()
 	t0 := time.Now()
+	req.Input.Hold = c.o.Queue != nil && !req.DryRun && !req.PassThrough
 	d, err := c.e.Decide(req.Input, !req.DryRun)
+	var waited time.Duration
+	if err == nil && d.Held {
+		waited, err = c.wait(&req, d)
+		c.e.Drop(d)
+		if err != nil {
+			return nil, err
+		}
+		req.Input.Hold = false // its turn: to the best replica now, saturated or not
+		d, err = c.e.Decide(req.Input, true)
+	}
 	if errors.Is(err, routing.ErrUnknownModel) && c.o.RefreshModels != nil {
 		ctx, cancel := context.WithTimeout(context.Background(), modelsRefreshWait)
 		c.o.RefreshModels(ctx)
@@ -272,7 +312,7 @@ func (c *Core) Route(req CoreRequest) (*Routed, error) {
 	if err != nil {
 		return nil, err
 	}
-	rt := &Routed{Decision: d, Arm: arm, Served: d.Chosen(), req: req, start: start}
+	rt := &Routed{Decision: d, Arm: arm, Served: d.Chosen(), req: req, start: start, Queued: waited}
 	if !req.DryRun {
 		rt.ID = strconv.FormatUint(rand.Uint64(), 16)
 		c.o.Metrics.routed(rt, time.Since(t0).Seconds())
@@ -314,7 +354,72 @@ func (c *Core) Failover(rt *Routed, next int) bool {
 // the engine is done with the prompt's blocks, which the picture may now
 // evict, though the client may still be reading. Finish does it if this
 // was not called.
-func (c *Core) EngineDone(rt *Routed) { rt.Lease().EngineDone(c.e.Now()) }
+func (c *Core) EngineDone(rt *Routed) {
+	rt.Lease().EngineDone(c.e.Now())
+	c.freed(rt)
+}
+
+// wait queues req, whose decision d every replica would queue, and waits
+// for its turn; it returns how long it waited.
+func (c *Core) wait(req *CoreRequest, d *routing.Decision) (time.Duration, error) {
+	t, err := c.o.Queue.Enqueue(flow.Item{Priority: req.Priority, Flow: req.Flow, Bytes: req.Bytes, Tokens: int64(d.Tokens), Value: d})
+	if err != nil {
+		return 0, &QueueError{Err: err, RetryAfter: time.Second}
+	}
+	ctx := req.Ctx
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	if err := t.Wait(ctx); err != nil {
+		if ctx.Err() != nil {
+			return 0, err
+		}
+		return 0, &QueueError{Err: err, RetryAfter: time.Second}
+	}
+	return time.Since(t.Enqueued()), nil
+}
+
+// freed offers the slot rt's request held on its replica, once, to the
+// router's queue: the waiting request that would compute least there goes.
+func (c *Core) freed(rt *Routed) {
+	if c.o.Queue == nil || rt.req.PassThrough || rt.freed.Swap(true) {
+		return
+	}
+	if n, _ := c.o.Queue.Len(); n == 0 {
+		return
+	}
+	id := rt.Served.Replica.ID
+	c.o.Queue.Dispatch(func(it flow.Item) float64 { return uncachedOn(it.Value.(*routing.Decision), id) })
+}
+
+// uncachedOn is the prompt tokens d's request would compute on replica id,
+// as its decision saw it: the unit of routing's cost.
+func uncachedOn(d *routing.Decision, id int) float64 {
+	for i := range d.Candidates {
+		if c := &d.Candidates[i]; c.Replica.ID == id {
+			return float64(d.Tokens-c.Match.Tokens) - c.Reuse
+		}
+	}
+	return float64(d.Tokens)
+}
+
+// dispatchFree offers the queue a slot on each replica that is not
+// saturated (its gauges show room that no request's end announced: a
+// peer's requests ended, a scrape): at most one request each, per call.
+func (c *Core) dispatchFree() {
+	if c.o.Queue == nil {
+		return
+	}
+	for _, r := range c.e.Pool().Replicas() {
+		if n, _ := c.o.Queue.Len(); n == 0 {
+			return
+		}
+		if !r.Saturated() && r.Available(time.Now()) {
+			id := r.ID
+			c.o.Queue.Dispatch(func(it flow.Item) float64 { return uncachedOn(it.Value.(*routing.Decision), id) })
+		}
+	}
+}
 
 // Outcome is how a routed request ended, as the front end saw it.
 type Outcome = decisionlog.Outcome
@@ -326,6 +431,7 @@ func (c *Core) Finish(rt *Routed, o Outcome, reply []byte) {
 	defer c.e.Recycle(rt.Decision) // after the decision log's record read the candidates
 	now := c.e.Now()
 	rt.Lease().End(now)
+	c.freed(rt)
 	if o.PromptTokens > 0 && o.Status == 200 && !rt.req.PassThrough {
 		c.e.ObserveUsage(rt.req.Model, rt.Decision, int(o.PromptTokens))
 		if c.o.Agreement != nil {
@@ -474,15 +580,28 @@ func (c *Core) Expire(now time.Time) int {
 func (c *Core) Run(ctx context.Context, interval time.Duration) {
 	t := time.NewTicker(interval)
 	defer t.Stop()
+	var queue <-chan time.Time // the router's queue: its TTL, and room no request's end announced
+	if c.o.Queue != nil {
+		qt := time.NewTicker(QueueTick)
+		defer qt.Stop()
+		queue = qt.C
+	}
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case now := <-t.C:
 			c.Expire(now)
+		case <-queue:
+			c.o.Queue.Expire()
+			c.dispatchFree()
 		}
 	}
 }
+
+// QueueTick is how often Run expires the router's queue and offers it the
+// room replicas' gauges show (a request's end offers its slot at once).
+const QueueTick = 20 * time.Millisecond
 
 // Held returns how many decisions await Release, and the blocks they keep.
 func (c *Core) Held() (decisions, blocks int) {

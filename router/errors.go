@@ -8,6 +8,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/flow"
 	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/routing"
 )
@@ -96,6 +97,9 @@ func classify(err error) apiError {
 		return apiError{http.StatusServiceUnavailable, "server_busy", "body_bytes_in_flight", busy.Error()}
 	case errors.Is(err, blockhash.ErrBusy):
 		return apiError{http.StatusServiceUnavailable, "server_busy", "parse_budget", err.Error()}
+	case errors.As(err, new(*QueueError)):
+		return apiError{http.StatusTooManyRequests, "rate_limit_error", "saturated",
+			"every replica is saturated and the router's queue " + queueVerdict(err) + "; retry after the Retry-After seconds"}
 	case errors.Is(err, routing.ErrNoReplica):
 		return apiError{http.StatusServiceUnavailable, "service_unavailable", "no_replica", "no replica is available to serve the request"}
 	case errors.As(err, &um):
@@ -113,6 +117,20 @@ func classify(err error) apiError {
 		msg = "the replica did not answer in time"
 	}
 	return apiError{http.StatusBadGateway, "upstream_error", "upstream_unreachable", msg}
+}
+
+// queueVerdict says in words why the router's queue refused or let go of
+// a request.
+func queueVerdict(err error) string {
+	switch {
+	case errors.Is(err, flow.ErrSheddable):
+		return "does not hold a sheddable request"
+	case errors.Is(err, flow.ErrShed):
+		return "gave its place to a request of a higher priority"
+	case errors.Is(err, flow.ErrExpired):
+		return "held it as long as it holds any"
+	}
+	return "is full"
 }
 
 func (s *Server) proxyError(w http.ResponseWriter, r *http.Request, err error) {

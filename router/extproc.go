@@ -479,9 +479,14 @@ func (st *epStream) route(noBody bool) (bool, error) {
 	if sub := st.subset; sub != nil {
 		in.Input.Allow = func(r *replica.Replica) bool { return sub.has(Endpoint(r)) }
 	}
+	in.Ctx = st.srv.Context()
 	rt, err := st.s.core.Route(in)
 	if err != nil {
-		return st.reject(classify(err))
+		e := classify(err)
+		if errors.As(err, new(*QueueError)) {
+			e.status = http.StatusServiceUnavailable // the endpoint picker's answer when no endpoint can take it
+		}
+		return st.reject(e)
 	}
 	st.rt = rt
 	return st.destine(rt, fwd, noBody)

@@ -1,6 +1,7 @@
 package router
 
 import (
+	"cmp"
 	"context"
 	"crypto/subtle"
 	"encoding/json"
@@ -19,6 +20,7 @@ import (
 	"google.golang.org/grpc/reflection"
 	"google.golang.org/grpc/status"
 	"google.golang.org/grpc/tap"
+	"google.golang.org/protobuf/proto"
 
 	pb "github.com/semroute/semroute/api/proto/semroute/v1"
 	"github.com/semroute/semroute/blockhash"
@@ -235,8 +237,12 @@ func (g *GRPCService) Route(ctx context.Context, in *pb.RouteRequest) (*pb.Route
 		ri = g.core.Prepare(ctx, req, in.GetOpenaiBody(), in.GetSessionId())
 	}
 	ri.DetachText() // a held decision logs its text after req is released
-	rt, err := g.core.Route(CoreRequest{Input: ri, Model: req.Model, Session: in.GetSessionId(), Tenant: in.GetTenantId(), DryRun: in.GetDryRun(), Route: "grpc"})
+	flowKey := cmp.Or(in.GetTenantId(), req.User)
+	rt, err := g.core.Route(CoreRequest{Input: ri, Model: req.Model, Session: in.GetSessionId(), Tenant: in.GetTenantId(), DryRun: in.GetDryRun(), Route: "grpc",
+		Ctx: ctx, Flow: flowKey, Bytes: int64(proto.Size(in))})
 	switch {
+	case errors.As(err, new(*QueueError)):
+		return nil, status.Error(codes.ResourceExhausted, err.Error())
 	case errors.Is(err, routing.ErrNoReplica):
 		return nil, status.Error(codes.Unavailable, err.Error())
 	case errors.Is(err, routing.ErrUnknownModel):

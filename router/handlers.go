@@ -89,12 +89,21 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 		}
 	}
 	req.Recycle() // the parse is done with: its tree is not held while the response streams
-	rt, err := s.core.Route(CoreRequest{Input: in, Model: req.Model, Session: sid, Tenant: tenant, Route: route})
+	prio, flowKey := s.placement(r, tenant, req.User)
+	rt, err := s.core.Route(CoreRequest{Input: in, Model: req.Model, Session: sid, Tenant: tenant, Route: route,
+		Ctx: r.Context(), Priority: prio, Flow: flowKey, Bytes: int64(len(fwd.b))})
 	if err != nil {
 		span.SetStatus(codes.Error, err.Error())
 		span.End()
+		var qe *QueueError
+		if errors.As(err, &qe) {
+			w.Header().Set("Retry-After", strconv.Itoa(max(int(qe.RetryAfter/time.Second), 1)))
+		}
 		writeError(w, classify(err))
 		return
+	}
+	if rt.Queued > 0 {
+		w.Header().Set(HeaderQueueMs, strconv.FormatInt(rt.Queued.Milliseconds(), 10))
 	}
 	if s.o.Tracer != nil {
 		span.SetAttributes(attribute.String("semroute.decision_id", rt.ID), attribute.String("semroute.arm", rt.Arm.Name),

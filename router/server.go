@@ -32,11 +32,50 @@ const (
 	HeaderArm           = "X-Semroute-Arm"
 	HeaderSessionID     = "X-Session-ID"
 	HeaderTenantID      = "X-Tenant-ID"
+	// HeaderQueueMs is how long the request waited in the router's queue
+	// (flow control), milliseconds; absent when it did not wait.
+	HeaderQueueMs = "X-Semroute-Queue-Ms"
 )
+
+// The Gateway API Inference Extension's request headers that place a
+// request in the router's queue, and llm-d's spellings of them: the
+// objective names its priority (ServerOptions.Priorities), the fairness id
+// its flow.
+var (
+	objectiveHeaders = []string{"X-Gateway-Inference-Objective", "X-Llm-D-Inference-Objective"}
+	fairnessHeaders  = []string{"X-Gateway-Inference-Fairness-Id", "X-Llm-D-Inference-Fairness-Id"}
+)
+
+// placement returns the priority and the flow of request r in the
+// router's queue: the priority its objective header names in
+// ServerOptions.Priorities (0 without one, or unknown); the flow its
+// fairness header names, else its tenant, else the body's user, else none.
+func (s *Server) placement(r *http.Request, tenant, user string) (priority int, flowKey string) {
+	for _, h := range objectiveHeaders {
+		if v := r.Header.Get(h); v != "" {
+			priority = s.o.Priorities[v]
+			break
+		}
+	}
+	for _, h := range fairnessHeaders {
+		if v := r.Header.Get(h); v != "" {
+			return priority, v
+		}
+	}
+	if tenant != "" {
+		return priority, tenant
+	}
+	return priority, user
+}
 
 // ServerOptions configure the HTTP front end. Core is required.
 type ServerOptions struct {
 	Core *Core
+	// Priorities maps an inference objective's name (the
+	// x-gateway-inference-objective header) to its priority in the
+	// router's queue: higher first, negative never queued. An objective
+	// not listed has priority 0.
+	Priorities map[string]int
 	// Transport sends requests to replicas. Nil means the router's own
 	// (upstream.go): plain-HTTP replicas over its pooled connections, https
 	// ones through a clone of http.DefaultTransport.

@@ -173,8 +173,8 @@ type Decision struct {
 	SyncID uint64
 	// Saturated is set when every candidate's replica was saturated when
 	// the request was ranked (replica.Replica.Saturated): its engine will
-	// queue it.
-	Saturated bool
+	// queue it. Held: Request.Hold kept it from being recorded.
+	Saturated, Held bool
 	// served is the id of the replica now serving it, leaseOf its
 	// candidate, lease its time there (set by Commit).
 	served  int
@@ -242,6 +242,12 @@ type Request struct {
 	// Allow, if set, says which replicas may take the request (a gateway's
 	// subset hint); the others are not candidates. Nil allows all.
 	Allow func(*replica.Replica) bool
+	// Hold asks Decide, recording, not to record the decision when every
+	// replica the request could use is saturated (Decision.Saturated): it
+	// comes back Held, unrecorded, for the caller to queue the request and
+	// decide it again once a replica frees (package flow). Drop the held
+	// decision; the request's blocks stay with the request.
+	Hold bool
 	// Model is the model the request names. A replica whose models are
 	// known and do not include it is not a candidate; among those that
 	// serve it as a LoRA adapter, the ones with it loaded rank first, then
@@ -407,6 +413,10 @@ func (e *Engine) Decide(ri Request, record bool) (*Decision, error) {
 	}
 	if e.o.PreferDonor {
 		e.preferDonor(d, sketch)
+	}
+	if record && ri.Hold && d.Saturated {
+		d.Held = true
+		return d, nil
 	}
 	if record {
 		if o, ok := pol.(Observer); ok {
@@ -714,6 +724,16 @@ func putBlocks(b []blockhash.Block) {
 	if cap(b) > 0 {
 		blockPool.put(b)
 	}
+}
+
+// Drop gives back a held decision's candidate list (Request.Hold): its
+// blocks stay with the request, which is decided again.
+func (e *Engine) Drop(d *Decision) {
+	if d == nil {
+		return
+	}
+	d.pooled = false
+	e.Recycle(d)
 }
 
 // Recycle gives d's candidate list, and the block lists Prepare and

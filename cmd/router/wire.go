@@ -28,6 +28,7 @@ import (
 	"github.com/semroute/semroute/configs"
 	"github.com/semroute/semroute/decisionlog"
 	"github.com/semroute/semroute/eviction"
+	"github.com/semroute/semroute/flow"
 	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/matcher"
 	"github.com/semroute/semroute/monitor"
@@ -157,6 +158,9 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	}
 	ag := newAgreement(log)
 	copts.Agreement = ag
+	if f := cfg.FlowControl; f.Enabled {
+		copts.Queue = flow.New(flow.Options{MaxRequests: f.MaxRequests, MaxBytes: f.MaxBytes, TTL: f.TTL, LookAhead: f.LookAhead, AgeBound: f.AgeBound})
+	}
 	precise := cfg.Tokenizer.Mode != "estimate"
 	if precise {
 		tok, err := tokenizerFor(cfg.Tokenizer.URL, cfg.Tokenizer.Timeout, cfg.Tokenizer.CacheTokens, pool, ag)
@@ -188,8 +192,9 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		Ejection: cfg.Health.Ejection(),
 		Timeouts: limits.Timeouts{Connect: cfg.Timeouts.Connect, FirstByte: cfg.Timeouts.FirstByte, Idle: cfg.Timeouts.Idle,
 			ClientWrite: cfg.Timeouts.ClientWrite},
-		Metrics: promhttp.HandlerFor(reg, promhttp.HandlerOpts{}),
-		Ready:   fleetReady(fleet),
+		Metrics:    promhttp.HandlerFor(reg, promhttp.HandlerOpts{}),
+		Ready:      fleetReady(fleet),
+		Priorities: cfg.FlowControl.Priorities,
 	})
 	if err != nil {
 		return nil, err

@@ -1,0 +1,178 @@
+package router
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/semroute/semroute/flow"
+	"github.com/semroute/semroute/replica"
+	"github.com/semroute/semroute/routing"
+)
+
+// TestCoreQueuesWhileSaturated: with flow control on, a request that every
+// replica would queue waits in the router, unrecorded, until a request's
+// end frees a slot; then it is decided and sent. Below saturation nothing
+// waits. Past the queue's bound a request is refused with a QueueError.
+func TestCoreQueuesWhileSaturated(t *testing.T) {
+	f := newFixture(t, 1, "semantic")
+	q := flow.New(flow.Options{MaxRequests: 1})
+	c, err := NewCore(CoreOptions{Engine: f.e, Arms: f.arms(), Queue: q})
+	if err != nil {
+		t.Fatal(err)
+	}
+	route := func(text string) (*Routed, error) {
+		in := f.e.Prepare(parseChat(t, "user", text), "", false)
+		return c.Route(CoreRequest{Input: in, Route: "chat", Ctx: context.Background(), Flow: "a"})
+	}
+	rep := f.e.Pool().Replicas()[0]
+	first, err := route("first")
+	if err != nil || first.Queued != 0 {
+		t.Fatalf("below saturation: %v, queued %v", err, first.Queued)
+	}
+	rep.Observe(replica.Observed{Running: 1, Waiting: 1}) // its engine queues: capacity 1, saturated
+	if !rep.Saturated() {
+		t.Fatal("the replica is not saturated")
+	}
+	type result struct {
+		rt  *Routed
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		rt, err := route("second")
+		done <- result{rt, err}
+	}()
+	waitQueued(t, q, 1) // the second waits in the queue
+	if got := rep.Load(time.Now()).InFlight; got != 1 {
+		t.Fatalf("%d in flight: the waiting request was sent", got)
+	}
+	if _, err := route("third"); !errors.As(err, new(*QueueError)) || !errors.Is(err, flow.ErrFull) {
+		t.Fatalf("a request past the queue's bound: %v", err)
+	}
+	c.EngineDone(first) // the engine finished the first: its slot goes to the second
+	r := <-done
+	if r.err != nil || r.rt.Queued <= 0 {
+		t.Fatalf("the waiting request: %v, queued %v", r.err, r.rt.Queued)
+	}
+	if got := rep.Load(time.Now()).InFlight; got != 2 { // the first's client still reads
+		t.Fatalf("%d in flight after the dispatch", got)
+	}
+	c.Finish(first, Outcome{Status: 200}, nil)
+	c.Finish(r.rt, Outcome{Status: 200}, nil)
+	if got := rep.Load(time.Now()).InFlight; got != 0 {
+		t.Fatalf("%d in flight at the end", got)
+	}
+}
+
+// TestCoreQueueWaitEndsWithTheClient: a client that leaves while its
+// request waits leaves the queue, and nothing of it was recorded.
+func TestCoreQueueWaitEndsWithTheClient(t *testing.T) {
+	f := newFixture(t, 1, "semantic")
+	q := flow.New(flow.Options{})
+	c, _ := NewCore(CoreOptions{Engine: f.e, Arms: f.arms(), Queue: q})
+	f.e.Pool().Replicas()[0].Observe(replica.Observed{Running: 4, Waiting: 9})
+	ctx, cancel := context.WithCancel(context.Background())
+	errc := make(chan error, 1)
+	go func() {
+		in := f.e.Prepare(parseChat(t, "user", "waits"), "", false)
+		_, err := c.Route(CoreRequest{Input: in, Route: "chat", Ctx: ctx})
+		errc <- err
+	}()
+	waitQueued(t, q, 1)
+	cancel()
+	if err := <-errc; !errors.Is(err, context.Canceled) {
+		t.Fatalf("a client that left: %v", err)
+	}
+	if n, _ := q.Len(); n != 0 {
+		t.Fatalf("%d still queued", n)
+	}
+	if st, _ := f.e.Picture().Stats(0); st.Blocks != 0 {
+		t.Fatalf("the waiting request was recorded: %d blocks", st.Blocks)
+	}
+}
+
+// waitQueued waits until q holds n requests (a condition, with a deadline).
+func waitQueued(t *testing.T, q *flow.Queue, n int) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if got, _ := q.Len(); got == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the queue never held %d requests", n)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// TestHTTPFlowControl: over HTTP, a request past the queue's bound is
+// answered 429 with Retry-After; one that waited says how long in
+// X-Semroute-Queue-Ms.
+func TestHTTPFlowControl(t *testing.T) {
+	release := make(chan struct{})
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		<-release
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, `{"choices":[{"message":{"role":"assistant","content":"ok"}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}`)
+	}))
+	defer up.Close()
+	e, err := routing.New(routing.Options{Replicas: []replica.Spec{{Name: "r0", URL: up.URL, MaxRunning: 1}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rr, _ := routing.NewPolicy(routing.PolicySpec{Type: "round_robin"})
+	q := flow.New(flow.Options{MaxRequests: 1})
+	core, _ := NewCore(CoreOptions{Engine: e, Arms: []Arm{{Name: "default", Policy: rr, Weight: 1}}, Queue: q})
+	srv, _ := NewServer(ServerOptions{Core: core, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	ts := httptest.NewServer(srv)
+	defer ts.Close()
+	type answer struct {
+		code    int
+		queueMs string
+		err     error
+	}
+	post := func(out chan<- answer) {
+		resp, err := http.Post(ts.URL+"/v1/chat/completions", "application/json", strings.NewReader(chatBody))
+		if err != nil {
+			out <- answer{err: err}
+			return
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		out <- answer{code: resp.StatusCode, queueMs: resp.Header.Get(HeaderQueueMs)}
+	}
+	first, second := make(chan answer, 1), make(chan answer, 1)
+	go post(first)
+	deadline := time.Now().Add(10 * time.Second)
+	for e.Pool().Replicas()[0].Load(time.Now()).InFlight != 1 { // the first is at the replica: its one slot
+		if time.Now().After(deadline) {
+			t.Fatal("the first request never reached the replica")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	go post(second)
+	waitQueued(t, q, 1)
+	resp, err := http.Post(ts.URL+"/v1/chat/completions", "application/json", strings.NewReader(chatBody))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusTooManyRequests || resp.Header.Get("Retry-After") == "" {
+		t.Fatalf("past the queue's bound: %d, Retry-After %q", resp.StatusCode, resp.Header.Get("Retry-After"))
+	}
+	close(release)
+	if a := <-first; a.err != nil || a.code != 200 || a.queueMs != "" {
+		t.Fatalf("the first: %+v", a)
+	}
+	if a := <-second; a.err != nil || a.code != 200 || a.queueMs == "" {
+		t.Fatalf("the second, which waited: %+v", a)
+	}
+}
