@@ -109,6 +109,10 @@ type Record struct {
 	Outcome  *Outcome `json:"outcome,omitempty"`
 	// Text holds the prompt's parts; only when prompt logging is enabled.
 	Text []string `json:"text,omitempty"`
+	// QueueNs is how long the request waited in the router's queue (flow
+	// control) before it was decided, nanoseconds; counted in the
+	// outcome's TTFT and duration too.
+	QueueNs int64 `json:"queue_ns,omitempty"`
 }
 
 // Options configure a Writer. Path is required.

@@ -364,6 +364,7 @@ func (c *Core) EngineDone(rt *Routed) {
 func (c *Core) wait(req *CoreRequest, d *routing.Decision) (time.Duration, error) {
 	t, err := c.o.Queue.Enqueue(flow.Item{Priority: req.Priority, Flow: req.Flow, Bytes: req.Bytes, Tokens: int64(d.Tokens), Value: d})
 	if err != nil {
+		c.o.Metrics.shed(err)
 		return 0, &QueueError{Err: err, RetryAfter: time.Second}
 	}
 	ctx := req.Ctx
@@ -374,9 +375,12 @@ func (c *Core) wait(req *CoreRequest, d *routing.Decision) (time.Duration, error
 		if ctx.Err() != nil {
 			return 0, err
 		}
+		c.o.Metrics.shed(err)
 		return 0, &QueueError{Err: err, RetryAfter: time.Second}
 	}
-	return time.Since(t.Enqueued()), nil
+	waited := time.Since(t.Enqueued())
+	c.o.Metrics.queued(req.Priority, waited)
+	return waited, nil
 }
 
 // freed offers the slot rt's request held on its replica, once, to the
@@ -486,6 +490,7 @@ func (c *Core) record(rt *Routed, o *Outcome) *decisionlog.Record {
 		TimeNs: rt.start.UnixNano(), ID: rt.ID, Arm: rt.Arm.Name, Policy: rt.Arm.Policy.Name(), Model: rt.req.Model,
 		Session: c.id(rt.req.Session), Tenant: c.id(rt.req.Tenant), Key: fmt.Sprintf("%016x", rt.Key),
 		Tokens: rt.Tokens, Blocks: logBlocks(rt.Blocks), Chosen: rt.Chosen().Replica.Name, Outcome: o,
+		QueueNs: rt.Queued.Nanoseconds(),
 	}
 	for _, rep := range c.e.Pool().Replicas() {
 		r.Replicas = append(r.Replicas, rep.Name)
@@ -602,6 +607,15 @@ func (c *Core) Run(ctx context.Context, interval time.Duration) {
 // QueueTick is how often Run expires the router's queue and offers it the
 // room replicas' gauges show (a request's end offers its slot at once).
 const QueueTick = 20 * time.Millisecond
+
+// Queued returns the requests and bytes waiting in the router's queue; 0
+// without flow control.
+func (c *Core) Queued() (requests int, bytes int64) {
+	if c.o.Queue == nil {
+		return 0, 0
+	}
+	return c.o.Queue.Len()
+}
 
 // Held returns how many decisions await Release, and the blocks they keep.
 func (c *Core) Held() (decisions, blocks int) {

@@ -6,8 +6,10 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/semroute/semroute/flow"
 )
 
 // Metrics are the router's per-request Prometheus metrics. Every series
@@ -25,6 +27,8 @@ type Metrics struct {
 	duration       *prometheus.HistogramVec
 	retries        *prometheus.CounterVec
 	saturated      *prometheus.CounterVec
+	queueWait      *prometheus.HistogramVec
+	queueShed      *prometheus.CounterVec
 	upstreamErrors *prometheus.CounterVec
 	heldExpiredN   *prometheus.CounterVec
 	modelTTFT      *prometheus.HistogramVec
@@ -68,6 +72,12 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Tokens evicted from a replica's cache picture because its engine reported fewer cached tokens than predicted (replicas without KV events)."}, []string{"replica"}),
 		tokenizeN: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_tokenize_total",
 			Help: "Requests in precise mode by how their engine tokens were got: ok (from /tokenize or its cache), or estimated because the tokenizer was slow, failed or had no replica."}, []string{"result"}),
+		queueWait: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "semroute_queue_wait_seconds",
+			Help:    "Time requests waited in the router's queue (flow control) before they were sent, by priority.",
+			Buckets: []float64{0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}}, []string{"priority"}),
+		queueShed: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_queue_shed_total",
+			Help: "Requests the router's queue refused or let go, answered 429 (503 from the endpoint picker), by reason: full, shed (for a higher priority), expired (its TTL), sheddable (a negative priority is never queued)."},
+			[]string{"reason"}),
 		saturated: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_decisions_saturated_total",
 			Help: "Requests routed while every replica they could use was saturated (replica.Replica.Saturated): the engine they go to queues them."}, []string{"arm", "policy"}),
 		retries: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_retries_total",
@@ -80,7 +90,11 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Endpoint-picker streams refused by reason: buffer_full (429: the bodies buffered across streams are at grpc.ext_proc_max_buffered_bytes), body_too_large (413), silent (no message within timeouts.idle), out_of_order (a message the ext_proc protocol's order does not allow)."}, []string{"reason"}),
 	}
 	m.models = map[string]bool{}
-	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.reported, m.trimmedTokens, m.tokenizeN, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors, m.heldExpiredN, m.modelTTFT, m.extProcRefused, m.saturated} {
+	for _, r := range []string{"full", "shed", "expired", "sheddable"} {
+		m.queueShed.WithLabelValues(r) // 0 from the first scrape
+	}
+	m.queueWait.WithLabelValues("0")
+	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.reported, m.trimmedTokens, m.tokenizeN, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors, m.heldExpiredN, m.modelTTFT, m.extProcRefused, m.saturated, m.queueWait, m.queueShed} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -106,6 +120,30 @@ func (m *Metrics) routed(rt *Routed, seconds float64) {
 	if rt.Tokens > 0 {
 		m.matchRatio.WithLabelValues(arm, pol).Observe(float64(rt.Chosen().Match.Tokens) / float64(rt.Tokens))
 	}
+}
+
+// queued records a request's wait in the router's queue.
+func (m *Metrics) queued(priority int, wait time.Duration) {
+	if m != nil {
+		m.queueWait.WithLabelValues(strconv.Itoa(priority)).Observe(wait.Seconds())
+	}
+}
+
+// shed counts a request the router's queue refused or let go.
+func (m *Metrics) shed(err error) {
+	if m == nil {
+		return
+	}
+	reason := "full"
+	switch {
+	case errors.Is(err, flow.ErrShed):
+		reason = "shed"
+	case errors.Is(err, flow.ErrExpired):
+		reason = "expired"
+	case errors.Is(err, flow.ErrSheddable):
+		reason = "sheddable"
+	}
+	m.queueShed.WithLabelValues(reason).Inc()
 }
 
 // arm makes a's counters that may stay at 0 for long exist from the start,

@@ -96,6 +96,12 @@ func registerOps(reg *prometheus.Registry, pool *replica.Pool, cache *routing.Pi
 		Help: "gRPC Route decisions awaiting Release (capped by grpc.max_held_decisions)."},
 		func() float64 { n, _ := core.Held(); return float64(n) }))
 	reg.MustRegister(replicaCollector{pool, cache})
+	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "semroute_queue_requests",
+		Help: "Requests waiting in the router's queue (flow control): every replica they could use is saturated."},
+		func() float64 { n, _ := core.Queued(); return float64(n) }))
+	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "semroute_queue_bytes",
+		Help: "Bytes of the bodies waiting in the router's queue."},
+		func() float64 { _, b := core.Queued(); return float64(b) }))
 	ver, commit, gov := buildInfo()
 	bi := prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "semroute_build_info", Help: "1, labelled with the build's version, commit and Go version."},
 		[]string{"version", "commit", "goversion"})
