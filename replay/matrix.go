@@ -31,6 +31,9 @@ type Matrix struct {
 	Routers   int
 	Syncs     []string
 	SyncDelay time.Duration
+	// FlowControl runs each run again with the router's queue on, labelled
+	// policy/flow-control (one router only).
+	FlowControl bool
 }
 
 // Runs returns the matrix's runs, in the order a report lists them: the
@@ -58,6 +61,15 @@ func (x Matrix) Runs(c *Config) []Run {
 		runs = append(runs, Run{Label: "semantic+matcher", Policy: "semantic", Matcher: true})
 	}
 	runs = x.byPicture(runs)
+	if x.FlowControl {
+		var each []Run
+		for _, r := range runs {
+			y := r
+			y.Label, y.FlowControl = cmp.Or(r.Label, r.Policy)+"/flow-control", true
+			each = append(each, r, y)
+		}
+		runs = each
+	}
 	if x.Routers > 1 {
 		runs = x.byRouters(runs)
 	}

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"fmt"
 	"maps"
+	"math"
 	"math/rand/v2"
 	"runtime"
 	"sync"
@@ -11,6 +12,7 @@ import (
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
+	"github.com/semroute/semroute/flow"
 	"github.com/semroute/semroute/matcher"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
@@ -228,6 +230,11 @@ type Run struct {
 	Routers   int
 	Sync      string
 	SyncDelay time.Duration
+	// FlowControl holds in the router's queue (package flow) a request
+	// that every replica would queue, and decides it again when a replica
+	// frees, as the live router does with flow_control.enabled; one router
+	// only.
+	FlowControl bool
 }
 
 // Replay runs every run over reqs under model m, in parallel, plus the
@@ -327,6 +334,14 @@ func runPolicy(reqs []Request, m *Config, run Run) (*Result, error) {
 		}
 		rs[k] = d
 	}
+	if run.FlowControl {
+		if routers > 1 {
+			return nil, fmt.Errorf("%s: flow control with %d routers: one router only", label, routers)
+		}
+		rs[0].queue = flow.New(flow.Options{MaxRequests: math.MaxInt32, MaxBytes: math.MaxInt64, TTL: math.MaxInt64,
+			Now: func() time.Time { return time.Unix(0, clock) }})
+		rs[0].held = map[int]*routing.Decision{}
+	}
 	var d decider = rs[0]
 	var fleet *fleetDecider
 	if routers > 1 {
@@ -412,7 +427,10 @@ func newEngineDecider(reqs []Request, m *Config, run Run, clock *int64) (*engine
 	}
 	specs := make([]replica.Spec, m.Replicas)
 	for i := range specs {
-		specs[i] = replica.Spec{Name: fmt.Sprintf("replica-%d", i), URL: fmt.Sprintf("http://replica-%d.sim", i), BudgetTokens: m.BudgetTokens, Reuse: m.Reuse}
+		// The router is told each engine's running limit, as an operator
+		// sets replicas[].max_running to vLLM's --max-num-seqs.
+		specs[i] = replica.Spec{Name: fmt.Sprintf("replica-%d", i), URL: fmt.Sprintf("http://replica-%d.sim", i), BudgetTokens: m.BudgetTokens, Reuse: m.Reuse,
+			MaxRunning: int64(m.MaxRunning)}
 		if len(m.ReplicaNames) > 0 {
 			specs[i].Name = m.ReplicaNames[i]
 		}

@@ -12,6 +12,7 @@ import (
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
 	"github.com/semroute/semroute/eviction"
+	"github.com/semroute/semroute/flow"
 	"github.com/semroute/semroute/plugin"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
@@ -162,6 +163,7 @@ const (
 	evArrive = iota
 	evPrefillDone
 	evFinish
+	evDispatch // a request the router's queue held gets its turn
 )
 
 type events []event
@@ -263,6 +265,20 @@ func (s *sim) admit(r, i int, now int64) {
 	st := &s.reps[r]
 	st.admitQ = append(st.admitQ, i)
 	s.admitWaiting(r, now)
+}
+
+// dispatch offers the slot replica r freed at now to the router's queue
+// (flow control): the waiting request that would compute least on r is
+// decided again at once.
+func (s *sim) dispatch(r int, now int64) {
+	e, ok := s.d.(*engineDecider)
+	if !ok || e.queue == nil {
+		return
+	}
+	t, ok := e.queue.Dispatch(func(it flow.Item) float64 { return e.held[it.Value.(int)].Uncached(r) })
+	if ok {
+		s.push(now, evDispatch, t.Value.(int))
+	}
 }
 
 // budget returns replica r's KV cache in tokens: its own (Config.Budgets,
@@ -367,8 +383,14 @@ func (s *sim) run(pools ...*replica.Pool) error {
 		ev := heap.Pop(&s.q).(event)
 		i, now := ev.req, ev.t
 		switch ev.kind {
-		case evArrive:
+		case evArrive, evDispatch:
 			r, cached, cachedBlocks, err := s.d.decide(i, now)
+			if ev.kind == evArrive {
+				ttft[i] = float64(-now) // completed at prefill done; a wait in the router's queue counts
+			}
+			if errors.Is(err, errHeld) {
+				continue
+			}
 			if err != nil {
 				return fmt.Errorf("request %d: %w", i, err)
 			}
@@ -383,7 +405,6 @@ func (s *sim) run(pools ...*replica.Pool) error {
 			s.res.Requests++
 			s.res.PromptTokens += int64(s.reqs[i].Tokens)
 			s.res.Blocks += int64(len(s.reqs[i].Blocks))
-			ttft[i] = float64(-now) // completed at prefill done
 			if lg := s.reqs[i].Logged; lg != nil {
 				// A logged request keeps its live timing: first byte and end.
 				if len(pools) > 0 && lg.Chosen != pools[0].Replicas()[r].Name {
@@ -433,6 +454,12 @@ func (s *sim) run(pools ...*replica.Pool) error {
 			s.hold(r, i, -1)
 			s.admitWaiting(r, now)
 			s.observe(r, now, pools)
+			s.dispatch(r, now)
+		}
+	}
+	if e, ok := s.d.(*engineDecider); ok && e.queue != nil {
+		if n, _ := e.queue.Len(); n > 0 {
+			return fmt.Errorf("%d requests left in the router's queue with no request running to free a replica", n)
 		}
 	}
 	for i := range ttft {
@@ -461,7 +488,15 @@ type engineDecider struct {
 	// the engines' caches).
 	picture string
 	orphans int64 // events: stored blocks whose parent the picture had lost
+	// queue, when set, is flow control (Run.FlowControl): a request every
+	// replica would queue waits there, its held decision in held, until a
+	// replica frees.
+	queue *flow.Queue
+	held  map[int]*routing.Decision
 }
+
+// errHeld is decide's answer for a request the router's queue holds.
+var errHeld = errors.New("replay: held in the router's queue")
 
 func (e *engineDecider) decide(i int, now int64) (int, int, int, error) {
 	*e.clock = now
@@ -469,9 +504,30 @@ func (e *engineDecider) decide(i int, now int64) (int, int, int, error) {
 		e.pic.ExpirePending(now)
 	}
 	req := &e.reqs[i]
-	d, err := e.eng.Decide(routing.Request{Blocks: req.Blocks, Key: req.Key, Text: req.Text, Policy: e.pol}, true)
+	_, waited := e.held[i]
+	if waited { // its turn: decided again, to the best replica now
+		e.eng.Drop(e.held[i])
+		delete(e.held, i)
+	}
+	hold := e.queue != nil && !waited && req.Logged == nil
+	ri := routing.Request{Blocks: req.Blocks, Key: req.Key, Text: req.Text, Policy: e.pol, Hold: hold}
+	if waited {
+		ri.Allow = routing.WithRoom // its turn came with a free slot: to a replica with room
+	}
+	d, err := e.eng.Decide(ri, true)
+	if errors.Is(err, routing.ErrNoReplica) && waited {
+		ri.Allow = nil
+		d, err = e.eng.Decide(ri, true)
+	}
 	if err != nil {
 		return 0, 0, 0, err
+	}
+	if d.Held {
+		e.held[i] = d
+		if _, err := e.queue.Enqueue(flow.Item{Flow: "", Tokens: int64(d.Tokens), Value: i}); err != nil {
+			return 0, 0, 0, err
+		}
+		return 0, 0, 0, errHeld
 	}
 	c := d.Chosen()
 	e.ds[i], e.served[i] = d, c

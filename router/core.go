@@ -21,6 +21,7 @@ import (
 	"github.com/semroute/semroute/decisionlog"
 	"github.com/semroute/semroute/flow"
 	"github.com/semroute/semroute/limits"
+	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 	"github.com/semroute/semroute/tokenizer"
 )
@@ -300,8 +301,14 @@ func (c *Core) Route(req CoreRequest) (*Routed, error) {
 		if err != nil {
 			return nil, err
 		}
-		req.Input.Hold = false // its turn: to the best replica now, saturated or not
+		req.Input.Hold = false // its turn came with a free slot: to the best replica with room
+		allow := req.Input.Allow
+		req.Input.Allow = func(r *replica.Replica) bool { return routing.WithRoom(r) && (allow == nil || allow(r)) }
 		d, err = c.e.Decide(req.Input, true)
+		if errors.Is(err, routing.ErrNoReplica) { // the room went to another: the best replica, saturated or not
+			req.Input.Allow = allow
+			d, err = c.e.Decide(req.Input, true)
+		}
 	}
 	if errors.Is(err, routing.ErrUnknownModel) && c.o.RefreshModels != nil {
 		ctx, cancel := context.WithTimeout(context.Background(), modelsRefreshWait)
@@ -393,18 +400,7 @@ func (c *Core) freed(rt *Routed) {
 		return
 	}
 	id := rt.Served.Replica.ID
-	c.o.Queue.Dispatch(func(it flow.Item) float64 { return uncachedOn(it.Value.(*routing.Decision), id) })
-}
-
-// uncachedOn is the prompt tokens d's request would compute on replica id,
-// as its decision saw it: the unit of routing's cost.
-func uncachedOn(d *routing.Decision, id int) float64 {
-	for i := range d.Candidates {
-		if c := &d.Candidates[i]; c.Replica.ID == id {
-			return float64(d.Tokens-c.Match.Tokens) - c.Reuse
-		}
-	}
-	return float64(d.Tokens)
+	c.o.Queue.Dispatch(func(it flow.Item) float64 { return it.Value.(*routing.Decision).Uncached(id) })
 }
 
 // dispatchFree offers the queue a slot on each replica that is not
@@ -420,7 +416,7 @@ func (c *Core) dispatchFree() {
 		}
 		if !r.Saturated() && r.Available(time.Now()) {
 			id := r.ID
-			c.o.Queue.Dispatch(func(it flow.Item) float64 { return uncachedOn(it.Value.(*routing.Decision), id) })
+			c.o.Queue.Dispatch(func(it flow.Item) float64 { return it.Value.(*routing.Decision).Uncached(id) })
 		}
 	}
 }

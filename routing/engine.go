@@ -726,6 +726,23 @@ func putBlocks(b []blockhash.Block) {
 	}
 }
 
+// WithRoom allows the replicas that are not saturated: a Request.Allow for
+// a request the router's queue held, whose turn came with a free slot.
+func WithRoom(r *replica.Replica) bool { return !r.Saturated() }
+
+// Uncached returns the prompt tokens d's request would compute on replica
+// id, as d saw it (its candidate's match and reuse; the whole prompt where
+// id was no candidate): the unit of routing's cost, and of the router's
+// queue's choice when id frees.
+func (d *Decision) Uncached(id int) float64 {
+	for i := range d.Candidates {
+		if c := &d.Candidates[i]; c.Replica.ID == id {
+			return float64(d.Tokens-c.Match.Tokens) - c.Reuse
+		}
+	}
+	return float64(d.Tokens)
+}
+
 // Drop gives back a held decision's candidate list (Request.Hold): its
 // blocks stay with the request, which is decided again.
 func (e *Engine) Drop(d *Decision) {
