@@ -475,13 +475,18 @@ func (fs *followers) stats() (sum struct{ Stored, Orphans, Removed, Skipped uint
 //	  go test -run TestThirdPartyTable -v -timeout 30m ./cmd/router
 //
 // SEMROUTE_THIRDPARTY_ROWS=events,llm-d keeps only the rows whose names
-// contain one of the words.
+// contain one of the words; SEMROUTE_THIRDPARTY_WORKERS sets the clients
+// (default 16: 4 replicas × 4 sequences; more overload the engines) and
+// SEMROUTE_THIRDPARTY_ONE=1 runs the first workload alone.
 func TestThirdPartyTable(t *testing.T) {
 	n, _ := strconv.Atoi(os.Getenv("SEMROUTE_THIRDPARTY_TABLE"))
 	if n == 0 {
 		t.Skip("set SEMROUTE_THIRDPARTY_TABLE=<requests> to measure")
 	}
-	const workers = 16 // 4 replicas × 4 sequences
+	workers := 16 // 4 replicas × 4 sequences
+	if w, _ := strconv.Atoi(os.Getenv("SEMROUTE_THIRDPARTY_WORKERS")); w > 0 {
+		workers = w
+	}
 	estimate := "tokenizer:\n  mode: estimate\n"
 	all := []tpRow{
 		{"round robin", "round_robin", estimate, false},
@@ -491,11 +496,15 @@ func TestThirdPartyTable(t *testing.T) {
 		{"approximate + feedback (tokenizer.mode: estimate)", "", estimate, false},
 		{"default: auto, /tokenize only", "", "", false},
 		{"default: auto + KV events", "", "", true},
+		{"default with flow control: auto, /tokenize only", "", "flow_control:\n  enabled: true\n", false},
 	}
 	// 40 sessions open: a working set the fleet's memory holds, as the
 	// issue's held-out workload's (its llm-d port reached 0.93 of its
 	// ceiling), where the infinite ceiling is within reach.
 	t.Log(tpTable(t, "the mixed chat workload, 40 sessions open", truthSessions(n, 29, 40), all, workers))
+	if os.Getenv("SEMROUTE_THIRDPARTY_ONE") != "" {
+		return
+	}
 	// The same generator with n/4 sessions open: a working set larger than
 	// the fleet's memory.
 	t.Log(tpTable(t, "the same, n/4 sessions open", tpWork(n), all, workers))
