@@ -164,6 +164,7 @@ type Work struct {
 	Prefill int64 // estimated uncached prompt tokens
 	Tokens  int64 // prompt tokens
 	done    bool  // prefill finished
+	drained bool  // the engine finished it (Drained or End)
 }
 
 // Replica is one inference server.
@@ -191,8 +192,11 @@ type Replica struct {
 	models    atomic.Pointer[Models] // nil, or Served nil: not known yet
 	// maxRunning is Spec.MaxRunning; learned is the running count the
 	// engine last reported while it queued (0: none seen): see Capacity.
+	// engaged counts the requests in flight the engine has not finished
+	// (Begin to Drained or End).
 	maxRunning int64
 	learned    atomic.Int64
+	engaged    atomic.Int64
 	// activeDown is set by failed active health checks; draining by an
 	// operator removing the replica.
 	activeDown atomic.Bool
@@ -288,8 +292,9 @@ type recentWork struct {
 
 // Begin counts w as sent to the replica.
 func (r *Replica) Begin(w *Work) {
-	w.done = false
+	w.done, w.drained = false, false
 	r.inFlight.Add(1)
+	r.engaged.Add(1)
 	r.pending.Add(w.Prefill)
 	r.active.Add(w.Tokens)
 }
@@ -307,10 +312,21 @@ func (r *Replica) PrefillDone(w *Work, now time.Time) {
 	r.mu.Unlock()
 }
 
+// Drained counts w as finished by the replica's engine (its slot free),
+// though its client may still be reading the answer: it no longer counts
+// toward Saturated. Calling it again, or after End, does nothing.
+func (r *Replica) Drained(w *Work) {
+	if !w.drained {
+		w.drained = true
+		r.engaged.Add(-1)
+	}
+}
+
 // End counts the end of w at now, finishing its prefill if that was not
 // reported.
 func (r *Replica) End(w *Work, now time.Time) {
 	r.PrefillDone(w, now)
+	r.Drained(w)
 	r.inFlight.Add(-1)
 	r.active.Add(-w.Tokens)
 }
@@ -343,16 +359,22 @@ func (r *Replica) Capacity() int64 {
 const SaturatedKV = 0.98
 
 // Saturated reports whether the replica's engine would queue the next
-// request sent to it now: the requests in flight to it (this router's and,
-// in a fleet, its peers') reach its Capacity, or it reports requests
-// waiting, or its KV cache is SaturatedKV full. A replica of unknown
-// capacity that reports nothing is not saturated.
+// request sent to it now: its KV cache is SaturatedKV full, or, when its
+// Capacity is known, the requests in flight to it that its engine has not
+// finished (this router's and, in a fleet, its peers') reach it; when it is
+// not, the replica reports requests waiting. (A known capacity is read
+// against the router's own counts, which change with every request, not
+// against the waiting gauge, which is as old as the last scrape.) A
+// replica of unknown capacity that reports nothing is not saturated.
 func (r *Replica) Saturated() bool {
-	if c := r.Capacity(); c > 0 && r.inFlight.Load() >= c {
+	o := r.observed.Load()
+	if o != nil && o.KVUsage >= SaturatedKV {
 		return true
 	}
-	o := r.observed.Load()
-	return o != nil && (o.Waiting > 0 || o.KVUsage >= SaturatedKV)
+	if c := r.Capacity(); c > 0 {
+		return r.engaged.Load() >= c
+	}
+	return o != nil && o.Waiting > 0
 }
 
 // decayed returns the recent-work counter at now.

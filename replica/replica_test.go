@@ -122,3 +122,30 @@ func TestSaturated(t *testing.T) {
 		t.Error("a negative max_running was accepted")
 	}
 }
+
+// TestSaturatedByTheRoutersOwnCounts: with its capacity known, a replica
+// is saturated by the requests its engine has not finished, not by a
+// waiting gauge as old as the last scrape; a request the engine finished
+// (Drained) frees its slot while its client still reads.
+func TestSaturatedByTheRoutersOwnCounts(t *testing.T) {
+	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a", MaxRunning: 1}}, Options{}, ids())
+	r := p.Replicas()[0]
+	r.Observe(Observed{Running: 1, Waiting: 5}) // an old scrape
+	if r.Saturated() {
+		t.Fatal("saturated by a stale waiting gauge with nothing in flight")
+	}
+	var w Work
+	r.Begin(&w)
+	if !r.Saturated() {
+		t.Fatal("not saturated with its one slot taken")
+	}
+	r.Drained(&w)
+	r.Drained(&w)
+	if r.Saturated() || r.Load(time.Now()).InFlight != 1 {
+		t.Fatalf("after the engine finished: saturated %v, in flight %d", r.Saturated(), r.Load(time.Now()).InFlight)
+	}
+	r.End(&w, time.Now())
+	if r.engaged.Load() != 0 || r.Load(time.Now()).InFlight != 0 {
+		t.Fatalf("after the end: engaged %d, in flight %d", r.engaged.Load(), r.Load(time.Now()).InFlight)
+	}
+}

@@ -136,6 +136,7 @@ func (l *Lease) EngineDone(now time.Time) {
 	}
 	l.FirstToken(now) // the prefill ended too, if no token said so
 	l.state = LeaseDrained
+	l.rep.Drained(&l.work)
 	l.free(now)
 }
 
