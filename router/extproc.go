@@ -89,7 +89,8 @@ type ExtProcOptions struct {
 	// Limits returns the limits in force, per stream. Nil means the
 	// defaults.
 	Limits func() limits.Request
-	// RecordReplies and MaxReplyBytes: as ServerOptions'.
+	// RecordReplies, MaxReplyBytes and Priorities: as ServerOptions'.
+	Priorities    map[string]int
 	RecordReplies bool
 	MaxReplyBytes int
 	// Timeouts bound a stream's silences, as the HTTP front end's bound a
@@ -152,6 +153,7 @@ type epStream struct {
 
 	path, method, contentType, session, tenant string
 	subset                                     *endpointSet // the gateway's subset hint; nil: none
+	placing                                    http.Header  // the objective and fairness headers; nil: none
 	// body is the request's body so far; held is the room it holds in the
 	// service's budget (its capacity, in bytes), given back by dropBody.
 	body []byte
@@ -309,6 +311,11 @@ func (st *epStream) requestHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadata
 			st.session = v
 		case "x-tenant-id":
 			st.tenant = v
+		case "x-gateway-inference-objective", "x-llm-d-inference-objective", "x-gateway-inference-fairness-id", "x-llm-d-inference-fairness-id":
+			if st.placing == nil {
+				st.placing = http.Header{}
+			}
+			st.placing.Set(hv.GetKey(), v) // the queue's placement (Server.placement)
 		}
 	}
 	st.subset = subsetHint(md)
@@ -533,6 +540,8 @@ func (st *epStream) input() (in CoreRequest, fwd []byte, refused *apiError) {
 	in.Input = st.s.core.Prepare(st.srv.Context(), req, st.body, st.session)
 	in.Input.DetachText()
 	in.Model, in.Route = req.Model, "ext_proc"
+	in.Priority, in.Flow = placement(st.s.o.Priorities, st.placing.Get, st.tenant, req.User)
+	in.Bytes = int64(len(st.body))
 	if req.Stream && !req.StreamOptions && st.respMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
 		// As the HTTP front end: the replica is asked for the stream's
 		// usage, and its usage chunk is taken out of the client's stream

@@ -176,3 +176,29 @@ func TestHTTPFlowControl(t *testing.T) {
 		t.Fatalf("the second, which waited: %+v", a)
 	}
 }
+
+// TestPlacement: a request's priority comes from its objective header
+// (either spelling) through the configured map; its flow from its
+// fairness header, else its tenant, else its body's user.
+func TestPlacement(t *testing.T) {
+	prios := map[string]int{"interactive": 10, "best-effort": -1}
+	for _, tc := range []struct {
+		headers      map[string]string
+		tenant, user string
+		prio         int
+		flow         string
+	}{
+		{map[string]string{"X-Gateway-Inference-Objective": "interactive"}, "t", "u", 10, "t"},
+		{map[string]string{"X-Llm-D-Inference-Objective": "best-effort", "X-Llm-D-Inference-Fairness-Id": "f"}, "t", "u", -1, "f"},
+		{map[string]string{"X-Gateway-Inference-Objective": "unknown"}, "", "u", 0, "u"},
+		{nil, "", "", 0, ""},
+	} {
+		h := http.Header{}
+		for k, v := range tc.headers {
+			h.Set(k, v)
+		}
+		if p, f := placement(prios, h.Get, tc.tenant, tc.user); p != tc.prio || f != tc.flow {
+			t.Errorf("%v: priority %d, flow %q; want %d, %q", tc.headers, p, f, tc.prio, tc.flow)
+		}
+	}
+}

@@ -89,7 +89,7 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 		}
 	}
 	req.Recycle() // the parse is done with: its tree is not held while the response streams
-	prio, flowKey := s.placement(r, tenant, req.User)
+	prio, flowKey := placement(s.o.Priorities, r.Header.Get, tenant, req.User)
 	rt, err := s.core.Route(CoreRequest{Input: in, Model: req.Model, Session: sid, Tenant: tenant, Route: route,
 		Ctx: r.Context(), Priority: prio, Flow: flowKey, Bytes: int64(len(fwd.b))})
 	if err != nil {

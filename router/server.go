@@ -46,19 +46,19 @@ var (
 	fairnessHeaders  = []string{"X-Gateway-Inference-Fairness-Id", "X-Llm-D-Inference-Fairness-Id"}
 )
 
-// placement returns the priority and the flow of request r in the
-// router's queue: the priority its objective header names in
-// ServerOptions.Priorities (0 without one, or unknown); the flow its
+// placement returns the priority and the flow of a request in the
+// router's queue, its headers read by get: the priority its objective
+// header names in priorities (0 without one, or unknown); the flow its
 // fairness header names, else its tenant, else the body's user, else none.
-func (s *Server) placement(r *http.Request, tenant, user string) (priority int, flowKey string) {
+func placement(priorities map[string]int, get func(string) string, tenant, user string) (priority int, flowKey string) {
 	for _, h := range objectiveHeaders {
-		if v := r.Header.Get(h); v != "" {
-			priority = s.o.Priorities[v]
+		if v := get(h); v != "" {
+			priority = priorities[v]
 			break
 		}
 	}
 	for _, h := range fairnessHeaders {
-		if v := r.Header.Get(h); v != "" {
+		if v := get(h); v != "" {
 			return priority, v
 		}
 	}

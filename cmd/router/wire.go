@@ -342,7 +342,7 @@ func (a *app) start() (*running, error) {
 			Limits:      a.server.CurrentLimits,
 			Token:       func() string { return a.current.Load().GRPC.Token },
 			ExtProcOpen: func() bool { return a.current.Load().GRPC.ExtProcWithoutToken },
-			ExtProc: router.ExtProcOptions{RecordReplies: a.cfg.Routing.RecordReplies, Logger: a.log,
+			ExtProc: router.ExtProcOptions{RecordReplies: a.cfg.Routing.RecordReplies, Logger: a.log, Priorities: a.cfg.FlowControl.Priorities,
 				Timeouts: limits.Timeouts{FirstByte: a.cfg.Timeouts.FirstByte, Idle: a.cfg.Timeouts.Idle},
 				Budget:   router.NewBodyBudget(a.cfg.GRPC.ExtProcMaxBufferedBytes)},
 		}, grpc.MaxRecvMsgSize(int(a.cfg.Limits.MaxBodyBytes)), creds)
