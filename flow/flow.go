@@ -287,25 +287,39 @@ func (q *Queue) Dispatch(cost func(Item) float64) (*Ticket, bool) {
 	if top == nil {
 		return nil, false
 	}
+	f := top.leastServed()
+	t := q.cheapest(f, cost)
+	f.served += float64(max(t.Tokens, 1))
+	q.remove(t, nil)
+	return t, true
+}
+
+// leastServed returns the band's waiting flow of the least count (by key
+// among equals).
+func (b *band) leastServed() *flowState {
 	var f *flowState
-	for _, g := range top.flows {
+	for _, g := range b.flows {
 		if g.waiting.Len() > 0 && (f == nil || g.served < f.served || g.served == f.served && g.key < f.key) {
 			f = g
 		}
 	}
+	return f
+}
+
+// cheapest returns the request of least cost among f's LookAhead oldest,
+// or its oldest when it has waited AgeBound or cost is nil.
+func (q *Queue) cheapest(f *flowState, cost func(Item) float64) *Ticket {
 	t := f.waiting.Front().Value.(*Ticket)
-	if cost != nil && q.o.Now().Sub(t.enqueued) < q.o.AgeBound {
-		best := cost(t.Item)
-		i := 1
-		for e := f.waiting.Front().Next(); e != nil && i < q.o.LookAhead; e, i = e.Next(), i+1 {
-			if c := cost(e.Value.(*Ticket).Item); c < best {
-				t, best = e.Value.(*Ticket), c
-			}
+	if cost == nil || q.o.Now().Sub(t.enqueued) >= q.o.AgeBound {
+		return t
+	}
+	best, i := cost(t.Item), 1
+	for e := f.waiting.Front().Next(); e != nil && i < q.o.LookAhead; e, i = e.Next(), i+1 {
+		if c := cost(e.Value.(*Ticket).Item); c < best {
+			t, best = e.Value.(*Ticket), c
 		}
 	}
-	f.served += float64(max(t.Tokens, 1))
-	q.remove(t, nil)
-	return t, true
+	return t
 }
 
 // Expire ends the requests that have waited the TTL with ErrExpired and
@@ -321,13 +335,14 @@ func (q *Queue) Expire() int {
 				delete(b.flows, k)
 				continue
 			}
-			for e := f.waiting.Front(); e != nil; {
+			for e := f.waiting.Front(); e != nil; { // oldest first: the rest are younger
 				t := e.Value.(*Ticket)
-				e = e.Next()
-				if now.Sub(t.enqueued) >= q.o.TTL {
-					q.remove(t, ErrExpired)
-					n++
+				if now.Sub(t.enqueued) < q.o.TTL {
+					break
 				}
+				e = e.Next()
+				q.remove(t, ErrExpired)
+				n++
 			}
 		}
 		if b.n == 0 && len(b.flows) == 0 {

@@ -51,6 +51,20 @@ func (p Params) Decode(into any) error {
 	return nil
 }
 
+// DecodeOver decodes p over def, a plugin's parameters at their defaults,
+// and checks the result with valid, if any.
+func DecodeOver[T any](p Params, def T, valid func(*T) error) (T, error) {
+	if err := p.Decode(&def); err != nil {
+		return def, err
+	}
+	if valid != nil {
+		if err := valid(&def); err != nil {
+			return def, err
+		}
+	}
+	return def, nil
+}
+
 // Names returns the parameter names of a params struct (or a pointer to
 // one): its fields' json names. Nil for anything else.
 func Names(params any) []string {

@@ -510,15 +510,9 @@ func (e *engineDecider) decide(i int, now int64) (int, int, int, error) {
 		delete(e.held, i)
 	}
 	hold := e.queue != nil && !waited && req.Logged == nil
-	ri := routing.Request{Blocks: req.Blocks, Key: req.Key, Text: req.Text, Policy: e.pol, Hold: hold}
-	if waited {
-		ri.Allow = routing.WithRoom // its turn came with a free slot: to a replica with room
-	}
+	// A request whose turn came with a free slot goes to a replica with room.
+	ri := routing.Request{Blocks: req.Blocks, Key: req.Key, Text: req.Text, Policy: e.pol, Hold: hold, Room: waited}
 	d, err := e.eng.Decide(ri, true)
-	if errors.Is(err, routing.ErrNoReplica) && waited {
-		ri.Allow = nil
-		d, err = e.eng.Decide(ri, true)
-	}
 	if err != nil {
 		return 0, 0, 0, err
 	}

@@ -21,7 +21,6 @@ import (
 	"github.com/semroute/semroute/decisionlog"
 	"github.com/semroute/semroute/flow"
 	"github.com/semroute/semroute/limits"
-	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 	"github.com/semroute/semroute/tokenizer"
 )
@@ -279,7 +278,6 @@ type Routed struct {
 	start  time.Time
 	first  time.Time // first response byte; zero until then
 	once   sync.Once
-	freed  atomic.Bool // its replica's slot was offered to the queue
 }
 
 // Route assigns an arm and decides. Unless req.DryRun, the decision is
@@ -301,14 +299,8 @@ func (c *Core) Route(req CoreRequest) (*Routed, error) {
 		if err != nil {
 			return nil, err
 		}
-		req.Input.Hold = false // its turn came with a free slot: to the best replica with room
-		allow := req.Input.Allow
-		req.Input.Allow = func(r *replica.Replica) bool { return routing.WithRoom(r) && (allow == nil || allow(r)) }
+		req.Input.Hold, req.Input.Room = false, true // its turn came with a free slot: to the best replica with room
 		d, err = c.e.Decide(req.Input, true)
-		if errors.Is(err, routing.ErrNoReplica) { // the room went to another: the best replica, saturated or not
-			req.Input.Allow = allow
-			d, err = c.e.Decide(req.Input, true)
-		}
 	}
 	if errors.Is(err, routing.ErrUnknownModel) && c.o.RefreshModels != nil {
 		ctx, cancel := context.WithTimeout(context.Background(), modelsRefreshWait)
@@ -362,8 +354,10 @@ func (c *Core) Failover(rt *Routed, next int) bool {
 // evict, though the client may still be reading. Finish does it if this
 // was not called.
 func (c *Core) EngineDone(rt *Routed) {
-	rt.Lease().EngineDone(c.e.Now())
-	c.freed(rt)
+	if l := rt.Lease(); l.State() < routing.LeaseDrained {
+		l.EngineDone(c.e.Now())
+		c.freed(rt)
+	}
 }
 
 // wait queues req, whose decision d every replica would queue, and waits
@@ -390,17 +384,20 @@ func (c *Core) wait(req *CoreRequest, d *routing.Decision) (time.Duration, error
 	return waited, nil
 }
 
-// freed offers the slot rt's request held on its replica, once, to the
-// router's queue: the waiting request that would compute least there goes.
+// freed offers the slot rt's request held on its replica to the router's
+// queue: the waiting request that would compute least there goes. The
+// lease's drain (EngineDone, or End without it) calls it once.
 func (c *Core) freed(rt *Routed) {
-	if c.o.Queue == nil || rt.req.PassThrough || rt.freed.Swap(true) {
-		return
+	if c.o.Queue != nil && !rt.req.PassThrough {
+		c.offer(rt.Served.Replica.ID)
 	}
-	if n, _ := c.o.Queue.Len(); n == 0 {
-		return
-	}
-	id := rt.Served.Replica.ID
-	c.o.Queue.Dispatch(func(it flow.Item) float64 { return it.Value.(*routing.Decision).Uncached(id) })
+}
+
+// offer gives the router's queue a slot on replica id, and reports whether
+// a waiting request took it.
+func (c *Core) offer(id int) bool {
+	_, ok := c.o.Queue.Dispatch(func(it flow.Item) float64 { return it.Value.(*routing.Decision).Uncached(id) })
+	return ok
 }
 
 // dispatchFree offers the queue a slot on each replica that is not
@@ -410,13 +407,10 @@ func (c *Core) dispatchFree() {
 	if c.o.Queue == nil {
 		return
 	}
+	now := time.Now()
 	for _, r := range c.e.Pool().Replicas() {
-		if n, _ := c.o.Queue.Len(); n == 0 {
-			return
-		}
-		if !r.Saturated() && r.Available(time.Now()) {
-			id := r.ID
-			c.o.Queue.Dispatch(func(it flow.Item) float64 { return it.Value.(*routing.Decision).Uncached(id) })
+		if !r.Saturated() && r.Available(now) && !c.offer(r.ID) {
+			return // nothing waits
 		}
 	}
 }
@@ -430,8 +424,11 @@ type Outcome = decisionlog.Outcome
 func (c *Core) Finish(rt *Routed, o Outcome, reply []byte) {
 	defer c.e.Recycle(rt.Decision) // after the decision log's record read the candidates
 	now := c.e.Now()
+	drained := rt.Lease().State() >= routing.LeaseDrained // the slot was offered then
 	rt.Lease().End(now)
-	c.freed(rt)
+	if !drained {
+		c.freed(rt)
+	}
 	if o.PromptTokens > 0 && o.Status == 200 && !rt.req.PassThrough {
 		c.e.ObserveUsage(rt.req.Model, rt.Decision, int(o.PromptTokens))
 		if c.o.Agreement != nil {

@@ -175,11 +175,10 @@ type Decision struct {
 	// the request was ranked (replica.Replica.Saturated): its engine will
 	// queue it. Held: Request.Hold kept it from being recorded.
 	Saturated, Held bool
-	// served is the id of the replica now serving it, leaseOf its
-	// candidate, lease its time there (set by Commit).
-	served  int
-	leaseOf *Candidate
-	lease   Lease
+	// served is the id of the replica now serving it, lease its time
+	// there (set by Commit).
+	served int
+	lease  Lease
 
 	pooled  bool              // Blocks came from the block pool
 	learned []blockhash.Block // LearnReply's chain, from the block pool
@@ -248,6 +247,10 @@ type Request struct {
 	// decide it again once a replica frees (package flow). Drop the held
 	// decision; the request's blocks stay with the request.
 	Hold bool
+	// Room makes candidates of only the replicas that are not saturated,
+	// or of all as usual if none has room: a request the router's queue
+	// held, whose turn came with a free slot.
+	Room bool
 	// Model is the model the request names. A replica whose models are
 	// known and do not include it is not a candidate; among those that
 	// serve it as a LoRA adapter, the ones with it loaded rank first, then
@@ -407,7 +410,7 @@ func (e *Engine) Decide(ri Request, record bool) (*Decision, error) {
 	if e.o.Matcher != nil && ri.Text != nil {
 		sketch = e.o.Matcher.Sketch(ri.Model, ri.Text)
 	}
-	in, err := e.rank(d, pol, ri.Allow, ri.Model, sketch)
+	in, err := e.rank(d, pol, ri.Allow, ri.Room, ri.Model, sketch)
 	if err != nil {
 		return nil, err
 	}
@@ -490,24 +493,17 @@ func (e *Engine) view(d *Decision) *View {
 // request may use (gather: model and adapter, availability, panic mode),
 // each one's credit (credit; creditDonors), then the policy's score and
 // the rank.
-func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool, model string, sketch []uint64) (*View, error) {
+func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool, room bool, model string, sketch []uint64) (*View, error) {
 	sc, _ := scratchPool.Get().(*scratch)
 	if sc == nil {
 		sc = &scratch{}
 	}
 	defer scratchPool.Put(sc)
 	e.lookup(d, sc)
-	g := gathering{e: e, d: d, sc: sc, reps: e.pool.Replicas(), now: e.o.Now(), allow: allow, model: model,
+	g := gathering{e: e, d: d, sc: sc, reps: e.pool.Replicas(), now: e.o.Now(), allow: allow, onlyRoom: room, model: model,
 		adapter: model != "" && e.isAdapter(model), reuses: e.reuses.load()}
 	d.Candidates = newCandidates(len(g.reps))
-	// Passive ejection is a guess from failures that may have been the
-	// requests' own: when it has taken out every replica the request could
-	// use, gather runs again panicking, and those take it (as Envoy's panic
-	// mode) rather than the router refusing every request until a
-	// cool-down ends. Active health checks and draining still rule.
-	if ejected := g.gather(false); g.n == 0 && ejected {
-		g.gather(true)
-	}
+	g.all()
 	d.Candidates = d.Candidates[:g.n]
 	d.Saturated = g.n > 0 && !g.room
 	if g.reuses.donors && sketch != nil {
@@ -555,8 +551,26 @@ type gathering struct {
 	adapter         bool // the model is a LoRA adapter somewhere: its replicas are ranked
 	n               int  // candidates filled
 	unknown, served bool
+	onlyRoom        bool      // Request.Room: only replicas that are not saturated
 	room            bool      // some candidate's replica is not saturated
 	reuses          *reuseSet // the replicas' Reuse, one snapshot for the decision
+}
+
+// all fills d.Candidates. Passive ejection is a guess from failures that
+// may have been the requests' own: when it has taken out every replica the
+// request could use, gather runs again panicking, and those take it (as
+// Envoy's panic mode) rather than the router refusing every request until
+// a cool-down ends. Active health checks and draining still rule. A
+// request asking for room (Request.Room) where no replica has any is
+// gathered again as any other.
+func (g *gathering) all() {
+	if ejected := g.gather(false); g.n == 0 && ejected {
+		g.gather(true)
+	}
+	if g.n == 0 && g.onlyRoom {
+		g.onlyRoom = false
+		g.all()
+	}
 }
 
 // gather fills d.Candidates from the replicas the request may use and
@@ -565,7 +579,7 @@ type gathering struct {
 func (g *gathering) gather(panicking bool) (ejected bool) {
 	for _, r := range g.reps {
 		rank, ok := g.models(r)
-		if !ok || (g.allow != nil && !g.allow(r)) {
+		if !ok || (g.allow != nil && !g.allow(r)) || (g.onlyRoom && r.Saturated()) {
 			continue
 		}
 		if !r.Available(g.now) {
@@ -725,10 +739,6 @@ func putBlocks(b []blockhash.Block) {
 		blockPool.put(b)
 	}
 }
-
-// WithRoom allows the replicas that are not saturated: a Request.Allow for
-// a request the router's queue held, whose turn came with a free slot.
-func WithRoom(r *replica.Replica) bool { return !r.Saturated() }
 
 // Uncached returns the prompt tokens d's request would compute on replica
 // id, as d saw it (its candidate's match and reuse; the whole prompt where

@@ -37,7 +37,8 @@ import (
 type Lease struct {
 	e     *Engine
 	rep   *replica.Replica
-	d     *Decision // this router's decision, told to the Sync; nil for a peer's
+	d     *Decision  // this router's decision, told to the Sync; nil for a peer's
+	c     *Candidate // d's candidate now serving it, told to the Sync
 	work  replica.Work
 	pins  cachemodel.Pins
 	state LeaseState
@@ -95,11 +96,10 @@ func (l *Lease) Pinned() (blocks int, tokens int64) {
 }
 
 // begin records blocks on r and, when pin, pins them; counts w (its
-// Tokens recomputed under SharedActive when shared) on r. A lease still
-// live is ended first: a lease is begun again for a failover.
-func (l *Lease) begin(e *Engine, r *replica.Replica, d *Decision, blocks []blockhash.Block, w replica.Work, pin, shared bool, now time.Time) {
-	l.End(now)
-	*l = Lease{e: e, rep: r, d: d, work: w, blocks: blocks, shared: shared && e.active != nil, state: LeasePrefill}
+// Tokens recomputed under SharedActive when shared) on r. l is idle or
+// ended (Commit ends a live one first).
+func (l *Lease) begin(e *Engine, r *replica.Replica, d *Decision, c *Candidate, blocks []blockhash.Block, w replica.Work, pin, shared bool, now time.Time) {
+	*l = Lease{e: e, rep: r, d: d, c: c, work: w, blocks: blocks, shared: shared && e.active != nil, state: LeasePrefill}
 	switch {
 	case len(blocks) == 0:
 	case pin:
@@ -123,7 +123,7 @@ func (l *Lease) FirstToken(now time.Time) {
 	l.state = LeaseDecode
 	l.rep.PrefillDone(&l.work, now)
 	if l.d != nil && l.e.sync != nil {
-		l.e.sync.PrefillDone(l.d, l.d.leaseOf)
+		l.e.sync.PrefillDone(l.d, l.c)
 	}
 }
 
@@ -171,7 +171,7 @@ func (l *Lease) End(now time.Time) {
 	}
 	l.state = LeaseEnded
 	if l.d != nil && l.e.sync != nil {
-		l.e.sync.Done(l.d, l.d.leaseOf)
+		l.e.sync.Done(l.d, l.c)
 	}
 }
 
@@ -187,7 +187,7 @@ func (e *Engine) PeerLease(r *replica.Replica, blocks []blockhash.Block, w repli
 	if pin {
 		blocks = append([]blockhash.Block(nil), blocks...)
 	}
-	l.begin(e, r, nil, blocks, w, pin, false, now)
+	l.begin(e, r, nil, nil, blocks, w, pin, false, now)
 	return l
 }
 
@@ -201,14 +201,14 @@ func (l *Lease) Kept() int { return len(l.blocks) }
 func (e *Engine) Commit(d *Decision, c *Candidate) {
 	now := e.o.Now()
 	d.lease.End(now) // a lease still live ends where it was
-	d.served, d.leaseOf = c.Replica.ID, c
+	d.served = c.Replica.ID
 	e.reuses.of(c.Replica.ID).committed(e.pic, d, c, now.UnixNano())
 	prefill := max(int64(d.Tokens-c.Match.Tokens)-int64(c.Reuse), 0)
 	var tokens int64
 	for _, b := range d.Blocks {
 		tokens += int64(b.Tokens)
 	}
-	d.lease.begin(e, c.Replica, d, d.Blocks, replica.Work{Prefill: prefill, Tokens: tokens}, true, true, now)
+	d.lease.begin(e, c.Replica, d, c, d.Blocks, replica.Work{Prefill: prefill, Tokens: tokens}, true, true, now)
 	if e.sync != nil {
 		e.sync.Committed(d, c)
 	}

@@ -9,6 +9,7 @@ import (
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
+	"github.com/semroute/semroute/plugin"
 	"github.com/semroute/semroute/replica"
 )
 
@@ -168,7 +169,7 @@ func nonNegative(names []string, vals ...float64) error {
 func init() {
 	RegisterPolicy(PolicyPlugin{Name: "semantic", Params: PrefixCostParams{},
 		New: func(p Params, _ uint64) (Policy, error) {
-			c, err := decodeParams(p, DefaultPrefixCostParams(), (*PrefixCostParams).valid)
+			c, err := plugin.DecodeOver(p, DefaultPrefixCostParams(), (*PrefixCostParams).valid)
 			return &PrefixCost{cfg: c}, err
 		}})
 	RegisterPolicy(PolicyPlugin{Name: "round_robin",
@@ -181,7 +182,7 @@ func init() {
 		New: func(_ Params, seed uint64) (Policy, error) { return &PowerOfTwo{rng: newSeededRand(seed)}, nil }})
 	RegisterPolicy(PolicyPlugin{Name: "consistent_hash", Params: ConsistentHashParams{},
 		New: func(p Params, _ uint64) (Policy, error) {
-			c, err := decodeParams(p, ConsistentHashParams{VirtualNodes: 160}, func(c *ConsistentHashParams) error {
+			c, err := plugin.DecodeOver(p, ConsistentHashParams{VirtualNodes: 160}, func(c *ConsistentHashParams) error {
 				if c.VirtualNodes < 1 || c.VirtualNodes > 1<<16 {
 					return fmt.Errorf("virtual_nodes must be in [1, 65536], not %d", c.VirtualNodes)
 				}
@@ -191,7 +192,7 @@ func init() {
 		}})
 	RegisterPolicy(PolicyPlugin{Name: "sglang", Params: SGLangParams{},
 		New: func(p Params, _ uint64) (Policy, error) {
-			c, err := decodeParams(p, SGLangParams{CacheThreshold: 0.3, BalanceAbsThreshold: 64, BalanceRelThreshold: 1.5}, func(c *SGLangParams) error {
+			c, err := plugin.DecodeOver(p, SGLangParams{CacheThreshold: 0.3, BalanceAbsThreshold: 64, BalanceRelThreshold: 1.5}, func(c *SGLangParams) error {
 				if !(c.CacheThreshold >= 0 && c.CacheThreshold <= 1) || !(c.BalanceRelThreshold >= 1) {
 					return fmt.Errorf("cache_threshold must be in [0, 1] and balance_rel_threshold ≥ 1")
 				}
@@ -201,28 +202,28 @@ func init() {
 		}})
 	RegisterPolicy(PolicyPlugin{Name: "dynamo", Params: DynamoParams{},
 		New: func(p Params, seed uint64) (Policy, error) {
-			c, err := decodeParams(p, DynamoParams{OverlapWeight: 1}, func(c *DynamoParams) error {
+			c, err := plugin.DecodeOver(p, DynamoParams{OverlapWeight: 1}, func(c *DynamoParams) error {
 				return nonNegative([]string{"overlap_weight", "temperature"}, c.OverlapWeight, c.Temperature)
 			})
 			return &Dynamo{p: c, rng: newSeededRand(seed)}, err
 		}})
 	RegisterPolicy(PolicyPlugin{Name: "llmd", Aliases: []string{"llm-d"}, Params: LLMDParams{},
 		New: func(p Params, _ uint64) (Policy, error) {
-			c, err := decodeParams(p, LLMDParams{PrefixWeight: 3, QueueWeight: 2, KVWeight: 2}, func(c *LLMDParams) error {
+			c, err := plugin.DecodeOver(p, LLMDParams{PrefixWeight: 3, QueueWeight: 2, KVWeight: 2}, func(c *LLMDParams) error {
 				return nonNegative([]string{"prefix_weight", "queue_weight", "kv_weight"}, c.PrefixWeight, c.QueueWeight, c.KVWeight)
 			})
 			return &LLMD{p: c}, err
 		}})
 	RegisterPolicy(PolicyPlugin{Name: "aibrix", Params: AIBrixParams{},
 		New: func(p Params, _ uint64) (Policy, error) {
-			c, err := decodeParams(p, AIBrixParams{ImbalanceCount: 16, StdDevFactor: 2}, func(c *AIBrixParams) error {
+			c, err := plugin.DecodeOver(p, AIBrixParams{ImbalanceCount: 16, StdDevFactor: 2}, func(c *AIBrixParams) error {
 				return nonNegative([]string{"imbalance_count", "std_dev_factor"}, c.ImbalanceCount, c.StdDevFactor)
 			})
 			return &AIBrix{p: c}, err
 		}})
 	RegisterPolicy(PolicyPlugin{Name: "semantickv", Params: SemanticKVParams{},
 		New: func(p Params, _ uint64) (Policy, error) {
-			c, err := decodeParams(p, SemanticKVParams{SessionBonusTokens: 512, LoadWeight: 1, Sessions: 65536}, func(c *SemanticKVParams) error {
+			c, err := plugin.DecodeOver(p, SemanticKVParams{SessionBonusTokens: 512, LoadWeight: 1, Sessions: 65536}, func(c *SemanticKVParams) error {
 				if c.Sessions < 1 || c.Sessions > 1<<24 {
 					return fmt.Errorf("sessions must be in [1, 16777216], not %d", c.Sessions)
 				}

@@ -98,17 +98,3 @@ func NewPolicy(s PolicySpec) (Policy, error) {
 	}
 	return pol, nil
 }
-
-// decodeParams decodes p over def (the defaults) and checks the result
-// with valid, if any.
-func decodeParams[T any](p Params, def T, valid func(*T) error) (T, error) {
-	if err := p.Decode(&def); err != nil {
-		return def, err
-	}
-	if valid != nil {
-		if err := valid(&def); err != nil {
-			return def, err
-		}
-	}
-	return def, nil
-}
