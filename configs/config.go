@@ -78,8 +78,8 @@ type FlowControlConfig struct {
 	MaxBytes    int64         `mapstructure:"max_bytes" json:"max_bytes"`
 	TTL         time.Duration `mapstructure:"ttl" json:"ttl"`
 	// LookAhead is how many of a flow's oldest requests a freed replica
-	// compares; AgeBound the wait past which the oldest goes first.
-	// Defaults 8 and 2 s.
+	// compares; AgeBound how much younger than the oldest a request may be
+	// and still go before it. Defaults 32 and 2 s.
 	LookAhead int           `mapstructure:"look_ahead" json:"look_ahead"`
 	AgeBound  time.Duration `mapstructure:"age_bound" json:"age_bound"`
 	// Priorities maps an inference objective (the x-gateway-inference-

@@ -2,8 +2,8 @@
 // every replica they could use is saturated, dispatched one at a time as
 // replicas free, by priority first, fairly between flows within a
 // priority, and within a flow to the waiting request that gains most from
-// the replica that freed (a bounded look-ahead, never past the oldest
-// request's age bound). It bounds what it holds by requests, bytes and
+// the replica that freed (a bounded look-ahead, passing a request only
+// with requests at most an age bound younger). It bounds what it holds by requests, bytes and
 // time, and sheds lower priorities first; a sheddable request (negative
 // priority, as in the Gateway API Inference Extension's objectives) is
 // never queued.
@@ -17,9 +17,12 @@
 package flow
 
 import (
+	"cmp"
 	"container/list"
 	"context"
 	"errors"
+	"math"
+	"slices"
 	"sync"
 	"time"
 )
@@ -43,7 +46,7 @@ const (
 	DefaultTTL         = 60 * time.Second
 	DefaultMaxRequests = 5000
 	DefaultMaxBytes    = 1 << 30
-	DefaultLookAhead   = 8
+	DefaultLookAhead   = 32
 	DefaultAgeBound    = 2 * time.Second
 )
 
@@ -54,25 +57,29 @@ type Options struct {
 	// TTL is the longest a request waits.
 	TTL time.Duration
 	// LookAhead is how many of a flow's oldest requests Dispatch compares
-	// by cost; AgeBound the wait past which a flow's oldest goes first,
-	// whatever its cost.
+	// by cost; AgeBound how much younger than the oldest a request may be
+	// and still go before it (the longest a request is delayed by the
+	// cheaper ones queued after it, per request ahead of it).
 	LookAhead int
 	AgeBound  time.Duration
 	// Now is the clock; nil means time.Now.
 	Now func() time.Time
-	// OnLost, if set, is called when a request Dispatch took had already
-	// left (its context ended at the same moment): the slot it was given
-	// is free again, and the caller should dispatch once more.
-	OnLost func()
+	// OnLost, if set, is called with Dispatch's grant when a request
+	// Dispatch took had already left (its context ended at the same
+	// moment): the slot it was given is free again, and the caller should
+	// dispatch once more.
+	OnLost func(grant any)
 }
 
 // Item is a request that waits: its priority (higher first), its flow
-// (fairness within a priority), its body's bytes (the bound), its tokens
-// (what its flow is charged when it is dispatched) and the caller's value,
-// which Dispatch's cost reads.
+// (fairness within a priority), its home (the slot it waits for: a
+// replica's ID, as in that engine's own queue), its body's bytes (the
+// bound), its tokens (what its flow is charged when it is dispatched) and
+// the caller's value, which Dispatch's cost reads.
 type Item struct {
 	Priority int
 	Flow     string
+	Home     int
 	Bytes    int64
 	Tokens   int64
 	Value    any
@@ -82,20 +89,27 @@ type Item struct {
 type Ticket struct {
 	Item
 	enqueued time.Time
+	grant    any        // Dispatch's, set before the verdict
 	done     chan error // buffered: the one verdict
 	q        *Queue
 	el       *list.Element // in its flow's list; nil once out
+	homeEl   *list.Element // in its flow's list for its home
 	f        *flowState
 }
 
 // Enqueued returns when the request was queued.
 func (t *Ticket) Enqueued() time.Time { return t.enqueued }
 
+// Grant returns what Dispatch gave the request with its turn (the slot
+// kept for it); read it after Wait returned nil.
+func (t *Ticket) Grant() any { return t.grant }
+
 type flowState struct {
 	key     string
 	band    *band
-	waiting *list.List // of *Ticket, oldest first
-	served  float64    // tokens dispatched (the virtual token counter)
+	waiting *list.List         // of *Ticket, oldest first
+	homes   map[int]*list.List // the same, by home
+	served  float64            // tokens dispatched (the virtual token counter)
 }
 
 type band struct {
@@ -112,6 +126,16 @@ type Queue struct {
 	bands map[int]*band
 	n     int
 	bytes int64
+	gen   uint64 // changes with every request queued or gone (Generation)
+}
+
+// Generation returns a number that changes whenever a request is queued
+// or leaves the queue: a caller whose offer nobody took may skip offering
+// again until it changes.
+func (q *Queue) Generation() uint64 {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.gen
 }
 
 // New returns an empty Queue.
@@ -166,7 +190,7 @@ func (q *Queue) Enqueue(it Item) (*Ticket, error) {
 	}
 	f := b.flows[it.Flow]
 	if f == nil {
-		f = &flowState{key: it.Flow, band: b, waiting: list.New()}
+		f = &flowState{key: it.Flow, band: b, waiting: list.New(), homes: map[int]*list.List{}}
 		b.flows[it.Flow] = f
 	}
 	if f.waiting.Len() == 0 { // starts waiting: no credit for the time it did not ask
@@ -175,9 +199,16 @@ func (q *Queue) Enqueue(it Item) (*Ticket, error) {
 	}
 	t := &Ticket{Item: it, enqueued: q.o.Now(), done: make(chan error, 1), q: q, f: f}
 	t.el = f.waiting.PushBack(t)
+	h := f.homes[it.Home]
+	if h == nil {
+		h = list.New()
+		f.homes[it.Home] = h
+	}
+	t.homeEl = h.PushBack(t)
 	b.n++
 	q.n++
 	q.bytes += it.Bytes
+	q.gen++
 	return t, nil
 }
 
@@ -237,9 +268,16 @@ func (q *Queue) remove(t *Ticket, err error) {
 	}
 	t.f.waiting.Remove(t.el)
 	t.el = nil
+	if h := t.f.homes[t.Home]; h != nil {
+		h.Remove(t.homeEl)
+		if h.Len() == 0 {
+			delete(t.f.homes, t.Home)
+		}
+	}
 	t.f.band.n--
 	q.n--
 	q.bytes -= t.Bytes
+	q.gen++
 	if t.f.band.forgettable(t.f) {
 		delete(t.f.band.flows, t.f.key)
 	}
@@ -264,59 +302,89 @@ func (t *Ticket) Wait(ctx context.Context) error {
 	t.q.remove(t, ctx.Err()) // out, unless a verdict came first
 	t.q.mu.Unlock()
 	if err := <-t.done; err == nil && t.q.o.OnLost != nil {
-		t.q.o.OnLost() // dispatched as it left: the slot is free again
+		t.q.o.OnLost(t.grant) // dispatched as it left: the slot is free again
 	}
 	return ctx.Err()
 }
 
-// Dispatch takes the next request for a replica that has freed and
+// Dispatch takes the next request for a slot that freed on home and
 // reports whether there was one: the highest priority waiting, within it
-// the flow served least, within that flow the request of least cost
-// among its LookAhead oldest, unless its oldest has waited AgeBound. cost
-// reads an Item's Value (the same unit as routing's: the prefill tokens it
-// would compute there); nil takes the oldest.
-func (q *Queue) Dispatch(cost func(Item) float64) (*Ticket, bool) {
+// the flow served least, and within that flow its oldest request waiting
+// for home, as in that engine's own queue; a flow with none there gives
+// the slot to its request of least cost among its LookAhead oldest queued
+// within AgeBound of its oldest (taking it from the home it waits for).
+// cost reads an Item's Value (the same unit as routing's: the prefill
+// tokens it would compute on home beyond what it would on its own); an
+// infinite cost means the request is better off waiting for its own home,
+// and the next flow, then the next priority, is looked at; nil takes the
+// oldest. The request's Ticket.Grant returns grant.
+func (q *Queue) Dispatch(home int, cost func(Item) float64, grant any) (*Ticket, bool) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	var top *band
+	bands := make([]*band, 0, len(q.bands))
 	for _, b := range q.bands {
-		if b.n > 0 && (top == nil || b.priority > top.priority) {
-			top = b
+		if b.n > 0 {
+			bands = append(bands, b)
 		}
 	}
-	if top == nil {
-		return nil, false
+	slices.SortFunc(bands, func(a, b *band) int { return cmp.Compare(b.priority, a.priority) })
+	budget := 2 * q.o.LookAhead // costs computed at most, whatever the flows
+	for _, b := range bands {
+		for _, f := range b.byServed() {
+			t := (*Ticket)(nil)
+			if h := f.homes[home]; h != nil {
+				t = h.Front().Value.(*Ticket)
+			} else if budget > 0 {
+				t = q.cheapest(f, cost, &budget)
+			}
+			if t != nil {
+				f.served += float64(max(t.Tokens, 1))
+				t.grant = grant
+				q.remove(t, nil)
+				return t, true
+			}
+		}
 	}
-	f := top.leastServed()
-	t := q.cheapest(f, cost)
-	f.served += float64(max(t.Tokens, 1))
-	q.remove(t, nil)
-	return t, true
+	return nil, false
 }
 
-// leastServed returns the band's waiting flow of the least count (by key
+// byServed returns the band's waiting flows, least served first (by key
 // among equals).
-func (b *band) leastServed() *flowState {
-	var f *flowState
+func (b *band) byServed() []*flowState {
+	fs := make([]*flowState, 0, len(b.flows))
 	for _, g := range b.flows {
-		if g.waiting.Len() > 0 && (f == nil || g.served < f.served || g.served == f.served && g.key < f.key) {
-			f = g
+		if g.waiting.Len() > 0 {
+			fs = append(fs, g)
 		}
 	}
-	return f
+	slices.SortFunc(fs, func(f, g *flowState) int {
+		return cmp.Or(cmp.Compare(f.served, g.served), cmp.Compare(f.key, g.key))
+	})
+	return fs
 }
 
-// cheapest returns the request of least cost among f's LookAhead oldest,
-// or its oldest when it has waited AgeBound or cost is nil.
-func (q *Queue) cheapest(f *flowState, cost func(Item) float64) *Ticket {
-	t := f.waiting.Front().Value.(*Ticket)
-	if cost == nil || q.o.Now().Sub(t.enqueued) >= q.o.AgeBound {
-		return t
+// cheapest returns the request of least finite cost among f's LookAhead
+// oldest that were queued within AgeBound of its oldest (the first of
+// equals), nil if none has a finite cost, or its oldest when cost is nil;
+// each cost computed takes one from budget. So a request is passed over
+// only by requests at most AgeBound younger than itself, or while it waits
+// for its own replica.
+func (q *Queue) cheapest(f *flowState, cost func(Item) float64, budget *int) *Ticket {
+	first := f.waiting.Front().Value.(*Ticket)
+	if cost == nil {
+		return first
 	}
-	best, i := cost(t.Item), 1
-	for e := f.waiting.Front().Next(); e != nil && i < q.o.LookAhead; e, i = e.Next(), i+1 {
-		if c := cost(e.Value.(*Ticket).Item); c < best {
-			t, best = e.Value.(*Ticket), c
+	until := first.enqueued.Add(q.o.AgeBound)
+	var t *Ticket
+	best, i := math.Inf(1), 0
+	for e := f.waiting.Front(); e != nil && i < q.o.LookAhead && *budget > 0; e, i = e.Next(), i+1 {
+		u := e.Value.(*Ticket)
+		if u.enqueued.After(until) {
+			break
+		}
+		*budget--
+		if c := cost(u.Item); c < best {
+			t, best = u, c
 		}
 	}
 	return t

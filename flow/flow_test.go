@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"sync"
 	"testing"
@@ -28,7 +29,7 @@ func enqueue(t *testing.T, q *Queue, p int, flow string, v any) *Ticket {
 func order(q *Queue, cost func(Item) float64) string {
 	var out []string
 	for {
-		tk, ok := q.Dispatch(cost)
+		tk, ok := q.Dispatch(-1, cost, nil)
 		if !ok {
 			return strings.Join(out, " ")
 		}
@@ -62,8 +63,8 @@ func TestIdleFlowIsLifted(t *testing.T) {
 	for i := range 3 {
 		enqueue(t, q, 0, "a", fmt.Sprint("a", i))
 	}
-	q.Dispatch(nil)
-	q.Dispatch(nil) // a has been served 200 tokens
+	q.Dispatch(-1, nil, nil)
+	q.Dispatch(-1, nil, nil) // a has been served 200 tokens
 	enqueue(t, q, 0, "b", "b0")
 	enqueue(t, q, 0, "b", "b1")
 	enqueue(t, q, 0, "b", "b2")
@@ -73,25 +74,72 @@ func TestIdleFlowIsLifted(t *testing.T) {
 	}
 }
 
-// Within a flow the cheapest of the LookAhead oldest goes, unless the
-// oldest has waited AgeBound.
+// Within a flow the cheapest of the LookAhead oldest goes, among those
+// queued within AgeBound of the oldest, however long all have waited.
 func TestLookAheadAndAgeBound(t *testing.T) {
 	c := &clock{t: time.Unix(0, 0)}
 	q := New(Options{Now: c.now, LookAhead: 3, AgeBound: time.Second})
 	for i, cost := range []float64{50, 40, 10, 0} {
 		enqueue(t, q, 0, "f", fmt.Sprintf("r%d:%v", i, cost))
 	}
+	c.t = c.t.Add(2 * time.Second)
+	enqueue(t, q, 0, "f", "late:0")
 	cost := func(it Item) float64 {
 		var v float64
 		fmt.Sscanf(strings.Split(it.Value.(string), ":")[1], "%g", &v)
 		return v
 	}
-	if tk, _ := q.Dispatch(cost); tk.Value != "r2:10" {
+	c.t = c.t.Add(time.Minute) // everyone has waited long: the choice is the same
+	if tk, _ := q.Dispatch(-1, cost, nil); tk.Value != "r2:10" {
 		t.Fatalf("took %v, want the cheapest of the three oldest", tk.Value)
 	}
-	c.t = c.t.Add(2 * time.Second)
-	if tk, _ := q.Dispatch(cost); tk.Value != "r0:50" {
-		t.Fatalf("took %v, want the oldest past its age bound", tk.Value)
+	if tk, _ := q.Dispatch(-1, cost, nil); tk.Value != "r3:0" {
+		t.Fatalf("took %v, want the cheapest of the three oldest", tk.Value)
+	}
+	// "late" is cheapest, but 2 s younger than r0: r0 goes first.
+	if tk, _ := q.Dispatch(-1, cost, nil); tk.Value != "r1:40" {
+		t.Fatalf("took %v, want r1, which late may not pass", tk.Value)
+	}
+	if tk, _ := q.Dispatch(-1, cost, nil); tk.Value != "r0:50" {
+		t.Fatalf("took %v, want r0, which late may not pass", tk.Value)
+	}
+}
+
+// A slot that frees on a home goes to the oldest request waiting for it,
+// in the flow's turn, however far back it is; a flow with none waiting
+// there lends the slot to its cheapest request of finite cost, or to none.
+func TestHomes(t *testing.T) {
+	q := New(Options{LookAhead: 2})
+	put := func(home int, v string) {
+		if _, err := q.Enqueue(Item{Flow: "f", Home: home, Tokens: 1, Value: v}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	put(0, "a0")
+	put(0, "b0")
+	put(0, "c0")
+	put(1, "d1")
+	never := func(Item) float64 { return math.Inf(1) }
+	if tk, _ := q.Dispatch(1, never, nil); tk == nil || tk.Value != "d1" {
+		t.Fatalf("home 1's slot went to %v, want d1, behind three others", tk)
+	}
+	if tk, ok := q.Dispatch(1, never, nil); ok {
+		t.Fatalf("home 1's slot went to %v, which waits for home 0 at infinite cost", tk.Value)
+	}
+	cheapB := func(it Item) float64 {
+		if it.Value == "b0" {
+			return 1
+		}
+		return 5
+	}
+	if tk, _ := q.Dispatch(1, cheapB, nil); tk == nil || tk.Value != "b0" {
+		t.Fatalf("home 1's slot lent to %v, want b0, the cheapest of the two oldest", tk)
+	}
+	if tk, _ := q.Dispatch(0, never, nil); tk == nil || tk.Value != "a0" {
+		t.Fatalf("home 0's slot went to %v, want a0", tk)
+	}
+	if n, _ := q.Len(); n != 1 {
+		t.Fatalf("%d left, want c0 alone", n)
 	}
 }
 
@@ -126,7 +174,7 @@ func TestBoundsShedLowerPrioritiesFirst(t *testing.T) {
 func TestTTLAndCancel(t *testing.T) {
 	c := &clock{t: time.Unix(0, 0)}
 	lost := 0
-	q := New(Options{Now: c.now, TTL: time.Minute, OnLost: func() { lost++ }})
+	q := New(Options{Now: c.now, TTL: time.Minute, OnLost: func(any) { lost++ }})
 	old := enqueue(t, q, 0, "f", "old")
 	c.t = c.t.Add(30 * time.Second)
 	young := enqueue(t, q, 0, "f", "young")
@@ -148,7 +196,7 @@ func TestTTLAndCancel(t *testing.T) {
 	// A request dispatched before its waiter looked is dispatched, its
 	// context ended or not.
 	raced := enqueue(t, q, 0, "f", "raced")
-	q.Dispatch(nil)
+	q.Dispatch(-1, nil, nil)
 	if err := raced.Wait(ctx); err != nil || lost != 0 {
 		t.Fatalf("a dispatched request whose context had ended: %v, lost %d", err, lost)
 	}
@@ -160,7 +208,7 @@ func TestFlowsAreForgotten(t *testing.T) {
 	q := New(Options{})
 	for i := range 1000 {
 		enqueue(t, q, 0, fmt.Sprint("user", i), i)
-		q.Dispatch(nil)
+		q.Dispatch(-1, nil, nil)
 	}
 	q.Expire()
 	if n := len(q.bands); n != 0 {
@@ -172,8 +220,8 @@ func TestFlowsAreForgotten(t *testing.T) {
 // dispatcher racing them: every request ends once, and every slot given
 // to a waiter that had left comes back through OnLost.
 func TestConcurrentWaiters(t *testing.T) {
-	var lost atomicCount
-	q := New(Options{OnLost: lost.inc})
+	var lost, served grants
+	q := New(Options{OnLost: lost.add})
 	const n = 400
 	results := make(chan error, n)
 	for i := range n {
@@ -184,12 +232,16 @@ func TestConcurrentWaiters(t *testing.T) {
 		}
 		go func() {
 			defer cancel()
-			results <- tk.Wait(ctx)
+			err := tk.Wait(ctx)
+			if err == nil {
+				served.add(tk.Grant())
+			}
+			results <- err
 		}()
 	}
 	dispatched := 0
 	for {
-		if _, ok := q.Dispatch(nil); !ok {
+		if _, ok := q.Dispatch(-1, nil, dispatched); !ok {
 			break
 		}
 		dispatched++
@@ -208,16 +260,30 @@ func TestConcurrentWaiters(t *testing.T) {
 	if left, _ := q.Len(); left != 0 || ok+canceled != n || dispatched != ok+lost.get() {
 		t.Fatalf("left %d; %d dispatched = %d waiters served + %d lost? %d canceled", left, dispatched, ok, lost.get(), canceled)
 	}
+	for g := range dispatched { // every slot given reached a waiter or came back, once
+		if served.got[g]+lost.got[g] != 1 {
+			t.Fatalf("grant %d: served %d times, handed back %d times", g, served.got[g], lost.got[g])
+		}
+	}
 }
 
-type atomicCount struct {
-	mu sync.Mutex
-	n  int
+// grants collects the grants of slots handed back, each once.
+type grants struct {
+	mu  sync.Mutex
+	got map[any]int
 }
 
-func (c *atomicCount) inc() { c.mu.Lock(); c.n++; c.mu.Unlock() }
-func (c *atomicCount) get() int {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.n
+func (g *grants) add(grant any) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.got == nil {
+		g.got = map[any]int{}
+	}
+	g.got[grant]++
+}
+
+func (g *grants) get() int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return len(g.got)
 }

@@ -340,7 +340,7 @@ func runPolicy(reqs []Request, m *Config, run Run) (*Result, error) {
 		}
 		rs[0].queue = flow.New(flow.Options{MaxRequests: math.MaxInt32, MaxBytes: math.MaxInt64, TTL: math.MaxInt64,
 			Now: func() time.Time { return time.Unix(0, clock) }})
-		rs[0].held = map[int]*routing.Decision{}
+		rs[0].held, rs[0].grant = map[int]*routing.Decision{}, map[int]int{}
 	}
 	var d decider = rs[0]
 	var fleet *fleetDecider

@@ -267,17 +267,47 @@ func (s *sim) admit(r, i int, now int64) {
 	s.admitWaiting(r, now)
 }
 
-// dispatch offers the slot replica r freed at now to the router's queue
-// (flow control): the waiting request that would compute least on r is
-// decided again at once.
-func (s *sim) dispatch(r int, now int64) {
+// dispatch offers the router's queue (flow control) a slot on replica r at
+// now, if r has one, and reports whether a waiting request took it: the
+// one that gains most there, decided again at once, the slot kept for it
+// meanwhile (as the live router's Core.offer).
+func (s *sim) dispatch(r int, now int64) bool {
 	e, ok := s.d.(*engineDecider)
 	if !ok || e.queue == nil {
-		return
+		return false
 	}
-	t, ok := e.queue.Dispatch(func(it flow.Item) float64 { return e.held[it.Value.(int)].Uncached(r) })
-	if ok {
-		s.push(now, evDispatch, t.Value.(int))
+	rep := e.eng.Pool().Replicas()[r]
+	if rep.Saturated() {
+		return false
+	}
+	rep.Reserve()
+	t, ok := e.queue.Dispatch(r, func(it flow.Item) float64 { return e.eng.DispatchCost(e.held[it.Value.(int)], rep) }, r)
+	if !ok {
+		rep.Unreserve()
+		return false
+	}
+	e.grant[t.Value.(int)] = r
+	s.push(now, evDispatch, t.Value.(int))
+	return true
+}
+
+// dispatchFree offers the router's queue every free slot at now (the live
+// router's tick does it every few milliseconds).
+func (s *sim) dispatchFree(now int64) {
+	for r := range s.reps {
+		for s.dispatch(r, now) {
+		}
+	}
+}
+
+// regrant offers again the slot request i was dispatched with when it
+// went to r, another replica with room, as the live router does.
+func (s *sim) regrant(i, r int, now int64) {
+	e := s.d.(*engineDecider)
+	g := e.grant[i]
+	delete(e.grant, i)
+	if g != r {
+		s.dispatch(g, now)
 	}
 }
 
@@ -389,10 +419,14 @@ func (s *sim) run(pools ...*replica.Pool) error {
 				ttft[i] = float64(-now) // completed at prefill done; a wait in the router's queue counts
 			}
 			if errors.Is(err, errHeld) {
+				s.dispatchFree(now) // the wait it adds may make moving another worth it
 				continue
 			}
 			if err != nil {
 				return fmt.Errorf("request %d: %w", i, err)
+			}
+			if ev.kind == evDispatch {
+				s.regrant(i, r, now)
 			}
 			s.rep[i] = r
 			if s.engines != nil {
@@ -454,7 +488,7 @@ func (s *sim) run(pools ...*replica.Pool) error {
 			s.hold(r, i, -1)
 			s.admitWaiting(r, now)
 			s.observe(r, now, pools)
-			s.dispatch(r, now)
+			s.dispatchFree(now)
 		}
 	}
 	if e, ok := s.d.(*engineDecider); ok && e.queue != nil {
@@ -493,6 +527,7 @@ type engineDecider struct {
 	// replica frees.
 	queue *flow.Queue
 	held  map[int]*routing.Decision
+	grant map[int]int // a dispatched request's: the replica whose slot it was given
 }
 
 // errHeld is decide's answer for a request the router's queue holds.
@@ -505,20 +540,28 @@ func (e *engineDecider) decide(i int, now int64) (int, int, int, error) {
 	}
 	req := &e.reqs[i]
 	_, waited := e.held[i]
-	if waited { // its turn: decided again, to the best replica now
+	var slot *replica.Replica
+	if waited { // its turn, with a slot kept: decided again, to the best replica with room
+		e.eng.Unwait(e.held[i])
 		e.eng.Drop(e.held[i])
 		delete(e.held, i)
+		slot = e.eng.Pool().Replicas()[e.grant[i]]
 	}
+	// With flow control a request whose best replica would queue it waits
+	// in the router's queue instead, as in the live router.
 	hold := e.queue != nil && !waited && req.Logged == nil
-	// A request whose turn came with a free slot goes to a replica with room.
-	ri := routing.Request{Blocks: req.Blocks, Key: req.Key, Text: req.Text, Policy: e.pol, Hold: hold, Room: waited}
+	ri := routing.Request{Blocks: req.Blocks, Key: req.Key, Text: req.Text, Policy: e.pol, Hold: hold, Room: waited, Slot: slot}
 	d, err := e.eng.Decide(ri, true)
+	if slot != nil {
+		slot.Unreserve()
+	}
 	if err != nil {
 		return 0, 0, 0, err
 	}
 	if d.Held {
 		e.held[i] = d
-		if _, err := e.queue.Enqueue(flow.Item{Flow: "", Tokens: int64(d.Tokens), Value: i}); err != nil {
+		e.eng.Wait(d)
+		if _, err := e.queue.Enqueue(flow.Item{Flow: "", Home: d.Chosen().Replica.ID, Tokens: int64(d.Tokens), Value: i}); err != nil {
 			return 0, 0, 0, err
 		}
 		return 0, 0, 0, errHeld

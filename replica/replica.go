@@ -136,7 +136,9 @@ type KVEvents struct {
 type Load struct {
 	InFlight int64 // requests sent and not finished
 	// PendingTokens is the estimated prefill tokens (uncached prompt tokens)
-	// of requests sent whose prefill has not finished.
+	// of requests sent whose prefill has not finished, and of requests the
+	// router's queue holds for the replica (Replica.Wait): the work ahead
+	// of the next request either way.
 	PendingTokens float64
 	// ActiveTokens is the prompt tokens of requests in flight: the KV cache
 	// their sequences hold while they decode.
@@ -165,6 +167,7 @@ type Work struct {
 	Tokens  int64 // prompt tokens
 	done    bool  // prefill finished
 	drained bool  // the engine finished it (Drained or End)
+	start   int64 // when it was sent (Begin), unix nanoseconds
 }
 
 // Replica is one inference server.
@@ -184,6 +187,8 @@ type Replica struct {
 	budget   atomic.Int64
 	inFlight atomic.Int64
 	pending  atomic.Int64 // tokens
+	waiting  atomic.Int64 // tokens held for it in the router's queue (Wait)
+	held     atomic.Int64 // requests held for it in the router's queue (Wait)
 	active   atomic.Int64 // tokens
 	// downUntil is when the replica may take traffic again, in unix
 	// nanoseconds; 0 when up.
@@ -197,6 +202,12 @@ type Replica struct {
 	maxRunning int64
 	learned    atomic.Int64
 	engaged    atomic.Int64
+	// reserved counts the slots the router's queue kept for requests it
+	// dispatched here that have not been decided yet (Reserve).
+	reserved atomic.Int64
+	// drains counts the requests the engine finished here (Drained);
+	// drainsSeen is its value at the last Observe.
+	drains, drainsSeen atomic.Int64
 	// activeDown is set by failed active health checks; draining by an
 	// operator removing the replica.
 	activeDown atomic.Bool
@@ -217,7 +228,23 @@ type Replica struct {
 
 	omu     sync.Mutex
 	outcome outcomes // answers and soft failures, for Strike's volume and share
+
+	tmu    sync.Mutex
+	timing timing // what its engine's requests took (Timing)
 }
+
+// timing is a replica's engine speed, learned from the requests it
+// served: decayed sums of prefill seconds and of the uncached tokens they
+// computed, and an average of the seconds from a request's sending to its
+// engine finishing it.
+type timing struct {
+	prefillSec, prefillTokens float64
+	service                   float64 // seconds; 0: none seen
+}
+
+// timingShare is the weight of one request in the learned timing: about
+// the last 20 requests count.
+const timingShare = 0.05
 
 // outcomes counts a replica's answers and soft failures in the current
 // interval (from at, unix nanoseconds) and the one before it, and the
@@ -290,9 +317,9 @@ type recentWork struct {
 	at     int64
 }
 
-// Begin counts w as sent to the replica.
-func (r *Replica) Begin(w *Work) {
-	w.done, w.drained = false, false
+// Begin counts w as sent to the replica at now.
+func (r *Replica) Begin(w *Work, now time.Time) {
+	w.done, w.drained, w.start = false, false, now.UnixNano()
 	r.inFlight.Add(1)
 	r.engaged.Add(1)
 	r.pending.Add(w.Prefill)
@@ -307,45 +334,110 @@ func (r *Replica) PrefillDone(w *Work, now time.Time) {
 	}
 	w.done = true
 	r.pending.Add(-w.Prefill)
+	if w.start != 0 && now.UnixNano() > w.start {
+		sec := float64(now.UnixNano()-w.start) / 1e9
+		r.tmu.Lock()
+		r.timing.prefillSec = r.timing.prefillSec*(1-timingShare) + sec
+		r.timing.prefillTokens = r.timing.prefillTokens*(1-timingShare) + float64(max(w.Prefill, 1))
+		r.tmu.Unlock()
+	}
 	r.mu.Lock()
 	r.recent.Store(&recentWork{tokens: r.decayed(now.UnixNano()) + float64(w.Prefill), at: now.UnixNano()})
 	r.mu.Unlock()
 }
 
-// Drained counts w as finished by the replica's engine (its slot free),
-// though its client may still be reading the answer: it no longer counts
-// toward Saturated. Calling it again, or after End, does nothing.
-func (r *Replica) Drained(w *Work) {
-	if !w.drained {
-		w.drained = true
-		r.engaged.Add(-1)
+// Drained counts w as finished by the replica's engine at now (its slot
+// free), though its client may still be reading the answer: it no longer
+// counts toward Saturated. Calling it again, or after End, does nothing.
+func (r *Replica) Drained(w *Work, now time.Time) {
+	if w.drained {
+		return
 	}
+	w.drained = true
+	r.engaged.Add(-1)
+	r.drains.Add(1)
+	if w.start != 0 && now.UnixNano() > w.start {
+		sec := float64(now.UnixNano()-w.start) / 1e9
+		r.tmu.Lock()
+		if r.timing.service == 0 {
+			r.timing.service = sec
+		} else {
+			r.timing.service += timingShare * (sec - r.timing.service)
+		}
+		r.tmu.Unlock()
+	}
+}
+
+// Timing returns what the replica's engine took, learned from the
+// requests it served (about the last 20): seconds of prefill per uncached
+// prompt token (time to first token over the tokens the router predicted
+// it would compute, fixed costs included), and seconds from a request's
+// sending to its engine finishing it. Each is 0 until a request showed it.
+func (r *Replica) Timing() (perToken, perRequest float64) {
+	r.tmu.Lock()
+	defer r.tmu.Unlock()
+	if r.timing.prefillTokens > 0 {
+		perToken = r.timing.prefillSec / r.timing.prefillTokens
+	}
+	return perToken, r.timing.service
 }
 
 // End counts the end of w at now, finishing its prefill if that was not
 // reported.
 func (r *Replica) End(w *Work, now time.Time) {
 	r.PrefillDone(w, now)
-	r.Drained(w)
+	r.Drained(w, now)
 	r.inFlight.Add(-1)
 	r.active.Add(-w.Tokens)
 }
+
+// Wait counts a request the router's queue holds for the replica (the one
+// it would go to, were it not saturated), and its prefill tokens as
+// pending work, as its engine would count them were the request queued
+// there; Unwait takes them back when the request leaves the queue.
+func (r *Replica) Wait(tokens int64) {
+	r.held.Add(1)
+	r.waiting.Add(tokens)
+}
+
+// Unwait undoes Wait(tokens).
+func (r *Replica) Unwait(tokens int64) {
+	r.held.Add(-1)
+	r.waiting.Add(-tokens)
+}
+
+// Held returns how many requests the router's queue holds for the replica
+// (Wait).
+func (r *Replica) Held() int64 { return r.held.Load() }
+
+// Reserve keeps one of the replica's slots for a request the router's
+// queue dispatched to it, until Unreserve: it counts toward Saturated as a
+// request in flight does, so that no request arriving meanwhile takes it.
+// Each Reserve needs one Unreserve.
+func (r *Replica) Reserve() { r.reserved.Add(1) }
+
+// Unreserve gives back a slot Reserve kept: the request it was kept for
+// was sent (and counts in flight by itself), or left.
+func (r *Replica) Unreserve() { r.reserved.Add(-1) }
 
 // Observe records the replica's own load gauges. A report of requests
 // waiting beside requests running teaches the replica's capacity: its
 // engine ran that many and queued the next.
 func (r *Replica) Observe(o Observed) {
+	r.drainsSeen.Store(r.drains.Load())
 	r.observed.Store(&o)
-	if o.Waiting > 0 && o.Running > 0 {
+	if o.Waiting > 0 && o.Running > r.learned.Load() {
 		r.learned.Store(o.Running)
 	}
 }
 
 // Capacity returns how many requests the replica runs at once before its
-// engine queues the next: Spec.MaxRunning when set, else what it last
-// reported running while it queued (vllm:num_requests_running beside a
-// nonzero vllm:num_requests_waiting; less than --max-num-seqs when its KV
-// cache is what binds), else 0: not known yet.
+// engine queues the next: Spec.MaxRunning when set, else the most it was
+// seen running while it queued (vllm:num_requests_running beside a
+// nonzero vllm:num_requests_waiting: --max-num-seqs once it has been
+// reached; a KV cache that binds first is Saturated's other test), else 0:
+// not known yet. The most, not the last: a router that keeps its engines
+// from queueing would otherwise never see a larger count again.
 func (r *Replica) Capacity() int64 {
 	if r.maxRunning > 0 {
 		return r.maxRunning
@@ -359,7 +451,9 @@ func (r *Replica) Capacity() int64 {
 const SaturatedKV = 0.98
 
 // Saturated reports whether the replica's engine would queue the next
-// request sent to it now: its KV cache is SaturatedKV full, or, when its
+// request sent to it now: its KV cache was SaturatedKV full at its last
+// report and no request has finished there since (a gauge scraped seconds
+// ago says nothing of the blocks freed since), or, when its
 // Capacity is known, the requests in flight to it that its engine has not
 // finished (this router's and, in a fleet, its peers') reach it; when it is
 // not, the replica reports requests waiting. (A known capacity is read
@@ -368,11 +462,11 @@ const SaturatedKV = 0.98
 // replica of unknown capacity that reports nothing is not saturated.
 func (r *Replica) Saturated() bool {
 	o := r.observed.Load()
-	if o != nil && o.KVUsage >= SaturatedKV {
-		return true
+	if o != nil && o.KVUsage >= SaturatedKV && r.drains.Load() == r.drainsSeen.Load() {
+		return true // full at the last report, and nothing finished here since
 	}
 	if c := r.Capacity(); c > 0 {
-		return r.engaged.Load() >= c
+		return r.engaged.Load()+r.reserved.Load() >= c
 	}
 	return o != nil && o.Waiting > 0
 }
@@ -395,7 +489,7 @@ func (r *Replica) Load(now time.Time) Load {
 	recent := r.decayed(now.UnixNano())
 	l := Load{
 		InFlight:      r.inFlight.Load(),
-		PendingTokens: float64(r.pending.Load()) / r.Weight,
+		PendingTokens: float64(r.pending.Load()+r.waiting.Load()) / r.Weight,
 		ActiveTokens:  float64(r.active.Load()) / r.Weight,
 		RecentTokens:  recent / r.Weight,
 	}

@@ -53,8 +53,8 @@ func TestLoadAccounting(t *testing.T) {
 	r := p.Replicas()[0]
 	t0 := time.Unix(100, 0)
 	a, b := &Work{Prefill: 400, Tokens: 1000}, &Work{Prefill: 200, Tokens: 200}
-	r.Begin(a)
-	r.Begin(b)
+	r.Begin(a, t0)
+	r.Begin(b, t0)
 	if l := r.Load(t0); l.InFlight != 2 || l.PendingTokens != 300 || l.ActiveTokens != 600 || l.RecentTokens != 0 {
 		t.Fatalf("in flight: %+v (weight 2 halves tokens)", l)
 	}
@@ -104,13 +104,20 @@ func TestSaturated(t *testing.T) {
 		capL    int64
 	}{
 		{"idle", func() {}, false, false, 0},
-		{"one in flight each", func() { set.Begin(&w[0]); learned.Begin(&w[1]) }, false, false, 0},
-		{"two in flight on set: its capacity", func() { set.Begin(&w[2]) }, true, false, 0},
+		{"one in flight each", func() { set.Begin(&w[0], time.Now()); learned.Begin(&w[1], time.Now()) }, false, false, 0},
+		{"two in flight on set: its capacity", func() { set.Begin(&w[2], time.Now()) }, true, false, 0},
 		{"learned reports 1 running, 3 waiting", func() { learned.Observe(Observed{Running: 1, Waiting: 3}) }, true, true, 1},
 		{"learned's queue drains: one in flight, capacity 1", func() { learned.Observe(Observed{Running: 1}) }, true, true, 1},
 		{"learned's request ends", func() { learned.End(&w[1], time.Now()) }, true, false, 1},
 		{"learned's KV cache is full", func() { learned.Observe(Observed{KVUsage: 0.99}) }, true, true, 1},
 		{"set's requests end", func() { set.End(&w[0], time.Now()); set.End(&w[2], time.Now()) }, false, true, 1},
+		// The gauge is as old as the last scrape: a request that finished
+		// since freed blocks it cannot show.
+		{"a request ends on learned after the report", func() { learned.Begin(&w[1], time.Now()); learned.End(&w[1], time.Now()) }, false, false, 1},
+		{"learned reports 3 running, 1 waiting", func() { learned.Observe(Observed{Running: 3, Waiting: 1}) }, false, false, 3},
+		// The most seen: a router that keeps the engine from queueing sees
+		// smaller counts, never larger ones.
+		{"then 2 running, 1 waiting", func() { learned.Observe(Observed{Running: 2, Waiting: 1}) }, false, false, 3},
 	}
 	for _, s := range steps {
 		s.do()
@@ -135,17 +142,70 @@ func TestSaturatedByTheRoutersOwnCounts(t *testing.T) {
 		t.Fatal("saturated by a stale waiting gauge with nothing in flight")
 	}
 	var w Work
-	r.Begin(&w)
+	r.Begin(&w, time.Now())
 	if !r.Saturated() {
 		t.Fatal("not saturated with its one slot taken")
 	}
-	r.Drained(&w)
-	r.Drained(&w)
+	r.Drained(&w, time.Now())
+	r.Drained(&w, time.Now())
 	if r.Saturated() || r.Load(time.Now()).InFlight != 1 {
 		t.Fatalf("after the engine finished: saturated %v, in flight %d", r.Saturated(), r.Load(time.Now()).InFlight)
 	}
 	r.End(&w, time.Now())
 	if r.engaged.Load() != 0 || r.Load(time.Now()).InFlight != 0 {
 		t.Fatalf("after the end: engaged %d, in flight %d", r.engaged.Load(), r.Load(time.Now()).InFlight)
+	}
+}
+
+// TestReserveAndWait: a slot kept for a request the router's queue
+// dispatched counts toward saturation until it is given back, and the
+// prefill of requests held for a replica counts as its pending work.
+func TestReserveAndWait(t *testing.T) {
+	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a", MaxRunning: 1, Weight: 2}}, Options{}, ids())
+	r := p.Replicas()[0]
+	r.Reserve()
+	if !r.Saturated() {
+		t.Fatal("its one slot kept, the replica is not saturated")
+	}
+	var w Work
+	r.Begin(&w, time.Now()) // the request it was kept for is sent
+	r.Unreserve()
+	if !r.Saturated() || r.reserved.Load() != 0 {
+		t.Fatalf("sent: saturated %v, reserved %d", r.Saturated(), r.reserved.Load())
+	}
+	r.End(&w, time.Now())
+	r.Wait(300)
+	if got := r.Load(time.Now()).PendingTokens; got != 150 { // per unit of weight
+		t.Fatalf("pending %v with 300 tokens held for it at weight 2", got)
+	}
+	r.Unwait(300)
+	if got := r.Load(time.Now()).PendingTokens; got != 0 || r.Saturated() {
+		t.Fatalf("pending %v, saturated %v after the held request left", got, r.Saturated())
+	}
+}
+
+// TestTiming: a replica learns its engine's seconds per uncached prefill
+// token (time to first token over the predicted tokens, summed) and per
+// request (sending to the engine's end), from the requests it served.
+func TestTiming(t *testing.T) {
+	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a"}}, Options{}, ids())
+	r := p.Replicas()[0]
+	if tok, req := r.Timing(); tok != 0 || req != 0 {
+		t.Fatalf("timing before any request: %v, %v", tok, req)
+	}
+	t0 := time.Unix(100, 0)
+	a, b := &Work{Prefill: 1000}, &Work{Prefill: 3000}
+	r.Begin(a, t0)
+	r.Begin(b, t0)
+	r.PrefillDone(a, t0.Add(time.Second))
+	r.PrefillDone(b, t0.Add(3*time.Second))
+	r.Drained(a, t0.Add(2*time.Second))
+	tok, req := r.Timing()
+	if math.Abs(tok-0.001) > 1e-9 || req != 2 {
+		t.Fatalf("timing: %v s per token, %v s per request; want 0.001 and 2", tok, req)
+	}
+	r.End(b, t0.Add(4*time.Second)) // drained at its end: 4 s, one request's share
+	if _, req := r.Timing(); math.Abs(req-(2+timingShare*2)) > 1e-9 {
+		t.Fatalf("per request after a 4 s one: %v", req)
 	}
 }

@@ -21,6 +21,7 @@ import (
 	"github.com/semroute/semroute/decisionlog"
 	"github.com/semroute/semroute/flow"
 	"github.com/semroute/semroute/limits"
+	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 	"github.com/semroute/semroute/tokenizer"
 )
@@ -76,11 +77,13 @@ type CoreOptions struct {
 	// decided once more after it, before it is refused, since the model
 	// may be an adapter loaded since the last scrape.
 	RefreshModels func(context.Context)
-	// Queue, if set, is flow control: a request that every replica it
-	// could use would queue waits in it, in the router, and is decided
-	// again when a replica frees (package flow). Nil: every request goes to
-	// a replica at once, as engines queue.
-	Queue *flow.Queue
+	// Flow, if set, turns flow control on with a queue of these bounds
+	// (package flow; its OnLost is the core's): a request whose best
+	// replica's engine would queue it waits in the router instead, for
+	// that replica or a slot elsewhere worth moving to, and is decided
+	// again when its turn comes (see ARCHITECTURE.md). Nil: every request
+	// goes to a replica at once, as engines queue.
+	Flow *flow.Options
 }
 
 // Tokenizer gives the engine's token ids of an OpenAI request body of
@@ -99,6 +102,11 @@ type Core struct {
 	o    CoreOptions
 	e    *routing.Engine
 	arms atomic.Pointer[armSet]
+	q    *flow.Queue // flow control's (CoreOptions.Flow); nil: off
+	// untaken maps a replica ID to the queue's generation when a slot
+	// offered there by dispatchFree went untaken: offering it again before
+	// the queue changes would only compute the same costs again.
+	untaken sync.Map
 
 	mu         sync.Mutex
 	held       map[string]*list.Element // gRPC decisions awaiting Release, by id
@@ -119,6 +127,11 @@ func NewCore(o CoreOptions) (*Core, error) {
 	}
 	o.Held = o.Held.WithDefaults()
 	c := &Core{o: o, e: o.Engine, held: map[string]*list.Element{}}
+	if o.Flow != nil {
+		fo := *o.Flow
+		fo.OnLost = c.lost
+		c.q = flow.New(fo)
+	}
 	if err := c.SetArms(o.Arms); err != nil {
 		return nil, err
 	}
@@ -290,17 +303,21 @@ func (c *Core) Route(req CoreRequest) (*Routed, error) {
 	req.Input.Policy = arm.Policy
 	start := c.e.Now()
 	t0 := time.Now()
-	req.Input.Hold = c.o.Queue != nil && !req.DryRun && !req.PassThrough
+	// With flow control a request whose best replica would queue it waits
+	// in the router's queue instead.
+	req.Input.Hold = c.q != nil && !req.DryRun && !req.PassThrough
 	d, err := c.e.Decide(req.Input, !req.DryRun)
 	var waited time.Duration
 	if err == nil && d.Held {
-		waited, err = c.wait(&req, d)
+		var slot *replica.Replica
+		waited, slot, err = c.wait(&req, d)
 		c.e.Drop(d)
 		if err != nil {
 			return nil, err
 		}
-		req.Input.Hold, req.Input.Room = false, true // its turn came with a free slot: to the best replica with room
+		req.Input.Hold, req.Input.Room, req.Input.Slot = false, true, slot // its turn came with a slot kept on slot: to the best replica with room
 		d, err = c.e.Decide(req.Input, true)
+		c.unreserve(slot)
 	}
 	if errors.Is(err, routing.ErrUnknownModel) && c.o.RefreshModels != nil {
 		ctx, cancel := context.WithTimeout(context.Background(), modelsRefreshWait)
@@ -360,57 +377,88 @@ func (c *Core) EngineDone(rt *Routed) {
 	}
 }
 
-// wait queues req, whose decision d every replica would queue, and waits
-// for its turn; it returns how long it waited.
-func (c *Core) wait(req *CoreRequest, d *routing.Decision) (time.Duration, error) {
-	t, err := c.o.Queue.Enqueue(flow.Item{Priority: req.Priority, Flow: req.Flow, Bytes: req.Bytes, Tokens: int64(d.Tokens), Value: d})
+// wait queues req, whose decision d's best replica would queue it, and
+// waits for its turn; it returns how long it waited and the replica whose
+// slot was kept for it (Replica.Reserve), which the caller must unreserve.
+func (c *Core) wait(req *CoreRequest, d *routing.Decision) (time.Duration, *replica.Replica, error) {
+	t, err := c.q.Enqueue(flow.Item{Priority: req.Priority, Flow: req.Flow, Home: d.Chosen().Replica.ID, Bytes: req.Bytes, Tokens: int64(d.Tokens), Value: d})
 	if err != nil {
 		c.o.Metrics.shed(err)
-		return 0, &QueueError{Err: err, RetryAfter: time.Second}
+		return 0, nil, &QueueError{Err: err, RetryAfter: time.Second}
 	}
 	ctx := req.Ctx
 	if ctx == nil {
 		ctx = context.Background()
 	}
-	if err := t.Wait(ctx); err != nil {
+	c.e.Wait(d)
+	err = t.Wait(ctx)
+	c.e.Unwait(d)
+	if err != nil {
 		if ctx.Err() != nil {
-			return 0, err
+			return 0, nil, err
 		}
 		c.o.Metrics.shed(err)
-		return 0, &QueueError{Err: err, RetryAfter: time.Second}
+		return 0, nil, &QueueError{Err: err, RetryAfter: time.Second}
 	}
 	waited := time.Since(t.Enqueued())
 	c.o.Metrics.queued(req.Priority, waited)
-	return waited, nil
+	return waited, t.Grant().(*replica.Replica), nil
+}
+
+// unreserve gives back the slot kept on r for a request now decided (it
+// counts in flight by itself wherever it went), and offers it again: the
+// request may have gone to a better replica with room.
+func (c *Core) unreserve(r *replica.Replica) {
+	r.Unreserve()
+	c.offer(r)
 }
 
 // freed offers the slot rt's request held on its replica to the router's
 // queue: the waiting request that would compute least there goes. The
 // lease's drain (EngineDone, or End without it) calls it once.
 func (c *Core) freed(rt *Routed) {
-	if c.o.Queue != nil && !rt.req.PassThrough {
-		c.offer(rt.Served.Replica.ID)
+	if c.q != nil && !rt.req.PassThrough {
+		c.offer(rt.Served.Replica)
 	}
 }
 
-// offer gives the router's queue a slot on replica id, and reports whether
-// a waiting request took it.
-func (c *Core) offer(id int) bool {
-	_, ok := c.o.Queue.Dispatch(func(it flow.Item) float64 { return it.Value.(*routing.Decision).Uncached(id) })
-	return ok
+// offer gives the router's queue a slot on r if r is not saturated, and
+// reports whether a waiting request took it; the slot is kept for that
+// request until it is decided (Replica.Reserve), so that no request
+// arriving meanwhile takes it.
+func (c *Core) offer(r *replica.Replica) bool {
+	if r.Saturated() || !r.Available(time.Now()) {
+		return false
+	}
+	r.Reserve()
+	if _, ok := c.q.Dispatch(r.ID, func(it flow.Item) float64 { return c.e.DispatchCost(it.Value.(*routing.Decision), r) }, r); ok {
+		return true
+	}
+	r.Unreserve()
+	return false
 }
+
+// lost takes back the slot kept for a request that left as it was
+// dispatched (flow.Options.OnLost).
+func (c *Core) lost(grant any) { c.unreserve(grant.(*replica.Replica)) }
 
 // dispatchFree offers the queue a slot on each replica that is not
 // saturated (its gauges show room that no request's end announced: a
-// peer's requests ended, a scrape): at most one request each, per call.
+// peer's requests ended, a scrape), as many as it has, but not again to a
+// replica whose offer went untaken while nothing was queued or left since.
 func (c *Core) dispatchFree() {
-	if c.o.Queue == nil {
+	if c.q == nil {
 		return
 	}
-	now := time.Now()
+	gen := c.q.Generation()
 	for _, r := range c.e.Pool().Replicas() {
-		if !r.Saturated() && r.Available(now) && !c.offer(r.ID) {
-			return // nothing waits
+		if g, ok := c.untaken.Load(r.ID); ok && g.(uint64) == gen {
+			continue
+		}
+		for c.offer(r) {
+		}
+		if !r.Saturated() {
+			c.untaken.Store(r.ID, c.q.Generation())
 		}
 	}
 }
@@ -579,7 +627,7 @@ func (c *Core) Run(ctx context.Context, interval time.Duration) {
 	t := time.NewTicker(interval)
 	defer t.Stop()
 	var queue <-chan time.Time // the router's queue: its TTL, and room no request's end announced
-	if c.o.Queue != nil {
+	if c.q != nil {
 		qt := time.NewTicker(QueueTick)
 		defer qt.Stop()
 		queue = qt.C
@@ -591,7 +639,7 @@ func (c *Core) Run(ctx context.Context, interval time.Duration) {
 		case now := <-t.C:
 			c.Expire(now)
 		case <-queue:
-			c.o.Queue.Expire()
+			c.q.Expire()
 			c.dispatchFree()
 		}
 	}
@@ -604,10 +652,10 @@ const QueueTick = 20 * time.Millisecond
 // Queued returns the requests and bytes waiting in the router's queue; 0
 // without flow control.
 func (c *Core) Queued() (requests int, bytes int64) {
-	if c.o.Queue == nil {
+	if c.q == nil {
 		return 0, 0
 	}
-	return c.o.Queue.Len()
+	return c.q.Len()
 }
 
 // Held returns how many decisions await Release, and the blocks they keep.

@@ -85,9 +85,11 @@ func TestCoreHoldReleaseExpire(t *testing.T) {
 	f := newFixture(t, 2, "semantic")
 	log := &memLog{}
 	c := newCore(t, f, CoreOptions{Log: log, Held: limits.Held{ReleaseAfter: time.Minute}})
-	in := f.e.Prepare(parseChat(t, "user", "x"), "", false)
-	a, _ := c.Route(CoreRequest{Input: in})
-	b, _ := c.Route(CoreRequest{Input: in})
+	// One Prepare per Route: a decision owns its input's pooled blocks and
+	// gives them back when it is finished.
+	in := func() routing.Request { return f.e.Prepare(parseChat(t, "user", "x"), "", false) }
+	a, _ := c.Route(CoreRequest{Input: in()})
+	b, _ := c.Route(CoreRequest{Input: in()})
 	c.Hold(a)
 	c.Hold(b)
 	if err := c.Release(a.ID, Outcome{Status: 200}); err != nil {
@@ -105,7 +107,7 @@ func TestCoreHoldReleaseExpire(t *testing.T) {
 	if last := log.recs[len(log.recs)-1]; last.Outcome.Error == "" {
 		t.Fatalf("expired record %+v", last.Outcome)
 	}
-	dry, _ := c.Route(CoreRequest{Input: in, DryRun: true})
+	dry, _ := c.Route(CoreRequest{Input: in(), DryRun: true})
 	if dry.ID != "" {
 		t.Fatal("a dry run got an id")
 	}

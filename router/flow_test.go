@@ -22,8 +22,8 @@ import (
 // waits. Past the queue's bound a request is refused with a QueueError.
 func TestCoreQueuesWhileSaturated(t *testing.T) {
 	f := newFixture(t, 1, "semantic")
-	q := flow.New(flow.Options{MaxRequests: 1})
-	c, err := NewCore(CoreOptions{Engine: f.e, Arms: f.arms(), Queue: q})
+	fo := &flow.Options{MaxRequests: 1}
+	c, err := NewCore(CoreOptions{Engine: f.e, Arms: f.arms(), Flow: fo})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -49,7 +49,7 @@ func TestCoreQueuesWhileSaturated(t *testing.T) {
 		rt, err := route("second")
 		done <- result{rt, err}
 	}()
-	waitQueued(t, q, 1) // the second waits in the queue
+	waitQueued(t, c, 1) // the second waits in the queue
 	if got := rep.Load(time.Now()).InFlight; got != 1 {
 		t.Fatalf("%d in flight: the waiting request was sent", got)
 	}
@@ -75,8 +75,8 @@ func TestCoreQueuesWhileSaturated(t *testing.T) {
 // request waits leaves the queue, and nothing of it was recorded.
 func TestCoreQueueWaitEndsWithTheClient(t *testing.T) {
 	f := newFixture(t, 1, "semantic")
-	q := flow.New(flow.Options{})
-	c, _ := NewCore(CoreOptions{Engine: f.e, Arms: f.arms(), Queue: q})
+	fo := &flow.Options{}
+	c, _ := NewCore(CoreOptions{Engine: f.e, Arms: f.arms(), Flow: fo})
 	f.e.Pool().Replicas()[0].Observe(replica.Observed{Waiting: 9}) // capacity unknown: the gauge says it queues
 	ctx, cancel := context.WithCancel(context.Background())
 	errc := make(chan error, 1)
@@ -85,12 +85,12 @@ func TestCoreQueueWaitEndsWithTheClient(t *testing.T) {
 		_, err := c.Route(CoreRequest{Input: in, Route: "chat", Ctx: ctx})
 		errc <- err
 	}()
-	waitQueued(t, q, 1)
+	waitQueued(t, c, 1)
 	cancel()
 	if err := <-errc; !errors.Is(err, context.Canceled) {
 		t.Fatalf("a client that left: %v", err)
 	}
-	if n, _ := q.Len(); n != 0 {
+	if n, _ := c.Queued(); n != 0 {
 		t.Fatalf("%d still queued", n)
 	}
 	if st, _ := f.e.Picture().Stats(0); st.Blocks != 0 {
@@ -98,12 +98,13 @@ func TestCoreQueueWaitEndsWithTheClient(t *testing.T) {
 	}
 }
 
-// waitQueued waits until q holds n requests (a condition, with a deadline).
-func waitQueued(t *testing.T, q *flow.Queue, n int) {
+// waitQueued waits until c's queue holds n requests (a condition, with a
+// deadline).
+func waitQueued(t *testing.T, c *Core, n int) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		if got, _ := q.Len(); got == n {
+		if got, _ := c.Queued(); got == n {
 			return
 		}
 		if time.Now().After(deadline) {
@@ -129,8 +130,8 @@ func TestHTTPFlowControl(t *testing.T) {
 		t.Fatal(err)
 	}
 	rr, _ := routing.NewPolicy(routing.PolicySpec{Type: "round_robin"})
-	q := flow.New(flow.Options{MaxRequests: 1})
-	core, _ := NewCore(CoreOptions{Engine: e, Arms: []Arm{{Name: "default", Policy: rr, Weight: 1}}, Queue: q})
+	fo := &flow.Options{MaxRequests: 1}
+	core, _ := NewCore(CoreOptions{Engine: e, Arms: []Arm{{Name: "default", Policy: rr, Weight: 1}}, Flow: fo})
 	srv, _ := NewServer(ServerOptions{Core: core, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	ts := httptest.NewServer(srv)
 	defer ts.Close()
@@ -159,7 +160,7 @@ func TestHTTPFlowControl(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 	go post(second)
-	waitQueued(t, q, 1)
+	waitQueued(t, core, 1)
 	resp, err := http.Post(ts.URL+"/v1/chat/completions", "application/json", strings.NewReader(chatBody))
 	if err != nil {
 		t.Fatal(err)
@@ -199,6 +200,57 @@ func TestPlacement(t *testing.T) {
 		}
 		if p, f := placement(prios, h.Get, tc.tenant, tc.user); p != tc.prio || f != tc.flow {
 			t.Errorf("%v: priority %d, flow %q; want %d, %q", tc.headers, p, f, tc.prio, tc.flow)
+		}
+	}
+}
+
+// TestCoreHoldsForThePrefixReplica: with flow control, a request whose
+// prefix replica is full waits for it rather than computing the prefix
+// again on a replica with room, unless enough work is queued there; the
+// slot its replica frees is kept for it, so that a request arriving at
+// that moment does not take it.
+func TestCoreHoldsForThePrefixReplica(t *testing.T) {
+	f := newFixture(t, 2, "semantic")
+	c, _ := NewCore(CoreOptions{Engine: f.e, Arms: f.arms(), Flow: &flow.Options{}})
+	rs := f.e.Pool().Replicas()
+	doc := strings.Repeat("the shared document goes on ", 200)
+	route := func(ctx context.Context, user string) (*Routed, error) {
+		in := f.e.Prepare(parseChat(t, "system", doc, "user", user), "", false)
+		return c.Route(CoreRequest{Input: in, Route: "chat", Ctx: ctx})
+	}
+	first, err := route(context.Background(), "first")
+	if err != nil {
+		t.Fatal(err)
+	}
+	home := first.Served.Replica
+	c.FirstByte(first)
+	home.Observe(replica.Observed{Running: 1, Waiting: 1}) // it runs one at a time: full
+	done := make(chan *Routed, 1)
+	go func() {
+		rt, err := route(context.Background(), "second")
+		if err != nil {
+			t.Error(err)
+		}
+		done <- rt
+	}()
+	waitQueued(t, c, 1)
+	c.dispatchFree() // the other is free, but moving costs the document
+	if n, _ := c.Queued(); n != 1 {
+		t.Fatal("the request moved and computed its prefix again")
+	}
+	c.EngineDone(first)
+	if !home.Saturated() {
+		t.Fatal("the freed slot was not kept for the waiting request")
+	}
+	second := <-done
+	if second.Served.Replica != home || second.Queued <= 0 {
+		t.Fatalf("the second went to %s after %v", second.Served.Replica.Name, second.Queued)
+	}
+	c.Finish(first, Outcome{Status: 200}, nil)
+	c.Finish(second, Outcome{Status: 200}, nil)
+	for _, r := range rs {
+		if l := r.Load(time.Now()); l.InFlight != 0 || l.PendingTokens != 0 || r.Saturated() {
+			t.Fatalf("%s at the end: %+v, saturated %v", r.Name, l, r.Saturated())
 		}
 	}
 }

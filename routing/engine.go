@@ -168,6 +168,7 @@ type Decision struct {
 	// the choice. Candidates holds every candidate scored, in no order.
 	Ranked     []Candidate
 	Candidates []Candidate
+	waiting    int64 // the prefill tokens Wait counted on Ranked[0]
 	// SyncID names the request to the engine's Sync (which sets it); 0
 	// without one.
 	SyncID uint64
@@ -241,16 +242,21 @@ type Request struct {
 	// Allow, if set, says which replicas may take the request (a gateway's
 	// subset hint); the others are not candidates. Nil allows all.
 	Allow func(*replica.Replica) bool
-	// Hold asks Decide, recording, not to record the decision when every
-	// replica the request could use is saturated (Decision.Saturated): it
-	// comes back Held, unrecorded, for the caller to queue the request and
-	// decide it again once a replica frees (package flow). Drop the held
-	// decision; the request's blocks stay with the request.
+	// Hold asks Decide, recording, not to record the decision when the
+	// replica it ranks first is saturated (its engine would queue the
+	// request): it comes back Held, unrecorded, for the caller to queue the
+	// request in the router (package flow; see Wait and DispatchCost) and
+	// decide it again once a slot is free for it. Drop the held decision;
+	// the request's blocks stay with the request.
 	Hold bool
 	// Room makes candidates of only the replicas that are not saturated,
 	// or of all as usual if none has room: a request the router's queue
 	// held, whose turn came with a free slot.
 	Room bool
+	// Slot, if set, is a replica whose slot the router's queue kept for
+	// this request (replica.Replica.Reserve): with Room, it is a candidate
+	// with room though the kept slot makes it count as saturated.
+	Slot *replica.Replica
 	// Model is the model the request names. A replica whose models are
 	// known and do not include it is not a candidate; among those that
 	// serve it as a LoRA adapter, the ones with it loaded rank first, then
@@ -410,14 +416,14 @@ func (e *Engine) Decide(ri Request, record bool) (*Decision, error) {
 	if e.o.Matcher != nil && ri.Text != nil {
 		sketch = e.o.Matcher.Sketch(ri.Model, ri.Text)
 	}
-	in, err := e.rank(d, pol, ri.Allow, ri.Room, ri.Model, sketch)
+	in, err := e.rank(d, pol, &ri, sketch)
 	if err != nil {
 		return nil, err
 	}
 	if e.o.PreferDonor {
 		e.preferDonor(d, sketch)
 	}
-	if record && ri.Hold && d.Saturated {
+	if record && ri.Hold && d.Chosen().Replica.Saturated() {
 		d.Held = true
 		return d, nil
 	}
@@ -493,14 +499,15 @@ func (e *Engine) view(d *Decision) *View {
 // request may use (gather: model and adapter, availability, panic mode),
 // each one's credit (credit; creditDonors), then the policy's score and
 // the rank.
-func (e *Engine) rank(d *Decision, pol Policy, allow func(*replica.Replica) bool, room bool, model string, sketch []uint64) (*View, error) {
+func (e *Engine) rank(d *Decision, pol Policy, ri *Request, sketch []uint64) (*View, error) {
+	model := ri.Model
 	sc, _ := scratchPool.Get().(*scratch)
 	if sc == nil {
 		sc = &scratch{}
 	}
 	defer scratchPool.Put(sc)
 	e.lookup(d, sc)
-	g := gathering{e: e, d: d, sc: sc, reps: e.pool.Replicas(), now: e.o.Now(), allow: allow, onlyRoom: room, model: model,
+	g := gathering{e: e, d: d, sc: sc, reps: e.pool.Replicas(), now: e.o.Now(), allow: ri.Allow, onlyRoom: ri.Room, slot: ri.Slot, model: model,
 		adapter: model != "" && e.isAdapter(model), reuses: e.reuses.load()}
 	d.Candidates = newCandidates(len(g.reps))
 	g.all()
@@ -551,9 +558,10 @@ type gathering struct {
 	adapter         bool // the model is a LoRA adapter somewhere: its replicas are ranked
 	n               int  // candidates filled
 	unknown, served bool
-	onlyRoom        bool      // Request.Room: only replicas that are not saturated
-	room            bool      // some candidate's replica is not saturated
-	reuses          *reuseSet // the replicas' Reuse, one snapshot for the decision
+	onlyRoom        bool             // Request.Room: only replicas that are not saturated
+	slot            *replica.Replica // Request.Slot: one with room kept for the request
+	room            bool             // some candidate's replica is not saturated
+	reuses          *reuseSet        // the replicas' Reuse, one snapshot for the decision
 }
 
 // all fills d.Candidates. Passive ejection is a guess from failures that
@@ -579,7 +587,8 @@ func (g *gathering) all() {
 func (g *gathering) gather(panicking bool) (ejected bool) {
 	for _, r := range g.reps {
 		rank, ok := g.models(r)
-		if !ok || (g.allow != nil && !g.allow(r)) || (g.onlyRoom && r.Saturated()) {
+		full := r.Saturated() && r != g.slot
+		if !ok || (g.allow != nil && !g.allow(r)) || (g.onlyRoom && full) {
 			continue
 		}
 		if !r.Available(g.now) {
@@ -592,7 +601,7 @@ func (g *gathering) gather(panicking bool) (ejected bool) {
 		c := &g.d.Candidates[g.n] // filled in place: a candidate is ~120 bytes
 		g.n++
 		c.Replica, c.Load, c.adapter = r, r.Load(g.now), rank
-		g.room = g.room || !r.Saturated()
+		g.room = g.room || !full
 		g.e.credit(c, g.sc, g.reuses)
 	}
 	return ejected

@@ -111,7 +111,7 @@ func (l *Lease) begin(e *Engine, r *replica.Replica, d *Decision, c *Candidate, 
 	if l.shared {
 		l.work.Tokens = e.activate(r.ID, blocks, 1)
 	}
-	r.Begin(&l.work)
+	r.Begin(&l.work, now)
 }
 
 // FirstToken reports that the replica finished the prompt's prefill (its
@@ -136,7 +136,7 @@ func (l *Lease) EngineDone(now time.Time) {
 	}
 	l.FirstToken(now) // the prefill ended too, if no token said so
 	l.state = LeaseDrained
-	l.rep.Drained(&l.work)
+	l.rep.Drained(&l.work, now)
 	l.free(now)
 }
 

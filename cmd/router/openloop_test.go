@@ -1,0 +1,277 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"cmp"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"math/rand/v2"
+	"net/http"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// An open-loop load: requests arrive on a schedule whatever the router's
+// answers, as users do, so that a queue anywhere shows as waiting time
+// rather than as a slower client (which a closed loop of workers would be).
+
+// phase is a stretch of an open-loop schedule: rate requests per second
+// for dur.
+type phase struct {
+	dur  time.Duration
+	rate float64
+}
+
+// arrivals returns Poisson arrival times (offsets from the start) through
+// the phases, from seed.
+func arrivals(phases []phase, seed uint64) []time.Duration {
+	r := rand.New(rand.NewPCG(seed, 11))
+	var out []time.Duration
+	var start time.Duration
+	for _, p := range phases {
+		t := 0.0
+		for p.rate > 0 {
+			t += r.ExpFloat64() / p.rate
+			if t >= p.dur.Seconds() {
+				break
+			}
+			out = append(out, start+time.Duration(t*float64(time.Second)))
+		}
+		start += p.dur
+	}
+	return out
+}
+
+// olRequest is one request of an open-loop run and what it got.
+type olRequest struct {
+	at      time.Duration // its arrival, from the start
+	tenant  string
+	status  int           // 0: no answer
+	ttft    time.Duration // to the first streamed chunk, from its arrival
+	done    time.Duration // its arrival to the end of its answer
+	retry   string        // Retry-After, on a 429
+	prompt  int64
+	cached  int64
+	replica string
+	err     string
+}
+
+// olRun is an open-loop run.
+type olRun struct {
+	reqs []olRequest
+}
+
+// sendOpenLoop sends body i at its arrival time at[i] with header(i)'s
+// headers (nil: none), each in its own goroutine, and waits for every
+// answer. A request not answered within timeout counts as unanswered.
+func sendOpenLoop(url string, work [][]byte, at []time.Duration, header func(i int) http.Header, timeout time.Duration) *olRun {
+	run := &olRun{reqs: make([]olRequest, len(at))}
+	client := &http.Client{Timeout: timeout, Transport: &http.Transport{MaxIdleConnsPerHost: 4096, MaxConnsPerHost: 0}}
+	defer client.CloseIdleConnections()
+	start := time.Now()
+	var wg sync.WaitGroup
+	for i := range at {
+		if d := time.Until(start.Add(at[i])); d > 0 {
+			time.Sleep(d) // the schedule itself, not synchronisation
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			q := &run.reqs[i]
+			q.at = at[i]
+			req, _ := http.NewRequest("POST", url+"/v1/chat/completions", bytes.NewReader(work[i%len(work)]))
+			req.Header.Set("Content-Type", "application/json")
+			if header != nil {
+				for k, v := range header(i) {
+					req.Header[k] = v
+				}
+				q.tenant = req.Header.Get("x-gateway-inference-fairness-id")
+			}
+			sent := time.Now()
+			resp, err := client.Do(req)
+			if err != nil {
+				q.err = err.Error()
+				return
+			}
+			defer resp.Body.Close()
+			q.status, q.replica, q.retry = resp.StatusCode, resp.Header.Get("X-Semroute-Replica"), resp.Header.Get("Retry-After")
+			if resp.StatusCode != 200 {
+				b, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+				q.err, q.done = fmt.Sprintf("%d: %s", resp.StatusCode, b), time.Since(sent)
+				return
+			}
+			sc := bufio.NewScanner(resp.Body)
+			sc.Buffer(make([]byte, 1<<20), 1<<20)
+			for sc.Scan() {
+				line := sc.Bytes()
+				if !bytes.HasPrefix(line, []byte("data: {")) {
+					continue
+				}
+				if q.ttft == 0 {
+					q.ttft = time.Since(sent)
+				}
+				var ch struct {
+					Usage *struct {
+						Prompt  int64 `json:"prompt_tokens"`
+						Details struct {
+							Cached int64 `json:"cached_tokens"`
+						} `json:"prompt_tokens_details"`
+					} `json:"usage"`
+				}
+				if json.Unmarshal(line[6:], &ch) == nil && ch.Usage != nil {
+					q.prompt, q.cached = ch.Usage.Prompt, ch.Usage.Details.Cached
+				}
+			}
+			q.done = time.Since(sent)
+			if err := sc.Err(); err != nil {
+				q.err = err.Error()
+			} else if q.prompt == 0 {
+				q.err = "a stream without usage"
+			}
+		}()
+	}
+	wg.Wait()
+	return run
+}
+
+// olStats summarises the requests of a run that keep says to keep (nil:
+// all).
+type olStats struct {
+	n, ok, shed, failed int
+	prompt, cached      int64
+	ttfts               []float64 // seconds, of the answered
+	firstErr            string
+	badRetry            int // 429s without a Retry-After of whole seconds
+}
+
+func (r *olRun) stats(keep func(q *olRequest) bool) *olStats {
+	s := &olStats{}
+	for i := range r.reqs {
+		q := &r.reqs[i]
+		if keep != nil && !keep(q) {
+			continue
+		}
+		s.n++
+		switch {
+		case q.status == 200 && q.err == "":
+			s.ok++
+			s.prompt += q.prompt
+			s.cached += q.cached
+			s.ttfts = append(s.ttfts, q.ttft.Seconds())
+		case q.status == http.StatusTooManyRequests:
+			s.shed++
+			if n, err := strconv.Atoi(q.retry); err != nil || n < 1 {
+				s.badRetry++
+			}
+		default:
+			s.failed++
+			s.firstErr = cmp.Or(s.firstErr, q.err)
+		}
+	}
+	slices.Sort(s.ttfts)
+	return s
+}
+
+func (s *olStats) hitRatio() float64 { return float64(s.cached) / float64(max(s.prompt, 1)) }
+
+// pct returns the q-quantile of TTFT in milliseconds (NaN without answers).
+func (s *olStats) pct(q float64) float64 {
+	if len(s.ttfts) == 0 {
+		return math.NaN()
+	}
+	return 1e3 * s.ttfts[min(int(q*float64(len(s.ttfts))), len(s.ttfts)-1)]
+}
+
+func (s *olStats) String() string {
+	return fmt.Sprintf("%d requests: %d answered, %d shed (429), %d failed; hit ratio %.3f; TTFT p50 %.0f p99 %.0f ms",
+		s.n, s.ok, s.shed, s.failed, s.hitRatio(), s.pct(0.5), s.pct(0.99))
+}
+
+// sustainedRate measures the requests per second 4 fresh third-party
+// replicas sustain behind the default router: a closed loop of as many
+// clients as the engines have sequences, over n requests of work.
+func sustainedRate(t *testing.T, work [][]byte) float64 {
+	reps := startThirdParty(t, tpOptions{n: 4})
+	defer func() {
+		for _, rep := range reps {
+			rep.stop()
+		}
+	}()
+	r := startRouterYAML(t, tpConfig(reps, false, ""))
+	defer func() { _ = r.run.stop(time.Second) }()
+	waitBudgets(t, r, 4, 768*16)
+	start := time.Now()
+	run := sendTruth(r.url, work, 16, nil)
+	if run.errors > 0 {
+		t.Fatalf("%d errors measuring the sustained rate: %s", run.errors, run.firstErr)
+	}
+	return float64(len(work)) / time.Since(start).Seconds()
+}
+
+// TestThirdPartyFlowControl measures, through 4 third-party replicas of 4
+// sequences each on the mixed chat workload, an open-loop load at 0.9× the
+// rate they sustain with a burst to 2× for 30 s, and the same at 0.5×, for
+// the SGLang and Dynamo ports and the default with and without flow
+// control (one run each). It takes about 15 minutes:
+//
+//	SEMROUTE_THIRDPARTY_SIM=/path/to/llm-d-inference-sim SEMROUTE_THIRDPARTY_FLOW=1 \
+//	  go test -run TestThirdPartyFlowControl -v -timeout 60m ./cmd/router
+//
+// SEMROUTE_THIRDPARTY_RATE=<requests/s> skips measuring the sustained rate;
+// SEMROUTE_THIRDPARTY_ROWS keeps some rows, as for TestThirdPartyTable.
+func TestThirdPartyFlowControl(t *testing.T) {
+	if os.Getenv("SEMROUTE_THIRDPARTY_FLOW") == "" {
+		t.Skip("set SEMROUTE_THIRDPARTY_FLOW=1 to measure")
+	}
+	thirdPartyBin(t)
+	rate, _ := strconv.ParseFloat(os.Getenv("SEMROUTE_THIRDPARTY_RATE"), 64)
+	if rate == 0 {
+		rate = sustainedRate(t, truthSessions(600, 29, 40))
+		t.Logf("sustained rate: %.2f requests/s", rate)
+	}
+	fc := "flow_control:\n  enabled: true\n"
+	rows := []tpRow{
+		{"SGLang port", "sglang", "", false},
+		{"Dynamo port", "dynamo", "", false},
+		{"default", "", "", false},
+		{"default with flow control", "", fc, false},
+	}
+	burst := []phase{{60 * time.Second, 0.9 * rate}, {30 * time.Second, 2 * rate}, {60 * time.Second, 0.9 * rate}}
+	t.Log(olTable(t, fmt.Sprintf("0.9× of %.2f requests/s, 2× for 30 s", rate), burst, rows))
+	calm := []phase{{90 * time.Second, 0.5 * rate}}
+	t.Log(olTable(t, fmt.Sprintf("0.5× of %.2f requests/s", rate), calm, rows[2:]))
+}
+
+// olTable runs the schedule through each row's router in front of 4 fresh
+// third-party replicas and returns the table.
+func olTable(t *testing.T, title string, phases []phase, rows []tpRow) string {
+	at := arrivals(phases, 5)
+	work := truthSessions(len(at), 29, 40)
+	var b strings.Builder
+	fmt.Fprintf(&b, "\n%s: %d requests\n\n| configuration | engine hit ratio | TTFT p50 / p90 / p99 ms | answered | shed (429) | failed |\n|---|---:|---|---:|---:|---:|\n", title, len(at))
+	for _, row := range rows {
+		if !tpWanted(row.name) {
+			continue
+		}
+		reps := startThirdParty(t, tpOptions{n: 4})
+		r := startRouterYAML(t, row.yaml+tpConfig(reps, row.events, row.policy))
+		waitBudgets(t, r, 4, 768*16)
+		s := sendOpenLoop(r.url, work, at, nil, 5*time.Minute).stats(nil)
+		fmt.Fprintf(&b, "| %s | %.3f | %.0f / %.0f / %.0f | %d | %d | %d |\n", row.name, s.hitRatio(),
+			s.pct(0.5), s.pct(0.9), s.pct(0.99), s.ok, s.shed, s.failed)
+		t.Logf("%s, %s: %s; first error: %s", title, row.name, s, s.firstErr)
+		_ = r.run.stop(time.Second)
+		for _, rep := range reps {
+			rep.stop()
+		}
+	}
+	return b.String()
+}
