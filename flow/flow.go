@@ -310,9 +310,11 @@ func (t *Ticket) Wait(ctx context.Context) error {
 // Dispatch takes the next request for a slot that freed on home and
 // reports whether there was one: the highest priority waiting, within it
 // the flow served least, and within that flow its oldest request waiting
-// for home, as in that engine's own queue; a flow with none there gives
-// the slot to its request of least cost among its LookAhead oldest queued
-// within AgeBound of its oldest (taking it from the home it waits for).
+// for home, as in that engine's own queue, unless one of its LookAhead
+// oldest queued within AgeBound of its oldest costs less there (the
+// picture now has more of its prefix on home than where it waits); a flow
+// with none waiting for home gives the slot to the cheapest of those
+// (taking it from the home it waits for).
 // cost reads an Item's Value (the same unit as routing's: the prefill
 // tokens it would compute on home beyond what it would on its own); an
 // infinite cost means the request is better off waiting for its own home,
@@ -331,13 +333,7 @@ func (q *Queue) Dispatch(home int, cost func(Item) float64, grant any) (*Ticket,
 	budget := 2 * q.o.LookAhead // costs computed at most, whatever the flows
 	for _, b := range bands {
 		for _, f := range b.byServed() {
-			t := (*Ticket)(nil)
-			if h := f.homes[home]; h != nil {
-				t = h.Front().Value.(*Ticket)
-			} else if budget > 0 {
-				t = q.cheapest(f, cost, &budget)
-			}
-			if t != nil {
+			if t := q.pick(f, home, cost, &budget); t != nil {
 				f.served += float64(max(t.Tokens, 1))
 				t.grant = grant
 				q.remove(t, nil)
@@ -346,6 +342,31 @@ func (q *Queue) Dispatch(home int, cost func(Item) float64, grant any) (*Ticket,
 		}
 	}
 	return nil, false
+}
+
+// pick returns flow f's request for a slot on home: the least cost of its
+// oldest request waiting for home (which costs nothing, or what the
+// picture now says it would save there) and of those cheapest finds, the
+// home's first among equals; nil when none has a finite cost.
+func (q *Queue) pick(f *flowState, home int, cost func(Item) float64, budget *int) *Ticket {
+	var own *Ticket
+	if h := f.homes[home]; h != nil {
+		own = h.Front().Value.(*Ticket)
+		if cost == nil {
+			return own
+		}
+	}
+	var lent *Ticket
+	if *budget > 0 {
+		lent = q.cheapest(f, cost, budget)
+	}
+	switch {
+	case own == nil:
+		return lent
+	case lent == nil || lent.Home == home || cost(own.Item) <= cost(lent.Item):
+		return own
+	}
+	return lent
 }
 
 // byServed returns the band's waiting flows, least served first (by key

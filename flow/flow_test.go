@@ -106,8 +106,9 @@ func TestLookAheadAndAgeBound(t *testing.T) {
 }
 
 // A slot that frees on a home goes to the oldest request waiting for it,
-// in the flow's turn, however far back it is; a flow with none waiting
-// there lends the slot to its cheapest request of finite cost, or to none.
+// in the flow's turn, however far back it is, unless an older one costs
+// less there; a flow with none waiting there lends the slot to its
+// cheapest request of finite cost, or to none.
 func TestHomes(t *testing.T) {
 	q := New(Options{LookAhead: 2})
 	put := func(home int, v string) {
@@ -140,6 +141,23 @@ func TestHomes(t *testing.T) {
 	}
 	if n, _ := q.Len(); n != 1 {
 		t.Fatalf("%d left, want c0 alone", n)
+	}
+	// A request waiting elsewhere that the picture now says computes less
+	// on home 1 than its own request would goes first.
+	q.Dispatch(0, never, nil) // c0
+	put(1, "e1")
+	put(0, "f0")
+	betterHere := func(it Item) float64 {
+		if it.Value == "f0" {
+			return -3
+		}
+		return 0
+	}
+	if tk, _ := q.Dispatch(1, betterHere, nil); tk == nil || tk.Value != "f0" {
+		t.Fatalf("home 1's slot went to %v, want f0, cheaper there than e1", tk)
+	}
+	if tk, _ := q.Dispatch(1, betterHere, nil); tk == nil || tk.Value != "e1" {
+		t.Fatalf("home 1's slot went to %v, want e1", tk)
 	}
 }
 
