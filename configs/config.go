@@ -65,9 +65,10 @@ type Config struct {
 	Replicas    []Replica         `mapstructure:"replicas" json:"replicas"`
 }
 
-// FlowControlConfig is the router's queue (package flow): while every
-// replica a request could use is saturated, it waits in the router, and
-// is decided again when one frees. Read at start only.
+// FlowControlConfig is the router's queue (package flow): a request whose
+// best replica is saturated waits in the router instead of in that
+// engine's queue, and is decided again when a slot is free for it. Read at
+// start only.
 type FlowControlConfig struct {
 	// Enabled turns the queue on. Off: every request goes to a replica at
 	// once, and engines queue.

@@ -314,13 +314,14 @@ func (t *Ticket) Wait(ctx context.Context) error {
 // oldest queued within AgeBound of its oldest costs less there (the
 // picture now has more of its prefix on home than where it waits); a flow
 // with none waiting for home gives the slot to the cheapest of those
-// (taking it from the home it waits for).
-// cost reads an Item's Value (the same unit as routing's: the prefill
-// tokens it would compute on home beyond what it would on its own); an
-// infinite cost means the request is better off waiting for its own home,
+// (taking it from the home it waits for). cost reads a waiting request
+// (its Item's Value, how long it has waited) and returns what sending it
+// to home costs, in routing's unit: the prefill tokens it would compute
+// there beyond what it would on its own home; an infinite cost means the
+// request is better off waiting for its own home,
 // and the next flow, then the next priority, is looked at; nil takes the
 // oldest. The request's Ticket.Grant returns grant.
-func (q *Queue) Dispatch(home int, cost func(Item) float64, grant any) (*Ticket, bool) {
+func (q *Queue) Dispatch(home int, cost func(*Ticket) float64, grant any) (*Ticket, bool) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	bands := make([]*band, 0, len(q.bands))
@@ -348,7 +349,7 @@ func (q *Queue) Dispatch(home int, cost func(Item) float64, grant any) (*Ticket,
 // oldest request waiting for home (which costs nothing, or what the
 // picture now says it would save there) and of those cheapest finds, the
 // home's first among equals; nil when none has a finite cost.
-func (q *Queue) pick(f *flowState, home int, cost func(Item) float64, budget *int) *Ticket {
+func (q *Queue) pick(f *flowState, home int, cost func(*Ticket) float64, budget *int) *Ticket {
 	var own *Ticket
 	if h := f.homes[home]; h != nil {
 		own = h.Front().Value.(*Ticket)
@@ -363,7 +364,7 @@ func (q *Queue) pick(f *flowState, home int, cost func(Item) float64, budget *in
 	switch {
 	case own == nil:
 		return lent
-	case lent == nil || lent.Home == home || cost(own.Item) <= cost(lent.Item):
+	case lent == nil || lent.Home == home || cost(own) <= cost(lent):
 		return own
 	}
 	return lent
@@ -390,7 +391,7 @@ func (b *band) byServed() []*flowState {
 // each cost computed takes one from budget. So a request is passed over
 // only by requests at most AgeBound younger than itself, or while it waits
 // for its own replica.
-func (q *Queue) cheapest(f *flowState, cost func(Item) float64, budget *int) *Ticket {
+func (q *Queue) cheapest(f *flowState, cost func(*Ticket) float64, budget *int) *Ticket {
 	first := f.waiting.Front().Value.(*Ticket)
 	if cost == nil {
 		return first
@@ -404,7 +405,7 @@ func (q *Queue) cheapest(f *flowState, cost func(Item) float64, budget *int) *Ti
 			break
 		}
 		*budget--
-		if c := cost(u.Item); c < best {
+		if c := cost(u); c < best {
 			t, best = u, c
 		}
 	}

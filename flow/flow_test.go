@@ -26,7 +26,7 @@ func enqueue(t *testing.T, q *Queue, p int, flow string, v any) *Ticket {
 }
 
 // order dispatches everything and returns the values in dispatch order.
-func order(q *Queue, cost func(Item) float64) string {
+func order(q *Queue, cost func(*Ticket) float64) string {
 	var out []string
 	for {
 		tk, ok := q.Dispatch(-1, cost, nil)
@@ -84,7 +84,7 @@ func TestLookAheadAndAgeBound(t *testing.T) {
 	}
 	c.t = c.t.Add(2 * time.Second)
 	enqueue(t, q, 0, "f", "late:0")
-	cost := func(it Item) float64 {
+	cost := func(it *Ticket) float64 {
 		var v float64
 		fmt.Sscanf(strings.Split(it.Value.(string), ":")[1], "%g", &v)
 		return v
@@ -120,14 +120,14 @@ func TestHomes(t *testing.T) {
 	put(0, "b0")
 	put(0, "c0")
 	put(1, "d1")
-	never := func(Item) float64 { return math.Inf(1) }
+	never := func(*Ticket) float64 { return math.Inf(1) }
 	if tk, _ := q.Dispatch(1, never, nil); tk == nil || tk.Value != "d1" {
 		t.Fatalf("home 1's slot went to %v, want d1, behind three others", tk)
 	}
 	if tk, ok := q.Dispatch(1, never, nil); ok {
 		t.Fatalf("home 1's slot went to %v, which waits for home 0 at infinite cost", tk.Value)
 	}
-	cheapB := func(it Item) float64 {
+	cheapB := func(it *Ticket) float64 {
 		if it.Value == "b0" {
 			return 1
 		}
@@ -147,7 +147,7 @@ func TestHomes(t *testing.T) {
 	q.Dispatch(0, never, nil) // c0
 	put(1, "e1")
 	put(0, "f0")
-	betterHere := func(it Item) float64 {
+	betterHere := func(it *Ticket) float64 {
 		if it.Value == "f0" {
 			return -3
 		}

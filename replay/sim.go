@@ -281,7 +281,9 @@ func (s *sim) dispatch(r int, now int64) bool {
 		return false
 	}
 	rep.Reserve()
-	t, ok := e.queue.Dispatch(r, func(it flow.Item) float64 { return e.eng.DispatchCost(e.held[it.Value.(int)], rep) }, r)
+	t, ok := e.queue.Dispatch(r, func(t *flow.Ticket) float64 {
+		return e.eng.DispatchCost(e.held[t.Value.(int)], rep, time.Duration(now-t.Enqueued().UnixNano()))
+	}, r)
 	if !ok {
 		rep.Unreserve()
 		return false

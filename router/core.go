@@ -431,7 +431,9 @@ func (c *Core) offer(r *replica.Replica) bool {
 		return false
 	}
 	r.Reserve()
-	if _, ok := c.q.Dispatch(r.ID, func(it flow.Item) float64 { return c.e.DispatchCost(it.Value.(*routing.Decision), r) }, r); ok {
+	if _, ok := c.q.Dispatch(r.ID, func(t *flow.Ticket) float64 {
+		return c.e.DispatchCost(t.Value.(*routing.Decision), r, time.Since(t.Enqueued()))
+	}, r); ok {
 		return true
 	}
 	r.Unreserve()

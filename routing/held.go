@@ -2,6 +2,7 @@ package routing
 
 import (
 	"math"
+	"time"
 
 	"github.com/semroute/semroute/replica"
 )
@@ -39,13 +40,16 @@ func (e *Engine) Unwait(d *Decision) {
 // its wait, and the requests sent meanwhile may have brought its prefix to
 // r). It is +Inf when computing them on r would take longer than moving
 // saves: the request's expected wait for its own replica less the wait of
-// those held for r, whose turn it would take. A replica's wait is the
-// requests held for it, each a slot's turn of its engine's time per
-// request (replica.Replica.Timing; the pool's average where it has not
-// learned its own). Before any engine's timing is known, waits are
-// counted in prefill tokens queued per slot. A replica that cannot take
-// requests saves an unbounded wait.
-func (e *Engine) DispatchCost(d *Decision, r *replica.Replica) float64 {
+// those held for r, whose turn it would take, or, once it has waited
+// longer than that, the time it has waited (so that a request never waits
+// for its prefix longer than computing it again would take: waiting for a
+// replica whose slots stay busy costs at most twice the better choice). A
+// replica's wait is the requests held for it, each a slot's turn of its
+// engine's time per request (replica.Replica.Timing; the pool's average
+// where it has not learned its own). Before any engine's timing is known,
+// waits are counted in prefill tokens queued per slot. A replica that
+// cannot take requests saves an unbounded wait.
+func (e *Engine) DispatchCost(d *Decision, r *replica.Replica, waited time.Duration) float64 {
 	want := d.Chosen().Replica
 	m := e.cache.Match(d.Blocks, e.o.Weights, nil)
 	uncached := func(id int) float64 {
@@ -80,7 +84,7 @@ func (e *Engine) DispatchCost(d *Decision, r *replica.Replica) float64 {
 	wait := func(x *replica.Replica, per float64) float64 {
 		return float64(x.Held()) * per / float64(max(x.Capacity(), 1))
 	}
-	if regret*perToken > wait(want, perWant)-wait(r, perHere) {
+	if regret*perToken > max(wait(want, perWant)-wait(r, perHere), waited.Seconds()) {
 		return math.Inf(1)
 	}
 	return regret

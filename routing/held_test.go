@@ -43,10 +43,10 @@ func TestHeldWaitsForItsReplica(t *testing.T) {
 	}
 	// Moving to r1 computes the document again: more than the little
 	// queued on r0. It waits.
-	if c := f.e.DispatchCost(d, rs[1]); !math.IsInf(c, 1) {
+	if c := f.e.DispatchCost(d, rs[1], 0); !math.IsInf(c, 1) {
 		t.Fatalf("cost of moving to r1: %v, want +Inf", c)
 	}
-	if c := f.e.DispatchCost(d, rs[0]); c != 0 {
+	if c := f.e.DispatchCost(d, rs[0], 0); c != 0 {
 		t.Fatalf("cost on its own replica: %v", c)
 	}
 	// Much queued on r0 (a request whose long prompt r0 has not begun):
@@ -54,19 +54,33 @@ func TestHeldWaitsForItsReplica(t *testing.T) {
 	var big replica.Work
 	big.Prefill = 50000
 	rs[0].Begin(&big, f.e.Now())
-	if c, want := f.e.DispatchCost(d, rs[1]), d.Uncached(rs[1].ID)-d.Uncached(rs[0].ID); c != want || c <= 0 {
+	if c, want := f.e.DispatchCost(d, rs[1], 0), d.Uncached(rs[1].ID)-d.Uncached(rs[0].ID); c != want || c <= 0 {
 		t.Fatalf("cost of moving to r1 behind a long queue: %v, want %v", c, want)
 	}
 	rs[0].End(&big, f.e.Now())
-	// Once the engines' timing is learned the wait is counted in time: r0
-	// prefills 1,000 tokens a second, and its requests hold their slot 100
-	// s (long answers), so moving is worth it though no prefill is queued.
+	// Once the engines' timing is learned the wait is counted in time. r0
+	// prefills 1,000 tokens a second and its requests hold a slot 0.1 s:
+	// the document's second or so on r1 is not worth it, unless the
+	// request has already waited longer than that.
+	var short replica.Work
+	short.Prefill = 1000
+	rs[0].Begin(&short, f.e.Now())
+	rs[0].PrefillDone(&short, f.e.Now().Add(time.Second))
+	rs[0].End(&short, f.e.Now().Add(time.Second+100*time.Millisecond))
+	if c := f.e.DispatchCost(d, rs[1], 0); !math.IsInf(c, 1) {
+		t.Fatalf("cost of moving to r1 from a replica of short requests: %v", c)
+	}
+	if c := f.e.DispatchCost(d, rs[1], time.Minute); math.IsInf(c, 1) || c <= 0 {
+		t.Fatalf("cost of moving a request that has waited a minute: %v", c)
+	}
+	// Its requests now hold their slot long (a 100 s answer): moving is
+	// worth it at once, though no prefill is queued there.
 	var long replica.Work
 	long.Prefill = 1000
 	rs[0].Begin(&long, f.e.Now())
 	rs[0].PrefillDone(&long, f.e.Now().Add(time.Second))
 	rs[0].End(&long, f.e.Now().Add(100*time.Second))
-	if c := f.e.DispatchCost(d, rs[1]); math.IsInf(c, 1) || c <= 0 {
+	if c := f.e.DispatchCost(d, rs[1], 0); math.IsInf(c, 1) || c <= 0 {
 		t.Fatalf("cost of moving to r1 from a replica of long answers: %v", c)
 	}
 	f.e.Unwait(d)

@@ -24,6 +24,16 @@ import (
 //	  SEMROUTE_THIRDPARTY_RATE=<the sustained rate TestThirdPartyFlowControl printed> \
 //	  go test -run 'TestThirdPartyFlow(Priority|Fairness|Overload)' -v -timeout 60m ./cmd/router
 
+// tpBlocks returns the KV cache blocks of each third-party replica of the
+// tenant measurements: SEMROUTE_THIRDPARTY_BLOCKS, else 768 (12,288
+// tokens, as every third-party measurement).
+func tpBlocks() int {
+	if b, _ := strconv.Atoi(os.Getenv("SEMROUTE_THIRDPARTY_BLOCKS")); b > 0 {
+		return b
+	}
+	return 768
+}
+
 // flowRate returns the sustained rate the flow measurements load against.
 func flowRate(t *testing.T) float64 {
 	if os.Getenv("SEMROUTE_THIRDPARTY_FLOW") == "" {
@@ -73,7 +83,8 @@ func mixLoads(loads ...tenantLoad) (at []time.Duration, work [][]byte, header fu
 // runTenants sends the tenants' loads through a router of yaml in front of
 // 4 fresh third-party replicas and returns the run.
 func runTenants(t *testing.T, yaml string, loads ...tenantLoad) *olRun {
-	reps := startThirdParty(t, tpOptions{n: 4})
+	blocks := tpBlocks()
+	reps := startThirdParty(t, tpOptions{n: 4, blocks: blocks})
 	defer func() {
 		for _, rep := range reps {
 			rep.stop()
@@ -81,7 +92,7 @@ func runTenants(t *testing.T, yaml string, loads ...tenantLoad) *olRun {
 	}()
 	r := startRouterYAML(t, yaml+tpConfig(reps, false, ""))
 	defer func() { _ = r.run.stop(time.Second) }()
-	waitBudgets(t, r, 4, 768*16)
+	waitBudgets(t, r, 4, int64(blocks)*16)
 	at, work, header := mixLoads(loads...)
 	return sendOpenLoop(r.url, work, at, header, 5*time.Minute)
 }
@@ -165,7 +176,7 @@ func TestThirdPartyFlowOverload(t *testing.T) {
 	}
 	const ttl = 60 * time.Second
 	calm := []phase{{90 * time.Second, 0.5 * rate}}
-	burst := []phase{{60 * time.Second, 5 * rate}, {90 * time.Second, 0.5 * rate}}
+	burst := []phase{{60 * time.Second, 5 * rate}, {180 * time.Second, 0.5 * rate}}
 	for _, c := range []struct {
 		name   string
 		phases []phase
@@ -187,8 +198,10 @@ func TestThirdPartyFlowOverload(t *testing.T) {
 		url := "http://" + addr
 		waitReady(t, url)
 		peakQueue := 0.0
+		var emptied time.Duration // the first time the queue was seen empty after the burst's minute
 		stop := make(chan struct{})
 		sampled := make(chan struct{})
+		start := time.Now()
 		go func() {
 			defer close(sampled)
 			for {
@@ -197,7 +210,11 @@ func TestThirdPartyFlowOverload(t *testing.T) {
 					return
 				case <-time.After(250 * time.Millisecond): // a sampling period, not synchronisation
 				}
-				peakQueue = max(peakQueue, metric(t, url, "semroute_queue_requests", ""))
+				n := metric(t, url, "semroute_queue_requests", "")
+				peakQueue = max(peakQueue, n)
+				if at := time.Since(start); n == 0 && emptied == 0 && at > c.phases[0].dur {
+					emptied = at
+				}
 			}
 		}()
 		run := sendOpenLoop(url, work, at, nil, 5*time.Minute)
@@ -224,7 +241,12 @@ func TestThirdPartyFlowOverload(t *testing.T) {
 		from -= 30 * time.Second
 		last := run.stats(func(q *olRequest) bool { return q.at >= from })
 		t.Logf("%s: %s; 429s without a whole-second Retry-After %d, later than the TTL %d; unanswered or failed %d", c.name, all, all.badRetry, lateShed, all.failed)
-		t.Logf("%s: router peak RSS %d MiB, queue peak %.0f requests; the last 30 s (%.2f requests/s): %s", c.name, hwm>>20, peakQueue, end.rate, last)
+		t.Logf("%s: router peak RSS %d MiB, queue peak %.0f requests, first empty after the first minute at %.0f s; the last 30 s (%.2f requests/s): %s",
+			c.name, hwm>>20, peakQueue, emptied.Seconds(), end.rate, last)
+		for w := time.Duration(0); w < from+30*time.Second; w += 30 * time.Second {
+			s := run.stats(func(q *olRequest) bool { return q.at >= w && q.at < w+30*time.Second })
+			t.Logf("%s: arrivals %3.0f–%3.0f s: %s", c.name, w.Seconds(), (w + 30*time.Second).Seconds(), s)
+		}
 	}
 }
 

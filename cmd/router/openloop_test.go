@@ -58,6 +58,7 @@ type olRequest struct {
 	ttft    time.Duration // to the first streamed chunk, from its arrival
 	done    time.Duration // its arrival to the end of its answer
 	retry   string        // Retry-After, on a 429
+	queued  time.Duration // X-Semroute-Queue-Ms: its wait in the router's queue
 	prompt  int64
 	cached  int64
 	replica string
@@ -103,6 +104,9 @@ func sendOpenLoop(url string, work [][]byte, at []time.Duration, header func(i i
 			}
 			defer resp.Body.Close()
 			q.status, q.replica, q.retry = resp.StatusCode, resp.Header.Get("X-Semroute-Replica"), resp.Header.Get("Retry-After")
+			if ms, err := strconv.ParseFloat(resp.Header.Get("X-Semroute-Queue-Ms"), 64); err == nil {
+				q.queued = time.Duration(ms * float64(time.Millisecond))
+			}
 			if resp.StatusCode != 200 {
 				b, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
 				q.err, q.done = fmt.Sprintf("%d: %s", resp.StatusCode, b), time.Since(sent)
@@ -148,6 +152,7 @@ type olStats struct {
 	n, ok, shed, failed int
 	prompt, cached      int64
 	ttfts               []float64 // seconds, of the answered
+	queued              []float64 // seconds in the router's queue, of the answered
 	firstErr            string
 	badRetry            int // 429s without a Retry-After of whole seconds
 }
@@ -166,6 +171,7 @@ func (r *olRun) stats(keep func(q *olRequest) bool) *olStats {
 			s.prompt += q.prompt
 			s.cached += q.cached
 			s.ttfts = append(s.ttfts, q.ttft.Seconds())
+			s.queued = append(s.queued, q.queued.Seconds())
 		case q.status == http.StatusTooManyRequests:
 			s.shed++
 			if n, err := strconv.Atoi(q.retry); err != nil || n < 1 {
@@ -177,6 +183,7 @@ func (r *olRun) stats(keep func(q *olRequest) bool) *olStats {
 		}
 	}
 	slices.Sort(s.ttfts)
+	slices.Sort(s.queued)
 	return s
 }
 
@@ -191,15 +198,20 @@ func (s *olStats) pct(q float64) float64 {
 }
 
 func (s *olStats) String() string {
-	return fmt.Sprintf("%d requests: %d answered, %d shed (429), %d failed; hit ratio %.3f; TTFT p50 %.0f p99 %.0f ms",
-		s.n, s.ok, s.shed, s.failed, s.hitRatio(), s.pct(0.5), s.pct(0.99))
+	q99 := 0.0
+	if len(s.queued) > 0 {
+		q99 = 1e3 * s.queued[min(int(0.99*float64(len(s.queued))), len(s.queued)-1)]
+	}
+	return fmt.Sprintf("%d requests: %d answered, %d shed (429), %d failed; hit ratio %.3f; TTFT p50 %.0f p99 %.0f ms; router queue p99 %.0f ms",
+		s.n, s.ok, s.shed, s.failed, s.hitRatio(), s.pct(0.5), s.pct(0.99), q99)
 }
 
 // sustainedRate measures the requests per second 4 fresh third-party
 // replicas sustain behind the default router: a closed loop of as many
 // clients as the engines have sequences, over n requests of work.
 func sustainedRate(t *testing.T, work [][]byte) float64 {
-	reps := startThirdParty(t, tpOptions{n: 4})
+	blocks := tpBlocks()
+	reps := startThirdParty(t, tpOptions{n: 4, blocks: blocks})
 	defer func() {
 		for _, rep := range reps {
 			rep.stop()
@@ -207,7 +219,7 @@ func sustainedRate(t *testing.T, work [][]byte) float64 {
 	}()
 	r := startRouterYAML(t, tpConfig(reps, false, ""))
 	defer func() { _ = r.run.stop(time.Second) }()
-	waitBudgets(t, r, 4, 768*16)
+	waitBudgets(t, r, 4, int64(blocks)*16)
 	start := time.Now()
 	run := sendTruth(r.url, work, 16, nil)
 	if run.errors > 0 {
