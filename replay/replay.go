@@ -231,9 +231,9 @@ type Run struct {
 	Sync      string
 	SyncDelay time.Duration
 	// FlowControl holds in the router's queue (package flow) a request
-	// that every replica would queue, and decides it again when a replica
-	// frees, as the live router does with flow_control.enabled; one router
-	// only.
+	// whose replica would queue it, and decides it again when a slot is
+	// free for it, as the live router does with flow_control.enabled; one
+	// router only.
 	FlowControl bool
 }
 

@@ -282,7 +282,7 @@ func (s *sim) dispatch(r int, now int64) bool {
 	}
 	rep.Reserve()
 	t, ok := e.queue.Dispatch(r, func(t *flow.Ticket) float64 {
-		return e.eng.DispatchCost(e.held[t.Value.(int)], rep, time.Duration(now-t.Enqueued().UnixNano()))
+		return e.eng.DispatchCost(e.held[t.Value.(int)], rep)
 	}, r)
 	if !ok {
 		rep.Unreserve()
@@ -562,7 +562,7 @@ func (e *engineDecider) decide(i int, now int64) (int, int, int, error) {
 	}
 	if d.Held {
 		e.held[i] = d
-		e.eng.Wait(d)
+		e.eng.Wait(d, 0)
 		if _, err := e.queue.Enqueue(flow.Item{Flow: "", Home: d.Chosen().Replica.ID, Tokens: int64(d.Tokens), Value: i}); err != nil {
 			return 0, 0, 0, err
 		}

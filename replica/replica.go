@@ -189,6 +189,8 @@ type Replica struct {
 	pending  atomic.Int64 // tokens
 	waiting  atomic.Int64 // tokens held for it in the router's queue (Wait)
 	held     atomic.Int64 // requests held for it in the router's queue (Wait)
+	hmuP     sync.Mutex
+	heldBy   map[int]int64 // the same by priority, under hmuP
 	active   atomic.Int64 // tokens
 	// downUntil is when the replica may take traffic again, in unix
 	// nanoseconds; 0 when up.
@@ -391,24 +393,47 @@ func (r *Replica) End(w *Work, now time.Time) {
 	r.active.Add(-w.Tokens)
 }
 
-// Wait counts a request the router's queue holds for the replica (the one
-// it would go to, were it not saturated), and its prefill tokens as
-// pending work, as its engine would count them were the request queued
-// there; Unwait takes them back when the request leaves the queue.
-func (r *Replica) Wait(tokens int64) {
+// Wait counts a request of priority the router's queue holds for the
+// replica (the one it would go to, were it not saturated), and its
+// prefill tokens as pending work, as its engine would count them were the
+// request queued there; Unwait takes them back when the request leaves the
+// queue.
+func (r *Replica) Wait(tokens int64, priority int) {
 	r.held.Add(1)
 	r.waiting.Add(tokens)
+	r.hmuP.Lock()
+	if r.heldBy == nil {
+		r.heldBy = map[int]int64{}
+	}
+	r.heldBy[priority]++
+	r.hmuP.Unlock()
 }
 
-// Unwait undoes Wait(tokens).
-func (r *Replica) Unwait(tokens int64) {
+// Unwait undoes Wait(tokens, priority).
+func (r *Replica) Unwait(tokens int64, priority int) {
 	r.held.Add(-1)
 	r.waiting.Add(-tokens)
+	r.hmuP.Lock()
+	if r.heldBy[priority]--; r.heldBy[priority] <= 0 {
+		delete(r.heldBy, priority)
+	}
+	r.hmuP.Unlock()
 }
 
-// Held returns how many requests the router's queue holds for the replica
-// (Wait).
-func (r *Replica) Held() int64 { return r.held.Load() }
+// Held returns how many requests of priority or higher the router's queue
+// holds for the replica (Wait): those a request of that priority waits
+// behind.
+func (r *Replica) Held(priority int) int64 {
+	r.hmuP.Lock()
+	defer r.hmuP.Unlock()
+	var n int64
+	for p, c := range r.heldBy {
+		if p >= priority {
+			n += c
+		}
+	}
+	return n
+}
 
 // Reserve keeps one of the replica's slots for a request the router's
 // queue dispatched to it, until Unreserve: it counts toward Saturated as a

@@ -159,7 +159,8 @@ func TestSaturatedByTheRoutersOwnCounts(t *testing.T) {
 
 // TestReserveAndWait: a slot kept for a request the router's queue
 // dispatched counts toward saturation until it is given back, and the
-// prefill of requests held for a replica counts as its pending work.
+// prefill of requests held for a replica counts as its pending work; a
+// request waits behind those held of its priority or higher.
 func TestReserveAndWait(t *testing.T) {
 	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a", MaxRunning: 1, Weight: 2}}, Options{}, ids())
 	r := p.Replicas()[0]
@@ -174,11 +175,16 @@ func TestReserveAndWait(t *testing.T) {
 		t.Fatalf("sent: saturated %v, reserved %d", r.Saturated(), r.reserved.Load())
 	}
 	r.End(&w, time.Now())
-	r.Wait(300)
-	if got := r.Load(time.Now()).PendingTokens; got != 150 { // per unit of weight
-		t.Fatalf("pending %v with 300 tokens held for it at weight 2", got)
+	r.Wait(300, 0)
+	r.Wait(100, 10)
+	if got := r.Load(time.Now()).PendingTokens; got != 200 { // per unit of weight
+		t.Fatalf("pending %v with 400 tokens held for it at weight 2", got)
 	}
-	r.Unwait(300)
+	if r.Held(0) != 2 || r.Held(10) != 1 || r.Held(11) != 0 {
+		t.Fatalf("held at or above 0, 10, 11: %d, %d, %d", r.Held(0), r.Held(10), r.Held(11))
+	}
+	r.Unwait(100, 10)
+	r.Unwait(300, 0)
 	if got := r.Load(time.Now()).PendingTokens; got != 0 || r.Saturated() {
 		t.Fatalf("pending %v, saturated %v after the held request left", got, r.Saturated())
 	}

@@ -390,7 +390,7 @@ func (c *Core) wait(req *CoreRequest, d *routing.Decision) (time.Duration, *repl
 	if ctx == nil {
 		ctx = context.Background()
 	}
-	c.e.Wait(d)
+	c.e.Wait(d, req.Priority)
 	err = t.Wait(ctx)
 	c.e.Unwait(d)
 	if err != nil {
@@ -432,7 +432,7 @@ func (c *Core) offer(r *replica.Replica) bool {
 	}
 	r.Reserve()
 	if _, ok := c.q.Dispatch(r.ID, func(t *flow.Ticket) float64 {
-		return c.e.DispatchCost(t.Value.(*routing.Decision), r, time.Since(t.Enqueued()))
+		return c.e.DispatchCost(t.Value.(*routing.Decision), r)
 	}, r); ok {
 		return true
 	}

@@ -169,6 +169,7 @@ type Decision struct {
 	Ranked     []Candidate
 	Candidates []Candidate
 	waiting    int64 // the prefill tokens Wait counted on Ranked[0]
+	priority   int   // the priority Wait counted it at
 	// SyncID names the request to the engine's Sync (which sets it); 0
 	// without one.
 	SyncID uint64

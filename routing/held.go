@@ -2,7 +2,6 @@ package routing
 
 import (
 	"math"
-	"time"
 
 	"github.com/semroute/semroute/replica"
 )
@@ -22,15 +21,15 @@ import (
 // conversation trace at its own rate, the engines' hit rate fell from
 // 0.215 to 0.145). Unwait takes the work back; call it once when d leaves
 // the router's queue, whatever the reason, and before Drop.
-func (e *Engine) Wait(d *Decision) {
+func (e *Engine) Wait(d *Decision, priority int) {
 	r := d.Chosen().Replica
-	d.waiting = int64(d.Uncached(r.ID))
-	r.Wait(d.waiting)
+	d.waiting, d.priority = int64(d.Uncached(r.ID)), priority
+	r.Wait(d.waiting, priority)
 }
 
 // Unwait undoes Wait.
 func (e *Engine) Unwait(d *Decision) {
-	d.Chosen().Replica.Unwait(d.waiting)
+	d.Chosen().Replica.Unwait(d.waiting, d.priority)
 }
 
 // DispatchCost is what sending held decision d to replica r, whose slot
@@ -40,16 +39,14 @@ func (e *Engine) Unwait(d *Decision) {
 // its wait, and the requests sent meanwhile may have brought its prefix to
 // r). It is +Inf when computing them on r would take longer than moving
 // saves: the request's expected wait for its own replica less the wait of
-// those held for r, whose turn it would take, or, once it has waited
-// longer than that, the time it has waited (so that a request never waits
-// for its prefix longer than computing it again would take: waiting for a
-// replica whose slots stay busy costs at most twice the better choice). A
+// those held for r, whose turn it would take (each counting the requests
+// of its priority or higher held there: those it waits behind). A
 // replica's wait is the requests held for it, each a slot's turn of its
 // engine's time per request (replica.Replica.Timing; the pool's average
 // where it has not learned its own). Before any engine's timing is known,
 // waits are counted in prefill tokens queued per slot. A replica that
 // cannot take requests saves an unbounded wait.
-func (e *Engine) DispatchCost(d *Decision, r *replica.Replica, waited time.Duration) float64 {
+func (e *Engine) DispatchCost(d *Decision, r *replica.Replica) float64 {
 	want := d.Chosen().Replica
 	m := e.cache.Match(d.Blocks, e.o.Weights, nil)
 	uncached := func(id int) float64 {
@@ -82,9 +79,9 @@ func (e *Engine) DispatchCost(d *Decision, r *replica.Replica, waited time.Durat
 		return regret
 	}
 	wait := func(x *replica.Replica, per float64) float64 {
-		return float64(x.Held()) * per / float64(max(x.Capacity(), 1))
+		return float64(x.Held(d.priority)) * per / float64(max(x.Capacity(), 1))
 	}
-	if regret*perToken > max(wait(want, perWant)-wait(r, perHere), waited.Seconds()) {
+	if regret*perToken > wait(want, perWant)-wait(r, perHere) {
 		return math.Inf(1)
 	}
 	return regret

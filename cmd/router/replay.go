@@ -174,7 +174,7 @@ report.html to --out.`,
 	f.IntVar(&routers, "routers", 1, "send each request to one of this many routers at random, as a Kubernetes Service would, and compare with one router (needs a picture mode; default approximate)")
 	f.StringVar(&syncs, "sync", "none,shared", "with --routers: whether the routers share their pictures and load (none, shared; comma-separated to compare)")
 	f.DurationVar(&syncDelay, "sync-delay", 5*time.Millisecond, "with --sync shared: the time a router's change takes to reach the others")
-	f.BoolVar(&flowControl, "flow-control", false, "also run each policy with the router's queue (flow_control.enabled): a request every replica would queue waits in the router and is decided again when one frees; labelled policy/flow-control")
+	f.BoolVar(&flowControl, "flow-control", false, "also run each policy with the router's queue (flow_control): a request whose replica would queue it waits in the router instead, as the live router does; labelled policy/flow-control")
 	f.IntVar(&sample, "requests", 0, "replay only the first this many requests of the trace (0: all)")
 	f.StringVar(&m.Reuse.Mode, "reuse", replica.ReusePrefix, "the engines' reuse beyond the exact prefix: prefix, blend (position-independent segments, as CacheBlend) or donor (a similar earlier prompt's cached KV, as SGLang's SemanticPrefixProvider; openai traces only); with blend or donor, also runs semantic-prefix-credit, the semantic policy crediting the exact prefix alone")
 	f.Float64Var(&m.Reuse.MinSimilarity, "donor-similarity", replica.DefaultMinSimilarity, "--reuse donor: least similarity of a donor the engines reuse, in (0, 1]")
