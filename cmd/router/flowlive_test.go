@@ -106,23 +106,9 @@ func ofTenant(name string) func(q *olRequest) bool {
 // minute; flow control maps their objectives to priorities 10 and 0. The
 // issue asks the interactive tenant's TTFT p99 to rise by at most 50%.
 func TestThirdPartyFlowPriority(t *testing.T) {
-	rate := flowRate(t)
-	yaml := "flow_control:\n  enabled: true\n  priorities:\n    interactive: 10\n    batch: 0\n"
-	interactive := tenantLoad{name: "interactive", headers: http.Header{"X-Gateway-Inference-Objective": {"interactive"}}}
-	interactive.at = arrivals([]phase{{60 * time.Second, 0.3 * rate}}, 21)
-	interactive.work = truthSessions(len(interactive.at), 31, 10)
-	batch := tenantLoad{name: "batch", headers: http.Header{"X-Gateway-Inference-Objective": {"batch"}}}
-	batch.at = arrivals([]phase{{60 * time.Second, 3 * rate}}, 22)
-	batch.work = truthSessions(len(batch.at), 37, 40)
-
-	alone := runTenants(t, yaml, interactive).stats(nil)
-	mixed := runTenants(t, yaml, interactive, batch)
-	withBatch, b := mixed.stats(ofTenant("interactive")), mixed.stats(ofTenant("batch"))
-	t.Logf("interactive alone: %s", alone)
-	t.Logf("interactive beside the batch flood: %s", withBatch)
-	t.Logf("batch: %s", b)
-	t.Logf("interactive TTFT p99 %.0f ms alone, %.0f ms beside the flood: ×%.2f (the issue asks ≤ ×1.5)",
-		alone.pct(0.99), withBatch.pct(0.99), withBatch.pct(0.99)/alone.pct(0.99))
+	objective := func(o string) http.Header { return http.Header{"X-Gateway-Inference-Objective": {o}} }
+	quietBesideFlood(t, "flow_control:\n  enabled: true\n  priorities:\n    interactive: 10\n    batch: 0\n",
+		tenantLoad{name: "interactive", headers: objective("interactive")}, tenantLoad{name: "batch", headers: objective("batch")}, 21)
 }
 
 // TestThirdPartyFlowFairness: two tenants of one priority, a quiet one at
@@ -131,26 +117,31 @@ func TestThirdPartyFlowPriority(t *testing.T) {
 // 1.5× of its solo value, and the flooding one to get its fair share: all
 // the capacity the quiet one leaves.
 func TestThirdPartyFlowFairness(t *testing.T) {
+	quietBesideFlood(t, "flow_control:\n  enabled: true\n",
+		tenantLoad{name: "quiet", headers: http.Header{}}, tenantLoad{name: "flood", headers: http.Header{}}, 23)
+}
+
+// quietBesideFlood runs quiet at 0.3× the sustained rate for a minute
+// alone, then beside flood at 3×, through a router of yaml, and logs what
+// each got.
+func quietBesideFlood(t *testing.T, yaml string, quiet, flood tenantLoad, seed uint64) {
 	rate := flowRate(t)
-	yaml := "flow_control:\n  enabled: true\n"
-	quiet := tenantLoad{name: "quiet", headers: http.Header{}}
-	quiet.at = arrivals([]phase{{60 * time.Second, 0.3 * rate}}, 23)
+	quiet.at = arrivals([]phase{{60 * time.Second, 0.3 * rate}}, seed)
 	quiet.work = truthSessions(len(quiet.at), 31, 10)
-	flood := tenantLoad{name: "flood", headers: http.Header{}}
-	flood.at = arrivals([]phase{{60 * time.Second, 3 * rate}}, 24)
+	flood.at = arrivals([]phase{{60 * time.Second, 3 * rate}}, seed+1)
 	flood.work = truthSessions(len(flood.at), 37, 40)
 
 	alone := runTenants(t, yaml, quiet).stats(nil)
 	mixed := runTenants(t, yaml, quiet, flood)
-	q, f := mixed.stats(ofTenant("quiet")), mixed.stats(ofTenant("flood"))
-	t.Logf("quiet alone: %s", alone)
-	t.Logf("quiet beside the flood: %s", q)
-	t.Logf("flood: %s", f)
-	t.Logf("quiet TTFT p99 %.0f ms alone, %.0f ms beside the flood: ×%.2f (the issue asks ≤ ×1.5)",
-		alone.pct(0.99), q.pct(0.99), q.pct(0.99)/alone.pct(0.99))
+	q, f := mixed.stats(ofTenant(quiet.name)), mixed.stats(ofTenant(flood.name))
+	t.Logf("%s alone: %s", quiet.name, alone)
+	t.Logf("%s beside the flood: %s", quiet.name, q)
+	t.Logf("%s: %s", flood.name, f)
+	t.Logf("%s TTFT p99 %.0f ms alone, %.0f ms beside the flood: ×%.2f (the issue asks ≤ ×1.5)",
+		quiet.name, alone.pct(0.99), q.pct(0.99), q.pct(0.99)/alone.pct(0.99))
 	span := mixed.span()
-	t.Logf("answered per second over the %.0f s the flood was served: quiet %.2f, flood %.2f; the sustained rate %.2f less the quiet tenant's leaves %.2f",
-		span.Seconds(), float64(q.ok)/span.Seconds(), float64(f.ok)/span.Seconds(), rate, rate-float64(q.ok)/span.Seconds())
+	t.Logf("answered per second over the %.0f s the flood was served: %s %.2f, %s %.2f; the sustained rate %.2f less the %s tenant's leaves %.2f",
+		span.Seconds(), quiet.name, float64(q.ok)/span.Seconds(), flood.name, float64(f.ok)/span.Seconds(), rate, quiet.name, rate-float64(q.ok)/span.Seconds())
 }
 
 // span returns the time from the first arrival to the last answer.

@@ -1,16 +1,13 @@
 package main
 
 import (
-	"bufio"
 	"bytes"
 	"cmp"
-	"encoding/json"
 	"fmt"
 	"io"
 	"math"
 	"math/rand/v2"
 	"net/http"
-	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -112,30 +109,9 @@ func sendOpenLoop(url string, work [][]byte, at []time.Duration, header func(i i
 				q.err, q.done = fmt.Sprintf("%d: %s", resp.StatusCode, b), time.Since(sent)
 				return
 			}
-			sc := bufio.NewScanner(resp.Body)
-			sc.Buffer(make([]byte, 1<<20), 1<<20)
-			for sc.Scan() {
-				line := sc.Bytes()
-				if !bytes.HasPrefix(line, []byte("data: {")) {
-					continue
-				}
-				if q.ttft == 0 {
-					q.ttft = time.Since(sent)
-				}
-				var ch struct {
-					Usage *struct {
-						Prompt  int64 `json:"prompt_tokens"`
-						Details struct {
-							Cached int64 `json:"cached_tokens"`
-						} `json:"prompt_tokens_details"`
-					} `json:"usage"`
-				}
-				if json.Unmarshal(line[6:], &ch) == nil && ch.Usage != nil {
-					q.prompt, q.cached = ch.Usage.Prompt, ch.Usage.Details.Cached
-				}
-			}
+			q.ttft, q.prompt, q.cached, err = readStream(resp.Body, sent)
 			q.done = time.Since(sent)
-			if err := sc.Err(); err != nil {
+			if err != nil {
 				q.err = err.Error()
 			} else if q.prompt == 0 {
 				q.err = "a stream without usage"
@@ -240,15 +216,7 @@ func sustainedRate(t *testing.T, work [][]byte) float64 {
 // SEMROUTE_THIRDPARTY_RATE=<requests/s> skips measuring the sustained rate;
 // SEMROUTE_THIRDPARTY_ROWS keeps some rows, as for TestThirdPartyTable.
 func TestThirdPartyFlowControl(t *testing.T) {
-	if os.Getenv("SEMROUTE_THIRDPARTY_FLOW") == "" {
-		t.Skip("set SEMROUTE_THIRDPARTY_FLOW=1 to measure")
-	}
-	thirdPartyBin(t)
-	rate, _ := strconv.ParseFloat(os.Getenv("SEMROUTE_THIRDPARTY_RATE"), 64)
-	if rate == 0 {
-		rate = sustainedRate(t, truthSessions(600, 29, 40))
-		t.Logf("sustained rate: %.2f requests/s", rate)
-	}
+	rate := flowRate(t)
 	fc := "flow_control:\n  enabled: true\n"
 	rows := []tpRow{
 		{"SGLang port", "sglang", "", false},
