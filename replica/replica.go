@@ -191,7 +191,7 @@ type Replica struct {
 	held     atomic.Int64 // requests held for it in the router's queue (Wait)
 	hmuP     sync.Mutex
 	heldBy   map[int]int64 // the same by priority, under hmuP
-	active   atomic.Int64 // tokens
+	active   atomic.Int64  // tokens
 	// downUntil is when the replica may take traffic again, in unix
 	// nanoseconds; 0 when up.
 	downUntil atomic.Int64
