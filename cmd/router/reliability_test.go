@@ -268,12 +268,15 @@ func TestThousandStreamsNoLeaks(t *testing.T) {
 			defer resp.Body.Close()
 			chunks, done := 0, false
 			sc := bufio.NewScanner(resp.Body)
+			var other []string // lines of an answer that is not a stream
 			for sc.Scan() {
 				line := sc.Text()
 				if line == "data: [DONE]" {
 					done = true
 				} else if strings.HasPrefix(line, "data: ") {
 					chunks++
+				} else if line != "" && len(other) < 2 {
+					other = append(other, line)
 				}
 			}
 			if done && chunks == 20 {
@@ -281,8 +284,8 @@ func TestThousandStreamsNoLeaks(t *testing.T) {
 				return
 			}
 			mu.Lock()
-			failures = append(failures, fmt.Sprintf("stream %d: status %d, replica %q, %d chunks, [DONE] %v, read error %v",
-				i, resp.StatusCode, resp.Header.Get("X-Semroute-Replica"), chunks, done, sc.Err()))
+			failures = append(failures, fmt.Sprintf("stream %d: status %d, replica %q, %d chunks, [DONE] %v, read error %v, body %q",
+				i, resp.StatusCode, resp.Header.Get("X-Semroute-Replica"), chunks, done, sc.Err(), other))
 			mu.Unlock()
 		}(i)
 	}
