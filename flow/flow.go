@@ -318,9 +318,9 @@ func (t *Ticket) Wait(ctx context.Context) error {
 // (its Item's Value, how long it has waited) and returns what sending it
 // to home costs, in routing's unit: the prefill tokens it would compute
 // there beyond what it would on its own home; an infinite cost means the
-// request is better off waiting for its own home,
-// and the next flow, then the next priority, is looked at; nil takes the
-// oldest. The request's Ticket.Grant returns grant.
+// request is better off waiting for its own home, and the next flow, then
+// the next priority, is looked at; nil takes the oldest. The request's
+// Ticket.Grant returns grant.
 func (q *Queue) Dispatch(home int, cost func(*Ticket) float64, grant any) (*Ticket, bool) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
@@ -358,13 +358,14 @@ func (q *Queue) pick(f *flowState, home int, cost func(*Ticket) float64, budget 
 		}
 	}
 	var lent *Ticket
+	lentCost := math.Inf(1)
 	if *budget > 0 {
-		lent = q.cheapest(f, cost, budget)
+		lent, lentCost = q.cheapest(f, cost, budget)
 	}
 	switch {
 	case own == nil:
 		return lent
-	case lent == nil || lent.Home == home || cost(own) <= cost(lent):
+	case lent == nil || lent.Home == home || cost(own) <= lentCost:
 		return own
 	}
 	return lent
@@ -387,14 +388,14 @@ func (b *band) byServed() []*flowState {
 
 // cheapest returns the request of least finite cost among f's LookAhead
 // oldest that were queued within AgeBound of its oldest (the first of
-// equals), nil if none has a finite cost, or its oldest when cost is nil;
-// each cost computed takes one from budget. So a request is passed over
-// only by requests at most AgeBound younger than itself, or while it waits
-// for its own replica.
-func (q *Queue) cheapest(f *flowState, cost func(*Ticket) float64, budget *int) *Ticket {
+// equals) and its cost, nil if none has a finite cost, or its oldest
+// when cost is nil; each cost computed takes one from budget. So a request
+// is passed over only by requests at most AgeBound younger than itself, or
+// while it waits for its own replica.
+func (q *Queue) cheapest(f *flowState, cost func(*Ticket) float64, budget *int) (*Ticket, float64) {
 	first := f.waiting.Front().Value.(*Ticket)
 	if cost == nil {
-		return first
+		return first, 0
 	}
 	until := first.enqueued.Add(q.o.AgeBound)
 	var t *Ticket
@@ -409,7 +410,7 @@ func (q *Queue) cheapest(f *flowState, cost func(*Ticket) float64, budget *int) 
 			t, best = u, c
 		}
 	}
-	return t
+	return t, best
 }
 
 // Expire ends the requests that have waited the TTL with ErrExpired and

@@ -524,9 +524,9 @@ type engineDecider struct {
 	// the engines' caches).
 	picture string
 	orphans int64 // events: stored blocks whose parent the picture had lost
-	// queue, when set, is flow control (Run.FlowControl): a request every
-	// replica would queue waits there, its held decision in held, until a
-	// replica frees.
+	// queue, when set, is flow control (Run.FlowControl): a request whose
+	// replica would queue it waits there, its held decision in held, until
+	// a slot is free for it.
 	queue *flow.Queue
 	held  map[int]*routing.Decision
 	grant map[int]int // a dispatched request's: the replica whose slot it was given

@@ -188,17 +188,16 @@ type Replica struct {
 	inFlight atomic.Int64
 	pending  atomic.Int64 // tokens
 	waiting  atomic.Int64 // tokens held for it in the router's queue (Wait)
-	held     atomic.Int64 // requests held for it in the router's queue (Wait)
 	hmuP     sync.Mutex
-	heldBy   map[int]int64 // the same by priority, under hmuP
+	heldBy   map[int]int64 // requests held for it there by priority (Wait), under hmuP
 	active   atomic.Int64  // tokens
 	// downUntil is when the replica may take traffic again, in unix
 	// nanoseconds; 0 when up.
 	downUntil atomic.Int64
 	observed  atomic.Pointer[Observed]
 	models    atomic.Pointer[Models] // nil, or Served nil: not known yet
-	// maxRunning is Spec.MaxRunning; learned is the running count the
-	// engine last reported while it queued (0: none seen): see Capacity.
+	// maxRunning is Spec.MaxRunning; learned is the most the engine
+	// reported running while it queued (0: none seen): see Capacity.
 	// engaged counts the requests in flight the engine has not finished
 	// (Begin to Drained or End).
 	maxRunning int64
@@ -336,8 +335,7 @@ func (r *Replica) PrefillDone(w *Work, now time.Time) {
 	}
 	w.done = true
 	r.pending.Add(-w.Prefill)
-	if w.start != 0 && now.UnixNano() > w.start {
-		sec := float64(now.UnixNano()-w.start) / 1e9
+	if sec, ok := w.since(now); ok {
 		r.tmu.Lock()
 		r.timing.prefillSec = r.timing.prefillSec*(1-timingShare) + sec
 		r.timing.prefillTokens = r.timing.prefillTokens*(1-timingShare) + float64(max(w.Prefill, 1))
@@ -358,8 +356,7 @@ func (r *Replica) Drained(w *Work, now time.Time) {
 	w.drained = true
 	r.engaged.Add(-1)
 	r.drains.Add(1)
-	if w.start != 0 && now.UnixNano() > w.start {
-		sec := float64(now.UnixNano()-w.start) / 1e9
+	if sec, ok := w.since(now); ok {
 		r.tmu.Lock()
 		if r.timing.service == 0 {
 			r.timing.service = sec
@@ -368,6 +365,15 @@ func (r *Replica) Drained(w *Work, now time.Time) {
 		}
 		r.tmu.Unlock()
 	}
+}
+
+// since returns the seconds from w's Begin to now, and false when Begin
+// gave no time or now is not after it.
+func (w *Work) since(now time.Time) (float64, bool) {
+	if w.start == 0 || now.UnixNano() <= w.start {
+		return 0, false
+	}
+	return float64(now.UnixNano()-w.start) / 1e9, true
 }
 
 // Timing returns what the replica's engine took, learned from the
@@ -399,7 +405,6 @@ func (r *Replica) End(w *Work, now time.Time) {
 // request queued there; Unwait takes them back when the request leaves the
 // queue.
 func (r *Replica) Wait(tokens int64, priority int) {
-	r.held.Add(1)
 	r.waiting.Add(tokens)
 	r.hmuP.Lock()
 	if r.heldBy == nil {
@@ -411,7 +416,6 @@ func (r *Replica) Wait(tokens int64, priority int) {
 
 // Unwait undoes Wait(tokens, priority).
 func (r *Replica) Unwait(tokens int64, priority int) {
-	r.held.Add(-1)
 	r.waiting.Add(-tokens)
 	r.hmuP.Lock()
 	if r.heldBy[priority]--; r.heldBy[priority] <= 0 {

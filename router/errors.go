@@ -99,7 +99,7 @@ func classify(err error) apiError {
 		return apiError{http.StatusServiceUnavailable, "server_busy", "parse_budget", err.Error()}
 	case errors.As(err, new(*QueueError)):
 		return apiError{http.StatusTooManyRequests, "rate_limit_error", "saturated",
-			"every replica is saturated and the router's queue " + queueVerdict(err) + "; retry after the Retry-After seconds"}
+			"every replica is saturated and the router's queue " + queueVerdicts[queueReason(err)] + "; retry after the Retry-After seconds"}
 	case errors.Is(err, routing.ErrNoReplica):
 		return apiError{http.StatusServiceUnavailable, "service_unavailable", "no_replica", "no replica is available to serve the request"}
 	case errors.As(err, &um):
@@ -119,18 +119,26 @@ func classify(err error) apiError {
 	return apiError{http.StatusBadGateway, "upstream_error", "upstream_unreachable", msg}
 }
 
-// queueVerdict says in words why the router's queue refused or let go of
-// a request.
-func queueVerdict(err error) string {
+// queueReason names why the router's queue refused or let go of a
+// request: a key of queueVerdicts, and the shed metric's reason label.
+func queueReason(err error) string {
 	switch {
 	case errors.Is(err, flow.ErrSheddable):
-		return "does not hold a sheddable request"
+		return "sheddable"
 	case errors.Is(err, flow.ErrShed):
-		return "gave its place to a request of a higher priority"
+		return "shed"
 	case errors.Is(err, flow.ErrExpired):
-		return "held it as long as it holds any"
+		return "expired"
 	}
-	return "is full"
+	return "full"
+}
+
+// queueVerdicts says each queueReason in words.
+var queueVerdicts = map[string]string{
+	"sheddable": "does not hold a sheddable request",
+	"shed":      "gave its place to a request of a higher priority",
+	"expired":   "held it as long as it holds any",
+	"full":      "is full",
 }
 
 func (s *Server) proxyError(w http.ResponseWriter, r *http.Request, err error) {

@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/semroute/semroute/flow"
 )
 
 // Metrics are the router's per-request Prometheus metrics. Every series
@@ -90,7 +89,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Endpoint-picker streams refused by reason: buffer_full (429: the bodies buffered across streams are at grpc.ext_proc_max_buffered_bytes), body_too_large (413), silent (no message within timeouts.idle), out_of_order (a message the ext_proc protocol's order does not allow)."}, []string{"reason"}),
 	}
 	m.models = map[string]bool{}
-	for _, r := range []string{"full", "shed", "expired", "sheddable"} {
+	for r := range queueVerdicts {
 		m.queueShed.WithLabelValues(r) // 0 from the first scrape
 	}
 	m.queueWait.WithLabelValues("0")
@@ -134,16 +133,7 @@ func (m *Metrics) shed(err error) {
 	if m == nil {
 		return
 	}
-	reason := "full"
-	switch {
-	case errors.Is(err, flow.ErrShed):
-		reason = "shed"
-	case errors.Is(err, flow.ErrExpired):
-		reason = "expired"
-	case errors.Is(err, flow.ErrSheddable):
-		reason = "sheddable"
-	}
-	m.queueShed.WithLabelValues(reason).Inc()
+	m.queueShed.WithLabelValues(queueReason(err)).Inc()
 }
 
 // arm makes a's counters that may stay at 0 for long exist from the start,

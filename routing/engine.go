@@ -755,12 +755,32 @@ func putBlocks(b []blockhash.Block) {
 // id was no candidate): the unit of routing's cost, and of the router's
 // queue's choice when id frees.
 func (d *Decision) Uncached(id int) float64 {
+	c := d.candidate(id)
+	if c == nil {
+		return float64(d.Tokens)
+	}
+	return d.uncached(c, c.Match.Tokens)
+}
+
+// uncached returns the prompt tokens d's request would compute with
+// matched tokens of its prefix cached, less what c's engine reuses beyond
+// it (c may be nil: nothing).
+func (d *Decision) uncached(c *Candidate, matched int) float64 {
+	u := float64(d.Tokens - matched)
+	if c != nil {
+		u -= c.Reuse
+	}
+	return u
+}
+
+// candidate returns d's candidate on replica id, or nil.
+func (d *Decision) candidate(id int) *Candidate {
 	for i := range d.Candidates {
 		if c := &d.Candidates[i]; c.Replica.ID == id {
-			return float64(d.Tokens-c.Match.Tokens) - c.Reuse
+			return c
 		}
 	}
-	return float64(d.Tokens)
+	return nil
 }
 
 // Drop gives back a held decision's candidate list (Request.Hold): its

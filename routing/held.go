@@ -48,27 +48,24 @@ func (e *Engine) Unwait(d *Decision) {
 // cannot take requests saves an unbounded wait.
 func (e *Engine) DispatchCost(d *Decision, r *replica.Replica) float64 {
 	want := d.Chosen().Replica
+	if r == want {
+		return 0 // the same tokens either way: no picture to read
+	}
 	m := e.cache.Match(d.Blocks, e.o.Weights, nil)
 	uncached := func(id int) float64 {
-		u := float64(d.Tokens)
+		matched := 0
 		if id < len(m) {
-			u -= float64(m[id].Tokens)
+			matched = m[id].Tokens
 		}
-		for i := range d.Candidates {
-			if c := &d.Candidates[i]; c.Replica.ID == id {
-				u -= c.Reuse
-			}
-		}
-		return u
+		return d.uncached(d.candidate(id), matched)
 	}
 	regret := uncached(r.ID) - uncached(want.ID)
 	now := e.o.Now()
-	if r == want || regret <= 0 || !want.Available(now) {
+	if regret <= 0 || !want.Available(now) {
 		return regret
 	}
-	perToken, _ := e.timing(r)
+	perToken, perHere := e.timing(r)
 	_, perWant := e.timing(want)
-	_, perHere := e.timing(r)
 	if perToken <= 0 || perWant <= 0 {
 		pending := func(x *replica.Replica) float64 {
 			return x.Load(now).PendingTokens * x.Weight / float64(max(x.Capacity(), 1))
