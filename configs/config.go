@@ -87,6 +87,12 @@ type FlowControlConfig struct {
 	// objective or x-llm-d-inference-objective header) to its priority:
 	// higher first; negative: sheddable, never queued. Others: 0.
 	Priorities map[string]int `mapstructure:"priorities" json:"priorities"`
+	// Reserve is how many slots of the pool a request keeps free for the
+	// higher priorities while they arrive, on as few replicas as they go
+	// to: 0 (the default) sizes it by their expected concurrency m (their
+	// rate times the seconds a request holds a slot), m + √m; a positive
+	// value is that many slots; a negative one keeps none.
+	Reserve int `mapstructure:"reserve" json:"reserve"`
 }
 
 // ClusterConfig makes the router one of a fleet sharing one cache picture
@@ -536,6 +542,7 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("flow_control.look_ahead", flow.DefaultLookAhead)
 	v.SetDefault("flow_control.age_bound", flow.DefaultAgeBound)
 	v.SetDefault("flow_control.priorities", map[string]int{})
+	v.SetDefault("flow_control.reserve", 0)
 	// The fleet's secrets, so that SEMROUTE_CLUSTER_PASSWORD and the like
 	// reach them from the environment (a Secret), never the config file.
 	for _, k := range []string{"user", "password", "token", "credentials", "nkey_seed"} {

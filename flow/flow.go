@@ -30,7 +30,7 @@ import (
 // Errors a waiting request ends with, other than its context's.
 var (
 	// ErrSheddable: the request's priority is negative; it is not queued.
-	ErrSheddable = errors.New("flow: a sheddable request is not queued while every replica is saturated")
+	ErrSheddable = errors.New("flow: a sheddable request is not queued")
 	// ErrFull: the queue is at its bound of requests or bytes and holds
 	// nothing of a lower priority to shed instead.
 	ErrFull = errors.New("flow: the queue is full")
@@ -62,6 +62,13 @@ type Options struct {
 	// cheaper ones queued after it, per request ahead of it).
 	LookAhead int
 	AgeBound  time.Duration
+	// Reserve is how many slots of the pool a request keeps free for the
+	// higher priorities (Demand.YieldsTo) while they arrive, on as few
+	// replicas as they go to: 0 sizes it by square-root staffing on their
+	// expected concurrency m (their rate times the seconds a request holds
+	// a slot), m + √m; a positive value is that many slots; a negative one
+	// keeps none. The Queue does not read it: its caller keeps the slots.
+	Reserve int
 	// Now is the clock; nil means time.Now.
 	Now func() time.Time
 	// OnLost, if set, is called with Dispatch's grant when a request
@@ -166,6 +173,23 @@ func (q *Queue) Len() (requests int, bytes int64) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	return q.n, q.bytes
+}
+
+// Bands returns the requests waiting at each priority and the flows
+// waiting (at any priority).
+func (q *Queue) Bands() (requests map[int]int, flows int) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	requests = make(map[int]int, len(q.bands))
+	for p, b := range q.bands {
+		requests[p] = b.n
+		for _, f := range b.flows {
+			if f.waiting.Len() > 0 {
+				flows++
+			}
+		}
+	}
+	return requests, flows
 }
 
 // Enqueue queues it, shedding queued requests of a lower priority (the
@@ -318,8 +342,9 @@ func (t *Ticket) Wait(ctx context.Context) error {
 // (its Item's Value, how long it has waited) and returns what sending it
 // to home costs, in routing's unit: the prefill tokens it would compute
 // there beyond what it would on its own home; an infinite cost means the
-// request is better off waiting for its own home, and the next flow, then
-// the next priority, is looked at; nil takes the oldest. The request's
+// request may not take this slot (it is better off waiting for its own
+// home, or the slot is kept for traffic it gives way to), and the next
+// flow, then the next priority, is looked at; nil takes the oldest. The request's
 // Ticket.Grant returns grant.
 func (q *Queue) Dispatch(home int, cost func(*Ticket) float64, grant any) (*Ticket, bool) {
 	q.mu.Lock()
@@ -351,10 +376,14 @@ func (q *Queue) Dispatch(home int, cost func(*Ticket) float64, grant any) (*Tick
 // home's first among equals; nil when none has a finite cost.
 func (q *Queue) pick(f *flowState, home int, cost func(*Ticket) float64, budget *int) *Ticket {
 	var own *Ticket
+	ownCost := math.Inf(1)
 	if h := f.homes[home]; h != nil {
 		own = h.Front().Value.(*Ticket)
 		if cost == nil {
 			return own
+		}
+		if ownCost = cost(own); math.IsInf(ownCost, 1) {
+			own = nil // it may not take this slot (a reservation it gives way to)
 		}
 	}
 	var lent *Ticket
@@ -365,7 +394,7 @@ func (q *Queue) pick(f *flowState, home int, cost func(*Ticket) float64, budget 
 	switch {
 	case own == nil:
 		return lent
-	case lent == nil || lent.Home == home || cost(own) <= lentCost:
+	case lent == nil || lent.Home == home || ownCost <= lentCost:
 		return own
 	}
 	return lent

@@ -120,11 +120,26 @@ func TestHomes(t *testing.T) {
 	put(0, "b0")
 	put(0, "c0")
 	put(1, "d1")
-	never := func(*Ticket) float64 { return math.Inf(1) }
-	if tk, _ := q.Dispatch(1, never, nil); tk == nil || tk.Value != "d1" {
+	// never lends: a request costs nothing on its home, and moving costs
+	// more than it saves.
+	never := func(slot int) func(*Ticket) float64 {
+		return func(it *Ticket) float64 {
+			if it.Home == slot {
+				return 0
+			}
+			return math.Inf(1)
+		}
+	}
+	if tk, _ := q.Dispatch(1, never(1), nil); tk == nil || tk.Value != "d1" {
 		t.Fatalf("home 1's slot went to %v, want d1, behind three others", tk)
 	}
-	if tk, ok := q.Dispatch(1, never, nil); ok {
+	put(1, "g1")
+	kept := func(*Ticket) float64 { return math.Inf(1) } // kept for traffic they give way to
+	if tk, ok := q.Dispatch(1, kept, nil); ok {
+		t.Fatalf("home 1's slot went to %v, which may not take it", tk.Value)
+	}
+	q.Dispatch(1, never(1), nil) // g1
+	if tk, ok := q.Dispatch(1, never(1), nil); ok {
 		t.Fatalf("home 1's slot went to %v, which waits for home 0 at infinite cost", tk.Value)
 	}
 	cheapB := func(it *Ticket) float64 {
@@ -136,7 +151,7 @@ func TestHomes(t *testing.T) {
 	if tk, _ := q.Dispatch(1, cheapB, nil); tk == nil || tk.Value != "b0" {
 		t.Fatalf("home 1's slot lent to %v, want b0, the cheapest of the two oldest", tk)
 	}
-	if tk, _ := q.Dispatch(0, never, nil); tk == nil || tk.Value != "a0" {
+	if tk, _ := q.Dispatch(0, never(0), nil); tk == nil || tk.Value != "a0" {
 		t.Fatalf("home 0's slot went to %v, want a0", tk)
 	}
 	if n, _ := q.Len(); n != 1 {
@@ -144,7 +159,7 @@ func TestHomes(t *testing.T) {
 	}
 	// A request waiting elsewhere that the picture now says computes less
 	// on home 1 than its own request would goes first.
-	q.Dispatch(0, never, nil) // c0
+	q.Dispatch(0, never(0), nil) // c0
 	put(1, "e1")
 	put(0, "f0")
 	betterHere := func(it *Ticket) float64 {

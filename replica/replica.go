@@ -500,6 +500,21 @@ func (r *Replica) Saturated() bool {
 	return o != nil && o.Waiting > 0
 }
 
+// Free returns how many more requests the replica's engine would run now
+// without queueing (Capacity less the requests in flight to it and the
+// slots kept, none while its KV cache is full as Saturated reads it), and
+// whether that is known: not while its capacity is not.
+func (r *Replica) Free() (free int64, known bool) {
+	c := r.Capacity()
+	if c <= 0 {
+		return 0, false
+	}
+	if o := r.observed.Load(); o != nil && o.KVUsage >= SaturatedKV && r.drains.Load() == r.drainsSeen.Load() {
+		return 0, true
+	}
+	return max(0, c-r.engaged.Load()-r.reserved.Load()), true
+}
+
 // decayed returns the recent-work counter at now.
 func (r *Replica) decayed(now int64) float64 {
 	rw := r.recent.Load()

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -103,6 +104,9 @@ type Core struct {
 	e    *routing.Engine
 	arms atomic.Pointer[armSet]
 	q    *flow.Queue // flow control's (CoreOptions.Flow); nil: off
+	// demand counts arrivals by priority and replica, for the slots a
+	// request leaves free for higher priorities (keep).
+	demand *flow.Demand
 	// untaken maps a replica ID to the queue's generation when a slot
 	// offered there by dispatchFree went untaken: offering it again before
 	// the queue changes would only compute the same costs again.
@@ -131,6 +135,7 @@ func NewCore(o CoreOptions) (*Core, error) {
 		fo := *o.Flow
 		fo.OnLost = c.lost
 		c.q = flow.New(fo)
+		c.demand = flow.NewDemand(0)
 	}
 	if err := c.SetArms(o.Arms); err != nil {
 		return nil, err
@@ -236,7 +241,9 @@ type QueueError struct {
 	RetryAfter time.Duration
 }
 
-func (e *QueueError) Error() string { return "router: every replica is saturated: " + e.Err.Error() }
+func (e *QueueError) Error() string {
+	return "router: the replicas for this request are saturated: " + e.Err.Error()
+}
 func (e *QueueError) Unwrap() error { return e.Err }
 
 // Prepare makes the engine's input for a parsed request whose body is
@@ -291,6 +298,9 @@ type Routed struct {
 	start  time.Time
 	first  time.Time // first response byte; zero until then
 	once   sync.Once
+	// demandHome is the replica flow control counts it in flight on
+	// (flow.Demand.Begin), its first.
+	demandHome int
 }
 
 // Route assigns an arm and decides. Unless req.DryRun, the decision is
@@ -306,7 +316,16 @@ func (c *Core) Route(req CoreRequest) (*Routed, error) {
 	// With flow control a request whose best replica would queue it waits
 	// in the router's queue instead.
 	req.Input.Hold = c.q != nil && !req.DryRun && !req.PassThrough
+	if req.Input.Hold {
+		req.Input.Keep = c.keep(req.Priority)
+		// Traffic that others keep slots for takes a free one wherever
+		// it is rather than wait for its best replica's.
+		req.Input.Room = c.demand.Protected(req.Priority, time.Now())
+	}
 	d, err := c.e.Decide(req.Input, !req.DryRun)
+	if req.Input.Hold && err == nil {
+		c.demand.Arrive(req.Priority, d.Chosen().Replica.ID, time.Now())
+	}
 	var waited time.Duration
 	if err == nil && d.Held {
 		var slot *replica.Replica
@@ -329,6 +348,10 @@ func (c *Core) Route(req CoreRequest) (*Routed, error) {
 		return nil, err
 	}
 	rt := &Routed{Decision: d, Arm: arm, Served: d.Chosen(), req: req, start: start, Queued: waited}
+	if c.demand != nil && !req.DryRun && !req.PassThrough {
+		rt.demandHome = rt.Served.Replica.ID
+		c.demand.Begin(req.Priority, rt.demandHome, time.Now()) // Finish ends it
+	}
 	if !req.DryRun {
 		rt.ID = strconv.FormatUint(rand.Uint64(), 16)
 		c.o.Metrics.routed(rt, time.Since(t0).Seconds())
@@ -423,21 +446,100 @@ func (c *Core) freed(rt *Routed) {
 }
 
 // offer gives the router's queue a slot on r if r is not saturated, and
-// reports whether a waiting request took it; the slot is kept for that
-// request until it is decided (Replica.Reserve), so that no request
+// reports whether a waiting request took it, and whether some request was
+// refused it to keep it for traffic it gives way to (reserve: that changes
+// with time, not only with the queue); the slot is kept for the request
+// that took it until it is decided (Replica.Reserve), so that no request
 // arriving meanwhile takes it.
-func (c *Core) offer(r *replica.Replica) bool {
+func (c *Core) offer(r *replica.Replica) (taken, keptFor bool) {
 	if r.Saturated() || !r.Available(time.Now()) {
-		return false
+		return false, false
 	}
+	free, known := r.Free() // this slot among them
+	var kept map[int]bool   // keep's verdicts by priority: a few per offer
 	r.Reserve()
 	if _, ok := c.q.Dispatch(r.ID, func(t *flow.Ticket) float64 {
+		held, ok := kept[t.Priority]
+		if !ok {
+			held = known && free <= c.keep(t.Priority)(r)
+			if kept == nil {
+				kept = map[int]bool{}
+			}
+			kept[t.Priority] = held
+		}
+		if held {
+			keptFor = true
+			return math.Inf(1) // the slot is kept for the traffic it gives way to
+		}
 		return c.e.DispatchCost(t.Value.(*routing.Decision), r)
 	}, r); ok {
-		return true
+		return true, keptFor
 	}
 	r.Unreserve()
-	return false
+	return false, keptFor
+}
+
+// keep returns how many free slots of a replica a request of priority
+// must leave there (routing.Request.Keep): the slots kept there
+// for the traffic it gives way to (flow.Demand.YieldsTo; concentrate says
+// where and how many) less those that traffic fills now. Zero where it
+// gives way to nothing, or before a request's time is known.
+func (c *Core) keep(priority int) func(*replica.Replica) int64 {
+	if c.o.Flow.Reserve < 0 {
+		return func(*replica.Replica) int64 { return 0 }
+	}
+	y := c.demand.YieldsTo(priority, time.Now())
+	if len(y) == 0 {
+		return func(*replica.Replica) int64 { return 0 }
+	}
+	var kept map[int]int64 // by replica ID, made at the first call
+	return func(r *replica.Replica) int64 {
+		if kept == nil {
+			kept = c.concentrate(y)
+		}
+		return max(kept[r.ID]-y[r.ID].InFlight, 0)
+	}
+}
+
+// concentrate spreads the slots kept for traffic y (flow.Demand.YieldsTo)
+// over as few replicas as hold them: those it arrives at most first, each
+// filled to its capacity before the next. A replica whose engine runs
+// only that traffic keeps only its prefixes in its cache, where a flood
+// spread over every replica would evict them. The slots kept are
+// flow.Options.Reserve's count, or by default by square-root staffing on
+// the traffic's expected concurrency by Little's law, m = its rate times
+// the seconds a request holds a slot (routing.Engine.PerRequest), m + √m
+// rounded (it waits in about one case in five; a trickle keeps nothing).
+func (c *Core) concentrate(y map[int]flow.Yielded) map[int]int64 {
+	var rate float64
+	ids := make([]int, 0, len(y))
+	for id, v := range y {
+		if v.Rate > 0 {
+			rate += v.Rate
+			ids = append(ids, id)
+		}
+	}
+	n := int64(c.o.Flow.Reserve)
+	if n == 0 {
+		m := rate * c.e.PerRequest()
+		n = int64(math.Round(m + math.Sqrt(m)))
+	}
+	slices.SortFunc(ids, func(a, b int) int { return cmp.Or(cmp.Compare(y[b].Rate, y[a].Rate), cmp.Compare(a, b)) })
+	capacity := make(map[int]int64, len(ids))
+	for _, r := range c.e.Pool().Replicas() {
+		capacity[r.ID] = r.Capacity()
+	}
+	kept := make(map[int]int64, len(ids))
+	for _, id := range ids {
+		if n <= 0 {
+			break
+		}
+		if cp, ok := capacity[id]; ok { // not gone since
+			k := min(n, max(cp, 1))
+			kept[id], n = k, n-k
+		}
+	}
+	return kept
 }
 
 // lost takes back the slot kept for a request that left as it was
@@ -447,7 +549,8 @@ func (c *Core) lost(grant any) { c.unreserve(grant.(*replica.Replica)) }
 // dispatchFree offers the queue a slot on each replica that is not
 // saturated (its gauges show room that no request's end announced: a
 // peer's requests ended, a scrape), as many as it has, but not again to a
-// replica whose offer went untaken while nothing was queued or left since.
+// replica whose offer went untaken while nothing was queued or left since
+// (unless a slot was kept for a reservation, which time may end).
 func (c *Core) dispatchFree() {
 	if c.q == nil {
 		return
@@ -457,9 +560,11 @@ func (c *Core) dispatchFree() {
 		if g, ok := c.untaken.Load(r.ID); ok && g.(uint64) == gen {
 			continue
 		}
-		for c.offer(r) {
+		taken, kept := c.offer(r)
+		for taken {
+			taken, kept = c.offer(r)
 		}
-		if !r.Saturated() {
+		if !r.Saturated() && !kept {
 			c.untaken.Store(r.ID, c.q.Generation())
 		}
 	}
@@ -476,6 +581,9 @@ func (c *Core) Finish(rt *Routed, o Outcome, reply []byte) {
 	now := c.e.Now()
 	drained := rt.Lease().State() >= routing.LeaseDrained // the slot was offered then
 	rt.Lease().End(now)
+	if c.demand != nil && !rt.req.PassThrough {
+		c.demand.End(rt.req.Priority, rt.demandHome)
+	}
 	if !drained {
 		c.freed(rt)
 	}
@@ -658,6 +766,15 @@ func (c *Core) Queued() (requests int, bytes int64) {
 		return 0, 0
 	}
 	return c.q.Len()
+}
+
+// QueuedBy returns the requests waiting in the router's queue at each
+// priority and the flows waiting; nil and 0 without flow control.
+func (c *Core) QueuedBy() (requests map[int]int, flows int) {
+	if c.q == nil {
+		return nil, 0
+	}
+	return c.q.Bands()
 }
 
 // Held returns how many decisions await Release, and the blocks they keep.

@@ -99,7 +99,7 @@ func classify(err error) apiError {
 		return apiError{http.StatusServiceUnavailable, "server_busy", "parse_budget", err.Error()}
 	case errors.As(err, new(*QueueError)):
 		return apiError{http.StatusTooManyRequests, "rate_limit_error", "saturated",
-			"every replica is saturated and the router's queue " + queueVerdicts[queueReason(err)] + "; retry after the Retry-After seconds"}
+			"the replicas for this request are saturated and the router's queue " + queueVerdicts[queueReason(err)] + "; retry after the Retry-After seconds"}
 	case errors.Is(err, routing.ErrNoReplica):
 		return apiError{http.StatusServiceUnavailable, "service_unavailable", "no_replica", "no replica is available to serve the request"}
 	case errors.As(err, &um):

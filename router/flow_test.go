@@ -254,3 +254,64 @@ func TestCoreHoldsForThePrefixReplica(t *testing.T) {
 		}
 	}
 }
+
+// While a higher priority arrives at a replica, a lower one leaves free
+// there the slots kept for it (flow.Options.Reserve) less those it fills:
+// it waits in the router's queue though a slot is free, the higher one
+// takes that slot at once, and the lower one goes when more than that is
+// free.
+func TestCoreReservesForHigherPriority(t *testing.T) {
+	f := newFixture(t, 1, "semantic")
+	c, _ := NewCore(CoreOptions{Engine: f.e, Arms: f.arms(), Flow: &flow.Options{Reserve: 2}})
+	r := f.e.Pool().Replicas()[0]
+	r.Observe(replica.Observed{Running: 3, Waiting: 1}) // it runs three at a time
+	route := func(priority int, user string) (*Routed, error) {
+		in := f.e.Prepare(parseChat(t, "user", user), "", false)
+		return c.Route(CoreRequest{Input: in, Route: "chat", Priority: priority, Ctx: context.Background()})
+	}
+	mustRoute := func(priority int, user string) *Routed {
+		t.Helper()
+		rt, err := route(priority, user)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if rt.Queued != 0 {
+			t.Fatalf("%s waited %v in the router's queue", user, rt.Queued)
+		}
+		return rt
+	}
+	free := func() int64 { n, _ := r.Free(); return n }
+	ui1 := mustRoute(10, "interactive one") // 2 kept, 1 filled: 1 more kept
+	b1 := mustRoute(0, "batch one")
+	done := make(chan *Routed, 1)
+	go func() {
+		rt, err := route(0, "batch two")
+		if err != nil {
+			t.Error(err)
+		}
+		done <- rt
+	}()
+	waitQueued(t, c, 1) // the last slot is kept for the interactive traffic
+	if free() != 1 {
+		t.Fatalf("%d slots free, want the one kept", free())
+	}
+	ui2 := mustRoute(10, "interactive two")
+	c.Finish(ui1, Outcome{Status: 200}, nil) // 2 kept, 1 filled (ui2): its slot stays free
+	if n, _ := c.Queued(); n != 1 || free() != 1 {
+		t.Fatalf("a freed slot kept for the interactive traffic went to the batch tenant: %d queued, %d free", n, free())
+	}
+	c.Finish(b1, Outcome{Status: 200}, nil)
+	b2 := <-done
+	if b2 == nil || b2.Queued <= 0 {
+		t.Fatal("the batch request did not wait for a second free slot")
+	}
+	for _, rt := range []*Routed{ui2, b2} {
+		c.Finish(rt, Outcome{Status: 200}, nil)
+	}
+	if l := r.Load(time.Now()); l.InFlight != 0 || l.PendingTokens != 0 || r.Saturated() {
+		t.Fatalf("at the end: %+v, saturated %v", l, r.Saturated())
+	}
+	if y := c.demand.YieldsTo(0, time.Now()); y[r.ID].Rate <= 0 || y[r.ID].InFlight != 0 {
+		t.Fatalf("after the end the batch tenant gives way to %+v, want a rate and none in flight", y)
+	}
+}

@@ -250,6 +250,12 @@ type Request struct {
 	// decide it again once a slot is free for it. Drop the held decision;
 	// the request's blocks stay with the request.
 	Hold bool
+	// Keep, if set with Hold, returns how many free slots of a replica
+	// the request must leave for the traffic it gives way to (flow.Demand):
+	// it is held too when the replica it ranks first has no more free
+	// (replica.Replica.Free), and with Room such a replica counts as
+	// saturated for it.
+	Keep func(*replica.Replica) int64
 	// Room makes candidates of only the replicas that are not saturated,
 	// or of all as usual if none has room: a request the router's queue
 	// held, whose turn came with a free slot.
@@ -424,7 +430,7 @@ func (e *Engine) Decide(ri Request, record bool) (*Decision, error) {
 	if e.o.PreferDonor {
 		e.preferDonor(d, sketch)
 	}
-	if record && ri.Hold && d.Chosen().Replica.Saturated() {
+	if record && ri.Hold && full(d.Chosen().Replica, ri.Keep) {
 		d.Held = true
 		return d, nil
 	}
@@ -508,7 +514,7 @@ func (e *Engine) rank(d *Decision, pol Policy, ri *Request, sketch []uint64) (*V
 	}
 	defer scratchPool.Put(sc)
 	e.lookup(d, sc)
-	g := gathering{e: e, d: d, sc: sc, reps: e.pool.Replicas(), now: e.o.Now(), allow: ri.Allow, onlyRoom: ri.Room, slot: ri.Slot, model: model,
+	g := gathering{e: e, d: d, sc: sc, reps: e.pool.Replicas(), now: e.o.Now(), allow: ri.Allow, onlyRoom: ri.Room, slot: ri.Slot, keep: ri.Keep, model: model,
 		adapter: model != "" && e.isAdapter(model), reuses: e.reuses.load()}
 	d.Candidates = newCandidates(len(g.reps))
 	g.all()
@@ -559,10 +565,11 @@ type gathering struct {
 	adapter         bool // the model is a LoRA adapter somewhere: its replicas are ranked
 	n               int  // candidates filled
 	unknown, served bool
-	onlyRoom        bool             // Request.Room: only replicas that are not saturated
-	slot            *replica.Replica // Request.Slot: one with room kept for the request
-	room            bool             // some candidate's replica is not saturated
-	reuses          *reuseSet        // the replicas' Reuse, one snapshot for the decision
+	onlyRoom        bool                         // Request.Room: only replicas that are not saturated
+	slot            *replica.Replica             // Request.Slot: one with room kept for the request
+	keep            func(*replica.Replica) int64 // Request.Keep
+	room            bool                         // some candidate's replica is not saturated
+	reuses          *reuseSet                    // the replicas' Reuse, one snapshot for the decision
 }
 
 // all fills d.Candidates. Passive ejection is a guess from failures that
@@ -588,7 +595,7 @@ func (g *gathering) all() {
 func (g *gathering) gather(panicking bool) (ejected bool) {
 	for _, r := range g.reps {
 		rank, ok := g.models(r)
-		full := r.Saturated() && r != g.slot
+		full := full(r, g.keep) && r != g.slot
 		if !ok || (g.allow != nil && !g.allow(r)) || (g.onlyRoom && full) {
 			continue
 		}
@@ -606,6 +613,19 @@ func (g *gathering) gather(panicking bool) (ejected bool) {
 		g.e.credit(c, g.sc, g.reuses)
 	}
 	return ejected
+}
+
+// full reports whether replica r is saturated, or has no more free
+// slots than keep (Request.Keep) says a request must leave there.
+func full(r *replica.Replica, keep func(*replica.Replica) int64) bool {
+	if r.Saturated() {
+		return true
+	}
+	if keep == nil {
+		return false
+	}
+	free, known := r.Free()
+	return known && free <= keep(r)
 }
 
 // models reports whether replica r may serve the request's model and, for

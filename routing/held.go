@@ -84,6 +84,22 @@ func (e *Engine) DispatchCost(d *Decision, r *replica.Replica) float64 {
 	return regret
 }
 
+// PerRequest returns the seconds a request holds a slot, on the pool's
+// average (replica.Replica.Timing), 0 until one engine's is learned.
+func (e *Engine) PerRequest() float64 {
+	var sum float64
+	n := 0
+	for _, r := range e.pool.Replicas() {
+		if _, q := r.Timing(); q > 0 {
+			sum, n = sum+q, n+1
+		}
+	}
+	if n == 0 {
+		return 0
+	}
+	return sum / float64(n)
+}
+
 // timing returns r's learned timing (replica.Replica.Timing), each part
 // the pool's average where r has not learned it.
 func (e *Engine) timing(r *replica.Replica) (perToken, perRequest float64) {

@@ -3,6 +3,7 @@ package main
 import (
 	"runtime"
 	"runtime/debug"
+	"strconv"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -96,9 +97,7 @@ func registerOps(reg *prometheus.Registry, pool *replica.Pool, cache *routing.Pi
 		Help: "gRPC Route decisions awaiting Release (capped by grpc.max_held_decisions)."},
 		func() float64 { n, _ := core.Held(); return float64(n) }))
 	reg.MustRegister(replicaCollector{pool, cache})
-	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "semroute_queue_requests",
-		Help: "Requests waiting in the router's queue (flow control): every replica they could use is saturated."},
-		func() float64 { n, _ := core.Queued(); return float64(n) }))
+	reg.MustRegister(queueCollector{core})
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "semroute_queue_bytes",
 		Help: "Bytes of the bodies waiting in the router's queue."},
 		func() float64 { _, b := core.Queued(); return float64(b) }))
@@ -120,4 +119,31 @@ func registerOps(reg *prometheus.Registry, pool *replica.Pool, cache *routing.Pi
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "semroute_decision_log_lines_dropped_total", Help: "Decision log lines dropped because the buffer was full."}, dropped),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "semroute_decision_log_lines_failed_total", Help: "Decision log lines that could not be encoded or written (write errors, no open file)."}, failed),
 	)
+}
+
+var (
+	descQueueRequests = prometheus.NewDesc("semroute_queue_requests",
+		"Requests waiting in the router's queue (flow control), by priority: their best replica is saturated, or its free slots are kept for higher priorities.", []string{"priority"}, nil)
+	descQueueFlows = prometheus.NewDesc("semroute_queue_flows",
+		"Flows (fairness ids, else tenants, else users) with requests waiting in the router's queue. Not labelled by flow: their number is the clients'; the decision log records each request's wait and tenant.", nil, nil)
+)
+
+// queueCollector reports the router's queue by priority at each scrape;
+// priority 0 is always reported, so a fresh scrape shows the family.
+type queueCollector struct{ core *router.Core }
+
+func (queueCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- descQueueRequests
+	ch <- descQueueFlows
+}
+
+func (c queueCollector) Collect(ch chan<- prometheus.Metric) {
+	by, flows := c.core.QueuedBy()
+	if _, ok := by[0]; !ok {
+		ch <- prometheus.MustNewConstMetric(descQueueRequests, prometheus.GaugeValue, 0, "0")
+	}
+	for p, n := range by {
+		ch <- prometheus.MustNewConstMetric(descQueueRequests, prometheus.GaugeValue, float64(n), strconv.Itoa(p))
+	}
+	ch <- prometheus.MustNewConstMetric(descQueueFlows, prometheus.GaugeValue, float64(flows))
 }
