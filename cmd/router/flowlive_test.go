@@ -276,8 +276,9 @@ func vmHWM(pid int) int64 {
 // TestThirdPartyFlowFleet: the burst load of TestThirdPartyFlowControl
 // (0.9× the sustained rate, 2× for 30 s) through flow control in one
 // router process, then in two sharing one picture and load over NATS,
-// each request sent to one of them in turn (as a Service would): how far
-// a fleet's queues depart from one router's.
+// each request sent to one of them in turn (as a Service would), then
+// through the two without flow control: how far a fleet's queues depart
+// from one router's. SEMROUTE_THIRDPARTY_ROWS picks rows by name.
 func TestThirdPartyFlowFleet(t *testing.T) {
 	rate := flowRate(t)
 	bin := filepath.Join(t.TempDir(), "router")
@@ -292,12 +293,20 @@ func TestThirdPartyFlowFleet(t *testing.T) {
 	burst := []phase{{60 * time.Second, 0.9 * rate}, {30 * time.Second, 2 * rate}, {60 * time.Second, 0.9 * rate}}
 	at := arrivals(burst, 5)
 	work := truthSessions(len(at), 29, 40)
-	for _, routers := range []int{1, 2} {
+	for _, row := range []struct {
+		name    string
+		routers int
+		fc      bool
+	}{{"1 router with flow control", 1, true}, {"2 routers with flow control", 2, true}, {"2 routers without flow control", 2, false}} {
+		if !tpWanted(row.name) {
+			continue
+		}
+		routers := row.routers
 		reps := startThirdParty(t, tpOptions{n: 4})
 		var urls []string
 		var procs []*exec.Cmd
 		for i := range routers {
-			yaml := "flow_control:\n  enabled: true\n" + tpConfig(reps, false, "")
+			yaml := fmt.Sprintf("flow_control:\n  enabled: %v\n", row.fc) + tpConfig(reps, false, "")
 			if routers > 1 {
 				yaml += fmt.Sprintf("cluster:\n  urls: [%s]\n  id: router-%d\n  user: %s\n  password: %s\n",
 					ns.ClientURL(), i, fleetAccount.User, fleetAccount.Password)
@@ -315,8 +324,8 @@ func TestThirdPartyFlowFleet(t *testing.T) {
 			t.Fatal(err)
 		}
 		s := sendOpenLoop(front.url(), work, at, nil, 5*time.Minute).stats(nil)
-		t.Logf("%d router(s) with flow control, %d requests: engine hit ratio %.3f, TTFT p50 / p90 / p99 %.0f / %.0f / %.0f ms, answered %d, shed %d, failed %d (%s)",
-			routers, len(at), s.hitRatio(), s.pct(0.5), s.pct(0.9), s.pct(0.99), s.ok, s.shed, s.failed, s)
+		t.Logf("%s, %d requests: engine hit ratio %.3f, TTFT p50 / p90 / p99 %.0f / %.0f / %.0f ms, answered %d, shed %d, failed %d (%s)",
+			row.name, len(at), s.hitRatio(), s.pct(0.5), s.pct(0.9), s.pct(0.99), s.ok, s.shed, s.failed, s)
 		_ = front.stop(time.Second)
 		for _, cmd := range procs {
 			_ = cmd.Process.Kill()
