@@ -62,6 +62,9 @@ type Config struct {
 	Runtime     RuntimeConfig     `mapstructure:"runtime" json:"runtime"`
 	Cluster     ClusterConfig     `mapstructure:"cluster" json:"cluster"`
 	FlowControl FlowControlConfig `mapstructure:"flow_control" json:"flow_control"`
+	// Disaggregation tunes prefill/decode disaggregation, which replicas
+	// of role prefill turn on.
+	Disaggregation DisaggregationConfig `mapstructure:"disaggregation" json:"disaggregation"`
 	Replicas    []Replica         `mapstructure:"replicas" json:"replicas"`
 }
 
@@ -93,6 +96,15 @@ type FlowControlConfig struct {
 	// rate times the seconds a request holds a slot), m + √m; a positive
 	// value is that many slots; a negative one keeps none.
 	Reserve int `mapstructure:"reserve" json:"reserve"`
+}
+
+// DisaggregationConfig is prefill/decode disaggregation's (router.PDOptions).
+type DisaggregationConfig struct {
+	// MinPrefillTokens: a request whose decode replica would compute less
+	// of its prompt than this goes to that replica alone (conditional
+	// disaggregation). Negative: every request is disaggregated. Default
+	// 256.
+	MinPrefillTokens int `mapstructure:"min_prefill_tokens" json:"min_prefill_tokens"`
 }
 
 // ClusterConfig makes the router one of a fleet sharing one cache picture
@@ -423,6 +435,11 @@ type Replica struct {
 	// before it queues (vLLM's --max-num-seqs); 0: learned from what it
 	// reports.
 	MaxRunning int64 `mapstructure:"max_running" json:"max_running,omitempty"`
+	// Role is the replica's part in prefill/decode disaggregation:
+	// prefill, decode or both (the default: a whole engine). With any
+	// prefill replica, the requests of the models it serves are
+	// disaggregated (see the README).
+	Role string `mapstructure:"role" json:"role,omitempty"`
 }
 
 // ReuseConfig is an engine's reuse of KV beyond the exact prefix
@@ -543,6 +560,7 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("flow_control.age_bound", flow.DefaultAgeBound)
 	v.SetDefault("flow_control.priorities", map[string]int{})
 	v.SetDefault("flow_control.reserve", 0)
+	v.SetDefault("disaggregation.min_prefill_tokens", 256)
 	// The fleet's secrets, so that SEMROUTE_CLUSTER_PASSWORD and the like
 	// reach them from the environment (a Secret), never the config file.
 	for _, k := range []string{"user", "password", "token", "credentials", "nkey_seed"} {

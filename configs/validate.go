@@ -360,6 +360,9 @@ func (r Replica) check() []FieldError {
 	if err := r.Spec().Reuse.Check(); err != nil {
 		errs = append(errs, FieldError{"reuse", err.Error()})
 	}
+	if err := replica.Role(r.Role).Check(); err != nil {
+		errs = append(errs, FieldError{"role", fmt.Sprintf("%q is not prefill, decode or both", r.Role)})
+	}
 	if r.MaxRunning < 0 || r.MaxRunning > 1<<20 {
 		errs = append(errs, FieldError{"max_running", fmt.Sprintf("%d is not in [0, 1048576] (0: learned from what the replica reports)", r.MaxRunning)})
 	}
@@ -382,7 +385,7 @@ func (r Replica) Validate() error {
 // Spec is the replica's pool spec.
 func (r Replica) Spec() replica.Spec {
 	return replica.Spec{Name: r.Name, URL: r.URL, BudgetTokens: r.BudgetTokens, Weight: r.Weight,
-		KVEvents: replica.KVEvents(r.KVEvents), Reuse: replica.Reuse(r.Reuse), MaxRunning: r.MaxRunning}
+		KVEvents: replica.KVEvents(r.KVEvents), Reuse: replica.Reuse(r.Reuse), MaxRunning: r.MaxRunning, Role: replica.Role(r.Role)}
 }
 
 func (f FlowControlConfig) validate(p *problems) {

@@ -38,7 +38,44 @@ type Spec struct {
 	// before it queues the next (vLLM's --max-num-seqs); 0: learned from
 	// what it reports (Replica.Capacity).
 	MaxRunning int64
+	// Role is what the replica's engine does in disaggregated serving
+	// (RolePrefill, RoleDecode); the zero value, RoleBoth, is a whole
+	// engine that computes prompts and answers alike.
+	Role Role
 }
+
+// Role is a replica's part in prefill/decode disaggregation.
+type Role string
+
+// Roles (Spec.Role).
+const (
+	// RoleBoth: prefill and decode on the one engine (aggregated), as
+	// without disaggregation. The zero value.
+	RoleBoth Role = ""
+	// RolePrefill: computes prompts only (vLLM with a KV connector as a
+	// producer); their KV goes to a decode replica.
+	RolePrefill Role = "prefill"
+	// RoleDecode: generates answers from KV a prefill replica computed,
+	// or computes the prompt itself when given none.
+	RoleDecode Role = "decode"
+)
+
+// Check reports a role that is not one of Roles ("both" is RoleBoth).
+func (r Role) Check() error {
+	switch r {
+	case RoleBoth, "both", RolePrefill, RoleDecode:
+		return nil
+	}
+	return fmt.Errorf("role %q is not prefill, decode or both", string(r))
+}
+
+// Prefills reports whether a replica of role r computes prompts for
+// others (RolePrefill).
+func (r Role) Prefills() bool { return r == RolePrefill }
+
+// Decodes reports whether a replica of role r generates answers: any role
+// but RolePrefill.
+func (r Role) Decodes() bool { return r != RolePrefill }
 
 // Reuse modes (Reuse.Mode).
 const (
@@ -177,6 +214,8 @@ type Replica struct {
 	Weight float64
 	// Reuse is its engine's capability (Spec.Reuse).
 	Reuse Reuse
+	// Role is its part in disaggregated serving (Spec.Role).
+	Role Role
 	// ID is the replica's id in the cache model, set once when it joins a
 	// pool and never changed.
 	ID int
@@ -880,7 +919,14 @@ func (p *Pool) build(s Spec) (*Replica, error) {
 	if s.MaxRunning < 0 {
 		return nil, fmt.Errorf("replica %s: negative max_running %d", s.Name, s.MaxRunning)
 	}
-	r := &Replica{Name: s.Name, URL: u, Weight: s.Weight, Reuse: s.Reuse, halfLife: p.opts.HalfLife, maxRunning: s.MaxRunning}
+	if err := s.Role.Check(); err != nil {
+		return nil, fmt.Errorf("replica %s: %w", s.Name, err)
+	}
+	role := s.Role
+	if role == "both" {
+		role = RoleBoth
+	}
+	r := &Replica{Name: s.Name, URL: u, Weight: s.Weight, Reuse: s.Reuse, Role: role, halfLife: p.opts.HalfLife, maxRunning: s.MaxRunning}
 	r.budget.Store(s.BudgetTokens)
 	return r, nil
 }

@@ -231,6 +231,10 @@ type CoreRequest struct {
 	Priority int
 	Flow     string
 	Bytes    int64
+	// Prefill routes the request among the replicas of role prefill
+	// (disaggregation's first step); otherwise a prefill replica is never
+	// a candidate.
+	Prefill bool
 }
 
 // QueueError is a request the router's queue would not hold or hold any
@@ -311,6 +315,9 @@ func (c *Core) Route(req CoreRequest) (*Routed, error) {
 		arm = c.PickArm(req.Session, req.Tenant, req.Input.Key)
 	}
 	req.Input.Policy = arm.Policy
+	if req.Prefill || c.hasPrefill() {
+		req.Input.Allow = allowBoth(req.Input.Allow, roleOf(req.Prefill))
+	}
 	start := c.e.Now()
 	t0 := time.Now()
 	// With flow control a request whose best replica would queue it waits
@@ -357,6 +364,25 @@ func (c *Core) Route(req CoreRequest) (*Routed, error) {
 		c.o.Metrics.routed(rt, time.Since(t0).Seconds())
 	}
 	return rt, nil
+}
+
+// hasPrefill reports whether some replica of the pool has role prefill.
+func (c *Core) hasPrefill() bool {
+	for _, r := range c.e.Pool().Replicas() {
+		if r.Role.Prefills() {
+			return true
+		}
+	}
+	return false
+}
+
+// roleOf returns the filter of the replicas that prefill for others
+// (prefill set), or of those that decode.
+func roleOf(prefill bool) func(*replica.Replica) bool {
+	if prefill {
+		return prefills
+	}
+	return decodes
 }
 
 // ttft returns the time from the decision to the first response byte, or 0.

@@ -90,8 +90,22 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 	}
 	req.Recycle() // the parse is done with: its tree is not held while the response streams
 	prio, flowKey := placement(s.o.Priorities, r.Header.Get, tenant, req.User)
-	rt, err := s.core.Route(CoreRequest{Input: in, Model: req.Model, Session: sid, Tenant: tenant, Route: route,
-		Ctx: r.Context(), Priority: prio, Flow: flowKey, Bytes: int64(len(fwd.b))})
+	cr := CoreRequest{Input: in, Model: req.Model, Session: sid, Tenant: tenant, Route: route,
+		Ctx: r.Context(), Priority: prio, Flow: flowKey, Bytes: int64(len(fwd.b))}
+	var rt *Routed
+	if s.disaggregated(req.Model) {
+		drt, decode, prefill, derr := s.routeDisaggregated(r, cr, fwd)
+		rt, err = drt, derr
+		if err == nil {
+			defer decode.release()
+			fwd = decode
+			if prefill != "" {
+				w.Header().Set(HeaderPrefillReplica, prefill)
+			}
+		}
+	} else {
+		rt, err = s.core.Route(cr)
+	}
 	if err != nil {
 		span.SetStatus(codes.Error, err.Error())
 		span.End()

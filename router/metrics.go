@@ -32,6 +32,9 @@ type Metrics struct {
 	heldExpiredN   *prometheus.CounterVec
 	modelTTFT      *prometheus.HistogramVec
 	extProcRefused *prometheus.CounterVec
+	pdRequests     *prometheus.CounterVec
+	pdFallbacks    *prometheus.CounterVec
+	pdPrefill      prometheus.Histogram
 
 	mu     sync.RWMutex
 	models map[string]bool // the model label values given out (at most maxModelLabels)
@@ -87,13 +90,25 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "gRPC decisions never released, finished by reason: timeout (routing.release_after) or cap (grpc.max_held_decisions, the oldest first)."}, []string{"reason"}),
 		extProcRefused: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_ext_proc_refused_total",
 			Help: "Endpoint-picker streams refused by reason: buffer_full (429: the bodies buffered across streams are at grpc.ext_proc_max_buffered_bytes), body_too_large (413), silent (no message within timeouts.idle), out_of_order (a message the ext_proc protocol's order does not allow)."}, []string{"reason"}),
+		pdRequests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_pd_requests_total",
+			Help: "Requests of models a prefill replica serves, by path: disaggregated (prefill replica, then decode replica with its kv_transfer_params), short (the decode replica would compute less than the threshold: aggregated there)."}, []string{"path"}),
+		pdFallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_pd_fallbacks_total",
+			Help: "Disaggregated requests whose decode replica computed the prompt itself, by reason: prefill_failed (every prefill replica failed before answering), prefill_refused (a prefill replica answered 4xx), no_transfer_params (a prefill answer without kv_transfer_params)."}, []string{"reason"}),
+		pdPrefill: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "semroute_pd_prefill_seconds",
+			Help: "Time from sending a disaggregated request's prefill to its prefill replica's whole answer (the prompt computed, its KV held for the decode replica).", Buckets: prometheus.ExponentialBuckets(0.005, 2, 14)}),
 	}
 	m.models = map[string]bool{}
+	for _, p := range []string{"disaggregated", "short"} {
+		m.pdRequests.WithLabelValues(p)
+	}
+	for _, r := range []string{pdPrefillFailed, pdRefused, pdNoParams} {
+		m.pdFallbacks.WithLabelValues(r)
+	}
 	for r := range queueVerdicts {
 		m.queueShed.WithLabelValues(r) // 0 from the first scrape
 	}
 	m.queueWait.WithLabelValues("0")
-	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.reported, m.trimmedTokens, m.tokenizeN, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors, m.heldExpiredN, m.modelTTFT, m.extProcRefused, m.saturated, m.queueWait, m.queueShed} {
+	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.reported, m.trimmedTokens, m.tokenizeN, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors, m.heldExpiredN, m.modelTTFT, m.extProcRefused, m.saturated, m.queueWait, m.queueShed, m.pdRequests, m.pdFallbacks, m.pdPrefill} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -118,6 +133,28 @@ func (m *Metrics) routed(rt *Routed, seconds float64) {
 	}
 	if rt.Tokens > 0 {
 		m.matchRatio.WithLabelValues(arm, pol).Observe(float64(rt.Chosen().Match.Tokens) / float64(rt.Tokens))
+	}
+}
+
+// disaggregated counts a request of a model a prefill replica serves by
+// its path (semroute_pd_requests_total).
+func (m *Metrics) disaggregated(path string) {
+	if m != nil {
+		m.pdRequests.WithLabelValues(path).Inc()
+	}
+}
+
+// pdFallback counts a disaggregated request its decode replica computed.
+func (m *Metrics) pdFallback(reason string) {
+	if m != nil {
+		m.pdFallbacks.WithLabelValues(reason).Inc()
+	}
+}
+
+// prefilled records a prefill's time.
+func (m *Metrics) prefilled(d time.Duration) {
+	if m != nil {
+		m.pdPrefill.Observe(d.Seconds())
 	}
 }
 

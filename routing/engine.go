@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"maps"
 	"math"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -284,6 +285,15 @@ type Request struct {
 	// blockTokens is the engine block size of a precise request (0: the
 	// splitter's).
 	blockTokens int
+}
+
+// Copy returns a request like r that may be routed beside it: its own
+// block list, not the engine's pool's (a decision's end takes a pooled
+// list back, and the other decision would read it after).
+func (r Request) Copy() Request {
+	c := r
+	c.Blocks, c.pooled = slices.Clone(r.Blocks), false
+	return c
 }
 
 // DetachText copies the request's text (kept for the matcher or prompt

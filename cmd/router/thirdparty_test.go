@@ -58,6 +58,7 @@ type tpOptions struct {
 // tpReplica is one simulator process.
 type tpReplica struct {
 	url, listen, replay string
+	proxied             string // a test's proxy in front of it, if any
 	port                int
 	cmd                 *exec.Cmd
 	log                 *syncBuffer

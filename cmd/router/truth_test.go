@@ -106,6 +106,7 @@ type truthRun struct {
 	prompt, cached, predicted int64
 	ttfts                     []float64 // seconds
 	errors                    int
+	broken                    int    // of the errors, streams that broke off after they began
 	firstErr                  string // what the first failed request got
 }
 
@@ -190,6 +191,7 @@ func sendTruth(url string, work [][]byte, workers int, before func(i int)) *trut
 				mu.Lock()
 				if prompt == 0 {
 					run.errors++
+					run.broken++
 					run.firstErr = cmp.Or(run.firstErr, "a stream without usage")
 				} else {
 					run.prompt += prompt

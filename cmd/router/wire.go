@@ -195,6 +195,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		Metrics:    promhttp.HandlerFor(reg, promhttp.HandlerOpts{}),
 		Ready:      fleetReady(fleet),
 		Priorities: cfg.FlowControl.Priorities,
+		PD:         router.PDOptions{MinPrefillTokens: cfg.Disaggregation.MinPrefillTokens},
 	})
 	if err != nil {
 		return nil, err

@@ -1,0 +1,230 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+)
+
+// Prefill/decode disaggregation through the third-party simulator, which
+// speaks vLLM's protocol: a prefill request (kv_transfer_params with
+// do_remote_decode) is answered with the parameters of its KV, a decode
+// request with do_remote_prefill parameters waits the configured transfer
+// time instead of computing the prompt. Each replica sits behind a
+// recording proxy of the test's, which counts what it was sent and, for
+// the fault runs, strips the parameters from prefill answers.
+
+// pdProxy forwards to one simulator and counts the requests it sent with
+// do_remote_decode (prefills) and with do_remote_prefill (decodes given a
+// prefill's parameters); with strip set it takes kv_transfer_params out
+// of the answers (a prefill replica whose connector is misconfigured).
+type pdProxy struct {
+	target             string
+	prefills, decodes  atomic.Int64
+	others             atomic.Int64
+	strip              atomic.Bool
+	client             *http.Client
+	mu                 sync.Mutex
+	lastDecode, lastPF map[string]any
+}
+
+func (p *pdProxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	body, _ := io.ReadAll(r.Body)
+	var m map[string]any
+	if strings.HasSuffix(r.URL.Path, "/completions") && json.Unmarshal(body, &m) == nil { // not /tokenize
+		kv, _ := m["kv_transfer_params"].(map[string]any)
+		p.mu.Lock()
+		switch {
+		case kv["do_remote_decode"] == true:
+			p.prefills.Add(1)
+			p.lastPF = kv
+		case kv["do_remote_prefill"] == true:
+			p.decodes.Add(1)
+			p.lastDecode = kv
+		default:
+			p.others.Add(1)
+		}
+		p.mu.Unlock()
+	}
+	out, _ := http.NewRequestWithContext(r.Context(), r.Method, p.target+r.URL.RequestURI(), bytes.NewReader(body))
+	out.Header = r.Header.Clone()
+	resp, err := p.client.Do(out)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusBadGateway)
+		return
+	}
+	defer resp.Body.Close()
+	for k, v := range resp.Header {
+		w.Header()[k] = v
+	}
+	if p.strip.Load() && !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
+		b, _ := io.ReadAll(resp.Body)
+		var a map[string]json.RawMessage
+		if json.Unmarshal(b, &a) == nil {
+			delete(a, "kv_transfer_params")
+			b, _ = json.Marshal(a)
+		}
+		w.Header().Del("Content-Length")
+		w.WriteHeader(resp.StatusCode)
+		_, _ = w.Write(b)
+		return
+	}
+	w.WriteHeader(resp.StatusCode)
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := resp.Body.Read(buf)
+		if n > 0 {
+			_, _ = w.Write(buf[:n])
+			w.(http.Flusher).Flush()
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// pdFleet is 2 prefill and 2 decode simulators, each behind a pdProxy.
+type pdFleet struct {
+	reps            []*tpReplica
+	prefill, decode []*pdProxy
+}
+
+func startPDFleet(t *testing.T, args ...string) *pdFleet {
+	t.Helper()
+	f := &pdFleet{reps: startThirdParty(t, tpOptions{n: 4, args: append([]string{"--kv-cache-transfer-latency", "5ms", "--kv-cache-transfer-time-per-token", "50us"}, args...)})}
+	for i, rep := range f.reps {
+		p := &pdProxy{target: rep.url, client: &http.Client{}}
+		ts := httptest.NewServer(p)
+		t.Cleanup(ts.Close)
+		p.target = rep.url
+		if i < 2 {
+			f.prefill = append(f.prefill, p)
+		} else {
+			f.decode = append(f.decode, p)
+		}
+		rep.proxied = ts.URL
+	}
+	return f
+}
+
+// config returns the replicas' YAML: tp-0 and tp-1 prefill, tp-2 and tp-3
+// decode, each at its proxy.
+func (f *pdFleet) config(policy string, minPrefill int) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "log:\n  level: warn\ndisaggregation:\n  min_prefill_tokens: %d\n", minPrefill)
+	if policy != "" {
+		fmt.Fprintf(&b, "routing:\n  policy: %s\n", policy)
+	}
+	b.WriteString("replicas:\n")
+	for i, rep := range f.reps {
+		role := "decode"
+		if i < 2 {
+			role = "prefill"
+		}
+		fmt.Fprintf(&b, "  - name: tp-%d\n    url: %s\n    role: %s\n    max_running: 4\n", i, rep.proxied, role)
+	}
+	return b.String()
+}
+
+// pdWork is a prefill-heavy workload: questions about long shared
+// documents (about 1,500 tokens each, the first ones asked about most),
+// answered in 8 tokens, streamed with usage.
+func pdWork(n int, seed uint64) [][]byte {
+	r := rand.New(rand.NewPCG(seed, 11))
+	docs := make([]string, 12)
+	for i := range docs {
+		docs[i] = fmt.Sprintf("Document %d. ", i) + words(fmt.Sprint("pd", i), 1100+r.IntN(400))
+	}
+	zipf := rand.NewZipf(r, 1.2, 1, uint64(len(docs)-1))
+	out := make([][]byte, n)
+	for i := range out {
+		body, _ := json.Marshal(map[string]any{"model": tpModel, "stream": true, "stream_options": map[string]any{"include_usage": true},
+			"max_tokens": 8, "messages": []map[string]any{
+				{"role": "system", "content": docs[zipf.Uint64()]},
+				{"role": "user", "content": fmt.Sprintf("Question %d: %s", i, words(fmt.Sprint("q", i), 12))}}})
+		out[i] = body
+	}
+	return out
+}
+
+// TestThirdPartyDisaggregation: through 2 prefill and 2 decode simulators,
+// every request is answered; each prefill replica is sent do_remote_decode,
+// each decode replica the kv_transfer_params a prefill replica returned,
+// and the simulators' own metrics count the prefills they finished for a
+// remote decode. Then the faults: a prefill answer stripped of its
+// kv_transfer_params (counted, answered), a prefill replica killed
+// mid-load and a decode replica killed mid-load (no request fails).
+func TestThirdPartyDisaggregation(t *testing.T) {
+	f := startPDFleet(t)
+	r := startRouterYAML(t, f.config("", -1))
+	work := pdWork(60, 1)
+	run := sendTruth(r.url, work, 4, nil)
+	if run.errors != 0 {
+		t.Fatalf("%d of %d failed; first: %s", run.errors, len(work), run.firstErr)
+	}
+	var prefills, decodes, remote int64
+	for i, p := range f.prefill {
+		prefills += p.prefills.Load()
+		if p.decodes.Load()+p.others.Load() != 0 {
+			t.Errorf("prefill replica %d was sent %d decodes and %d others", i, p.decodes.Load(), p.others.Load())
+		}
+		remote += int64(metric(t, f.reps[i].url, "vllm:request_success_total", `finish_reason="remote_decode"`))
+	}
+	for i, p := range f.decode {
+		decodes += p.decodes.Load()
+		if p.prefills.Load() != 0 {
+			t.Errorf("decode replica %d was sent %d prefills", i, p.prefills.Load())
+		}
+	}
+	t.Logf("%d requests: prefills sent %d, finished for a remote decode by the simulators %d; decodes sent with a prefill's kv_transfer_params %d; engine hit ratio %.3f, TTFT p50 %.0f ms",
+		len(work), prefills, remote, decodes, run.hitRatio(), 1000*run.pct(0.5))
+	if prefills != int64(len(work)) || remote != prefills || decodes != prefills {
+		t.Fatalf("prefills %d, finished for a remote decode %d, decodes with parameters %d; want %d each", prefills, remote, decodes, len(work))
+	}
+	f.decode[0].mu.Lock()
+	last := f.decode[0].lastDecode
+	f.decode[0].mu.Unlock()
+	if last["remote_engine_id"] == nil || last["remote_block_ids"] == nil {
+		t.Fatalf("a decode replica's kv_transfer_params lack the prefill's: %v", last)
+	}
+
+	// A prefill answer without kv_transfer_params: the decode replica computes.
+	for _, p := range f.prefill {
+		p.strip.Store(true)
+	}
+	before := metric(t, r.url, "semroute_pd_fallbacks_total", `reason="no_transfer_params"`)
+	run = sendTruth(r.url, pdWork(10, 2), 2, nil)
+	after := metric(t, r.url, "semroute_pd_fallbacks_total", `reason="no_transfer_params"`)
+	if run.errors != 0 || after-before != 10 {
+		t.Fatalf("stripped prefill answers: %d failed (%s), %.0f counted", run.errors, run.firstErr, after-before)
+	}
+	for _, p := range f.prefill {
+		p.strip.Store(false)
+	}
+
+	// A prefill replica, then a decode replica, killed mid-load.
+	for _, kill := range []struct {
+		name string
+		rep  *tpReplica
+	}{{"prefill", f.reps[0]}, {"decode", f.reps[2]}} {
+		work := pdWork(40, 3)
+		run := sendTruth(r.url, work, 4, func(i int) {
+			if i == 10 {
+				kill.rep.stop()
+			}
+		})
+		t.Logf("%s replica killed after 10 of %d requests: %d failed (%d of them streams broken off after they began); engine hit ratio %.3f",
+			kill.name, len(work), run.errors, run.broken, run.hitRatio())
+		if run.errors-run.broken != 0 || kill.name == "prefill" && run.errors != 0 {
+			t.Fatalf("%s replica killed: %d failed, %d before their stream began; first: %s", kill.name, run.errors, run.errors-run.broken, run.firstErr)
+		}
+	}
+}

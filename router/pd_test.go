@@ -1,0 +1,235 @@
+package router
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/semroute/semroute/replica"
+	"github.com/semroute/semroute/routing"
+)
+
+// pdEngine is a vLLM with a NIXL connector as the router sees it: a
+// request with kv_transfer_params.do_remote_decode computes the prompt
+// and answers one token with the parameters of its KV (unless mode says
+// otherwise); any other is answered whole, its content saying whether it
+// came with a prefill's parameters ("remote") or not ("local"). It keeps
+// every body it received.
+type pdEngine struct {
+	name string
+	mode string // "": answers; "fail": 500 to prefills; "noparams": prefills answered without kv_transfer_params
+
+	mu     sync.Mutex
+	bodies []map[string]any
+}
+
+func (e *pdEngine) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	var m map[string]any
+	if err := json.NewDecoder(r.Body).Decode(&m); err != nil {
+		http.Error(w, err.Error(), 400)
+		return
+	}
+	e.mu.Lock()
+	e.bodies = append(e.bodies, m)
+	e.mu.Unlock()
+	kv, _ := m["kv_transfer_params"].(map[string]any)
+	if kv["do_remote_decode"] == true {
+		switch e.mode {
+		case "fail":
+			http.Error(w, "engine failed", 500)
+			return
+		case "noparams":
+			fmt.Fprint(w, `{"id":"p","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"x"},"finish_reason":"length"}],"usage":{"prompt_tokens":9,"completion_tokens":1}}`)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintf(w, `{"id":"p","object":"chat.completion","kv_transfer_params":{"do_remote_decode":false,"do_remote_prefill":true,"remote_engine_id":%q,"remote_block_ids":[1,2],"remote_host":"10.0.0.1","remote_port":5600},"choices":[{"index":0,"message":{"role":"assistant","content":"PREFILL-TOKEN"},"finish_reason":"remote_decode"}],"usage":{"prompt_tokens":9,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":0}}}`, e.name)
+		return
+	}
+	content := "local"
+	if kv["do_remote_prefill"] == true {
+		content = "remote from " + kv["remote_engine_id"].(string)
+	}
+	if m["stream"] == true {
+		w.Header().Set("Content-Type", "text/event-stream")
+		fmt.Fprintf(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":%q}}]}\n\ndata: [DONE]\n\n", content)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	fmt.Fprintf(w, `{"id":"d","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":%q},"finish_reason":"stop"}],"usage":{"prompt_tokens":9,"completion_tokens":1}}`, content)
+}
+
+func (e *pdEngine) received() []map[string]any {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return append([]map[string]any(nil), e.bodies...)
+}
+
+// pdServer is a Server over prefill engines ps and decode engines ds
+// (named p0…, d0…), with metrics.
+func pdServer(t *testing.T, o PDOptions, ps, ds []*pdEngine) (*httptest.Server, *Metrics) {
+	t.Helper()
+	var specs []replica.Spec
+	for _, group := range []struct {
+		es   []*pdEngine
+		role replica.Role
+	}{{ps, replica.RolePrefill}, {ds, replica.RoleDecode}} {
+		for _, e := range group.es {
+			ts := httptest.NewServer(e)
+			t.Cleanup(ts.Close)
+			specs = append(specs, replica.Spec{Name: e.name, URL: ts.URL, Role: group.role})
+		}
+	}
+	e, err := routing.New(routing.Options{Replicas: specs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pol, _ := routing.NewPolicy(routing.PolicySpec{Type: "semantic"})
+	m, err := NewMetrics(prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	core, err := NewCore(CoreOptions{Engine: e, Arms: []Arm{{Name: "default", Policy: pol, Weight: 1}}, Metrics: m})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, err := NewServer(ServerOptions{Core: core, Logger: slog.New(slog.DiscardHandler), PD: o})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts := httptest.NewServer(srv)
+	t.Cleanup(func() { ts.Close(); srv.CloseIdleConnections() })
+	return ts, m
+}
+
+// pdChat is a chat request of a long document, streamed with usage.
+var pdChat = `{"model":"m","stream":true,"stream_options":{"include_usage":true},"max_tokens":50,"min_tokens":5,"messages":[{"role":"system","content":"` +
+	strings.Repeat("a long shared document ", 400) + `"},{"role":"user","content":"question"}]}`
+
+func postPD(t *testing.T, url, body string) (*http.Response, string) {
+	t.Helper()
+	resp, err := http.Post(url+"/v1/chat/completions", "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp, string(b)
+}
+
+// A request goes to a prefill replica rewritten as vLLM's reference proxy
+// rewrites it, then to a decode replica with the kv_transfer_params the
+// prefill returned; the client gets the decode replica's stream alone,
+// and both replicas are named in the answer's headers.
+func TestDisaggregated(t *testing.T) {
+	p0, d0 := &pdEngine{name: "p0"}, &pdEngine{name: "d0"}
+	ts, m := pdServer(t, PDOptions{}, []*pdEngine{p0}, []*pdEngine{d0})
+	resp, body := postPD(t, ts.URL, pdChat)
+	if resp.StatusCode != 200 || resp.Header.Get(HeaderPrefillReplica) != "p0" || resp.Header.Get(HeaderReplica) != "d0" {
+		t.Fatalf("status %d, prefill %q, decode %q: %s", resp.StatusCode, resp.Header.Get(HeaderPrefillReplica), resp.Header.Get(HeaderReplica), body)
+	}
+	if !strings.Contains(body, "remote from p0") || strings.Contains(body, "PREFILL-TOKEN") {
+		t.Fatalf("the client's stream is not the decode replica's alone: %s", body)
+	}
+	pb := p0.received()
+	if len(pb) != 1 {
+		t.Fatalf("the prefill replica got %d requests", len(pb))
+	}
+	kv, _ := pb[0]["kv_transfer_params"].(map[string]any)
+	if kv["do_remote_decode"] != true || kv["do_remote_prefill"] != false || pb[0]["stream"] != false || pb[0]["max_tokens"] != 1.0 {
+		t.Fatalf("prefill request: kv_transfer_params %v, stream %v, max_tokens %v", kv, pb[0]["stream"], pb[0]["max_tokens"])
+	}
+	for _, k := range []string{"stream_options", "min_tokens"} {
+		if _, ok := pb[0][k]; ok {
+			t.Errorf("the prefill request kept %s", k)
+		}
+	}
+	db := d0.received()
+	if len(db) != 1 {
+		t.Fatalf("the decode replica got %d requests", len(db))
+	}
+	kv, _ = db[0]["kv_transfer_params"].(map[string]any)
+	if kv["remote_engine_id"] != "p0" || kv["remote_port"] != 5600.0 || db[0]["stream"] != true || db[0]["max_tokens"] != 50.0 || db[0]["min_tokens"] != 5.0 {
+		t.Fatalf("decode request: kv_transfer_params %v, stream %v, max_tokens %v, min_tokens %v", kv, db[0]["stream"], db[0]["max_tokens"], db[0]["min_tokens"])
+	}
+	if n := counterValue(m.pdRequests.WithLabelValues("disaggregated")); n != 1 {
+		t.Fatalf("%v disaggregated requests counted", n)
+	}
+}
+
+// A prefill replica that fails is retried on another; when every one
+// fails, or one answers without kv_transfer_params, the decode replica
+// computes the prompt itself: the client gets its answer, the fallback is
+// counted. A short prompt goes to the decode replica alone.
+func TestDisaggregationFallbacks(t *testing.T) {
+	t.Run("one prefill replica fails", func(t *testing.T) {
+		bad, good, d0 := &pdEngine{name: "p0", mode: "fail"}, &pdEngine{name: "p1"}, &pdEngine{name: "d0"}
+		ts, _ := pdServer(t, PDOptions{MinPrefillTokens: -1}, []*pdEngine{bad, good}, []*pdEngine{d0})
+		for i := range 8 { // new prompts: the ranking puts either first
+			resp, body := postPD(t, ts.URL, strings.ReplaceAll(pdChat, "a long shared document", fmt.Sprint("document ", i)))
+			if resp.StatusCode != 200 || resp.Header.Get(HeaderPrefillReplica) != "p1" || !strings.Contains(body, "remote from p1") {
+				t.Fatalf("status %d, prefill %q: %s", resp.StatusCode, resp.Header.Get(HeaderPrefillReplica), body)
+			}
+		}
+		if len(bad.received()) == 0 {
+			t.Fatal("no request was ranked to the failing prefill replica first: the failover went untested")
+		}
+	})
+	for _, c := range []struct{ mode, reason string }{{"fail", pdPrefillFailed}, {"noparams", pdNoParams}} {
+		t.Run(c.reason, func(t *testing.T) {
+			p0, d0 := &pdEngine{name: "p0", mode: c.mode}, &pdEngine{name: "d0"}
+			ts, m := pdServer(t, PDOptions{}, []*pdEngine{p0}, []*pdEngine{d0})
+			resp, body := postPD(t, ts.URL, pdChat)
+			if resp.StatusCode != 200 || !strings.Contains(body, "local") {
+				t.Fatalf("status %d: %s", resp.StatusCode, body)
+			}
+			if _, ok := d0.received()[0]["kv_transfer_params"]; ok {
+				t.Fatal("the decode replica was sent kv_transfer_params it cannot use")
+			}
+			if n := counterValue(m.pdFallbacks.WithLabelValues(c.reason)); n != 1 {
+				t.Fatalf("%v fallbacks counted as %s", n, c.reason)
+			}
+		})
+	}
+	t.Run("short prompt", func(t *testing.T) {
+		p0, d0 := &pdEngine{name: "p0"}, &pdEngine{name: "d0"}
+		ts, m := pdServer(t, PDOptions{}, []*pdEngine{p0}, []*pdEngine{d0})
+		resp, body := postPD(t, ts.URL, `{"model":"m","messages":[{"role":"user","content":"hi"}]}`)
+		if resp.StatusCode != 200 || resp.Header.Get(HeaderPrefillReplica) != "" || !strings.Contains(body, "local") || len(p0.received()) != 0 {
+			t.Fatalf("status %d, prefill %q, %d prefills: %s", resp.StatusCode, resp.Header.Get(HeaderPrefillReplica), len(p0.received()), body)
+		}
+		if n := counterValue(m.pdRequests.WithLabelValues("short")); n != 1 {
+			t.Fatalf("%v short requests counted", n)
+		}
+	})
+	t.Run("never a prefill replica for the rest", func(t *testing.T) {
+		p0, d0 := &pdEngine{name: "p0"}, &pdEngine{name: "d0"}
+		ts, _ := pdServer(t, PDOptions{}, []*pdEngine{p0}, []*pdEngine{d0})
+		resp, err := http.Post(ts.URL+"/v1/embeddings", "application/json", strings.NewReader(`{"model":"m","input":"x"}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.Header.Get(HeaderReplica) != "d0" || len(p0.received()) != 0 {
+			t.Fatalf("an embeddings request went to %q", resp.Header.Get(HeaderReplica))
+		}
+	})
+}
+
+// counterValue returns counter c's value.
+func counterValue(c prometheus.Counter) float64 {
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		return -1
+	}
+	return m.GetCounter().GetValue()
+}
