@@ -65,7 +65,7 @@ type Config struct {
 	// Disaggregation tunes prefill/decode disaggregation, which replicas
 	// of role prefill turn on.
 	Disaggregation DisaggregationConfig `mapstructure:"disaggregation" json:"disaggregation"`
-	Replicas    []Replica         `mapstructure:"replicas" json:"replicas"`
+	Replicas       []Replica            `mapstructure:"replicas" json:"replicas"`
 }
 
 // FlowControlConfig is the router's queue (package flow): a request whose
