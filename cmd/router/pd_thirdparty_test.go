@@ -1,17 +1,22 @@
 package main
 
 import (
+	"bufio"
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"io"
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"sort"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 )
 
 // Prefill/decode disaggregation through the third-party simulator, which
@@ -134,21 +139,22 @@ func (f *pdFleet) config(policy string, minPrefill int) string {
 	return b.String()
 }
 
-// pdWork is a prefill-heavy workload: questions about long shared
-// documents (about 1,500 tokens each, the first ones asked about most),
-// answered in 8 tokens, streamed with usage.
+// pdWork is a prefill-heavy workload: questions about 20 long shared
+// documents (about 1,300 tokens each, each asked about as often), answered
+// in 8 tokens, streamed with usage. The documents hold twice what one
+// simulator's cache does (768 blocks, 12,288 tokens) and about what two
+// do: a prefill pool that splits them between its replicas keeps them.
 func pdWork(n int, seed uint64) [][]byte {
 	r := rand.New(rand.NewPCG(seed, 11))
-	docs := make([]string, 12)
+	docs := make([]string, 20)
 	for i := range docs {
-		docs[i] = fmt.Sprintf("Document %d. ", i) + words(fmt.Sprint("pd", i), 1100+r.IntN(400))
+		docs[i] = fmt.Sprintf("Document %d. ", i) + words(fmt.Sprint("pd", i), 1000+r.IntN(300))
 	}
-	zipf := rand.NewZipf(r, 1.2, 1, uint64(len(docs)-1))
 	out := make([][]byte, n)
 	for i := range out {
 		body, _ := json.Marshal(map[string]any{"model": tpModel, "stream": true, "stream_options": map[string]any{"include_usage": true},
 			"max_tokens": 8, "messages": []map[string]any{
-				{"role": "system", "content": docs[zipf.Uint64()]},
+				{"role": "system", "content": docs[r.IntN(len(docs))]},
 				{"role": "user", "content": fmt.Sprintf("Question %d: %s", i, words(fmt.Sprint("q", i), 12))}}})
 		out[i] = body
 	}
@@ -227,4 +233,144 @@ func TestThirdPartyDisaggregation(t *testing.T) {
 			t.Fatalf("%s replica killed: %d failed, %d before their stream began; first: %s", kill.name, run.errors, run.errors-run.broken, run.firstErr)
 		}
 	}
+}
+
+// pdStats is a run's client-side timings: TTFT and inter-token latency
+// (the gaps between content chunks after the first), in seconds.
+type pdStats struct {
+	ttft, itl []float64
+	errors    int
+	firstErr  string
+}
+
+func pctOf(s []float64, q float64) float64 {
+	s = append([]float64(nil), s...)
+	sort.Float64s(s)
+	if len(s) == 0 {
+		return 0
+	}
+	return s[min(int(q*float64(len(s))), len(s)-1)]
+}
+
+// sendTimed sends work through url with workers clients and times every
+// content chunk of each streamed answer.
+func sendTimed(url string, work [][]byte, workers int) *pdStats {
+	st := &pdStats{}
+	var mu sync.Mutex
+	next := make(chan []byte)
+	var wg sync.WaitGroup
+	client := &http.Client{Timeout: 2 * time.Minute}
+	for range workers {
+		wg.Go(func() {
+			for body := range next {
+				start := time.Now()
+				resp, err := client.Post(url+"/v1/chat/completions", "application/json", bytes.NewReader(body))
+				if err != nil || resp.StatusCode != 200 {
+					mu.Lock()
+					st.errors++
+					st.firstErr = cmp.Or(st.firstErr, fmt.Sprint(err, statusOfResp(resp)))
+					mu.Unlock()
+					if resp != nil {
+						resp.Body.Close()
+					}
+					continue
+				}
+				var times []time.Time
+				sc := bufio.NewScanner(resp.Body)
+				sc.Buffer(make([]byte, 1<<20), 1<<20)
+				for sc.Scan() {
+					if line := sc.Bytes(); bytes.HasPrefix(line, []byte("data: {")) && bytes.Contains(line, []byte(`"content":"`)) {
+						times = append(times, time.Now())
+					}
+				}
+				resp.Body.Close()
+				mu.Lock()
+				if len(times) == 0 {
+					st.errors++
+					st.firstErr = cmp.Or(st.firstErr, "a stream without content")
+				} else {
+					st.ttft = append(st.ttft, times[0].Sub(start).Seconds())
+					for i := 1; i < len(times); i++ {
+						st.itl = append(st.itl, times[i].Sub(times[i-1]).Seconds())
+					}
+				}
+				mu.Unlock()
+			}
+		})
+	}
+	for _, b := range work {
+		next <- b
+	}
+	close(next)
+	wg.Wait()
+	return st
+}
+
+func statusOfResp(r *http.Response) string {
+	if r == nil {
+		return ""
+	}
+	return r.Status
+}
+
+// TestThirdPartyDisaggregationMeasured: on the prefill-heavy workload
+// (400 requests, 8 clients), through 4 simulators: 2 prefill and 2 decode
+// with the default policy (cache-aware) and with round robin, every
+// request disaggregated; then disaggregated with the default threshold;
+// then aggregated on the same 4 (every replica whole). It reports the
+// prefill pool's hit ratio from the simulators' own prefix-cache counters,
+// and TTFT and inter-token latency p50 / p99. Run with
+//
+//	SEMROUTE_THIRDPARTY_SIM=/path/to/llm-d-inference-sim SEMROUTE_THIRDPARTY_PD=1 \
+//	  go test -run TestThirdPartyDisaggregationMeasured -v -timeout 30m ./cmd/router
+func TestThirdPartyDisaggregationMeasured(t *testing.T) {
+	if os.Getenv("SEMROUTE_THIRDPARTY_PD") == "" {
+		t.Skip("set SEMROUTE_THIRDPARTY_PD=1 to measure")
+	}
+	thirdPartyBin(t)
+	work := pdWork(400, 7)
+	var b strings.Builder
+	b.WriteString("\n| configuration | prefill pool hit ratio | TTFT p50 / p99 ms | ITL p50 / p99 ms | failed |\n|---|---:|---|---|---:|\n")
+	for _, row := range []struct {
+		name, policy string
+		minPrefill   int
+		aggregated   bool
+	}{
+		{"disaggregated 2+2, cache-aware prefill (default policy), always", "", -1, false},
+		{"disaggregated 2+2, round robin, always", "round_robin", -1, false},
+		{"disaggregated 2+2, cache-aware, min_prefill_tokens 256", "", 256, false},
+		{"aggregated, the same 4, default policy", "", 0, true},
+	} {
+		if !tpWanted(row.name) {
+			continue
+		}
+		f := startPDFleet(t)
+		cfg := f.config(row.policy, row.minPrefill)
+		if row.aggregated {
+			cfg = strings.NewReplacer("role: prefill", "role: both", "role: decode", "role: both").Replace(cfg)
+		}
+		r := startRouterYAML(t, cfg)
+		hits := func() (h, q float64) {
+			for _, rep := range f.reps[:2] {
+				h += metric(t, rep.url, "vllm:prefix_cache_hits_total", "")
+				q += metric(t, rep.url, "vllm:prefix_cache_queries_total", "")
+			}
+			return h, q
+		}
+		h0, q0 := hits()
+		st := sendTimed(r.url, work, 8)
+		h1, q1 := hits()
+		hit := "–"
+		if !row.aggregated {
+			hit = fmt.Sprintf("%.3f", (h1-h0)/max(q1-q0, 1))
+		}
+		fmt.Fprintf(&b, "| %s | %s | %.0f / %.0f | %.1f / %.1f | %d |\n", row.name, hit,
+			1000*pctOf(st.ttft, 0.5), 1000*pctOf(st.ttft, 0.99), 1000*pctOf(st.itl, 0.5), 1000*pctOf(st.itl, 0.99), st.errors)
+		t.Logf("%s: prefills %d; first error: %s", row.name, f.prefill[0].prefills.Load()+f.prefill[1].prefills.Load(), st.firstErr)
+		_ = r.run.stop(time.Second)
+		for _, rep := range f.reps {
+			rep.stop()
+		}
+	}
+	t.Log(b.String())
 }
