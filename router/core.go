@@ -85,6 +85,9 @@ type CoreOptions struct {
 	// again when its turn comes (see ARCHITECTURE.md). Nil: every request
 	// goes to a replica at once, as engines queue.
 	Flow *flow.Options
+	// PD tunes prefill/decode disaggregation, which replicas of role
+	// prefill turn on (pd.go); both front ends read it.
+	PD PDOptions
 }
 
 // Tokenizer gives the engine's token ids of an OpenAI request body of

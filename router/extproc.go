@@ -1,6 +1,7 @@
 package router
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"io"
@@ -23,6 +24,7 @@ import (
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/replica"
+	"github.com/semroute/semroute/routing"
 )
 
 // The endpoint picker's names, as the Gateway API Inference Extension's
@@ -35,6 +37,11 @@ const (
 	// endpoint, "ip:port", followed by the fallbacks, comma-separated. The
 	// same value goes in the dynamic metadata MetadataLB / HeaderDestination.
 	HeaderDestination = "x-gateway-destination-endpoint"
+	// HeaderPrefillerHostPort names, as host:port, the prefill replica of
+	// a disaggregated request whose destination is its decode replica:
+	// the header llm-d's routing sidecar on the decode pod reads to send
+	// the prefill there first.
+	HeaderPrefillerHostPort = "x-prefiller-host-port"
 	// MetadataLB is the dynamic-metadata namespace of the destination (set
 	// by the picker) and of the served endpoint (set by the proxy).
 	MetadataLB = "envoy.lb"
@@ -165,6 +172,7 @@ type epStream struct {
 	sawHeaders, sawBody, bodyEOS, reqEnded bool
 
 	rt      *Routed
+	prefill *Routed // a disaggregated request's prefill decision, until its answer's headers
 	status  int
 	capture *replyCapture
 	// stripUsage: the router asked the replica for a stream's usage chunk;
@@ -487,6 +495,11 @@ func (st *epStream) route(noBody bool) (bool, error) {
 		in.Input.Allow = func(r *replica.Replica) bool { return sub.has(Endpoint(r)) }
 	}
 	in.Ctx = st.srv.Context()
+	pd := !in.PassThrough && st.s.core.disaggregated(in.Model)
+	var pin routing.Request
+	if pd {
+		pin = in.Input.Copy() // the prefill decision's, before the decode one owns in's blocks
+	}
 	rt, err := st.s.core.Route(in)
 	if err != nil {
 		e := classify(err)
@@ -496,7 +509,42 @@ func (st *epStream) route(noBody bool) (bool, error) {
 		return st.reject(e)
 	}
 	st.rt = rt
-	return st.destine(rt, fwd, noBody)
+	var extra []*corev3.HeaderValueOption
+	if pd && st.s.core.needsPrefill(rt) {
+		extra = st.prefillOn(in, pin)
+	}
+	return st.destine(rt, fwd, noBody, extra...)
+}
+
+// prefillOn picks the prefill replica of a disaggregated request whose
+// decode replica is the destination (in, with pin its input), as llm-d's
+// scheduler does: the proxy's decode sidecar (llm-d's routing sidecar)
+// sends the prefill there, named by HeaderPrefillerHostPort, then the
+// request to its decode engine with the answer's kv_transfer_params. It
+// returns the headers to set; none when no prefill replica can take it
+// (the decode engine computes the prompt; counted).
+func (st *epStream) prefillOn(in CoreRequest, pin routing.Request) []*corev3.HeaderValueOption {
+	in.Input, in.Prefill = pin, true
+	prt, err := st.s.core.Route(in)
+	if err != nil {
+		st.s.core.o.Metrics.pdFallback(pdPrefillFailed)
+		st.s.o.Logger.Warn("no prefill replica for a disaggregated request: its decode replica computes the prompt", "err", err, "decode", st.rt.Served.Replica.Name)
+		return nil
+	}
+	st.prefill = prt
+	st.s.core.o.Metrics.disaggregated("disaggregated")
+	return []*corev3.HeaderValueOption{setHeader(HeaderPrefillerHostPort, Endpoint(prt.Served.Replica)), setHeader(HeaderPrefillReplica, prt.Served.Replica.Name)}
+}
+
+// prefilled ends the prefill decision of a disaggregated request, if any,
+// with status, the decode's: its answer's headers come after the sidecar
+// had the prefill's answer.
+func (st *epStream) prefilled(status int) {
+	if prt := st.prefill; prt != nil {
+		st.prefill = nil
+		st.s.core.FirstByte(prt)
+		st.s.core.Finish(prt, Outcome{Status: status}, nil)
+	}
 }
 
 // input makes the core's request of the stream's: an inference request
@@ -556,7 +604,7 @@ func (st *epStream) input() (in CoreRequest, fwd []byte, refused *apiError) {
 // destine sends the proxy rt's destination (and its fallbacks), with fwd
 // where the body changed or, in full-duplex mode, the body itself; noBody
 // says the headers ended the request.
-func (st *epStream) destine(rt *Routed, fwd []byte, noBody bool) (bool, error) {
+func (st *epStream) destine(rt *Routed, fwd []byte, noBody bool, extra ...*corev3.HeaderValueOption) (bool, error) {
 	dest := make([]string, 0, 1+extProcFallbacks)
 	for i := range rt.Ranked[:min(len(rt.Ranked), 1+extProcFallbacks)] {
 		dest = append(dest, Endpoint(rt.Ranked[i].Replica))
@@ -564,6 +612,7 @@ func (st *epStream) destine(rt *Routed, fwd []byte, noBody bool) (bool, error) {
 	value := strings.Join(dest, ",")
 	mut := &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
 		setHeader(HeaderDestination, value), setHeader(HeaderArm, rt.Arm.Name)}}
+	mut.SetHeaders = append(mut.SetHeaders, extra...)
 	if len(fwd) != len(st.body) {
 		mut.SetHeaders = append(mut.SetHeaders, setHeader("content-length", strconv.Itoa(len(fwd))))
 	}
@@ -630,6 +679,7 @@ func (st *epStream) responseHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadat
 			sse = strings.HasPrefix(headerValue(hv), "text/event-stream")
 		}
 	}
+	st.prefilled(st.status)
 	resp := &extprocv3.HeadersResponse{}
 	if rt := st.rt; rt != nil {
 		if served := servedEndpoint(md); served != "" {
@@ -725,6 +775,7 @@ func (s *ExtProcService) refused(reason string) { s.core.o.Metrics.extProcRefusa
 // log line.
 func (st *epStream) finish() {
 	st.dropBody()
+	st.prefilled(cmp.Or(st.status, 499)) // no answer: the prefill's end is not known
 	rt := st.rt
 	if rt == nil {
 		return

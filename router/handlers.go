@@ -93,7 +93,7 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 	cr := CoreRequest{Input: in, Model: req.Model, Session: sid, Tenant: tenant, Route: route,
 		Ctx: r.Context(), Priority: prio, Flow: flowKey, Bytes: int64(len(fwd.b))}
 	var rt *Routed
-	if s.disaggregated(req.Model) {
+	if s.core.disaggregated(req.Model) {
 		drt, decode, prefill, derr := s.routeDisaggregated(r, cr, fwd)
 		rt, err = drt, derr
 		if err == nil {

@@ -56,14 +56,27 @@ const (
 
 // disaggregated reports whether requests for model go through a prefill
 // replica: some available replica of role prefill may serve it.
-func (s *Server) disaggregated(model string) bool {
+func (c *Core) disaggregated(model string) bool {
 	now := time.Now()
-	for _, r := range s.e.Pool().Replicas() {
+	for _, r := range c.e.Pool().Replicas() {
 		if r.Role.Prefills() && r.Available(now) && servesModel(r, model) {
 			return true
 		}
 	}
 	return false
+}
+
+// needsPrefill reports whether decode decision rt's request goes through
+// a prefill replica: its decode replica would compute at least
+// MinPrefillTokens of its prompt. A request that does not is counted
+// short.
+func (c *Core) needsPrefill(rt *Routed) bool {
+	min := cmp.Or(c.o.PD.MinPrefillTokens, DefaultMinPrefillTokens)
+	if min > 0 && rt.Uncached(rt.Served.Replica.ID) < float64(min) {
+		c.o.Metrics.disaggregated("short")
+		return false
+	}
+	return true
 }
 
 // servesModel reports whether r may serve model: its models are not known
@@ -240,9 +253,7 @@ func (s *Server) routeDisaggregated(r *http.Request, cr CoreRequest, fwd *body) 
 		return nil, nil, "", err
 	}
 	fwd.refs.Add(1) // the caller releases what this returns, and its own
-	min := cmp.Or(s.o.PD.MinPrefillTokens, DefaultMinPrefillTokens)
-	if min > 0 && rt.Uncached(rt.Served.Replica.ID) < float64(min) {
-		s.core.o.Metrics.disaggregated("short")
+	if !s.core.needsPrefill(rt) {
 		return rt, fwd, "", nil
 	}
 	aggregated := func(reason string, err error) (*Routed, *body, string, error) {

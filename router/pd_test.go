@@ -98,11 +98,11 @@ func pdServer(t *testing.T, o PDOptions, ps, ds []*pdEngine) (*httptest.Server, 
 	if err != nil {
 		t.Fatal(err)
 	}
-	core, err := NewCore(CoreOptions{Engine: e, Arms: []Arm{{Name: "default", Policy: pol, Weight: 1}}, Metrics: m})
+	core, err := NewCore(CoreOptions{Engine: e, Arms: []Arm{{Name: "default", Policy: pol, Weight: 1}}, Metrics: m, PD: o})
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv, err := NewServer(ServerOptions{Core: core, Logger: slog.New(slog.DiscardHandler), PD: o})
+	srv, err := NewServer(ServerOptions{Core: core, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		t.Fatal(err)
 	}

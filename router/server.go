@@ -115,9 +115,6 @@ type ServerOptions struct {
 	// router of a fleet is not ready until its warm start has loaded the
 	// fleet's picture. Nil: ready once a replica is available.
 	Ready func() bool
-	// PD tunes prefill/decode disaggregation, which replicas of role
-	// prefill turn on (pd.go).
-	PD PDOptions
 }
 
 // Server is the router's HTTP front end.

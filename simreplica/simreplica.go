@@ -29,6 +29,7 @@ package simreplica
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -36,6 +37,7 @@ import (
 	"net"
 	"net/http"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -109,6 +111,15 @@ type Options struct {
 	// cached KV when its prefix cache holds less of a prompt: see Donor.
 	// Not with Blend.
 	Donor *Donor
+	// TransferLatency and TransferPerToken are the time a decode request
+	// given a prefill replica's kv_transfer_params (do_remote_prefill)
+	// takes to pull the prompt's KV it does not hold, in place of
+	// computing it: TransferLatency plus TransferPerToken a token.
+	// Defaults 2ms and 2µs. A request with do_remote_decode computes the
+	// prompt and answers one token with the parameters of its KV, as
+	// vLLM's NIXL connector does (disaggregated prefill).
+	TransferLatency  time.Duration
+	TransferPerToken time.Duration
 }
 
 func (o *Options) defaults() {
@@ -138,6 +149,12 @@ func (o *Options) defaults() {
 	if o.MaxBodyBytes == 0 {
 		o.MaxBodyBytes = 32 << 20
 	}
+	if o.TransferLatency == 0 {
+		o.TransferLatency = 2 * time.Millisecond
+	}
+	if o.TransferPerToken == 0 {
+		o.TransferPerToken = 2 * time.Microsecond
+	}
 	def(&o.MaxModelLen, 1<<20)
 	def(&o.MaxLoRAs, 1)
 	if o.Tokenizer == "" {
@@ -155,6 +172,10 @@ type Stats struct {
 	// ReusedTokens is the part of CachedTokens that Blend or Donor reused
 	// past the prefix cache's hit.
 	ReusedTokens int64
+	// RemoteDecodes are the prefills done for a decode replica
+	// (do_remote_decode); Transfers the decodes that took a prefill's KV
+	// (do_remote_prefill).
+	RemoteDecodes, Transfers int64
 }
 
 // model is a served model: the base model or a LoRA adapter.
@@ -194,6 +215,10 @@ type Server struct {
 	epoch uint64
 
 	requests, completed, cancelled, promptTokens, cachedTokens, reusedTokens atomic.Int64
+	// remoteDecodes and transfers count the prefills done for a decode
+	// replica and the decodes that pulled a prefill's KV.
+	remoteDecodes, transfers atomic.Int64
+	engineID                 string // kv_transfer_params' remote_engine_id
 	// Counters exported to /metrics; Restart zeroes them, as a restarted
 	// engine would.
 	queries, hits, promptTotal, genTotal, extQueries, extHits atomic.Int64
@@ -220,7 +245,7 @@ func New(o Options) (*Server, error) {
 		return nil, err
 	}
 	s := &Server{o: o, cache: c, pins: map[uint64]int32{}, sem: make(chan struct{}, o.MaxRunning), mux: http.NewServeMux(), tok: tok,
-		models: map[string]model{o.Model: {name: o.Model, root: RootHash(o.Model)}}}
+		models: map[string]model{o.Model: {name: o.Model, root: RootHash(o.Model)}}, engineID: rand.Text()}
 	for i, name := range o.LoRAs {
 		if _, dup := s.models[name]; dup || name == "" {
 			return nil, fmt.Errorf("simreplica: LoRA name %q is empty or served twice", name)
@@ -339,6 +364,7 @@ func (s *Server) Stats() Stats {
 	return Stats{
 		Requests: s.requests.Load(), Completed: s.completed.Load(), Cancelled: s.cancelled.Load(),
 		PromptTokens: s.promptTokens.Load(), CachedTokens: s.cachedTokens.Load(), ReusedTokens: s.reusedTokens.Load(),
+		RemoteDecodes: s.remoteDecodes.Load(), Transfers: s.transfers.Load(),
 	}
 }
 
@@ -682,7 +708,12 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	var unpin func()
 	computed := func() bool {
 		defer s.prefill.release() // whatever happens, the next prefill's turn comes
-		ok := sleep(ctx, time.Duration(tokens-cached-reused)*s.o.PrefillPerToken)
+		d := time.Duration(tokens-cached-reused) * s.o.PrefillPerToken
+		if fl.remotePrefill { // pulled from the prefill replica, not computed
+			d = s.o.TransferLatency + time.Duration(tokens-cached)*s.o.TransferPerToken
+			s.transfers.Add(1)
+		}
+		ok := sleep(ctx, d)
 		if ok {
 			unpin = s.store(keys, sc.ids, m)
 			if s.blend != nil {
@@ -712,7 +743,19 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 		id: fmt.Sprintf("cmpl-%016x", keys0(keys)^uint64(time.Now().UnixNano())), seed: keys0(keys),
 		usage: fl.includeUsage,
 	}
-	if req.Stream {
+	if fl.remoteDecode { // a prefill for a decode replica: one token, and where its KV is
+		g.out, outTokens = 1, 1
+		host, port, _ := net.SplitHostPort(r.Host)
+		p, _ := strconv.Atoi(port)
+		ids := make([]int, len(keys))
+		for i := range ids {
+			ids[i] = i
+		}
+		g.kv = map[string]any{"do_remote_decode": false, "do_remote_prefill": true, "remote_engine_id": s.engineID,
+			"remote_block_ids": ids, "remote_host": host, "remote_port": p, "tp_size": 1}
+		s.remoteDecodes.Add(1)
+	}
+	if req.Stream && g.kv == nil {
 		ok = g.stream(ctx, w)
 	} else {
 		ok = g.whole(ctx, w)
@@ -763,6 +806,7 @@ type generation struct {
 	id             string
 	seed           uint64
 	usage          bool
+	kv             map[string]any // kv_transfer_params of a prefill's answer (do_remote_decode); nil: none
 }
 
 // word returns output token i: deterministic in the prompt, so a replayed
@@ -809,10 +853,14 @@ func (g *generation) whole(ctx context.Context, w http.ResponseWriter) bool {
 	for i := 0; i < g.out; i++ {
 		sb.WriteString(g.word(i))
 	}
-	writeJSON(w, http.StatusOK, map[string]any{
+	ans := map[string]any{
 		"id": g.id, "object": g.object(false), "created": time.Now().Unix(), "model": g.model,
 		"choices": []any{g.choice(sb.String(), "length", false)}, "usage": g.usageJSON(),
-	})
+	}
+	if g.kv != nil {
+		ans["kv_transfer_params"] = g.kv
+	}
+	writeJSON(w, http.StatusOK, ans)
 	return true
 }
 

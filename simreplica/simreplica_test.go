@@ -507,3 +507,38 @@ func TestNoOrphanAfterPinnedBlocksFreed(t *testing.T) {
 		t.Fatal("a1 cached without its parent a0: no lookup can reach it")
 	}
 }
+
+// A prefill for a decode replica (kv_transfer_params.do_remote_decode)
+// computes the prompt and answers one token with the parameters of its KV,
+// as vLLM's NIXL connector does; a decode given them (do_remote_prefill)
+// pulls the KV it lacks in the transfer time instead of computing it, and
+// holds it after.
+func TestDisaggregatedPrefillAndDecode(t *testing.T) {
+	p, d := start(t, fast), start(t, Options{Overhead: time.Microsecond, PrefillPerToken: time.Second, InterToken: time.Microsecond,
+		OutputTokens: 3, Tokenizer: TokenizerBytes, TransferLatency: time.Microsecond, TransferPerToken: time.Nanosecond})
+	sys := strings.Repeat("b", 4000)
+	var req map[string]any
+	_ = json.Unmarshal([]byte(chatBody(sys, "q")), &req)
+	req["kv_transfer_params"] = map[string]any{"do_remote_decode": true, "do_remote_prefill": false}
+	req["max_tokens"], req["stream"] = 1, false
+	b, _ := json.Marshal(req)
+	code, u, body := call(t, p, "/v1/chat/completions", string(b))
+	var ans struct {
+		KV map[string]any `json:"kv_transfer_params"`
+	}
+	_ = json.Unmarshal(body, &ans)
+	if code != 200 || u.Output != 1 || ans.KV["do_remote_prefill"] != true || ans.KV["remote_engine_id"] == "" || ans.KV["remote_block_ids"] == nil {
+		t.Fatalf("prefill: %d %+v %s", code, u, body)
+	}
+	req["kv_transfer_params"], req["max_tokens"] = ans.KV, 5
+	b, _ = json.Marshal(req)
+	// Computed at a second a token, the prompt would take 1,000 s (the
+	// test's timeout): it is pulled instead.
+	code, u, body = call(t, d, "/v1/chat/completions", string(b))
+	if code != 200 || u.Output != 5 {
+		t.Fatalf("decode: %d %+v %s", code, u, body)
+	}
+	if ps, ds := p.Stats(), d.Stats(); ps.RemoteDecodes != 1 || ds.Transfers != 1 || d.CachedBlocks() == 0 {
+		t.Fatalf("prefill %+v, decode %+v, decode cache %d blocks", ps, ds, d.CachedBlocks())
+	}
+}

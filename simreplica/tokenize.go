@@ -15,6 +15,11 @@ import (
 type flags struct {
 	includeUsage bool // stream_options.include_usage
 	chat         chatOptions
+	// remoteDecode and remotePrefill are kv_transfer_params'
+	// do_remote_decode (compute the prompt and keep its KV for a decode
+	// replica) and do_remote_prefill (take the prompt's KV from a prefill
+	// replica instead of computing it).
+	remoteDecode, remotePrefill bool
 }
 
 var flagParsers fastjson.ParserPool
@@ -35,6 +40,8 @@ func readFlags(body []byte, ep blockhash.Endpoint) (flags, error) {
 		return f, nil
 	}
 	f.includeUsage = v.GetBool("stream_options", "include_usage")
+	f.remoteDecode = v.GetBool("kv_transfer_params", "do_remote_decode")
+	f.remotePrefill = v.GetBool("kv_transfer_params", "do_remote_prefill")
 	if ep == blockhash.Completion { // the chat template's switches are not a completion's fields
 		f.chat.addSpecialTokens, err = boolField(v, "add_special_tokens", true)
 		return f, err

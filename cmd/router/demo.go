@@ -42,6 +42,9 @@ type demoOptions struct {
 	// grpcListen and decisionLog override the config's when set.
 	grpcListen  string
 	decisionLog string
+	// pd, "P:D", makes the first P replicas prefill and the next D decode
+	// (replicas[].role); it sets replicas to P+D.
+	pd string
 }
 
 // demo is the router in front of simulated replicas, all in one process.
@@ -61,6 +64,14 @@ type demo struct {
 // startDemo starts o.replicas simulated replicas on 127.0.0.1 and the router
 // on o.listen, with the embedded demo config. Logs go to logw.
 func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
+	prefills := 0
+	if o.pd != "" {
+		var decodes int
+		if n, err := fmt.Sscanf(o.pd, "%d:%d", &prefills, &decodes); n != 2 || err != nil || prefills < 1 || decodes < 1 {
+			return nil, fmt.Errorf("--pd %q is not P:D with P and D at least 1 (e.g. 2:2)", o.pd)
+		}
+		o.replicas = prefills + decodes
+	}
 	if o.replicas < 1 || o.replicas > 256 {
 		return nil, fmt.Errorf("--replicas %d is not in [1, 256]", o.replicas)
 	}
@@ -132,6 +143,12 @@ func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
 		d.sims = append(d.sims, s)
 		so = s.Options()
 		rep := configs.Replica{Name: fmt.Sprintf("sim-%d", i), URL: s.URL, BudgetTokens: int64(so.NumBlocks * so.BlockSize)}
+		switch {
+		case i < prefills:
+			rep.Role, rep.Name = string(replica.RolePrefill), fmt.Sprintf("sim-prefill-%d", i)
+		case prefills > 0:
+			rep.Role, rep.Name = string(replica.RoleDecode), fmt.Sprintf("sim-decode-%d", i-prefills)
+		}
 		if b := so.Blend; b != nil && o.reuse == replica.ReuseBlend {
 			rep.Reuse = configs.ReuseConfig{Mode: replica.ReuseBlend, Recompute: b.Recompute, BudgetTokens: int64(b.BudgetTokens)}
 		}

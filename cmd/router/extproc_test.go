@@ -55,6 +55,7 @@ type picked struct {
 	errBody   []byte            // its body
 	status    int               // the replica's status
 	respHdr   map[string]string // headers the picker set on the response
+	reqHdr    map[string]string // headers the picker set on the request
 	body      []byte            // the response body the client gets
 }
 
@@ -167,7 +168,9 @@ func (e *envoy) do(path string, body []byte, hdr map[string]string, md *corev3.M
 			}
 		}
 	}
+	p.reqHdr = map[string]string{}
 	for _, h := range common.GetHeaderMutation().GetSetHeaders() {
+		p.reqHdr[h.GetHeader().GetKey()] = string(h.GetHeader().GetRawValue())
 		if h.GetHeader().GetKey() == router.HeaderDestination {
 			p.dest = string(h.GetHeader().GetRawValue())
 		}

@@ -127,6 +127,7 @@ func newDemo() *cobra.Command {
 	cmd.Flags().StringVar(&o.policy, "policy", "", "routing policy (default: the config's)")
 	cmd.Flags().StringVar(&o.grpcListen, "grpc-listen", "", "address to serve the gRPC Route API on (empty: off)")
 	cmd.Flags().StringVar(&o.decisionLog, "decision-log", "", "write the decision log to this file")
+	cmd.Flags().StringVar(&o.pd, "pd", "", "prefill/decode disaggregation, P:D: the first P simulated replicas prefill, the next D decode (e.g. 2:2; overrides --replicas)")
 	cmd.Flags().DurationVar(&o.sim.InterToken, "sim-inter-token", 0, "simulated replicas: time per output token (default 2ms)")
 	cmd.Flags().IntVar(&o.sim.OutputTokens, "sim-output-tokens", 0, "simulated replicas: output length when max_tokens is absent (default 16)")
 	return cmd

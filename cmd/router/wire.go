@@ -143,7 +143,8 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	var dl *decisionlog.Writer
 	copts := router.CoreOptions{Engine: eng, Arms: arms, Salt: cfg.Routing.ArmSalt,
 		RawIDs: cfg.DecisionLog.RawIDs, LogPrompts: cfg.DecisionLog.LogPrompts, Feedback: cfg.Cache.Feedback,
-		Held: limits.Held{Max: cfg.GRPC.MaxHeldDecisions, MaxBlocks: cfg.GRPC.MaxHeldBlocks, ReleaseAfter: cfg.Routing.ReleaseAfter}}
+		Held: limits.Held{Max: cfg.GRPC.MaxHeldDecisions, MaxBlocks: cfg.GRPC.MaxHeldBlocks, ReleaseAfter: cfg.Routing.ReleaseAfter},
+		PD:   router.PDOptions{MinPrefillTokens: cfg.Disaggregation.MinPrefillTokens}}
 	if d := cfg.DecisionLog; d.Path != "" {
 		dl, err = decisionlog.Open(decisionlog.Options{Path: d.Path, MaxBytes: d.MaxBytes, MaxFiles: d.MaxFiles, Buffer: d.Buffer, FsyncInterval: d.FsyncInterval, Logger: log})
 		if err != nil {
@@ -195,7 +196,6 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		Metrics:    promhttp.HandlerFor(reg, promhttp.HandlerOpts{}),
 		Ready:      fleetReady(fleet),
 		Priorities: cfg.FlowControl.Priorities,
-		PD:         router.PDOptions{MinPrefillTokens: cfg.Disaggregation.MinPrefillTokens},
 	})
 	if err != nil {
 		return nil, err
