@@ -113,6 +113,14 @@ type Record struct {
 	// control) before it was decided, nanoseconds; counted in the
 	// outcome's TTFT and duration too.
 	QueueNs int64 `json:"queue_ns,omitempty"`
+	// Stage is a disaggregated request's part: "prefill" (the decision of
+	// its prefill replica) or "decode" (of the replica that answered);
+	// empty for a request served whole. Pair is the ID of the other
+	// part's decision, Prefill the prefill replica's name (on the decode
+	// record).
+	Stage   string `json:"stage,omitempty"`
+	Pair    string `json:"pair,omitempty"`
+	Prefill string `json:"prefill_replica,omitempty"`
 }
 
 // Options configure a Writer. Path is required.

@@ -59,8 +59,8 @@ func parseBlocks(bl []decisionlog.Block) ([]blockhash.Block, error) {
 func ReadDecisions(r io.Reader) (*DecisionTrace, error) {
 	var recs []*decisionlog.Record
 	err := decisionlog.Read(r, func(rec *decisionlog.Record) error {
-		if rec.Outcome == nil {
-			return nil
+		if rec.Outcome == nil || rec.Stage == "prefill" {
+			return nil // unfinished; or a disaggregated request's prefill, replayed as its decode's request
 		}
 		if len(rec.Replicas) == 0 {
 			return fmt.Errorf("decision %s: no replicas", rec.ID)

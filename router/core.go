@@ -308,6 +308,17 @@ type Routed struct {
 	// demandHome is the replica flow control counts it in flight on
 	// (flow.Demand.Begin), its first.
 	demandHome int
+	// stage, pair and prefill link a disaggregated request's two
+	// decisions in the decision log (decisionlog.Record's Stage, Pair and
+	// Prefill).
+	stage, pair, prefill string
+}
+
+// pairPD links the prefill decision prt and the decode decision rt of one
+// disaggregated request, for the decision log.
+func pairPD(prt, rt *Routed) {
+	prt.stage, prt.pair = "prefill", rt.ID
+	rt.stage, rt.pair, rt.prefill = "decode", prt.ID, prt.Served.Replica.Name
 }
 
 // Route assigns an arm and decides. Unless req.DryRun, the decision is
@@ -670,7 +681,7 @@ func (c *Core) record(rt *Routed, o *Outcome) *decisionlog.Record {
 		TimeNs: rt.start.UnixNano(), ID: rt.ID, Arm: rt.Arm.Name, Policy: rt.Arm.Policy.Name(), Model: rt.req.Model,
 		Session: c.id(rt.req.Session), Tenant: c.id(rt.req.Tenant), Key: fmt.Sprintf("%016x", rt.Key),
 		Tokens: rt.Tokens, Blocks: logBlocks(rt.Blocks), Chosen: rt.Chosen().Replica.Name, Outcome: o,
-		QueueNs: rt.Queued.Nanoseconds(),
+		QueueNs: rt.Queued.Nanoseconds(), Stage: rt.stage, Pair: rt.pair, Prefill: rt.prefill,
 	}
 	for _, rep := range c.e.Pool().Replicas() {
 		r.Replicas = append(r.Replicas, rep.Name)

@@ -272,6 +272,7 @@ func (s *Server) routeDisaggregated(r *http.Request, cr CoreRequest, fwd *body) 
 	if err != nil {
 		return aggregated(pdPrefillFailed, err)
 	}
+	pairPD(prt, rt)
 	pb, err := prefillBody(fwd.b)
 	if err != nil {
 		s.core.Finish(prt, Outcome{Status: 400, Error: err.Error()}, nil)

@@ -10,10 +10,12 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/semroute/semroute/decisionlog"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
@@ -77,6 +79,38 @@ func (e *pdEngine) received() []map[string]any {
 // pdServer is a Server over prefill engines ps and decode engines ds
 // (named p0…, d0…), with metrics.
 func pdServer(t *testing.T, o PDOptions, ps, ds []*pdEngine) (*httptest.Server, *Metrics) {
+	ts, m, _ := pdServerLog(t, o, ps, ds)
+	return ts, m
+}
+
+// pdLog keeps the decision log's records.
+type pdLog struct {
+	mu   sync.Mutex
+	recs []*decisionlog.Record
+}
+
+func (l *pdLog) Log(r *decisionlog.Record) { l.mu.Lock(); l.recs = append(l.recs, r); l.mu.Unlock() }
+
+func (l *pdLog) records() []*decisionlog.Record {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]*decisionlog.Record(nil), l.recs...)
+}
+
+// wait returns the records once there are n: the decode's is written when
+// its handler ends, which may be after the client read the answer.
+func (l *pdLog) wait(t *testing.T, n int) []*decisionlog.Record {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if recs := l.records(); len(recs) >= n || time.Now().After(deadline) {
+			return recs
+		}
+		time.Sleep(time.Millisecond) // polling the log the handler writes to
+	}
+}
+
+func pdServerLog(t *testing.T, o PDOptions, ps, ds []*pdEngine) (*httptest.Server, *Metrics, *pdLog) {
 	t.Helper()
 	var specs []replica.Spec
 	for _, group := range []struct {
@@ -98,7 +132,8 @@ func pdServer(t *testing.T, o PDOptions, ps, ds []*pdEngine) (*httptest.Server, 
 	if err != nil {
 		t.Fatal(err)
 	}
-	core, err := NewCore(CoreOptions{Engine: e, Arms: []Arm{{Name: "default", Policy: pol, Weight: 1}}, Metrics: m, PD: o})
+	log := &pdLog{}
+	core, err := NewCore(CoreOptions{Engine: e, Arms: []Arm{{Name: "default", Policy: pol, Weight: 1}}, Metrics: m, PD: o, Log: log})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -108,7 +143,7 @@ func pdServer(t *testing.T, o PDOptions, ps, ds []*pdEngine) (*httptest.Server, 
 	}
 	ts := httptest.NewServer(srv)
 	t.Cleanup(func() { ts.Close(); srv.CloseIdleConnections() })
-	return ts, m
+	return ts, m, log
 }
 
 // pdChat is a chat request of a long document, streamed with usage.
@@ -132,7 +167,7 @@ func postPD(t *testing.T, url, body string) (*http.Response, string) {
 // and both replicas are named in the answer's headers.
 func TestDisaggregated(t *testing.T) {
 	p0, d0 := &pdEngine{name: "p0"}, &pdEngine{name: "d0"}
-	ts, m := pdServer(t, PDOptions{}, []*pdEngine{p0}, []*pdEngine{d0})
+	ts, m, log := pdServerLog(t, PDOptions{}, []*pdEngine{p0}, []*pdEngine{d0})
 	resp, body := postPD(t, ts.URL, pdChat)
 	if resp.StatusCode != 200 || resp.Header.Get(HeaderPrefillReplica) != "p0" || resp.Header.Get(HeaderReplica) != "d0" {
 		t.Fatalf("status %d, prefill %q, decode %q: %s", resp.StatusCode, resp.Header.Get(HeaderPrefillReplica), resp.Header.Get(HeaderReplica), body)
@@ -163,6 +198,14 @@ func TestDisaggregated(t *testing.T) {
 	}
 	if n := counterValue(m.pdRequests.WithLabelValues("disaggregated")); n != 1 {
 		t.Fatalf("%v disaggregated requests counted", n)
+	}
+	recs := log.wait(t, 2) // the prefill's first: it ends first
+	if len(recs) != 2 || recs[0].Stage != "prefill" || recs[0].Chosen != "p0" || recs[1].Stage != "decode" || recs[1].Chosen != "d0" ||
+		recs[0].Pair != recs[1].ID || recs[1].Pair != recs[0].ID || recs[1].Prefill != "p0" || recs[0].Outcome.PromptTokens != 9 {
+		for _, r := range recs {
+			t.Logf("%+v %+v", r, r.Outcome)
+		}
+		t.Fatal("the decision log does not link the prefill and decode decisions")
 	}
 }
 
