@@ -627,7 +627,9 @@ func (c *Core) Finish(rt *Routed, o Outcome, reply []byte) {
 	if !drained {
 		c.freed(rt)
 	}
-	if o.PromptTokens > 0 && o.Status == 200 && !rt.req.PassThrough {
+	// A disaggregated request's decode replica reports the tokens the
+	// transfer brought as cached: they teach nothing of its own cache.
+	if o.PromptTokens > 0 && o.Status == 200 && !rt.req.PassThrough && rt.stage != "decode" {
 		c.e.ObserveUsage(rt.req.Model, rt.Decision, int(o.PromptTokens))
 		if c.o.Agreement != nil {
 			c.o.Agreement.Finished(rt.Served.Replica.Name, rt.Decision.Precise(), rt.Tokens, int(o.PromptTokens),

@@ -743,6 +743,12 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 		id: fmt.Sprintf("cmpl-%016x", keys0(keys)^uint64(time.Now().UnixNano())), seed: keys0(keys),
 		usage: fl.includeUsage,
 	}
+	if fl.remotePrefill {
+		// vLLM counts the tokens its connector brought (all the prompt
+		// but its last token, which the decode computes) with its own
+		// prefix cache's as cached (NixlConnector.get_num_new_matched_tokens).
+		g.cached = max(tokens-1, cached)
+	}
 	if fl.remoteDecode { // a prefill for a decode replica: one token, and where its KV is
 		g.out, outTokens = 1, 1
 		host, port, _ := net.SplitHostPort(r.Host)
