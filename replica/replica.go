@@ -205,6 +205,18 @@ type Work struct {
 	done    bool  // prefill finished
 	drained bool  // the engine finished it (Drained or End)
 	start   int64 // when it was sent (Begin), unix nanoseconds
+	remote  bool  // its prefill is another replica's (Remote): its first token teaches no timing
+}
+
+// Remote counts w, begun on r, as a request whose prompt another replica
+// computes (disaggregated prefill): its prefill is no longer pending work
+// here, and its time to first token (the KV transfer's) teaches r no
+// prefill timing.
+func (r *Replica) Remote(w *Work) {
+	if !w.done {
+		r.pending.Add(-w.Prefill)
+	}
+	w.Prefill, w.remote = 0, true
 }
 
 // Replica is one inference server.
@@ -374,7 +386,7 @@ func (r *Replica) PrefillDone(w *Work, now time.Time) {
 	}
 	w.done = true
 	r.pending.Add(-w.Prefill)
-	if sec, ok := w.since(now); ok {
+	if sec, ok := w.since(now); ok && !w.remote {
 		r.tmu.Lock()
 		r.timing.prefillSec = r.timing.prefillSec*(1-timingShare) + sec
 		r.timing.prefillTokens = r.timing.prefillTokens*(1-timingShare) + float64(max(w.Prefill, 1))

@@ -312,6 +312,7 @@ type Routed struct {
 	// decisions in the decision log (decisionlog.Record's Stage, Pair and
 	// Prefill).
 	stage, pair, prefill string
+	remote               bool // its replica takes the prompt's KV from its prefill replica (Core.remote)
 }
 
 // pairPD links the prefill decision prt and the decode decision rt of one
@@ -319,6 +320,13 @@ type Routed struct {
 func pairPD(prt, rt *Routed) {
 	prt.stage, prt.pair = "prefill", rt.ID
 	rt.stage, rt.pair, rt.prefill = "decode", prt.ID, prt.Served.Replica.Name
+}
+
+// remote counts decode decision rt's replica as taking its prompt's KV
+// from its prefill replica (routing.Lease.Remote): not computing it.
+func (c *Core) remote(rt *Routed) {
+	rt.remote = true
+	rt.Lease().Remote()
 }
 
 // Route assigns an arm and decides. Unless req.DryRun, the decision is
@@ -425,6 +433,9 @@ func (c *Core) Failover(rt *Routed, next int) bool {
 	rt.Lease().End(c.e.Now())
 	rt.Served = &rt.Ranked[next]
 	c.e.Commit(rt.Decision, rt.Served)
+	if rt.remote {
+		rt.Lease().Remote() // the next decode replica takes the same prefill's KV
+	}
 	c.o.Metrics.retried(rt)
 	return true
 }
@@ -629,7 +640,7 @@ func (c *Core) Finish(rt *Routed, o Outcome, reply []byte) {
 	}
 	// A disaggregated request's decode replica reports the tokens the
 	// transfer brought as cached: they teach nothing of its own cache.
-	if o.PromptTokens > 0 && o.Status == 200 && !rt.req.PassThrough && rt.stage != "decode" {
+	if o.PromptTokens > 0 && o.Status == 200 && !rt.req.PassThrough && !rt.remote {
 		c.e.ObserveUsage(rt.req.Model, rt.Decision, int(o.PromptTokens))
 		if c.o.Agreement != nil {
 			c.o.Agreement.Finished(rt.Served.Replica.Name, rt.Decision.Precise(), rt.Tokens, int(o.PromptTokens),

@@ -533,6 +533,7 @@ func (st *epStream) prefillOn(in CoreRequest, pin routing.Request) []*corev3.Hea
 	}
 	st.prefill = prt
 	pairPD(prt, st.rt)
+	st.s.core.remote(st.rt)
 	st.s.core.o.Metrics.disaggregated("disaggregated")
 	return []*corev3.HeaderValueOption{setHeader(HeaderPrefillerHostPort, Endpoint(prt.Served.Replica)), setHeader(HeaderPrefillReplica, prt.Served.Replica.Name)}
 }

@@ -101,6 +101,7 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 			fwd = decode
 			if prefill != "" {
 				w.Header().Set(HeaderPrefillReplica, prefill)
+				r.Header.Set("X-Request-Id", rt.ID) // the prefill's: vLLM pairs the two by it
 			}
 		}
 	} else {

@@ -91,14 +91,14 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		extProcRefused: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_ext_proc_refused_total",
 			Help: "Endpoint-picker streams refused by reason: buffer_full (429: the bodies buffered across streams are at grpc.ext_proc_max_buffered_bytes), body_too_large (413), silent (no message within timeouts.idle), out_of_order (a message the ext_proc protocol's order does not allow)."}, []string{"reason"}),
 		pdRequests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_pd_requests_total",
-			Help: "Requests of models a prefill replica serves, by path: disaggregated (prefill replica, then decode replica with its kv_transfer_params), short (the decode replica would compute less than the threshold: aggregated there)."}, []string{"path"}),
+			Help: "Requests of models a prefill replica serves, by path: disaggregated (prefill replica, then decode replica with its kv_transfer_params), short (the decode replica would compute less than the threshold: aggregated there), batch (several prompts or answers, which one set of kv_transfer_params cannot carry: aggregated)."}, []string{"path"}),
 		pdFallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_pd_fallbacks_total",
 			Help: "Disaggregated requests whose decode replica computed the prompt itself, by reason: prefill_failed (every prefill replica failed before answering), prefill_refused (a prefill replica answered 4xx), no_transfer_params (a prefill answer without kv_transfer_params)."}, []string{"reason"}),
 		pdPrefill: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "semroute_pd_prefill_seconds",
 			Help: "Time from sending a disaggregated request's prefill to its prefill replica's whole answer (the prompt computed, its KV held for the decode replica).", Buckets: prometheus.ExponentialBuckets(0.005, 2, 14)}),
 	}
 	m.models = map[string]bool{}
-	for _, p := range []string{"disaggregated", "short"} {
+	for _, p := range []string{"disaggregated", "short", "batch"} {
 		m.pdRequests.WithLabelValues(p)
 	}
 	for _, r := range []string{pdPrefillFailed, pdRefused, pdNoParams} {

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"sync/atomic"
 	"time"
 
 	"github.com/semroute/semroute/replica"
@@ -97,7 +98,14 @@ func rewriteJSON(b []byte, edit func(map[string]json.RawMessage)) ([]byte, error
 		return nil, err
 	}
 	edit(m)
-	return json.Marshal(m)
+	var out bytes.Buffer
+	out.Grow(len(b) + 256)
+	enc := json.NewEncoder(&out)
+	enc.SetEscapeHTML(false) // as given: no \u003c for every < of a prompt
+	if err := enc.Encode(m); err != nil {
+		return nil, err
+	}
+	return out.Bytes(), nil
 }
 
 // prefillParams is what a prefill request asks of vLLM: compute the
@@ -120,6 +128,11 @@ func prefillBody(b []byte) ([]byte, error) {
 		delete(m, "stream_options")
 		delete(m, "min_tokens")
 		delete(m, "min_completion_tokens")
+		// The prefill's answer is not the client's: what would only
+		// make it large (the prompt's logprobs, the prompt echoed) is
+		// not asked for.
+		delete(m, "prompt_logprobs")
+		delete(m, "echo")
 	})
 }
 
@@ -151,21 +164,33 @@ type prefillAnswer struct {
 // which another prefill replica would answer alike.
 var errPrefillRefused = errors.New("router: the prefill replica refused the request")
 
-// prefill sends the prefill request body to rt's replica, failing over
-// down its ranking when one fails before answering (as the proxy does),
-// and ends rt. It returns the kv_transfer_params of the answer (nil when
-// it had none), errPrefillRefused on a 4xx, or the last failure.
+// prefill sends the prefill request body to rt's replica and ends rt. A
+// replica that fails before answering (refused or reset, 502 or 503, a
+// timeout, 408 or 429, silent past timeouts.idle) is passed for the next
+// in rt's ranking, as the proxy fails over; a 500 or 504 may be the
+// request's own, as the proxy takes it, and ends the tries. It returns
+// the answer's kv_transfer_params (nil when it had none, or could not be
+// read), errPrefillRefused on another 4xx, or the last failure.
 func (s *Server) prefill(ctx context.Context, r *http.Request, rt *Routed, body []byte, requestID string) (json.RawMessage, error) {
 	start := time.Now()
-	next := 1
-	for {
+	for next := 1; ; next++ {
 		c := rt.Served
-		ans, status, err := s.prefillOnce(ctx, r, c.Replica, body, requestID)
+		ans, status, idle, err := s.prefillOnce(ctx, r, c.Replica, body, requestID)
 		now := time.Now()
 		o := Outcome{Status: status}
+		source := clientSource(r.RemoteAddr)
+		moveOn := true
 		switch {
-		case err == nil && status < 300:
+		case ctx.Err() != nil:
+			o.Status = 499
+			s.core.Finish(rt, o, nil)
+			return nil, ctx.Err()
+		case status >= 200 && status < 300 && !idle:
 			c.Replica.Succeeded(now, s.o.Ejection)
+			if err != nil { // answered, but not readably: counted as without parameters
+				s.o.Logger.Warn("prefill answer unreadable", "replica", c.Replica.Name, "err", err)
+				ans = &prefillAnswer{}
+			}
 			if ans.Usage != nil {
 				o.PromptTokens = ans.Usage.PromptTokens
 				if d := ans.Usage.PromptTokensDetails; d != nil {
@@ -179,61 +204,82 @@ func (s *Server) prefill(ctx context.Context, r *http.Request, rt *Routed, body 
 				return nil, nil
 			}
 			return ans.Params, nil
-		case err == nil && status < 500:
+		case status >= 400 && status < 500 && status != http.StatusRequestTimeout && status != http.StatusTooManyRequests:
 			s.core.Finish(rt, o, nil)
 			return nil, fmt.Errorf("%w: status %d", errPrefillRefused, status)
-		case ctx.Err() != nil:
-			o.Status = 499
-			s.core.Finish(rt, o, nil)
-			return nil, ctx.Err()
-		case err == nil:
+		case status == http.StatusBadGateway || status == http.StatusServiceUnavailable:
 			s.core.o.Metrics.UpstreamError(c.Replica.Name, "status_5xx")
-			s.core.e.Strike(c.Replica, now, s.o.Ejection, clientSource(r.RemoteAddr))
-			err = fmt.Errorf("prefill replica %s answered %d", c.Replica.Name, status)
-		case status != 0: // an answer that is not one
-			s.core.o.Metrics.UpstreamError(c.Replica.Name, "status_5xx")
-			s.core.e.Strike(c.Replica, now, s.o.Ejection, clientSource(r.RemoteAddr))
-		default:
-			s.core.o.Metrics.UpstreamError(c.Replica.Name, errorKind(err))
 			s.core.e.Fail(c.Replica, now, s.o.Ejection)
+			err = fmt.Errorf("prefill replica %s answered %d", c.Replica.Name, status)
+		case status >= 500:
+			// The request's own, maybe (vLLM answers 500 to some inputs):
+			// another prefill replica would fail it alike.
+			s.core.o.Metrics.UpstreamError(c.Replica.Name, "status_5xx")
+			s.core.e.Strike(c.Replica, now, s.o.Ejection, source)
+			err, moveOn = fmt.Errorf("prefill replica %s answered %d", c.Replica.Name, status), false
+		case status != 0 || idle: // 408, 429, or silent mid-answer
+			kind := "status_4xx"
+			if idle {
+				kind = "idle"
+			}
+			s.core.o.Metrics.UpstreamError(c.Replica.Name, kind)
+			s.core.e.Strike(c.Replica, now, s.o.Ejection, source)
+			err = fmt.Errorf("prefill replica %s: %s (status %d)", c.Replica.Name, kind, status)
+		default:
+			kind := errorKind(err)
+			s.core.o.Metrics.UpstreamError(c.Replica.Name, kind)
+			if kind == "timeout" { // no answer within first_byte: hung, or a long prompt
+				s.core.e.Strike(c.Replica, now, s.o.Ejection, source)
+			} else {
+				s.core.e.Fail(c.Replica, now, s.o.Ejection)
+			}
 		}
-		s.o.Logger.Warn("prefill replica failed before answering", "replica", c.Replica.Name, "err", err)
-		if !s.core.Failover(rt, next) {
-			o.Status, o.Error = 502, err.Error()
+		s.o.Logger.Warn("prefill replica failed", "replica", c.Replica.Name, "err", err)
+		if !moveOn || !s.core.Failover(rt, next) {
+			o.Status, o.Error = cmp.Or(status, 502), err.Error()
 			s.core.Finish(rt, o, nil)
 			return nil, err
 		}
-		next++
 	}
 }
 
 // prefillOnce sends the prefill request to rep and reads its answer: the
-// status, and for a 2xx the answer's transfer parameters and usage.
-func (s *Server) prefillOnce(ctx context.Context, in *http.Request, rep *replica.Replica, body []byte, requestID string) (*prefillAnswer, int, error) {
+// status, whether it went silent past timeouts.idle (cut off), and for a
+// 2xx the answer's transfer parameters and usage (err: unreadable).
+func (s *Server) prefillOnce(ctx context.Context, in *http.Request, rep *replica.Replica, body []byte, requestID string) (ans *prefillAnswer, status int, idle bool, err error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	out, err := http.NewRequestWithContext(ctx, http.MethodPost, in.URL.String(), bytes.NewReader(body))
 	if err != nil {
-		return nil, 0, err
+		return nil, 0, false, err
 	}
 	aim(out, in.URL, in.Header.Values("Authorization"), rep.URL)
 	out.Header.Set("Content-Type", "application/json")
 	out.Header.Set("X-Request-Id", requestID)
+	if tp := in.Header.Get("traceparent"); tp != "" {
+		out.Header.Set("traceparent", tp)
+	}
 	resp, err := s.o.Transport.RoundTrip(out)
 	if err != nil {
-		return nil, 0, err
+		return nil, 0, false, err
 	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(io.LimitReader(resp.Body, maxPrefillAnswer))
-	if err != nil {
-		return nil, resp.StatusCode, err
+	var silent atomic.Bool
+	rb := newIdleBody(resp.Body, s.o.Timeouts.Idle, s.o.Timeouts.Idle, func() { silent.Store(true); cancel() })
+	defer rb.Close()
+	b, err := io.ReadAll(io.LimitReader(rb, maxPrefillAnswer))
+	switch {
+	case silent.Load():
+		return nil, resp.StatusCode, true, err
+	case err != nil: // broken off: no answer
+		return nil, 0, false, err
+	case resp.StatusCode >= 300:
+		return nil, resp.StatusCode, false, nil
 	}
-	if resp.StatusCode >= 300 {
-		return nil, resp.StatusCode, nil
+	ans = &prefillAnswer{}
+	if err := json.Unmarshal(b, ans); err != nil {
+		return nil, resp.StatusCode, false, fmt.Errorf("prefill answer: %w", err)
 	}
-	var ans prefillAnswer
-	if err := json.Unmarshal(b, &ans); err != nil {
-		return nil, resp.StatusCode, fmt.Errorf("prefill answer: %w", err)
-	}
-	return &ans, resp.StatusCode, nil
+	return ans, resp.StatusCode, false, nil
 }
 
 // routeDisaggregated routes a request of a model a prefill replica serves
@@ -252,19 +298,41 @@ func (s *Server) routeDisaggregated(r *http.Request, cr CoreRequest, fwd *body) 
 	if err != nil {
 		return nil, nil, "", err
 	}
-	fwd.refs.Add(1) // the caller releases what this returns, and its own
+	// refuse ends rt, which cannot be sent (a body that does not fit),
+	// and returns why.
+	refuse := func(err error) (*Routed, *body, string, error) {
+		s.core.Finish(rt, Outcome{Status: http.StatusServiceUnavailable, Error: err.Error()}, nil)
+		return nil, nil, "", err
+	}
+	// whole sends the decode replica the client's request without any
+	// kv_transfer_params of the client's own (they would point its
+	// connector anywhere): it computes the prompt.
+	whole := func() (*Routed, *body, string, error) {
+		if !bytes.Contains(fwd.b, []byte("kv_transfer_params")) {
+			fwd.refs.Add(1) // the caller releases what this returns, and its own
+			return rt, fwd, "", nil
+		}
+		b, err := decodeBody(fwd.b, nil)
+		if err != nil {
+			return refuse(err)
+		}
+		nb, err := s.heldBody(b)
+		if err != nil {
+			return refuse(err)
+		}
+		return rt, nb, "", nil
+	}
 	if !s.core.needsPrefill(rt) {
-		return rt, fwd, "", nil
+		return whole()
+	}
+	if !splittable(fwd.b) {
+		s.core.o.Metrics.disaggregated("batch")
+		return whole()
 	}
 	aggregated := func(reason string, err error) (*Routed, *body, string, error) {
 		s.core.o.Metrics.pdFallback(reason)
 		s.o.Logger.Warn("disaggregated request served by its decode replica alone", "reason", reason, "err", err, "decode", rt.Served.Replica.Name)
-		b, e := decodeBody(fwd.b, nil)
-		if e != nil {
-			return rt, fwd, "", nil
-		}
-		fwd.release()
-		return rt, bodyOf(b), "", nil
+		return whole()
 	}
 	pcr := cr
 	pcr.Input, pcr.Prefill = in, true
@@ -274,14 +342,20 @@ func (s *Server) routeDisaggregated(r *http.Request, cr CoreRequest, fwd *body) 
 	}
 	pairPD(prt, rt)
 	pb, err := prefillBody(fwd.b)
+	var held *body
+	if err == nil {
+		held, err = s.heldBody(pb)
+	}
 	if err != nil {
-		s.core.Finish(prt, Outcome{Status: 400, Error: err.Error()}, nil)
+		s.core.Finish(prt, Outcome{Status: 503, Error: err.Error()}, nil)
 		return aggregated(pdPrefillFailed, err)
 	}
-	params, err := s.prefill(r.Context(), r, prt, pb, rt.ID)
+	params, err := s.prefill(r.Context(), r, prt, held.b, rt.ID)
+	held.release()
 	name := prt.Served.Replica.Name
 	switch {
 	case r.Context().Err() != nil:
+		fwd.refs.Add(1)
 		return rt, fwd, name, nil // the client left: the proxy ends rt
 	case errors.Is(err, errPrefillRefused):
 		return aggregated(pdRefused, err)
@@ -290,20 +364,65 @@ func (s *Server) routeDisaggregated(r *http.Request, cr CoreRequest, fwd *body) 
 	case params == nil:
 		s.core.o.Metrics.pdFallback(pdNoParams)
 		s.o.Logger.Warn("prefill answer without kv_transfer_params: the decode replica computes the prompt", "prefill", name, "decode", rt.Served.Replica.Name)
-		b, e := decodeBody(fwd.b, nil)
-		if e != nil {
-			return rt, fwd, name, nil
+		rt, b, _, err := whole()
+		if err != nil {
+			return rt, b, "", err
 		}
-		fwd.release()
-		return rt, bodyOf(b), name, nil
+		return rt, b, name, nil
 	}
 	b, err := decodeBody(fwd.b, params)
 	if err != nil {
 		return aggregated(pdPrefillFailed, err)
 	}
+	nb, err := s.heldBody(b)
+	if err != nil {
+		return refuse(err)
+	}
 	s.core.o.Metrics.disaggregated("disaggregated")
-	fwd.release()
-	return rt, bodyOf(b), name, nil
+	s.core.remote(rt)
+	return rt, nb, name, nil
+}
+
+// heldBody returns b as a body counted against the bytes of request
+// bodies the router holds (limits.Request.MaxBodyBytesInFlight), or the
+// error that they would pass it.
+func (s *Server) heldBody(b []byte) (*body, error) {
+	lim := s.limits.Load().MaxBodyBytesInFlight
+	nb := bodyOf(b)
+	nb.count(&s.bodies, lim)
+	if !nb.hold(len(b)) {
+		nb.release()
+		return nil, &bodiesInFlightError{lim}
+	}
+	return nb, nil
+}
+
+// splittable reports whether a request can be disaggregated: one prompt
+// and one answer. vLLM returns one set of kv_transfer_params for a whole
+// answer, so a batch of prompts (a completions prompt that is a list of
+// prompts) or several answers (n or best_of above 1) is served whole.
+func splittable(b []byte) bool {
+	var m struct {
+		Prompt json.RawMessage `json:"prompt"`
+		N      *int            `json:"n"`
+		BestOf *int            `json:"best_of"`
+	}
+	if json.Unmarshal(b, &m) != nil {
+		return false
+	}
+	if m.N != nil && *m.N > 1 || m.BestOf != nil && *m.BestOf > 1 {
+		return false
+	}
+	p := bytes.TrimSpace(m.Prompt)
+	if len(p) == 0 || p[0] != '[' {
+		return true // a chat, or one prompt
+	}
+	var list []json.RawMessage
+	if json.Unmarshal(p, &list) != nil || len(list) <= 1 {
+		return true
+	}
+	first := bytes.TrimSpace(list[0])
+	return len(first) > 0 && first[0] != '"' && first[0] != '[' // token ids: one prompt
 }
 
 // allowBoth returns a filter of the replicas a and b both allow (a nil: all).

@@ -28,10 +28,11 @@ import (
 // every body it received.
 type pdEngine struct {
 	name string
-	mode string // "": answers; "fail": 500 to prefills; "noparams": prefills answered without kv_transfer_params
+	mode string // "": answers; "fail": 503 to prefills; "fail500": 500; "noparams": prefills answered without kv_transfer_params
 
 	mu     sync.Mutex
 	bodies []map[string]any
+	ids    []string // X-Request-Id of each
 }
 
 func (e *pdEngine) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -42,11 +43,15 @@ func (e *pdEngine) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	e.mu.Lock()
 	e.bodies = append(e.bodies, m)
+	e.ids = append(e.ids, r.Header.Get("X-Request-Id"))
 	e.mu.Unlock()
 	kv, _ := m["kv_transfer_params"].(map[string]any)
 	if kv["do_remote_decode"] == true {
 		switch e.mode {
-		case "fail":
+		case "fail": // the replica's: failed over
+			http.Error(w, "engine unavailable", 503)
+			return
+		case "fail500": // maybe the request's own: not tried elsewhere
 			http.Error(w, "engine failed", 500)
 			return
 		case "noparams":
@@ -199,6 +204,13 @@ func TestDisaggregated(t *testing.T) {
 	if n := counterValue(m.pdRequests.WithLabelValues("disaggregated")); n != 1 {
 		t.Fatalf("%v disaggregated requests counted", n)
 	}
+	p0.mu.Lock()
+	d0.mu.Lock()
+	if p0.ids[0] == "" || p0.ids[0] != d0.ids[0] {
+		t.Errorf("X-Request-Id: prefill %q, decode %q; vLLM pairs them by one", p0.ids[0], d0.ids[0])
+	}
+	d0.mu.Unlock()
+	p0.mu.Unlock()
 	recs := log.wait(t, 2) // the prefill's first: it ends first
 	if len(recs) != 2 || recs[0].Stage != "prefill" || recs[0].Chosen != "p0" || recs[1].Stage != "decode" || recs[1].Chosen != "d0" ||
 		recs[0].Pair != recs[1].ID || recs[1].Pair != recs[0].ID || recs[1].Prefill != "p0" || recs[0].Outcome.PromptTokens != 9 {
@@ -225,6 +237,41 @@ func TestDisaggregationFallbacks(t *testing.T) {
 		}
 		if len(bad.received()) == 0 {
 			t.Fatal("no request was ranked to the failing prefill replica first: the failover went untested")
+		}
+	})
+	t.Run("a 500 is not tried elsewhere", func(t *testing.T) {
+		p0, p1, d0 := &pdEngine{name: "p0", mode: "fail500"}, &pdEngine{name: "p1", mode: "fail500"}, &pdEngine{name: "d0"}
+		ts, m := pdServer(t, PDOptions{}, []*pdEngine{p0, p1}, []*pdEngine{d0})
+		resp, body := postPD(t, ts.URL, pdChat)
+		if resp.StatusCode != 200 || !strings.Contains(body, "local") || len(p0.received())+len(p1.received()) != 1 {
+			t.Fatalf("status %d, prefills sent %d: %s", resp.StatusCode, len(p0.received())+len(p1.received()), body)
+		}
+		if n := counterValue(m.pdFallbacks.WithLabelValues(pdPrefillFailed)); n != 1 {
+			t.Fatalf("%v fallbacks counted", n)
+		}
+	})
+	t.Run("the client's own kv_transfer_params never reach a decode replica", func(t *testing.T) {
+		p0, d0 := &pdEngine{name: "p0"}, &pdEngine{name: "d0"}
+		ts, _ := pdServer(t, PDOptions{}, []*pdEngine{p0}, []*pdEngine{d0})
+		resp, body := postPD(t, ts.URL, `{"model":"m","messages":[{"role":"user","content":"hi"}],"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"evil","remote_host":"169.254.169.254"}}`)
+		if resp.StatusCode != 200 || !strings.Contains(body, "local") {
+			t.Fatalf("status %d: %s", resp.StatusCode, body)
+		}
+		if _, ok := d0.received()[0]["kv_transfer_params"]; ok {
+			t.Fatal("the client's kv_transfer_params reached the decode replica")
+		}
+	})
+	t.Run("a batch of prompts is served whole", func(t *testing.T) {
+		p0, d0 := &pdEngine{name: "p0"}, &pdEngine{name: "d0"}
+		ts, m := pdServer(t, PDOptions{MinPrefillTokens: -1}, []*pdEngine{p0}, []*pdEngine{d0})
+		doc := strings.Repeat("a long shared document ", 400)
+		resp, err := http.Post(ts.URL+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":["`+doc+` one","`+doc+` two"]}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != 200 || len(p0.received()) != 0 || counterValue(m.pdRequests.WithLabelValues("batch")) != 1 {
+			t.Fatalf("status %d, %d prefills", resp.StatusCode, len(p0.received()))
 		}
 	})
 	for _, c := range []struct{ mode, reason string }{{"fail", pdPrefillFailed}, {"noparams", pdNoParams}} {
@@ -275,4 +322,18 @@ func counterValue(c prometheus.Counter) float64 {
 		return -1
 	}
 	return m.GetCounter().GetValue()
+}
+
+// The rewritten bodies keep the client's text as it came (no \u003c for
+// every <), so a rewrite costs the body's size, not six times it.
+func TestPrefillBodyKeepsText(t *testing.T) {
+	in := []byte(`{"model":"m","prompt":"<a> & <b>","echo":true,"prompt_logprobs":5,"max_completion_tokens":9}`)
+	out, err := prefillBody(in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(out), `"<a> & <b>"`) || strings.Contains(string(out), "echo") || strings.Contains(string(out), "prompt_logprobs") ||
+		!strings.Contains(string(out), `"max_completion_tokens":1`) {
+		t.Fatalf("prefill body: %s", out)
+	}
 }

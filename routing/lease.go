@@ -114,6 +114,15 @@ func (l *Lease) begin(e *Engine, r *replica.Replica, d *Decision, c *Candidate, 
 	r.Begin(&l.work, now)
 }
 
+// Remote reports that another replica computes the prompt (disaggregated
+// prefill): l's replica only takes its KV and decodes
+// (replica.Replica.Remote).
+func (l *Lease) Remote() {
+	if l.state == LeasePrefill {
+		l.rep.Remote(&l.work)
+	}
+}
+
 // FirstToken reports that the replica finished the prompt's prefill (its
 // first token arrived) at now.
 func (l *Lease) FirstToken(now time.Time) {

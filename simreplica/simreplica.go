@@ -116,8 +116,9 @@ type Options struct {
 	// takes to pull the prompt's KV it does not hold, in place of
 	// computing it: TransferLatency plus TransferPerToken a token.
 	// Defaults 2ms and 2µs. A request with do_remote_decode computes the
-	// prompt and answers one token with the parameters of its KV, as
-	// vLLM's NIXL connector does (disaggregated prefill).
+	// prompt and, answered whole (not streamed), carries the parameters of
+	// its KV, as vLLM's NIXL connector does (disaggregated prefill; the
+	// router asks for one token).
 	TransferLatency  time.Duration
 	TransferPerToken time.Duration
 }
@@ -749,8 +750,7 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 		// prefix cache's as cached (NixlConnector.get_num_new_matched_tokens).
 		g.cached = max(tokens-1, cached)
 	}
-	if fl.remoteDecode { // a prefill for a decode replica: one token, and where its KV is
-		g.out, outTokens = 1, 1
+	if fl.remoteDecode && !req.Stream { // a prefill for a decode replica: where its KV is, in the whole answer alone, as vLLM
 		host, port, _ := net.SplitHostPort(r.Host)
 		p, _ := strconv.Atoi(port)
 		ids := make([]int, len(keys))
@@ -761,7 +761,7 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 			"remote_block_ids": ids, "remote_host": host, "remote_port": p, "tp_size": 1}
 		s.remoteDecodes.Add(1)
 	}
-	if req.Stream && g.kv == nil {
+	if req.Stream {
 		ok = g.stream(ctx, w)
 	} else {
 		ok = g.whole(ctx, w)

@@ -445,8 +445,17 @@ func TestThirdPartyBrokenTokenizeAndRestart(t *testing.T) {
 	if m := metric(t, r.url, "semroute_tokenize_total", `result="ok"`); m < 100 {
 		t.Fatalf("only %v requests were tokenized by the other replicas", m)
 	}
-	if !strings.Contains(logs, "the replica's cache picture was cleared") || !strings.Contains(logs, "replica=tp-1") {
-		t.Fatalf("the restart of tp-1 was not said in the log:\n%s", logs)
+	// The follower notices the restart from the engine's events, on its
+	// own goroutine: under load possibly after the requests ended.
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		logs = r.log.String()
+		if strings.Contains(logs, "the replica's cache picture was cleared") && strings.Contains(logs, "replica=tp-1") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the restart of tp-1 was not said in the log:\n%s", logs)
+		}
+		time.Sleep(50 * time.Millisecond) // polling the router's log
 	}
 	if run2.hitRatio() < 0.5 {
 		t.Fatalf("hit ratio %.3f after the restart", run2.hitRatio())
