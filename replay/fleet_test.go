@@ -82,12 +82,31 @@ func TestSpreadTies(t *testing.T) {
 // and sharing after delay, on 8 replicas of the README's model.
 func fleetRuns(t *testing.T, reqs []Request, spread, delay time.Duration) (one, none, shared *Result) {
 	t.Helper()
+	r := fleetReplay(t, reqs, spread, "one", "none", "shared:"+delay.String())
+	return r[0], r[1], r[2]
+}
+
+// fleetReplay replays reqs on 8 replicas under the runs named: "one"
+// router, 4 routers sharing "none" of their pictures, or "shared:D"
+// with a delay D.
+func fleetReplay(t *testing.T, reqs []Request, spread time.Duration, names ...string) []*Result {
+	t.Helper()
 	m := Config{Replicas: 8, BudgetTokens: 1_000_000, BlockTokens: 512, SpreadTies: spread}
 	m.Seed = 1
-	runs := []Run{
-		{Label: "one", Policy: "semantic", Picture: PictureApproximate},
-		{Label: "none", Policy: "semantic", Picture: PictureApproximate, Routers: 4, Sync: SyncNone},
-		{Label: "shared", Policy: "semantic", Picture: PictureApproximate, Routers: 4, Sync: SyncShared, SyncDelay: delay},
+	var runs []Run
+	for _, n := range names {
+		switch name, delay, _ := strings.Cut(n, ":"); name {
+		case "one":
+			runs = append(runs, Run{Label: n, Policy: "semantic", Picture: PictureApproximate})
+		case "none":
+			runs = append(runs, Run{Label: n, Policy: "semantic", Picture: PictureApproximate, Routers: 4, Sync: SyncNone})
+		default:
+			d, err := time.ParseDuration(delay)
+			if err != nil {
+				t.Fatal(err)
+			}
+			runs = append(runs, Run{Label: n, Policy: "semantic", Picture: PictureApproximate, Routers: 4, Sync: SyncShared, SyncDelay: d})
+		}
 	}
 	sum, err := Replay(reqs, m, runs)
 	if err != nil {
@@ -96,7 +115,7 @@ func fleetRuns(t *testing.T, reqs []Request, spread, delay time.Duration) (one, 
 	for _, r := range sum.Policies {
 		t.Logf("%s: hit rate %.4f, TTFT p50 %.0f ms, p99 %.0f ms", r.Name, r.TokenHitRate, r.TTFTP50MS, r.TTFTP99MS)
 	}
-	return sum.Policies[0], sum.Policies[1], sum.Policies[2]
+	return sum.Policies[:len(runs)]
 }
 
 // TestFleetSharesItsPicture is issue 15's replay: 4 routers, each request to
@@ -144,11 +163,11 @@ func TestFleetTiedArrivals(t *testing.T) {
 	if n := Ties(reqs); n < len(reqs)*8/10 {
 		t.Fatalf("%d of %d requests tied: the trace's timestamps come in steps of about 3 s", n, len(reqs))
 	}
-	one, _, instant := fleetRuns(t, reqs, 0, 0)
+	runs := fleetReplay(t, reqs, 0, "one", "shared:0s", "shared:5ms") // one replay: its runs go in parallel
+	one, instant, late := runs[0], runs[1], runs[2]
 	if r := instant.TokenHitRate / one.TokenHitRate; r < 0.99 || instant.TTFTP99MS > 1.02*one.TTFTP99MS {
 		t.Errorf("4 routers sharing at once: %.4f of one router's hit rate, TTFT p99 %.0f against %.0f ms; want the same", r, instant.TTFTP99MS, one.TTFTP99MS)
 	}
-	_, _, late := fleetRuns(t, reqs, 0, 5*time.Millisecond)
 	if late.TTFTP99MS < 1.1*one.TTFTP99MS {
 		t.Errorf("4 routers sharing at 5 ms on tied arrivals: TTFT p99 %.0f against %.0f ms; the ties no longer cost, so spreading them is no longer needed", late.TTFTP99MS, one.TTFTP99MS)
 	}

@@ -241,6 +241,7 @@ func TestReplayIsDeterministic(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	reqs = reqs[:1500] // enough for every policy's state and the queues to build (a third of the trace: CI's time)
 	var runs []Run
 	for _, p := range []string{"semantic", "random", "power_of_two", "dynamo", "semantickv"} {
 		runs = append(runs, Run{Policy: p})
