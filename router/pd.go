@@ -178,7 +178,6 @@ func (s *Server) prefill(ctx context.Context, r *http.Request, rt *Routed, body 
 		ans, status, idle, err := s.prefillOnce(ctx, r, c.Replica, body, requestID)
 		now := time.Now()
 		o := Outcome{Status: status}
-		source := clientSource(r.RemoteAddr)
 		moveOn := true
 		switch {
 		case ctx.Err() != nil:
@@ -207,32 +206,8 @@ func (s *Server) prefill(ctx context.Context, r *http.Request, rt *Routed, body 
 		case status >= 400 && status < 500 && status != http.StatusRequestTimeout && status != http.StatusTooManyRequests:
 			s.core.Finish(rt, o, nil)
 			return nil, fmt.Errorf("%w: status %d", errPrefillRefused, status)
-		case status == http.StatusBadGateway || status == http.StatusServiceUnavailable:
-			s.core.o.Metrics.UpstreamError(c.Replica.Name, "status_5xx")
-			s.core.e.Fail(c.Replica, now, s.o.Ejection)
-			err = fmt.Errorf("prefill replica %s answered %d", c.Replica.Name, status)
-		case status >= 500:
-			// The request's own, maybe (vLLM answers 500 to some inputs):
-			// another prefill replica would fail it alike.
-			s.core.o.Metrics.UpstreamError(c.Replica.Name, "status_5xx")
-			s.core.e.Strike(c.Replica, now, s.o.Ejection, source)
-			err, moveOn = fmt.Errorf("prefill replica %s answered %d", c.Replica.Name, status), false
-		case status != 0 || idle: // 408, 429, or silent mid-answer
-			kind := "status_4xx"
-			if idle {
-				kind = "idle"
-			}
-			s.core.o.Metrics.UpstreamError(c.Replica.Name, kind)
-			s.core.e.Strike(c.Replica, now, s.o.Ejection, source)
-			err = fmt.Errorf("prefill replica %s: %s (status %d)", c.Replica.Name, kind, status)
 		default:
-			kind := errorKind(err)
-			s.core.o.Metrics.UpstreamError(c.Replica.Name, kind)
-			if kind == "timeout" { // no answer within first_byte: hung, or a long prompt
-				s.core.e.Strike(c.Replica, now, s.o.Ejection, source)
-			} else {
-				s.core.e.Fail(c.Replica, now, s.o.Ejection)
-			}
+			moveOn, err = s.prefillFailed(c.Replica, status, idle, err, clientSource(r.RemoteAddr), now)
 		}
 		s.o.Logger.Warn("prefill replica failed", "replica", c.Replica.Name, "err", err)
 		if !moveOn || !s.core.Failover(rt, next) {
@@ -241,6 +216,41 @@ func (s *Server) prefill(ctx context.Context, r *http.Request, rt *Routed, body 
 			return nil, err
 		}
 	}
+}
+
+// prefillFailed counts a prefill replica's failure (status, 0 for none;
+// idle: it went silent mid-answer; err: the transport's) as the proxy
+// counts a replica's: 502, 503 and refused connections eject it, a 500 or
+// 504 (maybe the request's own), a timeout, 408, 429 or silence strike
+// it. It returns whether another prefill replica should be tried (not
+// after a 500 or 504, which it would answer alike) and the failure.
+func (s *Server) prefillFailed(rep *replica.Replica, status int, idle bool, err error, source uint64, now time.Time) (moveOn bool, _ error) {
+	switch {
+	case status == http.StatusBadGateway || status == http.StatusServiceUnavailable:
+		s.core.o.Metrics.UpstreamError(rep.Name, "status_5xx")
+		s.core.e.Fail(rep, now, s.o.Ejection)
+		return true, fmt.Errorf("prefill replica %s answered %d", rep.Name, status)
+	case status >= 500:
+		s.core.o.Metrics.UpstreamError(rep.Name, "status_5xx")
+		s.core.e.Strike(rep, now, s.o.Ejection, source)
+		return false, fmt.Errorf("prefill replica %s answered %d", rep.Name, status)
+	case status != 0 || idle: // 408, 429, or silent mid-answer
+		kind := "status_4xx"
+		if idle {
+			kind = "idle"
+		}
+		s.core.o.Metrics.UpstreamError(rep.Name, kind)
+		s.core.e.Strike(rep, now, s.o.Ejection, source)
+		return true, fmt.Errorf("prefill replica %s: %s (status %d)", rep.Name, kind, status)
+	}
+	kind := errorKind(err)
+	s.core.o.Metrics.UpstreamError(rep.Name, kind)
+	if kind == "timeout" { // no answer within first_byte: hung, or a long prompt
+		s.core.e.Strike(rep, now, s.o.Ejection, source)
+	} else {
+		s.core.e.Fail(rep, now, s.o.Ejection)
+	}
+	return true, err
 }
 
 // prefillOnce sends the prefill request to rep and reads its answer: the
