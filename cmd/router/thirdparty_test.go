@@ -429,6 +429,16 @@ func TestThirdPartyBrokenTokenizeAndRestart(t *testing.T) {
 	work := tpWork(200)
 	run := sendTruth(r.url, work[:100], 8, nil)
 	reps[1].restart(t)
+	// The kill ejected tp-1; the restart is known from its engine's first
+	// events, which only requests sent there make: wait until it takes
+	// requests again (health checks bring it back).
+	tp1, _ := r.app.core.Engine().Pool().Get("tp-1")
+	for deadline := time.Now().Add(30 * time.Second); !tp1.Available(time.Now()); {
+		if time.Now().After(deadline) {
+			t.Fatal("tp-1 was not taken back after its restart")
+		}
+		time.Sleep(20 * time.Millisecond) // polling the router's pool
+	}
 	run2 := sendTruth(r.url, work[100:], 8, nil)
 	logs := r.log.String()
 	t.Logf("before the restart: hit ratio %.3f, predicted ÷ reported %.3f; after: %.3f, %.3f; errors %d, %d",
@@ -453,7 +463,8 @@ func TestThirdPartyBrokenTokenizeAndRestart(t *testing.T) {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("the restart of tp-1 was not said in the log:\n%s", logs)
+			t.Fatalf("the restart of tp-1 was not said in the log (tp-1 answered %.0f requests since; events %+v):\n%s",
+				metric(t, reps[1].url, "vllm:request_success_total", ""), r.app.events.stats(), logs)
 		}
 		time.Sleep(50 * time.Millisecond) // polling the router's log
 	}
