@@ -152,34 +152,36 @@ type Yielded struct {
 // YieldsTo returns what a request of priority gives way to, by replica
 // ID: the traffic of every higher priority. Nil: nothing.
 func (d *Demand) YieldsTo(priority int, now time.Time) map[int]Yielded {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	d.forget(now)
-	var y map[int]Yielded
-	for k, r := range d.counts {
-		if k.priority > priority {
-			if y == nil {
-				y = map[int]Yielded{}
-			}
-			v := y[k.home]
-			v.Rate += r.rate(now, d.half)
-			v.InFlight += r.inFlight
-			y[k.home] = v
-		}
-	}
+	y, _ := d.View(priority, now)
 	return y
 }
 
 // Protected reports whether some traffic gives way to a request of
 // priority (YieldsTo): a lower priority arrives.
 func (d *Demand) Protected(priority int, now time.Time) bool {
+	_, p := d.View(priority, now)
+	return p
+}
+
+// View returns YieldsTo and Protected at once, in one pass over the
+// counts.
+func (d *Demand) View(priority int, now time.Time) (yields map[int]Yielded, protected bool) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.forget(now)
-	for k := range d.counts {
-		if k.priority < priority {
-			return true
+	for k, r := range d.counts {
+		switch {
+		case k.priority > priority:
+			if yields == nil {
+				yields = map[int]Yielded{}
+			}
+			v := yields[k.home]
+			v.Rate += r.rate(now, d.half)
+			v.InFlight += r.inFlight
+			yields[k.home] = v
+		case k.priority < priority:
+			protected = true
 		}
 	}
-	return false
+	return yields, protected
 }

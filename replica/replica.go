@@ -239,8 +239,8 @@ type Replica struct {
 	inFlight atomic.Int64
 	pending  atomic.Int64 // tokens
 	waiting  atomic.Int64 // tokens held for it in the router's queue (Wait)
-	hmuP     sync.Mutex
-	heldBy   map[int]int64 // requests held for it there by priority (Wait), under hmuP
+	heldMu   sync.Mutex
+	heldBy   map[int]int64 // requests held for it there by priority (Wait), under heldMu
 	active   atomic.Int64  // tokens
 	// downUntil is when the replica may take traffic again, in unix
 	// nanoseconds; 0 when up.
@@ -457,30 +457,30 @@ func (r *Replica) End(w *Work, now time.Time) {
 // queue.
 func (r *Replica) Wait(tokens int64, priority int) {
 	r.waiting.Add(tokens)
-	r.hmuP.Lock()
+	r.heldMu.Lock()
 	if r.heldBy == nil {
 		r.heldBy = map[int]int64{}
 	}
 	r.heldBy[priority]++
-	r.hmuP.Unlock()
+	r.heldMu.Unlock()
 }
 
 // Unwait undoes Wait(tokens, priority).
 func (r *Replica) Unwait(tokens int64, priority int) {
 	r.waiting.Add(-tokens)
-	r.hmuP.Lock()
+	r.heldMu.Lock()
 	if r.heldBy[priority]--; r.heldBy[priority] <= 0 {
 		delete(r.heldBy, priority)
 	}
-	r.hmuP.Unlock()
+	r.heldMu.Unlock()
 }
 
 // Held returns how many requests of priority or higher the router's queue
 // holds for the replica (Wait): those a request of that priority waits
 // behind.
 func (r *Replica) Held(priority int) int64 {
-	r.hmuP.Lock()
-	defer r.hmuP.Unlock()
+	r.heldMu.Lock()
+	defer r.heldMu.Unlock()
 	var n int64
 	for p, c := range r.heldBy {
 		if p >= priority {
@@ -541,14 +541,22 @@ const SaturatedKV = 0.98
 // against the waiting gauge, which is as old as the last scrape.) A
 // replica of unknown capacity that reports nothing is not saturated.
 func (r *Replica) Saturated() bool {
-	o := r.observed.Load()
-	if o != nil && o.KVUsage >= SaturatedKV && r.drains.Load() == r.drainsSeen.Load() {
-		return true // full at the last report, and nothing finished here since
+	if r.kvFull() {
+		return true
 	}
 	if c := r.Capacity(); c > 0 {
 		return r.engaged.Load()+r.reserved.Load() >= c
 	}
+	o := r.observed.Load()
 	return o != nil && o.Waiting > 0
+}
+
+// kvFull reports whether the replica's KV cache was SaturatedKV full at
+// its last report and no request has finished there since (a gauge
+// scraped seconds ago says nothing of the blocks freed since).
+func (r *Replica) kvFull() bool {
+	o := r.observed.Load()
+	return o != nil && o.KVUsage >= SaturatedKV && r.drains.Load() == r.drainsSeen.Load()
 }
 
 // Free returns how many more requests the replica's engine would run now
@@ -560,7 +568,7 @@ func (r *Replica) Free() (free int64, known bool) {
 	if c <= 0 {
 		return 0, false
 	}
-	if o := r.observed.Load(); o != nil && o.KVUsage >= SaturatedKV && r.drains.Load() == r.drainsSeen.Load() {
+	if r.kvFull() {
 		return 0, true
 	}
 	return max(0, c-r.engaged.Load()-r.reserved.Load()), true
@@ -819,8 +827,28 @@ type Options struct {
 type Pool struct {
 	opts Options
 	snap atomic.Pointer[[]*Replica]
-	mu   sync.Mutex // serialises writers (Add, Remove)
+	// prefills counts the replicas of role prefill in snap (publish), so
+	// that a request asks whether there are any without a scan.
+	prefills atomic.Int32
+	mu       sync.Mutex // serialises writers (Add, Remove)
 }
+
+// publish makes rs the pool's replicas. p.mu is held, or p is not shared
+// yet.
+func (p *Pool) publish(rs []*Replica) {
+	var n int32
+	for _, r := range rs {
+		if r.Role.Prefills() {
+			n++
+		}
+	}
+	p.prefills.Store(n)
+	p.snap.Store(&rs)
+}
+
+// HasPrefill reports whether some replica of the pool has role prefill
+// (disaggregation is on).
+func (p *Pool) HasPrefill() bool { return p.prefills.Load() > 0 }
 
 // NewPool returns a pool of the given replicas. join is called with each
 // replica before it is published and returns its cache-model id.
@@ -842,7 +870,7 @@ func NewPool(specs []Spec, o Options, join func(Spec) (int, error)) (*Pool, erro
 		}
 		rs = append(rs, r)
 	}
-	p.snap.Store(&rs)
+	p.publish(rs)
 	return p, nil
 }
 
@@ -965,7 +993,7 @@ func (p *Pool) Add(s Spec, join func(Spec) (int, error)) (*Replica, error) {
 		return nil, err
 	}
 	next := append(append(make([]*Replica, 0, len(cur)+1), cur...), r)
-	p.snap.Store(&next)
+	p.publish(next)
 	return r, nil
 }
 
@@ -978,7 +1006,7 @@ func (p *Pool) Remove(name string) (*Replica, bool) {
 	for i, x := range cur {
 		if x.Name == name {
 			next := append(append(make([]*Replica, 0, len(cur)-1), cur[:i]...), cur[i+1:]...)
-			p.snap.Store(&next)
+			p.publish(next)
 			return x, true
 		}
 	}

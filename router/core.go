@@ -305,9 +305,6 @@ type Routed struct {
 	start  time.Time
 	first  time.Time // first response byte; zero until then
 	once   sync.Once
-	// demandHome is the replica flow control counts it in flight on
-	// (flow.Demand.Begin), its first.
-	demandHome int
 	// stage, pair and prefill link a disaggregated request's two
 	// decisions in the decision log (decisionlog.Record's Stage, Pair and
 	// Prefill).
@@ -337,7 +334,7 @@ func (c *Core) Route(req CoreRequest) (*Routed, error) {
 		arm = c.PickArm(req.Session, req.Tenant, req.Input.Key)
 	}
 	req.Input.Policy = arm.Policy
-	if req.Prefill || c.hasPrefill() {
+	if req.Prefill || c.e.Pool().HasPrefill() {
 		req.Input.Allow = allowBoth(req.Input.Allow, roleOf(req.Prefill))
 	}
 	start := c.e.Now()
@@ -346,14 +343,15 @@ func (c *Core) Route(req CoreRequest) (*Routed, error) {
 	// in the router's queue instead.
 	req.Input.Hold = c.q != nil && !req.DryRun && !req.PassThrough
 	if req.Input.Hold {
-		req.Input.Keep = c.keep(req.Priority)
+		yields, protected := c.demand.View(req.Priority, t0)
+		req.Input.Keep = c.keep(yields)
 		// Traffic that others keep slots for takes a free one wherever
 		// it is rather than wait for its best replica's.
-		req.Input.Room = c.demand.Protected(req.Priority, time.Now())
+		req.Input.Room = protected
 	}
 	d, err := c.e.Decide(req.Input, !req.DryRun)
 	if req.Input.Hold && err == nil {
-		c.demand.Arrive(req.Priority, d.Chosen().Replica.ID, time.Now())
+		c.demand.Arrive(req.Priority, d.Chosen().Replica.ID, t0)
 	}
 	var waited time.Duration
 	if err == nil && d.Held {
@@ -378,24 +376,13 @@ func (c *Core) Route(req CoreRequest) (*Routed, error) {
 	}
 	rt := &Routed{Decision: d, Arm: arm, Served: d.Chosen(), req: req, start: start, Queued: waited}
 	if c.demand != nil && !req.DryRun && !req.PassThrough {
-		rt.demandHome = rt.Served.Replica.ID
-		c.demand.Begin(req.Priority, rt.demandHome, time.Now()) // Finish ends it
+		c.demand.Begin(req.Priority, d.Chosen().Replica.ID, t0) // Finish ends it
 	}
 	if !req.DryRun {
 		rt.ID = strconv.FormatUint(rand.Uint64(), 16)
 		c.o.Metrics.routed(rt, time.Since(t0).Seconds())
 	}
 	return rt, nil
-}
-
-// hasPrefill reports whether some replica of the pool has role prefill.
-func (c *Core) hasPrefill() bool {
-	for _, r := range c.e.Pool().Replicas() {
-		if r.Role.Prefills() {
-			return true
-		}
-	}
-	return false
 }
 
 // roleOf returns the filter of the replicas that prefill for others
@@ -508,11 +495,14 @@ func (c *Core) offer(r *replica.Replica) (taken, keptFor bool) {
 	}
 	free, known := r.Free() // this slot among them
 	var kept map[int]bool   // keep's verdicts by priority: a few per offer
+	now := time.Now()
 	r.Reserve()
 	if _, ok := c.q.Dispatch(r.ID, func(t *flow.Ticket) float64 {
 		held, ok := kept[t.Priority]
 		if !ok {
-			held = known && free <= c.keep(t.Priority)(r)
+			if keep := c.keep(c.demand.YieldsTo(t.Priority, now)); keep != nil {
+				held = known && free <= keep(r)
+			}
 			if kept == nil {
 				kept = map[int]bool{}
 			}
@@ -530,18 +520,14 @@ func (c *Core) offer(r *replica.Replica) (taken, keptFor bool) {
 	return false, keptFor
 }
 
-// keep returns how many free slots of a replica a request of priority
-// must leave there (routing.Request.Keep): the slots kept there
-// for the traffic it gives way to (flow.Demand.YieldsTo; concentrate says
-// where and how many) less those that traffic fills now. Zero where it
-// gives way to nothing, or before a request's time is known.
-func (c *Core) keep(priority int) func(*replica.Replica) int64 {
-	if c.o.Flow.Reserve < 0 {
-		return func(*replica.Replica) int64 { return 0 }
-	}
-	y := c.demand.YieldsTo(priority, time.Now())
-	if len(y) == 0 {
-		return func(*replica.Replica) int64 { return 0 }
+// keep returns how many free slots of a replica a request must leave
+// there (routing.Request.Keep): the slots kept there for the traffic it
+// gives way to, y (flow.Demand.YieldsTo; concentrate says where and how
+// many), less those that traffic fills now. Nil where it gives way to
+// nothing, or flow_control.reserve keeps none.
+func (c *Core) keep(y map[int]flow.Yielded) func(*replica.Replica) int64 {
+	if c.o.Flow.Reserve < 0 || len(y) == 0 {
+		return nil
 	}
 	var kept map[int]int64 // by replica ID, made at the first call
 	return func(r *replica.Replica) int64 {
@@ -633,7 +619,7 @@ func (c *Core) Finish(rt *Routed, o Outcome, reply []byte) {
 	drained := rt.Lease().State() >= routing.LeaseDrained // the slot was offered then
 	rt.Lease().End(now)
 	if c.demand != nil && !rt.req.PassThrough {
-		c.demand.End(rt.req.Priority, rt.demandHome)
+		c.demand.End(rt.req.Priority, rt.Chosen().Replica.ID) // where Route began it: a failover moves Served, not the choice
 	}
 	if !drained {
 		c.freed(rt)

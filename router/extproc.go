@@ -24,7 +24,6 @@ import (
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/replica"
-	"github.com/semroute/semroute/routing"
 )
 
 // The endpoint picker's names, as the Gateway API Inference Extension's
@@ -495,12 +494,13 @@ func (st *epStream) route(noBody bool) (bool, error) {
 		in.Input.Allow = func(r *replica.Replica) bool { return sub.has(Endpoint(r)) }
 	}
 	in.Ctx = st.srv.Context()
-	pd := !in.PassThrough && st.s.core.disaggregated(in.Model)
-	var pin routing.Request
-	if pd {
-		pin = in.Input.Copy() // the prefill decision's, before the decode one owns in's blocks
+	var rt, prt *Routed
+	var perr, err error
+	if !in.PassThrough && st.s.core.disaggregated(in.Model) {
+		rt, prt, perr, err = st.s.core.routePD(in, true)
+	} else {
+		rt, err = st.s.core.Route(in)
 	}
-	rt, err := st.s.core.Route(in)
 	if err != nil {
 		e := classify(err)
 		if errors.As(err, new(*QueueError)) {
@@ -509,30 +509,23 @@ func (st *epStream) route(noBody bool) (bool, error) {
 		return st.reject(e)
 	}
 	st.rt = rt
-	var extra []*corev3.HeaderValueOption
-	if pd && st.s.core.needsPrefill(rt) {
-		extra = st.prefillOn(in, pin)
+	if perr != nil {
+		st.s.o.Logger.Warn("no prefill replica for a disaggregated request: its decode replica computes the prompt", "err", perr, "decode", rt.Served.Replica.Name)
 	}
-	return st.destine(rt, fwd, noBody, extra...)
+	return st.destine(rt, fwd, noBody, st.prefillOn(prt)...)
 }
 
-// prefillOn picks the prefill replica of a disaggregated request whose
-// decode replica is the destination (in, with pin its input), as llm-d's
+// prefillOn takes prt, the prefill decision of a disaggregated request
+// whose decode replica is the destination (nil: none), as llm-d's
 // scheduler does: the proxy's decode sidecar (llm-d's routing sidecar)
 // sends the prefill there, named by HeaderPrefillerHostPort, then the
 // request to its decode engine with the answer's kv_transfer_params. It
-// returns the headers to set; none when no prefill replica can take it
-// (the decode engine computes the prompt; counted).
-func (st *epStream) prefillOn(in CoreRequest, pin routing.Request) []*corev3.HeaderValueOption {
-	in.Input, in.Prefill = pin, true
-	prt, err := st.s.core.Route(in)
-	if err != nil {
-		st.s.core.o.Metrics.pdFallback(pdPrefillFailed)
-		st.s.o.Logger.Warn("no prefill replica for a disaggregated request: its decode replica computes the prompt", "err", err, "decode", st.rt.Served.Replica.Name)
+// returns the headers to set.
+func (st *epStream) prefillOn(prt *Routed) []*corev3.HeaderValueOption {
+	if prt == nil {
 		return nil
 	}
 	st.prefill = prt
-	pairPD(prt, st.rt)
 	st.s.core.remote(st.rt)
 	st.s.core.o.Metrics.disaggregated("disaggregated")
 	return []*corev3.HeaderValueOption{setHeader(HeaderPrefillerHostPort, Endpoint(prt.Served.Replica)), setHeader(HeaderPrefillReplica, prt.Served.Replica.Name)}

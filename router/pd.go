@@ -12,6 +12,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/valyala/fastjson"
+
 	"github.com/semroute/semroute/replica"
 )
 
@@ -58,6 +60,9 @@ const (
 // disaggregated reports whether requests for model go through a prefill
 // replica: some available replica of role prefill may serve it.
 func (c *Core) disaggregated(model string) bool {
+	if !c.e.Pool().HasPrefill() {
+		return false // no scan on the way of every request
+	}
 	now := time.Now()
 	for _, r := range c.e.Pool().Replicas() {
 		if r.Role.Prefills() && r.Available(now) && servesModel(r, model) {
@@ -65,6 +70,37 @@ func (c *Core) disaggregated(model string) bool {
 		}
 	}
 	return false
+}
+
+// routePD routes a request of a model a prefill replica serves, for both
+// front ends: a decode replica first, by the policy among the replicas
+// that decode (its load, and the prefix it holds, which shortens the
+// transfer); then, unless that replica would compute less than
+// MinPrefillTokens of the prompt (needsPrefill) or the request is not
+// splittable (several prompts or answers, counted "batch"), a prefill
+// replica by the policy among the prefill replicas (its cache), the two
+// decisions paired for the decision log. prt is nil when the request goes
+// to its decode replica alone; perr says why the prefill replica could
+// not be routed (counted as a fallback); err is the decode decision's.
+func (c *Core) routePD(cr CoreRequest, splittable bool) (rt, prt *Routed, perr, err error) {
+	in := cr.Input.Copy() // for the prefill decision, before the decode one owns cr's blocks
+	if rt, err = c.Route(cr); err != nil {
+		return nil, nil, nil, err
+	}
+	if !c.needsPrefill(rt) {
+		return rt, nil, nil, nil
+	}
+	if !splittable {
+		c.o.Metrics.disaggregated("batch")
+		return rt, nil, nil, nil
+	}
+	cr.Input, cr.Prefill = in, true
+	if prt, perr = c.Route(cr); perr != nil {
+		c.o.Metrics.pdFallback(pdPrefillFailed)
+		return rt, nil, perr, nil
+	}
+	pairPD(prt, rt)
+	return rt, prt, nil, nil
 }
 
 // needsPrefill reports whether decode decision rt's request goes through
@@ -149,15 +185,29 @@ func decodeBody(b []byte, params json.RawMessage) ([]byte, error) {
 	})
 }
 
-// prefillAnswer is what the router reads of a prefill replica's answer.
+// prefillAnswer is what the router reads of a prefill replica's answer:
+// its kv_transfer_params (nil: none, null or empty) and its usage.
 type prefillAnswer struct {
-	Params json.RawMessage `json:"kv_transfer_params"`
-	Usage  *struct {
-		PromptTokens        int64 `json:"prompt_tokens"`
-		PromptTokensDetails *struct {
-			CachedTokens int64 `json:"cached_tokens"`
-		} `json:"prompt_tokens_details"`
-	} `json:"usage"`
+	params json.RawMessage
+	usage  usageJSON
+}
+
+// readPrefillAnswer reads a prefill replica's answer b.
+func readPrefillAnswer(b []byte) (*prefillAnswer, error) {
+	p := replyParsers.Get()
+	defer replyParsers.Put(p)
+	v, err := p.ParseBytes(b)
+	if err != nil {
+		return nil, fmt.Errorf("prefill answer: %w", err)
+	}
+	ans := &prefillAnswer{}
+	if ans.usage, _, err = parseUsage(v.Get("usage")); err != nil {
+		return nil, fmt.Errorf("prefill answer's usage: %w", err)
+	}
+	if kv := v.Get("kv_transfer_params"); kv != nil && kv.Type() == fastjson.TypeObject && kv.GetObject().Len() > 0 {
+		ans.params = kv.MarshalTo(nil) // a copy: the parser goes back to its pool
+	}
+	return ans, nil
 }
 
 // errPrefillRefused is a prefill replica's 4xx: the request's own fault,
@@ -190,19 +240,11 @@ func (s *Server) prefill(ctx context.Context, r *http.Request, rt *Routed, body 
 				s.o.Logger.Warn("prefill answer unreadable", "replica", c.Replica.Name, "err", err)
 				ans = &prefillAnswer{}
 			}
-			if ans.Usage != nil {
-				o.PromptTokens = ans.Usage.PromptTokens
-				if d := ans.Usage.PromptTokensDetails; d != nil {
-					o.CachedTokens, o.CachedReported = d.CachedTokens, true
-				}
-			}
+			o.PromptTokens, o.CachedTokens, o.CachedReported = ans.usage.PromptTokens, ans.usage.CachedTokens, ans.usage.CachedReported
 			s.core.FirstByte(rt)
 			s.core.Finish(rt, o, nil)
 			s.core.o.Metrics.prefilled(now.Sub(start))
-			if p := bytes.TrimSpace(ans.Params); len(p) == 0 || bytes.Equal(p, []byte("null")) || bytes.Equal(p, []byte("{}")) {
-				return nil, nil
-			}
-			return ans.Params, nil
+			return ans.params, nil
 		case status >= 400 && status < 500 && status != http.StatusRequestTimeout && status != http.StatusTooManyRequests:
 			s.core.Finish(rt, o, nil)
 			return nil, fmt.Errorf("%w: status %d", errPrefillRefused, status)
@@ -285,11 +327,8 @@ func (s *Server) prefillOnce(ctx context.Context, in *http.Request, rep *replica
 	case resp.StatusCode >= 300:
 		return nil, resp.StatusCode, false, nil
 	}
-	ans = &prefillAnswer{}
-	if err := json.Unmarshal(b, ans); err != nil {
-		return nil, resp.StatusCode, false, fmt.Errorf("prefill answer: %w", err)
-	}
-	return ans, resp.StatusCode, false, nil
+	ans, err = readPrefillAnswer(b)
+	return ans, resp.StatusCode, false, err
 }
 
 // routeDisaggregated routes a request of a model a prefill replica serves
@@ -303,8 +342,7 @@ func (s *Server) prefillOnce(ctx context.Context, in *http.Request, rep *replica
 // ("" when the request went aggregated). A prefill that fails falls back
 // to the decode replica alone, counted; the caller releases the body.
 func (s *Server) routeDisaggregated(r *http.Request, cr CoreRequest, fwd *body) (*Routed, *body, string, error) {
-	in := cr.Input.Copy() // for the prefill decision, before the decode one owns cr's blocks
-	rt, err := s.core.Route(cr)
+	rt, prt, perr, err := s.core.routePD(cr, splittable(fwd.b))
 	if err != nil {
 		return nil, nil, "", err
 	}
@@ -332,25 +370,21 @@ func (s *Server) routeDisaggregated(r *http.Request, cr CoreRequest, fwd *body) 
 		}
 		return rt, nb, "", nil
 	}
-	if !s.core.needsPrefill(rt) {
-		return whole()
-	}
-	if !splittable(fwd.b) {
-		s.core.o.Metrics.disaggregated("batch")
-		return whole()
+	warn := func(reason string, err error) {
+		s.o.Logger.Warn("disaggregated request served by its decode replica alone", "reason", reason, "err", err, "decode", rt.Served.Replica.Name)
 	}
 	aggregated := func(reason string, err error) (*Routed, *body, string, error) {
 		s.core.o.Metrics.pdFallback(reason)
-		s.o.Logger.Warn("disaggregated request served by its decode replica alone", "reason", reason, "err", err, "decode", rt.Served.Replica.Name)
+		warn(reason, err)
 		return whole()
 	}
-	pcr := cr
-	pcr.Input, pcr.Prefill = in, true
-	prt, err := s.core.Route(pcr)
-	if err != nil {
-		return aggregated(pdPrefillFailed, err)
+	switch {
+	case perr != nil: // counted by routePD
+		warn(pdPrefillFailed, perr)
+		return whole()
+	case prt == nil:
+		return whole()
 	}
-	pairPD(prt, rt)
 	pb, err := prefillBody(fwd.b)
 	var held *body
 	if err == nil {

@@ -87,17 +87,8 @@ func (e *Engine) DispatchCost(d *Decision, r *replica.Replica) float64 {
 // PerRequest returns the seconds a request holds a slot, on the pool's
 // average (replica.Replica.Timing), 0 until one engine's is learned.
 func (e *Engine) PerRequest() float64 {
-	var sum float64
-	n := 0
-	for _, r := range e.pool.Replicas() {
-		if _, q := r.Timing(); q > 0 {
-			sum, n = sum+q, n+1
-		}
-	}
-	if n == 0 {
-		return 0
-	}
-	return sum / float64(n)
+	_, perRequest := e.poolTiming()
+	return perRequest
 }
 
 // timing returns r's learned timing (replica.Replica.Timing), each part
@@ -107,6 +98,19 @@ func (e *Engine) timing(r *replica.Replica) (perToken, perRequest float64) {
 	if perToken > 0 && perRequest > 0 {
 		return perToken, perRequest
 	}
+	tok, req := e.poolTiming()
+	if perToken <= 0 {
+		perToken = tok
+	}
+	if perRequest <= 0 {
+		perRequest = req
+	}
+	return perToken, perRequest
+}
+
+// poolTiming returns the average of each part of the replicas' learned
+// timing over those that learned it (0: none did).
+func (e *Engine) poolTiming() (perToken, perRequest float64) {
 	var tok, req float64
 	var nt, nr int
 	for _, o := range e.pool.Replicas() {
@@ -118,10 +122,10 @@ func (e *Engine) timing(r *replica.Replica) (perToken, perRequest float64) {
 			req, nr = req+q, nr+1
 		}
 	}
-	if perToken <= 0 && nt > 0 {
+	if nt > 0 {
 		perToken = tok / float64(nt)
 	}
-	if perRequest <= 0 && nr > 0 {
+	if nr > 0 {
 		perRequest = req / float64(nr)
 	}
 	return perToken, perRequest
