@@ -47,7 +47,7 @@ type fleetDecider struct {
 	sync *fleetSync // nil: SyncNone
 }
 
-func (f *fleetDecider) decide(i int, now int64) (int, int, int, error) {
+func (f *fleetDecider) decide(i int, now int64) (place, error) {
 	f.sync.flush(now)
 	k := f.rng.IntN(len(f.rs))
 	f.of[i] = k
@@ -57,6 +57,11 @@ func (f *fleetDecider) decide(i int, now int64) (int, int, int, error) {
 func (f *fleetDecider) prefillDone(i int, now int64, cached int) {
 	f.sync.flush(now)
 	f.rs[f.of[i]].prefillDone(i, now, cached)
+}
+
+func (f *fleetDecider) transferred(i int, now int64) {
+	f.sync.flush(now)
+	f.rs[f.of[i]].transferred(i, now)
 }
 
 func (f *fleetDecider) done(i int, now int64) {

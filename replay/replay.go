@@ -2,6 +2,7 @@ package replay
 
 import (
 	"cmp"
+	"errors"
 	"fmt"
 	"maps"
 	"math"
@@ -34,7 +35,8 @@ type Result struct {
 	TTFTP90MS          float64 `json:"ttft_ms_p90"`
 	TTFTP99MS          float64 `json:"ttft_ms_p99"`
 	// LoadImbalance is the most-loaded replica's prefill tokens computed ÷
-	// the mean over replicas (1 is perfect balance).
+	// the mean over replicas (1 is perfect balance); over the prefill
+	// replicas, disaggregated (Config.Roles).
 	LoadImbalance float64 `json:"load_imbalance"`
 	// PrefillComputed is each replica's prefill tokens computed.
 	PrefillComputed []int64 `json:"prefill_computed_per_replica"`
@@ -50,6 +52,11 @@ type Result struct {
 	LoadOverTime [][]float64 `json:"-"`
 	// TTFTQuantiles holds the TTFT (ms) at each percentile 0..100.
 	TTFTQuantiles []float64 `json:"-"`
+	// Disaggregated counts the requests a prefill replica computed
+	// (Config.Roles); TransferTokens the tokens of KV their decode
+	// replicas pulled from it.
+	Disaggregated  int   `json:"disaggregated,omitempty"`
+	TransferTokens int64 `json:"transfer_tokens,omitempty"`
 	// Prediction is set for a run with a picture mode (Run.Picture): the
 	// cached tokens, above, are then the engines' own.
 	Prediction *Prediction `json:"prediction,omitempty"`
@@ -121,7 +128,9 @@ type row struct {
 	predicted    int
 }
 
-func (r *Result) finish(ttft []float64, reps []simReplica, rep, cached []int, reqs []Request) {
+// pool, when not nil, says which replicas the load imbalance is measured
+// over (the prefill replicas, disaggregated).
+func (r *Result) finish(ttft []float64, reps []simReplica, pool func(int) bool, rep, cached []int, reqs []Request) {
 	if r.PromptTokens > 0 {
 		r.TokenHitRate = float64(r.CachedTokens) / float64(r.PromptTokens)
 	}
@@ -146,13 +155,18 @@ func (r *Result) finish(ttft []float64, reps []simReplica, rep, cached []int, re
 		r.TTFTQuantiles[p] = percentile(sorted, float64(p)/100)
 	}
 	var total, most int64
-	for _, st := range reps {
+	n := 0
+	for k, st := range reps {
 		r.PrefillComputed = append(r.PrefillComputed, st.computed)
+		if pool != nil && !pool(k) {
+			continue
+		}
+		n++
 		total += st.computed
 		most = max(most, st.computed)
 	}
 	if total > 0 {
-		r.LoadImbalance = float64(most) / (float64(total) / float64(len(reps)))
+		r.LoadImbalance = float64(most) / (float64(total) / float64(n))
 	}
 	r.rows = make([]row, len(reqs))
 	for i := range reqs {
@@ -202,6 +216,17 @@ type ModelSummary struct {
 	// Reuse is the engines' reuse beyond the exact prefix (Config.Reuse:
 	// "blend" or "donor"); empty for exact-prefix engines.
 	Reuse string `json:"reuse,omitempty"`
+	// Disaggregation, when some replica prefills (Config.Roles).
+	Disaggregation *PDSummary `json:"disaggregation,omitempty"`
+}
+
+// PDSummary records a disaggregated model's parameters.
+type PDSummary struct {
+	PrefillReplicas    int     `json:"prefill_replicas"`
+	DecodeReplicas     int     `json:"decode_replicas"` // including role both
+	TransferLatencyMS  float64 `json:"transfer_latency_ms"`
+	TransferPerTokenUS float64 `json:"transfer_per_token_us"`
+	MinPrefillTokens   int     `json:"min_prefill_tokens"`
 }
 
 // Run is one policy to replay: a routing policy by name, with the model's
@@ -259,6 +284,23 @@ func Replay(reqs []Request, m Config, runs []Run) (*Summary, error) {
 	}
 	if m.Reuse.Blend() || m.Reuse.Donor() {
 		sum.Model.Reuse = m.Reuse.Mode
+	}
+	if m.disaggregated() {
+		pd := &PDSummary{TransferLatencyMS: float64(m.TransferLatency) / 1e6, TransferPerTokenUS: float64(m.TransferPerToken) / 1e3,
+			MinPrefillTokens: cmp.Or(m.MinPrefillTokens, DefaultMinPrefillTokens)}
+		for r := range m.Replicas {
+			if m.prefills(r) {
+				pd.PrefillReplicas++
+			} else {
+				pd.DecodeReplicas++
+			}
+		}
+		sum.Model.Disaggregation = pd
+		for i := range reqs {
+			if reqs[i].Logged != nil {
+				return nil, errors.New("a decision log is replayed aggregated: set no replica roles")
+			}
+		}
 	}
 	type job struct {
 		i   int
@@ -333,6 +375,9 @@ func runPolicy(reqs []Request, m *Config, run Run) (*Result, error) {
 			return nil, err
 		}
 		rs[k] = d
+	}
+	if m.disaggregated() && (run.FlowControl || routers > 1) {
+		return nil, fmt.Errorf("%s: disaggregation is replayed with one router and no flow control", label)
 	}
 	if run.FlowControl {
 		if routers > 1 {
@@ -431,6 +476,9 @@ func newEngineDecider(reqs []Request, m *Config, run Run, clock *int64) (*engine
 		// sets replicas[].max_running to vLLM's --max-num-seqs.
 		specs[i] = replica.Spec{Name: fmt.Sprintf("replica-%d", i), URL: fmt.Sprintf("http://replica-%d.sim", i), BudgetTokens: m.BudgetTokens, Reuse: m.Reuse,
 			MaxRunning: int64(m.MaxRunning)}
+		if i < len(m.Roles) {
+			specs[i].Role = m.Roles[i]
+		}
 		if len(m.ReplicaNames) > 0 {
 			specs[i].Name = m.ReplicaNames[i]
 		}
@@ -452,7 +500,8 @@ func newEngineDecider(reqs []Request, m *Config, run Run, clock *int64) (*engine
 		return nil, err
 	}
 	return &engineDecider{m: m, reqs: reqs, eng: eng, pol: pol, pic: eng.Picture(), pool: eng.Pool(), clock: clock,
-		ds: make([]*routing.Decision, len(reqs)), served: make([]*routing.Candidate, len(reqs)), picture: cmp.Or(run.Picture, PictureFeedback)}, nil
+		ds: make([]*routing.Decision, len(reqs)), served: make([]*routing.Candidate, len(reqs)), pds: map[int]*routing.Decision{},
+		picture: cmp.Or(run.Picture, PictureFeedback)}, nil
 }
 
 func runReference(reqs []Request, m *Config, name string, budget int64) (*Result, error) {

@@ -203,5 +203,14 @@ func (s *Summary) notes() []string {
 	if s.Model.Reuse != "" {
 		out = append(out, fmt.Sprintf("The engines reuse beyond the exact prefix (%s). The pooled and infinite references reuse the exact prefix alone: they are not these engines' ceiling.", s.Model.Reuse))
 	}
+	if pd := s.Model.Disaggregation; pd != nil {
+		n := fmt.Sprintf("Disaggregated: %d prefill and %d decode replicas, a KV transfer %.1f ms + %.1f µs/token, prompts of %d uncached tokens or more through a prefill replica. "+
+			"Cached tokens are counted where the prompt was computed; TTFT ends when the decode replica has the KV. Requests disaggregated, and tokens transferred:",
+			pd.PrefillReplicas, pd.DecodeReplicas, pd.TransferLatencyMS, pd.TransferPerTokenUS, pd.MinPrefillTokens)
+		for _, r := range s.all() {
+			n += fmt.Sprintf(" %s %d, %d;", r.Name, r.Disaggregated, r.TransferTokens)
+		}
+		out = append(out, strings.TrimSuffix(n, ";")+".")
+	}
 	return out
 }

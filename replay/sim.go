@@ -77,6 +77,30 @@ type Config struct {
 	// ReuseBlend, the engines reuse cached segments past the exact prefix
 	// (an openai trace's blocks need segment keys: blockhash.Options.Segments).
 	Reuse replica.Reuse
+	// Roles, when set, is each replica's part in prefill/decode
+	// disaggregation (replica.Role; one per replica). With a prefill
+	// replica, each request is routed as the live router routes it
+	// (router.Core.routePD): a decode replica first, among the replicas
+	// that decode; then, when that replica would compute at least
+	// MinPrefillTokens of the prompt, a prefill replica among the
+	// prefill replicas. That replica computes the prompt and keeps its
+	// KV until the decode replica, once it admits the request as any
+	// other, has pulled the blocks it did not hold: TransferLatency +
+	// TransferPerToken × their tokens. The first token comes then; decode
+	// follows as for any request. Logged requests (decision logs), flow
+	// control and several routers are not replayed disaggregated.
+	Roles []replica.Role
+	// TransferLatency and TransferPerToken are a KV transfer's cost.
+	// Defaults 1ms and 5µs: an 8B model's 128 KiB of KV per token
+	// (Llama-3-8B: 32 layers × 8 KV heads × 128 × K and V × 2 bytes) over
+	// about 25 GB/s of RDMA (NIXL).
+	TransferLatency  time.Duration
+	TransferPerToken time.Duration
+	// MinPrefillTokens: a request whose decode replica would compute less
+	// of its prompt than this goes to that replica alone (conditional
+	// disaggregation, as router.PDOptions). 0: DefaultMinPrefillTokens;
+	// negative: every request is disaggregated.
+	MinPrefillTokens int
 }
 
 // Defaults of Config.
@@ -88,7 +112,31 @@ const (
 	DefaultPrefillOverhead = 5 * time.Millisecond
 	DefaultPrefillPerToken = 100 * time.Microsecond
 	DefaultInterToken      = 20 * time.Millisecond
+	// DefaultMinPrefillTokens is router.DefaultMinPrefillTokens.
+	DefaultMinPrefillTokens = 256
+	DefaultTransferLatency  = time.Millisecond
+	DefaultTransferPerToken = 5 * time.Microsecond
 )
+
+// disaggregated reports whether some replica has role prefill.
+func (m *Config) disaggregated() bool {
+	for _, r := range m.Roles {
+		if r.Prefills() {
+			return true
+		}
+	}
+	return false
+}
+
+// prefills reports whether replica r computes prompts for others.
+func (m *Config) prefills(r int) bool { return r < len(m.Roles) && m.Roles[r].Prefills() }
+
+// needsPrefill reports whether a request whose decode replica would
+// compute uncached tokens of its prompt goes through a prefill replica.
+func (m *Config) needsPrefill(uncached int) bool {
+	min := cmp.Or(m.MinPrefillTokens, DefaultMinPrefillTokens)
+	return min <= 0 || uncached >= min
+}
 
 func (m *Config) defaults() error {
 	if len(m.ReplicaNames) > 0 {
@@ -124,20 +172,71 @@ func (m *Config) defaults() error {
 	if _, err := m.evictionPolicy(); err != nil {
 		return err
 	}
+	if err := m.checkRoles(); err != nil {
+		return err
+	}
 	return m.Reuse.Check()
+}
+
+// checkRoles checks Roles and sets the transfer's defaults when some
+// replica prefills.
+func (m *Config) checkRoles() error {
+	if len(m.Roles) == 0 {
+		return nil
+	}
+	if len(m.Roles) != m.Replicas {
+		return fmt.Errorf("%d roles for %d replicas", len(m.Roles), m.Replicas)
+	}
+	decoders := 0
+	for _, r := range m.Roles {
+		if err := r.Check(); err != nil {
+			return err
+		}
+		if r.Decodes() {
+			decoders++
+		}
+	}
+	if decoders == 0 {
+		return errors.New("roles: no replica decodes")
+	}
+	m.TransferLatency = cmp.Or(m.TransferLatency, DefaultTransferLatency)
+	m.TransferPerToken = cmp.Or(m.TransferPerToken, DefaultTransferPerToken)
+	if m.TransferLatency < 0 || m.TransferPerToken < 0 {
+		return errors.New("transfer times must not be negative")
+	}
+	return nil
 }
 
 // decider routes for a run: the engine for a policy, a shared cache for the
 // references.
 type decider interface {
-	// decide routes request i arriving at now and returns the replica and
-	// the tokens and blocks it had cached: as the router's picture
-	// predicted it, when the run simulates the engines' caches apart.
-	decide(i int, now int64) (rep, cached, cachedBlocks int, err error)
+	// decide routes request i arriving at now.
+	decide(i int, now int64) (place, error)
 	// prefillDone: request i's prefill ended at now, the engine having
 	// found cached tokens of its prompt.
 	prefillDone(i int, now int64, cached int)
+	// transferred: disaggregated request i's KV reached its decode
+	// replica at now, which sends its first token.
+	transferred(i int, now int64)
 	done(i int, now int64)
+}
+
+// place is where a request goes: rep decodes it and, unless pre is a
+// replica (disaggregated), computes its prompt too; cached and blocks are
+// the tokens and blocks the replica that computes the prompt had cached,
+// as the router's picture predicted it when the run simulates the
+// engines' caches apart.
+type place struct {
+	rep, pre       int
+	cached, blocks int
+}
+
+// computes returns the replica that computes the prompt.
+func (p place) computes() int {
+	if p.pre >= 0 {
+		return p.pre
+	}
+	return p.rep
 }
 
 // simReplica is one replica's queues.
@@ -164,6 +263,7 @@ const (
 	evPrefillDone
 	evFinish
 	evDispatch // a request the router's queue held gets its turn
+	evTransferDone
 )
 
 type events []event
@@ -197,8 +297,9 @@ type sim struct {
 	seq   int64
 	span  int64 // last arrival, for bucketing
 	res   *Result
-	rep   []int // request → replica
-	cache []int // request → cached tokens
+	rep   []int // request → replica (its decode replica, disaggregated)
+	pre   []int // request → its prefill replica, disaggregated; else -1
+	cache []int // request → cached tokens on the replica that computed its prompt
 	// engines, when set, are the engines' own caches (a picture mode):
 	// cache then holds what they found, pred what the picture predicted.
 	engines *engineCaches
@@ -384,9 +485,45 @@ func (s *sim) admitWaiting(r int, now int64) {
 		st.admitQ = st.admitQ[1:]
 		st.running++
 		s.hold(r, i, 1)
+		if s.pre[i] >= 0 && r == s.rep[i] {
+			s.transfer(r, i, now)
+			continue
+		}
 		st.prefillQ = append(st.prefillQ, i)
 		s.startPrefill(r, now)
 	}
+}
+
+// prefilled ends disaggregated request i's prefill on its prefill replica
+// at now: the replica's running slot is free, its engine's blocks no
+// longer pinned, but the request's KV stays counted there until the
+// transfer ends (as vLLM's NIXL connector frees a prefill's blocks once
+// the decode replica has read them); the request waits to be admitted on
+// its decode replica.
+func (s *sim) prefilled(i int, now int64) {
+	p := s.pre[i]
+	st := &s.reps[p]
+	st.prefilling = -1
+	st.running--
+	if s.engines != nil {
+		s.engines.finish(i, p, &s.reqs[i], nil, now)
+	}
+	s.res.Disaggregated++
+	s.startPrefill(p, now)
+	s.admitWaiting(p, now)
+	s.admit(s.rep[i], i, now)
+}
+
+// transfer starts pulling disaggregated request i's KV to decode replica
+// r, just admitted, at now: the blocks r's engine does not hold.
+func (s *sim) transfer(r, i int, now int64) {
+	held := 0 // a reference's replicas are told nothing: the whole prompt moves
+	if s.engines != nil {
+		held, _ = s.engines.serve(i, r, &s.reqs[i], now)
+	}
+	moved := int64(max(s.reqs[i].Tokens-held, 0))
+	s.res.TransferTokens += moved
+	s.push(now+int64(s.m.TransferLatency)+moved*int64(s.m.TransferPerToken), evTransferDone, i)
 }
 
 // run replays s.reqs and fills s.res; pools are the routers' replica
@@ -397,6 +534,10 @@ func (s *sim) run(pools ...*replica.Pool) error {
 		s.reps[r].prefilling = -1
 	}
 	s.rep = make([]int, len(s.reqs))
+	s.pre = make([]int, len(s.reqs))
+	for i := range s.pre {
+		s.pre[i] = -1
+	}
 	s.cache = make([]int, len(s.reqs))
 	if s.engines != nil {
 		s.pred = make([]int, len(s.reqs))
@@ -416,7 +557,7 @@ func (s *sim) run(pools ...*replica.Pool) error {
 		i, now := ev.req, ev.t
 		switch ev.kind {
 		case evArrive, evDispatch:
-			r, cached, cachedBlocks, err := s.d.decide(i, now)
+			pl, err := s.d.decide(i, now)
 			if ev.kind == evArrive {
 				ttft[i] = float64(-now) // completed at prefill done; a wait in the router's queue counts
 			}
@@ -427,16 +568,17 @@ func (s *sim) run(pools ...*replica.Pool) error {
 			if err != nil {
 				return fmt.Errorf("request %d: %w", i, err)
 			}
+			r := pl.rep
 			if ev.kind == evDispatch {
 				s.regrant(i, r, now)
 			}
-			s.rep[i] = r
+			s.rep[i], s.pre[i] = r, pl.pre
 			if s.engines != nil {
-				s.pred[i] = cached // the engine's own lookup comes when it schedules the prefill
+				s.pred[i] = pl.cached // the engine's own lookup comes when it schedules the prefill
 			} else {
-				s.cache[i] = cached
-				s.res.CachedTokens += int64(cached)
-				s.res.HitBlocks += int64(cachedBlocks)
+				s.cache[i] = pl.cached
+				s.res.CachedTokens += int64(pl.cached)
+				s.res.HitBlocks += int64(pl.blocks)
 			}
 			s.res.Requests++
 			s.res.PromptTokens += int64(s.reqs[i].Tokens)
@@ -456,10 +598,17 @@ func (s *sim) run(pools ...*replica.Pool) error {
 				s.push(now+lg.TTFTNs, evPrefillDone, i)
 				continue
 			}
-			s.admit(r, i, now)
-			s.observe(r, now, pools)
+			s.admit(pl.computes(), i, now)
+			s.observe(pl.computes(), now, pools)
 		case evPrefillDone:
 			r := s.rep[i]
+			if s.pre[i] >= 0 {
+				s.d.prefillDone(i, now, s.cache[i])
+				s.prefilled(i, now)
+				s.observe(s.pre[i], now, pools)
+				s.observe(r, now, pools)
+				continue
+			}
 			ttft[i] += float64(now)
 			s.d.prefillDone(i, now, s.cache[i])
 			if lg := s.reqs[i].Logged; lg != nil {
@@ -471,6 +620,16 @@ func (s *sim) run(pools ...*replica.Pool) error {
 			st.decoding++
 			s.push(now+int64(s.reqs[i].Output)*int64(s.m.InterToken), evFinish, i)
 			s.startPrefill(r, now)
+			s.observe(r, now, pools)
+		case evTransferDone: // the decode replica has the prompt's KV: its first token
+			r, p := s.rep[i], s.pre[i]
+			ttft[i] += float64(now)
+			s.hold(p, i, -1)
+			s.admitWaiting(p, now)
+			s.reps[r].decoding++
+			s.d.transferred(i, now)
+			s.push(now+int64(s.reqs[i].Output)*int64(s.m.InterToken), evFinish, i)
+			s.observe(p, now, pools)
 			s.observe(r, now, pools)
 		case evFinish:
 			r := s.rep[i]
@@ -501,7 +660,11 @@ func (s *sim) run(pools ...*replica.Pool) error {
 	for i := range ttft {
 		ttft[i] /= 1e6 // ms
 	}
-	s.res.finish(ttft, s.reps, s.rep, s.cache, s.reqs)
+	var pool func(int) bool
+	if s.m.disaggregated() {
+		pool = s.m.prefills
+	}
+	s.res.finish(ttft, s.reps, pool, s.rep, s.cache, s.reqs)
 	if s.engines != nil {
 		s.res.predicted(s.pred, s.cache)
 		s.res.Prediction.EngineEvictions = s.engines.evict
@@ -520,6 +683,9 @@ type engineDecider struct {
 	clock  *int64
 	ds     []*routing.Decision
 	served []*routing.Candidate
+	// pds holds a disaggregated request's prefill decision until its
+	// prefill ends (Config.Roles).
+	pds map[int]*routing.Decision
 	// picture is the run's picture mode ("" when the picture stands for
 	// the engines' caches).
 	picture string
@@ -535,7 +701,7 @@ type engineDecider struct {
 // errHeld is decide's answer for a request the router's queue holds.
 var errHeld = errors.New("replay: held in the router's queue")
 
-func (e *engineDecider) decide(i int, now int64) (int, int, int, error) {
+func (e *engineDecider) decide(i int, now int64) (place, error) {
 	*e.clock = now
 	if e.picture == PictureEvents {
 		e.pic.ExpirePending(now)
@@ -553,32 +719,68 @@ func (e *engineDecider) decide(i int, now int64) (int, int, int, error) {
 	// in the router's queue instead, as in the live router.
 	hold := e.queue != nil && !waited && req.Logged == nil
 	ri := routing.Request{Blocks: req.Blocks, Key: req.Key, Text: req.Text, Policy: e.pol, Hold: hold, Room: waited, Slot: slot}
+	pd := e.m.disaggregated()
+	if pd {
+		ri.Allow = decodes
+	}
 	d, err := e.eng.Decide(ri, true)
 	if slot != nil {
 		slot.Unreserve()
 	}
 	if err != nil {
-		return 0, 0, 0, err
+		return place{}, err
 	}
 	if d.Held {
 		e.held[i] = d
 		e.eng.Wait(d, 0)
 		if _, err := e.queue.Enqueue(flow.Item{Flow: "", Home: d.Chosen().Replica.ID, Tokens: int64(d.Tokens), Value: i}); err != nil {
-			return 0, 0, 0, err
+			return place{}, err
 		}
-		return 0, 0, 0, errHeld
+		return place{}, errHeld
 	}
 	c := d.Chosen()
 	e.ds[i], e.served[i] = d, c
-	return c.Replica.ID, c.Match.Tokens + int(c.Reuse), c.Match.Blocks, nil
+	pl := place{rep: c.Replica.ID, pre: -1, cached: c.Match.Tokens + int(c.Reuse), blocks: c.Match.Blocks}
+	if !pd || !e.m.needsPrefill(int(d.Uncached(c.Replica.ID))) {
+		return pl, nil
+	}
+	// The prefill replica, by the policy among the prefill replicas, as
+	// router.Core.routePD decides it after the decode replica.
+	ri.Allow = prefills
+	pre, err := e.eng.Decide(ri, true)
+	if err != nil {
+		return place{}, fmt.Errorf("prefill decision: %w", err)
+	}
+	d.Lease().Remote()
+	pc := pre.Chosen()
+	e.pds[i] = pre
+	pl.pre, pl.cached, pl.blocks = pc.Replica.ID, pc.Match.Tokens+int(pc.Reuse), pc.Match.Blocks
+	return pl, nil
 }
+
+func decodes(r *replica.Replica) bool  { return r.Role.Decodes() }
+func prefills(r *replica.Replica) bool { return r.Role.Prefills() }
 
 func (e *engineDecider) prefillDone(i int, now int64, cached int) {
 	*e.clock = now
+	if pre := e.pds[i]; pre != nil { // its one token: the prefill request ends
+		delete(e.pds, i)
+		pre.Lease().FirstToken(time.Unix(0, now))
+		if e.picture == PictureFeedback {
+			e.eng.Feedback(pre, pre.Chosen(), cached)
+		}
+		pre.Lease().End(time.Unix(0, now))
+		return
+	}
 	e.ds[i].Lease().FirstToken(time.Unix(0, now))
 	if e.picture == PictureFeedback {
 		e.eng.Feedback(e.ds[i], e.served[i], cached)
 	}
+}
+
+func (e *engineDecider) transferred(i int, now int64) {
+	*e.clock = now
+	e.ds[i].Lease().FirstToken(time.Unix(0, now))
 }
 
 // stored and removed make the engine decider the events mode's cacheSink:
@@ -610,25 +812,48 @@ type pooledDecider struct {
 	s     *sim
 }
 
-func (p *pooledDecider) decide(i int, now int64) (int, int, int, error) {
+// With prefill replicas (Config.Roles), the decode replica is the
+// decoding one with the fewest requests admitted or waiting, and the
+// prompt, unless the shared cache leaves less than MinPrefillTokens of it
+// to compute, goes to the prefill replica whose prefill queue is shortest.
+func (p *pooledDecider) decide(i int, now int64) (place, error) {
 	req := &p.reqs[i]
 	m := p.cache.Match(req.Blocks, nil, nil)[0]
 	p.cache.Record(0, req.Blocks, now)
+	pl := place{pre: -1, cached: m.Tokens, blocks: m.Blocks}
+	if !p.m.disaggregated() {
+		pl.rep = p.least(func(r int) bool { return true }, prefillWork)
+		return pl, nil
+	}
+	pl.rep = p.least(func(r int) bool { return !p.m.prefills(r) }, func(st *simReplica) int64 { return int64(st.running + len(st.admitQ)) })
+	if p.m.needsPrefill(req.Tokens - m.Tokens) {
+		pl.pre = p.least(p.m.prefills, prefillWork)
+	}
+	return pl, nil
+}
+
+// least returns the replica of those ok with the least work.
+func (p *pooledDecider) least(ok func(int) bool, work func(*simReplica) int64) int {
 	best, bestWork := 0, int64(math.MaxInt64)
 	for r := range p.s.reps {
-		st := &p.s.reps[r]
-		work := int64(len(st.admitQ) + len(st.prefillQ))
-		if st.prefilling >= 0 {
-			work++
-		}
-		if work < bestWork {
-			best, bestWork = r, work
+		if w := work(&p.s.reps[r]); ok(r) && w < bestWork {
+			best, bestWork = r, w
 		}
 	}
-	return best, m.Tokens, m.Blocks, nil
+	return best
+}
+
+// prefillWork is a replica's requests waiting for or in prefill.
+func prefillWork(st *simReplica) int64 {
+	work := int64(len(st.admitQ) + len(st.prefillQ))
+	if st.prefilling >= 0 {
+		work++
+	}
+	return work
 }
 
 func (p *pooledDecider) prefillDone(int, int64, int) {}
+func (p *pooledDecider) transferred(int, int64)      {}
 
 func (p *pooledDecider) done(i int, now int64) {
 	p.cache.Free(0, p.reqs[i].Blocks, now)

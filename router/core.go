@@ -309,7 +309,8 @@ type Routed struct {
 	// decisions in the decision log (decisionlog.Record's Stage, Pair and
 	// Prefill).
 	stage, pair, prefill string
-	remote               bool // its replica takes the prompt's KV from its prefill replica (Core.remote)
+	remote               bool      // its replica takes the prompt's KV from its prefill replica (Core.remote)
+	remoteAt             time.Time // when the router sent it there with the prefill's kv_transfer_params, last; zero in ext_proc mode (the decode sidecar sends the prefill)
 }
 
 // pairPD links the prefill decision prt and the decode decision rt of one
@@ -408,6 +409,9 @@ func (c *Core) FirstByte(rt *Routed) {
 	rt.once.Do(func() {
 		rt.first = c.e.Now()
 		rt.Lease().FirstToken(rt.first)
+		if !rt.remoteAt.IsZero() {
+			c.o.Metrics.decodeFirst(rt.first.Sub(rt.remoteAt))
+		}
 	})
 }
 
@@ -422,6 +426,9 @@ func (c *Core) Failover(rt *Routed, next int) bool {
 	c.e.Commit(rt.Decision, rt.Served)
 	if rt.remote {
 		rt.Lease().Remote() // the next decode replica takes the same prefill's KV
+		if !rt.remoteAt.IsZero() {
+			rt.remoteAt = c.e.Now()
+		}
 	}
 	c.o.Metrics.retried(rt)
 	return true

@@ -35,6 +35,7 @@ type Metrics struct {
 	pdRequests     *prometheus.CounterVec
 	pdFallbacks    *prometheus.CounterVec
 	pdPrefill      prometheus.Histogram
+	pdDecodeFirst  prometheus.Histogram
 
 	mu     sync.RWMutex
 	models map[string]bool // the model label values given out (at most maxModelLabels)
@@ -96,6 +97,8 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Disaggregated requests whose decode replica computed the prompt itself, by reason: prefill_failed (every prefill replica failed before answering), prefill_refused (a prefill replica answered 4xx), no_transfer_params (a prefill answer without kv_transfer_params)."}, []string{"reason"}),
 		pdPrefill: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "semroute_pd_prefill_seconds",
 			Help: "Time from sending a disaggregated request's prefill to its prefill replica's whole answer (the prompt computed, its KV held for the decode replica).", Buckets: prometheus.ExponentialBuckets(0.005, 2, 14)}),
+		pdDecodeFirst: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "semroute_pd_decode_first_byte_seconds",
+			Help: "Time from sending a disaggregated request, with its kv_transfer_params, to its decode replica to the first byte of its answer: the KV transfer and the first decode step (vLLM's own vllm:nixl_xfer_time_seconds on the decode replica has the transfer alone).", Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)}),
 	}
 	m.models = map[string]bool{}
 	for _, p := range []string{"disaggregated", "short", "batch"} {
@@ -108,7 +111,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		m.queueShed.WithLabelValues(r) // 0 from the first scrape
 	}
 	m.queueWait.WithLabelValues("0")
-	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.reported, m.trimmedTokens, m.tokenizeN, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors, m.heldExpiredN, m.modelTTFT, m.extProcRefused, m.saturated, m.queueWait, m.queueShed, m.pdRequests, m.pdFallbacks, m.pdPrefill} {
+	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.reported, m.trimmedTokens, m.tokenizeN, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors, m.heldExpiredN, m.modelTTFT, m.extProcRefused, m.saturated, m.queueWait, m.queueShed, m.pdRequests, m.pdFallbacks, m.pdPrefill, m.pdDecodeFirst} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -148,6 +151,14 @@ func (m *Metrics) disaggregated(path string) {
 func (m *Metrics) pdFallback(reason string) {
 	if m != nil {
 		m.pdFallbacks.WithLabelValues(reason).Inc()
+	}
+}
+
+// decodeFirst records the time a disaggregated request's decode replica
+// took to its first byte.
+func (m *Metrics) decodeFirst(d time.Duration) {
+	if m != nil {
+		m.pdDecodeFirst.Observe(d.Seconds())
 	}
 }
 

@@ -424,6 +424,7 @@ func (s *Server) routeDisaggregated(r *http.Request, cr CoreRequest, fwd *body) 
 	}
 	s.core.o.Metrics.disaggregated("disaggregated")
 	s.core.remote(rt)
+	rt.remoteAt = s.core.e.Now() // sent next (semroute_pd_decode_first_byte_seconds)
 	return rt, nb, name, nil
 }
 

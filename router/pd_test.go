@@ -204,6 +204,9 @@ func TestDisaggregated(t *testing.T) {
 	if n := counterValue(m.pdRequests.WithLabelValues("disaggregated")); n != 1 {
 		t.Fatalf("%v disaggregated requests counted", n)
 	}
+	if p, d := histogramCount(m.pdPrefill), histogramCount(m.pdDecodeFirst); p != 1 || d != 1 {
+		t.Fatalf("timed %d prefills and %d decode first bytes, want 1 and 1", p, d)
+	}
 	p0.mu.Lock()
 	d0.mu.Lock()
 	if p0.ids[0] == "" || p0.ids[0] != d0.ids[0] {
@@ -300,6 +303,9 @@ func TestDisaggregationFallbacks(t *testing.T) {
 		if n := counterValue(m.pdRequests.WithLabelValues("short")); n != 1 {
 			t.Fatalf("%v short requests counted", n)
 		}
+		if n := histogramCount(m.pdDecodeFirst); n != 0 {
+			t.Fatalf("a request aggregated on its decode replica timed as disaggregated (%d)", n)
+		}
 	})
 	t.Run("never a prefill replica for the rest", func(t *testing.T) {
 		p0, d0 := &pdEngine{name: "p0"}, &pdEngine{name: "d0"}
@@ -313,6 +319,15 @@ func TestDisaggregationFallbacks(t *testing.T) {
 			t.Fatalf("an embeddings request went to %q", resp.Header.Get(HeaderReplica))
 		}
 	})
+}
+
+// histogramCount returns how many values histogram h observed.
+func histogramCount(h prometheus.Histogram) uint64 {
+	var m dto.Metric
+	if err := h.Write(&m); err != nil {
+		return 0
+	}
+	return m.GetHistogram().GetSampleCount()
 }
 
 // counterValue returns counter c's value.

@@ -66,9 +66,12 @@ type demo struct {
 func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
 	prefills := 0
 	if o.pd != "" {
-		var decodes int
-		if n, err := fmt.Sscanf(o.pd, "%d:%d", &prefills, &decodes); n != 2 || err != nil || prefills < 1 || decodes < 1 {
-			return nil, fmt.Errorf("--pd %q is not P:D with P and D at least 1 (e.g. 2:2)", o.pd)
+		var (
+			decodes int
+			err     error
+		)
+		if prefills, decodes, err = parsePD(o.pd); err != nil {
+			return nil, err
 		}
 		o.replicas = prefills + decodes
 	}
@@ -285,4 +288,27 @@ Add "stream": true to stream. Ctrl-C stops the demo.
 	if g := d.run.grpcAddr(); g != "" {
 		fmt.Fprintf(w, "\ngRPC Route API on %s (grpcurl -plaintext -H 'authorization: Bearer %s' %s list)\n", g, d.app.cfg.GRPC.Token, g)
 	}
+}
+
+// parsePD parses --pd P:D: P prefill and D decode replicas, at most 256
+// in all.
+func parsePD(s string) (prefills, decodes int, err error) {
+	var rest string
+	if n, _ := fmt.Sscanf(s+"\n", "%d:%d%s", &prefills, &decodes, &rest); n != 2 || prefills < 1 || decodes < 1 || prefills+decodes > 256 {
+		return 0, 0, fmt.Errorf("--pd %q is not P:D with P and D at least 1 and at most 256 in all (e.g. 2:2)", s)
+	}
+	return prefills, decodes, nil
+}
+
+// pdRoles returns the roles of p prefill replicas followed by d decode
+// replicas.
+func pdRoles(p, d int) []replica.Role {
+	roles := make([]replica.Role, 0, p+d)
+	for range p {
+		roles = append(roles, replica.RolePrefill)
+	}
+	for range d {
+		roles = append(roles, replica.RoleDecode)
+	}
+	return roles
 }

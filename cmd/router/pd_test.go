@@ -46,3 +46,19 @@ func TestDemoDisaggregated(t *testing.T) {
 		}
 	}
 }
+
+func TestParsePD(t *testing.T) {
+	if p, d, err := parsePD("3:5"); err != nil || p != 3 || d != 5 {
+		t.Fatalf("3:5: %d, %d, %v", p, d, err)
+	}
+	for _, bad := range []string{"", "2", "2:", ":2", "0:2", "2:0", "-1:3", "2:2x", "2:2:2", "200:100", "a:b"} {
+		if _, _, err := parsePD(bad); err == nil || !strings.Contains(err.Error(), "is not P:D") {
+			t.Errorf("%q: err %v", bad, err)
+		}
+	}
+	// The replay takes it too, and refuses a replica count it contradicts.
+	out, err := runCLIErr(t, "replay", "--trace", "../../replay/testdata/synthetic_head1500.jsonl", "--policies", "semantic", "--pd", "2:2", "--replicas", "8", "--out", t.TempDir())
+	if err == nil || !strings.Contains(err.Error(), "--pd 2:2 is 4 replicas, --replicas 8") {
+		t.Errorf("replay --pd 2:2 --replicas 8: %v\n%s", err, out)
+	}
+}

@@ -201,6 +201,13 @@ func TestThirdPartyDisaggregation(t *testing.T) {
 	if last["remote_engine_id"] == nil || last["remote_block_ids"] == nil {
 		t.Fatalf("a decode replica's kv_transfer_params lack the prefill's: %v", last)
 	}
+	// The decode replicas' time to first byte is timed, and holds the
+	// transfer the simulators were told to take (5 ms and more each).
+	n, sum := metric(t, r.url, "semroute_pd_decode_first_byte_seconds_count", ""), metric(t, r.url, "semroute_pd_decode_first_byte_seconds_sum", "")
+	t.Logf("decode replicas' first byte: %.0f timed, mean %.1f ms", n, 1000*sum/n)
+	if n != float64(len(work)) || sum/n < 0.005 {
+		t.Fatalf("decode first bytes timed %.0f (want %d), mean %.4f s (the transfer alone is 5 ms)", n, len(work), sum/n)
+	}
 
 	// A prefill answer without kv_transfer_params: the decode replica computes.
 	for _, p := range f.prefill {

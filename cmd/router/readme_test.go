@@ -25,8 +25,8 @@ var headlineRE = regexp.MustCompile(`reaches \*\*([0-9.]+)\*\* \(conversation\) 
 // the pooled hit rate, 9 its load imbalance.
 func semanticRow(tables []replayTable, trace string) []string {
 	for _, tb := range tables {
-		if !strings.Contains(strings.Join(tb.args, " "), trace+"_trace") {
-			continue
+		if args := strings.Join(tb.args, " "); !strings.Contains(args, trace+"_trace") || strings.Contains(args, "--pd") {
+			continue // a disaggregated replay is not the headline's
 		}
 		for _, r := range tb.rows {
 			if strings.HasPrefix(r, "| semantic |") {
@@ -39,6 +39,30 @@ func semanticRow(tables []replayTable, trace string) []string {
 		}
 	}
 	return nil
+}
+
+var pdRE = regexp.MustCompile(`prefill choice finds ([0-9.]+)× round robin's cached tokens`)
+
+// pdGain returns, from the disaggregated replay's table (a command with
+// --pd), the semantic policy's prefill tokens saved over round robin's.
+func pdGain(tables []replayTable) string {
+	saved := map[string]float64{}
+	for _, tb := range tables {
+		if !strings.Contains(strings.Join(tb.args, " "), "--pd") {
+			continue
+		}
+		for _, r := range tb.rows {
+			c := strings.Split(r, "|")
+			if len(c) > 5 {
+				v, _ := strconv.ParseFloat(strings.TrimSpace(c[5]), 64)
+				saved[strings.TrimSpace(c[1])] = v
+			}
+		}
+	}
+	if saved["round_robin"] == 0 {
+		return "no table"
+	}
+	return strconv.FormatFloat(saved["semantic"]/saved["round_robin"], 'f', 1, 64)
 }
 
 var blendRE = regexp.MustCompile(`after any persona\): \*\*([0-9.]+)×\*\* in replay`)
@@ -164,6 +188,13 @@ func TestReadmeReplayTablesAreWhatTheirCommandsPrint(t *testing.T) {
 		t.Error("the README's blend headline is gone")
 	} else if g := blendGain(tables); g != m[1] {
 		t.Errorf("the README's blend headline says %s× in replay; its table says %s×", m[1], g)
+	}
+	// The disaggregated replay: the prefill pool's cached tokens, cache-aware
+	// over round robin, as its table says.
+	if m := pdRE.FindStringSubmatch(text); m == nil {
+		t.Error("the README's disaggregated replay's claim is gone")
+	} else if g := pdGain(tables); g != m[1] {
+		t.Errorf("the README says the cache-aware prefill choice finds %s× round robin's cached tokens; its table says %s×", m[1], g)
 	}
 	// The headline: the default's share of the pooled hit rate and its
 	// imbalance on the two public traces, as their tables say.

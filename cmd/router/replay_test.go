@@ -11,14 +11,24 @@ import (
 
 func runCLI(t *testing.T, args ...string) string {
 	t.Helper()
+	out, err := runCLIErr(t, args...)
+	if err != nil {
+		t.Fatalf("router %s: %v", strings.Join(args, " "), err)
+	}
+	return out
+}
+
+// runCLIErr runs the router's command line with args and returns what it
+// printed and its error.
+func runCLIErr(t *testing.T, args ...string) (string, error) {
+	t.Helper()
 	root := newRoot()
 	var out bytes.Buffer
 	root.SetOut(&out)
+	root.SetErr(&out)
 	root.SetArgs(args)
-	if err := root.Execute(); err != nil {
-		t.Fatalf("router %s: %v", strings.Join(args, " "), err)
-	}
-	return out.String()
+	err := root.Execute()
+	return out.String(), err
 }
 
 func TestCLIGentraceAndReplay(t *testing.T) {
