@@ -497,7 +497,7 @@ func (st *epStream) route(noBody bool) (bool, error) {
 	var rt, prt *Routed
 	var perr, err error
 	if !in.PassThrough && st.s.core.disaggregated(in.Model) {
-		rt, prt, perr, err = st.s.core.routePD(in, true)
+		rt, prt, perr, err = st.s.core.routePD(in, splittable(fwd))
 	} else {
 		rt, err = st.s.core.Route(in)
 	}

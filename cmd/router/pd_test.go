@@ -45,6 +45,13 @@ func TestDemoDisaggregated(t *testing.T) {
 			t.Fatalf("a prefill replica is among the destinations: %q", p.dest)
 		}
 	}
+	// A batch of prompts, which one set of kv_transfer_params cannot
+	// carry, goes to a decode replica whole: no prefill named.
+	b, _ = json.Marshal(map[string]any{"model": "sim-model", "prompt": []string{text("a first long prompt", 600), text("a second long prompt", 600)}, "max_tokens": 4})
+	p = env.do("/v1/completions", b, nil, nil, false, "")
+	if h, ok := p.reqHdr[router.HeaderPrefillerHostPort]; ok || !strings.HasPrefix(names[strings.Split(p.dest, ",")[0]], "sim-decode-") {
+		t.Fatalf("a batch went to %q with prefill %q (immediate %d: %s)", p.dest, h, p.immediate, p.errBody)
+	}
 }
 
 func TestParsePD(t *testing.T) {
