@@ -8,10 +8,12 @@ package configs
 
 import (
 	_ "embed"
+	"errors"
 	"fmt"
 	"maps"
 	"os"
 	"reflect"
+	"regexp"
 	"strings"
 	"time"
 
@@ -608,17 +610,41 @@ func LoadBytes(v *viper.Viper, yaml []byte) (*Config, error) {
 }
 
 // Decode unmarshals v and validates it.
+//
+// Every problem is reported at once: keys the config does not know, and
+// what is wrong with the values of those it does.
 func Decode(v *viper.Viper) (*Config, error) {
 	var c Config
-	if err := v.UnmarshalExact(&c, viper.DecodeHook(mapstructure.ComposeDecodeHookFunc(
-		mapstructure.StringToTimeDurationHookFunc(), mapstructure.StringToSliceHookFunc(","), policyByType))); err != nil {
-		return nil, fmt.Errorf("config: %w", err)
+	hook := viper.DecodeHook(mapstructure.ComposeDecodeHookFunc(
+		mapstructure.StringToTimeDurationHookFunc(), mapstructure.StringToSliceHookFunc(","), policyByType))
+	if err := v.UnmarshalExact(&c, hook); err != nil {
+		// Unknown keys alone: the values of the known ones are checked too.
+		var known Config
+		m := invalidKeys.FindAllStringSubmatch(err.Error(), -1)
+		if m == nil || v.Unmarshal(&known, hook) != nil {
+			return nil, fmt.Errorf("config: %w", err)
+		}
+		var keys []string
+		for _, k := range m {
+			prefix := strings.TrimPrefix(strings.TrimPrefix(k[1], "configs.Config"), ".")
+			for _, key := range strings.Split(k[2], ", ") {
+				if prefix != "" {
+					key = prefix + "." + key
+				}
+				keys = append(keys, key)
+			}
+		}
+		return nil, errors.Join(fmt.Errorf("config: unknown keys: %s", strings.Join(keys, ", ")), known.Validate())
 	}
 	if err := c.Validate(); err != nil {
 		return nil, err
 	}
 	return &c, nil
 }
+
+// invalidKeys finds the keys mapstructure's exact decoding did not know,
+// and where: "'configs.Config.routing' has invalid keys: a, b".
+var invalidKeys = regexp.MustCompile(`'([^']*)' has invalid keys: ([^\n]+)`)
 
 // policyByType decodes a policy given as a string (`policy: semantic`,
 // SEMROUTE_ROUTING_POLICY, `eviction: lru`) as the spec of that type with

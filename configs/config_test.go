@@ -221,3 +221,24 @@ func TestDiffNamesChangedKeys(t *testing.T) {
 		t.Fatalf("diff %v, want %v", d, want)
 	}
 }
+
+// A config with unknown keys and bad values names them all at once, the
+// unknown keys with their paths.
+func TestEveryProblemAtOnce(t *testing.T) {
+	_, err := LoadBytes(NewViper(), []byte(`
+foo: 1
+routing:
+  policy: semantik
+  bar: 2
+replicas:
+  - {name: a, url: "http://127.0.0.1:1", colour: red}
+`))
+	if err == nil {
+		t.Fatal("accepted")
+	}
+	for _, want := range []string{"unknown keys: ", "routing.bar", "replicas[0].colour", "foo", `unknown routing policy "semantik"`} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("%q missing from: %v", want, err)
+		}
+	}
+}

@@ -60,7 +60,28 @@ func newServe() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "serve",
 		Short: "Route requests to the replicas in the config",
+		Long: `Route requests to the replicas in the config file (--config; configs/router.yaml
+is an example with every key and its default).
+
+Every key can also be set by an environment variable: SEMROUTE_ and the key's
+path in capitals, dots as underscores (SEMROUTE_ROUTING_POLICY=round_robin,
+SEMROUTE_LIMITS_MAX_BODY_BYTES=8388608, SEMROUTE_CLUSTER_PASSWORD=...). The
+file is read first, then the variables, then the flags, each overriding the
+one before. SEMROUTE_CONFIG names the file when --config is not given.
+
+The file is watched: when it changes, the replicas, the routing policy and its
+parameters and arms, admin.token, grpc.token and every limits.* key apply at
+once; a change to any other key is logged as needing a restart
+(semroute_config_reloads_total{result="restart_required"}, and pending_restart
+in GET /admin/config). An invalid file is refused, logged and counted
+({result="failed"}); the config before it keeps serving.
+
+SIGTERM or SIGINT stops accepting, lets requests in flight finish for
+timeouts.shutdown_grace, and exits.`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if path == "" {
+				path = os.Getenv("SEMROUTE_CONFIG")
+			}
 			newViper := func() *viper.Viper {
 				v := configs.NewViper()
 				for _, k := range []string{"listen", "grpc-listen"} {
@@ -69,6 +90,12 @@ func newServe() *cobra.Command {
 				return v
 			}
 			cfg, err := configs.Load(newViper(), path)
+			if err == nil {
+				err = cfg.CheckServable()
+			}
+			if err != nil && path == "" {
+				return fmt.Errorf("no config file: give --config FILE (or SEMROUTE_CONFIG; configs/router.yaml is an example); without one, %w", err)
+			}
 			if err != nil {
 				return err
 			}
@@ -92,7 +119,7 @@ func newServe() *cobra.Command {
 			return r.stop(cfg.Timeouts.ShutdownGrace)
 		},
 	}
-	cmd.Flags().StringVar(&path, "config", "", "YAML config file")
+	cmd.Flags().StringVar(&path, "config", "", "YAML config file, watched and reloaded (default $SEMROUTE_CONFIG)")
 	cmd.Flags().String("listen", "127.0.0.1:8080", "address to serve the OpenAI API on")
 	cmd.Flags().String("grpc-listen", "", "address to serve the gRPC Route API on (default: the config's; empty: off)")
 	return cmd

@@ -2,6 +2,7 @@ package main
 
 import (
 	"os"
+	"strings"
 	"testing"
 )
 
@@ -13,4 +14,13 @@ func TestMain(m *testing.M) {
 		os.Exit(0)
 	}
 	os.Exit(m.Run())
+}
+
+// router serve with no config says so, not what the empty config lacks.
+func TestServeWithoutConfigAsksForIt(t *testing.T) {
+	t.Setenv("SEMROUTE_CONFIG", "")
+	_, err := runCLIErr(t, "serve", "--listen", "127.0.0.1:0")
+	if err == nil || !strings.Contains(err.Error(), "give --config FILE") {
+		t.Fatalf("serve without --config: %v", err)
+	}
 }
