@@ -403,6 +403,18 @@ func (rt *Routed) ttft() time.Duration {
 	return rt.first.Sub(rt.start)
 }
 
+// ready reports whether some replica may take a request (Usable: what
+// routing falls back on when passive ejection took out the rest).
+func (c *Core) ready() bool {
+	now := time.Now()
+	for _, r := range c.e.Pool().Replicas() {
+		if r.Usable(now) {
+			return true
+		}
+	}
+	return false
+}
+
 // FirstByte reports that the first response byte arrived: the replica's
 // prefill is done. Only the first call counts.
 func (c *Core) FirstByte(rt *Routed) {

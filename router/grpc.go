@@ -98,12 +98,39 @@ func NewGRPCServer(core *Core, o GRPCOptions, opts ...grpc.ServerOption) *grpc.S
 	ep.Limits = o.Limits
 	extprocv3.RegisterExternalProcessorServer(s, NewExtProcService(core, ep))
 	hs := health.NewServer()
-	hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
-	hs.SetServingStatus(pb.Router_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
-	hs.SetServingStatus(extprocv3.ExternalProcessor_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
-	healthpb.RegisterHealthServer(s, hs)
+	for _, name := range []string{"", pb.Router_ServiceDesc.ServiceName, extprocv3.ExternalProcessor_ServiceDesc.ServiceName, healthLiveness, healthReadiness} {
+		hs.SetServingStatus(name, healthpb.HealthCheckResponse_SERVING)
+	}
+	healthpb.RegisterHealthServer(s, healthService{Server: hs, ready: core.ready})
 	reflection.Register(s)
 	return s
+}
+
+// The health names the Gateway API Inference Extension's endpoint-picker
+// deployments probe, beside the services' own.
+const (
+	healthLiveness  = "liveness"
+	healthReadiness = "readiness"
+)
+
+// healthService answers grpc.health.v1 Check: liveness and the Router
+// service are serving while the process runs; readiness and the
+// endpoint picker (ExternalProcessor) only while some replica can take a
+// request (ready), as a picker with none has nothing to pick. Watch
+// reports the static statuses.
+type healthService struct {
+	*health.Server
+	ready func() bool
+}
+
+func (h healthService) Check(ctx context.Context, req *healthpb.HealthCheckRequest) (*healthpb.HealthCheckResponse, error) {
+	switch req.GetService() {
+	case healthReadiness, extprocv3.ExternalProcessor_ServiceDesc.ServiceName:
+		if !h.ready() {
+			return &healthpb.HealthCheckResponse{Status: healthpb.HealthCheckResponse_NOT_SERVING}, nil
+		}
+	}
+	return h.Server.Check(ctx, req)
 }
 
 // authenticator checks each call's bearer token, in constant time.
