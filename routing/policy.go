@@ -3,6 +3,7 @@ package routing
 import (
 	"fmt"
 	"math"
+	"sync"
 	"sync/atomic"
 
 	lru "github.com/hashicorp/golang-lru/v2"
@@ -333,17 +334,52 @@ const (
 // replica.
 const KVSpill = 0.98
 
-// RoundRobin sends requests to each replica in turn.
-type RoundRobin struct{ next atomic.Uint64 }
+// RoundRobin sends requests to each replica in turn: in turn within each
+// set of candidates it is given, so that requests that may use only some
+// replicas (a role, a model, a gateway's subset) each go round their own
+// set. One turn for all would not: a disaggregated request's decode and
+// prefill decisions, taken one after the other, would each always land on
+// the same parity of their sets, one replica of each.
+type RoundRobin struct {
+	next atomic.Uint64 // the turn of sets past maxRoundRobinSets
+	sets sync.Map      // roundRobinSet → *atomic.Uint64
+	n    atomic.Int64  // sets held
+}
+
+// roundRobinSet names a set of candidates: its first replica and its size.
+type roundRobinSet struct{ first, n int }
+
+// maxRoundRobinSets bounds the sets RoundRobin keeps a turn for; past it
+// they share one.
+const maxRoundRobinSets = 256
 
 // Name implements Policy.
 func (*RoundRobin) Name() string { return "round_robin" }
 
-// Score implements Policy: the replica whose turn it is scores 0, the next 1,
-// and so on.
+// turn returns the counter of cands' set.
+func (p *RoundRobin) turn(cands []Candidate) *atomic.Uint64 {
+	key := roundRobinSet{cands[0].Replica.ID, len(cands)}
+	if c, ok := p.sets.Load(key); ok {
+		return c.(*atomic.Uint64)
+	}
+	if p.n.Load() >= maxRoundRobinSets {
+		return &p.next
+	}
+	c, loaded := p.sets.LoadOrStore(key, new(atomic.Uint64))
+	if !loaded {
+		p.n.Add(1)
+	}
+	return c.(*atomic.Uint64)
+}
+
+// Score implements Policy: the replica whose turn it is in cands' set
+// scores 0, the next 1, and so on.
 func (p *RoundRobin) Score(_ *View, cands []Candidate) {
+	if len(cands) == 0 {
+		return
+	}
 	n := uint64(len(cands))
-	start := (p.next.Add(1) - 1) % n
+	start := (p.turn(cands).Add(1) - 1) % n
 	for i := range cands {
 		cands[i].Score = float64((uint64(i) + n - start) % n)
 		cands[i].Reason = "turn"

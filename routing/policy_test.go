@@ -14,7 +14,7 @@ import (
 func cands(n int) []Candidate {
 	out := make([]Candidate, n)
 	for i := range out {
-		out[i].Replica = &replica.Replica{Name: fmt.Sprint("r", i)}
+		out[i].Replica = &replica.Replica{Name: fmt.Sprint("r", i), ID: i}
 	}
 	return out
 }
@@ -122,6 +122,25 @@ func TestRoundRobinCycles(t *testing.T) {
 	want := "[r0 r1 r2 r0 r1 r2]"
 	if fmt.Sprint(got) != want {
 		t.Fatalf("order %v, want %s", got, want)
+	}
+}
+
+// Two sets of candidates taken in turn (a disaggregated request's decode
+// replicas, then its prefill replicas) each go round all their members.
+func TestRoundRobinCyclesEachSet(t *testing.T) {
+	p, _ := NewPolicy(PolicySpec{Type: "round_robin"})
+	var decode, prefill []string
+	for i := 0; i < 4; i++ {
+		cs := cands(4)
+		d := cs[2:]
+		p.Score(nil, d)
+		decode = append(decode, rank(d, 0, 1)[0].Replica.Name)
+		pre := cs[:2]
+		p.Score(nil, pre)
+		prefill = append(prefill, rank(pre, 0, 1)[0].Replica.Name)
+	}
+	if fmt.Sprint(decode) != "[r2 r3 r2 r3]" || fmt.Sprint(prefill) != "[r0 r1 r0 r1]" {
+		t.Fatalf("decode %v, prefill %v: each set in turn", decode, prefill)
 	}
 }
 
