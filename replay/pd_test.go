@@ -166,3 +166,46 @@ func TestReplayRolesChecked(t *testing.T) {
 		}
 	}
 }
+
+// A prefill replica keeps a prompt's KV until its decode replica has it,
+// and admits no more than its cache holds meanwhile, however slow the
+// decode replica is to take them.
+func TestReplayPrefillReplicaHoldsItsBudget(t *testing.T) {
+	m := pdConfig(1, 1)
+	m.BudgetTokens, m.MaxRunning = 16_384, 1
+	lines := make([]string, 40)
+	for i := range lines {
+		lines[i] = fmt.Sprintf(`{"timestamp": %d, "input_length": 4096, "output_length": 500, "hash_ids": [%d, %d, %d, %d]}`, i, 4*i+1, 4*i+2, 4*i+3, 4*i+4)
+	}
+	reqs := mooncake(t, 1024, lines...)
+	m.BlockTokens = 1024
+	sum, err := Replay(reqs, m, []Run{{Policy: "semantic"}, {Policy: "round_robin"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range append(sum.Policies, sum.Pooled) {
+		if r.Requests != len(reqs) || r.Disaggregated != len(reqs) {
+			t.Fatalf("%s: %d routed, %d disaggregated", r.Name, r.Requests, r.Disaggregated)
+		}
+		for k, p := range r.PeakKV {
+			if p > m.BudgetTokens {
+				t.Errorf("%s: replica %d held %d KV tokens, past its %d", r.Name, k, p, m.BudgetTokens)
+			}
+		}
+	}
+}
+
+// Round robin goes round each pool: both prefill replicas compute.
+func TestReplayRoundRobinUsesEveryPrefillReplica(t *testing.T) {
+	reqs := docWorkload(t, 200, 12, 50)
+	m := pdConfig(2, 2)
+	m.MinPrefillTokens = -1
+	sum, err := Replay(reqs, m, []Run{{Policy: "round_robin"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := sum.Policies[0].PrefillComputed
+	if c[0] == 0 || c[1] == 0 || sum.Policies[0].LoadImbalance > 1.2 {
+		t.Fatalf("prefill computed per replica %v (imbalance %.2f): round robin must use both", c, sum.Policies[0].LoadImbalance)
+	}
+}

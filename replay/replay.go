@@ -40,7 +40,11 @@ type Result struct {
 	LoadImbalance float64 `json:"load_imbalance"`
 	// PrefillComputed is each replica's prefill tokens computed.
 	PrefillComputed []int64 `json:"prefill_computed_per_replica"`
-	WallSeconds     float64 `json:"wall_seconds"`
+	// PeakKV is each replica's most KV tokens held at once by the requests
+	// it admitted (a replica admits a request only while they fit its
+	// budget, unless it runs alone).
+	PeakKV      []int64 `json:"peak_kv_tokens_per_replica"`
+	WallSeconds float64 `json:"wall_seconds"`
 	// Changed counts, for a decision log, the requests this policy would
 	// send to another replica than the live router did; ChangedShare is
 	// their share.
@@ -122,6 +126,7 @@ func (r *Result) predicted(pred, actual []int) {
 type row struct {
 	arrivalMS    float64
 	replica      int
+	prefill      int // its prefill replica, disaggregated; else -1
 	promptTokens int
 	cachedTokens int
 	ttftMS       float64
@@ -130,7 +135,7 @@ type row struct {
 
 // pool, when not nil, says which replicas the load imbalance is measured
 // over (the prefill replicas, disaggregated).
-func (r *Result) finish(ttft []float64, reps []simReplica, pool func(int) bool, rep, cached []int, reqs []Request) {
+func (r *Result) finish(ttft []float64, reps []simReplica, pool func(int) bool, rep, pre, cached []int, reqs []Request) {
 	if r.PromptTokens > 0 {
 		r.TokenHitRate = float64(r.CachedTokens) / float64(r.PromptTokens)
 	}
@@ -158,6 +163,7 @@ func (r *Result) finish(ttft []float64, reps []simReplica, pool func(int) bool, 
 	n := 0
 	for k, st := range reps {
 		r.PrefillComputed = append(r.PrefillComputed, st.computed)
+		r.PeakKV = append(r.PeakKV, st.peak)
 		if pool != nil && !pool(k) {
 			continue
 		}
@@ -170,7 +176,7 @@ func (r *Result) finish(ttft []float64, reps []simReplica, pool func(int) bool, 
 	}
 	r.rows = make([]row, len(reqs))
 	for i := range reqs {
-		r.rows[i] = row{arrivalMS: float64(reqs[i].Arrival) / 1e6, replica: rep[i], promptTokens: reqs[i].Tokens, cachedTokens: cached[i], ttftMS: ttft[i]}
+		r.rows[i] = row{arrivalMS: float64(reqs[i].Arrival) / 1e6, replica: rep[i], prefill: pre[i], promptTokens: reqs[i].Tokens, cachedTokens: cached[i], ttftMS: ttft[i]}
 	}
 }
 

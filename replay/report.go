@@ -64,12 +64,18 @@ func (r *Result) FileName() string {
 }
 
 // CSV writes one line per request: arrival, replica, prompt and cached
-// tokens, time to first token, and for a run with a picture mode the
-// cached tokens the picture predicted.
+// tokens, time to first token, for a run with a picture mode the cached
+// tokens the picture predicted, and for a disaggregated one the prefill
+// replica (-1: none). The replica is the one that decoded; cached tokens
+// are the prefill replica's when it had one.
 func (r *Result) CSV(w io.Writer) error {
 	header := "arrival_ms,replica,prompt_tokens,cached_tokens,ttft_ms"
 	if r.Prediction != nil {
 		header += ",predicted_cached_tokens"
+	}
+	pd := r.Disaggregated > 0
+	if pd {
+		header += ",prefill_replica"
 	}
 	if _, err := fmt.Fprintln(w, header); err != nil {
 		return err
@@ -80,6 +86,11 @@ func (r *Result) CSV(w io.Writer) error {
 		}
 		if r.Prediction != nil {
 			if _, err := fmt.Fprintf(w, ",%d", x.predicted); err != nil {
+				return err
+			}
+		}
+		if pd {
+			if _, err := fmt.Fprintf(w, ",%d", x.prefill); err != nil {
 				return err
 			}
 		}

@@ -243,10 +243,13 @@ func (p place) computes() int {
 type simReplica struct {
 	running    int              // admitted: prefilling, waiting for prefill, or decoding
 	kv         int64            // KV tokens the running requests' prompts hold: their distinct blocks
+	peak       int64            // the most kv ever was
 	held       map[uint64]int32 // running requests per prompt block (by hash) on this replica
 	admitQ     []int            // waiting for a running slot and room in the KV cache
 	prefillQ   []int            // admitted, waiting for the prefill server
 	prefilling int              // request in prefill, or -1
+	pulling    int              // admitted, their KV on its way from a prefill replica (Config.Roles)
+	lent       int              // prefilled here, their KV held until their decode replica has it
 	decoding   int
 	computed   int64 // prefill tokens computed
 }
@@ -309,10 +312,20 @@ type sim struct {
 // serve has the engine of replica r schedule request i at now and counts
 // the tokens and blocks it found cached.
 func (s *sim) serve(i, r int, now int64) {
-	tokens, blocks := s.engines.serve(i, r, &s.reqs[i], now)
+	tokens, blocks := s.engines.serve(s.pin(i, r), r, &s.reqs[i], now)
 	s.cache[i] = tokens
 	s.res.CachedTokens += int64(tokens)
 	s.res.HitBlocks += int64(blocks)
+}
+
+// pin is the key of request i's blocks pinned in replica r's engine: i,
+// or ^i on its prefill replica, where they stay pinned until its decode
+// replica has them (disaggregated), while they are pinned there too.
+func (s *sim) pin(i, r int) int {
+	if s.pre[i] == r {
+		return ^i
+	}
+	return i
 }
 
 func (s *sim) push(t int64, kind, req int) {
@@ -333,7 +346,8 @@ func (s *sim) observe(r int, now int64, pools []*replica.Pool) {
 	if b := s.budget(r); b > 0 { // vllm:kv_cache_usage_perc: what the running requests hold
 		kv = float64(st.kv) / float64(b)
 	}
-	o := replica.Observed{Running: running, Waiting: int64(len(st.admitQ) + len(st.prefillQ)), KVUsage: kv}
+	// vLLM counts a request whose KV is on its way among the waiting.
+	o := replica.Observed{Running: running, Waiting: int64(len(st.admitQ) + len(st.prefillQ) + st.pulling), KVUsage: kv}
 	for _, p := range pools { // every router scrapes the replica alike
 		p.Replicas()[r].Observe(o)
 	}
@@ -467,6 +481,7 @@ func (s *sim) hold(r, i int, delta int32) {
 		}
 	}
 	st.kv += int64(delta) * n
+	st.peak = max(st.peak, st.kv)
 }
 
 // admitWaiting runs replica r's waiting requests, first come first
@@ -479,7 +494,7 @@ func (s *sim) admitWaiting(r int, now int64) {
 	st := &s.reps[r]
 	for len(st.admitQ) > 0 && st.running < s.m.MaxRunning {
 		i := st.admitQ[0]
-		if b := s.budget(r); st.running > 0 && b > 0 && st.kv+s.kvNeed(r, i) > b {
+		if b := s.budget(r); st.running+st.lent > 0 && b > 0 && st.kv+s.kvNeed(r, i) > b {
 			return
 		}
 		st.admitQ = st.admitQ[1:]
@@ -495,19 +510,17 @@ func (s *sim) admitWaiting(r int, now int64) {
 }
 
 // prefilled ends disaggregated request i's prefill on its prefill replica
-// at now: the replica's running slot is free, its engine's blocks no
-// longer pinned, but the request's KV stays counted there until the
-// transfer ends (as vLLM's NIXL connector frees a prefill's blocks once
-// the decode replica has read them); the request waits to be admitted on
-// its decode replica.
+// at now: the replica's running slot is free, but the request's KV stays
+// held there, pinned in its engine and counted against its cache, until
+// the transfer ends (as vLLM's NIXL connector frees a prefill's blocks
+// once the decode replica has read them); the request waits to be
+// admitted on its decode replica.
 func (s *sim) prefilled(i int, now int64) {
 	p := s.pre[i]
 	st := &s.reps[p]
 	st.prefilling = -1
 	st.running--
-	if s.engines != nil {
-		s.engines.finish(i, p, &s.reqs[i], nil, now)
-	}
+	st.lent++
 	s.res.Disaggregated++
 	s.startPrefill(p, now)
 	s.admitWaiting(p, now)
@@ -517,10 +530,11 @@ func (s *sim) prefilled(i int, now int64) {
 // transfer starts pulling disaggregated request i's KV to decode replica
 // r, just admitted, at now: the blocks r's engine does not hold.
 func (s *sim) transfer(r, i int, now int64) {
-	held := 0 // a reference's replicas are told nothing: the whole prompt moves
+	held := s.cache[i] // a reference's one cache is every replica's
 	if s.engines != nil {
 		held, _ = s.engines.serve(i, r, &s.reqs[i], now)
 	}
+	s.reps[r].pulling++
 	moved := int64(max(s.reqs[i].Tokens-held, 0))
 	s.res.TransferTokens += moved
 	s.push(now+int64(s.m.TransferLatency)+moved*int64(s.m.TransferPerToken), evTransferDone, i)
@@ -624,6 +638,11 @@ func (s *sim) run(pools ...*replica.Pool) error {
 		case evTransferDone: // the decode replica has the prompt's KV: its first token
 			r, p := s.rep[i], s.pre[i]
 			ttft[i] += float64(now)
+			s.reps[r].pulling--
+			s.reps[p].lent--
+			if s.engines != nil {
+				s.engines.finish(^i, p, &s.reqs[i], nil, now)
+			}
 			s.hold(p, i, -1)
 			s.admitWaiting(p, now)
 			s.reps[r].decoding++
@@ -664,7 +683,7 @@ func (s *sim) run(pools ...*replica.Pool) error {
 	if s.m.disaggregated() {
 		pool = s.m.prefills
 	}
-	s.res.finish(ttft, s.reps, pool, s.rep, s.cache, s.reqs)
+	s.res.finish(ttft, s.reps, pool, s.rep, s.pre, s.cache, s.reqs)
 	if s.engines != nil {
 		s.res.predicted(s.pred, s.cache)
 		s.res.Prediction.EngineEvictions = s.engines.evict
@@ -748,8 +767,8 @@ func (e *engineDecider) decide(i int, now int64) (place, error) {
 	// router.Core.routePD decides it after the decode replica.
 	ri.Allow = prefills
 	pre, err := e.eng.Decide(ri, true)
-	if err != nil {
-		return place{}, fmt.Errorf("prefill decision: %w", err)
+	if err != nil { // as the live router: the decode replica computes it
+		return pl, nil
 	}
 	d.Lease().Remote()
 	pc := pre.Chosen()

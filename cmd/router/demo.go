@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -293,8 +295,10 @@ Add "stream": true to stream. Ctrl-C stops the demo.
 // parsePD parses --pd P:D: P prefill and D decode replicas, at most 256
 // in all.
 func parsePD(s string) (prefills, decodes int, err error) {
-	var rest string
-	if n, _ := fmt.Sscanf(s+"\n", "%d:%d%s", &prefills, &decodes, &rest); n != 2 || prefills < 1 || decodes < 1 || prefills+decodes > 256 {
+	p, d, ok := strings.Cut(s, ":")
+	prefills, errP := strconv.Atoi(p)
+	decodes, errD := strconv.Atoi(d)
+	if !ok || errP != nil || errD != nil || prefills < 1 || decodes < 1 || prefills+decodes > 256 {
 		return 0, 0, fmt.Errorf("--pd %q is not P:D with P and D at least 1 and at most 256 in all (e.g. 2:2)", s)
 	}
 	return prefills, decodes, nil

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"cmp"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"strings"
@@ -99,10 +100,20 @@ report.html to --out.`,
 			}
 			m.BlockTokens = blockTokens
 			m.Seed = seed
+			if pd == "" {
+				for _, f := range []string{"transfer-latency", "transfer-per-token", "min-prefill-tokens"} {
+					if cmd.Flags().Changed(f) {
+						return fmt.Errorf("--%s without --pd: the replicas are not disaggregated", f)
+					}
+				}
+			}
 			if pd != "" {
 				p, d, err := parsePD(pd)
 				if err != nil {
 					return err
+				}
+				if flowControl || routers > 1 {
+					return errors.New("--pd is replayed with one router and no flow control")
 				}
 				if cmd.Flags().Changed("replicas") && m.Replicas != p+d {
 					return fmt.Errorf("--pd %s is %d replicas, --replicas %d", pd, p+d, m.Replicas)
@@ -187,8 +198,8 @@ report.html to --out.`,
 	f.DurationVar(&syncDelay, "sync-delay", 5*time.Millisecond, "with --sync shared: the time a router's change takes to reach the others")
 	f.BoolVar(&flowControl, "flow-control", false, "also run each policy with the router's queue (flow_control): a request whose replica would queue it waits in the router instead, as the live router does; labelled policy/flow-control")
 	f.StringVar(&pd, "pd", "", "P:D: P prefill replicas and D decode replicas, each request disaggregated as the live router does it (replicas[].role); the replicas are then P+D")
-	f.DurationVar(&m.TransferLatency, "transfer-latency", replay.DefaultTransferLatency, "with --pd: a KV transfer's fixed time")
-	f.DurationVar(&m.TransferPerToken, "transfer-per-token", replay.DefaultTransferPerToken, "with --pd: a KV transfer's time per token moved")
+	f.DurationVar(&m.TransferLatency, "transfer-latency", replay.DefaultTransferLatency, "with --pd: a KV transfer's fixed time (0: the default)")
+	f.DurationVar(&m.TransferPerToken, "transfer-per-token", replay.DefaultTransferPerToken, "with --pd: a KV transfer's time per token moved (0: the default)")
 	f.IntVar(&m.MinPrefillTokens, "min-prefill-tokens", replay.DefaultMinPrefillTokens, "with --pd: a request its decode replica would compute less of than this many tokens is not disaggregated (disaggregation.min_prefill_tokens); negative: every request is")
 	f.IntVar(&sample, "requests", 0, "replay only the first this many requests of the trace (0: all)")
 	f.StringVar(&m.Reuse.Mode, "reuse", replica.ReusePrefix, "the engines' reuse beyond the exact prefix: prefix, blend (position-independent segments, as CacheBlend) or donor (a similar earlier prompt's cached KV, as SGLang's SemanticPrefixProvider; openai traces only); with blend or donor, also runs semantic-prefix-credit, the semantic policy crediting the exact prefix alone")
