@@ -143,6 +143,9 @@ func NewCore(o CoreOptions) (*Core, error) {
 	if err := c.SetArms(o.Arms); err != nil {
 		return nil, err
 	}
+	for _, r := range c.e.Pool().Replicas() {
+		o.Metrics.Replica(r.Name)
+	}
 	return c, nil
 }
 

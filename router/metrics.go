@@ -39,6 +39,12 @@ type Metrics struct {
 
 	mu     sync.RWMutex
 	models map[string]bool // the model label values given out (at most maxModelLabels)
+
+	// The arms and replicas whose series were made at 0 (arm, Replica),
+	// for the series labelled by both.
+	seenMu   sync.Mutex
+	arms     map[[2]string]bool
+	replicas map[string]bool
 }
 
 // maxModelLabels bounds the values of the model label over the process's
@@ -187,8 +193,59 @@ func (m *Metrics) shed(err error) {
 // arm makes a's counters that may stay at 0 for long exist from the start,
 // so that a rate over them is 0 rather than no data.
 func (m *Metrics) arm(a Arm) {
-	if m != nil {
-		m.saturated.WithLabelValues(a.Name, a.Policy.Name())
+	if m == nil {
+		return
+	}
+	ap := [2]string{a.Name, a.Policy.Name()}
+	for _, v := range []*prometheus.CounterVec{m.saturated, m.retries} {
+		v.WithLabelValues(ap[0], ap[1])
+	}
+	for _, v := range []*prometheus.HistogramVec{m.decision, m.matchRatio, m.predictionDiff} {
+		v.WithLabelValues(ap[0], ap[1])
+	}
+	m.seenMu.Lock()
+	defer m.seenMu.Unlock()
+	if m.arms == nil {
+		m.arms, m.replicas = map[[2]string]bool{}, map[string]bool{}
+	}
+	m.arms[ap] = true
+	for r := range m.replicas {
+		m.armReplica(ap, r)
+	}
+}
+
+// armReplica makes the series labelled by arm, policy and replica.
+func (m *Metrics) armReplica(ap [2]string, replica string) {
+	m.predicted.WithLabelValues(ap[0], ap[1], replica)
+	m.reported.WithLabelValues(ap[0], ap[1], replica)
+	m.ttft.WithLabelValues(ap[0], ap[1], replica)
+	m.duration.WithLabelValues(ap[0], ap[1], replica)
+}
+
+// UpstreamErrorKinds are semroute_upstream_errors_total's kinds.
+var UpstreamErrorKinds = []string{"connect", "timeout", "reset", "status_5xx", "idle"}
+
+// Replica makes the series of replica name that may stay at 0 for long
+// exist from the start (its upstream errors by kind, and its predicted
+// and reported cached tokens and timings under every arm), so that a rate
+// over them is 0 rather than no data. Call it for each replica as it
+// joins; safe for concurrent use.
+func (m *Metrics) Replica(name string) {
+	if m == nil {
+		return
+	}
+	for _, k := range UpstreamErrorKinds {
+		m.upstreamErrors.WithLabelValues(name, k)
+	}
+	m.trimmedTokens.WithLabelValues(name)
+	m.seenMu.Lock()
+	defer m.seenMu.Unlock()
+	if m.arms == nil {
+		m.arms, m.replicas = map[[2]string]bool{}, map[string]bool{}
+	}
+	m.replicas[name] = true
+	for ap := range m.arms {
+		m.armReplica(ap, name)
 	}
 }
 

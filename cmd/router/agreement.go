@@ -12,6 +12,7 @@ import (
 
 	"github.com/semroute/semroute/agreement"
 	"github.com/semroute/semroute/kvsync"
+	"github.com/semroute/semroute/replica"
 )
 
 // warnEvery bounds how often one replica's one cause is warned about.
@@ -98,8 +99,13 @@ var (
 	descPredRate = prometheus.NewDesc("semroute_replica_predicted_ratio", "Predicted ÷ reported cached tokens over the replica's last 64 requests (0 before any reported hit).", []string{"replica"}, nil)
 )
 
-// agreementMetrics exports the tracker's verdicts.
-type agreementMetrics struct{ t *agreement.Tracker }
+// agreementMetrics exports the tracker's verdicts, and 0 for the pool's
+// replicas it has heard nothing of yet (an alert on a cause then has a
+// series from the start).
+type agreementMetrics struct {
+	t    *agreement.Tracker
+	pool *replica.Pool
+}
 
 func (m agreementMetrics) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descDisagree
@@ -107,7 +113,19 @@ func (m agreementMetrics) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (m agreementMetrics) Collect(ch chan<- prometheus.Metric) {
-	for _, s := range m.t.Status() {
+	statuses := m.t.Status()
+	known := map[string]bool{}
+	for _, s := range statuses {
+		known[s.Replica] = true
+	}
+	if m.pool != nil {
+		for _, r := range m.pool.Replicas() {
+			if !known[r.Name] {
+				statuses = append(statuses, agreement.Status{Replica: r.Name})
+			}
+		}
+	}
+	for _, s := range statuses {
 		on := map[agreement.Cause]bool{}
 		for _, c := range s.Causes {
 			on[c] = true

@@ -83,3 +83,56 @@ func TestDeployEnvoyConfig(t *testing.T) {
 		}
 	}
 }
+
+// Every alert rule has a promtool unit test that expects it to fire
+// (deploy/prometheus/alerts_test.yaml; .ci/run runs promtool on it).
+func TestEveryAlertHasAUnitTest(t *testing.T) {
+	var rules struct {
+		Groups []struct {
+			Rules []struct {
+				Alert string `yaml:"alert"`
+			} `yaml:"rules"`
+		} `yaml:"groups"`
+	}
+	var tests struct {
+		RuleFiles []string `yaml:"rule_files"`
+		Tests     []struct {
+			AlertRuleTest []struct {
+				AlertName string `yaml:"alertname"`
+				ExpAlerts []any  `yaml:"exp_alerts"`
+			} `yaml:"alert_rule_test"`
+		} `yaml:"tests"`
+	}
+	for f, v := range map[string]any{"../../deploy/prometheus/alerts.yaml": &rules, "../../deploy/prometheus/alerts_test.yaml": &tests} {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := yaml.Unmarshal(b, v); err != nil {
+			t.Fatalf("%s: %v", f, err)
+		}
+	}
+	if len(tests.RuleFiles) != 1 || tests.RuleFiles[0] != "alerts.yaml" {
+		t.Fatalf("the unit tests load %v, want alerts.yaml", tests.RuleFiles)
+	}
+	fires := map[string]bool{}
+	for _, g := range tests.Tests {
+		for _, a := range g.AlertRuleTest {
+			if len(a.ExpAlerts) > 0 {
+				fires[a.AlertName] = true
+			}
+		}
+	}
+	n := 0
+	for _, g := range rules.Groups {
+		for _, r := range g.Rules {
+			n++
+			if !fires[r.Alert] {
+				t.Errorf("alert %s has no unit test in which it fires", r.Alert)
+			}
+		}
+	}
+	if n < 10 {
+		t.Fatalf("only %d alerts read", n)
+	}
+}

@@ -11,6 +11,10 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/semroute/semroute/kvevents"
 	"strconv"
 	"strings"
 	"sync"
@@ -188,9 +192,18 @@ func readmeMetrics(t *testing.T) map[string]bool {
 	return out
 }
 
+// needsTraffic are the series the deploy files query that exist only once
+// a request or an event names their labels (a model, a priority, a peer).
+var needsTraffic = map[string]bool{
+	"semroute_requests_total": true, // by status code and model: a request's
+}
+
 func TestMetricsTableIsExportedAndDeployUsesIt(t *testing.T) {
 	table := readmeMetrics(t)
-	sims := startSims(t, 2, fastSim)
+	events := fastSim // replica b publishes KV events: their families too
+	events.KVEvents = &kvevents.PublisherOptions{Endpoint: "tcp://127.0.0.1:0", ReplayEndpoint: "tcp://127.0.0.1:0", Topic: "kv-events"}
+	sims := append(startSims(t, 1, fastSim), startSims(t, 1, events)...)
+	pub, replay := sims[1].KVEventsEndpoints()
 	dir := t.TempDir()
 	cfg := filepath.Join(dir, "router.yaml")
 	ns, err := cluster.Serve("127.0.0.1", -1, fleetAccount) // a fleet of one: the fleet's metrics too
@@ -198,10 +211,30 @@ func TestMetricsTableIsExportedAndDeployUsesIt(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(ns.Shutdown)
-	body := fmt.Sprintf("decision_log: {path: %q}\nhealth: {scrape_interval: 50ms}\ncluster: {urls: [%q], id: ops, user: fleet, password: fleet-test-password}\nreplicas:\n  - {name: a, url: %q}\n  - {name: b, url: %q}\n",
-		filepath.Join(dir, "d.jsonl"), ns.ClientURL(), sims[0].URL, sims[1].URL)
+	body := fmt.Sprintf("decision_log: {path: %q}\nhealth: {scrape_interval: 50ms}\ncluster: {urls: [%q], id: ops, user: fleet, password: fleet-test-password}\nreplicas:\n  - {name: a, url: %q}\n  - {name: b, url: %q, kv_events: {endpoint: %q, replay_endpoint: %q, topic: kv-events}}\n",
+		filepath.Join(dir, "d.jsonl"), ns.ClientURL(), sims[0].URL, sims[1].URL, pub, replay)
 	writeConfig(t, cfg, body)
 	r := serveConfig(t, cfg)
+	// Before any request: what the alerts and the dashboard query has a
+	// series already, so that a rate is 0 rather than no data and an
+	// alert on a counter's first increase can fire.
+	fresh := map[string]bool{}
+	for _, line := range strings.Split(scrapeURL(t, r.http.url()), "\n") {
+		if m := metricName.FindString(line); m != "" && !strings.HasPrefix(line, "#") {
+			fresh[m] = true
+		}
+	}
+	for _, f := range []string{"../../deploy/grafana/semroute-dashboard.json", "../../deploy/prometheus/alerts.yaml"} {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range metricName.FindAllString(string(b), -1) {
+			if !fresh[m] && !needsTraffic[m] {
+				t.Errorf("%s queries %s, which a fresh router does not export", f, m)
+			}
+		}
+	}
 	for i := 0; i < 20; i++ {
 		if code, _, err := postURL(r.http.url(), chat([2]string{"system", text("metric prompt", 300)}, [2]string{"user", fmt.Sprint(i)}), nil); err != nil || code != 200 {
 			t.Fatal(code, err)
@@ -254,5 +287,32 @@ func TestMetricsTableIsExportedAndDeployUsesIt(t *testing.T) {
 				t.Errorf("%s queries %s, which the router does not export", f, m)
 			}
 		}
+	}
+}
+
+// Every family the router's own collectors describe is in the README's
+// table, whether or not this machine's traffic would make it appear (the
+// KV events' families need an engine that publishes them).
+func TestEveryDescribedFamilyIsInTheReadme(t *testing.T) {
+	table := readmeMetrics(t)
+	ch := make(chan *prometheus.Desc, 256)
+	for _, c := range []prometheus.Collector{&followers{}, agreementMetrics{}, fleetMetrics{}, replicaCollector{}, queueCollector{}} {
+		c.Describe(ch)
+	}
+	close(ch)
+	fq := regexp.MustCompile(`fqName: "([a-z_:]+)"`)
+	n := 0
+	for d := range ch {
+		m := fq.FindStringSubmatch(d.String())
+		if m == nil {
+			t.Fatalf("no name in %s", d)
+		}
+		n++
+		if !table[m[1]] {
+			t.Errorf("%s is described but not in the README's metrics table", m[1])
+		}
+	}
+	if n < 30 {
+		t.Fatalf("only %d families described", n)
 	}
 }

@@ -201,7 +201,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		return nil, err
 	}
 	registerOps(reg, pool, cache, dl, core)
-	reg.MustRegister(agreementMetrics{ag})
+	reg.MustRegister(agreementMetrics{ag, pool})
 	if fleet != nil {
 		reg.MustRegister(fleetMetrics{fleet})
 	}
@@ -216,6 +216,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 			r, err := eng.AddReplica(s)
 			if err == nil {
 				a.events.add(r, s)
+				copts.Metrics.Replica(r.Name)
 			}
 			return r, err
 		},
@@ -229,6 +230,9 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	a.reloads = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_config_reloads_total",
 		Help: "Config reloads by result: ok, restart_required (applied, but some changed keys take effect only after a restart), failed."}, []string{"result"})
 	reg.MustRegister(a.reloads)
+	for _, r := range []string{"ok", "restart_required", "failed"} {
+		a.reloads.WithLabelValues(r) // 0 from the first scrape: an alert on the first failure has a series to rise from
+	}
 	h := cfg.Health
 	clamped := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_replica_budget_clamped_total",
 		Help: "Budgets a replica reported (vllm:cache_config_info) above cache.max_budget_tokens, held to it."}, []string{"replica"})
