@@ -78,9 +78,13 @@ type Request struct {
 	// that it asks for stream_options.include_usage: true (the replica then
 	// sends a last chunk with the usage).
 	StreamOptions, IncludeUsage bool
-	// MaxTokens is max_completion_tokens, else max_tokens; 0 when absent.
+	// MaxTokens is max_completion_tokens, else max_tokens (max_output_tokens
+	// for /v1/responses); 0 when absent.
 	MaxTokens int
-	Parts     []Part
+	// PreviousResponseID is a /v1/responses body's previous_response_id:
+	// the stored response the input continues.
+	PreviousResponseID string
+	Parts              []Part
 
 	p *fastjson.Parser // holds the memory Parts alias; see Recycle
 
@@ -202,6 +206,7 @@ type body struct {
 	model, user, stream, maxTokens, maxCompletion *fastjson.Value
 	streamOptions                                 *fastjson.Value
 	messages, tools, prompt                       *fastjson.Value
+	system, prevID                                *fastjson.Value // /v1/responses' instructions (and previous_response_id), /v1/messages' system
 }
 
 // decode checks data's JSON (nesting, escapes, numbers: see prescan; then
@@ -277,9 +282,14 @@ func (r *Request) top(data []byte, ep Endpoint) (*body, error) {
 	case fastjson.TypeNull:
 	case fastjson.TypeObject:
 		var dup string
-		if ep == Completion {
+		switch ep {
+		case Completion:
 			dup = fields(root, completionKeys, &b.model, &b.prompt, &b.user, &b.stream, &b.maxTokens, &b.maxCompletion, &b.streamOptions)
-		} else {
+		case Responses: // input as messages, instructions as system, max_output_tokens as max_tokens
+			dup = fields(root, responsesKeys, &b.model, &b.messages, &b.system, &b.tools, &b.user, &b.stream, &b.maxTokens, &b.prevID)
+		case Messages:
+			dup = fields(root, messagesKeys, &b.model, &b.system, &b.messages, &b.tools, &b.stream, &b.maxTokens)
+		default:
 			dup = fields(root, chatKeys, &b.model, &b.messages, &b.tools, &b.user, &b.stream, &b.maxTokens, &b.maxCompletion, &b.streamOptions)
 		}
 		if dup != "" {
@@ -812,12 +822,19 @@ type Endpoint int
 const (
 	Chat       Endpoint = iota // /v1/chat/completions
 	Completion                 // /v1/completions
+	Responses                  // /v1/responses
+	Messages                   // /v1/messages (Anthropic's)
 )
 
 // Parse parses body as the given endpoint's request.
 func Parse(ep Endpoint, body []byte, lim Limits) (*Request, error) {
-	if ep == Completion {
+	switch ep {
+	case Completion:
 		return ParseCompletion(body, lim)
+	case Responses:
+		return ParseResponses(body, lim)
+	case Messages:
+		return ParseMessages(body, lim)
 	}
 	return ParseChat(body, lim)
 }
