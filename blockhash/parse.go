@@ -71,9 +71,10 @@ type Part struct {
 
 // Request is the routing-relevant content of an OpenAI request body.
 type Request struct {
-	Model  string
-	User   string // the body's "user" field, a session key of last resort
-	Stream bool
+	Endpoint Endpoint // the API the body was parsed as
+	Model    string
+	User     string // the body's "user" field, a session key of last resort
+	Stream   bool
 	// StreamOptions says the body has a stream_options key; IncludeUsage
 	// that it asks for stream_options.include_usage: true (the replica then
 	// sends a last chunk with the usage).
@@ -234,7 +235,7 @@ func decode(data []byte, ep Endpoint, lim Limits) (*body, *Request, error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	r := &Request{}
+	r := &Request{Endpoint: ep}
 	if lim.Budget != nil && values > BudgetFloor {
 		if !lim.Budget.take(int64(values)) {
 			return nil, nil, ErrBusy

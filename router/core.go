@@ -263,7 +263,17 @@ func (e *QueueError) Unwrap() error { return e.Err }
 // (gRPC messages) is estimated.
 func (c *Core) Prepare(ctx context.Context, req *blockhash.Request, body []byte, session string) routing.Request {
 	if c.o.Tokenizer != nil && len(body) > 0 && !req.TokenIDsOnly() {
-		ids, err := c.o.Tokenizer.Body(ctx, endpointOf(req), req.Model, body)
+		ep := endpointOf(req)
+		if req.Endpoint == blockhash.Responses || req.Endpoint == blockhash.Messages {
+			// /tokenize takes a chat: the same conversation as one.
+			chat, err := chatForTokenize(req)
+			if err != nil {
+				c.o.Metrics.Tokenized("failed")
+				return c.e.Prepare(req, session, c.o.LogPrompts)
+			}
+			body = chat
+		}
+		ids, err := c.o.Tokenizer.Body(ctx, ep, req.Model, body)
 		switch {
 		case err == nil && len(ids) > 0:
 			c.o.Metrics.Tokenized("ok")

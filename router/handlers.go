@@ -37,6 +37,10 @@ func checkBodyType(ct string, body []byte) *apiError {
 	return nil
 }
 
+// routeNames are the routed endpoints' names in metrics and logs.
+var routeNames = map[blockhash.Endpoint]string{blockhash.Chat: "chat", blockhash.Completion: "completions",
+	blockhash.Responses: "responses", blockhash.Messages: "messages"}
+
 func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.Endpoint) {
 	body, err := s.readBody(w, r)
 	if err != nil {
@@ -60,10 +64,7 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 		return
 	}
 	sid, tenant := r.Header.Get(HeaderSessionID), r.Header.Get(HeaderTenantID)
-	route := "chat"
-	if ep == blockhash.Completion {
-		route = "completions"
-	}
+	route := routeNames[ep]
 	// Without a tracer no span is made (an incoming traceparent reaches the
 	// replica with the other headers, unchanged).
 	tctx, span := r.Context(), trace.SpanFromContext(r.Context())
@@ -73,11 +74,16 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 	}
 	in := s.core.Prepare(tctx, req, body.b, sid)
 	in.DetachText()
+	if id := req.PreviousResponseID; id != "" {
+		in.Allow = s.home(id) // the replica that stored the response it continues
+	}
 	// A streamed request the client did not ask usage for asks for it
 	// upstream (the engine's prompt and cached tokens teach the router),
-	// and its usage chunk is taken out of the client's stream.
+	// and its usage chunk is taken out of the client's stream. The
+	// Responses and Messages APIs end every stream with the usage.
+	chatLike := ep == blockhash.Chat || ep == blockhash.Completion
 	fwd, strip := body, false
-	if req.Stream && !req.StreamOptions {
+	if chatLike && req.Stream && !req.StreamOptions {
 		fwd, strip = withIncludeUsage(body.b), true
 		defer fwd.release()
 		// The copy is body bytes held too.
@@ -93,7 +99,7 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 	cr := CoreRequest{Input: in, Model: req.Model, Session: sid, Tenant: tenant, Route: route,
 		Ctx: r.Context(), Priority: prio, Flow: flowKey, Bytes: int64(len(fwd.b))}
 	var rt *Routed
-	if s.core.disaggregated(req.Model) {
+	if chatLike && s.core.disaggregated(req.Model) { // vLLM's kv_transfer_params are chat's and completions'; the others are aggregated on a decode replica
 		drt, decode, prefill, derr := s.routeDisaggregated(r, cr, fwd)
 		rt, err = drt, derr
 		if err == nil {

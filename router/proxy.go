@@ -173,6 +173,12 @@ func (s *Server) modifyResponse(resp *http.Response) error {
 		sse := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
 		f.capture = &replyCapture{rc: body, limit: s.o.MaxReplyBytes, sse: sse,
 			first: func() { s.core.FirstByte(rt) }, end: func() { s.core.EngineDone(rt) }}
+		switch rt.req.Route {
+		case "responses":
+			f.capture.agentic, f.capture.onID = true, func(id string) { s.homes.put(id, c.Replica.Name) }
+		case "messages":
+			f.capture.agentic = true
+		}
 		body = f.capture
 		if sse && f.stripUsage {
 			body = newUsageStripper(body)

@@ -30,6 +30,12 @@ type replyCapture struct {
 	limit int
 	first func() // called at the first byte; may be nil
 	end   func() // called when the body has ended whole; may be nil
+	// agentic: the body is a Responses or Messages API answer: its usage
+	// is read (at the top, or in a stream's response or message), and no
+	// reply is learned. onID, if set, is given the Responses API
+	// response's id.
+	agentic bool
+	onID    func(id string)
 
 	buf     bytes.Buffer // JSON body, or the current partial SSE line (at most limit bytes)
 	skip    bool         // discarding the rest of an SSE line longer than limit
@@ -240,9 +246,22 @@ func (c *replyCapture) parse(data []byte) error {
 	if v.Type() != fastjson.TypeObject {
 		return errShape
 	}
-	usage, hasUsage, err := parseUsage(v.Get("usage"))
+	u := v.Get("usage")
+	if c.agentic {
+		u = c.agenticUsage(v)
+	}
+	usage, hasUsage, err := parseUsage(u)
 	if err != nil {
 		return err
+	}
+	if c.agentic {
+		if hasUsage {
+			if usage.PromptTokens == 0 && !usage.CachedReported { // a later event's output count alone (message_delta)
+				usage.PromptTokens, usage.CachedTokens, usage.CachedReported = c.usage.PromptTokens, c.usage.CachedTokens, c.usage.CachedReported
+			}
+			c.usage = usage
+		}
+		return nil
 	}
 	// text, content and the tool calls alias the parser's memory until the
 	// next parse.
@@ -260,7 +279,36 @@ func (c *replyCapture) parse(data []byte) error {
 	return nil
 }
 
-// parseUsage reads a usage object (null or absent: none).
+// agenticUsage finds a Responses or Messages API answer's usage, and
+// hands the Responses API response's id to onID: at the top of a whole
+// answer, or in a stream event's response (response.created,
+// response.completed) or message (message_start); a message_delta event
+// has its own at the top.
+func (c *replyCapture) agenticUsage(v *fastjson.Value) *fastjson.Value {
+	inner := v
+	for _, k := range []string{"response", "message"} {
+		if o := v.Get(k); o != nil && o.Type() == fastjson.TypeObject {
+			inner = o
+		}
+	}
+	if c.onID != nil && string(inner.GetStringBytes("object")) == "response" {
+		if id := inner.GetStringBytes("id"); len(id) > 0 {
+			c.onID(string(id))
+			c.onID = nil
+		}
+	}
+	if u := inner.Get("usage"); u != nil {
+		return u
+	}
+	return v.Get("usage")
+}
+
+// parseUsage reads a usage object (null or absent: none): chat's
+// (prompt_tokens, completion_tokens, prompt_tokens_details.cached_tokens),
+// the Responses API's (input_tokens, output_tokens,
+// input_tokens_details.cached_tokens) or Anthropic's (input_tokens, which
+// leaves out cache_read_input_tokens and cache_creation_input_tokens,
+// both prompt tokens too; the first is the cached ones).
 func parseUsage(u *fastjson.Value) (usage usageJSON, has bool, err error) {
 	if isNull(u) {
 		return usage, false, nil
@@ -268,15 +316,27 @@ func parseUsage(u *fastjson.Value) (usage usageJSON, has bool, err error) {
 	if u.Type() != fastjson.TypeObject {
 		return usage, false, errShape
 	}
-	d := u.Get("prompt_tokens_details")
+	prompt, output, details := "prompt_tokens", "completion_tokens", "prompt_tokens_details"
+	if u.Get("prompt_tokens") == nil && u.Get("input_tokens") != nil || u.Get("output_tokens") != nil {
+		prompt, output, details = "input_tokens", "output_tokens", "input_tokens_details"
+	}
+	d := u.Get(details)
 	if !isNull(d) && d.Type() != fastjson.TypeObject {
 		return usage, false, errShape
 	}
-	if err := firstErr(intField(u, "prompt_tokens", &usage.PromptTokens), intField(u, "completion_tokens", &usage.CompletionTokens),
+	if err := firstErr(intField(u, prompt, &usage.PromptTokens), intField(u, output, &usage.CompletionTokens),
 		intField(d, "cached_tokens", &usage.CachedTokens)); err != nil {
 		return usage, false, err
 	}
 	usage.CachedReported = d != nil && !isNull(d.Get("cached_tokens"))
+	if read := u.Get("cache_read_input_tokens"); !isNull(read) {
+		var created int64
+		if err := firstErr(intField(u, "cache_read_input_tokens", &usage.CachedTokens), intField(u, "cache_creation_input_tokens", &created)); err != nil {
+			return usage, false, err
+		}
+		usage.PromptTokens += usage.CachedTokens + created
+		usage.CachedReported = true
+	}
 	return usage, true, nil
 }
 
@@ -443,7 +503,7 @@ func firstErr(errs ...error) error {
 // reply returns the bytes of the assistant's reply as blockhash renders an
 // assistant message, and whether a whole reply was seen.
 func (c *replyCapture) reply() ([]byte, bool) {
-	if !c.eof || c.over || c.bad || !c.done {
+	if !c.eof || c.over || c.bad || !c.done || c.agentic {
 		return nil, false
 	}
 	var tcs [][2]string

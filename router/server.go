@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -129,6 +130,9 @@ type Server struct {
 	client *http.Client
 	// bodies counts the request body bytes held (limits.Request.MaxBodyBytesInFlight).
 	bodies bodyGauge
+	// homes remembers the replica that answered each Responses API
+	// response, for the requests that continue or fetch it.
+	homes responseHomes
 }
 
 // BodyBytesInFlight returns the request-body bytes the server holds now
@@ -166,7 +170,7 @@ func NewServer(o ServerOptions) (*Server, error) {
 		o.Transport = newUpstream(std, o.Timeouts.FirstByte, maxResponseHeaderBytes, maxIdlePerReplica)
 		client.Transport = std
 	}
-	s := &Server{o: o, core: o.Core, e: o.Core.Engine(), mux: http.NewServeMux(), client: client}
+	s := &Server{o: o, core: o.Core, e: o.Core.Engine(), mux: http.NewServeMux(), client: client, homes: newResponseHomes()}
 	s.SetLimits(o.Limits)
 	s.proxy = &httputil.ReverseProxy{
 		BufferPool: &bufferPool{},
@@ -194,6 +198,15 @@ func NewServer(o ServerOptions) (*Server, error) {
 	s.mux.HandleFunc("/v1/chat/completions/", notRouted)
 	s.mux.HandleFunc("/v1/completions/", notRouted)
 	s.mux.HandleFunc("GET /v1/models", s.models)
+	s.mux.HandleFunc("GET /v1/models/{id}", s.model)
+	s.mux.HandleFunc("POST /v1/responses", func(w http.ResponseWriter, r *http.Request) { s.routed(w, r, blockhash.Responses) })
+	s.mux.HandleFunc("POST /v1/messages", func(w http.ResponseWriter, r *http.Request) { s.routed(w, r, blockhash.Messages) })
+	s.mux.HandleFunc("/v1/responses", methodNotAllowed)
+	s.mux.HandleFunc("/v1/messages", methodNotAllowed)
+	// A stored response (GET, DELETE, POST .../cancel) lives on the
+	// replica that made it.
+	s.mux.HandleFunc("/v1/responses/{id}", s.storedResponse)
+	s.mux.HandleFunc("/v1/responses/{id}/{action}", s.storedResponse)
 	s.mux.HandleFunc("/v1/", s.passthrough)
 	s.mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = io.WriteString(w, "ok\n") })
 	s.mux.HandleFunc("GET /readyz", s.ready)
@@ -276,7 +289,47 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 
 // models merges GET /v1/models across the available replicas.
 func (s *Server) models(w http.ResponseWriter, r *http.Request) {
-	ctx, cancel := context.WithTimeout(r.Context(), s.o.ModelsTimeout)
+	seen := s.gatherModels(r.Context())
+	if len(seen) == 0 {
+		writeError(w, classify(routing.ErrNoReplica))
+		return
+	}
+	ids := make([]string, 0, len(seen))
+	for id := range seen {
+		ids = append(ids, id)
+	}
+	sort.Strings(ids)
+	data := make([]json.RawMessage, len(ids))
+	for i, id := range ids {
+		data[i] = seen[id]
+	}
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(map[string]any{"object": "list", "data": data})
+}
+
+// model answers GET /v1/models/{id} from the replicas' merged list, as
+// OpenAI does: the model's object, or 404 in OpenAI's error shape.
+func (s *Server) model(w http.ResponseWriter, r *http.Request) {
+	id := r.PathValue("id")
+	seen := s.gatherModels(r.Context())
+	if len(seen) == 0 {
+		writeError(w, classify(routing.ErrNoReplica))
+		return
+	}
+	m, ok := seen[id]
+	if !ok {
+		writeError(w, apiError{http.StatusNotFound, "invalid_request_error", "model_not_found",
+			fmt.Sprintf("The model %s does not exist.", strconv.Quote(id))})
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	_, _ = w.Write(append(m, '\n'))
+}
+
+// gatherModels asks every available replica for its models and returns
+// them by id, the first replica's object for an id that several serve.
+func (s *Server) gatherModels(ctx context.Context) map[string]json.RawMessage {
+	ctx, cancel := context.WithTimeout(ctx, s.o.ModelsTimeout)
 	defer cancel()
 	now := time.Now()
 	var (
@@ -324,21 +377,7 @@ func (s *Server) models(w http.ResponseWriter, r *http.Request) {
 		}()
 	}
 	wg.Wait()
-	if len(seen) == 0 {
-		writeError(w, classify(routing.ErrNoReplica))
-		return
-	}
-	ids := make([]string, 0, len(seen))
-	for id := range seen {
-		ids = append(ids, id)
-	}
-	sort.Strings(ids)
-	data := make([]json.RawMessage, len(ids))
-	for i, id := range ids {
-		data[i] = seen[id]
-	}
-	w.Header().Set("Content-Type", "application/json")
-	_ = json.NewEncoder(w).Encode(map[string]any{"object": "list", "data": data})
+	return seen
 }
 
 func (s *Server) ready(w http.ResponseWriter, _ *http.Request) {

@@ -219,7 +219,8 @@ type Server struct {
 	// remoteDecodes and transfers count the prefills done for a decode
 	// replica and the decodes that pulled a prefill's KV.
 	remoteDecodes, transfers atomic.Int64
-	engineID                 string // kv_transfer_params' remote_engine_id
+	engineID                 string        // kv_transfer_params' remote_engine_id
+	responses                responseStore // the Responses API's stored responses
 	// Counters exported to /metrics; Restart zeroes them, as a restarted
 	// engine would.
 	queries, hits, promptTotal, genTotal, extQueries, extHits atomic.Int64
@@ -315,6 +316,9 @@ func New(o Options) (*Server, error) {
 	s.mux.HandleFunc("GET /v1/models", s.listModels)
 	s.mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { s.complete(w, r, blockhash.Chat) })
 	s.mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { s.complete(w, r, blockhash.Completion) })
+	s.mux.HandleFunc("POST /v1/responses", func(w http.ResponseWriter, r *http.Request) { s.complete(w, r, blockhash.Responses) })
+	s.mux.HandleFunc("POST /v1/messages", func(w http.ResponseWriter, r *http.Request) { s.complete(w, r, blockhash.Messages) })
+	s.mux.HandleFunc("GET /v1/responses/{id}", s.getResponse)
 	s.mux.HandleFunc("POST /tokenize", s.tokenize)
 	s.mux.HandleFunc("POST /detokenize", s.detokenize)
 	if o.KVEvents != nil {
@@ -623,6 +627,10 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 		modelNotFound(w, req.Model)
 		return
 	}
+	agentic := ep == blockhash.Responses || ep == blockhash.Messages
+	if agentic && !s.agenticPrompt(w, req) {
+		return
+	}
 	// The body already parsed as JSON; the few switches read here are read
 	// from it with fastjson rather than decoding it all again.
 	fl, err := readFlags(body, ep)
@@ -641,7 +649,11 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	}
 	// Tokenized before the request waits for a slot, as vLLM's API server
 	// tokenizes before the engine schedules.
-	sc.ids, sc.prompt = s.tok.promptIDs(sc.ids, sc.prompt, req, ep, fl.chat)
+	tokEP := ep
+	if agentic { // rendered into the chat template, as vLLM renders them
+		tokEP = blockhash.Chat
+	}
+	sc.ids, sc.prompt = s.tok.promptIDs(sc.ids, sc.prompt, req, tokEP, fl.chat)
 	if n := max(len(sc.ids), 1); n+outTokens > s.o.MaxModelLen {
 		writeError(w, http.StatusBadRequest, "BadRequestError", fmt.Sprintf(
 			"This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the messages, %d in the completion). Please reduce the length of the messages or completion.",
@@ -761,9 +773,16 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 			"remote_block_ids": ids, "remote_host": host, "remote_port": p, "tp_size": 1}
 		s.remoteDecodes.Add(1)
 	}
-	if req.Stream {
+	switch {
+	case agentic:
+		g.id = "msg_" + rand.Text()
+		if ep == blockhash.Responses {
+			g.id = "resp_" + rand.Text()
+		}
+		ok = g.agentic(ctx, w, req.Stream)
+	case req.Stream:
 		ok = g.stream(ctx, w)
-	} else {
+	default:
 		ok = g.whole(ctx, w)
 	}
 	if !ok {

@@ -1,0 +1,129 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/anthropics/anthropic-sdk-go/v2"
+	aoption "github.com/anthropics/anthropic-sdk-go/v2/option"
+	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
+	"github.com/openai/openai-go/v3/responses"
+)
+
+// The official OpenAI Go SDK's Responses API and Anthropic's Go SDK's
+// Messages API, unchanged, through the demo in precise mode: the second
+// of two requests sharing a long system prompt goes to the same replica,
+// with the tokens the router matched in X-Semroute-Matched-Tokens and the
+// engine's own cached tokens in the SDK's usage. A response continued by
+// previous_response_id, and fetched by its id, reaches the replica that
+// stored it.
+func TestAgenticAPIsThroughTheOfficialSDKs(t *testing.T) {
+	d := startTestDemo(t, demoOptions{sim: fastSim, picture: "events"})
+	waitSubscribed(t, d)
+	ctx := context.Background()
+	system := text("You are the support assistant of a bicycle shop; answer in two sentences.", 400)
+	model := d.sims[0].Options().Model
+
+	oa := openai.NewClient(option.WithBaseURL(d.router.url()+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
+	var got [2]struct {
+		replica string
+		matched int
+		cached  int64
+		id      string
+	}
+	for i := range got {
+		var hr *http.Response
+		r, err := oa.Responses.New(ctx, responses.ResponseNewParams{Model: model, Instructions: openai.String(system),
+			Input: responses.ResponseNewParamsInputUnion{OfString: openai.String("Do you rent e-bikes? " + strconv.Itoa(i))}, MaxOutputTokens: openai.Int(4)},
+			option.WithResponseInto(&hr))
+		if err != nil {
+			t.Fatalf("responses %d: %v", i, err)
+		}
+		got[i].replica, got[i].id = hr.Header.Get("X-Semroute-Replica"), r.ID
+		got[i].matched, _ = strconv.Atoi(hr.Header.Get("X-Semroute-Matched-Tokens"))
+		got[i].cached = r.Usage.InputTokensDetails.CachedTokens
+		if r.OutputText() == "" || r.Usage.InputTokens == 0 {
+			t.Fatalf("responses %d: no text or usage: %+v", i, r)
+		}
+		waitEventsApplied(t, d)
+	}
+	t.Logf("responses: %+v", got)
+	if got[1].replica != got[0].replica || got[1].matched == 0 || got[1].cached == 0 {
+		t.Fatalf("the second Responses request: replica %q (first %q), matched %d, engine cached %d", got[1].replica, got[0].replica, got[1].matched, got[1].cached)
+	}
+	// previous_response_id: on the replica that stored it, whatever the
+	// prefix says (a short new input, no instructions).
+	for i := 0; i < 4; i++ {
+		var hr *http.Response
+		r, err := oa.Responses.New(ctx, responses.ResponseNewParams{Model: model, PreviousResponseID: openai.String(got[0].id),
+			Input: responses.ResponseNewParamsInputUnion{OfString: openai.String("and on Sundays? " + strconv.Itoa(i))}}, option.WithResponseInto(&hr))
+		if err != nil {
+			t.Fatalf("continuing %s: %v", got[0].id, err)
+		}
+		if rep := hr.Header.Get("X-Semroute-Replica"); rep != got[0].replica || r.Usage.InputTokensDetails.CachedTokens == 0 {
+			t.Fatalf("continuing a response of %s went to %s, cached %d", got[0].replica, rep, r.Usage.InputTokensDetails.CachedTokens)
+		}
+	}
+	var hr *http.Response
+	if r, err := oa.Responses.Get(ctx, got[0].id, responses.ResponseGetParams{}, option.WithResponseInto(&hr)); err != nil || r.ID != got[0].id {
+		t.Fatalf("GET the stored response: %v %v", r, err)
+	}
+
+	an := anthropic.NewClient(aoption.WithBaseURL(d.router.url()), aoption.WithAPIKey("unused"), aoption.WithMaxRetries(0))
+	var replicas [2]string
+	for i := range replicas {
+		var hr *http.Response
+		m, err := an.Messages.New(ctx, anthropic.MessageNewParams{Model: anthropic.Model(model), MaxTokens: 4,
+			System:   []anthropic.TextBlockParam{{Text: system + " Messages."}},
+			Messages: []anthropic.MessageParam{anthropic.NewUserMessage(anthropic.NewTextBlock("Opening hours? " + strconv.Itoa(i)))}},
+			aoption.WithResponseInto(&hr))
+		if err != nil {
+			t.Fatalf("messages %d: %v", i, err)
+		}
+		replicas[i] = hr.Header.Get("X-Semroute-Replica")
+		matched, _ := strconv.Atoi(hr.Header.Get("X-Semroute-Matched-Tokens"))
+		if len(m.Content) == 0 || !strings.HasPrefix(m.ID, "msg_") {
+			t.Fatalf("messages %d: %+v", i, m)
+		}
+		if i == 1 && (replicas[1] != replicas[0] || matched == 0 || m.Usage.CacheReadInputTokens == 0) {
+			t.Fatalf("the second Messages request: replica %q (first %q), matched %d, engine cached %d", replicas[1], replicas[0], matched, m.Usage.CacheReadInputTokens)
+		}
+		waitEventsApplied(t, d)
+	}
+	// Streamed, through the SDK's event reader.
+	st := an.Messages.NewStreaming(ctx, anthropic.MessageNewParams{Model: anthropic.Model(model), MaxTokens: 3,
+		Messages: []anthropic.MessageParam{anthropic.NewUserMessage(anthropic.NewTextBlock("stream, please"))}})
+	var msg anthropic.Message
+	for st.Next() {
+		if err := msg.Accumulate(st.Current()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if st.Err() != nil || len(msg.Content) == 0 || msg.Usage.OutputTokens != 3 {
+		t.Fatalf("streamed message: %v, %+v", st.Err(), msg)
+	}
+	rs := oa.Responses.NewStreaming(ctx, responses.ResponseNewParams{Model: model, Input: responses.ResponseNewParamsInputUnion{OfString: openai.String("stream too")}, MaxOutputTokens: openai.Int(3)})
+	completed := false
+	for rs.Next() {
+		if ev := rs.Current(); ev.Type == "response.completed" && ev.Response.Usage.OutputTokens == 3 {
+			completed = true
+		}
+	}
+	if rs.Err() != nil || !completed {
+		t.Fatalf("streamed response: %v, completed %v", rs.Err(), completed)
+	}
+	// GET /v1/models/{id}, from the merged list.
+	m, err := oa.Models.Get(ctx, model)
+	if err != nil || m.ID != model {
+		t.Fatalf("models/%s: %v %v", model, m, err)
+	}
+	var apiErr *openai.Error
+	if _, err := oa.Models.Get(ctx, "no-such-model"); !errors.As(err, &apiErr) || apiErr.StatusCode != 404 || apiErr.Code != "model_not_found" {
+		t.Fatalf("an unknown model: %v", err)
+	}
+}

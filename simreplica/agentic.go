@@ -1,0 +1,233 @@
+package simreplica
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/semroute/semroute/blockhash"
+)
+
+// The Responses API (/v1/responses) and Anthropic's Messages API
+// (/v1/messages), as vLLM serves them: the request is rendered into the
+// chat template as the chat of the same conversation (tools turned into
+// chat function tools first), and answered in the API's own shape, whole
+// or as its events. A response is stored, as vLLM does with its response
+// store on: previous_response_id continues a stored response (its input
+// and output come before the new input), on the replica that made it
+// only; another answers 404.
+
+// maxStored bounds the responses a replica keeps.
+const maxStored = 4096
+
+// storedResponse is what a later request continuing it needs.
+type storedResponse struct {
+	parts []blockhash.Part // the conversation so far: its input, then its output
+	obj   map[string]any   // the response object, for GET
+}
+
+// responseStore keeps the replica's responses, the oldest dropped past
+// maxStored.
+type responseStore struct {
+	mu    sync.Mutex
+	by    map[string]*storedResponse
+	order []string
+}
+
+func (st *responseStore) get(id string) (*storedResponse, bool) {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	r, ok := st.by[id]
+	return r, ok
+}
+
+func (st *responseStore) put(id string, r *storedResponse) {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if st.by == nil {
+		st.by = map[string]*storedResponse{}
+	}
+	st.by[id] = r
+	st.order = append(st.order, id)
+	if len(st.order) > maxStored {
+		delete(st.by, st.order[0])
+		st.order = st.order[1:]
+	}
+}
+
+// agenticPrompt prepares a Responses or Messages request for the chat
+// template: its tools as chat function tools, and, continuing a stored
+// response, that conversation before its own parts. It answers 404 and
+// reports false for a previous_response_id this replica did not store.
+func (s *Server) agenticPrompt(w http.ResponseWriter, req *blockhash.Request) bool {
+	for i, p := range req.Parts {
+		if p.Role == blockhash.RoleTools {
+			if t, err := chatToolsJSON(p.Text); err == nil {
+				req.Parts[i].Text = t
+			}
+		}
+	}
+	if id := req.PreviousResponseID; id != "" {
+		prev, ok := s.responses.get(id)
+		if !ok {
+			writeError(w, http.StatusNotFound, "invalid_request_error", fmt.Sprintf("Response with id '%s' not found.", id))
+			return false
+		}
+		req.Parts = append(append([]blockhash.Part(nil), prev.parts...), req.Parts...)
+	}
+	return true
+}
+
+// chatToolsJSON turns Responses ({type, name, description, parameters})
+// or Messages ({name, description, input_schema}) tool schemas into chat
+// function tools, as vLLM does before rendering them.
+func chatToolsJSON(raw []byte) ([]byte, error) {
+	var tools []map[string]any
+	if err := json.Unmarshal(raw, &tools); err != nil {
+		return nil, err
+	}
+	out := make([]any, 0, len(tools))
+	for _, t := range tools {
+		if _, ok := t["function"]; ok {
+			out = append(out, t)
+			continue
+		}
+		fn := map[string]any{"name": t["name"]}
+		if d, ok := t["description"]; ok {
+			fn["description"] = d
+		}
+		if p := t["parameters"]; p != nil {
+			fn["parameters"] = p
+		} else if p := t["input_schema"]; p != nil {
+			fn["parameters"] = p
+		}
+		out = append(out, map[string]any{"type": "function", "function": fn})
+	}
+	return json.Marshal(out)
+}
+
+// text returns the generation's output text.
+func (g *generation) text() string {
+	var sb strings.Builder
+	for i := 0; i < g.out; i++ {
+		sb.WriteString(g.word(i))
+	}
+	return sb.String()
+}
+
+// responseObject is the Responses API's response, completed or not.
+func (g *generation) responseObject(text string, done bool) map[string]any {
+	obj := map[string]any{"id": g.id, "object": "response", "created_at": time.Now().Unix(), "model": g.model, "status": "in_progress", "output": []any{}}
+	if done {
+		obj["status"] = "completed"
+		obj["output"] = []any{map[string]any{"type": "message", "id": "msg_" + g.id, "status": "completed", "role": "assistant",
+			"content": []any{map[string]any{"type": "output_text", "text": text, "annotations": []any{}}}}}
+		obj["usage"] = map[string]any{"input_tokens": g.tokens, "input_tokens_details": map[string]any{"cached_tokens": g.cached},
+			"output_tokens": g.out, "output_tokens_details": map[string]any{"reasoning_tokens": 0}, "total_tokens": g.tokens + g.out}
+	}
+	return obj
+}
+
+// messageObject is the Messages API's message; Anthropic's input_tokens
+// leave out the cached ones (cache_read_input_tokens).
+func (g *generation) messageObject(text string, done bool) map[string]any {
+	obj := map[string]any{"id": g.id, "type": "message", "role": "assistant", "model": g.model, "content": []any{},
+		"stop_reason": nil, "stop_sequence": nil,
+		"usage": map[string]any{"input_tokens": g.tokens - g.cached, "cache_read_input_tokens": g.cached, "cache_creation_input_tokens": 0, "output_tokens": 0}}
+	if done {
+		obj["content"] = []any{map[string]any{"type": "text", "text": text}}
+		obj["stop_reason"] = "max_tokens"
+		obj["usage"].(map[string]any)["output_tokens"] = g.out
+	}
+	return obj
+}
+
+// agentic answers a Responses or Messages request, whole or as its API's
+// events, and stores a response.
+func (g *generation) agentic(ctx context.Context, w http.ResponseWriter, stream bool) bool {
+	text := g.text()
+	if g.ep == blockhash.Responses {
+		parts := make([]blockhash.Part, 0, len(g.req.Parts)+1)
+		for _, p := range g.req.Parts { // copied: the request's parse is recycled when it ends
+			p.Text, p.Segs = bytes.Clone(p.Text), slices.Clone(p.Segs)
+			parts = append(parts, p)
+		}
+		parts = append(parts, blockhash.Part{Role: blockhash.RoleAssistant, Base: blockhash.KindAssistantHistory, Text: []byte(text)})
+		g.s.responses.put(g.id, &storedResponse{parts: parts, obj: g.responseObject(text, true)})
+	}
+	if !stream {
+		if !sleep(ctx, time.Duration(g.out-1)*g.s.o.InterToken) {
+			return false
+		}
+		if g.ep == blockhash.Responses {
+			writeJSON(w, http.StatusOK, g.responseObject(text, true))
+		} else {
+			writeJSON(w, http.StatusOK, g.messageObject(text, true))
+		}
+		return true
+	}
+	w.Header().Set("Content-Type", "text/event-stream")
+	w.Header().Set("Cache-Control", "no-cache")
+	w.WriteHeader(http.StatusOK)
+	rc := http.NewResponseController(w)
+	seq := 0
+	send := func(event string, v map[string]any) bool {
+		v["type"] = event
+		if g.ep == blockhash.Responses {
+			v["sequence_number"] = seq
+			seq++
+		}
+		b, _ := json.Marshal(v)
+		if _, err := fmt.Fprintf(w, "event: %s\ndata: %s\n\n", event, b); err != nil {
+			return false
+		}
+		return rc.Flush() == nil
+	}
+	delta := func(word string) bool {
+		if g.ep == blockhash.Responses {
+			return send("response.output_text.delta", map[string]any{"item_id": "msg_" + g.id, "output_index": 0, "content_index": 0, "delta": word})
+		}
+		return send("content_block_delta", map[string]any{"index": 0, "delta": map[string]any{"type": "text_delta", "text": word}})
+	}
+	ok := true
+	if g.ep == blockhash.Responses {
+		ok = send("response.created", map[string]any{"response": g.responseObject("", false)})
+	} else {
+		ok = send("message_start", map[string]any{"message": g.messageObject("", false)}) &&
+			send("content_block_start", map[string]any{"index": 0, "content_block": map[string]any{"type": "text", "text": ""}})
+	}
+	for i := 0; ok && i < g.out; i++ {
+		if i > 0 && !sleep(ctx, g.s.o.InterToken) {
+			return false
+		}
+		ok = delta(g.word(i))
+	}
+	if !ok {
+		return false
+	}
+	if g.ep == blockhash.Responses {
+		return send("response.completed", map[string]any{"response": g.responseObject(text, true)})
+	}
+	return send("content_block_stop", map[string]any{"index": 0}) &&
+		send("message_delta", map[string]any{"delta": map[string]any{"stop_reason": "max_tokens", "stop_sequence": nil}, "usage": map[string]any{"output_tokens": g.out}}) &&
+		send("message_stop", map[string]any{})
+}
+
+// getResponse answers GET /v1/responses/{id} with a stored response.
+func (s *Server) getResponse(w http.ResponseWriter, r *http.Request) {
+	id := r.PathValue("id")
+	prev, ok := s.responses.get(id)
+	if !ok {
+		writeError(w, http.StatusNotFound, "invalid_request_error", fmt.Sprintf("Response with id '%s' not found.", id))
+		return
+	}
+	_, _ = io.Copy(io.Discard, r.Body)
+	writeJSON(w, http.StatusOK, prev.obj)
+}
