@@ -59,6 +59,7 @@ type Config struct {
 	Health      HealthConfig      `mapstructure:"health" json:"health"`
 	Timeouts    TimeoutConfig     `mapstructure:"timeouts" json:"timeouts"`
 	Admin       AdminConfig       `mapstructure:"admin" json:"admin"`
+	Auth        AuthConfig        `mapstructure:"auth" json:"auth"`
 	Tracing     TracingConfig     `mapstructure:"tracing" json:"tracing"`
 	Discovery   DiscoveryConfig   `mapstructure:"discovery" json:"discovery"`
 	Runtime     RuntimeConfig     `mapstructure:"runtime" json:"runtime"`
@@ -255,6 +256,20 @@ type GRPCConfig struct {
 type AdminConfig struct {
 	Listen string `mapstructure:"listen" json:"listen"`
 	Token  string `mapstructure:"token" json:"token"`
+}
+
+// AuthConfig is the API keys the router checks itself, and the one it
+// sends the replicas.
+type AuthConfig struct {
+	// APIKeysFile is a YAML file of hashed client keys, each with its
+	// tenant (package apikey); the router follows changes to it. Empty:
+	// clients' keys are not checked (they reach the replicas unless
+	// UpstreamAPIKey replaces them).
+	APIKeysFile string `mapstructure:"api_keys_file" json:"api_keys_file"`
+	// UpstreamAPIKey, if set, is sent to every replica as "Authorization:
+	// Bearer" (vLLM's --api-key), in place of whatever the client sent;
+	// clients never see it. Best from SEMROUTE_AUTH_UPSTREAM_API_KEY.
+	UpstreamAPIKey string `mapstructure:"upstream_api_key" json:"upstream_api_key"`
 }
 
 // LogConfig selects the log format and level.
@@ -569,6 +584,8 @@ func SetDefaults(v *viper.Viper) {
 		v.SetDefault("cluster."+k, "")
 	}
 	v.SetDefault("cluster.insecure", false)
+	v.SetDefault("auth.api_keys_file", "")
+	v.SetDefault("auth.upstream_api_key", "")
 	v.SetDefault("admin.listen", "")
 	v.SetDefault("admin.token", "")
 	v.SetDefault("replicas", []Replica{})

@@ -27,6 +27,9 @@ import (
 type Options struct {
 	// Client sends the checks and scrapes. Nil means a client of its own.
 	Client *http.Client
+	// Authorization, if set, is sent with every request to a replica (a
+	// replica that wants a key, as vLLM's --api-key, on its /v1 routes).
+	Authorization string
 	// CheckInterval, CheckTimeout: GET /health on every replica. Defaults
 	// 2s and 1s. Fall failures in a row mark a replica down, Rise successes
 	// mark it up; defaults 2 and 2.
@@ -247,6 +250,9 @@ func (m *Monitor) get(ctx context.Context, r *replica.Replica, path string, limi
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, r.URL.JoinPath(path).String(), nil)
 	if err != nil {
 		return nil, false
+	}
+	if m.o.Authorization != "" {
+		req.Header.Set("Authorization", m.o.Authorization)
 	}
 	resp, err := m.o.Client.Do(req)
 	if err != nil {

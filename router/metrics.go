@@ -36,6 +36,8 @@ type Metrics struct {
 	pdFallbacks    *prometheus.CounterVec
 	pdPrefill      prometheus.Histogram
 	pdDecodeFirst  prometheus.Histogram
+	authRefusedN   *prometheus.CounterVec
+	tenantN        *prometheus.CounterVec
 
 	mu     sync.RWMutex
 	models map[string]bool // the model label values given out (at most maxModelLabels)
@@ -103,12 +105,19 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Disaggregated requests whose decode replica computed the prompt itself, by reason: prefill_failed (every prefill replica failed before answering), prefill_refused (a prefill replica answered 4xx), no_transfer_params (a prefill answer without kv_transfer_params)."}, []string{"reason"}),
 		pdPrefill: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "semroute_pd_prefill_seconds",
 			Help: "Time from sending a disaggregated request's prefill to its prefill replica's whole answer (the prompt computed, its KV held for the decode replica).", Buckets: prometheus.ExponentialBuckets(0.005, 2, 14)}),
+		authRefusedN: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_auth_refused_total",
+			Help: "Requests answered 401 for their API key (auth.api_keys_file), by reason: missing, invalid."}, []string{"reason"}),
+		tenantN: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_tenant_requests_total",
+			Help: "Requests let through by an API key, by the key's tenant (auth.api_keys_file: the file's tenants alone)."}, []string{"tenant"}),
 		pdDecodeFirst: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "semroute_pd_decode_first_byte_seconds",
 			Help: "Time from sending a disaggregated request, with its kv_transfer_params, to its decode replica to the first byte of its answer: the KV transfer and the first decode step (vLLM's own vllm:nixl_xfer_time_seconds on the decode replica has the transfer alone).", Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)}),
 	}
 	m.models = map[string]bool{}
 	for _, p := range []string{"disaggregated", "short", "batch"} {
 		m.pdRequests.WithLabelValues(p)
+	}
+	for _, r := range []string{"missing", "invalid"} {
+		m.authRefusedN.WithLabelValues(r)
 	}
 	for _, r := range []string{pdPrefillFailed, pdRefused, pdNoParams} {
 		m.pdFallbacks.WithLabelValues(r)
@@ -117,7 +126,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		m.queueShed.WithLabelValues(r) // 0 from the first scrape
 	}
 	m.queueWait.WithLabelValues("0")
-	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.reported, m.trimmedTokens, m.tokenizeN, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors, m.heldExpiredN, m.modelTTFT, m.extProcRefused, m.saturated, m.queueWait, m.queueShed, m.pdRequests, m.pdFallbacks, m.pdPrefill, m.pdDecodeFirst} {
+	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.reported, m.trimmedTokens, m.tokenizeN, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors, m.heldExpiredN, m.modelTTFT, m.extProcRefused, m.saturated, m.queueWait, m.queueShed, m.pdRequests, m.pdFallbacks, m.pdPrefill, m.pdDecodeFirst, m.authRefusedN, m.tenantN} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -157,6 +166,27 @@ func (m *Metrics) disaggregated(path string) {
 func (m *Metrics) pdFallback(reason string) {
 	if m != nil {
 		m.pdFallbacks.WithLabelValues(reason).Inc()
+	}
+}
+
+// authRefused counts a request refused for its API key.
+func (m *Metrics) authRefused(reason string) {
+	if m != nil {
+		m.authRefusedN.WithLabelValues(reason).Inc()
+	}
+}
+
+// tenant counts a request an API key let through, by its tenant.
+func (m *Metrics) tenant(t string) {
+	if m != nil {
+		m.tenantN.WithLabelValues(t).Inc()
+	}
+}
+
+// tenantSeen makes tenant t's request counter exist, at 0.
+func (m *Metrics) tenantSeen(t string) {
+	if m != nil {
+		m.tenantN.WithLabelValues(t)
 	}
 }
 

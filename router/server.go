@@ -13,6 +13,7 @@ import (
 	"net/http/httputil"
 	"sort"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -20,6 +21,7 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/semroute/semroute/apikey"
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/replica"
@@ -83,6 +85,14 @@ type ServerOptions struct {
 	Transport http.RoundTripper
 	// Limits bound each request; SetLimits changes them while serving.
 	Limits limits.Request
+	// Keys, if set, are the API keys a /v1/* request must present
+	// (Authorization: Bearer, or x-api-key), each naming the request's
+	// tenant (X-Tenant-ID is then the key's, not the client's); a request
+	// without one is answered 401 before any replica is touched.
+	Keys *apikey.Set
+	// UpstreamAPIKey, if set, is the replicas' key: sent as
+	// "Authorization: Bearer" in place of whatever the client sent.
+	UpstreamAPIKey string
 	// RecordReplies caches the assistant's reply on the replica that wrote
 	// it once the response completes: it is the prefix of the next turn.
 	RecordReplies bool
@@ -171,6 +181,11 @@ func NewServer(o ServerOptions) (*Server, error) {
 		client.Transport = std
 	}
 	s := &Server{o: o, core: o.Core, e: o.Core.Engine(), mux: http.NewServeMux(), client: client, homes: newResponseHomes()}
+	if o.Keys != nil {
+		for _, t := range o.Keys.Tenants() {
+			o.Core.o.Metrics.tenantSeen(t) // 0 from the first scrape
+		}
+	}
 	s.SetLimits(o.Limits)
 	s.proxy = &httputil.ReverseProxy{
 		BufferPool: &bufferPool{},
@@ -284,7 +299,44 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			"request headers are larger than the limit of " + strconv.Itoa(max) + " bytes"})
 		return
 	}
+	if strings.HasPrefix(r.URL.Path, "/v1/") && !s.authorize(w, r) {
+		return
+	}
 	s.mux.ServeHTTP(w, r)
+}
+
+// authorize checks a /v1/* request's API key (ServerOptions.Keys) and
+// answers 401 when it has none the router holds, reporting false. A
+// request let through carries its key's tenant in X-Tenant-ID, and the
+// replicas' key (ServerOptions.UpstreamAPIKey) instead of the client's.
+func (s *Server) authorize(w http.ResponseWriter, r *http.Request) bool {
+	if s.o.Keys != nil {
+		presented, _ := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+		if presented == "" {
+			presented = r.Header.Get("X-Api-Key") // Anthropic's clients
+		}
+		key, ok := s.o.Keys.Check(presented)
+		if !ok {
+			reason := "invalid"
+			if presented == "" {
+				reason = "missing"
+			}
+			s.core.o.Metrics.authRefused(reason)
+			w.Header().Set("WWW-Authenticate", `Bearer realm="semroute"`)
+			writeError(w, apiError{http.StatusUnauthorized, "invalid_request_error", "invalid_api_key",
+				"Incorrect or missing API key: send Authorization: Bearer <key> with a key the router's operator issued."})
+			return false
+		}
+		r.Header.Set(HeaderTenantID, key.Tenant)
+		r.Header.Del("Authorization")
+		r.Header.Del("X-Api-Key")
+		s.core.o.Metrics.tenant(key.Tenant)
+	}
+	if s.o.UpstreamAPIKey != "" {
+		r.Header.Del("X-Api-Key")
+		r.Header.Set("Authorization", "Bearer "+s.o.UpstreamAPIKey)
+	}
+	return true
 }
 
 // models merges GET /v1/models across the available replicas.
@@ -347,6 +399,9 @@ func (s *Server) gatherModels(ctx context.Context) map[string]json.RawMessage {
 			req, err := http.NewRequestWithContext(ctx, http.MethodGet, rep.URL.JoinPath("/v1/models").String(), nil)
 			if err != nil {
 				return
+			}
+			if k := s.o.UpstreamAPIKey; k != "" {
+				req.Header.Set("Authorization", "Bearer "+k)
 			}
 			resp, err := s.client.Do(req)
 			if err != nil {

@@ -55,7 +55,10 @@ import (
 // Options configure a simulated replica. Zero fields take the defaults; a
 // negative duration means no time at all (instant answers).
 type Options struct {
-	Model           string        // served model name; default "sim-model"
+	Model string // served model name; default "sim-model"
+	// APIKey, if set, is required of every /v1/* request as
+	// "Authorization: Bearer", as vLLM's --api-key: 401 otherwise.
+	APIKey          string
 	BlockSize       int           // tokens per cache block; default 16
 	NumBlocks       int           // cache capacity in blocks; default 16384 (262,144 tokens)
 	BytesPerToken   int           // the bytes tokenizer's bytes per token; default 4
@@ -165,6 +168,7 @@ func (o *Options) defaults() {
 
 // Stats are a replica's counters since it started.
 type Stats struct {
+	Unauthorized int64 // refused for their key (Options.APIKey)
 	Requests     int64 // requests admitted (valid bodies)
 	Completed    int64 // finished normally
 	Cancelled    int64 // ended because the client went away
@@ -221,6 +225,7 @@ type Server struct {
 	remoteDecodes, transfers atomic.Int64
 	engineID                 string        // kv_transfer_params' remote_engine_id
 	responses                responseStore // the Responses API's stored responses
+	unauthorized             atomic.Int64  // requests refused for their key (Options.APIKey)
 	// Counters exported to /metrics; Restart zeroes them, as a restarted
 	// engine would.
 	queries, hits, promptTotal, genTotal, extQueries, extHits atomic.Int64
@@ -342,6 +347,11 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		writeError(w, int(st), "InternalServerError", "simulated fault")
 		return
 	}
+	if k := s.o.APIKey; k != "" && strings.HasPrefix(r.URL.Path, "/v1") && r.Header.Get("Authorization") != "Bearer "+k {
+		s.unauthorized.Add(1)
+		writeJSON(w, http.StatusUnauthorized, map[string]any{"error": "Unauthorized"}) // vLLM's answer
+		return
+	}
 	s.mux.ServeHTTP(w, r)
 }
 
@@ -369,7 +379,7 @@ func (s *Server) Stats() Stats {
 	return Stats{
 		Requests: s.requests.Load(), Completed: s.completed.Load(), Cancelled: s.cancelled.Load(),
 		PromptTokens: s.promptTokens.Load(), CachedTokens: s.cachedTokens.Load(), ReusedTokens: s.reusedTokens.Load(),
-		RemoteDecodes: s.remoteDecodes.Load(), Transfers: s.transfers.Load(),
+		RemoteDecodes: s.remoteDecodes.Load(), Transfers: s.transfers.Load(), Unauthorized: s.unauthorized.Load(),
 	}
 }
 

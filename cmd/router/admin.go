@@ -65,6 +65,7 @@ func (a *app) adminConfig(w http.ResponseWriter, _ *http.Request) {
 	}
 	redact(&c.Admin.Token)
 	redact(&c.GRPC.Token)
+	redact(&c.Auth.UpstreamAPIKey)
 	c.Replicas = slices.Clone(c.Replicas)
 	for i := range c.Replicas {
 		if u, err := url.Parse(c.Replicas[i].URL); err == nil {

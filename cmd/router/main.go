@@ -8,9 +8,11 @@
 package main
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/signal"
 	"strings"
@@ -20,6 +22,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/viper"
 
+	"github.com/semroute/semroute/apikey"
 	"github.com/semroute/semroute/configs"
 	"github.com/semroute/semroute/kvevents"
 	"github.com/semroute/semroute/simreplica"
@@ -46,7 +49,7 @@ func newRoot() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newServe(), newDemo(), newSim(), newReplay(), newGenTrace(), newBenchProxy(), newVersion())
+	root.AddCommand(newServe(), newDemo(), newSim(), newReplay(), newGenTrace(), newBenchProxy(), newVersion(), newHashKey())
 	return root
 }
 
@@ -215,6 +218,35 @@ func newVersion() *cobra.Command {
 		Run: func(cmd *cobra.Command, _ []string) {
 			ver, commit, gov := buildInfo()
 			fmt.Fprintf(cmd.OutOrStdout(), "semroute %s commit %s %s\n", ver, commit, gov)
+		},
+	}
+}
+
+func newHashKey() *cobra.Command {
+	return &cobra.Command{
+		Use:   "hashkey",
+		Short: "Print the SHA-256 of an API key read from standard input, for auth.api_keys_file",
+		Long: `Print the SHA-256 of an API key read from the first line of standard input, as
+auth.api_keys_file stores it:
+
+  printf '%s' "$KEY" | router hashkey
+
+The file then lists it with the tenant its requests count for:
+
+  keys:
+    - {name: team-a, tenant: acme, sha256: <what this printed>}`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			line, err := bufio.NewReader(io.LimitReader(cmd.InOrStdin(), 4096)).ReadString('\n')
+			if err != nil && !errors.Is(err, io.EOF) {
+				return err
+			}
+			key := strings.TrimRight(line, "\r\n")
+			if key == "" {
+				return errors.New("no key on standard input")
+			}
+			fmt.Fprintln(cmd.OutOrStdout(), apikey.Hash(key))
+			return nil
 		},
 	}
 }

@@ -23,6 +23,7 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/semroute/semroute/agreement"
+	"github.com/semroute/semroute/apikey"
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cluster"
 	"github.com/semroute/semroute/configs"
@@ -186,7 +187,14 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	if err != nil {
 		return nil, err
 	}
+	var keys *apikey.Set
+	if f := cfg.Auth.APIKeysFile; f != "" {
+		if keys, err = apikey.Load(f); err != nil {
+			return nil, err
+		}
+	}
 	srv, err := router.NewServer(router.ServerOptions{
+		Keys: keys, UpstreamAPIKey: cfg.Auth.UpstreamAPIKey,
 		Tracer: tracer,
 		Core:   core, Limits: limitsOf(cfg.Limits),
 		RecordReplies: cfg.Routing.RecordReplies, Logger: log,
@@ -209,6 +217,13 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		file: replica.NewStatic("config", specs), admin: replica.NewStatic("admin", nil)}
 	a.current.Store(cfg)
 	a.ctx, a.stopCtx = context.WithCancel(context.Background())
+	if keys != nil {
+		go keys.Watch(a.ctx, keysReload,
+			func() { log.Info("API keys reloaded", "path", cfg.Auth.APIKeysFile, "tenants", len(keys.Tenants())) },
+			func(err error) {
+				log.Error("API keys file refused; the keys before it stay", "path", cfg.Auth.APIKeysFile, "err", err)
+			})
+	}
 	a.events = newFollowers(cache, eng, cmp.Or(cfg.Tokenizer.BlockTokens, 16), precise, log)
 	reg.MustRegister(a.events)
 	a.members = replica.NewMembership(pool, replica.MembershipOptions{
@@ -239,6 +254,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	reg.MustRegister(clamped)
 	a.monitor = monitor.New(pool, monitor.Options{
 		MaxBudget:       cfg.Cache.MaxBudgetTokens,
+		Authorization:   bearerValue(cfg.Auth.UpstreamAPIKey),
 		OnBudgetClamped: func(r *replica.Replica, _, _ int64) { clamped.WithLabelValues(r.Name).Inc() },
 		CheckInterval:   h.CheckInterval, CheckTimeout: h.CheckTimeout, Fall: h.Fall, Rise: h.Rise,
 		ScrapeInterval: scrapeInterval(h.ScrapeInterval), Logger: log,
@@ -517,3 +533,15 @@ func (l *listening) stop(grace time.Duration) error {
 
 // url returns the server's base URL.
 func (l *listening) url() string { return "http://" + strings.Replace(l.addr, "[::]", "127.0.0.1", 1) }
+
+// keysReload is how often the API keys file is read again for changes (a
+// mounted Secret changes in place).
+const keysReload = 2 * time.Second
+
+// bearerValue returns the Authorization header value of key, "" for none.
+func bearerValue(key string) string {
+	if key == "" {
+		return ""
+	}
+	return "Bearer " + key
+}
