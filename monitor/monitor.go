@@ -221,6 +221,21 @@ const (
 	metricLoRA        = "vllm:lora_requests_info"
 )
 
+// SGLang's names for the same gauges (sglang/srt/metrics/collector.py),
+// read when a replica exports no vLLM one: its running and queued
+// requests, the fraction of its KV tokens in use, its cache's pages
+// (sglang:cache_config_info{page_size, num_pages}; from v0.5.11 also
+// sglang:max_total_num_tokens), and its prompt tokens, whose fall says it
+// restarted.
+const (
+	sglangRunning     = "sglang:num_running_reqs"
+	sglangWaiting     = "sglang:num_queue_reqs"
+	sglangKVUsage     = "sglang:token_usage"
+	sglangCacheConfig = "sglang:cache_config_info"
+	sglangMaxTokens   = "sglang:max_total_num_tokens"
+	sglangPrompt      = "sglang:prompt_tokens"
+)
+
 // Scrape reads r's /metrics once and records its load gauges; it may learn
 // its budget and detect a restart. It does nothing while the last scrape
 // of r is still out.
@@ -301,7 +316,9 @@ type Scraped struct {
 var wanted = map[string]bool{
 	metricRunning: true, metricWaiting: true, metricKVUsage: true, metricGPUKVUsage: true, metricCacheConfig: true,
 	metricQueries: true, metricQueries + "_total": true, metricPrompt: true, metricPrompt + "_total": true,
-	metricLoRA: true,
+	metricLoRA:    true,
+	sglangRunning: true, sglangWaiting: true, sglangKVUsage: true, sglangCacheConfig: true, sglangMaxTokens: true,
+	sglangPrompt: true, sglangPrompt + "_total": true,
 }
 
 // maxMetricLine bounds one exposition line the router keeps: 64 KiB.
@@ -382,27 +399,44 @@ func ParseMetrics(rd io.Reader) (Scraped, error) {
 		}
 		return total, true
 	}
-	if v, ok := sum(metricRunning); ok {
+	either := func(vllm, sglang string) (float64, bool) {
+		if v, ok := sum(vllm); ok {
+			return v, true
+		}
+		return sum(sglang)
+	}
+	if v, ok := either(metricRunning, sglangRunning); ok {
 		out.Running, out.HasRunning = int64(v), true
 	}
-	if v, ok := sum(metricWaiting); ok {
+	if v, ok := either(metricWaiting, sglangWaiting); ok {
 		out.Waiting, out.HasWaiting = int64(v), true
 	}
 	if v, ok := sum(metricKVUsage); ok {
 		out.KVUsage, out.HasKV = min(v, 1), true
-	} else if v, ok := sum(metricGPUKVUsage); ok {
+	} else if v, ok := either(metricGPUKVUsage, sglangKVUsage); ok {
 		out.KVUsage, out.HasKV = min(v, 1), true
 	}
-	if f, ok := fams[metricCacheConfig]; ok && len(f.GetMetric()) > 0 {
+	cacheConfig := func(name, blocks, size string) {
+		f, ok := fams[name]
+		if !ok || len(f.GetMetric()) == 0 {
+			return
+		}
 		for _, l := range f.GetMetric()[0].GetLabel() {
 			v, _ := strconv.ParseInt(l.GetValue(), 10, 64)
 			switch l.GetName() {
-			case "num_gpu_blocks":
-				out.Blocks = v
-			case "block_size":
-				out.BlockSize = v
+			case blocks:
+				out.Blocks = max(v, 0)
+			case size:
+				out.BlockSize = max(v, 0)
 			}
 		}
+	}
+	cacheConfig(metricCacheConfig, "num_gpu_blocks", "block_size")
+	if out.Blocks == 0 {
+		cacheConfig(sglangCacheConfig, "num_pages", "page_size")
+	}
+	if v, ok := sum(sglangMaxTokens); ok && out.Blocks == 0 && v >= 1 { // tokens: blocks of one
+		out.Blocks, out.BlockSize = int64(v), 1
 	}
 	if f, ok := fams[metricLoRA]; ok && len(f.GetMetric()) > 0 {
 		var latest *dto.Metric
@@ -430,7 +464,7 @@ func ParseMetrics(rd io.Reader) (Scraped, error) {
 	}
 	if v, ok := sum(metricQueries); ok {
 		out.Counter, out.HasCounter = v, true
-	} else if v, ok := sum(metricPrompt); ok {
+	} else if v, ok := either(metricPrompt, sglangPrompt); ok {
 		out.Counter, out.HasCounter = v, true
 	}
 	return out, nil
