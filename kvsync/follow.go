@@ -69,8 +69,10 @@ type Stats struct {
 // Close are safe for concurrent use.
 type Follower struct {
 	o   Options
-	ap  *Applier
+	ap  *Applier // under apMu: batches, and resets from the subscriber or Restarted
 	sub *kvevents.Subscriber
+
+	apMu sync.Mutex
 
 	mu        sync.Mutex // serialises the picture's mode changes
 	live      atomic.Bool
@@ -119,18 +121,28 @@ func (f *Follower) batch(_ uint64, b kvevents.Batch) {
 		}
 		f.mu.Unlock()
 	}
+	f.apMu.Lock()
 	f.ap.Apply(&b, f.o.Now().UnixNano())
 	f.tracked.Store(int64(f.ap.Tracked()))
+	f.apMu.Unlock()
 	if st, ok := f.o.Model.Stats(f.o.ID); ok {
 		f.expiredAt.Store(st.PendingExpired)
 	}
 }
 
 func (f *Follower) reset(reason string) {
+	f.apMu.Lock()
 	f.ap.Reset()
 	f.tracked.Store(0)
+	f.apMu.Unlock()
 	f.o.Logger.Warn("KV events: the replica's cache picture was cleared", "replica", f.o.Name, "reason", reason)
 }
+
+// Restarted clears the replica's picture for a restart its events did
+// not show (the monitor saw its counters go back): a restarted engine's
+// first events may be lost before its publisher connects, and then read
+// as a gap its new replay buffer fills. Safe for concurrent use.
+func (f *Follower) Restarted(reason string) { f.reset(reason) }
 
 // watch expires pending blocks and falls back to the approximate picture
 // when the events are silent while routed blocks go unconfirmed (an idle

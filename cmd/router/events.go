@@ -148,6 +148,17 @@ func (fs *followers) remove(id int) {
 	fs.unlisten(id)
 }
 
+// restarted clears replica id's events picture for a restart seen
+// elsewhere (the monitor), if the replica has a follower.
+func (fs *followers) restarted(id int, reason string) {
+	fs.mu.Lock()
+	f := fs.by[id]
+	fs.mu.Unlock()
+	if f != nil {
+		f.Restarted(reason)
+	}
+}
+
 // close stops every follower.
 func (fs *followers) close() {
 	fs.mu.Lock()

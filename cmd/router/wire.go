@@ -262,7 +262,10 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 			clamped.WithLabelValues(r.Name) // 0 until it reports too much
 			eng.Picture().SetBudget(r.ID, tokens)
 		},
-		OnRestart: func(r *replica.Replica) { eng.Picture().Clear(r.ID) },
+		OnRestart: func(r *replica.Replica) {
+			eng.Picture().Clear(r.ID)
+			a.events.restarted(r.ID, "engine restarted: its counters went back")
+		},
 		OnAdapters: func(_ *replica.Replica, adapters []string) {
 			for _, a := range adapters {
 				eng.NoteAdapter(a) // precise mode keys an adapter's blocks as its engine does
