@@ -69,8 +69,9 @@ records every block. --rounds rounds of sequential requests for latency, interle
 across the targets so they meet the same background noise (p50, p99, and added latency:
 the target's minus the replica's own in the same round; each the median over the
 rounds); then, for each --concurrency, --throughput-rounds rounds of --duration each,
-the targets interleaved, for requests per second and the CPU time each target's
-processes spent per request (from /proc/PID/stat; the replica's own is not counted).
+the targets interleaved, for requests per second, the CPU time each target's
+processes spent per request (from /proc/PID/stat; the replica's own is not counted),
+and the time to the answer's first byte under that load (TTFT p50 and p99 loaded).
 Bodies of each --sizes, streaming and not. After the table, the router against the
 plain proxy (added p99) and against nginx (CPU per request, requests/s, added p50).
 Everything shares this machine's cores.`,
@@ -211,7 +212,7 @@ func runBenchProxy(out io.Writer, o benchOptions) error {
 	defer client.CloseIdleConnections()
 
 	tw := tabwriter.NewWriter(out, 2, 4, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "body\tmode\ttarget\tp50\tp99\tadded p50\tadded p99\tclients\treq/s\tCPU/req\terrors\t")
+	fmt.Fprintln(tw, "body\tmode\ttarget\tp50\tp99\tadded p50\tadded p99\tclients\treq/s\tCPU/req\tTTFT p50 loaded\tTTFT p99 loaded\terrors\t")
 	var ratios []string
 	for _, size := range o.sizes {
 		for _, stream := range o.modes {
@@ -238,9 +239,9 @@ func runBenchProxy(out io.Writer, o benchOptions) error {
 					if tp[i].cpuPerReq > 0 {
 						cpu = tp[i].cpuPerReq.Round(time.Microsecond).String()
 					}
-					fmt.Fprintf(tw, "%d B\t%s\t%s\t%v\t%v\t%s\t%s\t%d\t%.0f\t%s\t%d\t\n", len(tmpl), mode, t.name,
+					fmt.Fprintf(tw, "%d B\t%s\t%s\t%v\t%v\t%s\t%s\t%d\t%.0f\t%s\t%v\t%v\t%d\t\n", len(tmpl), mode, t.name,
 						res[i].p50.Round(time.Microsecond), res[i].p99.Round(time.Microsecond), added50, added99,
-						clients, tp[i].throughput, cpu, res[i].errors+tp[i].errors)
+						clients, tp[i].throughput, cpu, tp[i].ttft50.Round(time.Microsecond), tp[i].ttft99.Round(time.Microsecond), res[i].errors+tp[i].errors)
 				}
 				ratios = append(ratios, benchRatios(targets, res, tp, len(tmpl), mode, clients, clients == o.concurrency[0])...)
 			}
@@ -419,16 +420,29 @@ func serveBenchTarget(role, upstream, profile string, out io.Writer, in io.Reade
 }
 
 func benchOnce(client *http.Client, u string, body []byte) error {
+	_, err := benchFirstByte(client, u, body)
+	return err
+}
+
+// benchFirstByte sends one request and returns the time to the first byte
+// of its answer's body (its TTFT, streamed or not), after reading it all.
+func benchFirstByte(client *http.Client, u string, body []byte) (time.Duration, error) {
+	start := time.Now()
 	resp, err := client.Post(u+"/v1/chat/completions", "application/json", bytes.NewReader(body))
 	if err != nil {
-		return err
+		return 0, err
 	}
-	_, err = io.Copy(io.Discard, resp.Body)
+	var one [1]byte
+	_, err = io.ReadFull(resp.Body, one[:])
+	first := time.Since(start)
+	if err == nil {
+		_, err = io.Copy(io.Discard, resp.Body)
+	}
 	resp.Body.Close()
 	if err == nil && resp.StatusCode != http.StatusOK {
 		err = fmt.Errorf("status %d", resp.StatusCode)
 	}
-	return err
+	return first, err
 }
 
 // benchLatency sends rounds × n sequential requests to each target,
@@ -503,6 +517,9 @@ type benchThroughputResult struct {
 	throughput float64
 	cpuPerReq  time.Duration
 	errors     int64
+	// ttft50, ttft99: the medians over the rounds of the time to the
+	// answer's first byte under this load.
+	ttft50, ttft99 time.Duration
 }
 
 // benchThroughput drives each target with clients concurrent clients for
@@ -513,6 +530,7 @@ type benchThroughputResult struct {
 func benchThroughput(client *http.Client, targets []benchTarget, gen *bodyGen, clients int, o benchOptions) []benchThroughputResult {
 	out := make([]benchThroughputResult, len(targets))
 	tps, cpus := make([][]float64, len(targets)), make([][]time.Duration, len(targets))
+	t50s, t99s := make([][]time.Duration, len(targets)), make([][]time.Duration, len(targets))
 	for round := range o.tpRounds {
 		for n := range targets {
 			i := (round + n) % len(targets)
@@ -522,20 +540,28 @@ func benchThroughput(client *http.Client, targets []benchTarget, gen *bodyGen, c
 			start := time.Now()
 			deadline := start.Add(o.duration)
 			var wg sync.WaitGroup
+			firsts := make([][]time.Duration, clients)
 			for c := 0; c < clients; c++ {
 				wg.Add(1)
 				go func() {
 					defer wg.Done()
 					for time.Now().Before(deadline) {
-						if err := benchOnce(client, t.url, gen.next()); err != nil {
+						d, err := benchFirstByte(client, t.url, gen.next())
+						if err != nil {
 							errs.Add(1)
 							continue
 						}
+						firsts[c] = append(firsts[c], d)
 						done.Add(1)
 					}
 				}()
 			}
 			wg.Wait()
+			if all := slices.Concat(firsts...); len(all) > 0 {
+				slices.Sort(all)
+				t50s[i] = append(t50s[i], all[len(all)/2])
+				t99s[i] = append(t99s[i], all[min(len(all)-1, len(all)*99/100)])
+			}
 			elapsed := time.Since(start)
 			cpu1, okCPU1 := cpuTime(t.pids())
 			tps[i] = append(tps[i], float64(done.Load())/elapsed.Seconds())
@@ -549,6 +575,7 @@ func benchThroughput(client *http.Client, targets []benchTarget, gen *bodyGen, c
 		sort.Float64s(tps[i])
 		out[i].throughput = tps[i][len(tps[i])/2]
 		out[i].cpuPerReq = median(cpus[i])
+		out[i].ttft50, out[i].ttft99 = median(t50s[i]), median(t99s[i])
 	}
 	return out
 }
