@@ -183,6 +183,30 @@ type DiscoveryConfig struct {
 	// BudgetTokens for discovered replicas; 0 learns it from each
 	// replica's vllm:cache_config_info.
 	BudgetTokens int64 `mapstructure:"budget_tokens" json:"budget_tokens"`
+	// Kubernetes finds the replicas through the Kubernetes API (package
+	// kubedisc), in the router's own namespace unless Namespace is set:
+	// the ready endpoints of Service's EndpointSlices, the ready pods of
+	// Selector, or the ready pods of InferencePool. All empty: off.
+	// Scheme and BudgetTokens apply; Port is the pods' port (Selector; an
+	// InferencePool without a target port).
+	Kubernetes KubernetesDiscovery `mapstructure:"kubernetes" json:"kubernetes"`
+}
+
+// KubernetesDiscovery: see DiscoveryConfig.Kubernetes.
+type KubernetesDiscovery struct {
+	Namespace     string `mapstructure:"namespace" json:"namespace"`
+	Service       string `mapstructure:"service" json:"service"`
+	PortName      string `mapstructure:"port_name" json:"port_name"` // the EndpointSlice port (Service); empty: the first
+	Selector      string `mapstructure:"selector" json:"selector"`
+	InferencePool string `mapstructure:"inference_pool" json:"inference_pool"`
+	// PoolAPI is the InferencePool's API version: v1 (inference.networking.k8s.io)
+	// or v1alpha2 (inference.networking.x-k8s.io).
+	PoolAPI string `mapstructure:"pool_api" json:"pool_api"`
+}
+
+// On reports whether Kubernetes discovery is configured.
+func (k KubernetesDiscovery) On() bool {
+	return k.Service != "" || k.Selector != "" || k.InferencePool != ""
 }
 
 // HealthConfig sets active checks, scraping and passive ejection.
@@ -568,6 +592,10 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("discovery.scheme", "http")
 	v.SetDefault("discovery.interval", "10s")
 	v.SetDefault("discovery.budget_tokens", 0)
+	for _, k := range []string{"namespace", "service", "port_name", "selector", "inference_pool"} {
+		v.SetDefault("discovery.kubernetes."+k, "")
+	}
+	v.SetDefault("discovery.kubernetes.pool_api", "v1")
 	v.SetDefault("runtime.gc_floor_mb", 64)
 	v.SetDefault("flow_control.enabled", false)
 	v.SetDefault("flow_control.max_requests", flow.DefaultMaxRequests)

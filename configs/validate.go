@@ -294,6 +294,30 @@ func (d DiscoveryConfig) validate(p *problems) {
 	if d.DNSName != "" && (d.Interval <= 0 || d.Port < 1 || d.Port > 65535 || (d.Scheme != "http" && d.Scheme != "https") || d.BudgetTokens < 0) {
 		p.bad("discovery", "interval must be positive, port in [1, 65535], scheme http or https")
 	}
+	k := d.Kubernetes
+	if !k.On() {
+		return
+	}
+	n := 0
+	for _, s := range []string{k.Service, k.Selector, k.InferencePool} {
+		if s != "" {
+			n++
+		}
+	}
+	switch {
+	case n > 1:
+		p.bad("discovery.kubernetes", "one of service, selector and inference_pool")
+	case d.DNSName != "":
+		p.bad("discovery.kubernetes", "and discovery.dns_name are two ways to find the same replicas: use one")
+	case k.Selector != "" && (d.Port < 1 || d.Port > 65535):
+		p.bad("discovery.port", "a selector needs the pods' port")
+	case d.Scheme != "http" && d.Scheme != "https":
+		p.bad("discovery.scheme", "must be http or https")
+	case k.PoolAPI != "v1" && k.PoolAPI != "v1alpha2":
+		p.bad("discovery.kubernetes.pool_api", "%q: v1 or v1alpha2", k.PoolAPI)
+	case d.Interval <= 0:
+		p.bad("discovery.interval", "must be positive")
+	}
 }
 
 func (r RuntimeConfig) validate(p *problems) {
@@ -306,8 +330,8 @@ func (r RuntimeConfig) validate(p *problems) {
 // DNS name to find them (the demo's config has neither until it adds its
 // simulated replicas).
 func (c *Config) CheckServable() error {
-	if len(c.Replicas) == 0 && c.Discovery.DNSName == "" {
-		return &FieldError{"replicas", "at least one replica is required (or discovery.dns_name)"}
+	if len(c.Replicas) == 0 && c.Discovery.DNSName == "" && !c.Discovery.Kubernetes.On() {
+		return &FieldError{"replicas", "at least one replica is required (or discovery.dns_name, or discovery.kubernetes)"}
 	}
 	return nil
 }

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -21,6 +22,10 @@ import (
 	"github.com/spf13/viper"
 	"golang.org/x/net/netutil"
 	"google.golang.org/grpc"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/semroute/semroute/agreement"
 	"github.com/semroute/semroute/apikey"
@@ -30,6 +35,7 @@ import (
 	"github.com/semroute/semroute/decisionlog"
 	"github.com/semroute/semroute/eviction"
 	"github.com/semroute/semroute/flow"
+	"github.com/semroute/semroute/kubedisc"
 	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/matcher"
 	"github.com/semroute/semroute/monitor"
@@ -235,7 +241,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 			}
 			return r, err
 		},
-		Retire: a.retire, Precedence: []string{"config", "admin", "dns"}, Context: a.ctx, Logger: log,
+		Retire: a.retire, Precedence: []string{"config", "admin", "dns", "kubernetes"}, Context: a.ctx, Logger: log,
 	})
 	if err := a.members.Reconcile(a.ctx, a.file); err != nil {
 		a.stopCtx()
@@ -395,6 +401,16 @@ func (a *app) start() (*running, error) {
 		wg.Add(1)
 		go func() { defer wg.Done(); a.members.Watch(ctx, dns, d.Interval) }()
 	}
+	if d := a.cfg.Discovery; d.Kubernetes.On() {
+		src, err := a.kubernetes(ctx, d)
+		if err != nil {
+			cancel()
+			_ = r.http.stop(time.Second)
+			return nil, err
+		}
+		wg.Add(1)
+		go func() { defer wg.Done(); a.members.Watch(ctx, src, kubeInterval) }()
+	}
 	if a.path != "" {
 		w, err := a.watch(ctx)
 		if err != nil {
@@ -547,4 +563,47 @@ func bearerValue(key string) string {
 		return ""
 	}
 	return "Bearer " + key
+}
+
+// kubeInterval is how often the Kubernetes source's informer caches are
+// read for changes (the informers follow the API server's watch).
+const kubeInterval = time.Second
+
+// kubernetes starts discovery through the Kubernetes API, in-cluster (the
+// pod's service account) or, outside, from $KUBECONFIG.
+func (a *app) kubernetes(ctx context.Context, d configs.DiscoveryConfig) (*kubedisc.Source, error) {
+	k := d.Kubernetes
+	rc, err := rest.InClusterConfig()
+	if err != nil {
+		if rc, err = clientcmd.BuildConfigFromFlags("", os.Getenv("KUBECONFIG")); err != nil {
+			return nil, fmt.Errorf("discovery.kubernetes: no cluster config (in a pod, or $KUBECONFIG): %w", err)
+		}
+	}
+	cs, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return nil, fmt.Errorf("discovery.kubernetes: %w", err)
+	}
+	dc, err := dynamic.NewForConfig(rc)
+	if err != nil {
+		return nil, fmt.Errorf("discovery.kubernetes: %w", err)
+	}
+	ns := k.Namespace
+	if ns == "" {
+		b, err := os.ReadFile("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+		if err != nil {
+			return nil, errors.New("discovery.kubernetes.namespace: not set, and not running in a pod")
+		}
+		ns = strings.TrimSpace(string(b))
+	}
+	pool := kubedisc.InferencePool
+	if k.PoolAPI == "v1alpha2" {
+		pool = kubedisc.InferencePoolAlpha
+	}
+	src, err := kubedisc.Start(ctx, kubedisc.Options{Client: cs, Dynamic: dc, Namespace: ns, Service: k.Service, PortName: k.PortName,
+		Selector: k.Selector, InferencePool: k.InferencePool, PoolVersion: pool, Port: d.Port, Scheme: d.Scheme, BudgetTokens: d.BudgetTokens})
+	if err != nil {
+		return nil, fmt.Errorf("discovery.kubernetes: %w", err)
+	}
+	a.log.Info("discovering replicas through the Kubernetes API", "namespace", ns, "service", k.Service, "selector", k.Selector, "inference_pool", k.InferencePool)
+	return src, nil
 }
