@@ -160,22 +160,5 @@ func (s *Server) home(id string) func(*replica.Replica) bool {
 // /v1/responses/{id}, POST /v1/responses/{id}/cancel) to the replica that
 // made it.
 func (s *Server) storedResponse(w http.ResponseWriter, r *http.Request) {
-	if e := checkPassPath(r.URL.Path, r.URL.RawPath); e != nil {
-		writeError(w, *e)
-		return
-	}
-	body, err := s.readBody(w, r)
-	if err != nil {
-		writeError(w, classify(err))
-		return
-	}
-	defer body.release()
-	cr := CoreRequest{PassThrough: true, Route: "passthrough"}
-	cr.Input.Allow = s.home(r.PathValue("id"))
-	rt, err := s.core.Route(cr)
-	if err != nil {
-		writeError(w, classify(err))
-		return
-	}
-	s.forwardRouted(w, r, r.Context(), rt, body, false)
+	s.passTo(w, r, s.home(r.PathValue("id")))
 }

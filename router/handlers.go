@@ -18,6 +18,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/replica"
 )
 
 // checkBodyType rejects a routed request's body before parsing, given its
@@ -260,7 +261,11 @@ func (s *Server) readBody(w http.ResponseWriter, r *http.Request) (*body, error)
 // through the same core and proxy as a routed one.
 // A path with dot segments (sent percent-encoded, as %2e%2e, so that the
 // mux did not clean it) is refused: it would name another path upstream.
-func (s *Server) passthrough(w http.ResponseWriter, r *http.Request) {
+func (s *Server) passthrough(w http.ResponseWriter, r *http.Request) { s.passTo(w, r, nil) }
+
+// passTo passes a request without a prompt to the least-loaded replica of
+// those allow admits (all, if nil).
+func (s *Server) passTo(w http.ResponseWriter, r *http.Request, allow func(*replica.Replica) bool) {
 	if e := checkPassPath(r.URL.Path, r.URL.RawPath); e != nil {
 		writeError(w, *e)
 		return
@@ -271,7 +276,9 @@ func (s *Server) passthrough(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer body.release()
-	rt, err := s.core.Route(CoreRequest{PassThrough: true, Route: "passthrough"})
+	cr := CoreRequest{PassThrough: true, Route: "passthrough"}
+	cr.Input.Allow = allow
+	rt, err := s.core.Route(cr)
 	if err != nil {
 		writeError(w, classify(err))
 		return

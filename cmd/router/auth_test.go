@@ -1,10 +1,7 @@
 package main
 
 import (
-	"bytes"
-	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -43,7 +40,7 @@ func TestAPIKeysAtTheRouter(t *testing.T) {
 		{"the key", map[string]string{"Authorization": "Bearer sk-acme", "X-Tenant-ID": "someone-else"}, 200},
 		{"the key as x-api-key", map[string]string{"X-Api-Key": "sk-acme"}, 200},
 	} {
-		code, b, err := postBody(r.http.url(), body, c.hdr)
+		code, b, _, err := postChat(r.http.url(), body, c.hdr)
 		if err != nil || code != c.want {
 			t.Fatalf("%s: %d %s (%v), want %d", c.name, code, b, err, c.want)
 		}
@@ -87,22 +84,4 @@ func TestAPIKeysAtTheRouter(t *testing.T) {
 	if code, _, _ := postURL(r.http.url(), body, map[string]string{"Authorization": "Bearer sk-rotated"}); code != 200 {
 		t.Fatalf("after a broken keys file the key got %d", code)
 	}
-}
-
-// postBody posts a chat body to base with hdr and returns the status and
-// the answer's body.
-func postBody(base string, body any, hdr map[string]string) (int, string, error) {
-	b, _ := json.Marshal(body)
-	req, _ := http.NewRequest(http.MethodPost, base+"/v1/chat/completions", bytes.NewReader(b))
-	req.Header.Set("Content-Type", "application/json")
-	for k, v := range hdr {
-		req.Header.Set(k, v)
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return 0, "", err
-	}
-	defer resp.Body.Close()
-	out, err := io.ReadAll(resp.Body)
-	return resp.StatusCode, string(out), err
 }

@@ -107,7 +107,16 @@ func startSims(t *testing.T, n int, o simreplica.Options) []*simreplica.Running 
 	return out
 }
 
+// postURL posts a chat body to base with hdr and returns the status and
+// the replica that answered.
 func postURL(base string, body any, hdr map[string]string) (int, string, error) {
+	code, _, replica, err := postChat(base, body, hdr)
+	return code, replica, err
+}
+
+// postChat posts a chat body to base with hdr and returns the status, the
+// answer's body and the replica that answered.
+func postChat(base string, body any, hdr map[string]string) (code int, answer, replica string, err error) {
 	b, _ := json.Marshal(body)
 	req, _ := http.NewRequest(http.MethodPost, base+"/v1/chat/completions", bytes.NewReader(b))
 	req.Header.Set("Content-Type", "application/json")
@@ -116,11 +125,11 @@ func postURL(base string, body any, hdr map[string]string) (int, string, error) 
 	}
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
-		return 0, "", err
+		return 0, "", "", err
 	}
 	defer resp.Body.Close()
-	_, _ = io.Copy(io.Discard, resp.Body)
-	return resp.StatusCode, resp.Header.Get("X-Semroute-Replica"), nil
+	out, err := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(out), resp.Header.Get("X-Semroute-Replica"), err
 }
 
 func TestKillReplicaMidwayEveryRequestSucceeds(t *testing.T) {
