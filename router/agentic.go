@@ -142,13 +142,13 @@ func (h responseHomes) get(id string) (string, bool) { return h.c.Get(id) }
 // response id, when it is remembered and can take a request; else nil
 // (the request is routed as any other, and a replica that does not hold
 // the response answers for itself).
-func (s *Server) home(id string) func(*replica.Replica) bool {
-	name, ok := s.homes.get(id)
+func (c *Core) home(id string) func(*replica.Replica) bool {
+	name, ok := c.homes.get(id)
 	if !ok {
 		return nil
 	}
 	now := time.Now()
-	for _, r := range s.e.Pool().Replicas() {
+	for _, r := range c.e.Pool().Replicas() {
 		if r.Name == name && r.Usable(now) {
 			return func(c *replica.Replica) bool { return c.Name == name }
 		}
@@ -160,5 +160,5 @@ func (s *Server) home(id string) func(*replica.Replica) bool {
 // /v1/responses/{id}, POST /v1/responses/{id}/cancel) to the replica that
 // made it.
 func (s *Server) storedResponse(w http.ResponseWriter, r *http.Request) {
-	s.passTo(w, r, s.home(r.PathValue("id")))
+	s.passTo(w, r, s.core.home(r.PathValue("id")))
 }

@@ -119,6 +119,10 @@ type Core struct {
 	held       map[string]*list.Element // gRPC decisions awaiting Release, by id
 	heldOrder  list.List                // of *Routed, oldest first
 	heldBlocks int                      // blocks of the held decisions
+	// homes remembers the replica that answered each Responses API
+	// response, for the requests that continue or fetch it, through
+	// either front end.
+	homes responseHomes
 }
 
 // armSet is an immutable set of arms with their total weight.
@@ -133,7 +137,7 @@ func NewCore(o CoreOptions) (*Core, error) {
 		return nil, errors.New("router: CoreOptions.Engine is required")
 	}
 	o.Held = o.Held.WithDefaults()
-	c := &Core{o: o, e: o.Engine, held: map[string]*list.Element{}}
+	c := &Core{o: o, e: o.Engine, held: map[string]*list.Element{}, homes: newResponseHomes()}
 	if o.Flow != nil {
 		fo := *o.Flow
 		fo.OnLost = c.lost

@@ -184,6 +184,7 @@ type epStream struct {
 
 	msgs  chan recvd // from the stream's reader
 	timer *time.Timer
+	ep    blockhash.Endpoint // the routed request's API (input)
 }
 
 // recvd is one Recv's result.
@@ -491,12 +492,14 @@ func (st *epStream) route(noBody bool) (bool, error) {
 		return st.reject(*e)
 	}
 	if sub := st.subset; sub != nil {
-		in.Input.Allow = func(r *replica.Replica) bool { return sub.has(Endpoint(r)) }
+		home := in.Input.Allow // the stored response's replica, if any
+		in.Input.Allow = func(r *replica.Replica) bool { return sub.has(Endpoint(r)) && (home == nil || home(r)) }
 	}
 	in.Ctx = st.srv.Context()
 	var rt, prt *Routed
 	var perr, err error
-	if !in.PassThrough && st.s.core.disaggregated(in.Model) {
+	chatLike := st.ep == blockhash.Chat || st.ep == blockhash.Completion
+	if !in.PassThrough && chatLike && st.s.core.disaggregated(in.Model) {
 		rt, prt, perr, err = st.s.core.routePD(in, splittable(fwd))
 	} else {
 		rt, err = st.s.core.Route(in)
@@ -542,6 +545,10 @@ func (st *epStream) prefilled(status int) {
 	}
 }
 
+// routedPaths are the paths routed by prefix, and their APIs.
+var routedPaths = map[string]blockhash.Endpoint{"/v1/chat/completions": blockhash.Chat, "/v1/completions": blockhash.Completion,
+	"/v1/responses": blockhash.Responses, "/v1/messages": blockhash.Messages}
+
 // input makes the core's request of the stream's: an inference request
 // parsed and prepared, anything else passed through with the HTTP front
 // end's guards. fwd is the body to forward (with the stream's usage asked
@@ -549,7 +556,8 @@ func (st *epStream) prefilled(status int) {
 func (st *epStream) input() (in CoreRequest, fwd []byte, refused *apiError) {
 	in = CoreRequest{Session: st.session, Tenant: st.tenant}
 	fwd = st.body
-	if st.path != "/v1/chat/completions" && st.path != "/v1/completions" {
+	ep, routed := routedPaths[st.path]
+	if !routed {
 		decoded, err := url.PathUnescape(st.path)
 		if err != nil {
 			return in, nil, &apiError{http.StatusBadRequest, "invalid_request_error", "invalid_path", "the path is not valid percent-encoding"}
@@ -566,10 +574,7 @@ func (st *epStream) input() (in CoreRequest, fwd []byte, refused *apiError) {
 	if e := checkBodyType(st.contentType, st.body); e != nil {
 		return in, nil, e
 	}
-	ep := blockhash.Chat
-	if st.path == "/v1/completions" {
-		ep = blockhash.Completion
-	}
+	st.ep = ep
 	lim := st.s.o.Limits()
 	req, err := blockhash.Parse(ep, st.body, lim.Parse)
 	if err != nil {
@@ -582,10 +587,13 @@ func (st *epStream) input() (in CoreRequest, fwd []byte, refused *apiError) {
 	}
 	in.Input = st.s.core.Prepare(st.srv.Context(), req, st.body, st.session)
 	in.Input.DetachText()
+	if id := req.PreviousResponseID; id != "" {
+		in.Input.Allow = st.s.core.home(id) // the replica that stored the response it continues
+	}
 	in.Model, in.Route = req.Model, "ext_proc"
 	in.Priority, in.Flow = placement(st.s.o.Priorities, st.placing.Get, st.tenant, req.User)
 	in.Bytes = int64(len(st.body))
-	if req.Stream && !req.StreamOptions && st.respMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
+	if (ep == blockhash.Chat || ep == blockhash.Completion) && req.Stream && !req.StreamOptions && st.respMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
 		// As the HTTP front end: the replica is asked for the stream's
 		// usage, and its usage chunk is taken out of the client's stream
 		// (in the full-duplex response mode only: in the others the
@@ -685,6 +693,13 @@ func (st *epStream) responseHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadat
 			set = append(set, setHeader(HeaderMatchedTokens, strconv.Itoa(rt.Served.Predicted())))
 			st.capture = &replyCapture{limit: st.s.o.MaxReplyBytes, sse: sse, first: func() { st.s.core.FirstByte(rt) },
 				end: func() { st.s.core.EngineDone(rt) }}
+			switch st.ep {
+			case blockhash.Responses:
+				name := rt.Served.Replica.Name
+				st.capture.agentic, st.capture.onID = true, func(id string) { st.s.core.homes.put(id, name) }
+			case blockhash.Messages:
+				st.capture.agentic = true
+			}
 		} else {
 			st.s.core.FirstByte(rt)
 		}

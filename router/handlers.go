@@ -76,7 +76,7 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 	in := s.core.Prepare(tctx, req, body.b, sid)
 	in.DetachText()
 	if id := req.PreviousResponseID; id != "" {
-		in.Allow = s.home(id) // the replica that stored the response it continues
+		in.Allow = s.core.home(id) // the replica that stored the response it continues
 	}
 	// A streamed request the client did not ask usage for asks for it
 	// upstream (the engine's prompt and cached tokens teach the router),

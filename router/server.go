@@ -140,9 +140,6 @@ type Server struct {
 	client *http.Client
 	// bodies counts the request body bytes held (limits.Request.MaxBodyBytesInFlight).
 	bodies bodyGauge
-	// homes remembers the replica that answered each Responses API
-	// response, for the requests that continue or fetch it.
-	homes responseHomes
 }
 
 // BodyBytesInFlight returns the request-body bytes the server holds now
@@ -180,7 +177,7 @@ func NewServer(o ServerOptions) (*Server, error) {
 		o.Transport = newUpstream(std, o.Timeouts.FirstByte, maxResponseHeaderBytes, maxIdlePerReplica)
 		client.Transport = std
 	}
-	s := &Server{o: o, core: o.Core, e: o.Core.Engine(), mux: http.NewServeMux(), client: client, homes: newResponseHomes()}
+	s := &Server{o: o, core: o.Core, e: o.Core.Engine(), mux: http.NewServeMux(), client: client}
 	if o.Keys != nil {
 		for _, t := range o.Keys.Tenants() {
 			o.Core.o.Metrics.tenantSeen(t) // 0 from the first scrape

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"net/http"
 	"strconv"
@@ -13,6 +14,8 @@ import (
 	"github.com/openai/openai-go/v3"
 	"github.com/openai/openai-go/v3/option"
 	"github.com/openai/openai-go/v3/responses"
+
+	"github.com/semroute/semroute/router"
 )
 
 // The official OpenAI Go SDK's Responses API and Anthropic's Go SDK's
@@ -23,7 +26,7 @@ import (
 // previous_response_id, and fetched by its id, reaches the replica that
 // stored it.
 func TestAgenticAPIsThroughTheOfficialSDKs(t *testing.T) {
-	d := startTestDemo(t, demoOptions{sim: fastSim, picture: "events"})
+	d := startTestDemo(t, demoOptions{sim: fastSim, picture: "events", grpcListen: "127.0.0.1:0"})
 	waitSubscribed(t, d)
 	ctx := context.Background()
 	system := text("You are the support assistant of a bicycle shop; answer in two sentences.", 400)
@@ -116,6 +119,20 @@ func TestAgenticAPIsThroughTheOfficialSDKs(t *testing.T) {
 	}
 	if rs.Err() != nil || !completed {
 		t.Fatalf("streamed response: %v, completed %v", rs.Err(), completed)
+	}
+	// The endpoint picker routes both APIs too: a continuation of a stored
+	// response is sent to the replica that stored it, and a Messages
+	// request sharing the system prompt above to the replica that holds it.
+	env := newEnvoy(t, d)
+	names := endpoints(d)
+	cont, _ := json.Marshal(map[string]any{"model": model, "previous_response_id": got[0].id, "input": "one more"})
+	if p := env.do("/v1/responses", cont, nil, nil, false, ""); names[strings.Split(p.dest, ",")[0]] != got[0].replica {
+		t.Fatalf("the picker sent a continuation of a response of %s to %q (%s)", got[0].replica, p.dest, names[strings.Split(p.dest, ",")[0]])
+	}
+	again, _ := json.Marshal(map[string]any{"model": model, "max_tokens": 4, "system": system + " Messages.",
+		"messages": []any{map[string]any{"role": "user", "content": "Opening hours? picker"}}})
+	if p := env.do("/v1/messages", again, nil, nil, false, ""); names[strings.Split(p.dest, ",")[0]] != replicas[0] || p.reqHdr[router.HeaderMatchedTokens] == "0" {
+		t.Fatalf("the picker sent a Messages request to %s (matched %q), the prefix is on %s", names[strings.Split(p.dest, ",")[0]], p.reqHdr[router.HeaderMatchedTokens], replicas[0])
 	}
 	// GET /v1/models/{id}, from the merged list.
 	m, err := oa.Models.Get(ctx, model)
