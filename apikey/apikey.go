@@ -8,8 +8,10 @@
 //	  - {name: team-a, tenant: acme, sha256: 2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824}
 //
 // `router hashkey` prints a key's hash. A Set follows its file: Watch
-// reads it again when its content changes, keeping the keys it had when
-// the new content is invalid.
+// reads it again when its content changes. It fails closed: a file read
+// again that is missing or invalid leaves no key accepted (a rotation
+// with a typo must not keep the key it meant to revoke), and an empty
+// list revokes every key.
 package apikey
 
 import (
@@ -17,7 +19,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -64,7 +65,7 @@ type Set struct {
 // Load reads the keys of the file at path.
 func Load(path string) (*Set, error) {
 	s := &Set{path: path}
-	if _, err := s.Reload(); err != nil {
+	if _, err := s.read(); err != nil {
 		return nil, err
 	}
 	return s, nil
@@ -79,9 +80,6 @@ func parse(b []byte) (*keys, error) {
 	dec.KnownFields(true)
 	if err := dec.Decode(&f); err != nil {
 		return nil, fmt.Errorf("api keys: %w", err)
-	}
-	if len(f.Keys) == 0 {
-		return nil, errors.New("api keys: the file has no keys (with none, every request would be refused)")
 	}
 	if len(f.Keys) > MaxKeys {
 		return nil, fmt.Errorf("api keys: %d keys, more than %d", len(f.Keys), MaxKeys)
@@ -106,8 +104,18 @@ func parse(b []byte) (*keys, error) {
 }
 
 // Reload reads the file again and reports whether its keys changed. On
-// an error the set keeps the keys it had.
+// an error the set holds no key (it fails closed).
 func (s *Set) Reload() (changed bool, err error) {
+	changed, err = s.read()
+	if err != nil {
+		s.cur.Store(&keys{by: map[[sha256.Size]byte]Key{}})
+	}
+	return changed, err
+}
+
+// read reads the file and, if its content changed and is valid, takes its
+// keys.
+func (s *Set) read() (changed bool, err error) {
 	f, err := os.Open(s.path)
 	if err != nil {
 		return false, fmt.Errorf("api keys: %w", err)
@@ -161,9 +169,9 @@ func (s *Set) Tenants() []string {
 }
 
 // Watch reads the file again every interval until ctx ends, calling
-// changed after a change and failed after an error (the keys before it
-// stay). A Kubernetes Secret mounted as a volume changes its file in
-// place this way.
+// changed after a change and failed after an error (no key is accepted
+// until the file is valid again). A Kubernetes Secret mounted as a volume
+// changes its file in place this way.
 func (s *Set) Watch(ctx context.Context, interval time.Duration, changed func(), failed func(error)) {
 	t := time.NewTicker(interval)
 	defer t.Stop()

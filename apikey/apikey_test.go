@@ -49,7 +49,6 @@ func TestCheckMapsKeysToTenants(t *testing.T) {
 func TestBadFiles(t *testing.T) {
 	dir := t.TempDir()
 	for i, c := range []struct{ body, want string }{
-		{"keys: []\n", "no keys"},
 		{"keys:\n  - {tenant: a, sha256: abc}\n", "64 hex digits"},
 		{fmt.Sprintf("keys:\n  - {sha256: %s}\n", Hash("x")), "tenant"},
 		{fmt.Sprintf("keys:\n  - {tenant: a, sha256: %s}\n  - {tenant: b, sha256: %s}\n", Hash("x"), Hash("x")), "the same key twice"},
@@ -69,8 +68,9 @@ func TestBadFiles(t *testing.T) {
 	}
 }
 
-// Watch follows the file: a new key works after the change, a broken
-// file keeps the keys before it.
+// Watch follows the file: a new key works after the change; a broken
+// file, a missing one or an empty list leaves no key accepted (it fails
+// closed), and a valid file again restores its keys.
 func TestWatchFollowsTheFile(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "keys.yaml")
 	writeKeys(t, path, fmt.Sprintf("  - {tenant: acme, sha256: %s}", Hash("old")))
@@ -81,7 +81,17 @@ func TestWatchFollowsTheFile(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	changed, failed := make(chan struct{}, 8), make(chan error, 8)
-	go s.Watch(ctx, time.Millisecond, func() { changed <- struct{}{} }, func(err error) { failed <- err })
+	go s.Watch(ctx, time.Millisecond, func() {
+		select {
+		case changed <- struct{}{}:
+		default:
+		}
+	}, func(err error) {
+		select {
+		case failed <- err:
+		default:
+		}
+	})
 	writeKeys(t, path, fmt.Sprintf("  - {tenant: acme, sha256: %s}", Hash("new")))
 	<-changed
 	if _, ok := s.Check("new"); !ok {
@@ -94,7 +104,31 @@ func TestWatchFollowsTheFile(t *testing.T) {
 		t.Fatal(err)
 	}
 	<-failed
+	if _, ok := s.Check("new"); ok {
+		t.Fatal("a broken file kept the keys before it (a rotation with a typo would keep the revoked key)")
+	}
+	writeKeys(t, path, fmt.Sprintf("  - {tenant: acme, sha256: %s}", Hash("new")))
+	<-changed
 	if _, ok := s.Check("new"); !ok {
-		t.Fatal("a broken file dropped the keys before it")
+		t.Fatal("the key is refused after the file is valid again")
+	}
+	if err := os.WriteFile(path, []byte("keys: []\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	<-changed
+	if _, ok := s.Check("new"); ok {
+		t.Fatal("an empty list did not revoke every key")
+	}
+	writeKeys(t, path, fmt.Sprintf("  - {tenant: acme, sha256: %s}", Hash("new")))
+	<-changed
+	if err := os.Remove(path); err != nil {
+		t.Fatal(err)
+	}
+	for len(failed) > 0 { // errors from before the removal
+		<-failed
+	}
+	<-failed
+	if _, ok := s.Check("new"); ok {
+		t.Fatal("a missing file kept a key")
 	}
 }

@@ -1,8 +1,10 @@
 package blockhash
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
+	"strings"
 
 	"github.com/valyala/fastjson"
 )
@@ -199,10 +201,12 @@ func (r *Request) anthropic(b *body, lim Limits) error {
 			}
 		case "assistant":
 			p = Part{Role: RoleAssistant, Base: KindAssistantHistory}
+		case "system": // vLLM takes one among the messages too
+			p = Part{Role: RoleSystem, Base: KindSystem}
 		case "":
 			return inputErr(field(".role"), "is required")
 		default:
-			return inputErr(field(".role"), "unknown role %s (user or assistant; the system prompt is the body's system)", quoted(ro, 64))
+			return inputErr(field(".role"), "unknown role %s (user, assistant or system)", quoted(ro, 64))
 		}
 		if p.Text, p.Segs, err = blocksText(content, field(".content")); err != nil {
 			return err
@@ -241,6 +245,10 @@ func toolResultsOnly(c *fastjson.Value) bool {
 	}
 	return len(blocks) > 0
 }
+
+// billingHeader starts the system block Claude Code adds to every request,
+// different each time, which vLLM leaves out of the prompt.
+var billingHeader = []byte("x-anthropic-billing-header")
 
 // blocksText renders content, a string or an array of content blocks of
 // either API, to routing bytes, each block after the first a segment of
@@ -285,6 +293,9 @@ func appendBlock(buf []byte, blk *fastjson.Value, field string) ([]byte, error) 
 		s, ok := stringOf(text)
 		if !ok {
 			return nil, inputErr(field+".text", "must be a string")
+		}
+		if strings.HasPrefix(field, "system[") && bytes.HasPrefix(s, billingHeader) {
+			return buf, nil // as vLLM drops it: it changes with every request
 		}
 		return append(buf, s...), nil
 	case "tool_use":

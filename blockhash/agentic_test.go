@@ -118,7 +118,7 @@ func TestAgenticBadInput(t *testing.T) {
 		{Responses, `{"model":"m","input":"a","input":"b"}`, "input"},
 		{Responses, `{"model":"m","input":[{"role":"user","content":"1"},{"role":"user","content":"2"},{"role":"user","content":"3"}]}`, "more than the limit of 2"},
 		{Messages, `{"model":"m","max_tokens":1}`, "messages: is required"},
-		{Messages, `{"model":"m","messages":[{"role":"system","content":"x"}]}`, "unknown role"},
+		{Messages, `{"model":"m","messages":[{"role":"tool","content":"x"}]}`, "unknown role"},
 		{Messages, `{"model":"m","messages":[{"content":"x"}]}`, "messages[0].role: is required"},
 		{Messages, `{"model":"m","system":5,"messages":[{"role":"user","content":"x"}]}`, "system: must be a string or an array"},
 		{Messages, `{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":5}]}]}`, "messages[0].content[0].text: must be a string"},
@@ -131,5 +131,26 @@ func TestAgenticBadInput(t *testing.T) {
 		if err == nil || !errors.As(err, &ie) || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%s: err %v, want an input error with %q", c.body, err, c.want)
 		}
+	}
+}
+
+// Claude Code's billing header, a system block that changes with every
+// request, is left out as vLLM leaves it out: the same system prompt makes
+// the same blocks; a system message among the messages is a system part.
+func TestMessagesBillingHeaderAndSystemRole(t *testing.T) {
+	parse := func(cch string) *Request {
+		r, err := ParseMessages([]byte(`{"model":"m","max_tokens":1,"system":[{"type":"text","text":"x-anthropic-billing-header: cch=`+cch+`"},{"type":"text","text":"You are Claude Code."}],
+			"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"hi"}]}`), Limits{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r
+	}
+	a, b := parse("1"), parse("2")
+	if string(a.Parts[0].Text) != "You are Claude Code." || string(a.Parts[0].Text) != string(b.Parts[0].Text) {
+		t.Fatalf("system part %q and %q", a.Parts[0].Text, b.Parts[0].Text)
+	}
+	if a.Parts[1].Role != RoleSystem || string(a.Parts[1].Text) != "Be brief." || a.Parts[2].Base != KindUserQuery {
+		t.Fatalf("parts %+v", a.Parts)
 	}
 }

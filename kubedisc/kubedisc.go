@@ -14,6 +14,7 @@ import (
 	"net"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -185,15 +186,18 @@ func (s *Source) Specs(context.Context) ([]replica.Spec, error) {
 			}
 		}
 	}
-	slices.SortFunc(out, func(a, b replica.Spec) int { return cmpString(a.Name, b.Name) })
+	// One spec a name, the same on every call: a dual-stack pod's IPv4
+	// endpoint before its IPv6 one (a changed URL would retire the replica
+	// and its cache picture).
+	slices.SortFunc(out, func(a, b replica.Spec) int {
+		return cmp.Or(strings.Compare(a.Name, b.Name), cmp.Compare(isV6(a.URL), isV6(b.URL)), strings.Compare(a.URL, b.URL))
+	})
 	return slices.CompactFunc(out, func(a, b replica.Spec) bool { return a.Name == b.Name }), nil
 }
 
-func cmpString(a, b string) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
+// isV6 reports 1 for a URL whose host is an IPv6 address, else 0.
+func isV6(u string) int {
+	if strings.Contains(u, "://[") {
 		return 1
 	}
 	return 0

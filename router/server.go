@@ -210,7 +210,7 @@ func NewServer(o ServerOptions) (*Server, error) {
 	s.mux.HandleFunc("/v1/chat/completions/", notRouted)
 	s.mux.HandleFunc("/v1/completions/", notRouted)
 	s.mux.HandleFunc("GET /v1/models", s.models)
-	s.mux.HandleFunc("GET /v1/models/{id}", s.model)
+	s.mux.HandleFunc("GET /v1/models/{id...}", s.model) // ids with slashes: meta-llama/Llama-3.1-8B
 	s.mux.HandleFunc("POST /v1/responses", func(w http.ResponseWriter, r *http.Request) { s.routed(w, r, blockhash.Responses) })
 	s.mux.HandleFunc("POST /v1/messages", func(w http.ResponseWriter, r *http.Request) { s.routed(w, r, blockhash.Messages) })
 	s.mux.HandleFunc("/v1/responses", methodNotAllowed)
@@ -302,13 +302,23 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	s.mux.ServeHTTP(w, r)
 }
 
+// bearerToken returns the credentials of an Authorization header of the
+// Bearer scheme (its name in any case, RFC 7235), or "".
+func bearerToken(h string) string {
+	scheme, token, ok := strings.Cut(strings.TrimSpace(h), " ")
+	if !ok || !strings.EqualFold(scheme, "Bearer") {
+		return ""
+	}
+	return strings.TrimSpace(token)
+}
+
 // authorize checks a /v1/* request's API key (ServerOptions.Keys) and
 // answers 401 when it has none the router holds, reporting false. A
 // request let through carries its key's tenant in X-Tenant-ID, and the
 // replicas' key (ServerOptions.UpstreamAPIKey) instead of the client's.
 func (s *Server) authorize(w http.ResponseWriter, r *http.Request) bool {
 	if s.o.Keys != nil {
-		presented, _ := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+		presented := bearerToken(r.Header.Get("Authorization"))
 		if presented == "" {
 			presented = r.Header.Get("X-Api-Key") // Anthropic's clients
 		}
@@ -324,7 +334,12 @@ func (s *Server) authorize(w http.ResponseWriter, r *http.Request) bool {
 				"Incorrect or missing API key: send Authorization: Bearer <key> with a key the router's operator issued."})
 			return false
 		}
+		// The key's tenant is the request's, and its flow in the router's
+		// queue: not what the client's headers say.
 		r.Header.Set(HeaderTenantID, key.Tenant)
+		for _, h := range fairnessHeaders {
+			r.Header.Del(h)
+		}
 		r.Header.Del("Authorization")
 		r.Header.Del("X-Api-Key")
 		s.core.o.Metrics.tenant(key.Tenant)

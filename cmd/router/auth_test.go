@@ -39,6 +39,9 @@ func TestAPIKeysAtTheRouter(t *testing.T) {
 		{"the replicas' own key", map[string]string{"Authorization": "Bearer upstream-secret"}, 401},
 		{"the key", map[string]string{"Authorization": "Bearer sk-acme", "X-Tenant-ID": "someone-else"}, 200},
 		{"the key as x-api-key", map[string]string{"X-Api-Key": "sk-acme"}, 200},
+		{"the key without a scheme", map[string]string{"Authorization": "sk-acme"}, 401},
+		{"the key, the scheme in lower case", map[string]string{"Authorization": "bearer sk-acme"}, 200},
+		{"the key as x-api-key beside a Basic Authorization", map[string]string{"Authorization": "Basic eDp5", "X-Api-Key": "sk-acme"}, 200},
 	} {
 		code, b, _, err := postChat(r.http.url(), body, c.hdr)
 		if err != nil || code != c.want {
@@ -52,11 +55,11 @@ func TestAPIKeysAtTheRouter(t *testing.T) {
 	for _, s := range sims {
 		requests, refused = requests+s.Stats().Requests, refused+s.Stats().Unauthorized
 	}
-	if requests != 2 || refused != 0 {
-		t.Fatalf("the replicas saw %d requests and refused %d keys; want 2 and 0 (no refused request reaches one)", requests, refused)
+	if requests != 4 || refused != 0 {
+		t.Fatalf("the replicas saw %d requests and refused %d keys; want 4 and 0 (no refused request reaches one)", requests, refused)
 	}
 	scraped := scrapeURL(t, r.http.url())
-	for _, want := range []string{`semroute_tenant_requests_total{tenant="acme"} 2`, `semroute_auth_refused_total{reason="missing"} 1`, `semroute_auth_refused_total{reason="invalid"} 2`} {
+	for _, want := range []string{`semroute_tenant_requests_total{tenant="acme"} 4`, `semroute_auth_refused_total{reason="missing"} 2`, `semroute_auth_refused_total{reason="invalid"} 2`} {
 		if !strings.Contains(scraped, want) {
 			t.Errorf("/metrics lacks %s", want)
 		}
@@ -77,11 +80,17 @@ func TestAPIKeysAtTheRouter(t *testing.T) {
 	if code, _, _ := postURL(r.http.url(), body, map[string]string{"Authorization": "Bearer sk-acme"}); code != 401 {
 		t.Fatalf("the removed key got %d", code)
 	}
-	// A broken file keeps the keys before it.
+	// A broken file fails closed: no key is accepted until it is valid.
 	if err := os.WriteFile(keys, []byte("keys: [broken"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if code, _, _ := postURL(r.http.url(), body, map[string]string{"Authorization": "Bearer sk-rotated"}); code != 200 {
-		t.Fatalf("after a broken keys file the key got %d", code)
+	for deadline := time.Now().Add(20 * time.Second); ; {
+		if code, _, _ := postURL(r.http.url(), body, map[string]string{"Authorization": "Bearer sk-rotated"}); code == 401 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("a broken keys file kept the key before it")
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }

@@ -227,7 +227,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		go keys.Watch(a.ctx, keysReload,
 			func() { log.Info("API keys reloaded", "path", cfg.Auth.APIKeysFile, "tenants", len(keys.Tenants())) },
 			func(err error) {
-				log.Error("API keys file refused; the keys before it stay", "path", cfg.Auth.APIKeysFile, "err", err)
+				log.Error("API keys file refused: no key is accepted until it is valid again", "path", cfg.Auth.APIKeysFile, "err", err)
 			})
 	}
 	a.events = newFollowers(cache, eng, cmp.Or(cfg.Tokenizer.BlockTokens, 16), precise, log)
