@@ -374,7 +374,11 @@ func (s *Server) models(w http.ResponseWriter, r *http.Request) {
 // model answers GET /v1/models/{id} from the replicas' merged list, as
 // OpenAI does: the model's object, or 404 in OpenAI's error shape.
 func (s *Server) model(w http.ResponseWriter, r *http.Request) {
-	id := r.PathValue("id")
+	if hasDotSegment(r.URL.Path) { // sent encoded (%2e%2e): the path means another resource
+		writeError(w, apiError{http.StatusBadRequest, "invalid_request_error", "invalid_path", "the path must not contain . or .. segments"})
+		return
+	}
+	id := r.PathValue("id") // an id with slashes, sent as they are or as %2F
 	seen := s.gatherModels(r.Context())
 	if len(seen) == 0 {
 		writeError(w, classify(routing.ErrNoReplica))

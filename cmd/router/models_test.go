@@ -150,6 +150,40 @@ func TestE2EModelAwarePools(t *testing.T) {
 	}
 }
 
+// GET /v1/models/{id} answers from the merged list, for ids with slashes
+// too, sent as they are or encoded.
+func TestModelByID(t *testing.T) {
+	d := startTestDemo(t, demoOptions{sim: fastSim, models: []string{"org/model-a", "beta"}})
+	waitModels(t, d)
+	for _, c := range []struct {
+		path string
+		code int
+		id   string
+	}{
+		{"/v1/models/org/model-a", 200, "org/model-a"},
+		{"/v1/models/org%2Fmodel-a", 200, "org/model-a"},
+		{"/v1/models/beta", 200, "beta"},
+		{"/v1/models/nope", 404, ""},
+		{"/v1/models/%2e%2e/x", 400, ""},
+	} {
+		resp, err := http.Get(d.router.url() + c.path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var m struct {
+			ID    string `json:"id"`
+			Error struct {
+				Code string `json:"code"`
+			} `json:"error"`
+		}
+		json.NewDecoder(resp.Body).Decode(&m)
+		resp.Body.Close()
+		if resp.StatusCode != c.code || m.ID != c.id || (c.code == 404 && m.Error.Code != "model_not_found") {
+			t.Errorf("%s: %d %+v, want %d %q", c.path, resp.StatusCode, m, c.code, c.id)
+		}
+	}
+}
+
 func contains(list []string, s string) bool {
 	for _, x := range list {
 		if x == s {
