@@ -126,6 +126,12 @@ func (f *Fleet) apply(p *peer, r *record, now time.Time) {
 			}
 			rep.EjectSoft(now, now.Add(cool))
 		}
+	case recHome: // a response a peer saw answered: continuations of it go there from any router
+		if f.o.OnHome != nil && r.id != "" && len(r.id) <= 256 {
+			if _, ok := pool.Get(r.replica); ok {
+				f.o.OnHome(r.id, r.replica)
+			}
+		}
 	case recReset: // the peer (re)connected: it may know what this router does not
 		f.endAll(p, now)
 		if f.ready.Load() {

@@ -56,6 +56,10 @@ type Options struct {
 	// URLs are the NATS servers to connect to (nats://host:4222); at least
 	// one.
 	URLs []string
+	// OnHome, if set, hears of each Responses API response a peer saw
+	// answered, and by which replica (Fleet.Home is the sending side).
+	// Called from the fleet's goroutine; it must not block.
+	OnHome func(id, replica string)
 	// ID names this router to its peers; default the host name and a
 	// random suffix. Two routers must not share one.
 	ID string
@@ -601,6 +605,13 @@ func (f *Fleet) Learned(_ *routing.Decision, r *replica.Replica, chain []blockha
 	f.add(func(b []byte) []byte {
 		return appendChain(appendStr(append(b, recReply), r.Name), chain, from)
 	})
+}
+
+// Home tells the peers that replica answered (and stores) Responses API
+// response id, so that a continuation of it reaching any router goes
+// there.
+func (f *Fleet) Home(id, replica string) {
+	f.add(func(b []byte) []byte { return appendStr(appendStr(append(b, recHome), id), replica) })
 }
 
 // Ejected implements routing.Sync.

@@ -115,21 +115,25 @@ func TestCodecRoundTrip(t *testing.T) {
 	blocks[5].Kind = blockhash.KindRetrievedContext
 	var got []record
 	var gotBlocks [][]blockhash.Block
-	b := appendHeader(nil, header{sender: "r1", epoch: 9, seq: 3, count: 2})
+	b := appendHeader(nil, header{sender: "r1", epoch: 9, seq: 3, count: 3})
 	b = append(b, recRoute)
 	b = appendStr(appendUv(b, 77), "a")
 	b = appendUv(appendUv(b, 100), 700)
 	b = appendChain(b, blocks, 4)
 	b = append(b, recEject)
 	b = appendUv(appendStr(b, "b"), 1500)
+	b = appendStr(appendStr(append(b, recHome), "resp_1"), "a")
 	if err := decode(b, func(header) bool { return true }, func(r *record) {
 		got = append(got, *r)
 		gotBlocks = append(gotBlocks, append([]blockhash.Block(nil), r.chain.blocks...))
 	}); err != nil {
 		t.Fatal(err)
 	}
-	if len(got) != 2 {
+	if len(got) != 3 {
 		t.Fatalf("%d records", len(got))
+	}
+	if got[2].typ != recHome || got[2].id != "resp_1" || got[2].replica != "a" {
+		t.Fatalf("home %+v", got[2])
 	}
 	r := got[0]
 	if r.typ != recRoute || r.req != 77 || r.replica != "a" || r.prefill != 100 || r.tokens != 700 ||

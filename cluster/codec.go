@@ -19,6 +19,7 @@ import (
 //	prefill, done = req:uvarint
 //	eject  = replica:str cool_ms:uvarint
 //	reset  = (empty)
+//	home   = response_id:str replica:str
 //	chain  = prefix:uvarint [prefix_key:8 if prefix > 0] n:uvarint
 //	         (key:8 tokens:uvarint)×n runs:uvarint (kind:1 count:uvarint)×runs
 //
@@ -38,6 +39,7 @@ const (
 	recReply   = 4 // a learned reply, chained after its prompt
 	recEject   = 5 // a replica was ejected after failing
 	recReset   = 6 // forget every request of the sender's in flight
+	recHome    = 7 // a Responses API response, stored on a replica
 )
 
 // header is a batch's envelope.
@@ -65,6 +67,7 @@ type record struct {
 	tokens  int64
 	cool    uint64 // ms
 	chain   chain
+	id      string // recHome's response id
 }
 
 func appendStr(b []byte, s string) []byte {
@@ -263,6 +266,8 @@ func (r *reader) record(dst []blockhash.Block) record {
 	case recEject:
 		rec.replica, rec.cool = r.str(), r.uvarint()
 	case recReset:
+	case recHome:
+		rec.id, rec.replica = r.str(), r.str()
 	default:
 		r.fail()
 	}

@@ -138,6 +138,19 @@ func (h responseHomes) put(id, replica string) {
 // get returns the replica that answered response id, if remembered.
 func (h responseHomes) get(id string) (string, bool) { return h.c.Get(id) }
 
+// rememberHome notes that replica answered response id, here and, in a
+// fleet, at every peer.
+func (c *Core) rememberHome(id, replica string) {
+	c.homes.put(id, replica)
+	if c.o.ShareHome != nil {
+		c.o.ShareHome(id, replica)
+	}
+}
+
+// NoteHome notes that replica answered response id: a peer router saw it.
+// Safe for concurrent use.
+func (c *Core) NoteHome(id, replica string) { c.homes.put(id, replica) }
+
 // home returns a filter that admits only the replica that answered
 // response id, when it is remembered and can take a request; else nil
 // (the request is routed as any other, and a replica that does not hold

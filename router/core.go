@@ -88,6 +88,10 @@ type CoreOptions struct {
 	// PD tunes prefill/decode disaggregation, which replicas of role
 	// prefill turn on (pd.go); both front ends read it.
 	PD PDOptions
+	// ShareHome, if set, tells the fleet that a replica answered (and
+	// stores) a Responses API response (cluster.Fleet.Home); NoteHome is
+	// the receiving side.
+	ShareHome func(id, replica string)
 }
 
 // Tokenizer gives the engine's token ids of an OpenAI request body of

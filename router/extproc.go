@@ -696,7 +696,7 @@ func (st *epStream) responseHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadat
 			switch st.ep {
 			case blockhash.Responses:
 				name := rt.Served.Replica.Name
-				st.capture.agentic, st.capture.onID = true, func(id string) { st.s.core.homes.put(id, name) }
+				st.capture.agentic, st.capture.onID = true, func(id string) { st.s.core.rememberHome(id, name) }
 			case blockhash.Messages:
 				st.capture.agentic = true
 			}

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -8,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/anthropics/anthropic-sdk-go/v2"
 	aoption "github.com/anthropics/anthropic-sdk-go/v2/option"
@@ -142,5 +144,59 @@ func TestAgenticAPIsThroughTheOfficialSDKs(t *testing.T) {
 	var apiErr *openai.Error
 	if _, err := oa.Models.Get(ctx, "no-such-model"); !errors.As(err, &apiErr) || apiErr.StatusCode != 404 || apiErr.Code != "model_not_found" {
 		t.Fatalf("an unknown model: %v", err)
+	}
+}
+
+// In a fleet, every router knows where a response is stored: two routers
+// behind the demo's round-robin front, each continuation of a response
+// reaches the replica that stored it, whichever router takes it.
+func TestResponseHomesAcrossTheFleet(t *testing.T) {
+	d := startTestDemo(t, demoOptions{sim: fastSim, routers: 2})
+	model := d.sims[0].Options().Model
+	post := func(body map[string]any) (string, string) {
+		t.Helper()
+		b, _ := json.Marshal(body)
+		resp, err := http.Post(d.router.url()+"/v1/responses", "application/json", bytes.NewReader(b))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var r struct {
+			ID string `json:"id"`
+		}
+		if err := json.NewDecoder(resp.Body).Decode(&r); err != nil || resp.StatusCode != 200 {
+			t.Fatalf("status %d, %v", resp.StatusCode, err)
+		}
+		return r.ID, resp.Header.Get("X-Semroute-Replica")
+	}
+	id, home := post(map[string]any{"model": model, "input": "first turn", "max_output_tokens": 2})
+	// The other router hears of it over NATS after a moment: the front
+	// alternates, so each pass sends one continuation to each router.
+	for deadline := time.Now().Add(20 * time.Second); ; {
+		ok := 0
+		for i := 0; i < 2; i++ {
+			b, _ := json.Marshal(map[string]any{"model": model, "previous_response_id": id, "input": "again", "max_output_tokens": 2})
+			resp, err := http.Post(d.router.url()+"/v1/responses", "application/json", bytes.NewReader(b))
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			if resp.StatusCode == 200 && resp.Header.Get("X-Semroute-Replica") == home {
+				ok++
+			}
+		}
+		if ok == 2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("continuations of a response stored on %s do not all reach it through both routers", home)
+		}
+		time.Sleep(20 * time.Millisecond) // the record's way through NATS
+	}
+	// And ten more in a row, every one of them home.
+	for i := 0; i < 10; i++ {
+		if _, rep := post(map[string]any{"model": model, "previous_response_id": id, "input": "more", "max_output_tokens": 2}); rep != home {
+			t.Fatalf("continuation %d went to %s, the response is on %s", i, rep, home)
+		}
 	}
 }

@@ -143,7 +143,8 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		return nil, fmt.Errorf("config: %w", err)
 	}
 	cache, pool := eng.Picture(), eng.Pool()
-	fleet, err := newFleet(cfg.Cluster, cfg.Health.Ejection(), eng, log)
+	var core *router.Core // the peers' response homes reach it once made, before the fleet starts
+	fleet, err := newFleet(cfg.Cluster, cfg.Health.Ejection(), eng, log, func(id, replica string) { core.NoteHome(id, replica) })
 	if err != nil {
 		return nil, err
 	}
@@ -185,7 +186,10 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 			mon.RefreshAllModels(ctx)
 		}
 	}
-	core, err := router.NewCore(copts)
+	if fleet != nil {
+		copts.ShareHome = fleet.Home
+	}
+	core, err = router.NewCore(copts)
 	if err != nil {
 		return nil, err
 	}
