@@ -608,6 +608,12 @@ func (r *Replica) Available(now time.Time) bool {
 	return now.UnixNano() >= r.downUntil.Load() && !r.activeDown.Load() && !r.draining.Load()
 }
 
+// Up reports whether the replica is in rotation but for draining: it
+// passes its active checks and is not ejected.
+func (r *Replica) Up(now time.Time) bool {
+	return now.UnixNano() >= r.downUntil.Load() && !r.activeDown.Load()
+}
+
 // Usable reports whether the replica may take a request when passive
 // ejection has taken out every replica it could use: it passes its active
 // health checks, is not draining, and is in rotation or out only for soft

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
-	"time"
 
 	lru "github.com/hashicorp/golang-lru/v2"
 
@@ -152,21 +151,21 @@ func (c *Core) rememberHome(id, replica string) {
 func (c *Core) NoteHome(id, replica string) { c.homes.put(id, replica) }
 
 // home returns a filter that admits only the replica that answered
-// response id, when it is remembered and can take a request; else nil
-// (the request is routed as any other, and a replica that does not hold
-// the response answers for itself).
+// response id, when it is remembered and still in the pool; else nil (the
+// request is routed as any other, and a replica that does not hold the
+// response answers for itself). A request given it sets routing.Request.
+// Home: the replica is used while it drains (it holds the response), and
+// while it is down the request is refused as no replica can take it (a
+// 503 the client may retry), not sent where the response is not.
 func (c *Core) home(id string) func(*replica.Replica) bool {
 	name, ok := c.homes.get(id)
 	if !ok {
 		return nil
 	}
-	now := time.Now()
-	for _, r := range c.e.Pool().Replicas() {
-		if r.Name == name && r.Usable(now) {
-			return func(c *replica.Replica) bool { return c.Name == name }
-		}
+	if _, in := c.e.Pool().Get(name); !in {
+		return nil
 	}
-	return nil
+	return func(r *replica.Replica) bool { return r.Name == name }
 }
 
 // storedResponse passes a request about a stored response (GET or DELETE

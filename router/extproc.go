@@ -589,6 +589,7 @@ func (st *epStream) input() (in CoreRequest, fwd []byte, refused *apiError) {
 	in.Input.DetachText()
 	if id := req.PreviousResponseID; id != "" {
 		in.Input.Allow = st.s.core.home(id) // the replica that stored the response it continues
+		in.Input.Home = in.Input.Allow != nil
 	}
 	in.Model, in.Route = req.Model, "ext_proc"
 	in.Priority, in.Flow = placement(st.s.o.Priorities, st.placing.Get, st.tenant, req.User)

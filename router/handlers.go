@@ -77,6 +77,7 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 	in.DetachText()
 	if id := req.PreviousResponseID; id != "" {
 		in.Allow = s.core.home(id) // the replica that stored the response it continues
+		in.Home = in.Allow != nil
 	}
 	// A streamed request the client did not ask usage for asks for it
 	// upstream (the engine's prompt and cached tokens teach the router),
@@ -277,7 +278,7 @@ func (s *Server) passTo(w http.ResponseWriter, r *http.Request, allow func(*repl
 	}
 	defer body.release()
 	cr := CoreRequest{PassThrough: true, Route: "passthrough"}
-	cr.Input.Allow = allow
+	cr.Input.Allow, cr.Input.Home = allow, allow != nil
 	rt, err := s.core.Route(cr)
 	if err != nil {
 		writeError(w, classify(err))

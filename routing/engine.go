@@ -244,6 +244,10 @@ type Request struct {
 	// Allow, if set, says which replicas may take the request (a gateway's
 	// subset hint); the others are not candidates. Nil allows all.
 	Allow func(*replica.Replica) bool
+	// Home says the replicas Allow admits hold state the request needs (a
+	// stored response it continues): one of them is used while draining
+	// too, and none other while they are down.
+	Home bool
 	// Hold asks Decide, recording, not to record the decision when the
 	// replica it ranks first is saturated (its engine would queue the
 	// request): it comes back Held, unrecorded, for the caller to queue the
@@ -524,7 +528,7 @@ func (e *Engine) rank(d *Decision, pol Policy, ri *Request, sketch []uint64) (*V
 	}
 	defer scratchPool.Put(sc)
 	e.lookup(d, sc)
-	g := gathering{e: e, d: d, sc: sc, reps: e.pool.Replicas(), now: e.o.Now(), allow: ri.Allow, onlyRoom: ri.Room, slot: ri.Slot, keep: ri.Keep, model: model,
+	g := gathering{e: e, d: d, sc: sc, reps: e.pool.Replicas(), now: e.o.Now(), allow: ri.Allow, home: ri.Home, onlyRoom: ri.Room, slot: ri.Slot, keep: ri.Keep, model: model,
 		adapter: model != "" && e.isAdapter(model), reuses: e.reuses.load()}
 	d.Candidates = newCandidates(len(g.reps))
 	g.all()
@@ -576,6 +580,7 @@ type gathering struct {
 	n               int  // candidates filled
 	unknown, served bool
 	onlyRoom        bool                         // Request.Room: only replicas that are not saturated
+	home            bool                         // Request.Home: a draining replica allowed is used
 	slot            *replica.Replica             // Request.Slot: one with room kept for the request
 	keep            func(*replica.Replica) int64 // Request.Keep
 	room            bool                         // some candidate's replica is not saturated
@@ -609,7 +614,7 @@ func (g *gathering) gather(panicking bool) (ejected bool) {
 		if !ok || (g.allow != nil && !g.allow(r)) || (g.onlyRoom && full) {
 			continue
 		}
-		if !r.Available(g.now) {
+		if !r.Available(g.now) && !(g.home && r.Up(g.now)) {
 			usable := r.Usable(g.now)
 			ejected = ejected || usable
 			if !panicking || !usable {

@@ -1,0 +1,98 @@
+package router
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+)
+
+// fakeResponses is a replica that stores responses in memory, as vLLM does.
+func fakeResponses(t *testing.T, name string) *httptest.Server {
+	var mu sync.Mutex
+	stored := map[string]bool{}
+	var n atomic.Int64
+	return httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == "POST" && r.URL.Path == "/v1/responses" {
+			var body struct {
+				Prev string `json:"previous_response_id"`
+			}
+			b, _ := io.ReadAll(r.Body)
+			_ = json.Unmarshal(b, &body)
+			mu.Lock()
+			defer mu.Unlock()
+			if body.Prev != "" && !stored[body.Prev] {
+				w.WriteHeader(404)
+				fmt.Fprintf(w, `{"error":{"message":"previous response %s not found"}}`, body.Prev)
+				return
+			}
+			id := fmt.Sprintf("resp_%s_%d", name, n.Add(1))
+			stored[id] = true
+			w.Header().Set("Content-Type", "application/json")
+			fmt.Fprintf(w, `{"id":%q,"object":"response","usage":{"input_tokens":3,"output_tokens":1}}`, id)
+			return
+		}
+		if strings.HasPrefix(r.URL.Path, "/v1/responses/") {
+			id := strings.TrimPrefix(r.URL.Path, "/v1/responses/")
+			mu.Lock()
+			defer mu.Unlock()
+			if !stored[id] {
+				w.WriteHeader(404)
+				return
+			}
+			fmt.Fprintf(w, `{"id":%q,"object":"response"}`, id)
+			return
+		}
+		w.WriteHeader(404)
+	}))
+}
+
+// A stored response's replica is used for its continuations and fetches
+// while it drains (it still holds the response); while it is down they
+// are refused 503, which the client may retry, not sent where the
+// response is not (a 404).
+func TestStoredResponseHomeDrainingOrDown(t *testing.T) {
+	a, b := fakeResponses(t, "a"), fakeResponses(t, "b")
+	defer a.Close()
+	defer b.Close()
+	ts, e := serverFor(t, ServerOptions{}, a.URL, b.URL)
+	resp, err := http.Post(ts.URL+"/v1/responses", "application/json", strings.NewReader(`{"model":"m","input":"hi"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var r struct{ ID string }
+	_ = json.NewDecoder(resp.Body).Decode(&r)
+	resp.Body.Close()
+	home := resp.Header.Get(HeaderReplica)
+	rep, _ := e.Pool().Get(home)
+	rep.Drain()
+	for i := 0; i < 3; i++ {
+		g, _ := http.Get(ts.URL + "/v1/responses/" + r.ID)
+		g.Body.Close()
+		c, _ := http.Post(ts.URL+"/v1/responses", "application/json", strings.NewReader(`{"model":"m","input":"more","previous_response_id":"`+r.ID+`"}`))
+		cb, _ := io.ReadAll(c.Body)
+		c.Body.Close()
+		if g.StatusCode != 200 || c.StatusCode != 200 || g.Header.Get(HeaderReplica) != home || c.Header.Get(HeaderReplica) != home {
+			t.Fatalf("home %s draining: GET %d via %s; continue %d via %s %s", home, g.StatusCode, g.Header.Get(HeaderReplica), c.StatusCode, c.Header.Get(HeaderReplica), cb)
+		}
+	}
+	// New requests keep off the draining replica.
+	n, _ := http.Post(ts.URL+"/v1/responses", "application/json", strings.NewReader(`{"model":"m","input":"a new conversation"}`))
+	n.Body.Close()
+	if n.StatusCode != 200 || n.Header.Get(HeaderReplica) == home {
+		t.Fatalf("a new request went to the draining %s (%d)", n.Header.Get(HeaderReplica), n.StatusCode)
+	}
+	// Down: refused, retryable.
+	rep.Undrain()
+	rep.Checked(false, 1, 1) // its active check failed: down
+	c, _ := http.Post(ts.URL+"/v1/responses", "application/json", strings.NewReader(`{"model":"m","input":"more","previous_response_id":"`+r.ID+`"}`))
+	c.Body.Close()
+	if c.StatusCode != http.StatusServiceUnavailable {
+		t.Fatalf("a continuation of a response on the down %s: %d via %s", home, c.StatusCode, c.Header.Get(HeaderReplica))
+	}
+}
