@@ -35,6 +35,10 @@ type Key struct {
 	Name   string `yaml:"name"`
 	Tenant string `yaml:"tenant"`
 	SHA256 string `yaml:"sha256"`
+	// MaxPriority, if set, is the highest priority the key's requests may
+	// ask for (flow control's objectives); an objective above it is not
+	// taken. Nil: any.
+	MaxPriority *int `yaml:"max_priority"`
 }
 
 // MaxKeys bounds a file's keys; MaxFileBytes its size.

@@ -340,6 +340,13 @@ func (s *Server) authorize(w http.ResponseWriter, r *http.Request) bool {
 		for _, h := range fairnessHeaders {
 			r.Header.Del(h)
 		}
+		if m := key.MaxPriority; m != nil { // an objective above the key's is not taken
+			for _, h := range objectiveHeaders {
+				if v := r.Header.Get(h); v != "" && s.o.Priorities[v] > *m {
+					r.Header.Del(h)
+				}
+			}
+		}
 		r.Header.Del("Authorization")
 		r.Header.Del("X-Api-Key")
 		s.core.o.Metrics.tenant(key.Tenant)

@@ -9,12 +9,15 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/semroute/semroute/apikey"
 	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
@@ -416,5 +419,40 @@ func TestServerSoftFailuresDoNotEject(t *testing.T) {
 	}
 	if !e.Pool().Replicas()[0].Available(time.Now()) {
 		t.Fatal("a slow first chunk took the replica out of rotation")
+	}
+}
+
+// A key's tenant is its requests' flow, whatever the client's fairness
+// header says, and an objective above the key's max_priority is not taken.
+func TestKeyDecidesFlowAndPriority(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "keys.yaml")
+	body := "keys:\n  - {tenant: acme, max_priority: 1, sha256: " + apikey.Hash("sk-a") + "}\n"
+	if err := os.WriteFile(path, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	keys, err := apikey.Load(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var seen http.Header
+	s := &Server{o: ServerOptions{Keys: keys, Priorities: map[string]int{"critical": 10, "normal": 1}}}
+	s.mux = http.NewServeMux()
+	s.mux.HandleFunc("/v1/", func(w http.ResponseWriter, r *http.Request) { seen = r.Header.Clone() })
+	s.limits.Store(&limits.Request{MaxHeaderBytes: 1 << 20})
+	s.core = &Core{}
+	for _, c := range []struct{ objective, want string }{{"critical", ""}, {"normal", "normal"}} {
+		req := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", nil)
+		req.Header.Set("Authorization", "Bearer sk-a")
+		req.Header.Set("X-Gateway-Inference-Fairness-Id", "someone-else")
+		req.Header.Set("X-Gateway-Inference-Objective", c.objective)
+		s.ServeHTTP(httptest.NewRecorder(), req)
+		if seen.Get(HeaderTenantID) != "acme" || seen.Get("X-Gateway-Inference-Fairness-Id") != "" || seen.Get("X-Gateway-Inference-Objective") != c.want {
+			t.Errorf("objective %s: the handler saw tenant %q, flow %q, objective %q", c.objective, seen.Get(HeaderTenantID),
+				seen.Get("X-Gateway-Inference-Fairness-Id"), seen.Get("X-Gateway-Inference-Objective"))
+		}
+		if seen.Get("Authorization") != "" {
+			t.Error("the client's key went on")
+		}
 	}
 }
