@@ -129,7 +129,7 @@ func (f *Fleet) apply(p *peer, r *record, now time.Time) {
 	case recHome: // a response a peer saw answered: continuations of it go there from any router
 		if f.o.OnHome != nil && r.id != "" && len(r.id) <= 256 {
 			if _, ok := pool.Get(r.replica); ok {
-				f.o.OnHome(r.id, r.replica)
+				f.o.OnHome(r.id, r.replica, r.tenant)
 			}
 		}
 	case recReset: // the peer (re)connected: it may know what this router does not

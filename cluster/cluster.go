@@ -59,7 +59,7 @@ type Options struct {
 	// OnHome, if set, hears of each Responses API response a peer saw
 	// answered, and by which replica (Fleet.Home is the sending side).
 	// Called from the fleet's goroutine; it must not block.
-	OnHome func(id, replica string)
+	OnHome func(id, replica, tenant string)
 	// ID names this router to its peers; default the host name and a
 	// random suffix. Two routers must not share one.
 	ID string
@@ -608,10 +608,10 @@ func (f *Fleet) Learned(_ *routing.Decision, r *replica.Replica, chain []blockha
 }
 
 // Home tells the peers that replica answered (and stores) Responses API
-// response id, so that a continuation of it reaching any router goes
-// there.
-func (f *Fleet) Home(id, replica string) {
-	f.add(func(b []byte) []byte { return appendStr(appendStr(append(b, recHome), id), replica) })
+// response id for tenant, so that a continuation of it reaching any
+// router goes there, and is the tenant's alone.
+func (f *Fleet) Home(id, replica, tenant string) {
+	f.add(func(b []byte) []byte { return appendStr(appendStr(appendStr(append(b, recHome), id), replica), tenant) })
 }
 
 // Ejected implements routing.Sync.

@@ -122,7 +122,7 @@ func TestCodecRoundTrip(t *testing.T) {
 	b = appendChain(b, blocks, 4)
 	b = append(b, recEject)
 	b = appendUv(appendStr(b, "b"), 1500)
-	b = appendStr(appendStr(append(b, recHome), "resp_1"), "a")
+	b = appendStr(appendStr(appendStr(append(b, recHome), "resp_1"), "a"), "acme")
 	if err := decode(b, func(header) bool { return true }, func(r *record) {
 		got = append(got, *r)
 		gotBlocks = append(gotBlocks, append([]blockhash.Block(nil), r.chain.blocks...))
@@ -132,7 +132,7 @@ func TestCodecRoundTrip(t *testing.T) {
 	if len(got) != 3 {
 		t.Fatalf("%d records", len(got))
 	}
-	if got[2].typ != recHome || got[2].id != "resp_1" || got[2].replica != "a" {
+	if got[2].typ != recHome || got[2].id != "resp_1" || got[2].replica != "a" || got[2].tenant != "acme" {
 		t.Fatalf("home %+v", got[2])
 	}
 	r := got[0]

@@ -19,7 +19,7 @@ import (
 //	prefill, done = req:uvarint
 //	eject  = replica:str cool_ms:uvarint
 //	reset  = (empty)
-//	home   = response_id:str replica:str
+//	home   = response_id:str replica:str tenant:str
 //	chain  = prefix:uvarint [prefix_key:8 if prefix > 0] n:uvarint
 //	         (key:8 tokens:uvarint)×n runs:uvarint (kind:1 count:uvarint)×runs
 //
@@ -68,6 +68,7 @@ type record struct {
 	cool    uint64 // ms
 	chain   chain
 	id      string // recHome's response id
+	tenant  string // and the tenant it is for
 }
 
 func appendStr(b []byte, s string) []byte {
@@ -267,7 +268,7 @@ func (r *reader) record(dst []blockhash.Block) record {
 		rec.replica, rec.cool = r.str(), r.uvarint()
 	case recReset:
 	case recHome:
-		rec.id, rec.replica = r.str(), r.str()
+		rec.id, rec.replica, rec.tenant = r.str(), r.str(), r.str()
 	default:
 		r.fail()
 	}

@@ -91,7 +91,7 @@ type CoreOptions struct {
 	// ShareHome, if set, tells the fleet that a replica answered (and
 	// stores) a Responses API response (cluster.Fleet.Home); NoteHome is
 	// the receiving side.
-	ShareHome func(id, replica string)
+	ShareHome func(id, replica, tenant string)
 }
 
 // Tokenizer gives the engine's token ids of an OpenAI request body of

@@ -588,7 +588,12 @@ func (st *epStream) input() (in CoreRequest, fwd []byte, refused *apiError) {
 	in.Input = st.s.core.Prepare(st.srv.Context(), req, st.body, st.session)
 	in.Input.DetachText()
 	if id := req.PreviousResponseID; id != "" {
-		in.Input.Allow = st.s.core.home(id) // the replica that stored the response it continues
+		var refused bool
+		in.Input.Allow, refused = st.s.core.home(id, st.tenant) // the replica that stored the response it continues
+		if refused {
+			e := errNotYours
+			return in, nil, &e
+		}
 		in.Input.Home = in.Input.Allow != nil
 	}
 	in.Model, in.Route = req.Model, "ext_proc"
@@ -697,7 +702,7 @@ func (st *epStream) responseHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadat
 			switch st.ep {
 			case blockhash.Responses:
 				name := rt.Served.Replica.Name
-				st.capture.agentic, st.capture.onID = true, func(id string) { st.s.core.rememberHome(id, name) }
+				st.capture.agentic, st.capture.onID = true, func(id string) { st.s.core.rememberHome(id, name, rt.req.Tenant) }
 			case blockhash.Messages:
 				st.capture.agentic = true
 			}

@@ -76,7 +76,13 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 	in := s.core.Prepare(tctx, req, body.b, sid)
 	in.DetachText()
 	if id := req.PreviousResponseID; id != "" {
-		in.Allow = s.core.home(id) // the replica that stored the response it continues
+		var refused bool
+		in.Allow, refused = s.core.home(id, tenant) // the replica that stored the response it continues
+		if refused {
+			span.End()
+			writeError(w, errNotYours)
+			return
+		}
 		in.Home = in.Allow != nil
 	}
 	// A streamed request the client did not ask usage for asks for it

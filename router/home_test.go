@@ -96,3 +96,53 @@ func TestStoredResponseHomeDrainingOrDown(t *testing.T) {
 		t.Fatalf("a continuation of a response on the down %s: %d via %s", home, c.StatusCode, c.Header.Get(HeaderReplica))
 	}
 }
+
+// A stored response is its tenant's: another tenant's continuation or
+// fetch of it is answered 404, without touching a replica.
+func TestStoredResponseIsItsTenants(t *testing.T) {
+	a, b := fakeResponses(t, "a"), fakeResponses(t, "b")
+	defer a.Close()
+	defer b.Close()
+	ts, _ := serverFor(t, ServerOptions{}, a.URL, b.URL)
+	do := func(method, path, tenant, body string) *http.Response {
+		req, _ := http.NewRequest(method, ts.URL+path, strings.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set(HeaderTenantID, tenant)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp
+	}
+	resp, err := http.Post(ts.URL+"/v1/responses", "application/json", strings.NewReader(`{"model":"m","input":"hi"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	req, _ := http.NewRequest(http.MethodPost, ts.URL+"/v1/responses", strings.NewReader(`{"model":"m","input":"mine"}`))
+	req.Header.Set(HeaderTenantID, "acme")
+	req.Header.Set("Content-Type", "application/json")
+	resp, err = http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var r struct{ ID string }
+	_ = json.NewDecoder(resp.Body).Decode(&r)
+	resp.Body.Close()
+	cont := `{"model":"m","input":"more","previous_response_id":"` + r.ID + `"}`
+	for _, c := range []struct {
+		method, path, tenant, body string
+		want                       int
+	}{
+		{"POST", "/v1/responses", "globex", cont, 404},
+		{"GET", "/v1/responses/" + r.ID, "globex", "", 404},
+		{"DELETE", "/v1/responses/" + r.ID, "", "", 404},
+		{"POST", "/v1/responses", "acme", cont, 200},
+		{"GET", "/v1/responses/" + r.ID, "acme", "", 200},
+	} {
+		if got := do(c.method, c.path, c.tenant, c.body); got.StatusCode != c.want {
+			t.Errorf("%s %s as %q: %d, want %d", c.method, c.path, c.tenant, got.StatusCode, c.want)
+		}
+	}
+}

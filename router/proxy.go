@@ -175,7 +175,7 @@ func (s *Server) modifyResponse(resp *http.Response) error {
 			first: func() { s.core.FirstByte(rt) }, end: func() { s.core.EngineDone(rt) }}
 		switch rt.req.Route {
 		case "responses":
-			f.capture.agentic, f.capture.onID = true, func(id string) { s.core.rememberHome(id, c.Replica.Name) }
+			f.capture.agentic, f.capture.onID = true, func(id string) { s.core.rememberHome(id, c.Replica.Name, rt.req.Tenant) }
 		case "messages":
 			f.capture.agentic = true
 		}

@@ -18,7 +18,7 @@ import (
 
 // newFleet returns the router's membership of the fleet cfg describes, not
 // yet started; nil when cfg has no NATS URLs (a router alone).
-func newFleet(cfg configs.ClusterConfig, ej replica.Ejection, eng *routing.Engine, log *slog.Logger, onHome func(id, replica string)) (*cluster.Fleet, error) {
+func newFleet(cfg configs.ClusterConfig, ej replica.Ejection, eng *routing.Engine, log *slog.Logger, onHome func(id, replica, tenant string)) (*cluster.Fleet, error) {
 	if len(cfg.URLs) == 0 {
 		return nil, nil
 	}

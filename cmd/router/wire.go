@@ -144,7 +144,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	}
 	cache, pool := eng.Picture(), eng.Pool()
 	var core *router.Core // the peers' response homes reach it once made, before the fleet starts
-	fleet, err := newFleet(cfg.Cluster, cfg.Health.Ejection(), eng, log, func(id, replica string) { core.NoteHome(id, replica) })
+	fleet, err := newFleet(cfg.Cluster, cfg.Health.Ejection(), eng, log, func(id, replica, tenant string) { core.NoteHome(id, replica, tenant) })
 	if err != nil {
 		return nil, err
 	}
