@@ -143,6 +143,26 @@ func (h responseHomes) put(id, replica, tenant string) {
 // get returns where response id is stored, if remembered.
 func (h responseHomes) get(id string) (responseHome, bool) { return h.c.Get(id) }
 
+// chatLike reports whether api is chat's or completions': the APIs whose
+// streams take stream_options and whose requests vLLM's
+// kv_transfer_params disaggregate.
+func chatLike(api blockhash.Endpoint) bool {
+	return api == blockhash.Chat || api == blockhash.Completion
+}
+
+// readyCapture readies c, the capture of rt's answer from replica, for
+// the API rt's request was made in: a Responses or Messages answer's usage
+// is read where that API puts it, and a Responses answer's id is
+// remembered as stored on replica for rt's tenant.
+func (c *Core) readyCapture(cp *replyCapture, rt *Routed, replica string) {
+	switch rt.req.API {
+	case blockhash.Responses:
+		cp.agentic, cp.onID = true, func(id string) { c.rememberHome(id, replica, rt.req.Tenant) }
+	case blockhash.Messages:
+		cp.agentic = true
+	}
+}
+
 // rememberHome notes that replica answered response id for tenant, here
 // and, in a fleet, at every peer.
 func (c *Core) rememberHome(id, replica, tenant string) {

@@ -229,6 +229,9 @@ type CoreRequest struct {
 	// Route names the front end's route for metrics: "chat",
 	// "completions" or "grpc".
 	Route string
+	// API is the API the request's body was parsed as (its answer's
+	// shape); the zero value is chat's.
+	API blockhash.Endpoint
 	// DryRun decides without recording anything; the result has no ID and
 	// must not be finished.
 	DryRun bool

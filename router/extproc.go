@@ -184,7 +184,6 @@ type epStream struct {
 
 	msgs  chan recvd // from the stream's reader
 	timer *time.Timer
-	ep    blockhash.Endpoint // the routed request's API (input)
 }
 
 // recvd is one Recv's result.
@@ -498,8 +497,7 @@ func (st *epStream) route(noBody bool) (bool, error) {
 	in.Ctx = st.srv.Context()
 	var rt, prt *Routed
 	var perr, err error
-	chatLike := st.ep == blockhash.Chat || st.ep == blockhash.Completion
-	if !in.PassThrough && chatLike && st.s.core.disaggregated(in.Model) {
+	if !in.PassThrough && chatLike(in.API) && st.s.core.disaggregated(in.Model) {
 		rt, prt, perr, err = st.s.core.routePD(in, splittable(fwd))
 	} else {
 		rt, err = st.s.core.Route(in)
@@ -574,7 +572,6 @@ func (st *epStream) input() (in CoreRequest, fwd []byte, refused *apiError) {
 	if e := checkBodyType(st.contentType, st.body); e != nil {
 		return in, nil, e
 	}
-	st.ep = ep
 	lim := st.s.o.Limits()
 	req, err := blockhash.Parse(ep, st.body, lim.Parse)
 	if err != nil {
@@ -596,10 +593,10 @@ func (st *epStream) input() (in CoreRequest, fwd []byte, refused *apiError) {
 		}
 		in.Input.Home = in.Input.Allow != nil
 	}
-	in.Model, in.Route = req.Model, "ext_proc"
+	in.Model, in.Route, in.API = req.Model, "ext_proc", ep
 	in.Priority, in.Flow = placement(st.s.o.Priorities, st.placing.Get, st.tenant, req.User)
 	in.Bytes = int64(len(st.body))
-	if (ep == blockhash.Chat || ep == blockhash.Completion) && req.Stream && !req.StreamOptions && st.respMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
+	if chatLike(ep) && req.Stream && !req.StreamOptions && st.respMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
 		// As the HTTP front end: the replica is asked for the stream's
 		// usage, and its usage chunk is taken out of the client's stream
 		// (in the full-duplex response mode only: in the others the
@@ -699,13 +696,7 @@ func (st *epStream) responseHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadat
 			set = append(set, setHeader(HeaderMatchedTokens, strconv.Itoa(rt.Served.Predicted())))
 			st.capture = &replyCapture{limit: st.s.o.MaxReplyBytes, sse: sse, first: func() { st.s.core.FirstByte(rt) },
 				end: func() { st.s.core.EngineDone(rt) }}
-			switch st.ep {
-			case blockhash.Responses:
-				name := rt.Served.Replica.Name
-				st.capture.agentic, st.capture.onID = true, func(id string) { st.s.core.rememberHome(id, name, rt.req.Tenant) }
-			case blockhash.Messages:
-				st.capture.agentic = true
-			}
+			st.s.core.readyCapture(st.capture, rt, rt.Served.Replica.Name)
 		} else {
 			st.s.core.FirstByte(rt)
 		}

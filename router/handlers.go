@@ -89,9 +89,8 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 	// upstream (the engine's prompt and cached tokens teach the router),
 	// and its usage chunk is taken out of the client's stream. The
 	// Responses and Messages APIs end every stream with the usage.
-	chatLike := ep == blockhash.Chat || ep == blockhash.Completion
 	fwd, strip := body, false
-	if chatLike && req.Stream && !req.StreamOptions {
+	if chatLike(ep) && req.Stream && !req.StreamOptions {
 		fwd, strip = withIncludeUsage(body.b), true
 		defer fwd.release()
 		// The copy is body bytes held too.
@@ -104,10 +103,10 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 	}
 	req.Recycle() // the parse is done with: its tree is not held while the response streams
 	prio, flowKey := placement(s.o.Priorities, r.Header.Get, tenant, req.User)
-	cr := CoreRequest{Input: in, Model: req.Model, Session: sid, Tenant: tenant, Route: route,
+	cr := CoreRequest{Input: in, Model: req.Model, Session: sid, Tenant: tenant, Route: route, API: ep,
 		Ctx: r.Context(), Priority: prio, Flow: flowKey, Bytes: int64(len(fwd.b))}
 	var rt *Routed
-	if chatLike && s.core.disaggregated(req.Model) { // vLLM's kv_transfer_params are chat's and completions'; the others are aggregated on a decode replica
+	if chatLike(ep) && s.core.disaggregated(req.Model) { // vLLM's kv_transfer_params are chat's and completions'; the others are aggregated on a decode replica
 		drt, decode, prefill, derr := s.routeDisaggregated(r, cr, fwd)
 		rt, err = drt, derr
 		if err == nil {

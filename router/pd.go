@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
 	"sync/atomic"
 	"time"
@@ -126,19 +127,28 @@ func servesModel(r *replica.Replica, model string) bool {
 func decodes(r *replica.Replica) bool  { return r.Role.Decodes() }
 func prefills(r *replica.Replica) bool { return r.Role.Prefills() }
 
-// rewriteJSON applies edit to the top-level object of JSON body b and
-// returns the object encoded again.
-func rewriteJSON(b []byte, edit func(map[string]json.RawMessage)) ([]byte, error) {
-	var m map[string]json.RawMessage
-	if err := json.Unmarshal(b, &m); err != nil {
-		return nil, err
-	}
-	edit(m)
+// fields is a request body's top-level object, decoded once for every
+// body disaggregation makes of it (the prefill's, the decode's) and for
+// splittable; its values are the body's own bytes.
+type fields map[string]json.RawMessage
+
+// fieldsOf decodes body b's top-level object.
+func fieldsOf(b []byte) (fields, error) {
+	var m fields
+	err := json.Unmarshal(b, &m)
+	return m, err
+}
+
+// rewrite returns the body with edit applied to a copy of its fields
+// (size: the body's, to grow the buffer once).
+func (m fields) rewrite(size int, edit func(fields)) ([]byte, error) {
+	c := maps.Clone(m)
+	edit(c)
 	var out bytes.Buffer
-	out.Grow(len(b) + 256)
+	out.Grow(size + 256)
 	enc := json.NewEncoder(&out)
 	enc.SetEscapeHTML(false) // as given: no \u003c for every < of a prompt
-	if err := enc.Encode(m); err != nil {
+	if err := enc.Encode(c); err != nil {
 		return nil, err
 	}
 	return out.Bytes(), nil
@@ -153,8 +163,8 @@ var prefillParams = json.RawMessage(`{"do_remote_decode":true,"do_remote_prefill
 // decode, no stream, one token (max_tokens, and max_completion_tokens if
 // given), and without what a prefill does not take (stream_options,
 // min_tokens, min_completion_tokens).
-func prefillBody(b []byte) ([]byte, error) {
-	return rewriteJSON(b, func(m map[string]json.RawMessage) {
+func prefillBody(m fields, size int) ([]byte, error) {
+	return m.rewrite(size, func(m fields) {
 		m["kv_transfer_params"] = prefillParams
 		m["stream"] = json.RawMessage("false")
 		m["max_tokens"] = json.RawMessage("1")
@@ -175,8 +185,8 @@ func prefillBody(b []byte) ([]byte, error) {
 // decodeBody sets the kv_transfer_params a prefill replica returned on the
 // client's request for its decode replica; nil params takes any the client
 // sent out (the decode replica then computes the prompt itself).
-func decodeBody(b []byte, params json.RawMessage) ([]byte, error) {
-	return rewriteJSON(b, func(m map[string]json.RawMessage) {
+func decodeBody(m fields, size int, params json.RawMessage) ([]byte, error) {
+	return m.rewrite(size, func(m fields) {
 		if params == nil {
 			delete(m, "kv_transfer_params")
 			return
@@ -342,7 +352,8 @@ func (s *Server) prefillOnce(ctx context.Context, in *http.Request, rep *replica
 // ("" when the request went aggregated). A prefill that fails falls back
 // to the decode replica alone, counted; the caller releases the body.
 func (s *Server) routeDisaggregated(r *http.Request, cr CoreRequest, fwd *body) (*Routed, *body, string, error) {
-	rt, prt, perr, err := s.core.routePD(cr, splittable(fwd.b))
+	m, ferr := fieldsOf(fwd.b) // once, for every body made below; it parsed before
+	rt, prt, perr, err := s.core.routePD(cr, ferr == nil && m.splittable())
 	if err != nil {
 		return nil, nil, "", err
 	}
@@ -360,7 +371,10 @@ func (s *Server) routeDisaggregated(r *http.Request, cr CoreRequest, fwd *body) 
 			fwd.refs.Add(1) // the caller releases what this returns, and its own
 			return rt, fwd, "", nil
 		}
-		b, err := decodeBody(fwd.b, nil)
+		if ferr != nil {
+			return refuse(ferr)
+		}
+		b, err := decodeBody(m, len(fwd.b), nil)
 		if err != nil {
 			return refuse(err)
 		}
@@ -385,7 +399,11 @@ func (s *Server) routeDisaggregated(r *http.Request, cr CoreRequest, fwd *body) 
 	case prt == nil:
 		return whole()
 	}
-	pb, err := prefillBody(fwd.b)
+	err = ferr
+	var pb []byte
+	if err == nil {
+		pb, err = prefillBody(m, len(fwd.b))
+	}
 	var held *body
 	if err == nil {
 		held, err = s.heldBody(pb)
@@ -414,7 +432,7 @@ func (s *Server) routeDisaggregated(r *http.Request, cr CoreRequest, fwd *body) 
 		}
 		return rt, b, name, nil
 	}
-	b, err := decodeBody(fwd.b, params)
+	b, err := decodeBody(m, len(fwd.b), params)
 	if err != nil {
 		return aggregated(pdPrefillFailed, err)
 	}
@@ -447,18 +465,19 @@ func (s *Server) heldBody(b []byte) (*body, error) {
 // answer, so a batch of prompts (a completions prompt that is a list of
 // prompts) or several answers (n or best_of above 1) is served whole.
 func splittable(b []byte) bool {
-	var m struct {
-		Prompt json.RawMessage `json:"prompt"`
-		N      *int            `json:"n"`
-		BestOf *int            `json:"best_of"`
+	m, err := fieldsOf(b)
+	return err == nil && m.splittable()
+}
+
+// splittable is splittable of the body whose fields are m.
+func (m fields) splittable() bool {
+	for _, k := range []string{"n", "best_of"} {
+		var n *int
+		if v, ok := m[k]; ok && (json.Unmarshal(v, &n) != nil || n != nil && *n > 1) {
+			return false
+		}
 	}
-	if json.Unmarshal(b, &m) != nil {
-		return false
-	}
-	if m.N != nil && *m.N > 1 || m.BestOf != nil && *m.BestOf > 1 {
-		return false
-	}
-	p := bytes.TrimSpace(m.Prompt)
+	p := bytes.TrimSpace(m["prompt"])
 	if len(p) == 0 || p[0] != '[' {
 		return true // a chat, or one prompt
 	}

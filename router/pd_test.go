@@ -343,7 +343,11 @@ func counterValue(c prometheus.Counter) float64 {
 // every <), so a rewrite costs the body's size, not six times it.
 func TestPrefillBodyKeepsText(t *testing.T) {
 	in := []byte(`{"model":"m","prompt":"<a> & <b>","echo":true,"prompt_logprobs":5,"max_completion_tokens":9}`)
-	out, err := prefillBody(in)
+	m, err := fieldsOf(in)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := prefillBody(m, len(in))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -173,12 +173,7 @@ func (s *Server) modifyResponse(resp *http.Response) error {
 		sse := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
 		f.capture = &replyCapture{rc: body, limit: s.o.MaxReplyBytes, sse: sse,
 			first: func() { s.core.FirstByte(rt) }, end: func() { s.core.EngineDone(rt) }}
-		switch rt.req.Route {
-		case "responses":
-			f.capture.agentic, f.capture.onID = true, func(id string) { s.core.rememberHome(id, c.Replica.Name, rt.req.Tenant) }
-		case "messages":
-			f.capture.agentic = true
-		}
+		s.core.readyCapture(f.capture, rt, c.Replica.Name)
 		body = f.capture
 		if sse && f.stripUsage {
 			body = newUsageStripper(body)

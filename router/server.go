@@ -140,6 +140,9 @@ type Server struct {
 	client *http.Client
 	// bodies counts the request body bytes held (limits.Request.MaxBodyBytesInFlight).
 	bodies bodyGauge
+	// upstreamAuth is the Authorization the replicas get in place of the
+	// client's ("Bearer " and ServerOptions.UpstreamAPIKey), "" for none.
+	upstreamAuth string
 }
 
 // BodyBytesInFlight returns the request-body bytes the server holds now
@@ -178,6 +181,9 @@ func NewServer(o ServerOptions) (*Server, error) {
 		client.Transport = std
 	}
 	s := &Server{o: o, core: o.Core, e: o.Core.Engine(), mux: http.NewServeMux(), client: client}
+	if o.UpstreamAPIKey != "" {
+		s.upstreamAuth = "Bearer " + o.UpstreamAPIKey
+	}
 	if o.Keys != nil {
 		for _, t := range o.Keys.Tenants() {
 			o.Core.o.Metrics.tenantSeen(t) // 0 from the first scrape
@@ -351,9 +357,9 @@ func (s *Server) authorize(w http.ResponseWriter, r *http.Request) bool {
 		r.Header.Del("X-Api-Key")
 		s.core.o.Metrics.tenant(key.Tenant)
 	}
-	if s.o.UpstreamAPIKey != "" {
+	if s.upstreamAuth != "" {
 		r.Header.Del("X-Api-Key")
-		r.Header.Set("Authorization", "Bearer "+s.o.UpstreamAPIKey)
+		r.Header.Set("Authorization", s.upstreamAuth)
 	}
 	return true
 }
@@ -423,8 +429,8 @@ func (s *Server) gatherModels(ctx context.Context) map[string]json.RawMessage {
 			if err != nil {
 				return
 			}
-			if k := s.o.UpstreamAPIKey; k != "" {
-				req.Header.Set("Authorization", "Bearer "+k)
+			if s.upstreamAuth != "" {
+				req.Header.Set("Authorization", s.upstreamAuth)
 			}
 			resp, err := s.client.Do(req)
 			if err != nil {
