@@ -106,7 +106,7 @@ func startThirdParty(t *testing.T, o tpOptions) []*tpReplica {
 		shared = fmt.Sprintf("tcp://127.0.0.1:%d", freePort(t))
 	}
 	var out []*tpReplica
-	for i := 0; i < o.n; i++ {
+	start := func(i int) *tpReplica {
 		r := &tpReplica{port: freePort(t), log: &syncBuffer{}}
 		r.url = fmt.Sprintf("http://127.0.0.1:%d", r.port)
 		args := []string{"--model", tpModel, "--force-dummy-tokenizer", "--port", fmt.Sprint(r.port),
@@ -136,10 +136,21 @@ func startThirdParty(t *testing.T, o tpOptions) []*tpReplica {
 			t.Fatal(err)
 		}
 		t.Cleanup(r.stop)
-		out = append(out, r)
+		return r
 	}
-	for _, r := range out {
-		r.waitUp(t)
+	for i := 0; i < o.n; i++ {
+		out = append(out, start(i))
+	}
+	for i, r := range out {
+		if !r.up(20 * time.Second) {
+			// Once in a few CI runs a simulator neither listens nor logs:
+			// its ports, taken free a moment before, may have gone to
+			// another process meanwhile. It is started again on new ones.
+			t.Logf("third-party replica %s did not come up; starting it again on new ports:\n%s", r.url, r.log.String())
+			r.stop()
+			out[i] = start(i)
+			out[i].waitUp(t)
+		}
 	}
 	return out
 }
@@ -153,19 +164,25 @@ func (r *tpReplica) stop() {
 
 func (r *tpReplica) waitUp(t *testing.T) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for {
+	if !r.up(20 * time.Second) {
+		t.Fatalf("third-party replica %s never came up:\n%s", r.url, r.log.String())
+	}
+}
+
+// up reports whether the simulator answers /v1/models within wait.
+func (r *tpReplica) up(wait time.Duration) bool {
+	for deadline := time.Now().Add(wait); ; {
 		resp, err := http.Get(r.url + "/v1/models")
 		if err == nil {
 			resp.Body.Close()
 			if resp.StatusCode == 200 {
-				return
+				return true
 			}
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("third-party replica %s never came up:\n%s", r.url, r.log.String())
+			return false
 		}
-		time.Sleep(20 * time.Millisecond)
+		time.Sleep(20 * time.Millisecond) // polling the simulator's port
 	}
 }
 
