@@ -49,16 +49,21 @@ var (
 	fairnessHeaders  = []string{"X-Gateway-Inference-Fairness-Id", "X-Llm-D-Inference-Fairness-Id"}
 )
 
+// headerPriority carries a request's priority from authorize to
+// placement when its API key has a max_priority: the priority its
+// objective names (0 without one), at most the key's, in decimal. The
+// router sets it; authorize removes a client's from every request.
+const headerPriority = "X-Semroute-Priority"
+
 // placement returns the priority and the flow of a request in the
-// router's queue, its headers read by get: the priority its objective
-// header names in priorities (0 without one, or unknown); the flow its
-// fairness header names, else its tenant, else the body's user, else none.
+// router's queue, its headers read by get: the priority headerPriority
+// says (authorize's, for a key with a max_priority), else the one its
+// objective names (objectivePriority); the flow its fairness header
+// names, else its tenant, else the body's user, else none.
 func placement(priorities map[string]int, get func(string) string, tenant, user string) (priority int, flowKey string) {
-	for _, h := range objectiveHeaders {
-		if v := get(h); v != "" {
-			priority = priorities[v]
-			break
-		}
+	priority = objectivePriority(priorities, get)
+	if p, err := strconv.Atoi(get(headerPriority)); err == nil {
+		priority = p
 	}
 	for _, h := range fairnessHeaders {
 		if v := get(h); v != "" {
@@ -69,6 +74,32 @@ func placement(priorities map[string]int, get func(string) string, tenant, user 
 		return priority, tenant
 	}
 	return priority, user
+}
+
+// objectivePriority returns the priority the request's objective header
+// (the first spelling present, read by get) names in priorities: 0
+// without one, or for a name not listed.
+func objectivePriority(priorities map[string]int, get func(string) string) int {
+	for _, h := range objectiveHeaders {
+		if v := get(h); v != "" {
+			return priorities[v]
+		}
+	}
+	return 0
+}
+
+// capPriority makes ceiling the highest priority of the request whose
+// headers are h, whatever it asks for: its objective's (objectivePriority,
+// the default 0 included), at most ceiling, goes in headerPriority, and an
+// objective above ceiling is removed (the replica does not see it).
+func capPriority(priorities map[string]int, h http.Header, ceiling int) {
+	p := objectivePriority(priorities, h.Get)
+	if p > ceiling {
+		for _, name := range objectiveHeaders {
+			h.Del(name)
+		}
+	}
+	h.Set(headerPriority, strconv.Itoa(min(p, ceiling)))
 }
 
 // ServerOptions configure the HTTP front end. Core is required.
@@ -320,9 +351,13 @@ func bearerToken(h string) string {
 
 // authorize checks a /v1/* request's API key (ServerOptions.Keys) and
 // answers 401 when it has none the router holds, reporting false. A
-// request let through carries its key's tenant in X-Tenant-ID, and the
-// replicas' key (ServerOptions.UpstreamAPIKey) instead of the client's.
+// request let through carries its key's tenant in X-Tenant-ID, its
+// priority capped by the key's max_priority (capPriority: whatever
+// priority it ends with, the default included), and the replicas' key
+// (ServerOptions.UpstreamAPIKey) instead of the client's. A client's
+// headerPriority is removed from every request, keys or not.
 func (s *Server) authorize(w http.ResponseWriter, r *http.Request) bool {
+	r.Header.Del(headerPriority) // the router's own: never the client's
 	if s.o.Keys != nil {
 		presented := bearerToken(r.Header.Get("Authorization"))
 		if presented == "" {
@@ -346,12 +381,8 @@ func (s *Server) authorize(w http.ResponseWriter, r *http.Request) bool {
 		for _, h := range fairnessHeaders {
 			r.Header.Del(h)
 		}
-		if m := key.MaxPriority; m != nil { // an objective above the key's is not taken
-			for _, h := range objectiveHeaders {
-				if v := r.Header.Get(h); v != "" && s.o.Priorities[v] > *m {
-					r.Header.Del(h)
-				}
-			}
+		if m := key.MaxPriority; m != nil { // the ceiling of whatever priority it ends with
+			capPriority(s.o.Priorities, r.Header, *m)
 		}
 		r.Header.Del("Authorization")
 		r.Header.Del("X-Api-Key")
