@@ -11,9 +11,17 @@
 // Fairness follows the virtual token counter of "Fairness in Serving Large
 // Language Models" (Sheng et al., OSDI 2024, as AIBrix applies it): each
 // flow counts the tokens dispatched for it, and the flow with waiting
-// requests and the smallest count goes next; a flow that starts waiting is
-// lifted to the smallest count of the flows waiting, so that it cannot
-// claim the service it did not ask for while idle.
+// requests and the smallest count goes next; among equal counts, the flow
+// whose oldest waiting request arrived first (never the flow's name). A
+// flow that starts waiting is lifted to the priority's virtual time, and
+// to the smallest count of the flows waiting, so that it cannot claim the
+// service it did not ask for while idle. The virtual time advances with
+// every dispatch by its tokens divided by the flows waiting then (the share
+// each would have had, as in start-time fair queuing's system virtual
+// time): so a stream of new flows, each lifted to it, cannot hold the
+// smallest count below a waiting flow's for ever, and a waiting flow is
+// served within a bounded number of dispatches however many new flows
+// arrive.
 package flow
 
 import (
@@ -96,6 +104,7 @@ type Item struct {
 type Ticket struct {
 	Item
 	enqueued time.Time
+	seq      uint64     // arrival order in its Queue: ties between flows
 	grant    any        // Dispatch's, set before the verdict
 	done     chan error // buffered: the one verdict
 	q        *Queue
@@ -119,10 +128,18 @@ type flowState struct {
 	served  float64            // tokens dispatched (the virtual token counter)
 }
 
+// oldest returns the arrival number of f's oldest waiting request; f waits.
+func (f *flowState) oldest() uint64 { return f.waiting.Front().Value.(*Ticket).seq }
+
 type band struct {
 	priority int
 	flows    map[string]*flowState
 	n        int // tickets waiting
+	// vtime is the band's virtual time, in tokens: the sum over its
+	// dispatches of each one's tokens divided by the flows waiting at that
+	// moment (the dispatched one's included). It never decreases; a flow
+	// that starts waiting is lifted to it.
+	vtime float64
 }
 
 // Queue is the router's queue. Safe for concurrent use.
@@ -134,6 +151,7 @@ type Queue struct {
 	n     int
 	bytes int64
 	gen   uint64 // changes with every request queued or gone (Generation)
+	seq   uint64 // the next request's arrival number (Ticket.seq)
 }
 
 // Generation returns a number that changes whenever a request is queued
@@ -207,6 +225,29 @@ func (q *Queue) Enqueue(it Item) (*Ticket, error) {
 			return nil, ErrFull
 		}
 	}
+	f := q.flowOf(it)
+	if f.waiting.Len() == 0 { // starts waiting: no credit for the time it did not ask
+		m, _ := f.band.minServed(f)
+		f.served = max(f.served, m, f.band.vtime)
+	}
+	t := &Ticket{Item: it, enqueued: q.o.Now(), seq: q.seq, done: make(chan error, 1), q: q, f: f}
+	q.seq++
+	t.el = f.waiting.PushBack(t)
+	h := f.homes[it.Home]
+	if h == nil {
+		h = list.New()
+		f.homes[it.Home] = h
+	}
+	t.homeEl = h.PushBack(t)
+	f.band.n++
+	q.n++
+	q.bytes += it.Bytes
+	q.gen++
+	return t, nil
+}
+
+// flowOf returns it's flow at its priority, made if new. q.mu is held.
+func (q *Queue) flowOf(it Item) *flowState {
 	b := q.bands[it.Priority]
 	if b == nil {
 		b = &band{priority: it.Priority, flows: map[string]*flowState{}}
@@ -217,23 +258,7 @@ func (q *Queue) Enqueue(it Item) (*Ticket, error) {
 		f = &flowState{key: it.Flow, band: b, waiting: list.New(), homes: map[int]*list.List{}}
 		b.flows[it.Flow] = f
 	}
-	if f.waiting.Len() == 0 { // starts waiting: no credit for the time it did not ask
-		m, _ := b.minServed(f)
-		f.served = max(f.served, m)
-	}
-	t := &Ticket{Item: it, enqueued: q.o.Now(), done: make(chan error, 1), q: q, f: f}
-	t.el = f.waiting.PushBack(t)
-	h := f.homes[it.Home]
-	if h == nil {
-		h = list.New()
-		f.homes[it.Home] = h
-	}
-	t.homeEl = h.PushBack(t)
-	b.n++
-	q.n++
-	q.bytes += it.Bytes
-	q.gen++
-	return t, nil
+	return f
 }
 
 // minServed returns the smallest count of the band's flows waiting, but
@@ -252,13 +277,14 @@ func (b *band) minServed(f *flowState) (m float64, any bool) {
 
 // forgettable reports whether idle flow f may be forgotten: no flow of its
 // band waits (the contention it was counted in is over), or the waiting
-// ones have caught up with it (it would be lifted to their count anyway).
+// ones or the band's virtual time have caught up with it (it would be
+// lifted to their count anyway).
 func (b *band) forgettable(f *flowState) bool {
 	if f.waiting.Len() > 0 {
 		return false
 	}
 	m, any := b.minServed(f)
-	return !any || f.served <= m
+	return !any || f.served <= max(m, b.vtime)
 }
 
 // shedBelow sheds the newest request of the lowest priority below p, and
@@ -333,7 +359,8 @@ func (t *Ticket) Wait(ctx context.Context) error {
 
 // Dispatch takes the next request for a slot that freed on home and
 // reports whether there was one: the highest priority waiting, within it
-// the flow served least, and within that flow its oldest request waiting
+// the flow served least (of equals, the one whose oldest request waiting
+// arrived first), and within that flow its oldest request waiting
 // for home, as in that engine's own queue, unless one of its LookAhead
 // oldest queued within AgeBound of its oldest costs less there (the
 // picture now has more of its prefix on home than where it waits); a flow
@@ -358,9 +385,12 @@ func (q *Queue) Dispatch(home int, cost func(*Ticket) float64, grant any) (*Tick
 	slices.SortFunc(bands, func(a, b *band) int { return cmp.Compare(b.priority, a.priority) })
 	budget := 2 * q.o.LookAhead // costs computed at most, whatever the flows
 	for _, b := range bands {
-		for _, f := range b.byServed() {
+		fs := b.byServed()
+		for _, f := range fs {
 			if t := q.pick(f, home, cost, &budget); t != nil {
-				f.served += float64(max(t.Tokens, 1))
+				tokens := float64(max(t.Tokens, 1))
+				f.served += tokens
+				b.vtime += tokens / float64(len(fs))
 				t.grant = grant
 				q.remove(t, nil)
 				return t, true
@@ -400,8 +430,10 @@ func (q *Queue) pick(f *flowState, home int, cost func(*Ticket) float64, budget 
 	return lent
 }
 
-// byServed returns the band's waiting flows, least served first (by key
-// among equals).
+// byServed returns the band's waiting flows, least served first; among
+// equals, the flow whose oldest waiting request arrived first, so that
+// neither a flow's name nor the flows that start waiting after it (lifted
+// to its count) can keep it waiting.
 func (b *band) byServed() []*flowState {
 	fs := make([]*flowState, 0, len(b.flows))
 	for _, g := range b.flows {
@@ -410,7 +442,7 @@ func (b *band) byServed() []*flowState {
 		}
 	}
 	slices.SortFunc(fs, func(f, g *flowState) int {
-		return cmp.Or(cmp.Compare(f.served, g.served), cmp.Compare(f.key, g.key))
+		return cmp.Or(cmp.Compare(f.served, g.served), cmp.Compare(f.oldest(), g.oldest()))
 	})
 	return fs
 }

@@ -47,7 +47,8 @@ func TestPriorityFirstThenFairness(t *testing.T) {
 	enqueue(t, q, 5, "interactive", "i0")
 	enqueue(t, q, 0, "quiet", "q1")
 	// The interactive priority first; then the flows served least take
-	// turns (ties by name), the flood's rest after the quiet flow is done.
+	// turns (ties to the flow whose oldest request came first), the flood's
+	// rest after the quiet flow is done.
 	if got := order(q, nil); got != "i0 f0 q0 f1 q1 f2 f3" {
 		t.Fatalf("dispatched %s", got)
 	}
