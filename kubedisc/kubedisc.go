@@ -4,6 +4,43 @@
 // a Gateway API Inference Extension InferencePool (its selector and target
 // port, followed as the pool changes). A Source is a replica.Source: a
 // replica.Membership adds and retires the replicas it names.
+//
+// Only what Kubernetes itself wrote is a replica; anyone allowed to write
+// an EndpointSlice in the namespace could otherwise point the router
+// anywhere:
+//
+//   - An EndpointSlice is read only when its
+//     endpointslice.kubernetes.io/managed-by label names Kubernetes' own
+//     EndpointSlice controller (ControllerManager) or its mirroring
+//     controller (MirroringManager, which copies a selectorless Service's
+//     Endpoints object, so whoever may write that object is trusted as
+//     Kubernetes trusts it). A hand-made slice that only carries the
+//     kubernetes.io/service-name label is ignored. There is no switch to
+//     turn this check off: the unlabelled hand-made slice is exactly the
+//     hole. A cluster whose slices come from another controller names its
+//     managed-by value in Options.TrustedManagers; such a slice is trusted
+//     less: only its endpoints naming a Pod (targetRef) are read, and a pod
+//     that a Kubernetes-written slice also names keeps that slice's
+//     address. The label is a claim, not a signature: one who may write
+//     EndpointSlices may forge it too, and RBAC on EndpointSlices remains
+//     the boundary; the rules below still bound what a forgery can do.
+//   - An address is a replica only if it can be a pod's IP: an IPv4 or
+//     IPv6 literal of the slice's address type (an FQDN slice is ignored),
+//     not unspecified (0.0.0.0, ::, 0.0.0.0/8), loopback, link-local
+//     (169.254.0.0/16 — the cloud metadata address —, fe80::/10),
+//     multicast, broadcast, IPv4-mapped or zoned. The same holds for a
+//     pod's status.podIP with a selector or an InferencePool.
+//   - A pod is one replica, named by the pod: endpoints claiming the same
+//     pod (two slices, or the IPv4 and IPv6 slices of a dual-stack
+//     Service) do not replace each other by arrival order; the one kept is
+//     chosen from what they say alone: a Kubernetes-written slice's
+//     endpoint first, then an IPv4 address before an IPv6 one, then the
+//     lowest URL. An endpoint naming a pod of another namespace, or a
+//     name no pod can have, is not read.
+//   - At most Options.MaxReplicas (DefaultMaxReplicas, 1024, when zero)
+//     replicas are named at once. Past it the replicas already named stay
+//     and new ones wait; a Warn is logged when the bound is first exceeded
+//     and an Info when the count is back within it, not on every read.
 package kubedisc
 
 import (
@@ -11,10 +48,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
+	"log/slog"
 	"slices"
-	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -23,6 +60,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/selection"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/dynamic/dynamicinformer"
 	"k8s.io/client-go/informers"
@@ -41,6 +79,16 @@ var (
 	InferencePoolAlpha = schema.GroupVersionResource{Group: "inference.networking.x-k8s.io", Version: "v1alpha2", Resource: "inferencepools"}
 )
 
+// The endpointslice.kubernetes.io/managed-by values of Kubernetes' own
+// controllers, whose EndpointSlices are always read.
+const (
+	ControllerManager = "endpointslice-controller.k8s.io"
+	MirroringManager  = "endpointslicemirroring-controller.k8s.io"
+)
+
+// DefaultMaxReplicas is Options.MaxReplicas when it is zero.
+const DefaultMaxReplicas = 1024
+
 // Options say where the replicas are. Exactly one of Service, Selector
 // and InferencePool is set.
 type Options struct {
@@ -49,8 +97,9 @@ type Options struct {
 	Namespace string            // required
 
 	// Service: the ready endpoints of the EndpointSlices of this Service
-	// (labelled kubernetes.io/service-name), on the slice's port named
-	// PortName (the first port when empty).
+	// (labelled kubernetes.io/service-name) that Kubernetes wrote (see the
+	// package doc), on the slice's port named PortName (the first port
+	// when empty).
 	Service string
 	// Selector: the ready pods matching this label selector, on Port.
 	Selector string
@@ -71,16 +120,34 @@ type Options struct {
 	// SyncTimeout bounds the wait for the informers' first list; default
 	// 30s.
 	SyncTimeout time.Duration
+
+	// MaxReplicas bounds the replicas named at once (a count); 0:
+	// DefaultMaxReplicas; negative is refused.
+	MaxReplicas int
+	// TrustedManagers are endpointslice.kubernetes.io/managed-by values
+	// read besides ControllerManager and MirroringManager (Service only),
+	// for a cluster whose EndpointSlices another controller writes; only
+	// the endpoints of their slices that name a Pod are read. Nil: none.
+	// Each must be a valid label value.
+	TrustedManagers []string
+	// Logger receives the replica bound's crossings (nil: slog.Default()).
+	Logger *slog.Logger
 }
 
 // Source names the replicas the Kubernetes API shows, from its informers'
 // caches. Safe for concurrent use.
 type Source struct {
-	o      Options
-	slices cache.GenericLister // nil unless Service
-	pods   cache.GenericLister // nil unless Selector or InferencePool
-	pool   cache.GenericLister // nil unless InferencePool
-	sel    labels.Selector     // Selector's
+	o        Options
+	log      *slog.Logger
+	slices   cache.GenericLister // nil unless Service
+	sliceSel labels.Selector     // Service's: its name, a trusted manager
+	pods     cache.GenericLister // nil unless Selector or InferencePool
+	pool     cache.GenericLister // nil unless InferencePool
+	sel      labels.Selector     // Selector's
+
+	mu   sync.Mutex
+	kept map[string]bool // the names the last Specs returned
+	over bool            // the last Specs found more than MaxReplicas
 }
 
 var _ replica.Source = (*Source)(nil)
@@ -88,34 +155,20 @@ var _ replica.Source = (*Source)(nil)
 // Start starts the informers and waits for their first list (at most
 // SyncTimeout); they stop when ctx ends.
 func Start(ctx context.Context, o Options) (*Source, error) {
-	n := 0
-	for _, s := range []string{o.Service, o.Selector, o.InferencePool} {
-		if s != "" {
-			n++
-		}
+	if err := check(&o); err != nil {
+		return nil, err
 	}
-	switch {
-	case n != 1:
-		return nil, errors.New("kubedisc: exactly one of service, selector and inference_pool")
-	case o.Client == nil || o.Namespace == "":
-		return nil, errors.New("kubedisc: a client and a namespace are required")
-	case o.InferencePool != "" && o.Dynamic == nil:
-		return nil, errors.New("kubedisc: an InferencePool needs a dynamic client")
-	case o.Selector != "" && (o.Port < 1 || o.Port > 65535):
-		return nil, errors.New("kubedisc: a selector needs the pods' port")
-	}
-	if o.Scheme == "" {
-		o.Scheme = "http"
-	}
-	if o.PoolVersion.Resource == "" {
-		o.PoolVersion = InferencePool
-	}
-	s := &Source{o: o}
+	s := &Source{o: o, log: cmp.Or(o.Logger, slog.Default())}
 	var synced []cache.InformerSynced
 	switch {
 	case o.Service != "":
+		sel, err := sliceSelector(o.Service, o.TrustedManagers)
+		if err != nil {
+			return nil, err
+		}
+		s.sliceSel = sel
 		f := informers.NewSharedInformerFactoryWithOptions(o.Client, o.Resync, informers.WithNamespace(o.Namespace),
-			informers.WithTweakListOptions(func(lo *metav1.ListOptions) { lo.LabelSelector = discoveryv1.LabelServiceName + "=" + o.Service }))
+			informers.WithTweakListOptions(func(lo *metav1.ListOptions) { lo.LabelSelector = sel.String() }))
 		inf := f.Discovery().V1().EndpointSlices().Informer()
 		s.slices = cache.NewGenericLister(inf.GetIndexer(), discoveryv1.Resource("endpointslices"))
 		synced = append(synced, inf.HasSynced)
@@ -152,48 +205,97 @@ func Start(ctx context.Context, o Options) (*Source, error) {
 	return s, nil
 }
 
+// check refuses options that name no single place, and fills defaults.
+func check(o *Options) error {
+	n := 0
+	for _, s := range []string{o.Service, o.Selector, o.InferencePool} {
+		if s != "" {
+			n++
+		}
+	}
+	switch {
+	case n != 1:
+		return errors.New("kubedisc: exactly one of service, selector and inference_pool")
+	case o.Client == nil || o.Namespace == "":
+		return errors.New("kubedisc: a client and a namespace are required")
+	case o.InferencePool != "" && o.Dynamic == nil:
+		return errors.New("kubedisc: an InferencePool needs a dynamic client")
+	case o.Selector != "" && (o.Port < 1 || o.Port > 65535):
+		return errors.New("kubedisc: a selector needs the pods' port")
+	case o.MaxReplicas < 0:
+		return fmt.Errorf("kubedisc: max replicas %d is negative", o.MaxReplicas)
+	}
+	if o.Scheme == "" {
+		o.Scheme = "http"
+	}
+	if o.PoolVersion.Resource == "" {
+		o.PoolVersion = InferencePool
+	}
+	if o.MaxReplicas == 0 {
+		o.MaxReplicas = DefaultMaxReplicas
+	}
+	return nil
+}
+
+// sliceSelector selects a Service's EndpointSlices that Kubernetes' own
+// controllers or a trusted manager wrote; the API server filters the
+// informer's list and watch with it, and Specs its cache again.
+func sliceSelector(service string, trusted []string) (labels.Selector, error) {
+	svc, err := labels.NewRequirement(discoveryv1.LabelServiceName, selection.Equals, []string{service})
+	if err != nil {
+		return nil, fmt.Errorf("kubedisc: service: %w", err)
+	}
+	mgr, err := labels.NewRequirement(discoveryv1.LabelManagedBy, selection.In, append([]string{ControllerManager, MirroringManager}, trusted...))
+	if err != nil {
+		return nil, fmt.Errorf("kubedisc: trusted managers: %w", err)
+	}
+	return labels.NewSelector().Add(*svc, *mgr), nil
+}
+
 // Name implements replica.Source.
 func (s *Source) Name() string { return "kubernetes" }
 
 // Specs implements replica.Source: the ready replicas now, by name (a
-// pod's name; an endpoint's address when it names no pod).
+// pod's name; an endpoint's address when a Kubernetes-written slice names
+// no pod), sorted by name, at most MaxReplicas of them.
 func (s *Source) Specs(context.Context) ([]replica.Spec, error) {
-	var out []replica.Spec
-	switch {
-	case s.slices != nil:
-		objs, err := s.slices.List(labels.SelectorFromSet(labels.Set{discoveryv1.LabelServiceName: s.o.Service}))
-		if err != nil {
-			return nil, err
-		}
-		for _, o := range objs {
-			out = s.fromSlice(out, o.(*discoveryv1.EndpointSlice))
-		}
-	default:
-		sel, port := s.sel, s.o.Port
-		if s.pool != nil {
-			var err error
-			if sel, port, err = s.poolTarget(); err != nil {
-				return nil, err
-			}
-		}
-		objs, err := s.pods.List(sel)
-		if err != nil {
-			return nil, err
-		}
-		for _, o := range objs {
-			if p := o.(*corev1.Pod); podReady(p) {
-				out = append(out, s.spec(p.Name, p.Status.PodIP, port))
-			}
-		}
+	var cs []candidate
+	var err error
+	if s.slices != nil {
+		cs, err = s.fromSlices()
+	} else {
+		cs, err = s.fromPods()
 	}
-	// One spec a name, the same on every call: a dual-stack pod's IPv4
-	// endpoint before its IPv6 one (a changed URL would retire the replica
-	// and its cache picture).
-	slices.SortFunc(out, func(a, b replica.Spec) int {
-		return cmp.Or(strings.Compare(a.Name, b.Name), cmp.Compare(isV6(a.URL), isV6(b.URL)), strings.Compare(a.URL, b.URL))
+	if err != nil {
+		return nil, err
+	}
+	// One spec a name, the same on every call and whatever order the
+	// informers list in: a changed URL would retire the replica and its
+	// cache picture.
+	slices.SortFunc(cs, func(a, b candidate) int {
+		return cmp.Or(strings.Compare(a.Name, b.Name), cmp.Compare(a.rank, b.rank), cmp.Compare(isV6(a.URL), isV6(b.URL)), strings.Compare(a.URL, b.URL))
 	})
-	return slices.CompactFunc(out, func(a, b replica.Spec) bool { return a.Name == b.Name }), nil
+	cs = slices.CompactFunc(cs, func(a, b candidate) bool { return a.Name == b.Name })
+	out := make([]replica.Spec, len(cs))
+	for i, c := range cs {
+		out[i] = c.Spec
+	}
+	return s.bound(out), nil
 }
+
+// candidate is a replica some object names, and how far that object is
+// trusted: among those of one name, the lowest rank is kept.
+type candidate struct {
+	replica.Spec
+	rank int
+}
+
+// The ranks of candidates.
+const (
+	rankPod      = iota // a pod: a Kubernetes-written slice's endpoint naming it, or the pod itself
+	rankAddress         // a Kubernetes-written slice's endpoint naming no pod
+	rankOtherPod        // a TrustedManagers slice's endpoint naming a pod
+)
 
 // isV6 reports 1 for a URL whose host is an IPv6 address, else 0.
 func isV6(u string) int {
@@ -203,30 +305,30 @@ func isV6(u string) int {
 	return 0
 }
 
-// fromSlice appends the ready endpoints of an EndpointSlice.
-func (s *Source) fromSlice(out []replica.Spec, es *discoveryv1.EndpointSlice) []replica.Spec {
-	port := 0
-	for _, p := range es.Ports {
-		if p.Port != nil && (s.o.PortName == "" || p.Name != nil && *p.Name == s.o.PortName) {
-			port = int(*p.Port)
-			break
+// fromPods lists the ready pods of the selector or the InferencePool.
+func (s *Source) fromPods() ([]candidate, error) {
+	sel, port := s.sel, s.o.Port
+	if s.pool != nil {
+		var err error
+		if sel, port, err = s.poolTarget(); err != nil {
+			return nil, err
 		}
 	}
-	if port == 0 {
-		return out
+	objs, err := s.pods.List(sel)
+	if err != nil {
+		return nil, err
 	}
-	for _, ep := range es.Endpoints {
-		c := ep.Conditions
-		if len(ep.Addresses) == 0 || c.Ready != nil && !*c.Ready || c.Terminating != nil && *c.Terminating {
+	var out []candidate
+	for _, o := range objs {
+		p := o.(*corev1.Pod)
+		if !podReady(p) {
 			continue
 		}
-		name := ep.Addresses[0]
-		if ep.TargetRef != nil && ep.TargetRef.Kind == "Pod" {
-			name = ep.TargetRef.Name
+		if addr, ok := podAddr(p.Status.PodIP, ""); ok {
+			out = append(out, candidate{s.spec(p.Name, addr, port), rankPod})
 		}
-		out = append(out, s.spec(name, ep.Addresses[0], port))
 	}
-	return out
+	return out, nil
 }
 
 // podReady reports whether a pod serves: running, Ready, not going away,
@@ -243,8 +345,43 @@ func podReady(p *corev1.Pod) bool {
 	return false
 }
 
-func (s *Source) spec(name, addr string, port int) replica.Spec {
-	return replica.Spec{Name: name, URL: s.o.Scheme + "://" + net.JoinHostPort(addr, strconv.Itoa(port)), BudgetTokens: s.o.BudgetTokens}
+// bound keeps at most MaxReplicas of specs (sorted by name): those the
+// last call kept first, then the others by name; it logs the bound's
+// crossings.
+func (s *Source) bound(specs []replica.Spec) []replica.Spec {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	limit := s.o.MaxReplicas
+	if len(specs) > limit {
+		if !s.over {
+			s.log.Warn("kubernetes discovery: more ready replicas than the bound; the others are left out until some leave",
+				"ready", len(specs), "max_replicas", limit, "namespace", s.o.Namespace, "service", s.o.Service,
+				"selector", s.o.Selector, "inference_pool", s.o.InferencePool)
+		}
+		s.over = true
+		out := make([]replica.Spec, 0, limit)
+		for _, sp := range specs {
+			if s.kept[sp.Name] && len(out) < limit {
+				out = append(out, sp)
+			}
+		}
+		for _, sp := range specs {
+			if !s.kept[sp.Name] && len(out) < limit {
+				out = append(out, sp)
+			}
+		}
+		slices.SortFunc(out, func(a, b replica.Spec) int { return strings.Compare(a.Name, b.Name) })
+		specs = out
+	} else if s.over {
+		s.log.Info("kubernetes discovery: ready replicas back within the bound", "ready", len(specs), "max_replicas", limit,
+			"namespace", s.o.Namespace)
+		s.over = false
+	}
+	s.kept = make(map[string]bool, len(specs))
+	for _, sp := range specs {
+		s.kept[sp.Name] = true
+	}
+	return specs
 }
 
 // poolTarget reads the InferencePool's pod selector and target port.

@@ -42,10 +42,13 @@ func waitSpecs(t *testing.T, s *Source, want ...string) {
 	}
 }
 
+// slice is an EndpointSlice of the Service vllm, as the EndpointSlice
+// controller writes it.
 func slice(name string, port int32, eps ...discoveryv1.Endpoint) *discoveryv1.EndpointSlice {
 	pn := "http"
 	return &discoveryv1.EndpointSlice{
-		ObjectMeta:  metav1.ObjectMeta{Name: name, Namespace: ns, Labels: map[string]string{discoveryv1.LabelServiceName: "vllm"}},
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Labels: map[string]string{discoveryv1.LabelServiceName: "vllm",
+			discoveryv1.LabelManagedBy: ControllerManager}},
 		AddressType: discoveryv1.AddressTypeIPv4, Ports: []discoveryv1.EndpointPort{{Name: &pn, Port: &port}}, Endpoints: eps,
 	}
 }
