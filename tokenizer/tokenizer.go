@@ -10,7 +10,6 @@ package tokenizer
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -106,17 +105,6 @@ func New(o Options) (*Client, error) {
 // Stats returns the calls counted so far.
 func (c *Client) Stats() Stats {
 	return Stats{Hits: c.hits.Load(), Calls: c.calls.Load(), Failures: c.failures.Load(), Slow: c.slow.Load()}
-}
-
-// response is TokenizeResponse. Token ids are unsigned: vLLM's are below
-// 2^31, but llm-d's simulator (FNV-32a of each word,
-// pkg/tokenizer/tokenizer.go) and other engines use all 32 bits. An id is
-// kept as its 32-bit pattern in an int32, which keys a block exactly as
-// the same id does in a KV event (blockhash.TokenBlockHash).
-type response struct {
-	Count       int      `json:"count"`
-	MaxModelLen int      `json:"max_model_len"`
-	Tokens      []uint32 `json:"tokens"`
 }
 
 // Chat returns the token ids of a chat request's prompt: messages is the
@@ -225,20 +213,16 @@ func (c *Client) post(ctx context.Context, base string, q *query) ([]int32, erro
 		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
 		return nil, fmt.Errorf("tokenizer: /tokenize answered %d", resp.StatusCode)
 	}
-	var out response
 	// Token ids are at most 11 bytes each in JSON.
-	if err := json.NewDecoder(io.LimitReader(resp.Body, int64(c.o.MaxTokens)*12+4096)).Decode(&out); err != nil {
+	ids, count, err := readAnswer(io.LimitReader(resp.Body, int64(c.o.MaxTokens)*12+4096), c.o.MaxTokens)
+	if err != nil {
 		if ctx.Err() == context.DeadlineExceeded {
 			return nil, ErrSlow
 		}
 		return nil, fmt.Errorf("tokenizer: /tokenize answer: %w", err)
 	}
-	if len(out.Tokens) > c.o.MaxTokens || (out.Count != 0 && out.Count != len(out.Tokens)) {
-		return nil, fmt.Errorf("tokenizer: /tokenize answered %d tokens (count %d)", len(out.Tokens), out.Count)
-	}
-	ids := make([]int32, len(out.Tokens))
-	for i, id := range out.Tokens {
-		ids[i] = int32(id)
+	if count >= 0 && count != len(ids) {
+		return nil, fmt.Errorf("tokenizer: /tokenize answered %d tokens (count %d)", len(ids), count)
 	}
 	return ids, nil
 }
