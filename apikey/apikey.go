@@ -36,8 +36,8 @@ type Key struct {
 	Tenant string `yaml:"tenant"`
 	SHA256 string `yaml:"sha256"`
 	// MaxPriority, if set, is the highest priority the key's requests may
-	// ask for (flow control's objectives); an objective above it is not
-	// taken. Nil: any.
+	// have (flow control's objectives): the ceiling of whatever priority a
+	// request ends with, the default (0) included. Nil: any.
 	MaxPriority *int `yaml:"max_priority"`
 }
 

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"math"
 	"strconv"
+	"sync"
 	"sync/atomic"
 
 	"github.com/valyala/fastjson"
@@ -85,13 +86,25 @@ type Request struct {
 	// PreviousResponseID is a /v1/responses body's previous_response_id:
 	// the stored response the input continues.
 	PreviousResponseID string
-	Parts              []Part
+	// KVTransferParams and RequestID say the body's object has a
+	// top-level kv_transfer_params (vLLM's disaggregation: the router's to
+	// set, never a client's) or request_id key (a Responses response's id
+	// in vLLM: the router's to issue), under any spelling the engine's
+	// JSON parser reads as that key (escapes unescaped).
+	KVTransferParams, RequestID bool
+	Parts                       []Part
 
 	p *fastjson.Parser // holds the memory Parts alias; see Recycle
 
 	budget *Budget // the budget the parse took held values from, or nil
 	held   int64
+	large  bool // the body was over maxPooledParse bytes: its parser is not pooled
 }
+
+// maxPooledParse is the largest body whose parser goes back to the pool:
+// a parser keeps a copy of the last body it parsed, so one that parsed a
+// 15 MiB prompt would hold 15 MiB for as long as it is pooled.
+const maxPooledParse = 1 << 20
 
 // Limits bound what a parser accepts.
 type Limits struct {
@@ -163,6 +176,29 @@ func (b *Budget) take(n int64) bool {
 	return true
 }
 
+// Admit checks JSON that the router reads but that is not a request body
+// (a replica's answer, a prefill's kv_transfer_params) as a body is
+// checked before it is parsed: its nesting and its values within lim's
+// MaxDepth and MaxValues, after a linear scan, and, past BudgetFloor
+// values, its values taken from lim.Budget (ErrBusy when it cannot cover
+// them) until release is called. release is never nil and may be called
+// more than once; the caller parses data only if err is nil. So every
+// JSON tree the router builds is bounded alike, whoever sent it.
+func Admit(data []byte, lim Limits) (release func(), err error) {
+	values, err := scan(data, lim.maxDepth(), lim.maxValues())
+	if err != nil {
+		return func() {}, err
+	}
+	if lim.Budget == nil || values <= BudgetFloor {
+		return func() {}, nil
+	}
+	if !lim.Budget.take(int64(values)) {
+		return func() {}, ErrBusy
+	}
+	var once sync.Once
+	return func() { once.Do(func() { lim.Budget.used.Add(-int64(values)) }) }, nil
+}
+
 // ErrBusy is returned by the parsers when a Budget cannot cover a large
 // body now: the request may be retried.
 var ErrBusy = errors.New("too many large request bodies are being parsed at once; retry later")
@@ -190,7 +226,7 @@ func (r *Request) TokenIDsOnly() bool {
 // harmless.
 func (r *Request) Recycle() {
 	if r.p != nil {
-		if r.held == 0 { // a large parse's tree is left to the collector, not kept in the pool
+		if r.held == 0 && !r.large { // a large parse's tree and copy are left to the collector, not kept in the pool
 			parsers.Put(r.p)
 		}
 		r.p, r.Parts = nil, nil
@@ -235,7 +271,7 @@ func decode(data []byte, ep Endpoint, lim Limits) (*body, *Request, error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	r := &Request{Endpoint: ep}
+	r := &Request{Endpoint: ep, large: len(data) > maxPooledParse}
 	if lim.Budget != nil && values > BudgetFloor {
 		if !lim.Budget.take(int64(values)) {
 			return nil, nil, ErrBusy
@@ -296,10 +332,23 @@ func (r *Request) top(data []byte, ep Endpoint) (*body, error) {
 		if dup != "" {
 			return nil, dupErr(dup)
 		}
+		r.routerKeys(root)
 	default:
 		return nil, inputErr("", "request body must be a JSON object")
 	}
 	return b, nil
+}
+
+// routerKeys notes the keys of the body object o that a router sets.
+func (r *Request) routerKeys(o *fastjson.Value) {
+	o.GetObject().Visit(func(k []byte, _ *fastjson.Value) {
+		switch string(k) {
+		case "kv_transfer_params":
+			r.KVTransferParams = true
+		case "request_id":
+			r.RequestID = true
+		}
+	})
 }
 
 // identity reads the body's model and user.

@@ -747,3 +747,34 @@ func BenchmarkManyValues(b *testing.B) {
 		})
 	}
 }
+
+// Admit holds what the router reads from replicas to a client body's
+// bounds: values, nesting, and the shared budget, given back once.
+func TestAdmitBoundsOtherJSON(t *testing.T) {
+	million := []byte(`{"kv_transfer_params":{"remote_block_ids":[` + strings.Repeat("1,", 999_999) + `1]}}`)
+	if _, err := Admit(million, Limits{}); err == nil {
+		t.Fatal("an answer of a million values was admitted")
+	}
+	if _, err := Admit([]byte(strings.Repeat("[", 100)+strings.Repeat("]", 100)), Limits{}); err == nil {
+		t.Fatal("an answer nested 100 deep was admitted")
+	}
+	b := NewBudget(3 * BudgetFloor)
+	large := []byte(`[` + strings.Repeat("1,", 2*BudgetFloor) + `1]`)
+	release, err := Admit(large, Limits{Budget: b})
+	if err != nil || b.Used() == 0 {
+		t.Fatalf("a large answer: %v, %d values held", err, b.Used())
+	}
+	if _, err := Admit(large, Limits{Budget: b}); !errors.Is(err, ErrBusy) {
+		t.Fatalf("a second large answer past the budget: %v, want ErrBusy", err)
+	}
+	release()
+	release()
+	if b.Used() != 0 {
+		t.Fatalf("%d values held after release", b.Used())
+	}
+	small, err := Admit([]byte(`{"usage":{"prompt_tokens":3}}`), Limits{Budget: b})
+	if err != nil || b.Used() != 0 {
+		t.Fatalf("a small answer: %v, %d held", err, b.Used())
+	}
+	small()
+}

@@ -126,12 +126,12 @@ func (f *Fleet) apply(p *peer, r *record, now time.Time) {
 			}
 			rep.EjectSoft(now, now.Add(cool))
 		}
-	case recHome: // a response a peer saw answered: continuations of it go there from any router
-		if f.o.OnHome != nil && r.id != "" && len(r.id) <= 256 {
-			if _, ok := pool.Get(r.replica); ok {
-				f.o.OnHome(r.id, r.replica, r.tenant)
-			}
-		}
+	case recHome:
+		// Older routers' word of where a response is stored: ignored. A
+		// response's id carries its home and its tenant under the fleet's
+		// response key (router/respid.go), so a peer's claim is neither
+		// needed nor taken, whatever it says.
+		f.ignoredHomes.Add(1)
 	case recReset: // the peer (re)connected: it may know what this router does not
 		f.endAll(p, now)
 		if f.ready.Load() {

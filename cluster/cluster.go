@@ -56,10 +56,6 @@ type Options struct {
 	// URLs are the NATS servers to connect to (nats://host:4222); at least
 	// one.
 	URLs []string
-	// OnHome, if set, hears of each Responses API response a peer saw
-	// answered, and by which replica (Fleet.Home is the sending side).
-	// Called from the fleet's goroutine; it must not block.
-	OnHome func(id, replica, tenant string)
 	// ID names this router to its peers; default the host name and a
 	// random suffix. Two routers must not share one.
 	ID string
@@ -172,6 +168,9 @@ type Stats struct {
 	// whose work or cool-down went past what this router allows; Stale
 	// peers' requests forgotten after Options.FlightTTL.
 	Refused, Clamped, Stale int64
+	// IgnoredHomes are older routers' records of where a Responses API
+	// response is stored: not taken (a response's id proves its home).
+	IgnoredHomes int64
 	// Snapshots served and loaded; SnapshotBlocks applied from them.
 	SnapshotsServed, SnapshotsLoaded, SnapshotBlocks int64
 	Peers                                            int   // seen within PeerTimeout
@@ -218,6 +217,7 @@ type Fleet struct {
 
 	published, applied, droppedFull, droppedDown, batches, bytes atomic.Int64
 	malformed, gaps, unresolved, refused, clamped, stale         atomic.Int64
+	ignoredHomes                                                 atomic.Int64
 	served, loaded, snapBlocks, lag                              atomic.Int64
 	reqs                                                         atomic.Uint64 // request ids, unique within the epoch
 }
@@ -402,7 +402,7 @@ func (f *Fleet) Stats() Stats {
 		DroppedFull: f.droppedFull.Load(), DroppedDown: f.droppedDown.Load(),
 		Batches: f.batches.Load(), Bytes: f.bytes.Load(),
 		Malformed: f.malformed.Load(), Gaps: f.gaps.Load(), Unresolved: f.unresolved.Load(),
-		Refused: f.refused.Load(), Clamped: f.clamped.Load(), Stale: f.stale.Load(),
+		Refused: f.refused.Load(), Clamped: f.clamped.Load(), Stale: f.stale.Load(), IgnoredHomes: f.ignoredHomes.Load(),
 		SnapshotsServed: f.served.Load(), SnapshotsLoaded: f.loaded.Load(), SnapshotBlocks: f.snapBlocks.Load(),
 		Peers: peers, Connected: f.connected.Load(), LagNanos: f.lag.Load(),
 	}
@@ -605,13 +605,6 @@ func (f *Fleet) Learned(_ *routing.Decision, r *replica.Replica, chain []blockha
 	f.add(func(b []byte) []byte {
 		return appendChain(appendStr(append(b, recReply), r.Name), chain, from)
 	})
-}
-
-// Home tells the peers that replica answered (and stores) Responses API
-// response id for tenant, so that a continuation of it reaching any
-// router goes there, and is the tenant's alone.
-func (f *Fleet) Home(id, replica, tenant string) {
-	f.add(func(b []byte) []byte { return appendStr(appendStr(appendStr(append(b, recHome), id), replica), tenant) })
 }
 
 // Ejected implements routing.Sync.

@@ -351,3 +351,29 @@ func FuzzDecode(f *testing.F) {
 		}
 	})
 }
+
+// Attack 4: a credential holder claims where Responses API responses are
+// stored and whose they are (the home records routers once applied):
+// 70,000 claims, for ids it never answered, are neither taken nor kept,
+// however many. A response's id proves its home and tenant itself
+// (router/respid.go); the batches' other records still apply.
+func TestForgedHomesAreNotTaken(t *testing.T) {
+	ns := serve(t, -1)
+	f, e := startFleet(t, ns.ClientURL(), "victim")
+	nc := attacker(t, ns.ClientURL())
+	const batches, per = 7, 10_000
+	for s := range uint64(batches) {
+		recs := make([][]byte, per)
+		for i := range recs {
+			id := fmt.Sprintf("resp_sr1_%d_%d", s, i)
+			recs[i] = appendStr(appendStr(appendStr([]byte{recHome}, id), "a"), "mallory")
+		}
+		if s == batches-1 {
+			recs = append(recs, appendUv(appendStr([]byte{recEject}, "b"), uint64(time.Second/time.Millisecond)))
+		}
+		forge(t, nc, "evil", 1, s+1, recs...)
+	}
+	waitFor(t, "the forged homes", func() bool { return f.Stats().IgnoredHomes == batches*per })
+	rb, _ := e.Pool().Get("b")
+	waitFor(t, "the batch's other record", func() bool { return !rb.Available(time.Now()) })
+}

@@ -60,6 +60,7 @@ type Config struct {
 	Timeouts    TimeoutConfig     `mapstructure:"timeouts" json:"timeouts"`
 	Admin       AdminConfig       `mapstructure:"admin" json:"admin"`
 	Auth        AuthConfig        `mapstructure:"auth" json:"auth"`
+	Metrics     MetricsConfig     `mapstructure:"metrics" json:"metrics"`
 	Tracing     TracingConfig     `mapstructure:"tracing" json:"tracing"`
 	Discovery   DiscoveryConfig   `mapstructure:"discovery" json:"discovery"`
 	Runtime     RuntimeConfig     `mapstructure:"runtime" json:"runtime"`
@@ -202,6 +203,15 @@ type KubernetesDiscovery struct {
 	// PoolAPI is the InferencePool's API version: v1 (inference.networking.k8s.io)
 	// or v1alpha2 (inference.networking.x-k8s.io).
 	PoolAPI string `mapstructure:"pool_api" json:"pool_api"`
+	// MaxReplicas bounds the replicas discovered; past it the ones listed
+	// stay and new ones wait, with one warning. 0: kubedisc's default
+	// (1,024).
+	MaxReplicas int `mapstructure:"max_replicas" json:"max_replicas"`
+	// TrustedManagers are EndpointSlice managers (the
+	// endpointslice.kubernetes.io/managed-by label) trusted beside
+	// Kubernetes' own controllers, for their slices' endpoints that name
+	// a pod (a service mesh's controller, say). Empty: Kubernetes' alone.
+	TrustedManagers []string `mapstructure:"trusted_managers" json:"trusted_managers"`
 }
 
 // On reports whether Kubernetes discovery is configured.
@@ -294,6 +304,20 @@ type AuthConfig struct {
 	// Bearer" (vLLM's --api-key), in place of whatever the client sent;
 	// clients never see it. Best from SEMROUTE_AUTH_UPSTREAM_API_KEY.
 	UpstreamAPIKey string `mapstructure:"upstream_api_key" json:"upstream_api_key"`
+}
+
+// MetricsConfig says where the router's Prometheus metrics are served and
+// what they may name. Read at start only.
+type MetricsConfig struct {
+	// Listener serves GET /metrics on the main listener ("main", the
+	// default: unauthenticated, as Prometheus scrapes) or on the admin
+	// listener only ("admin": behind admin.token, which Prometheus then
+	// sends as its bearer token).
+	Listener string `mapstructure:"listener" json:"listener"`
+	// TenantLabels names the tenants in semroute_tenant_requests_total:
+	// "hash" (the default: t- and a hash of the name; `router hashkey
+	// --tenant NAME` prints it), "name", or "omit" (one series, all).
+	TenantLabels string `mapstructure:"tenant_labels" json:"tenant_labels"`
 }
 
 // LogConfig selects the log format and level.
@@ -596,6 +620,8 @@ func SetDefaults(v *viper.Viper) {
 		v.SetDefault("discovery.kubernetes."+k, "")
 	}
 	v.SetDefault("discovery.kubernetes.pool_api", "v1")
+	v.SetDefault("discovery.kubernetes.max_replicas", 0)
+	v.SetDefault("discovery.kubernetes.trusted_managers", []string{})
 	v.SetDefault("runtime.gc_floor_mb", 64)
 	v.SetDefault("flow_control.enabled", false)
 	v.SetDefault("flow_control.max_requests", flow.DefaultMaxRequests)
@@ -614,6 +640,8 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("cluster.insecure", false)
 	v.SetDefault("auth.api_keys_file", "")
 	v.SetDefault("auth.upstream_api_key", "")
+	v.SetDefault("metrics.listener", "main")
+	v.SetDefault("metrics.tenant_labels", "hash")
 	v.SetDefault("admin.listen", "")
 	v.SetDefault("admin.token", "")
 	v.SetDefault("replicas", []Replica{})

@@ -77,8 +77,26 @@ func (c *Config) Validate() error {
 	c.Runtime.validate(&p)
 	c.Cluster.validate(&p)
 	p.hostPort("admin.listen", c.Admin.Listen, false)
+	c.validateMetrics(&p)
 	c.validateReplicas(&p)
 	return errors.Join(p...)
+}
+
+func (c *Config) validateMetrics(p *problems) {
+	switch c.Metrics.Listener {
+	case "main":
+	case "admin":
+		if c.Admin.Listen == "" || c.Admin.Token == "" {
+			p.bad("metrics.listener", "admin needs admin.listen and admin.token: the metrics would be served nowhere")
+		}
+	default:
+		p.bad("metrics.listener", "%q is not main or admin", c.Metrics.Listener)
+	}
+	switch c.Metrics.TenantLabels {
+	case "hash", "name", "omit":
+	default:
+		p.bad("metrics.tenant_labels", "%q is not hash, name or omit", c.Metrics.TenantLabels)
+	}
 }
 
 func (c *Config) validateGRPC(p *problems) {
@@ -317,6 +335,9 @@ func (d DiscoveryConfig) validate(p *problems) {
 		p.bad("discovery.kubernetes.pool_api", "%q: v1 or v1alpha2", k.PoolAPI)
 	case d.Interval <= 0:
 		p.bad("discovery.interval", "must be positive")
+	}
+	if k.MaxReplicas < 0 {
+		p.bad("discovery.kubernetes.max_replicas", "must not be negative")
 	}
 }
 

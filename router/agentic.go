@@ -6,10 +6,7 @@ import (
 	"fmt"
 	"net/http"
 
-	lru "github.com/hashicorp/golang-lru/v2"
-
 	"github.com/semroute/semroute/blockhash"
-	"github.com/semroute/semroute/replica"
 )
 
 // The Responses API (/v1/responses) and Anthropic's Messages API
@@ -114,35 +111,6 @@ func chatTools(raw []byte) ([]any, error) {
 	return out, nil
 }
 
-// maxResponseHomes bounds the response ids remembered (about 100 bytes
-// each).
-const maxResponseHomes = 1 << 16
-
-// responseHome is where a response is stored, and whose it is: the
-// tenant of the request that made it ("" for none).
-type responseHome struct{ replica, tenant string }
-
-// responseHomes maps a Responses API response id to the replica that
-// answered it, the most recent maxResponseHomes. Safe for concurrent use.
-type responseHomes struct {
-	c *lru.Cache[string, responseHome]
-}
-
-func newResponseHomes() responseHomes {
-	c, _ := lru.New[string, responseHome](maxResponseHomes) // a positive size never fails
-	return responseHomes{c}
-}
-
-// put remembers that replica answered response id for tenant.
-func (h responseHomes) put(id, replica, tenant string) {
-	if id != "" && len(id) <= 256 {
-		h.c.Add(id, responseHome{replica, tenant})
-	}
-}
-
-// get returns where response id is stored, if remembered.
-func (h responseHomes) get(id string) (responseHome, bool) { return h.c.Get(id) }
-
 // chatLike reports whether api is chat's or completions': the APIs whose
 // streams take stream_options and whose requests vLLM's
 // kv_transfer_params disaggregate.
@@ -157,56 +125,17 @@ func chatLike(api blockhash.Endpoint) bool {
 func (c *Core) readyCapture(cp *replyCapture, rt *Routed, replica string) {
 	switch rt.req.API {
 	case blockhash.Responses:
-		cp.agentic, cp.onID = true, func(id string) { c.rememberHome(id, replica, rt.req.Tenant) }
+		cp.agentic, cp.onID = true, func(id string) { c.ids.remember(id, replica, rt.req.Tenant) }
 	case blockhash.Messages:
 		cp.agentic = true
 	}
-}
-
-// rememberHome notes that replica answered response id for tenant, here
-// and, in a fleet, at every peer.
-func (c *Core) rememberHome(id, replica, tenant string) {
-	c.homes.put(id, replica, tenant)
-	if c.o.ShareHome != nil {
-		c.o.ShareHome(id, replica, tenant)
-	}
-}
-
-// NoteHome notes that replica answered response id for tenant: a peer
-// router saw it. Safe for concurrent use.
-func (c *Core) NoteHome(id, replica, tenant string) { c.homes.put(id, replica, tenant) }
-
-// errNotYours answers a request about a stored response another tenant
-// made: as if it were not there.
-var errNotYours = apiError{http.StatusNotFound, "invalid_request_error", "response_not_found", "no response with that id"}
-
-// home returns a filter that admits only the replica that answered
-// response id, when it is remembered and still in the pool; else nil (the
-// request is routed as any other, and a replica that does not hold the
-// response answers for itself). A request given it sets routing.Request.
-// Home: the replica is used while it drains (it holds the response), and
-// while it is down the request is refused as no replica can take it (a
-// 503 the client may retry), not sent where the response is not. A
-// response another tenant made is not the request's: refused is true.
-func (c *Core) home(id, tenant string) (allow func(*replica.Replica) bool, refused bool) {
-	h, ok := c.homes.get(id)
-	if !ok {
-		return nil, false
-	}
-	if h.tenant != "" && h.tenant != tenant {
-		return nil, true
-	}
-	if _, in := c.e.Pool().Get(h.replica); !in {
-		return nil, false
-	}
-	return func(r *replica.Replica) bool { return r.Name == h.replica }, false
 }
 
 // storedResponse passes a request about a stored response (GET or DELETE
 // /v1/responses/{id}, POST /v1/responses/{id}/cancel) to the replica that
 // made it.
 func (s *Server) storedResponse(w http.ResponseWriter, r *http.Request) {
-	allow, refused := s.core.home(r.PathValue("id"), r.Header.Get(HeaderTenantID))
+	allow, refused := s.core.ids.home(r.PathValue("id"), r.Header.Get(HeaderTenantID))
 	if refused {
 		writeError(w, errNotYours)
 		return

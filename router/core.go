@@ -88,10 +88,11 @@ type CoreOptions struct {
 	// PD tunes prefill/decode disaggregation, which replicas of role
 	// prefill turn on (pd.go); both front ends read it.
 	PD PDOptions
-	// ShareHome, if set, tells the fleet that a replica answered (and
-	// stores) a Responses API response (cluster.Fleet.Home); NoteHome is
-	// the receiving side.
-	ShareHome func(id, replica, tenant string)
+	// StrictResponses refuses a request naming a stored response that the
+	// router cannot prove is the caller's tenant's (set when API keys
+	// decide the tenant); else such a request is routed as any other and
+	// the replica answers for itself.
+	StrictResponses bool
 }
 
 // Tokenizer gives the engine's token ids of an OpenAI request body of
@@ -123,10 +124,9 @@ type Core struct {
 	held       map[string]*list.Element // gRPC decisions awaiting Release, by id
 	heldOrder  list.List                // of *Routed, oldest first
 	heldBlocks int                      // blocks of the held decisions
-	// homes remembers the replica that answered each Responses API
-	// response, for the requests that continue or fetch it, through
-	// either front end.
-	homes responseHomes
+	// ids issues and checks the ids of stored responses, for the
+	// requests that continue or fetch them, through either front end.
+	ids *responseIDs
 }
 
 // armSet is an immutable set of arms with their total weight.
@@ -141,7 +141,7 @@ func NewCore(o CoreOptions) (*Core, error) {
 		return nil, errors.New("router: CoreOptions.Engine is required")
 	}
 	o.Held = o.Held.WithDefaults()
-	c := &Core{o: o, e: o.Engine, held: map[string]*list.Element{}, homes: newResponseHomes()}
+	c := &Core{o: o, e: o.Engine, held: map[string]*list.Element{}, ids: newResponseIDs(o.StrictResponses)}
 	if o.Flow != nil {
 		fo := *o.Flow
 		fo.OnLost = c.lost

@@ -586,7 +586,7 @@ func (st *epStream) input() (in CoreRequest, fwd []byte, refused *apiError) {
 	in.Input.DetachText()
 	if id := req.PreviousResponseID; id != "" {
 		var refused bool
-		in.Input.Allow, refused = st.s.core.home(id, st.tenant) // the replica that stored the response it continues
+		in.Input.Allow, refused = st.s.core.ids.home(id, st.tenant) // the replica that stored the response it continues
 		if refused {
 			e := errNotYours
 			return in, nil, &e
@@ -596,12 +596,18 @@ func (st *epStream) input() (in CoreRequest, fwd []byte, refused *apiError) {
 	in.Model, in.Route, in.API = req.Model, "ext_proc", ep
 	in.Priority, in.Flow = placement(st.s.o.Priorities, st.placing.Get, st.tenant, req.User)
 	in.Bytes = int64(len(st.body))
+	if req.KVTransferParams || req.RequestID && ep == blockhash.Responses { // the router's to set (Server.upstreamBody)
+		if fwd, err = scrubbed(fwd); err != nil {
+			e := classify(err)
+			return in, nil, &e
+		}
+	}
 	if chatLike(ep) && req.Stream && !req.StreamOptions && st.respMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
 		// As the HTTP front end: the replica is asked for the stream's
 		// usage, and its usage chunk is taken out of the client's stream
 		// (in the full-duplex response mode only: in the others the
 		// picker cannot hold back what it takes out, or sees no body).
-		fwd = withIncludeUsage(st.body).b
+		fwd = withIncludeUsage(fwd).b
 		st.stripUsage = true
 	}
 	return in, fwd, nil
@@ -611,15 +617,23 @@ func (st *epStream) input() (in CoreRequest, fwd []byte, refused *apiError) {
 // where the body changed or, in full-duplex mode, the body itself; noBody
 // says the headers ended the request.
 func (st *epStream) destine(rt *Routed, fwd []byte, noBody bool, extra ...*corev3.HeaderValueOption) (bool, error) {
-	dest := make([]string, 0, 1+extProcFallbacks)
-	for i := range rt.Ranked[:min(len(rt.Ranked), 1+extProcFallbacks)] {
+	n := min(len(rt.Ranked), 1+extProcFallbacks)
+	if rt.req.API == blockhash.Responses && len(rt.Ranked) > 0 {
+		// The response's id names the replica that stores it: the first
+		// choice alone, or a fallback would store what the id denies.
+		n = 1
+		fwd = withRequestID(fwd, st.s.core.ids.issue(rt.Ranked[0].Replica.Name, rt.req.Tenant)).b
+	}
+	dest := make([]string, 0, n)
+	for i := range rt.Ranked[:n] {
 		dest = append(dest, Endpoint(rt.Ranked[i].Replica))
 	}
 	value := strings.Join(dest, ",")
 	mut := &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
 		setHeader(HeaderDestination, value), setHeader(HeaderArm, rt.Arm.Name)}}
 	mut.SetHeaders = append(mut.SetHeaders, extra...)
-	if len(fwd) != len(st.body) {
+	changed := !sameBytes(fwd, st.body)
+	if changed {
 		mut.SetHeaders = append(mut.SetHeaders, setHeader("content-length", strconv.Itoa(len(fwd))))
 	}
 	meta := &structpb.Struct{Fields: map[string]*structpb.Value{MetadataLB: structpb.NewStructValue(&structpb.Struct{
@@ -636,11 +650,17 @@ func (st *epStream) destine(rt *Routed, fwd []byte, noBody bool, extra ...*corev
 	}
 	// Buffered: the headers were answered; the body's answer carries the
 	// destination, and the body if it changed.
-	if len(fwd) != len(st.body) {
+	if changed {
 		common.BodyMutation = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: fwd}}
 	}
 	return false, st.send(&extprocv3.ProcessingResponse{DynamicMetadata: meta, Response: &extprocv3.ProcessingResponse_RequestBody{
 		RequestBody: &extprocv3.BodyResponse{Response: common}}})
+}
+
+// sameBytes reports whether a and b are one slice (not equal contents:
+// the same memory), as a body the picker did not change is.
+func sameBytes(a, b []byte) bool {
+	return len(a) == len(b) && (len(a) == 0 || &a[0] == &b[0])
 }
 
 // shedOr classifies err as the HTTP front end does, but for a request shed
@@ -694,14 +714,14 @@ func (st *epStream) responseHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadat
 		set := []*corev3.HeaderValueOption{setHeader(HeaderReplica, rt.Served.Replica.Name)}
 		if !rt.req.PassThrough {
 			set = append(set, setHeader(HeaderMatchedTokens, strconv.Itoa(rt.Served.Predicted())))
-			st.capture = &replyCapture{limit: st.s.o.MaxReplyBytes, sse: sse, first: func() { st.s.core.FirstByte(rt) },
+			st.capture = &replyCapture{limit: st.s.o.MaxReplyBytes, sse: sse, lim: st.s.o.Limits().Parse, first: func() { st.s.core.FirstByte(rt) },
 				end: func() { st.s.core.EngineDone(rt) }}
 			st.s.core.readyCapture(st.capture, rt, rt.Served.Replica.Name)
 		} else {
 			st.s.core.FirstByte(rt)
 		}
 		if st.stripUsage && sse { // a stream: its usage chunk comes out
-			st.strip = newUsageStripper(nil)
+			st.strip = newUsageStripper(nil, st.s.o.Limits().Parse)
 		}
 		resp.Response = &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: set}}
 		if st.strip != nil {

@@ -77,7 +77,7 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 	in.DetachText()
 	if id := req.PreviousResponseID; id != "" {
 		var refused bool
-		in.Allow, refused = s.core.home(id, tenant) // the replica that stored the response it continues
+		in.Allow, refused = s.core.ids.home(id, tenant) // the replica that stored the response it continues
 		if refused {
 			span.End()
 			writeError(w, errNotYours)
@@ -85,21 +85,18 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 		}
 		in.Home = in.Allow != nil
 	}
-	// A streamed request the client did not ask usage for asks for it
-	// upstream (the engine's prompt and cached tokens teach the router),
-	// and its usage chunk is taken out of the client's stream. The
-	// Responses and Messages APIs end every stream with the usage.
-	fwd, strip := body, false
-	if chatLike(ep) && req.Stream && !req.StreamOptions {
-		fwd, strip = withIncludeUsage(body.b), true
-		defer fwd.release()
-		// The copy is body bytes held too.
-		if fwd.count(&s.bodies, lim.MaxBodyBytesInFlight); !fwd.hold(len(fwd.b)) {
-			span.End()
+	fwd, strip, err := s.upstreamBody(body, req, lim.MaxBodyBytesInFlight)
+	if err != nil {
+		span.End()
+		var busy *bodiesInFlightError
+		if errors.As(err, &busy) {
 			w.Header().Set("Retry-After", "1")
-			writeError(w, classify(&bodiesInFlightError{lim.MaxBodyBytesInFlight}))
-			return
 		}
+		writeError(w, classify(err))
+		return
+	}
+	if fwd != body {
+		defer fwd.release()
 	}
 	req.Recycle() // the parse is done with: its tree is not held while the response streams
 	prio, flowKey := placement(s.o.Priorities, r.Header.Get, tenant, req.User)
@@ -140,13 +137,80 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 	}
 	span.End()
 	w.Header().Set(HeaderArm, rt.Arm.Name)
-	s.forwardRouted(w, r, tctx, rt, fwd, strip)
+	f := &flight{body: fwd, stripUsage: strip}
+	if ep == blockhash.Responses {
+		f.retag = s.issueID(fwd, tenant, lim.MaxBodyBytesInFlight)
+	}
+	s.forwardRouted(w, r, tctx, rt, f)
+}
+
+// issueID returns flight.retag for a Responses request of body b from
+// tenant: b with a response id the router issues, naming the replica the
+// attempt goes to; counted against limit (bytes of bodies in flight) where
+// it fits (a failover's copy is no larger than the one it replaces).
+func (s *Server) issueID(b *body, tenant string, limit int64) func(*replica.Replica) *body {
+	return func(rep *replica.Replica) *body {
+		tagged := withRequestID(b.b, s.core.ids.issue(rep.Name, tenant))
+		tagged.count(&s.bodies, limit)
+		tagged.hold(len(tagged.b))
+		return tagged
+	}
+}
+
+// upstreamBody returns the body to send the replicas for a client's body
+// b, parsed as req, and whether the router asked for the stream's usage
+// chunk, which the client must then not see: b itself, or a copy counted
+// against limit (bytes of bodies in flight) that the caller releases.
+//   - A client's kv_transfer_params never reach a replica: they are the
+//     router's to set (disaggregation), and a client's would make an
+//     engine pull KV from wherever they say. A Responses body's request_id
+//     is taken out too: the router issues the response's id (respid.go).
+//   - A streamed request the client did not ask usage for asks for it
+//     upstream (the engine's prompt and cached tokens teach the router).
+//     The Responses and Messages APIs end every stream with the usage.
+func (s *Server) upstreamBody(b *body, req *blockhash.Request, limit int64) (fwd *body, strip bool, err error) {
+	fwd = b
+	if req.KVTransferParams || req.RequestID && req.Endpoint == blockhash.Responses {
+		clean, err := scrubbed(b.b)
+		if err != nil {
+			return nil, false, err
+		}
+		fwd = bodyOf(clean)
+	}
+	if chatLike(req.Endpoint) && req.Stream && !req.StreamOptions {
+		withUsage := withIncludeUsage(fwd.b)
+		if fwd != b {
+			fwd.release()
+		}
+		fwd, strip = withUsage, true
+	}
+	if fwd != b {
+		// The copy is body bytes held too.
+		if fwd.count(&s.bodies, limit); !fwd.hold(len(fwd.b)) {
+			fwd.release()
+			return nil, false, &bodiesInFlightError{limit}
+		}
+	}
+	return fwd, strip, nil
+}
+
+// scrubbed returns body b, a JSON object, without the keys only the router
+// sets: kv_transfer_params and request_id.
+func scrubbed(b []byte) ([]byte, error) {
+	m, err := fieldsOf(b)
+	if err != nil {
+		return nil, &blockhash.InputError{Msg: "request body: " + err.Error()}
+	}
+	return m.rewrite(len(b), func(m fields) {
+		delete(m, "kv_transfer_params")
+		delete(m, "request_id")
+	})
 }
 
 // forwardRouted forwards a routed request to its replica (failing over
 // down its ranking) and ends it, however its response ends: every request,
 // with a prompt or not, has this one lifecycle.
-func (s *Server) forwardRouted(w http.ResponseWriter, r *http.Request, tctx context.Context, rt *Routed, body *body, stripUsage bool) {
+func (s *Server) forwardRouted(w http.ResponseWriter, r *http.Request, tctx context.Context, rt *Routed, f *flight) {
 	ctx, cancel := context.WithCancel(r.Context()) // the client's context: leaving cancels upstream
 	defer cancel()
 	up := trace.SpanFromContext(tctx)
@@ -154,7 +218,7 @@ func (s *Server) forwardRouted(w http.ResponseWriter, r *http.Request, tctx cont
 		_, up = s.o.Tracer.Start(tctx, "semroute.upstream", trace.WithSpanKind(trace.SpanKindClient))
 		ctx = trace.ContextWithSpan(ctx, up)
 	}
-	f := &flight{rt: rt, body: body, next: 1, cancel: cancel, stripUsage: stripUsage}
+	f.rt, f.next, f.cancel = rt, 1, cancel
 	// ReverseProxy panics with http.ErrAbortHandler when a response breaks
 	// off part-way (the client left, or the replica's stream broke); the
 	// request's work must end all the same, so its bookkeeping is deferred.
@@ -289,7 +353,7 @@ func (s *Server) passTo(w http.ResponseWriter, r *http.Request, allow func(*repl
 		writeError(w, classify(err))
 		return
 	}
-	s.forwardRouted(w, r, r.Context(), rt, body, false)
+	s.forwardRouted(w, r, r.Context(), rt, &flight{body: body})
 }
 
 // checkPassPath refuses a path that is not to be passed through to a

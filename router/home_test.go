@@ -12,15 +12,32 @@ import (
 	"testing"
 )
 
-// fakeResponses is a replica that stores responses in memory, as vLLM does.
+// fakeResponses is a replica that stores responses in memory, as vLLM does,
+// under the body's request_id when it has one (vLLM's ResponsesRequest),
+// else under an id of its own.
 func fakeResponses(t *testing.T, name string) *httptest.Server {
+	return newFakeResponses(t, name, true).Server
+}
+
+// responsesReplica is fakeResponses with its requests counted; honour says
+// it takes request_id as vLLM does (false: as an engine that makes every
+// id itself).
+type responsesReplica struct {
+	*httptest.Server
+	hits atomic.Int64 // every request received
+}
+
+func newFakeResponses(t *testing.T, name string, honour bool) *responsesReplica {
 	var mu sync.Mutex
 	stored := map[string]bool{}
 	var n atomic.Int64
-	return httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	rr := &responsesReplica{}
+	rr.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		rr.hits.Add(1)
 		if r.Method == "POST" && r.URL.Path == "/v1/responses" {
 			var body struct {
-				Prev string `json:"previous_response_id"`
+				Prev      string `json:"previous_response_id"`
+				RequestID string `json:"request_id"`
 			}
 			b, _ := io.ReadAll(r.Body)
 			_ = json.Unmarshal(b, &body)
@@ -32,6 +49,9 @@ func fakeResponses(t *testing.T, name string) *httptest.Server {
 				return
 			}
 			id := fmt.Sprintf("resp_%s_%d", name, n.Add(1))
+			if honour && body.RequestID != "" {
+				id = body.RequestID
+			}
 			stored[id] = true
 			w.Header().Set("Content-Type", "application/json")
 			fmt.Fprintf(w, `{"id":%q,"object":"response","usage":{"input_tokens":3,"output_tokens":1}}`, id)
@@ -45,11 +65,16 @@ func fakeResponses(t *testing.T, name string) *httptest.Server {
 				w.WriteHeader(404)
 				return
 			}
+			if r.Method == http.MethodDelete {
+				delete(stored, id)
+			}
 			fmt.Fprintf(w, `{"id":%q,"object":"response"}`, id)
 			return
 		}
 		w.WriteHeader(404)
 	}))
+	t.Cleanup(rr.Close)
+	return rr
 }
 
 // A stored response's replica is used for its continuations and fetches

@@ -1,6 +1,8 @@
 package router
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"net"
 	"strconv"
@@ -38,6 +40,7 @@ type Metrics struct {
 	pdDecodeFirst  prometheus.Histogram
 	authRefusedN   *prometheus.CounterVec
 	tenantN        *prometheus.CounterVec
+	tenantMode     string // TenantLabel's mode
 
 	mu     sync.RWMutex
 	models map[string]bool // the model label values given out (at most maxModelLabels)
@@ -108,7 +111,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		authRefusedN: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_auth_refused_total",
 			Help: "Requests answered 401 for their API key (auth.api_keys_file), by reason: missing, invalid."}, []string{"reason"}),
 		tenantN: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_tenant_requests_total",
-			Help: "Requests let through by an API key, by the key's tenant (auth.api_keys_file: the file's tenants alone)."}, []string{"tenant"}),
+			Help: "Requests let through by an API key, by the key's tenant (auth.api_keys_file: the file's tenants alone), labelled as metrics.tenant_labels says: hash (t- and a hash of the name, the default), name, or omit (all)."}, []string{"tenant"}),
 		pdDecodeFirst: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "semroute_pd_decode_first_byte_seconds",
 			Help: "Time from sending a disaggregated request, with its kv_transfer_params, to its decode replica to the first byte of its answer: the KV transfer and the first decode step (vLLM's own vllm:nixl_xfer_time_seconds on the decode replica has the transfer alone).", Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)}),
 	}
@@ -176,17 +179,50 @@ func (m *Metrics) authRefused(reason string) {
 	}
 }
 
+// Tenant labels: how semroute_tenant_requests_total names a tenant.
+const (
+	// TenantHash labels a tenant by "t-" and the first 8 bytes of the
+	// SHA-256 of its name, in hex: series per tenant, names not shown
+	// (the default; `router hashkey --tenant NAME` prints a name's label).
+	TenantHash = "hash"
+	// TenantName labels a tenant by its name.
+	TenantName = "name"
+	// TenantOmit keeps no series per tenant: one, labelled "all".
+	TenantOmit = "omit"
+)
+
+// TenantLabel returns tenant t's label under mode (TenantHash, TenantName
+// or TenantOmit; "" is TenantHash).
+func TenantLabel(mode, t string) string {
+	switch mode {
+	case TenantName:
+		return t
+	case TenantOmit:
+		return "all"
+	}
+	h := sha256.Sum256([]byte(t))
+	return "t-" + hex.EncodeToString(h[:8])
+}
+
+// LabelTenants sets how tenants are named in semroute_tenant_requests_total
+// (TenantLabel's modes). Call it before the metrics are used.
+func (m *Metrics) LabelTenants(mode string) {
+	if m != nil {
+		m.tenantMode = mode
+	}
+}
+
 // tenant counts a request an API key let through, by its tenant.
 func (m *Metrics) tenant(t string) {
 	if m != nil {
-		m.tenantN.WithLabelValues(t).Inc()
+		m.tenantN.WithLabelValues(TenantLabel(m.tenantMode, t)).Inc()
 	}
 }
 
 // tenantSeen makes tenant t's request counter exist, at 0.
 func (m *Metrics) tenantSeen(t string) {
 	if m != nil {
-		m.tenantN.WithLabelValues(t)
+		m.tenantN.WithLabelValues(TenantLabel(m.tenantMode, t))
 	}
 }
 

@@ -15,6 +15,7 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
 
@@ -35,6 +36,13 @@ type flight struct {
 	// readers are the body's readers given to upstream attempts, closed
 	// when the proxy returns.
 	readers []*bodyReader
+	// retag, if set, makes the body for each replica an attempt goes to
+	// (a Responses request's id names the replica that stores it); the
+	// flight releases the bodies it made (tagged, the last) when the proxy
+	// returns.
+	retag  func(*replica.Replica) *body
+	tagged *replica.Replica
+	made   *body
 
 	status  int
 	capture *replyCapture
@@ -64,6 +72,9 @@ func (s *Server) forward(w http.ResponseWriter, r *http.Request, ctx context.Con
 	defer func() { // also when the proxy panics with http.ErrAbortHandler
 		for _, br := range f.readers {
 			br.Close()
+		}
+		if f.made != nil {
+			f.made.release()
 		}
 	}()
 	dw := &deadlineWriter{ResponseWriter: w, rc: http.NewResponseController(w), d: s.o.Timeouts.ClientWrite}
@@ -108,6 +119,13 @@ func (f *flight) bodyReader() io.ReadCloser {
 // setBody makes out, an attempt's request, send the flight's body, or none
 // when it is empty.
 func (f *flight) setBody(out *http.Request) {
+	if rep := f.current().Replica; f.retag != nil && f.tagged != rep {
+		if f.made != nil {
+			f.made.release() // its readers hold their own references
+		}
+		f.made = f.retag(rep)
+		f.body, f.tagged = f.made, rep
+	}
 	if n := len(f.body.b); n > 0 {
 		out.Body, out.ContentLength = f.bodyReader(), int64(n)
 	} else {
@@ -119,6 +137,7 @@ func (s *Server) rewrite(pr *httputil.ProxyRequest) {
 	f := flightOf(pr.In.Context())
 	f.setBody(pr.Out)
 	aim(pr.Out, pr.In.URL, f.auth, f.current().Replica.URL)
+	pr.Out.Header.Del(headerPriority) // the router's own, between authorize and placement
 	pr.SetXForwarded()
 	if sc := trace.SpanContextFromContext(pr.In.Context()); sc.IsValid() {
 		s.o.Propagator.Inject(pr.In.Context(), propagation.HeaderCarrier(pr.Out.Header))
@@ -171,12 +190,12 @@ func (s *Server) modifyResponse(resp *http.Response) error {
 	} else {
 		resp.Header.Set(HeaderMatchedTokens, strconv.Itoa(c.Predicted()))
 		sse := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
-		f.capture = &replyCapture{rc: body, limit: s.o.MaxReplyBytes, sse: sse,
+		f.capture = &replyCapture{rc: body, limit: s.o.MaxReplyBytes, sse: sse, lim: s.limits.Load().Parse,
 			first: func() { s.core.FirstByte(rt) }, end: func() { s.core.EngineDone(rt) }}
 		s.core.readyCapture(f.capture, rt, c.Replica.Name)
 		body = f.capture
 		if sse && f.stripUsage {
-			body = newUsageStripper(body)
+			body = newUsageStripper(body, s.limits.Load().Parse)
 			// The client gets fewer bytes than the replica sent.
 			resp.Header.Del("Content-Length")
 			resp.ContentLength = -1

@@ -50,6 +50,10 @@ type replyCapture struct {
 	scratch []toolCallJSON // a chunk's tool calls, reused
 	usage   usageJSON
 	p       *fastjson.Parser // lent by replyParsers until release
+	// lim bounds each answer or chunk parsed (blockhash.Admit): the
+	// bounds and budget of client bodies. Zero: the default bounds, no
+	// budget.
+	lim blockhash.Limits
 }
 
 // A reply's tool calls are bounded: each distinct index costs toolCallCost
@@ -236,6 +240,11 @@ var errShape = errors.New("unexpected response shape")
 // tool_calls, and usage. A field of the wrong type makes it an error, with
 // nothing taken.
 func (c *replyCapture) parse(data []byte) error {
+	release, err := blockhash.Admit(data, c.lim)
+	defer release()
+	if err != nil {
+		return err
+	}
 	if c.p == nil {
 		c.p = replyParsers.Get()
 	}

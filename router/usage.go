@@ -6,6 +6,8 @@ import (
 	"slices"
 
 	"github.com/valyala/fastjson"
+
+	"github.com/semroute/semroute/blockhash"
 )
 
 // includeUsage is what withIncludeUsage adds to a streamed request's body.
@@ -51,10 +53,11 @@ type usageStripper struct {
 	scanned int
 	err     error // the upstream's error, returned once out is drained
 	p       fastjson.Parser
+	lim     blockhash.Limits // bounds each event parsed (blockhash.Admit)
 }
 
-func newUsageStripper(rc io.ReadCloser) *usageStripper {
-	return &usageStripper{rc: rc}
+func newUsageStripper(rc io.ReadCloser, lim blockhash.Limits) *usageStripper {
+	return &usageStripper{rc: rc, lim: lim}
 }
 
 // stripRead is the room a read from the replica is given: events are
@@ -183,7 +186,13 @@ func (s *usageStripper) usageChunk(ev []byte) bool {
 	if !ok {
 		return false
 	}
-	v, err := s.p.ParseBytes(bytes.TrimSpace(data))
+	data = bytes.TrimSpace(data)
+	release, err := blockhash.Admit(data, s.lim)
+	defer release()
+	if err != nil {
+		return false
+	}
+	v, err := s.p.ParseBytes(data)
 	if err != nil {
 		return false
 	}

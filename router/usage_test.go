@@ -47,7 +47,7 @@ func TestUsageStripper(t *testing.T) {
 	}
 	for _, tc := range cases {
 		for _, step := range []int{1, 7, 1 << 20} {
-			s := newUsageStripper(io.NopCloser(iotest.HalfReader(&chunkReader{b: []byte(tc.in), step: step})))
+			s := newUsageStripper(io.NopCloser(iotest.HalfReader(&chunkReader{b: []byte(tc.in), step: step})), blockhash.Limits{})
 			got, err := io.ReadAll(s)
 			if err != nil || string(got) != tc.want {
 				t.Fatalf("%s, reads of %d: got %q (%v)", tc.name, step, got, err)

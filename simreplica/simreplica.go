@@ -788,6 +788,9 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 		g.id = "msg_" + rand.Text()
 		if ep == blockhash.Responses {
 			g.id = "resp_" + rand.Text()
+			if fl.requestID != "" { // vLLM's ResponsesRequest.request_id is the response's id
+				g.id = fl.requestID
+			}
 		}
 		ok = g.agentic(ctx, w, req.Stream)
 	case req.Stream:

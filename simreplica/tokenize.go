@@ -20,6 +20,10 @@ type flags struct {
 	// replica) and do_remote_prefill (take the prompt's KV from a prefill
 	// replica instead of computing it).
 	remoteDecode, remotePrefill bool
+	// requestID is a Responses body's request_id: vLLM's extra parameter
+	// that, when set, is the response's id (and the key it is stored
+	// under); "" when absent, and a random id is made.
+	requestID string
 }
 
 var flagParsers fastjson.ParserPool
@@ -42,6 +46,9 @@ func readFlags(body []byte, ep blockhash.Endpoint) (flags, error) {
 	f.includeUsage = v.GetBool("stream_options", "include_usage")
 	f.remoteDecode = v.GetBool("kv_transfer_params", "do_remote_decode")
 	f.remotePrefill = v.GetBool("kv_transfer_params", "do_remote_prefill")
+	if ep == blockhash.Responses {
+		f.requestID = string(v.GetStringBytes("request_id"))
+	}
 	if ep == blockhash.Completion { // the chat template's switches are not a completion's fields
 		f.chat.addSpecialTokens, err = boolField(v, "add_special_tokens", true)
 		return f, err

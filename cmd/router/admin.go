@@ -17,6 +17,8 @@ import (
 
 	"github.com/fsnotify/fsnotify"
 
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
 	"github.com/semroute/semroute/configs"
 	"github.com/semroute/semroute/replica"
 )
@@ -38,6 +40,9 @@ func (a *app) adminHandler() http.Handler {
 	})
 	mux.HandleFunc("GET /admin/config", a.adminConfig)
 	mux.HandleFunc("GET /admin/agreement", a.adminAgreement)
+	if a.cfg.Metrics.Listener == "admin" {
+		mux.Handle("GET /metrics", promhttp.HandlerFor(a.reg, promhttp.HandlerOpts{}))
+	}
 	mux.HandleFunc("/debug/pprof/", pprof.Index)
 	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
 	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)

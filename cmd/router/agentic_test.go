@@ -5,11 +5,13 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"io"
 	"net/http"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/anthropics/anthropic-sdk-go/v2"
 	aoption "github.com/anthropics/anthropic-sdk-go/v2/option"
@@ -17,6 +19,7 @@ import (
 	"github.com/openai/openai-go/v3/option"
 	"github.com/openai/openai-go/v3/responses"
 
+	"github.com/semroute/semroute/apikey"
 	"github.com/semroute/semroute/router"
 )
 
@@ -147,16 +150,31 @@ func TestAgenticAPIsThroughTheOfficialSDKs(t *testing.T) {
 	}
 }
 
-// In a fleet, every router knows where a response is stored: two routers
-// behind the demo's round-robin front, each continuation of a response
-// reaches the replica that stored it, whichever router takes it.
+// In a fleet, every router knows where a response is stored and whose it
+// is, at once and with no word from its peers: the id says so. Two routers
+// with API keys over one embedded NATS server: a response acme stored
+// through one is continued, fetched and deleted by acme through either,
+// at the replica that stores it, from the first request; bob's requests
+// for it are refused at both, before any replica.
 func TestResponseHomesAcrossTheFleet(t *testing.T) {
-	d := startTestDemo(t, demoOptions{sim: fastSim, routers: 2})
+	dir := t.TempDir()
+	keys, cfg := filepath.Join(dir, "keys.yaml"), filepath.Join(dir, "router.yaml")
+	writeConfig(t, keys, fmt.Sprintf("keys:\n  - {tenant: acme, sha256: %s}\n  - {tenant: bob, sha256: %s}\n",
+		apikey.Hash("sk-acme"), apikey.Hash("sk-bob")))
+	writeConfig(t, cfg, fmt.Sprintf("auth: {api_keys_file: %q}\n", keys))
+	d := startTestDemo(t, demoOptions{sim: fastSim, routers: 2, config: cfg})
 	model := d.sims[0].Options().Model
-	post := func(body map[string]any) (string, string) {
+	call := func(url, method, path, key string, body map[string]any) (int, string, string) {
 		t.Helper()
-		b, _ := json.Marshal(body)
-		resp, err := http.Post(d.router.url()+"/v1/responses", "application/json", bytes.NewReader(b))
+		var rd io.Reader
+		if body != nil {
+			b, _ := json.Marshal(body)
+			rd = bytes.NewReader(b)
+		}
+		req, _ := http.NewRequest(method, url+path, rd)
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Authorization", "Bearer "+key)
+		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -164,39 +182,41 @@ func TestResponseHomesAcrossTheFleet(t *testing.T) {
 		var r struct {
 			ID string `json:"id"`
 		}
-		if err := json.NewDecoder(resp.Body).Decode(&r); err != nil || resp.StatusCode != 200 {
-			t.Fatalf("status %d, %v", resp.StatusCode, err)
-		}
-		return r.ID, resp.Header.Get("X-Semroute-Replica")
+		_ = json.NewDecoder(resp.Body).Decode(&r)
+		return resp.StatusCode, r.ID, resp.Header.Get("X-Semroute-Replica")
 	}
-	id, home := post(map[string]any{"model": model, "input": "first turn", "max_output_tokens": 2})
-	// The other router hears of it over NATS after a moment: the front
-	// alternates, so each pass sends one continuation to each router.
-	for deadline := time.Now().Add(20 * time.Second); ; {
-		ok := 0
-		for i := 0; i < 2; i++ {
-			b, _ := json.Marshal(map[string]any{"model": model, "previous_response_id": id, "input": "again", "max_output_tokens": 2})
-			resp, err := http.Post(d.router.url()+"/v1/responses", "application/json", bytes.NewReader(b))
-			if err != nil {
-				t.Fatal(err)
+	routers := []string{d.runs[0].http.url(), d.runs[1].http.url()}
+	st, id, home := call(routers[0], "POST", "/v1/responses", "sk-acme", map[string]any{"model": model, "input": "first turn", "max_output_tokens": 2})
+	if st != 200 || home == "" {
+		t.Fatalf("first turn: %d via %q", st, home)
+	}
+	requests := func() (n int64) {
+		for _, s := range d.sims {
+			n += s.Stats().Requests
+		}
+		return n
+	}
+	for i, url := range routers {
+		before := requests()
+		if st, _, rep := call(url, "POST", "/v1/responses", "sk-bob", map[string]any{"model": model, "previous_response_id": id, "input": "mine now"}); st != 404 || rep != "" {
+			t.Fatalf("router %d: bob's continuation: %d via %q, want 404 from the router", i, st, rep)
+		}
+		for _, m := range []string{"GET", "DELETE"} {
+			if st, _, rep := call(url, m, "/v1/responses/"+id, "sk-bob", nil); st != 404 || rep != "" {
+				t.Fatalf("router %d: bob's %s: %d via %q, want 404 from the router", i, m, st, rep)
 			}
-			resp.Body.Close()
-			if resp.StatusCode == 200 && resp.Header.Get("X-Semroute-Replica") == home {
-				ok++
+		}
+		if requests() != before {
+			t.Fatalf("router %d: bob's continuation reached a replica", i)
+		}
+		for j := range 5 {
+			if st, _, rep := call(url, "POST", "/v1/responses", "sk-acme", map[string]any{"model": model, "previous_response_id": id, "input": "again", "max_output_tokens": 2}); st != 200 || rep != home {
+				t.Fatalf("router %d: acme's continuation %d: %d via %s, the response is on %s", i, j, st, rep, home)
 			}
 		}
-		if ok == 2 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("continuations of a response stored on %s do not all reach it through both routers", home)
-		}
-		time.Sleep(20 * time.Millisecond) // the record's way through NATS
-	}
-	// And ten more in a row, every one of them home.
-	for i := 0; i < 10; i++ {
-		if _, rep := post(map[string]any{"model": model, "previous_response_id": id, "input": "more", "max_output_tokens": 2}); rep != home {
-			t.Fatalf("continuation %d went to %s, the response is on %s", i, rep, home)
+		if st, _, rep := call(url, "GET", "/v1/responses/"+id, "sk-acme", nil); st != 200 || rep != home {
+			t.Fatalf("router %d: acme's GET: %d via %s, want 200 via %s", i, st, rep, home)
 		}
 	}
+
 }

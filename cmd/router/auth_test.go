@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"io"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	"github.com/semroute/semroute/apikey"
+	"github.com/semroute/semroute/router"
 )
 
 // API keys at the router: a request without a key the router holds is
@@ -59,10 +61,15 @@ func TestAPIKeysAtTheRouter(t *testing.T) {
 		t.Fatalf("the replicas saw %d requests and refused %d keys; want 4 and 0 (no refused request reaches one)", requests, refused)
 	}
 	scraped := scrapeURL(t, r.http.url())
-	for _, want := range []string{`semroute_tenant_requests_total{tenant="acme"} 4`, `semroute_auth_refused_total{reason="missing"} 2`, `semroute_auth_refused_total{reason="invalid"} 2`} {
+	// The unauthenticated /metrics names no tenant: a hash of its name.
+	acme := router.TenantLabel(router.TenantHash, "acme")
+	for _, want := range []string{`semroute_tenant_requests_total{tenant="` + acme + `"} 4`, `semroute_auth_refused_total{reason="missing"} 2`, `semroute_auth_refused_total{reason="invalid"} 2`} {
 		if !strings.Contains(scraped, want) {
 			t.Errorf("/metrics lacks %s", want)
 		}
+	}
+	if strings.Contains(scraped, "acme") {
+		t.Error("/metrics names the tenant acme")
 	}
 	// The file changes (a Secret rotated): the new key works, the old not.
 	writeConfig(t, keys, fmt.Sprintf("keys:\n  - {name: a2, tenant: acme, sha256: %s}\n", apikey.Hash("sk-rotated")))
@@ -92,5 +99,47 @@ func TestAPIKeysAtTheRouter(t *testing.T) {
 			t.Fatal("a broken keys file kept the key before it")
 		}
 		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// The metrics on the admin listener alone, behind its token, and tenants
+// by name or not at all, as configured.
+func TestMetricsOnTheAdminListener(t *testing.T) {
+	sims := startSims(t, 1, fastSim)
+	dir := t.TempDir()
+	keys := filepath.Join(dir, "keys.yaml")
+	writeConfig(t, keys, fmt.Sprintf("keys:\n  - {tenant: acme, sha256: %s}\n", apikey.Hash("sk-acme")))
+	for _, labels := range []string{"name", "omit"} {
+		cfg := filepath.Join(dir, labels+".yaml")
+		writeConfig(t, cfg, fmt.Sprintf("auth: {api_keys_file: %q}\nadmin: {listen: 127.0.0.1:0, token: admin-secret}\n"+
+			"metrics: {listener: admin, tenant_labels: %s}\nreplicas:\n  - {name: a, url: %q}\n", keys, labels, sims[0].URL))
+		r := serveConfig(t, cfg)
+		if code, _, _, err := postChat(r.http.url(), chat([2]string{"user", "hello"}), map[string]string{"Authorization": "Bearer sk-acme"}); err != nil || code != 200 {
+			t.Fatalf("%s: a request: %d %v", labels, code, err)
+		}
+		get := func(url, token string) (int, string) {
+			req, _ := http.NewRequest("GET", url+"/metrics", nil)
+			if token != "" {
+				req.Header.Set("Authorization", "Bearer "+token)
+			}
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer resp.Body.Close()
+			b, _ := io.ReadAll(resp.Body)
+			return resp.StatusCode, string(b)
+		}
+		if code, _ := get(r.http.url(), ""); code == 200 {
+			t.Fatalf("%s: /metrics served on the main listener", labels)
+		}
+		if code, _ := get(r.admin.url(), ""); code != 401 {
+			t.Fatalf("%s: the admin listener's /metrics without its token: %d", labels, code)
+		}
+		code, scraped := get(r.admin.url(), "admin-secret")
+		want := map[string]string{"name": `semroute_tenant_requests_total{tenant="acme"} 1`, "omit": `semroute_tenant_requests_total{tenant="all"} 1`}[labels]
+		if code != 200 || !strings.Contains(scraped, want) {
+			t.Fatalf("%s: the admin listener's /metrics: %d, lacks %s", labels, code, want)
+		}
 	}
 }

@@ -57,6 +57,7 @@ type picked struct {
 	respHdr   map[string]string // headers the picker set on the response
 	reqHdr    map[string]string // headers the picker set on the request
 	body      []byte            // the response body the client gets
+	upstream  []byte            // the request body sent to the endpoint
 }
 
 func hdrs(kv ...string) *corev3.HeaderMap {
@@ -168,6 +169,7 @@ func (e *envoy) do(path string, body []byte, hdr map[string]string, md *corev3.M
 			}
 		}
 	}
+	p.upstream = upstream
 	p.reqHdr = map[string]string{}
 	for _, h := range common.GetHeaderMutation().GetSetHeaders() {
 		p.reqHdr[h.GetHeader().GetKey()] = string(h.GetHeader().GetRawValue())
@@ -722,6 +724,31 @@ func TestExtProcBufferCapFromConfig(t *testing.T) {
 		}
 		if p.immediate != http.StatusTooManyRequests || time.Now().After(deadline) {
 			t.Fatalf("after the streams went away: immediate %d %s", p.immediate, p.errBody)
+		}
+	}
+}
+
+// The endpoint picker sends no client's kv_transfer_params upstream, and a
+// Responses request goes to one endpoint with the id the router issued for
+// it (a fallback would store what the id denies), in both body modes.
+func TestExtProcBodiesTheRouterSets(t *testing.T) {
+	d := startTestDemo(t, demoOptions{sim: fastSim, grpcListen: "127.0.0.1:0"})
+	waitModels(t, d)
+	model := d.sims[0].Options().Model
+	for _, mode := range []filterv3.ProcessingMode_BodySendMode{filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, filterv3.ProcessingMode_BUFFERED} {
+		env := newEnvoy(t, d)
+		env.mode = mode
+		body := []byte(`{"model":"` + model + `","messages":[{"role":"user","content":"hello"}],"max_tokens":2,"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"10.66.66.66"}}`)
+		p := env.do("/v1/chat/completions", body, nil, nil, true, "")
+		if p.status != 200 || bytes.Contains(p.upstream, []byte("kv_transfer")) || !bytes.Contains(p.upstream, []byte(`"messages"`)) {
+			t.Fatalf("%v: chat: %d, upstream %s", mode, p.status, p.upstream)
+		}
+		p = env.do("/v1/responses", []byte(`{"model":"`+model+`","input":"hello","max_output_tokens":2,"request_id":"resp_mine"}`), nil, nil, true, "")
+		var sent struct {
+			RequestID string `json:"request_id"`
+		}
+		if err := json.Unmarshal(p.upstream, &sent); err != nil || p.status != 200 || !strings.HasPrefix(sent.RequestID, "resp_sr1_") || strings.Contains(p.dest, ",") {
+			t.Fatalf("%v: responses: %d to %q, upstream %s (%v)", mode, p.status, p.dest, p.upstream, err)
 		}
 	}
 }

@@ -18,7 +18,7 @@ import (
 
 // newFleet returns the router's membership of the fleet cfg describes, not
 // yet started; nil when cfg has no NATS URLs (a router alone).
-func newFleet(cfg configs.ClusterConfig, ej replica.Ejection, eng *routing.Engine, log *slog.Logger, onHome func(id, replica, tenant string)) (*cluster.Fleet, error) {
+func newFleet(cfg configs.ClusterConfig, ej replica.Ejection, eng *routing.Engine, log *slog.Logger) (*cluster.Fleet, error) {
 	if len(cfg.URLs) == 0 {
 		return nil, nil
 	}
@@ -32,7 +32,7 @@ func newFleet(cfg configs.ClusterConfig, ej replica.Ejection, eng *routing.Engin
 	}
 	o := cluster.Options{URLs: cfg.URLs, ID: id, Prefix: cfg.Prefix, Credentials: cfg.Credentials, NkeySeed: cfg.NkeySeed,
 		User: cfg.User, Password: cfg.Password, Token: cfg.Token, Insecure: cfg.Insecure, Ejection: ej,
-		FlushInterval: cfg.FlushInterval, BufferBytes: cfg.BufferBytes, PeerTimeout: cfg.PeerTimeout, Logger: log, OnHome: onHome}
+		FlushInterval: cfg.FlushInterval, BufferBytes: cfg.BufferBytes, PeerTimeout: cfg.PeerTimeout, Logger: log}
 	if cfg.CAFile != "" || cfg.CertFile != "" {
 		t := &tls.Config{MinVersion: tls.VersionTLS12}
 		if cfg.CAFile != "" {

@@ -25,6 +25,7 @@ import (
 	"github.com/semroute/semroute/apikey"
 	"github.com/semroute/semroute/configs"
 	"github.com/semroute/semroute/kvevents"
+	"github.com/semroute/semroute/router"
 	"github.com/semroute/semroute/simreplica"
 )
 
@@ -223,7 +224,8 @@ func newVersion() *cobra.Command {
 }
 
 func newHashKey() *cobra.Command {
-	return &cobra.Command{
+	var tenant string
+	c := &cobra.Command{
 		Use:   "hashkey",
 		Short: "Print the SHA-256 of an API key read from standard input, for auth.api_keys_file",
 		Long: `Print the SHA-256 of an API key read from the first line of standard input, as
@@ -234,9 +236,16 @@ auth.api_keys_file stores it:
 The file then lists it with the tenant its requests count for:
 
   keys:
-    - {name: team-a, tenant: acme, sha256: <what this printed>}`,
+    - {name: team-a, tenant: acme, sha256: <what this printed>}
+
+With --tenant NAME it prints instead the label the tenant's requests have
+in semroute_tenant_requests_total under metrics.tenant_labels: hash.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if tenant != "" {
+				fmt.Fprintln(cmd.OutOrStdout(), router.TenantLabel(router.TenantHash, tenant))
+				return nil
+			}
 			line, err := bufio.NewReader(io.LimitReader(cmd.InOrStdin(), 4096)).ReadString('\n')
 			if err != nil && !errors.Is(err, io.EOF) {
 				return err
@@ -249,4 +258,6 @@ The file then lists it with the tenant its requests count for:
 			return nil
 		},
 	}
+	c.Flags().StringVar(&tenant, "tenant", "", "print this tenant's label in the metrics instead (metrics.tenant_labels: hash)")
+	return c
 }

@@ -143,8 +143,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		return nil, fmt.Errorf("config: %w", err)
 	}
 	cache, pool := eng.Picture(), eng.Pool()
-	var core *router.Core // the peers' response homes reach it once made, before the fleet starts
-	fleet, err := newFleet(cfg.Cluster, cfg.Health.Ejection(), eng, log, func(id, replica, tenant string) { core.NoteHome(id, replica, tenant) })
+	fleet, err := newFleet(cfg.Cluster, cfg.Health.Ejection(), eng, log)
 	if err != nil {
 		return nil, err
 	}
@@ -152,7 +151,10 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	copts := router.CoreOptions{Engine: eng, Arms: arms, Salt: cfg.Routing.ArmSalt,
 		RawIDs: cfg.DecisionLog.RawIDs, LogPrompts: cfg.DecisionLog.LogPrompts, Feedback: cfg.Cache.Feedback,
 		Held: limits.Held{Max: cfg.GRPC.MaxHeldDecisions, MaxBlocks: cfg.GRPC.MaxHeldBlocks, ReleaseAfter: cfg.Routing.ReleaseAfter},
-		PD:   router.PDOptions{MinPrefillTokens: cfg.Disaggregation.MinPrefillTokens}}
+		PD:   router.PDOptions{MinPrefillTokens: cfg.Disaggregation.MinPrefillTokens},
+		// With API keys the tenant is proven: a stored response's id the
+		// router cannot prove is the caller's is refused.
+		StrictResponses: cfg.Auth.APIKeysFile != ""}
 	if d := cfg.DecisionLog; d.Path != "" {
 		dl, err = decisionlog.Open(decisionlog.Options{Path: d.Path, MaxBytes: d.MaxBytes, MaxFiles: d.MaxFiles, Buffer: d.Buffer, FsyncInterval: d.FsyncInterval, Logger: log})
 		if err != nil {
@@ -165,6 +167,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	if copts.Metrics, err = router.NewMetrics(reg); err != nil {
 		return nil, err
 	}
+	copts.Metrics.LabelTenants(cfg.Metrics.TenantLabels)
 	ag := newAgreement(log)
 	copts.Agreement = ag
 	if f := cfg.FlowControl; f.Enabled {
@@ -186,10 +189,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 			mon.RefreshAllModels(ctx)
 		}
 	}
-	if fleet != nil {
-		copts.ShareHome = fleet.Home
-	}
-	core, err = router.NewCore(copts)
+	core, err := router.NewCore(copts)
 	if err != nil {
 		return nil, err
 	}
@@ -211,7 +211,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		Ejection: cfg.Health.Ejection(),
 		Timeouts: limits.Timeouts{Connect: cfg.Timeouts.Connect, FirstByte: cfg.Timeouts.FirstByte, Idle: cfg.Timeouts.Idle,
 			ClientWrite: cfg.Timeouts.ClientWrite},
-		Metrics:    promhttp.HandlerFor(reg, promhttp.HandlerOpts{}),
+		Metrics:    mainMetrics(cfg.Metrics, reg),
 		Ready:      fleetReady(fleet),
 		Priorities: cfg.FlowControl.Priorities,
 	})
@@ -332,6 +332,15 @@ func (a *app) drainReplica(name string, drain bool) error {
 const grpcMaxConns = 256
 
 // running is an app serving HTTP, and gRPC when configured.
+// mainMetrics returns the handler of GET /metrics on the main listener,
+// nil when the metrics are served on the admin listener alone.
+func mainMetrics(c configs.MetricsConfig, reg *prometheus.Registry) http.Handler {
+	if c.Listener == "admin" {
+		return nil
+	}
+	return promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
+}
+
 type running struct {
 	app     *app
 	http    *listening
@@ -604,7 +613,8 @@ func (a *app) kubernetes(ctx context.Context, d configs.DiscoveryConfig) (*kubed
 		pool = kubedisc.InferencePoolAlpha
 	}
 	src, err := kubedisc.Start(ctx, kubedisc.Options{Client: cs, Dynamic: dc, Namespace: ns, Service: k.Service, PortName: k.PortName,
-		Selector: k.Selector, InferencePool: k.InferencePool, PoolVersion: pool, Port: d.Port, Scheme: d.Scheme, BudgetTokens: d.BudgetTokens})
+		Selector: k.Selector, InferencePool: k.InferencePool, PoolVersion: pool, Port: d.Port, Scheme: d.Scheme, BudgetTokens: d.BudgetTokens,
+		MaxReplicas: k.MaxReplicas, TrustedManagers: k.TrustedManagers, Logger: a.log})
 	if err != nil {
 		return nil, fmt.Errorf("discovery.kubernetes: %w", err)
 	}
