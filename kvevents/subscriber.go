@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/cespare/xxhash/v2"
 	"github.com/go-zeromq/zmq4"
 )
 
@@ -42,8 +43,11 @@ type SubscriberOptions struct {
 	OnBatch func(seq uint64, b Batch)
 	// OnReset is called, from the same goroutine, when the batches delivered
 	// so far no longer describe the engine: a gap replay could not fill, or
-	// the engine restarted. The consumer should forget what it learned from
-	// this engine; delivery goes on from the current batch. May be nil.
+	// the engine restarted (its sequence went back, or its replay buffer
+	// holds another batch under the number of the last one delivered). The
+	// consumer should forget what it learned from this engine; delivery goes
+	// on from the current batch (after a restart, from what the new engine's
+	// replay buffer holds before it). May be nil.
 	OnReset func(reason string)
 	// ReplayTimeout bounds one replay: connecting, asking and receiving
 	// every batch up to the end marker. Default 2s.
@@ -75,6 +79,10 @@ type Stats struct {
 	Gaps uint64
 	// Resets counts the calls to OnReset (gaps not filled, restarts).
 	Resets uint64
+	// Restarts counts the engine restarts the sequence showed (a part of
+	// Resets): a number that went back, or a replay buffer that holds
+	// another batch under the number of the last one delivered.
+	Restarts uint64
 	// Malformed counts the messages and payloads that could not be read
 	// (wrong frames, a bad sequence frame, a payload Decode refused as
 	// ErrMalformed); they are skipped.
@@ -91,17 +99,24 @@ type Stats struct {
 }
 
 type counters struct {
-	received, applied, replayed, gaps, resets, malformed, reconnects, dropped atomic.Uint64
-	overLimit                                                                 [NumLimits]atomic.Uint64
+	received, applied, replayed, gaps, resets, restarts, malformed, reconnects, dropped atomic.Uint64
+	overLimit                                                                           [NumLimits]atomic.Uint64
 }
 
 // Subscriber follows one engine's KV events: it connects a SUB socket (and
 // reconnects by itself when the connection drops), delivers the decoded
 // batches in sequence order, fills a gap from the engine's replay socket
 // before delivering anything after it, and calls OnReset when it cannot, or
-// when the sequence goes back (an engine restart). A malformed message, or
-// one past the Limits, is counted and skipped. Stats, LastBatch and Silent
-// are safe for concurrent use; Close stops everything and waits for it.
+// when the engine restarted. A malformed message, or one past the Limits, is
+// counted and skipped. Stats, LastBatch, Silent and Resync are safe for
+// concurrent use; Close stops everything and waits for it.
+//
+// A restart shows in the sequence as a number that goes back (the new
+// engine counts from 0 again), unless the new engine's first batches were
+// lost and its numbers passed the old one's: then, on a gap, or on the
+// first batch after the Subscriber connected again, the replay buffer is
+// asked for the batch numbered as the last one delivered, and another
+// batch there (its payload's hash differs) is a restart too.
 type Subscriber struct {
 	opts  SubscriberOptions
 	log   *slog.Logger
@@ -118,10 +133,20 @@ type Subscriber struct {
 
 	in chan zmq4.Msg // from the Listener, when there is one
 
+	// fresh asks the run goroutine to start a new sequence (Resync).
+	fresh atomic.Bool
+
 	// Owned by the run goroutine.
 	dec  Decoder
 	have bool
 	next uint64
+	// lastSum is the hash of the payload of batch next-1, the last delivered;
+	// hasLast is false when there is none or it arrived elided.
+	lastSum uint64
+	hasLast bool
+	// verify: the connection is new, so the next batch may be a new
+	// engine's even if its number follows on.
+	verify bool
 }
 
 // NewSubscriber starts following an engine. It does not wait for the
@@ -176,6 +201,7 @@ func (s *Subscriber) Stats() Stats {
 		Replayed:   s.c.replayed.Load(),
 		Gaps:       s.c.gaps.Load(),
 		Resets:     s.c.resets.Load(),
+		Restarts:   s.c.restarts.Load(),
 		Malformed:  s.c.malformed.Load(),
 		Reconnects: s.c.reconnects.Load(),
 		Dropped:    s.c.dropped.Load(),
@@ -204,6 +230,14 @@ func (s *Subscriber) Silent(d time.Duration) bool {
 	}
 	return time.Since(t) > d
 }
+
+// Resync makes the next batch start a new sequence, as the first one did:
+// what the engine's replay buffer holds before it is delivered first, and
+// no number it has reads as a restart or a gap. The engine restarted (seen
+// elsewhere, as in its metrics) and the consumer already forgot it, so
+// that the restart is not seen, and forgotten, twice. Safe for concurrent
+// use.
+func (s *Subscriber) Resync() { s.fresh.Store(true) }
 
 // Close stops the Subscriber and waits until its goroutine and sockets are
 // gone. No callback runs after Close returns. Close is idempotent.
@@ -275,6 +309,7 @@ func (s *Subscriber) run() {
 		if err == nil {
 			if connected {
 				s.c.reconnects.Add(1)
+				s.verify = true // the engine at the other end may be a new one
 			}
 			connected = true
 			wait = s.opts.ReconnectMin
@@ -352,6 +387,11 @@ func (s *Subscriber) message(msg zmq4.Msg) {
 
 // handle orders one live batch against the ones before it.
 func (s *Subscriber) handle(seq uint64, payload []byte) {
+	if s.fresh.Swap(false) {
+		s.have = false
+	}
+	verify := s.verify
+	s.verify = false
 	switch {
 	case !s.have:
 		// What the engine published before this Subscriber heard it (an
@@ -361,16 +401,14 @@ func (s *Subscriber) handle(seq uint64, payload []byte) {
 		if seq > 0 {
 			s.fill(0, seq, false)
 		}
-	case seq == s.next:
+	case seq < s.next:
+		s.restarted(seq, fmt.Sprintf("engine restarted: batch %d after %d", seq, s.next-1))
+	case (seq > s.next || verify) && s.otherEngine():
+		s.restarted(seq, fmt.Sprintf("engine restarted: its replay buffer holds another batch %d than the one applied", s.next-1))
 	case seq > s.next:
 		s.c.gaps.Add(1)
 		if !s.fill(s.next, seq, true) && !s.stopping() {
 			s.reset(fmt.Sprintf("gap: batches %d to %d missed and not replayed", s.next, seq-1))
-		}
-	default:
-		s.reset(fmt.Sprintf("engine restarted: batch %d after %d", seq, s.next-1))
-		if seq > 0 {
-			s.fill(0, seq, false) // what the new engine's buffer still has, if anything
 		}
 	}
 	if s.stopping() {
@@ -378,6 +416,33 @@ func (s *Subscriber) handle(seq uint64, payload []byte) {
 	}
 	s.have, s.next = true, seq+1
 	s.deliver(seq, payload, false)
+}
+
+// restarted resets for an engine restart seen at batch seq, and delivers
+// what the new engine's replay buffer holds before it, if anything.
+func (s *Subscriber) restarted(seq uint64, reason string) {
+	s.c.restarts.Add(1)
+	s.reset(reason)
+	if seq > 0 {
+		s.fill(0, seq, false)
+	}
+}
+
+// otherEngine reports whether the engine's replay buffer holds, under the
+// number of the last batch delivered, another batch than that one: the
+// engine restarted and its new sequence passed the old one's. False when
+// it cannot tell (no replay socket, a buffer that no longer reaches back
+// to that batch, a payload that arrived elided).
+func (s *Subscriber) otherEngine() bool {
+	if s.opts.ReplayEndpoint == "" || !s.hasLast || s.next == 0 {
+		return false
+	}
+	last, other := s.next-1, false
+	s.replay(last, func(seq uint64, payload []byte) bool {
+		other = seq == last && !isElided(payload) && xxhash.Sum64(payload) != s.lastSum
+		return false // the first batch tells
+	})
+	return other
 }
 
 // What became of a batch given to deliver.
@@ -400,8 +465,10 @@ func (s *Subscriber) reset(reason string) {
 // deliver decodes a batch and gives it to OnBatch, or counts why not.
 func (s *Subscriber) deliver(seq uint64, payload []byte, replayed bool) outcome {
 	if isElided(payload) { // the transport dropped it unread
+		s.hasLast = false
 		return s.skip(seq, LimitMessageBytes, "payload elided on arrival")
 	}
+	s.lastSum, s.hasLast = xxhash.Sum64(payload), true
 	b, err := s.dec.Decode(payload)
 	if le := (*LimitError)(nil); errors.As(err, &le) {
 		return s.skip(seq, le.Limit, err)
@@ -436,6 +503,31 @@ func (s *Subscriber) fill(from, to uint64, exact bool) bool {
 	if s.opts.ReplayEndpoint == "" || to-from > s.opts.MaxReplay {
 		return false
 	}
+	next, ok := from, true
+	ended := s.replay(from, func(seq uint64, payload []byte) bool {
+		if !exact && next == from && seq > from && seq < to {
+			next = seq
+		}
+		switch {
+		case !ok || seq < next || seq >= to:
+			// Before the gap, after it (it will come live), or past a hole.
+		case seq != next:
+			ok = false // the buffer no longer reaches back to next
+		case s.deliver(seq, payload, true) != unread:
+			next++ // applied, or received and skipped for its size
+		default:
+			ok = false
+		}
+		return true
+	})
+	return ended && ok && next == to
+}
+
+// replay asks the replay socket for the batches from `from` on and gives
+// each to f, in order, until f returns false. It reports whether the end
+// marker came; false too when f stopped it, or when the socket failed,
+// timed out (ReplayTimeout bounds it all) or sent a malformed reply.
+func (s *Subscriber) replay(from uint64, f func(seq uint64, payload []byte) bool) bool {
 	d := zmq4.NewDealer(s.socketContext(), quietZMQ, zmq4.WithDialerMaxRetries(0),
 		zmq4.WithDialerTimeout(s.opts.ReplayTimeout), zmq4.WithTimeout(s.opts.ReplayTimeout))
 	if !s.setSock(&s.replayS, d) {
@@ -454,37 +546,26 @@ func (s *Subscriber) fill(from, to uint64, exact bool) bool {
 	if err := d.SendMulti(zmq4.NewMsgFrom([]byte{}, seqBytes(from))); err != nil {
 		return false
 	}
-	next, ok := from, true
 	for {
 		msg, err := d.Recv()
 		if err != nil || s.stopping() {
 			return false // timed out, closed, or the engine went away
 		}
-		f, good := replyFrames(msg.Frames)
+		fr, good := replyFrames(msg.Frames)
 		if !good {
 			s.c.malformed.Add(1)
 			return false
 		}
-		if bytes.Equal(f[0], endSeq) {
-			return ok && next == to
+		if bytes.Equal(fr[0], endSeq) {
+			return true
 		}
-		seq, err := readSeq(f[0])
+		seq, err := readSeq(fr[0])
 		if err != nil {
 			s.c.malformed.Add(1)
 			return false
 		}
-		if !exact && next == from && seq > from && seq < to {
-			next = seq
-		}
-		switch {
-		case !ok || seq < next || seq >= to:
-			// Before the gap, after it (it will come live), or past a hole.
-		case seq != next:
-			ok = false // the buffer no longer reaches back to next
-		case s.deliver(seq, f[1], true) != unread:
-			next++ // applied, or received and skipped for its size
-		default:
-			ok = false
+		if !f(seq, fr[1]) {
+			return false
 		}
 	}
 }

@@ -60,6 +60,10 @@ type Stats struct {
 	Live bool
 	// Fallbacks counts the times the events went silent.
 	Fallbacks uint64
+	// Restarts counts the engine restarts seen elsewhere (EngineRestarted),
+	// and Kept those of them the events had already shown: the picture
+	// rebuilt from the new engine's events was kept.
+	Restarts, Kept uint64
 }
 
 // Follower follows one replica's KV events into the picture: it applies
@@ -67,12 +71,24 @@ type Stats struct {
 // engine (a restart, a gap its replay could not fill), and falls back to
 // the approximate picture for the replica while they are silent. Stats and
 // Close are safe for concurrent use.
+//
+// An engine restart is cleared once, whether the events show it first or
+// its metrics do (EngineRestarted): each clear starts the engine's new
+// generation, and the events applied after it are kept.
 type Follower struct {
 	o   Options
-	ap  *Applier // under apMu: batches, and resets from the subscriber or Restarted
+	ap  *Applier // under apMu: batches, and resets from the subscriber or EngineRestarted
 	sub *kvevents.Subscriber
 
 	apMu sync.Mutex
+	// applied is whether a batch was applied since the picture was last
+	// cleared, under apMu: a reset with none is nothing to clear.
+	applied bool
+	// shown is when the events last cleared the picture (a reset, an
+	// AllBlocksCleared): unix ns of the wall clock, 0 before any.
+	shown atomic.Int64
+	// restarts and kept: Stats.Restarts and Stats.Kept.
+	restarts, kept atomic.Uint64
 
 	mu        sync.Mutex // serialises the picture's mode changes
 	live      atomic.Bool
@@ -122,7 +138,12 @@ func (f *Follower) batch(_ uint64, b kvevents.Batch) {
 		f.mu.Unlock()
 	}
 	f.apMu.Lock()
+	cleared := f.ap.cleared.Load()
 	f.ap.Apply(&b, f.o.Now().UnixNano())
+	if f.ap.cleared.Load() != cleared { // an AllBlocksCleared, or past MaxBlocks
+		f.shown.Store(time.Now().UnixNano())
+	}
+	f.applied = true
 	f.tracked.Store(int64(f.ap.Tracked()))
 	f.apMu.Unlock()
 	if st, ok := f.o.Model.Stats(f.o.ID); ok {
@@ -130,19 +151,53 @@ func (f *Follower) batch(_ uint64, b kvevents.Batch) {
 	}
 }
 
+// reset is the subscriber's: the events no longer describe the engine (it
+// restarted, or a gap could not be filled). With no batch applied since
+// the picture was last cleared (a restart its metrics showed first), there
+// is nothing to clear.
 func (f *Follower) reset(reason string) {
 	f.apMu.Lock()
-	f.ap.Reset()
-	f.tracked.Store(0)
-	f.apMu.Unlock()
+	defer f.apMu.Unlock()
+	f.shown.Store(time.Now().UnixNano())
+	if !f.applied {
+		f.o.Logger.Info("KV events: the replica's cache picture was already cleared", "replica", f.o.Name, "reason", reason)
+		return
+	}
+	f.clear()
 	f.o.Logger.Warn("KV events: the replica's cache picture was cleared", "replica", f.o.Name, "reason", reason)
 }
 
-// Restarted clears the replica's picture for a restart its events did
-// not show (the monitor saw its counters go back): a restarted engine's
-// first events may be lost before its publisher connects, and then read
-// as a gap its new replay buffer fills. Safe for concurrent use.
-func (f *Follower) Restarted(reason string) { f.reset(reason) }
+// clear forgets the replica's picture; under apMu.
+func (f *Follower) clear() {
+	f.ap.Reset()
+	f.applied = false
+	f.tracked.Store(0)
+}
+
+// EngineRestarted is a restart of the engine seen elsewhere (in its
+// metrics: the monitor), which happened after since. If the events
+// cleared the picture after since, they showed this restart already: the
+// picture rebuilt since from the new engine's events is kept. Otherwise
+// the picture is cleared, and the engine's next batch starts its new
+// sequence (from what its replay buffer holds before it, a restarted
+// engine's first events may have been lost before its publisher
+// connected), so that the events' own sight of the same restart does not
+// clear it again. It reports whether it cleared. Safe for concurrent use.
+func (f *Follower) EngineRestarted(since time.Time, reason string) bool {
+	f.restarts.Add(1)
+	f.apMu.Lock()
+	defer f.apMu.Unlock()
+	if f.shown.Load() > since.UnixNano() {
+		f.kept.Add(1)
+		f.o.Logger.Info("KV events: the engine restart was already seen in its events; the picture rebuilt from them is kept",
+			"replica", f.o.Name, "reason", reason)
+		return false
+	}
+	f.sub.Resync()
+	f.clear()
+	f.o.Logger.Warn("KV events: the replica's cache picture was cleared", "replica", f.o.Name, "reason", reason)
+	return true
+}
 
 // watch expires pending blocks and falls back to the approximate picture
 // when the events are silent while routed blocks go unconfirmed (an idle
@@ -197,7 +252,8 @@ func (f *Follower) Name() string { return f.o.Name }
 
 // Stats returns the Follower's counters.
 func (f *Follower) Stats() Stats {
-	return Stats{Counts: f.ap.Counts(), Subscriber: f.sub.Stats(), Tracked: int(f.tracked.Load()), Live: f.live.Load(), Fallbacks: f.fallbacks.Load()}
+	return Stats{Counts: f.ap.Counts(), Subscriber: f.sub.Stats(), Tracked: int(f.tracked.Load()), Live: f.live.Load(), Fallbacks: f.fallbacks.Load(),
+		Restarts: f.restarts.Load(), Kept: f.kept.Load()}
 }
 
 // Close stops following; the replica's picture becomes approximate.

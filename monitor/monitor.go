@@ -12,11 +12,13 @@ import (
 	"log/slog"
 	"math"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
 	"time"
 
+	"github.com/cespare/xxhash/v2"
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
@@ -48,8 +50,14 @@ type Options struct {
 	// process) as large as it likes. Default DefaultMaxBudget.
 	MaxBudget       int64
 	OnBudgetClamped func(r *replica.Replica, reported, clamped int64)
-	// OnRestart is called when a replica's counters went backwards: it
-	// restarted and its cache is empty.
+	// OnEngineRestart is called once for each restart of a replica's
+	// engine its scrapes show (its cache is empty): its
+	// process_start_time_seconds changed, its cache config info (vLLM's
+	// or SGLang's) changed, or its counters went back, or are gone from
+	// its metrics (llm-d's simulator exports them from its first request
+	// on). Restart says when it happened after and what showed it.
+	OnEngineRestart func(r *replica.Replica, rs Restart)
+	// OnRestart, if OnEngineRestart is nil, is called in its place.
 	OnRestart func(r *replica.Replica)
 	// OnChange is called when an active check changes a replica's state.
 	OnChange func(r *replica.Replica, up bool)
@@ -66,7 +74,7 @@ type Monitor struct {
 	o    Options
 
 	mu   sync.Mutex
-	last map[*replica.Replica]float64 // last prefix-cache query counter, for restarts
+	last map[*replica.Replica]engineSeen // what the scrapes saw of each engine, for restarts
 	// refreshingAll and lastRefreshAll pace RefreshAllModels.
 	refreshingAll  bool
 	lastRefreshAll time.Time
@@ -136,7 +144,7 @@ func New(p *replica.Pool, o Options) *Monitor {
 	if o.Logger == nil {
 		o.Logger = slog.Default()
 	}
-	return &Monitor{pool: p, o: o, last: map[*replica.Replica]float64{}}
+	return &Monitor{pool: p, o: o, last: map[*replica.Replica]engineSeen{}}
 }
 
 // Run checks and scrapes until ctx ends, then waits for the requests in
@@ -177,10 +185,19 @@ func (m *Monitor) Run(ctx context.Context) {
 }
 
 // Check runs one active health check of r, unless the last one is still
-// out.
+// out. A replica that comes back up is scraped at once (when scrapes are
+// on): it may be a new engine, whose restart its metrics show before any
+// request reaches it.
 func (m *Monitor) Check(ctx context.Context, r *replica.Replica) {
+	if m.check(ctx, r) && m.o.ScrapeInterval > 0 {
+		m.Scrape(ctx, r)
+	}
+}
+
+// check is Check's health check; it reports whether r came back up.
+func (m *Monitor) check(ctx context.Context, r *replica.Replica) bool {
 	if !m.claim(r, probeCheck) {
-		return
+		return false
 	}
 	defer m.release(r, probeCheck)
 	ctx, cancel := context.WithTimeout(ctx, m.o.CheckTimeout)
@@ -195,14 +212,16 @@ func (m *Monitor) Check(ctx context.Context, r *replica.Replica) {
 		}
 	}
 	if ctx.Err() != nil && !ok && parentDone(ctx) {
-		return // shutting down: not the replica's fault
+		return false // shutting down: not the replica's fault
 	}
-	if r.Checked(ok, m.o.Fall, m.o.Rise) {
-		m.o.Logger.Info("replica health changed", "replica", r.Name, "up", ok)
-		if m.o.OnChange != nil {
-			m.o.OnChange(r, ok)
-		}
+	if !r.Checked(ok, m.o.Fall, m.o.Rise) {
+		return false
 	}
+	m.o.Logger.Info("replica health changed", "replica", r.Name, "up", ok)
+	if m.o.OnChange != nil {
+		m.o.OnChange(r, ok)
+	}
+	return ok
 }
 
 func parentDone(ctx context.Context) bool {
@@ -219,6 +238,10 @@ const (
 	metricQueries     = "vllm:prefix_cache_queries"
 	metricPrompt      = "vllm:prompt_tokens"
 	metricLoRA        = "vllm:lora_requests_info"
+	// metricStart is the engine process's start, exported by Prometheus
+	// clients' process collectors (vLLM's API server, through
+	// prometheus_client, when it runs one process).
+	metricStart = "process_start_time_seconds"
 )
 
 // SGLang's names for the same gauges (sglang/srt/metrics/collector.py),
@@ -246,17 +269,34 @@ func (m *Monitor) Scrape(ctx context.Context, r *replica.Replica) {
 	defer m.release(r, probeScrape)
 	ctx, cancel := context.WithTimeout(ctx, m.o.CheckTimeout)
 	defer cancel()
-	body, ok := m.get(ctx, r, "/metrics", 8<<20)
+	sent := time.Now()
+	body, ok := m.get(ctx, r, "/metrics", maxMetricsBytes)
 	if !ok {
 		return
 	}
 	defer body.Close()
-	fams, err := ParseMetrics(body)
+	counted := &countingReader{r: body}
+	fams, err := ParseMetrics(counted)
 	if err != nil {
 		m.o.Logger.Warn("replica metrics unreadable", "replica", r.Name, "err", err)
 		return
 	}
-	m.apply(r, fams)
+	m.apply(r, fams, sent, counted.n < maxMetricsBytes)
+}
+
+// maxMetricsBytes bounds the /metrics read of a scrape: 8 MiB.
+const maxMetricsBytes = 8 << 20
+
+// countingReader counts the bytes read through it.
+type countingReader struct {
+	r io.Reader
+	n int64
+}
+
+func (c *countingReader) Read(p []byte) (int, error) {
+	n, err := c.r.Read(p)
+	c.n += int64(n)
+	return n, err
 }
 
 // get sends GET path to r and returns the body of a 200 answer, read up to
@@ -303,6 +343,13 @@ type Scraped struct {
 	// tokens) used to detect restarts; HasCounter says whether one was found.
 	Counter    float64
 	HasCounter bool
+	// StartTime is the engine process's process_start_time_seconds; 0
+	// when it exports none.
+	StartTime float64
+	// Config is a hash of every label of the engine's cache config info
+	// (vllm:cache_config_info, else sglang:cache_config_info), set once
+	// when the engine starts; 0 when it exports none.
+	Config uint64
 	// LoRA says vllm:lora_requests_info was found: its latest sample (the
 	// largest value, a timestamp) gives the adapters running and waiting
 	// and max_lora.
@@ -319,6 +366,7 @@ var wanted = map[string]bool{
 	metricLoRA:    true,
 	sglangRunning: true, sglangWaiting: true, sglangKVUsage: true, sglangCacheConfig: true, sglangMaxTokens: true,
 	sglangPrompt: true, sglangPrompt + "_total": true,
+	metricStart: true,
 }
 
 // maxMetricLine bounds one exposition line the router keeps: 64 KiB.
@@ -382,42 +430,64 @@ func ParseMetrics(rd io.Reader) (Scraped, error) {
 	if err != nil {
 		return out, fmt.Errorf("parse metrics: %w", err)
 	}
-	sum := func(name string) (float64, bool) {
-		f, ok := fams[name]
-		if !ok {
-			f, ok = fams[name+"_total"]
-		}
-		if !ok || len(f.GetMetric()) == 0 {
-			return 0, false
-		}
-		total := 0.0
-		for _, mm := range f.GetMetric() {
-			total += value(mm)
-		}
-		if math.IsNaN(total) || math.IsInf(total, 0) || total < 0 || total > 1e15 {
-			return 0, false
-		}
-		return total, true
+	fs := families(fams)
+	fs.load(&out)
+	fs.cacheConfig(&out)
+	fs.lora(&out)
+	fs.identity(&out)
+	return out, nil
+}
+
+// families are the parsed families of one exposition, by name.
+type families map[string]*dto.MetricFamily
+
+// sum adds up the samples of family name (or name_total), if they can be a
+// replica's.
+func (fs families) sum(name string) (float64, bool) {
+	f, ok := fs[name]
+	if !ok {
+		f, ok = fs[name+"_total"]
 	}
-	either := func(vllm, sglang string) (float64, bool) {
-		if v, ok := sum(vllm); ok {
-			return v, true
-		}
-		return sum(sglang)
+	if !ok || len(f.GetMetric()) == 0 {
+		return 0, false
 	}
-	if v, ok := either(metricRunning, sglangRunning); ok {
+	total := 0.0
+	for _, mm := range f.GetMetric() {
+		total += value(mm)
+	}
+	if math.IsNaN(total) || math.IsInf(total, 0) || total < 0 || total > 1e15 {
+		return 0, false
+	}
+	return total, true
+}
+
+// either is vLLM's family's sum, else SGLang's.
+func (fs families) either(vllm, sglang string) (float64, bool) {
+	if v, ok := fs.sum(vllm); ok {
+		return v, true
+	}
+	return fs.sum(sglang)
+}
+
+// load reads the load gauges: running, waiting, KV usage.
+func (fs families) load(out *Scraped) {
+	if v, ok := fs.either(metricRunning, sglangRunning); ok {
 		out.Running, out.HasRunning = int64(v), true
 	}
-	if v, ok := either(metricWaiting, sglangWaiting); ok {
+	if v, ok := fs.either(metricWaiting, sglangWaiting); ok {
 		out.Waiting, out.HasWaiting = int64(v), true
 	}
-	if v, ok := sum(metricKVUsage); ok {
+	if v, ok := fs.sum(metricKVUsage); ok {
 		out.KVUsage, out.HasKV = min(v, 1), true
-	} else if v, ok := either(metricGPUKVUsage, sglangKVUsage); ok {
+	} else if v, ok := fs.either(metricGPUKVUsage, sglangKVUsage); ok {
 		out.KVUsage, out.HasKV = min(v, 1), true
 	}
-	cacheConfig := func(name, blocks, size string) {
-		f, ok := fams[name]
+}
+
+// cacheConfig reads the cache's blocks and their size.
+func (fs families) cacheConfig(out *Scraped) {
+	read := func(name, blocks, size string) {
+		f, ok := fs[name]
 		if !ok || len(f.GetMetric()) == 0 {
 			return
 		}
@@ -431,43 +501,82 @@ func ParseMetrics(rd io.Reader) (Scraped, error) {
 			}
 		}
 	}
-	cacheConfig(metricCacheConfig, "num_gpu_blocks", "block_size")
+	read(metricCacheConfig, "num_gpu_blocks", "block_size")
 	if out.Blocks == 0 {
-		cacheConfig(sglangCacheConfig, "num_pages", "page_size")
+		read(sglangCacheConfig, "num_pages", "page_size")
 	}
-	if v, ok := sum(sglangMaxTokens); ok && out.Blocks == 0 && v >= 1 { // tokens: blocks of one
+	if v, ok := fs.sum(sglangMaxTokens); ok && out.Blocks == 0 && v >= 1 { // tokens: blocks of one
 		out.Blocks, out.BlockSize = int64(v), 1
 	}
-	if f, ok := fams[metricLoRA]; ok && len(f.GetMetric()) > 0 {
-		var latest *dto.Metric
-		for _, mm := range f.GetMetric() {
-			v := value(mm)
-			if math.IsNaN(v) || math.IsInf(v, 0) {
-				continue // not a time: it would never be passed
-			}
-			if latest == nil || v > value(latest) {
-				latest = mm
-			}
+}
+
+// lora reads the latest sample of vllm:lora_requests_info.
+func (fs families) lora(out *Scraped) {
+	f, ok := fs[metricLoRA]
+	if !ok || len(f.GetMetric()) == 0 {
+		return
+	}
+	var latest *dto.Metric
+	for _, mm := range f.GetMetric() {
+		v := value(mm)
+		if math.IsNaN(v) || math.IsInf(v, 0) {
+			continue // not a time: it would never be passed
 		}
-		out.LoRA = latest != nil
-		for _, l := range latest.GetLabel() { // nil-safe: none
-			switch l.GetName() {
-			case "running_lora_adapters":
-				out.LoRARunning = adapterList(l.GetValue())
-			case "waiting_lora_adapters":
-				out.LoRAWaiting = adapterList(l.GetValue())
-			case "max_lora":
-				out.MaxLoRA, _ = strconv.Atoi(l.GetValue())
-				out.MaxLoRA = max(out.MaxLoRA, 0)
-			}
+		if latest == nil || v > value(latest) {
+			latest = mm
 		}
 	}
-	if v, ok := sum(metricQueries); ok {
+	out.LoRA = latest != nil
+	for _, l := range latest.GetLabel() { // nil-safe: none
+		switch l.GetName() {
+		case "running_lora_adapters":
+			out.LoRARunning = adapterList(l.GetValue())
+		case "waiting_lora_adapters":
+			out.LoRAWaiting = adapterList(l.GetValue())
+		case "max_lora":
+			out.MaxLoRA, _ = strconv.Atoi(l.GetValue())
+			out.MaxLoRA = max(out.MaxLoRA, 0)
+		}
+	}
+}
+
+// identity reads what tells one engine process from the next: its
+// counter, its start time, its cache config info.
+func (fs families) identity(out *Scraped) {
+	if v, ok := fs.sum(metricQueries); ok {
 		out.Counter, out.HasCounter = v, true
-	} else if v, ok := either(metricPrompt, sglangPrompt); ok {
+	} else if v, ok := fs.either(metricPrompt, sglangPrompt); ok {
 		out.Counter, out.HasCounter = v, true
 	}
-	return out, nil
+	if f := fs[metricStart]; len(f.GetMetric()) > 0 {
+		if v := value(f.GetMetric()[0]); v > 0 && !math.IsInf(v, 0) {
+			out.StartTime = v
+		}
+	}
+	out.Config = fs.labelsHash(metricCacheConfig)
+	if out.Config == 0 {
+		out.Config = fs.labelsHash(sglangCacheConfig)
+	}
+}
+
+// labelsHash hashes every label of every sample of family name, in an
+// order of their own; 0 when it has none.
+func (fs families) labelsHash(name string) uint64 {
+	f := fs[name]
+	if len(f.GetMetric()) == 0 {
+		return 0
+	}
+	samples := make([]string, 0, len(f.GetMetric()))
+	for _, mm := range f.GetMetric() {
+		labels := make([]string, 0, len(mm.GetLabel()))
+		for _, l := range mm.GetLabel() {
+			labels = append(labels, l.GetName()+"="+strconv.Quote(l.GetValue()))
+		}
+		slices.Sort(labels)
+		samples = append(samples, strings.Join(labels, ","))
+	}
+	slices.Sort(samples)
+	return max(xxhash.Sum64String(strings.Join(samples, "\n")), 1)
 }
 
 // maxAdapters bounds the adapters read from one label or one /v1/models.
@@ -497,44 +606,133 @@ func value(m *dto.Metric) float64 {
 	return 0
 }
 
-func (m *Monitor) apply(r *replica.Replica, s Scraped) {
+// apply records what a scrape sent at sent found; whole says the body was
+// read to its end (not cut at maxMetricsBytes).
+func (m *Monitor) apply(r *replica.Replica, s Scraped, sent time.Time, whole bool) {
 	r.Observe(s.Observed)
 	if s.LoRA {
 		r.SetLoRA(s.LoRARunning, s.LoRAWaiting, s.MaxLoRA)
 	}
-	if r.Budget() == 0 && s.Blocks > 0 && s.BlockSize > 0 {
-		budget := m.o.MaxBudget
-		if s.Blocks <= m.o.MaxBudget/s.BlockSize {
-			budget = s.Blocks * s.BlockSize
-		} else {
-			reported := int64(math.MaxInt64)
-			if s.Blocks <= math.MaxInt64/s.BlockSize {
-				reported = s.Blocks * s.BlockSize
-			}
-			m.o.Logger.Warn("replica reports a KV cache larger than cache.max_budget_tokens; its picture is held to that",
-				"replica", r.Name, "reported_tokens", reported, "budget_tokens", budget)
-			if m.o.OnBudgetClamped != nil {
-				m.o.OnBudgetClamped(r, reported, budget)
-			}
-		}
-		r.SetBudget(budget)
-		if m.o.OnBudget != nil {
-			m.o.OnBudget(r, budget)
-		}
-	}
-	if !s.HasCounter {
+	m.learnBudget(r, s)
+	m.noticeRestart(r, s, sent, whole)
+}
+
+// learnBudget sets the budget of a replica without one from its cache's
+// size, bounded by MaxBudget.
+func (m *Monitor) learnBudget(r *replica.Replica, s Scraped) {
+	if r.Budget() != 0 || s.Blocks <= 0 || s.BlockSize <= 0 {
 		return
 	}
-	m.mu.Lock()
-	prev, seen := m.last[r]
-	m.last[r] = s.Counter
-	m.mu.Unlock()
-	if seen && s.Counter < prev {
-		m.o.Logger.Warn("replica restarted: its cache picture is cleared", "replica", r.Name)
-		if m.o.OnRestart != nil {
-			m.o.OnRestart(r)
+	budget := m.o.MaxBudget
+	if s.Blocks <= m.o.MaxBudget/s.BlockSize {
+		budget = s.Blocks * s.BlockSize
+	} else {
+		reported := int64(math.MaxInt64)
+		if s.Blocks <= math.MaxInt64/s.BlockSize {
+			reported = s.Blocks * s.BlockSize
+		}
+		m.o.Logger.Warn("replica reports a KV cache larger than cache.max_budget_tokens; its picture is held to that",
+			"replica", r.Name, "reported_tokens", reported, "budget_tokens", budget)
+		if m.o.OnBudgetClamped != nil {
+			m.o.OnBudgetClamped(r, reported, budget)
 		}
 	}
+	r.SetBudget(budget)
+	if m.o.OnBudget != nil {
+		m.o.OnBudget(r, budget)
+	}
+}
+
+// Restart is a restart of a replica's engine that a scrape showed.
+type Restart struct {
+	// Since is when the last scrape that saw the engine before the
+	// restart was sent: the restart happened after it.
+	Since time.Time
+	// Reason says what showed it.
+	Reason string
+}
+
+// engineSeen is what the scrapes saw of a replica's engine that tells one
+// engine process from the next; a zero field was not seen.
+type engineSeen struct {
+	at         time.Time // when the last scrape that told the engine apart was sent
+	start      float64   // process_start_time_seconds
+	config     uint64    // Scraped.Config
+	counter    float64   // Scraped.Counter
+	hasCounter bool
+	restarts   uint64 // restarts seen
+}
+
+// noticeRestart compares what the scrape sent at sent saw of r's engine
+// with what the scrapes before it saw, and reports a restart, once.
+func (m *Monitor) noticeRestart(r *replica.Replica, s Scraped, sent time.Time, whole bool) {
+	// A scrape of the engine's own gauges, read whole, without the
+	// counter the last one had: the counter is gone, as a restarted
+	// engine's that exports counters once they count something.
+	engine := whole && (s.HasRunning || s.HasWaiting || s.HasKV)
+	m.mu.Lock()
+	prev := m.last[r]
+	next, why := prev.after(s, sent, engine)
+	m.last[r] = next
+	m.mu.Unlock()
+	if why == "" {
+		return
+	}
+	m.o.Logger.Warn("replica's engine restarted, as its metrics show", "replica", r.Name, "reason", why)
+	switch {
+	case m.o.OnEngineRestart != nil:
+		m.o.OnEngineRestart(r, Restart{Since: prev.at, Reason: "engine restarted: " + why})
+	case m.o.OnRestart != nil:
+		m.o.OnRestart(r)
+	}
+}
+
+// after returns what is known of the engine after a scrape sent at sent
+// that found s, and what shows a restart since e ("" when nothing does).
+// engine says the scrape had the engine's own gauges and was read whole.
+// A scrape without a field keeps what was known of it.
+func (e engineSeen) after(s Scraped, sent time.Time, engine bool) (engineSeen, string) {
+	why := restartReason(e, s, engine)
+	if why != "" {
+		e = engineSeen{restarts: e.restarts + 1}
+	}
+	if why != "" || e.at.IsZero() || s.StartTime > 0 || s.HasCounter {
+		e.at = sent // this scrape would have shown a restart before it
+	}
+	if s.StartTime > 0 {
+		e.start = s.StartTime
+	}
+	if s.Config != 0 {
+		e.config = s.Config
+	}
+	if s.HasCounter {
+		e.counter, e.hasCounter = s.Counter, true
+	}
+	return e, why
+}
+
+// restartReason says what shows the engine a scrape saw is not the one
+// seen before (prev); "" when nothing does. engine says the scrape had the
+// engine's own gauges and was read whole.
+func restartReason(prev engineSeen, s Scraped, engine bool) string {
+	switch {
+	case prev.start > 0 && s.StartTime > 0 && s.StartTime != prev.start:
+		return "its process_start_time_seconds changed"
+	case prev.config != 0 && s.Config != 0 && s.Config != prev.config:
+		return "its cache config info changed"
+	case prev.hasCounter && s.HasCounter && s.Counter < prev.counter:
+		return "its counters went back"
+	case prev.hasCounter && !s.HasCounter && engine:
+		return "its counters are gone"
+	}
+	return ""
+}
+
+// Restarts returns the restarts of r's engine its scrapes showed.
+func (m *Monitor) Restarts(r *replica.Replica) uint64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.last[r].restarts
 }
 
 // RefreshModels reads r's GET /v1/models once and records the models it

@@ -127,7 +127,7 @@ func TestParseMetricsHostile(t *testing.T) {
 	}
 	p, _ := replica.NewPool([]replica.Spec{{Name: "a", URL: "http://a"}}, replica.Options{}, func(replica.Spec) (int, error) { return 0, nil })
 	m := New(p, Options{})
-	m.apply(p.Replicas()[0], s)
+	m.apply(p.Replicas()[0], s, time.Now(), true)
 	if got := p.Replicas()[0].Budget(); got != DefaultMaxBudget {
 		t.Fatalf("an overflowing reported budget became %d, want the bound %d", got, DefaultMaxBudget)
 	}
@@ -150,7 +150,7 @@ func TestReportedBudgetIsBounded(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		m.apply(p.Replicas()[i], s)
+		m.apply(p.Replicas()[i], s, time.Now(), true)
 	}
 	if a, b := p.Replicas()[0].Budget(), p.Replicas()[1].Budget(); a != 1<<22 || b != 16000 {
 		t.Fatalf("budgets %d and %d, want the bound 4194304 and 16000", a, b)

@@ -13,6 +13,7 @@ import (
 	"github.com/semroute/semroute/agreement"
 	"github.com/semroute/semroute/kvevents"
 	"github.com/semroute/semroute/kvsync"
+	"github.com/semroute/semroute/monitor"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 	"github.com/semroute/semroute/tokenizer"
@@ -148,14 +149,31 @@ func (fs *followers) remove(id int) {
 	fs.unlisten(id)
 }
 
-// restarted clears replica id's events picture for a restart seen
-// elsewhere (the monitor), if the replica has a follower.
-func (fs *followers) restarted(id int, reason string) {
+// follower returns replica id's follower; nil if it has none.
+func (fs *followers) follower(id int) *kvsync.Follower {
 	fs.mu.Lock()
-	f := fs.by[id]
-	fs.mu.Unlock()
-	if f != nil {
-		f.Restarted(reason)
+	defer fs.mu.Unlock()
+	return fs.by[id]
+}
+
+// engineRestarted is the monitor's OnEngineRestart: replica r's engine
+// restarted, as its metrics showed. A followed replica's picture is its
+// follower's to clear, once a restart, whether its events or its metrics
+// show it first; another's is cleared here.
+func (fs *followers) engineRestarted(r *replica.Replica, rs monitor.Restart) {
+	if f := fs.follower(r.ID); f != nil {
+		f.EngineRestarted(rs.Since, rs.Reason)
+		return
+	}
+	fs.cache.Clear(r.ID)
+}
+
+// restarted is for the monitor's OnRestart, which clears replica id's
+// picture and then calls it: the replica's follower, if it has one,
+// forgets the engine's events too, and their sequence starts over.
+func (fs *followers) restarted(id int, reason string) {
+	if f := fs.follower(id); f != nil {
+		f.EngineRestarted(time.Now(), reason) // the events showed no restart after now: it clears
 	}
 }
 
@@ -211,7 +229,7 @@ var (
 	descEvOverLimit = prometheus.NewDesc("semroute_kv_events_over_limit_total", "KV event batches skipped unread for passing a bound, by bound: message_bytes, events_per_batch, blocks_per_event, tokens_per_event.", []string{"replica", "limit"}, nil)
 	descEvSkipped   = prometheus.NewDesc("semroute_kv_events_skipped_total", "KV events not applied: a block size other than tokenizer.block_tokens, or token ids not filling their blocks.", []string{"replica"}, nil)
 	descEvGaps      = prometheus.NewDesc("semroute_kv_events_gaps_total", "Sequence gaps in the replica's KV events.", []string{"replica"}, nil)
-	descEvResets    = prometheus.NewDesc("semroute_kv_events_resets_total", "Times the replica's picture was cleared: the engine restarted or cleared its cache, or a gap could not be filled.", []string{"replica"}, nil)
+	descEvResets    = prometheus.NewDesc("semroute_kv_events_resets_total", "Times the replica's events picture was cleared: the engine restarted (once a restart, whether its events or its metrics showed it first) or cleared its cache, or a gap could not be filled.", []string{"replica"}, nil)
 	descEvFallbacks = prometheus.NewDesc("semroute_kv_events_fallbacks_total", "Times the replica's events went silent while routed blocks went unconfirmed, and its picture fell back to the approximate one.", []string{"replica"}, nil)
 	descEvTracked   = prometheus.NewDesc("semroute_kv_events_tracked_blocks", "Engine blocks known from the replica's KV events.", []string{"replica"}, nil)
 )
@@ -247,7 +265,7 @@ func (fs *followers) Collect(ch chan<- prometheus.Metric) {
 		}
 		c(descEvSkipped, st.Skipped)
 		c(descEvGaps, st.Subscriber.Gaps)
-		c(descEvResets, st.Cleared+st.Subscriber.Resets)
+		c(descEvResets, st.Cleared) // every clear, the subscriber's resets among them, once
 		c(descEvFallbacks, st.Fallbacks)
 	}
 }

@@ -422,9 +422,12 @@ func TestThirdPartyPreciseOutOfTheBox(t *testing.T) {
 // third-party replicas whose /tokenize is broken (a proxy in front of it
 // answers 500) is named in a warning within seconds, shown on the metrics
 // and the admin API, and not asked again, while requests keep being routed
-// on the others' tokens; a replica restarted mid-run has its picture
-// cleared (said in the log) and rebuilt from its events, and no request
-// fails.
+// on the others' tokens. A replica restarted mid-run is seen restarted
+// before any request reaches it (its metrics show it: its counters are
+// gone), its picture is cleared once (its events, their sequence starting
+// over, do not clear it again), the picture rebuilt from its new engine's
+// events is kept (its predictions agree with what it reports), and no
+// request fails.
 func TestThirdPartyBrokenTokenizeAndRestart(t *testing.T) {
 	reps := startThirdParty(t, tpOptions{n: 4, events: true})
 	target := reps[0].url
@@ -445,17 +448,10 @@ func TestThirdPartyBrokenTokenizeAndRestart(t *testing.T) {
 	waitBudgets(t, r, 4, 768*16)
 	work := tpWork(200)
 	run := sendTruth(r.url, work[:100], 8, nil)
+	resets := func() float64 { return metric(t, r.url, "semroute_kv_events_resets_total", `replica="tp-1"`) }
+	before := resets()
 	reps[1].restart(t)
-	// The kill ejected tp-1; the restart is known from its engine's first
-	// events, which only requests sent there make: wait until it takes
-	// requests again (health checks bring it back).
-	tp1, _ := r.app.core.Engine().Pool().Get("tp-1")
-	for deadline := time.Now().Add(30 * time.Second); !tp1.Available(time.Now()); {
-		if time.Now().After(deadline) {
-			t.Fatal("tp-1 was not taken back after its restart")
-		}
-		time.Sleep(20 * time.Millisecond) // polling the router's pool
-	}
+	tpWaitRestartSeen(t, r, "tp-1", before+1)
 	run2 := sendTruth(r.url, work[100:], 8, nil)
 	logs := r.log.String()
 	t.Logf("before the restart: hit ratio %.3f, predicted ÷ reported %.3f; after: %.3f, %.3f; errors %d, %d",
@@ -472,21 +468,56 @@ func TestThirdPartyBrokenTokenizeAndRestart(t *testing.T) {
 	if m := metric(t, r.url, "semroute_tokenize_total", `result="ok"`); m < 100 {
 		t.Fatalf("only %v requests were tokenized by the other replicas", m)
 	}
-	// The follower notices the restart from the engine's events, on its
-	// own goroutine: under load possibly after the requests ended.
-	for deadline := time.Now().Add(30 * time.Second); ; {
-		logs = r.log.String()
-		if strings.Contains(logs, "the replica's cache picture was cleared") && strings.Contains(logs, "replica=tp-1") {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the restart of tp-1 was not said in the log (tp-1 answered %.0f requests since; events %+v):\n%s",
-				metric(t, reps[1].url, "vllm:request_success_total", ""), r.app.events.stats(), logs)
-		}
-		time.Sleep(50 * time.Millisecond) // polling the router's log
+	// Once: the new engine's events, their sequence starting over after
+	// the picture was cleared, did not clear it again.
+	if n := resets(); n != before+1 {
+		t.Fatalf("tp-1's picture was cleared %v times for one restart; events %+v\n%s", n-before, r.app.events.stats(), logs)
+	}
+	// Kept: the new engine's blocks chain after the ones it stored before
+	// (no orphans), and predict what it reports.
+	stored := metric(t, r.url, "semroute_kv_events_blocks_total", `event="stored",replica="tp-1"`)
+	orphans := metric(t, r.url, "semroute_kv_events_blocks_total", `event="orphan",replica="tp-1"`)
+	ratio := metric(t, r.url, "semroute_replica_predicted_ratio", `replica="tp-1"`)
+	t.Logf("tp-1: %.0f blocks stored, %.0f orphans; predicted ÷ reported %.3f", stored, orphans, ratio)
+	if orphans > stored/100 || ratio < 0.85 || ratio > 1.15 {
+		t.Fatalf("tp-1 after its restart: %.0f blocks stored, %.0f orphans, predicted ÷ reported %.2f: its picture is not its new engine's", stored, orphans, ratio)
 	}
 	if run2.hitRatio() < 0.5 {
 		t.Fatalf("hit ratio %.3f after the restart", run2.hitRatio())
+	}
+}
+
+// tpWaitRestartSeen waits, sending nothing, until the router has cleared
+// the picture of replica name, restarted, resets times in all (its
+// semroute_kv_events_resets_total) and said so; then until the replica is
+// available again (health checks take it back if its restart ejected it).
+// Its picture is empty then.
+func tpWaitRestartSeen(t *testing.T, r *tpRouter, name string, resets float64) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	said := func() bool {
+		for _, l := range strings.Split(r.log.String(), "\n") {
+			if strings.Contains(l, "replica's engine restarted, as its metrics show") && strings.Contains(l, "replica="+name+" ") {
+				return true
+			}
+		}
+		return false
+	}
+	for metric(t, r.url, "semroute_kv_events_resets_total", `replica="`+name+`"`) != resets || !said() {
+		if time.Now().After(deadline) {
+			t.Fatalf("the restart of %s was not seen without traffic (events %+v):\n%s", name, r.app.events.stats(), r.log.String())
+		}
+		time.Sleep(20 * time.Millisecond) // polling the router's own report
+	}
+	rep, _ := r.app.core.Engine().Pool().Get(name)
+	if st, _ := r.app.cache.Stats(rep.ID); st.Blocks != 0 {
+		t.Fatalf("%s's picture holds %d blocks after its restart, before any request reached it", name, st.Blocks)
+	}
+	for !rep.Available(time.Now()) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s was not taken back after its restart", name)
+		}
+		time.Sleep(20 * time.Millisecond) // polling the router's pool
 	}
 }
 
