@@ -168,15 +168,6 @@ func (fs *followers) engineRestarted(r *replica.Replica, rs monitor.Restart) {
 	fs.cache.Clear(r.ID)
 }
 
-// restarted is for the monitor's OnRestart, which clears replica id's
-// picture and then calls it: the replica's follower, if it has one,
-// forgets the engine's events too, and their sequence starts over.
-func (fs *followers) restarted(id int, reason string) {
-	if f := fs.follower(id); f != nil {
-		f.EngineRestarted(time.Now(), reason) // the events showed no restart after now: it clears
-	}
-}
-
 // close stops every follower.
 func (fs *followers) close() {
 	fs.mu.Lock()

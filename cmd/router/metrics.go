@@ -9,6 +9,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/semroute/semroute/decisionlog"
+	"github.com/semroute/semroute/monitor"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/router"
 	"github.com/semroute/semroute/routing"
@@ -119,6 +120,34 @@ func registerOps(reg *prometheus.Registry, pool *replica.Pool, cache *routing.Pi
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "semroute_decision_log_lines_dropped_total", Help: "Decision log lines dropped because the buffer was full."}, dropped),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "semroute_decision_log_lines_failed_total", Help: "Decision log lines that could not be encoded or written (write errors, no open file)."}, failed),
 	)
+}
+
+// restartCollector exports the engine restarts seen, per replica, by
+// where they were seen first or at all: a scrape of the engine's metrics
+// (process_start_time_seconds, vllm:cache_config_info, counters that went
+// back or vanished) or its KV events (a sequence that started over or
+// passed the old engine's). One restart seen by both counts in each.
+type restartCollector struct {
+	pool   *replica.Pool
+	mon    *monitor.Monitor
+	events *followers
+}
+
+var descRestarts = prometheus.NewDesc("semroute_engine_restarts_total",
+	"Engine restarts seen, by source: scrape (its metrics showed a new engine) or events (its KV events did); a replica's picture is cleared once a restart, whichever sees it first.",
+	[]string{"replica", "source"}, nil)
+
+func (restartCollector) Describe(ch chan<- *prometheus.Desc) { ch <- descRestarts }
+
+func (c restartCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, r := range c.pool.Replicas() {
+		var events uint64
+		if f := c.events.follower(r.ID); f != nil {
+			events = f.Stats().Subscriber.Restarts
+		}
+		ch <- prometheus.MustNewConstMetric(descRestarts, prometheus.CounterValue, float64(c.mon.Restarts(r)), r.Name, "scrape")
+		ch <- prometheus.MustNewConstMetric(descRestarts, prometheus.CounterValue, float64(events), r.Name, "events")
+	}
 }
 
 var (

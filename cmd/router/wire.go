@@ -272,10 +272,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 			clamped.WithLabelValues(r.Name) // 0 until it reports too much
 			eng.Picture().SetBudget(r.ID, tokens)
 		},
-		OnRestart: func(r *replica.Replica) {
-			eng.Picture().Clear(r.ID)
-			a.events.restarted(r.ID, "engine restarted: its counters went back")
-		},
+		OnEngineRestart: a.events.engineRestarted, // clears a replica's picture once a restart, whichever sees it first
 		OnAdapters: func(_ *replica.Replica, adapters []string) {
 			for _, a := range adapters {
 				eng.NoteAdapter(a) // precise mode keys an adapter's blocks as its engine does
@@ -283,6 +280,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		},
 	})
 	mon = a.monitor
+	reg.MustRegister(restartCollector{pool, a.monitor, a.events})
 	return a, nil
 }
 
