@@ -71,23 +71,66 @@ type Timeouts struct {
 	// that stops reading is cut off after it, and the replica's request
 	// cancelled, rather than hold both for good.
 	ClientWrite time.Duration
+	// PrefillFloor and PrefillTokensPerSecond bound a disaggregated
+	// request's prefill: its prefill replica's whole answer (one token
+	// and the KV's kv_transfer_params) must come within
+	//
+	//	min(PrefillFloor + uncached / PrefillTokensPerSecond, FirstByte)
+	//
+	// of sending it, where uncached is the prompt's tokens that replica
+	// does not hold (the router's estimate, as it routed the request).
+	// The floor covers what does not grow with the prompt: the round
+	// trip, the engine's queue and its fixed costs. The throughput is a
+	// conservative one, well below what any engine would compute: a
+	// prefill that outlasts the bound is the replica's fault (hung, or
+	// far behind), not the request's. A prefill past its bound is
+	// cancelled and the request served by its decode replica alone;
+	// consecutive ones eject the replica (replica.Ejection.Timeouts).
+	// Defaults DefaultPrefillFloor (10 s) and
+	// DefaultPrefillTokensPerSecond (500 tokens a second): a
+	// 1,000-token prompt gets 12 s, a 32,000-token one 74 s, and from
+	// 145,000 tokens the bound is FirstByte's (300 s by default).
+	PrefillFloor           time.Duration
+	PrefillTokensPerSecond float64
 }
 
 // Defaults of Timeouts.
 const (
-	DefaultConnect     = 5 * time.Second
-	DefaultFirstByte   = 300 * time.Second
-	DefaultIdle        = 60 * time.Second
-	DefaultClientWrite = 60 * time.Second
+	DefaultConnect                = 5 * time.Second
+	DefaultFirstByte              = 300 * time.Second
+	DefaultIdle                   = 60 * time.Second
+	DefaultClientWrite            = 60 * time.Second
+	DefaultPrefillFloor           = 10 * time.Second
+	DefaultPrefillTokensPerSecond = 500.0
 )
 
-// WithDefaults returns t with zero fields set to their defaults.
+// WithDefaults returns t with zero (or negative) fields set to their
+// defaults.
 func (t Timeouts) WithDefaults() Timeouts {
 	t.Connect = cmp.Or(max(t.Connect, 0), DefaultConnect)
 	t.FirstByte = cmp.Or(max(t.FirstByte, 0), DefaultFirstByte)
 	t.Idle = cmp.Or(max(t.Idle, 0), DefaultIdle)
 	t.ClientWrite = cmp.Or(max(t.ClientWrite, 0), DefaultClientWrite)
+	t.PrefillFloor = cmp.Or(max(t.PrefillFloor, 0), DefaultPrefillFloor)
+	t.PrefillTokensPerSecond = cmp.Or(max(t.PrefillTokensPerSecond, 0), DefaultPrefillTokensPerSecond)
 	return t
+}
+
+// Prefill returns the bound of a prefill whose replica would compute
+// uncached tokens of its prompt (negative or NaN counts as 0):
+// PrefillFloor plus uncached / PrefillTokensPerSecond seconds, at most
+// FirstByte. Zero fields count as their defaults; the result is always
+// positive.
+func (t Timeouts) Prefill(uncached float64) time.Duration {
+	t = t.WithDefaults()
+	if !(uncached > 0) {
+		uncached = 0
+	}
+	sec := uncached / t.PrefillTokensPerSecond
+	if sec >= t.FirstByte.Seconds() { // also what would overflow a Duration
+		return t.FirstByte
+	}
+	return min(t.PrefillFloor+time.Duration(sec*float64(time.Second)), t.FirstByte)
 }
 
 // Held bounds the decisions a front end keeps recorded while the caller

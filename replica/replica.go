@@ -276,7 +276,9 @@ type Replica struct {
 	oks       int          // consecutive good active checks
 	ejections int          // consecutive passive ejections
 	strikes   atomic.Int64 // soft failures since the last success (Strike)
+	timeouts  atomic.Int64 // timeouts since the last success (TimedOut)
 	softOut   atomic.Bool  // the last ejection came from soft failures (Strike)
+	probe     atomic.Bool  // ejected for timeouts, not answered since: one request at a time (Available)
 
 	omu     sync.Mutex
 	outcome outcomes // answers and soft failures, for Strike's volume and share
@@ -603,9 +605,15 @@ func (r *Replica) Load(now time.Time) Load {
 }
 
 // Available reports whether the replica may take traffic at now: it passes
-// its active health checks, is not ejected, and is not draining.
+// its active health checks, is not ejected, and is not draining; and, if
+// timeouts ejected it (TimedOut) and it has not answered since, it has no
+// request in flight: back from its cool-down it is tried by one request
+// at a time, as a circuit breaker's half-open state, so that a replica
+// still hung costs one request a cool-down, not every one sent to it
+// until the next timeout.
 func (r *Replica) Available(now time.Time) bool {
-	return now.UnixNano() >= r.downUntil.Load() && !r.activeDown.Load() && !r.draining.Load()
+	return now.UnixNano() >= r.downUntil.Load() && !r.activeDown.Load() && !r.draining.Load() &&
+		!(r.probe.Load() && r.engaged.Load() > 0)
 }
 
 // Up reports whether the replica is in rotation but for draining: it
@@ -664,19 +672,30 @@ type Ejection struct {
 	FailureShare int
 	MinSources   int
 	Interval     time.Duration
+	// Timeouts: this many timeouts (TimedOut: no answer within a bound
+	// set from the request's own work, as a prefill's is) with no
+	// success between eject the replica, whatever the traffic and
+	// however many clients sent them: such a bound is the replica's to
+	// keep, and at low traffic the evidence Strike weighs never comes.
+	// Until the replica answers again, one more timeout ejects it again
+	// (for twice as long), so a hung replica back from its cool-down
+	// costs one request, not Timeouts more. Default 3
+	// (DefaultEjectTimeouts).
+	Timeouts int
 }
 
 // Defaults of Ejection and of a pool's load half-life.
 const (
-	DefaultEjectBase    = 2 * time.Second
-	DefaultEjectMax     = time.Minute
-	DefaultEjectForgive = 30 * time.Second
-	DefaultEjectStrikes = 5
-	DefaultEjectVolume  = 20
-	DefaultEjectShare   = 50
-	DefaultEjectWindow  = 10 * time.Second
-	DefaultEjectSources = 2
-	DefaultHalfLife     = 10 * time.Second
+	DefaultEjectBase     = 2 * time.Second
+	DefaultEjectMax      = time.Minute
+	DefaultEjectForgive  = 30 * time.Second
+	DefaultEjectStrikes  = 5
+	DefaultEjectVolume   = 20
+	DefaultEjectShare    = 50
+	DefaultEjectWindow   = 10 * time.Second
+	DefaultEjectSources  = 2
+	DefaultEjectTimeouts = 3
+	DefaultHalfLife      = 10 * time.Second
 )
 
 // MaxEjectSources bounds Ejection.MinSources: the distinct sources of soft
@@ -692,32 +711,50 @@ func (e *Ejection) defaults() {
 	e.FailureShare = cmp.Or(min(max(e.FailureShare, 0), 100), DefaultEjectShare)
 	e.MinSources = cmp.Or(min(max(e.MinSources, 0), MaxEjectSources), DefaultEjectSources)
 	e.Interval = cmp.Or(max(e.Interval, 0), DefaultEjectWindow)
+	e.Timeouts = cmp.Or(max(e.Timeouts, 0), DefaultEjectTimeouts)
 }
 
 // Strike records a soft failure at now of a request from source: one that
 // may be the request's own rather than the replica's (vLLM answers 500 to
 // some inputs; a long prompt on a busy replica may outlast a timeout).
 // source is a key of the request's client (its address; 0 where not
-// known, which counts as one source). It ejects the replica (Fail) only on
-// the evidence Ejection describes: e.Consecutive of them with no success
-// between, among at least e.MinVolume recent answers of which
-// e.FailureShare percent failed, from at least e.MinSources sources. It
-// returns the cool-down, or 0 if the replica was not ejected by it.
+// known, which counts as one source). It ejects the replica (Fail, but
+// Usable) only on the evidence Ejection describes: e.Consecutive of them
+// with no success between, among at least e.MinVolume recent answers of
+// which e.FailureShare percent failed, from at least e.MinSources
+// sources; or, whatever the evidence, once e.Timeouts timeouts (TimedOut)
+// came with no success between. It returns the cool-down, or 0 if the
+// replica was not ejected by it.
 func (r *Replica) Strike(now time.Time, e Ejection, source uint64) time.Duration {
 	e.defaults()
 	r.omu.Lock()
 	total, fails, srcs := r.outcome.add(now.UnixNano(), e.Interval, true, source)
 	r.omu.Unlock()
-	if r.strikes.Add(1) < int64(e.Consecutive) || total < e.MinVolume || 100*fails < e.FailureShare*total ||
-		srcs < e.MinSources {
+	n := r.strikes.Add(1)
+	timedOut := r.timeouts.Load() >= int64(e.Timeouts)
+	if !timedOut && (n < int64(e.Consecutive) || total < e.MinVolume || 100*fails < e.FailureShare*total || srcs < e.MinSources) {
 		return 0
 	}
 	r.strikes.Store(0)
+	if timedOut {
+		r.probe.Store(true)
+	}
 	return r.fail(now, e, true)
 }
 
-// Succeeded records an answer below 500 at now: the strikes start again,
-// and the answer counts in the volume Strike weighs.
+// TimedOut counts a request that got no answer within a bound set from
+// its own work (a prefill's, from the tokens of its prompt the replica
+// had to compute: limits.Timeouts.Prefill), so that the replica, not the
+// request, is at fault: hung, or far behind. It ejects nothing itself:
+// the Strike that records the failure next (routing.Engine.Strike, which
+// tells the fleet) ejects the replica once Ejection.Timeouts of them
+// came with no success between, at any traffic. The count is not reset
+// by the ejection: until the replica answers again, each further timeout
+// ejects it again, and it takes one request at a time (Available).
+func (r *Replica) TimedOut() { r.timeouts.Add(1) }
+
+// Succeeded records an answer below 500 at now: the strikes and timeouts
+// start again, and the answer counts in the volume Strike weighs.
 func (r *Replica) Succeeded(now time.Time, e Ejection) {
 	e.defaults()
 	r.omu.Lock()
@@ -725,6 +762,12 @@ func (r *Replica) Succeeded(now time.Time, e Ejection) {
 	r.omu.Unlock()
 	if r.strikes.Load() != 0 {
 		r.strikes.Store(0)
+	}
+	if r.timeouts.Load() != 0 {
+		r.timeouts.Store(0)
+	}
+	if r.probe.Load() {
+		r.probe.Store(false)
 	}
 }
 

@@ -105,7 +105,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		pdRequests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_pd_requests_total",
 			Help: "Requests of models a prefill replica serves, by path: disaggregated (prefill replica, then decode replica with its kv_transfer_params), short (the decode replica would compute less than the threshold: aggregated there), batch (several prompts or answers, which one set of kv_transfer_params cannot carry: aggregated)."}, []string{"path"}),
 		pdFallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_pd_fallbacks_total",
-			Help: "Disaggregated requests whose decode replica computed the prompt itself, by reason: prefill_failed (every prefill replica failed before answering), prefill_refused (a prefill replica answered 4xx), no_transfer_params (a prefill answer without kv_transfer_params)."}, []string{"reason"}),
+			Help: "Requests that would have been disaggregated whose decode replica computed the prompt itself, by reason: no_prefill_replica (no prefill replica available: every one ejected, down or draining), prefill_failed (every prefill replica tried failed before answering), prefill_timeout (the prefill replica did not answer within the prefill's bound: timeouts.prefill_floor plus the uncached prompt at timeouts.prefill_tokens_per_second, at most timeouts.first_byte), prefill_refused (a prefill replica answered 4xx), no_transfer_params (a prefill answer without kv_transfer_params)."}, []string{"reason"}),
 		pdPrefill: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "semroute_pd_prefill_seconds",
 			Help: "Time from sending a disaggregated request's prefill to its prefill replica's whole answer (the prompt computed, its KV held for the decode replica).", Buckets: prometheus.ExponentialBuckets(0.005, 2, 14)}),
 		authRefusedN: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_auth_refused_total",
@@ -122,7 +122,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	for _, r := range []string{"missing", "invalid"} {
 		m.authRefusedN.WithLabelValues(r)
 	}
-	for _, r := range []string{pdPrefillFailed, pdRefused, pdNoParams} {
+	for _, r := range pdFallbackReasons {
 		m.pdFallbacks.WithLabelValues(r)
 	}
 	for r := range queueVerdicts {

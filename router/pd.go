@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"maps"
 	"net/http"
 	"sync/atomic"
@@ -16,6 +17,7 @@ import (
 	"github.com/valyala/fastjson"
 
 	"github.com/semroute/semroute/replica"
+	"github.com/semroute/semroute/routing"
 )
 
 // Prefill/decode disaggregation over vLLM's own protocol (its NIXL
@@ -51,22 +53,48 @@ const HeaderPrefillReplica = "X-Semroute-Prefill-Replica"
 // one token, its usage and the transfer parameters.
 const maxPrefillAnswer = 1 << 20
 
-// Fallback reasons (semroute_pd_fallbacks_total).
+// Fallback reasons (semroute_pd_fallbacks_total): why a request that
+// would have been disaggregated was computed by its decode replica alone.
 const (
-	pdPrefillFailed = "prefill_failed"     // every prefill replica failed before answering: aggregated
-	pdRefused       = "prefill_refused"    // a prefill replica answered 4xx: aggregated, the decode replica answers
-	pdNoParams      = "no_transfer_params" // a prefill answer without kv_transfer_params: the decode replica computes
+	pdNoPrefill      = "no_prefill_replica" // no prefill replica available for it (every one ejected, down or draining): aggregated at once
+	pdPrefillFailed  = "prefill_failed"     // every prefill replica tried failed before answering: aggregated
+	pdPrefillTimeout = "prefill_timeout"    // its prefill replica did not answer within the prefill's bound (limits.Timeouts.Prefill): aggregated
+	pdRefused        = "prefill_refused"    // a prefill replica answered 4xx: aggregated, the decode replica answers
+	pdNoParams       = "no_transfer_params" // a prefill answer without kv_transfer_params: the decode replica computes
 )
 
-// disaggregated reports whether requests for model go through a prefill
-// replica: some available replica of role prefill may serve it.
+// pdFallbackReasons are every fallback reason, each counted from 0.
+var pdFallbackReasons = []string{pdNoPrefill, pdPrefillFailed, pdPrefillTimeout, pdRefused, pdNoParams}
+
+// pdFallbackError is why a request's prefill could not be routed (the
+// perr of routePD), with its fallback reason.
+type pdFallbackError struct {
+	reason string // pdNoPrefill or pdPrefillFailed
+	err    error
+}
+
+func (e *pdFallbackError) Error() string { return e.reason + ": " + e.err.Error() }
+func (e *pdFallbackError) Unwrap() error { return e.err }
+
+// reasonOf returns the fallback reason of routePD's perr.
+func reasonOf(perr error) string {
+	if fe, ok := perr.(*pdFallbackError); ok {
+		return fe.reason
+	}
+	return pdPrefillFailed
+}
+
+// disaggregated reports whether requests for model go through routePD:
+// some replica of role prefill may serve it, available or not. A request
+// whose prefill replicas are all out (ejected, down, draining) is routed
+// there too, to be served by its decode replica alone and counted
+// (no_prefill_replica), not aggregated unseen.
 func (c *Core) disaggregated(model string) bool {
 	if !c.e.Pool().HasPrefill() {
 		return false // no scan on the way of every request
 	}
-	now := time.Now()
 	for _, r := range c.e.Pool().Replicas() {
-		if r.Role.Prefills() && r.Available(now) && servesModel(r, model) {
+		if r.Role.Prefills() && servesModel(r, model) {
 			return true
 		}
 	}
@@ -80,9 +108,14 @@ func (c *Core) disaggregated(model string) bool {
 // MinPrefillTokens of the prompt (needsPrefill) or the request is not
 // splittable (several prompts or answers, counted "batch"), a prefill
 // replica by the policy among the prefill replicas (its cache), the two
-// decisions paired for the decision log. prt is nil when the request goes
-// to its decode replica alone; perr says why the prefill replica could
-// not be routed (counted as a fallback); err is the decode decision's.
+// decisions paired for the decision log. The prefill decision takes only
+// available prefill replicas, never those passive ejection took out
+// (routing's panic mode would try them again): with none, the request
+// goes to its decode replica at once. prt is nil when the request goes to
+// its decode replica alone; perr (a *pdFallbackError) says why the
+// prefill replica could not be routed, counted as a fallback by its
+// reason: no_prefill_replica, or prefill_failed (the router's own queue
+// shed it); err is the decode decision's.
 func (c *Core) routePD(cr CoreRequest, splittable bool) (rt, prt *Routed, perr, err error) {
 	in := cr.Input.Copy() // for the prefill decision, before the decode one owns cr's blocks
 	if rt, err = c.Route(cr); err != nil {
@@ -95,10 +128,16 @@ func (c *Core) routePD(cr CoreRequest, splittable bool) (rt, prt *Routed, perr, 
 		c.o.Metrics.disaggregated("batch")
 		return rt, nil, nil, nil
 	}
+	now := time.Now()
+	in.Allow = allowBoth(in.Allow, func(r *replica.Replica) bool { return r.Available(now) })
 	cr.Input, cr.Prefill = in, true
 	if prt, perr = c.Route(cr); perr != nil {
-		c.o.Metrics.pdFallback(pdPrefillFailed)
-		return rt, nil, perr, nil
+		reason := pdPrefillFailed
+		if errors.Is(perr, routing.ErrNoReplica) || errors.Is(perr, routing.ErrUnknownModel) {
+			reason = pdNoPrefill
+		}
+		c.o.Metrics.pdFallback(reason)
+		return rt, nil, &pdFallbackError{reason: reason, err: perr}, nil
 	}
 	pairPD(prt, rt)
 	return rt, prt, nil, nil
@@ -224,60 +263,109 @@ func readPrefillAnswer(b []byte) (*prefillAnswer, error) {
 // which another prefill replica would answer alike.
 var errPrefillRefused = errors.New("router: the prefill replica refused the request")
 
-// prefill sends the prefill request body to rt's replica and ends rt. A
-// replica that fails before answering (refused or reset, 502 or 503, a
-// timeout, 408 or 429, silent past timeouts.idle) is passed for the next
-// in rt's ranking, as the proxy fails over; a 500 or 504 may be the
-// request's own, as the proxy takes it, and ends the tries. It returns
-// the answer's kv_transfer_params (nil when it had none, or could not be
-// read), errPrefillRefused on another 4xx, or the last failure.
+// errPrefillTimeout is a prefill replica's silence past the prefill's
+// bound (limits.Timeouts.Prefill).
+var errPrefillTimeout = errors.New("router: the prefill replica did not answer in time")
+
+// prefillTry is one prefill request's result.
+type prefillTry struct {
+	ans    *prefillAnswer // a 2xx's, read; nil otherwise
+	status int            // the answer's status; 0: none came
+	idle   bool           // it went silent past timeouts.idle mid-answer (cut off)
+	late   bool           // no whole answer within bound (cancelled)
+	bound  time.Duration  // the prefill's bound (limits.Timeouts.Prefill)
+	err    error          // the transport's, or for a 2xx an unreadable answer's
+}
+
+// answered reports whether t is a whole 2xx answer, in time.
+func (t *prefillTry) answered() bool {
+	return t.status >= 200 && t.status < 300 && !t.idle && !t.late
+}
+
+// refused reports whether t is a 4xx other than 408 and 429: the
+// request's own fault.
+func (t *prefillTry) refused() bool {
+	return !t.late && t.status >= 400 && t.status < 500 && t.status != http.StatusRequestTimeout && t.status != http.StatusTooManyRequests
+}
+
+// prefill sends the prefill request body to rt's replica and ends rt.
+// Each try is bounded by limits.Timeouts.Prefill of the tokens of the
+// prompt that replica does not hold (rt's estimate): past it the try is
+// cancelled, counted against the replica (replica.Replica.TimedOut,
+// which ejects it after a few in a row, at any traffic) and the prefill
+// given up, so that a hung prefill pool costs a request one bound, not
+// one for each replica. A replica that fails before answering (refused
+// or reset, 502 or 503, 408 or 429, silent past timeouts.idle) is passed
+// for the next in rt's ranking, as the proxy fails over; a 500 or 504 may
+// be the request's own, as the proxy takes it, and ends the tries. It
+// returns the answer's kv_transfer_params (nil when it had none, or could
+// not be read), errPrefillRefused on another 4xx, errPrefillTimeout past
+// the bound, or the last failure.
 func (s *Server) prefill(ctx context.Context, r *http.Request, rt *Routed, body []byte, requestID string) (json.RawMessage, error) {
 	start := time.Now()
 	for next := 1; ; next++ {
-		c := rt.Served
-		ans, status, idle, err := s.prefillOnce(ctx, r, c.Replica, body, requestID)
-		now := time.Now()
-		o := Outcome{Status: status}
-		moveOn := true
-		switch {
-		case ctx.Err() != nil:
-			o.Status = 499
-			s.core.Finish(rt, o, nil)
-			return nil, ctx.Err()
-		case status >= 200 && status < 300 && !idle:
-			c.Replica.Succeeded(now, s.o.Ejection)
-			if err != nil { // answered, but not readably: counted as without parameters
-				s.o.Logger.Warn("prefill answer unreadable", "replica", c.Replica.Name, "err", err)
-				ans = &prefillAnswer{}
-			}
-			o.PromptTokens, o.CachedTokens, o.CachedReported = ans.usage.PromptTokens, ans.usage.CachedTokens, ans.usage.CachedReported
-			s.core.FirstByte(rt)
-			s.core.Finish(rt, o, nil)
-			s.core.o.Metrics.prefilled(now.Sub(start))
-			return ans.params, nil
-		case status >= 400 && status < 500 && status != http.StatusRequestTimeout && status != http.StatusTooManyRequests:
-			s.core.Finish(rt, o, nil)
-			return nil, fmt.Errorf("%w: status %d", errPrefillRefused, status)
-		default:
-			moveOn, err = s.prefillFailed(c.Replica, status, idle, err, clientSource(r.RemoteAddr), now)
+		rep := rt.Served.Replica
+		t := s.prefillOnce(ctx, r, rep, body, requestID, s.o.Timeouts.Prefill(rt.Uncached(rep.ID)))
+		if ctx.Err() != nil || t.answered() || t.refused() {
+			return s.prefillEnded(ctx, rt, t, start)
 		}
-		s.o.Logger.Warn("prefill replica failed", "replica", c.Replica.Name, "err", err)
+		moveOn, err := s.prefillFailed(rep, t, clientSource(r.RemoteAddr), time.Now())
+		s.o.Logger.Warn("prefill replica failed", "replica", rep.Name, "err", err)
 		if !moveOn || !s.core.Failover(rt, next) {
-			o.Status, o.Error = cmp.Or(status, 502), err.Error()
-			s.core.Finish(rt, o, nil)
+			status := cmp.Or(t.status, http.StatusBadGateway)
+			if t.late {
+				status = http.StatusGatewayTimeout
+			}
+			s.core.Finish(rt, Outcome{Status: status, Error: err.Error()}, nil)
 			return nil, err
 		}
 	}
 }
 
-// prefillFailed counts a prefill replica's failure (status, 0 for none;
-// idle: it went silent mid-answer; err: the transport's) as the proxy
-// counts a replica's: 502, 503 and refused connections eject it, a 500 or
-// 504 (maybe the request's own), a timeout, 408, 429 or silence strike
-// it. It returns whether another prefill replica should be tried (not
-// after a 500 or 504, which it would answer alike) and the failure.
-func (s *Server) prefillFailed(rep *replica.Replica, status int, idle bool, err error, source uint64, now time.Time) (moveOn bool, _ error) {
+// prefillEnded ends rt, the prefill decision, after try t, which is the
+// last: the client left, or its replica answered (2xx) or refused the
+// request (4xx). It returns what prefill returns.
+func (s *Server) prefillEnded(ctx context.Context, rt *Routed, t *prefillTry, start time.Time) (json.RawMessage, error) {
+	o := Outcome{Status: t.status}
 	switch {
+	case ctx.Err() != nil:
+		o.Status = 499
+		s.core.Finish(rt, o, nil)
+		return nil, ctx.Err()
+	case t.refused():
+		s.core.Finish(rt, o, nil)
+		return nil, fmt.Errorf("%w: status %d", errPrefillRefused, t.status)
+	}
+	now := time.Now()
+	rt.Served.Replica.Succeeded(now, s.o.Ejection)
+	ans := t.ans
+	if t.err != nil || ans == nil { // answered, but not readably: counted as without parameters
+		s.o.Logger.Warn("prefill answer unreadable", "replica", rt.Served.Replica.Name, "err", t.err)
+		ans = &prefillAnswer{}
+	}
+	o.PromptTokens, o.CachedTokens, o.CachedReported = ans.usage.PromptTokens, ans.usage.CachedTokens, ans.usage.CachedReported
+	s.core.FirstByte(rt)
+	s.core.Finish(rt, o, nil)
+	s.core.o.Metrics.prefilled(now.Sub(start))
+	return ans.params, nil
+}
+
+// prefillFailed counts a prefill replica's failed try t as the proxy
+// counts a replica's: 502, 503 and refused or reset connections eject
+// it; a 500 or 504 (maybe the request's own), 408, 429 or silence strike
+// it; a try past its bound (late, or a timeout of the transport's)
+// strikes it as timed out (replica.Replica.TimedOut: a few in a row
+// eject it, at any traffic). It returns whether another prefill replica
+// should be tried (not after a 500 or 504, which it would answer alike,
+// nor past the bound) and the failure.
+func (s *Server) prefillFailed(rep *replica.Replica, t *prefillTry, source uint64, now time.Time) (moveOn bool, _ error) {
+	status := t.status
+	switch {
+	case t.late:
+		s.core.o.Metrics.UpstreamError(rep.Name, "timeout")
+		rep.TimedOut()
+		s.core.e.Strike(rep, now, s.o.Ejection, source)
+		return false, fmt.Errorf("%w: %s, within %v", errPrefillTimeout, rep.Name, t.bound)
 	case status == http.StatusBadGateway || status == http.StatusServiceUnavailable:
 		s.core.o.Metrics.UpstreamError(rep.Name, "status_5xx")
 		s.core.e.Fail(rep, now, s.o.Ejection)
@@ -286,34 +374,34 @@ func (s *Server) prefillFailed(rep *replica.Replica, status int, idle bool, err 
 		s.core.o.Metrics.UpstreamError(rep.Name, "status_5xx")
 		s.core.e.Strike(rep, now, s.o.Ejection, source)
 		return false, fmt.Errorf("prefill replica %s answered %d", rep.Name, status)
-	case status != 0 || idle: // 408, 429, or silent mid-answer
+	case status != 0 || t.idle: // 408, 429, or silent mid-answer
 		kind := "status_4xx"
-		if idle {
+		if t.idle {
 			kind = "idle"
 		}
 		s.core.o.Metrics.UpstreamError(rep.Name, kind)
 		s.core.e.Strike(rep, now, s.o.Ejection, source)
 		return true, fmt.Errorf("prefill replica %s: %s (status %d)", rep.Name, kind, status)
 	}
-	kind := errorKind(err)
-	s.core.o.Metrics.UpstreamError(rep.Name, kind)
-	if kind == "timeout" { // no answer within first_byte: hung, or a long prompt
-		s.core.e.Strike(rep, now, s.o.Ejection, source)
-	} else {
-		s.core.e.Fail(rep, now, s.o.Ejection)
-	}
-	return true, err
+	s.core.o.Metrics.UpstreamError(rep.Name, errorKind(t.err)) // connect or reset: timeouts are late
+	s.core.e.Fail(rep, now, s.o.Ejection)
+	return true, t.err
 }
 
-// prefillOnce sends the prefill request to rep and reads its answer: the
-// status, whether it went silent past timeouts.idle (cut off), and for a
-// 2xx the answer's transfer parameters and usage (err: unreadable).
-func (s *Server) prefillOnce(ctx context.Context, in *http.Request, rep *replica.Replica, body []byte, requestID string) (ans *prefillAnswer, status int, idle bool, err error) {
+// prefillOnce sends the prefill request to rep and reads its answer,
+// whole within bound (after it the request is cancelled: late; bound is
+// positive, limits.Timeouts.Prefill's).
+func (s *Server) prefillOnce(ctx context.Context, in *http.Request, rep *replica.Replica, body []byte, requestID string, bound time.Duration) *prefillTry {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	t := &prefillTry{bound: bound}
+	var late atomic.Bool
+	timer := time.AfterFunc(bound, func() { late.Store(true); cancel() })
+	defer timer.Stop()
 	out, err := http.NewRequestWithContext(ctx, http.MethodPost, in.URL.String(), bytes.NewReader(body))
 	if err != nil {
-		return nil, 0, false, err
+		t.err = err
+		return t
 	}
 	aim(out, in.URL, in.Header.Values("Authorization"), rep.URL)
 	out.Header.Set("Content-Type", "application/json")
@@ -321,24 +409,28 @@ func (s *Server) prefillOnce(ctx context.Context, in *http.Request, rep *replica
 	if tp := in.Header.Get("traceparent"); tp != "" {
 		out.Header.Set("traceparent", tp)
 	}
+	// A timeout of the transport's own (timeouts.first_byte, which the
+	// bound is at most) is the bound's as well.
+	lateBy := func(err error) bool { return late.Load() || errorKind(err) == "timeout" }
 	resp, err := s.o.Transport.RoundTrip(out)
 	if err != nil {
-		return nil, 0, false, err
+		t.late, t.err = lateBy(err), err
+		return t
 	}
 	var silent atomic.Bool
 	rb := newIdleBody(resp.Body, s.o.Timeouts.Idle, s.o.Timeouts.Idle, func() { silent.Store(true); cancel() })
 	defer rb.Close()
 	b, err := io.ReadAll(io.LimitReader(rb, maxPrefillAnswer))
+	t.status, t.err = resp.StatusCode, err
 	switch {
 	case silent.Load():
-		return nil, resp.StatusCode, true, err
+		t.idle = true
 	case err != nil: // broken off: no answer
-		return nil, 0, false, err
-	case resp.StatusCode >= 300:
-		return nil, resp.StatusCode, false, nil
+		t.status, t.late = 0, lateBy(err)
+	case resp.StatusCode < 300:
+		t.ans, t.err = readPrefillAnswer(b)
 	}
-	ans, err = readPrefillAnswer(b)
-	return ans, resp.StatusCode, false, err
+	return t
 }
 
 // routeDisaggregated routes a request of a model a prefill replica serves
@@ -349,101 +441,140 @@ func (s *Server) prefillOnce(ctx context.Context, in *http.Request, rep *replica
 // the policy among the prefill replicas (its cache), which computes the
 // prompt (prefill). It returns the decode decision, the body to send it
 // (with the prefill's kv_transfer_params) and the prefill replica's name
-// ("" when the request went aggregated). A prefill that fails falls back
-// to the decode replica alone, counted; the caller releases the body.
+// ("" when the request went aggregated). A request with no prefill
+// replica available, or whose prefill fails or outlasts its bound, falls
+// back to the decode replica alone, counted by reason; the caller
+// releases the body.
 func (s *Server) routeDisaggregated(r *http.Request, cr CoreRequest, fwd *body) (*Routed, *body, string, error) {
 	m, ferr := fieldsOf(fwd.b) // once, for every body made below; it parsed before
 	rt, prt, perr, err := s.core.routePD(cr, ferr == nil && m.splittable())
 	if err != nil {
 		return nil, nil, "", err
 	}
-	// refuse ends rt, which cannot be sent (a body that does not fit),
-	// and returns why.
-	refuse := func(err error) (*Routed, *body, string, error) {
-		s.core.Finish(rt, Outcome{Status: http.StatusServiceUnavailable, Error: err.Error()}, nil)
-		return nil, nil, "", err
-	}
-	// whole sends the decode replica the client's request without any
-	// kv_transfer_params of the client's own (they would point its
-	// connector anywhere): it computes the prompt.
-	whole := func() (*Routed, *body, string, error) {
-		if !bytes.Contains(fwd.b, []byte("kv_transfer_params")) {
-			fwd.refs.Add(1) // the caller releases what this returns, and its own
-			return rt, fwd, "", nil
-		}
-		if ferr != nil {
-			return refuse(ferr)
-		}
-		b, err := decodeBody(m, len(fwd.b), nil)
-		if err != nil {
-			return refuse(err)
-		}
-		nb, err := s.heldBody(b)
-		if err != nil {
-			return refuse(err)
-		}
-		return rt, nb, "", nil
-	}
-	warn := func(reason string, err error) {
-		s.o.Logger.Warn("disaggregated request served by its decode replica alone", "reason", reason, "err", err, "decode", rt.Served.Replica.Name)
-	}
-	aggregated := func(reason string, err error) (*Routed, *body, string, error) {
-		s.core.o.Metrics.pdFallback(reason)
-		warn(reason, err)
-		return whole()
-	}
+	d := &decodeSide{s: s, rt: rt, fwd: fwd, m: m, ferr: ferr}
 	switch {
 	case perr != nil: // counted by routePD
-		warn(pdPrefillFailed, perr)
-		return whole()
+		d.warn(reasonOf(perr), perr)
+		return d.whole()
 	case prt == nil:
-		return whole()
+		return d.whole()
 	}
-	err = ferr
-	var pb []byte
-	if err == nil {
-		pb, err = prefillBody(m, len(fwd.b))
-	}
-	var held *body
-	if err == nil {
-		held, err = s.heldBody(pb)
-	}
-	if err != nil {
-		s.core.Finish(prt, Outcome{Status: 503, Error: err.Error()}, nil)
-		return aggregated(pdPrefillFailed, err)
-	}
-	params, err := s.prefill(r.Context(), r, prt, held.b, rt.ID)
-	held.release()
+	params, err := d.prefill(r, prt)
 	name := prt.Served.Replica.Name
 	switch {
 	case r.Context().Err() != nil:
 		fwd.refs.Add(1)
 		return rt, fwd, name, nil // the client left: the proxy ends rt
 	case errors.Is(err, errPrefillRefused):
-		return aggregated(pdRefused, err)
+		return d.aggregated(pdRefused, err)
+	case errors.Is(err, errPrefillTimeout):
+		return d.aggregated(pdPrefillTimeout, err)
 	case err != nil:
-		return aggregated(pdPrefillFailed, err)
+		return d.aggregated(pdPrefillFailed, err)
 	case params == nil:
 		s.core.o.Metrics.pdFallback(pdNoParams)
 		s.o.Logger.Warn("prefill answer without kv_transfer_params: the decode replica computes the prompt", "prefill", name, "decode", rt.Served.Replica.Name)
-		rt, b, _, err := whole()
+		rt, b, _, err := d.whole()
 		if err != nil {
 			return rt, b, "", err
 		}
 		return rt, b, name, nil
 	}
-	b, err := decodeBody(m, len(fwd.b), params)
-	if err != nil {
-		return aggregated(pdPrefillFailed, err)
+	return d.remote(params, name)
+}
+
+// decodeSide is a disaggregated request's decode decision rt and the
+// bodies it may be sent: fwd, the client's as forwarded, whose fields are
+// m (ferr: why they could not be read).
+type decodeSide struct {
+	s    *Server
+	rt   *Routed
+	fwd  *body
+	m    fields
+	ferr error
+}
+
+// refuse ends rt, which cannot be sent (a body that does not fit), and
+// returns why.
+func (d *decodeSide) refuse(err error) (*Routed, *body, string, error) {
+	d.s.core.Finish(d.rt, Outcome{Status: http.StatusServiceUnavailable, Error: err.Error()}, nil)
+	return nil, nil, "", err
+}
+
+// whole sends the decode replica the client's request without any
+// kv_transfer_params of the client's own (they would point its connector
+// anywhere): it computes the prompt.
+func (d *decodeSide) whole() (*Routed, *body, string, error) {
+	if !bytes.Contains(d.fwd.b, []byte("kv_transfer_params")) {
+		d.fwd.refs.Add(1) // the caller releases what this returns, and its own
+		return d.rt, d.fwd, "", nil
 	}
-	nb, err := s.heldBody(b)
-	if err != nil {
-		return refuse(err)
+	if d.ferr != nil {
+		return d.refuse(d.ferr)
 	}
-	s.core.o.Metrics.disaggregated("disaggregated")
-	s.core.remote(rt)
-	rt.remoteAt = s.core.e.Now() // sent next (semroute_pd_decode_first_byte_seconds)
-	return rt, nb, name, nil
+	b, err := decodeBody(d.m, len(d.fwd.b), nil)
+	if err != nil {
+		return d.refuse(err)
+	}
+	nb, err := d.s.heldBody(b)
+	if err != nil {
+		return d.refuse(err)
+	}
+	return d.rt, nb, "", nil
+}
+
+// warn logs a fallback for reason (a no_prefill_replica, which every
+// request has while the prefill pool is out, at debug level).
+func (d *decodeSide) warn(reason string, err error) {
+	level := slog.LevelWarn
+	if reason == pdNoPrefill {
+		level = slog.LevelDebug
+	}
+	d.s.o.Logger.Log(context.Background(), level, "disaggregated request served by its decode replica alone", "reason", reason, "err", err, "decode", d.rt.Served.Replica.Name)
+}
+
+// aggregated counts a fallback for reason and sends the request whole.
+func (d *decodeSide) aggregated(reason string, err error) (*Routed, *body, string, error) {
+	d.s.core.o.Metrics.pdFallback(reason)
+	d.warn(reason, err)
+	return d.whole()
+}
+
+// prefill makes the prefill's body and sends it to prt's replica
+// (Server.prefill), which ends prt.
+func (d *decodeSide) prefill(r *http.Request, prt *Routed) (json.RawMessage, error) {
+	err := d.ferr
+	var pb []byte
+	if err == nil {
+		pb, err = prefillBody(d.m, len(d.fwd.b))
+	}
+	var held *body
+	if err == nil {
+		held, err = d.s.heldBody(pb)
+	}
+	if err != nil {
+		d.s.core.Finish(prt, Outcome{Status: 503, Error: err.Error()}, nil)
+		return nil, err
+	}
+	defer held.release()
+	return d.s.prefill(r.Context(), r, prt, held.b, d.rt.ID)
+}
+
+// remote sends the decode replica the client's request with the
+// kv_transfer_params prefill replica name returned: it pulls the KV.
+func (d *decodeSide) remote(params json.RawMessage, name string) (*Routed, *body, string, error) {
+	b, err := decodeBody(d.m, len(d.fwd.b), params)
+	if err != nil {
+		return d.aggregated(pdPrefillFailed, err)
+	}
+	nb, err := d.s.heldBody(b)
+	if err != nil {
+		return d.refuse(err)
+	}
+	d.s.core.o.Metrics.disaggregated("disaggregated")
+	d.s.core.remote(d.rt)
+	d.rt.remoteAt = d.s.core.e.Now() // sent next (semroute_pd_decode_first_byte_seconds)
+	return d.rt, nb, name, nil
 }
 
 // heldBody returns b as a body counted against the bytes of request

@@ -30,12 +30,16 @@ import (
 // pdProxy forwards to one simulator and counts the requests it sent with
 // do_remote_decode (prefills) and with do_remote_prefill (decodes given a
 // prefill's parameters); with strip set it takes kv_transfer_params out
-// of the answers (a prefill replica whose connector is misconfigured).
+// of the answers (a prefill replica whose connector is misconfigured);
+// with hang set it takes prefills and never answers them (a hung engine
+// whose server still accepts them and answers its health checks).
 type pdProxy struct {
 	target             string
 	prefills, decodes  atomic.Int64
 	others             atomic.Int64
 	strip              atomic.Bool
+	hang               atomic.Bool
+	hung               atomic.Int64 // prefills taken while hanging
 	client             *http.Client
 	mu                 sync.Mutex
 	lastDecode, lastPF map[string]any
@@ -46,6 +50,11 @@ func (p *pdProxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	var m map[string]any
 	if strings.HasSuffix(r.URL.Path, "/completions") && json.Unmarshal(body, &m) == nil { // not /tokenize
 		kv, _ := m["kv_transfer_params"].(map[string]any)
+		if kv["do_remote_decode"] == true && p.hang.Load() {
+			p.hung.Add(1)
+			<-r.Context().Done() // until the router gives up on it
+			return
+		}
 		p.mu.Lock()
 		switch {
 		case kv["do_remote_decode"] == true:
