@@ -3,41 +3,19 @@ package router
 import (
 	"encoding/json"
 	"fmt"
-	"io"
-	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
 	"testing"
 
 	"github.com/semroute/semroute/apikey"
-	"github.com/semroute/semroute/replica"
-	"github.com/semroute/semroute/routing"
 )
 
 // respRouter is a router over sockets in front of replicas, with API keys
 // (nil: none) and, with keys, strict response ids as the binary sets them.
 func respRouter(t *testing.T, keys *apikey.Set, urls ...string) (string, *Core) {
 	t.Helper()
-	specs := make([]replica.Spec, len(urls))
-	for i, u := range urls {
-		specs[i] = replica.Spec{Name: fmt.Sprint("r", i), URL: u}
-	}
-	e, err := routing.New(routing.Options{Replicas: specs})
-	if err != nil {
-		t.Fatal(err)
-	}
-	rr, _ := routing.NewPolicy(routing.PolicySpec{Type: "round_robin"})
-	core, err := NewCore(CoreOptions{Engine: e, Arms: []Arm{{Name: "default", Policy: rr, Weight: 1}}, StrictResponses: keys != nil})
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv, err := NewServer(ServerOptions{Core: core, Keys: keys, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ts := httptest.NewServer(srv)
-	t.Cleanup(ts.Close)
+	ts, core := serverWithCore(t, ServerOptions{Keys: keys}, CoreOptions{StrictResponses: keys != nil}, urls...)
 	return ts.URL, core
 }
 

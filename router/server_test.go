@@ -38,6 +38,14 @@ func serverForMetrics(t *testing.T, m *Metrics, urls ...string) (*httptest.Serve
 
 func serverWith(t *testing.T, o ServerOptions, m *Metrics, urls ...string) (*httptest.Server, *routing.Engine) {
 	t.Helper()
+	ts, core := serverWithCore(t, o, CoreOptions{Metrics: m}, urls...)
+	return ts, core.e
+}
+
+// serverWithCore is serverWith with the core's options co (its engine and
+// a round-robin arm set here), returning the core.
+func serverWithCore(t *testing.T, o ServerOptions, co CoreOptions, urls ...string) (*httptest.Server, *Core) {
+	t.Helper()
 	specs := make([]replica.Spec, len(urls))
 	for i, u := range urls {
 		specs[i] = replica.Spec{Name: fmt.Sprint("r", i), URL: u}
@@ -47,7 +55,8 @@ func serverWith(t *testing.T, o ServerOptions, m *Metrics, urls ...string) (*htt
 		t.Fatal(err)
 	}
 	rr, _ := routing.NewPolicy(routing.PolicySpec{Type: "round_robin"})
-	core, err := NewCore(CoreOptions{Engine: e, Arms: []Arm{{Name: "default", Policy: rr, Weight: 1}}, Metrics: m})
+	co.Engine, co.Arms = e, []Arm{{Name: "default", Policy: rr, Weight: 1}}
+	core, err := NewCore(co)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -59,7 +68,7 @@ func serverWith(t *testing.T, o ServerOptions, m *Metrics, urls ...string) (*htt
 	}
 	ts := httptest.NewServer(srv)
 	t.Cleanup(func() { ts.Close(); srv.CloseIdleConnections() })
-	return ts, e
+	return ts, core
 }
 
 // closedURL is the URL of a port nothing listens on.
