@@ -2,7 +2,6 @@ package main
 
 import (
 	"fmt"
-	"io"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -117,19 +116,7 @@ func TestMetricsOnTheAdminListener(t *testing.T) {
 		if code, _, _, err := postChat(r.http.url(), chat([2]string{"user", "hello"}), map[string]string{"Authorization": "Bearer sk-acme"}); err != nil || code != 200 {
 			t.Fatalf("%s: a request: %d %v", labels, code, err)
 		}
-		get := func(url, token string) (int, string) {
-			req, _ := http.NewRequest("GET", url+"/metrics", nil)
-			if token != "" {
-				req.Header.Set("Authorization", "Bearer "+token)
-			}
-			resp, err := http.DefaultClient.Do(req)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer resp.Body.Close()
-			b, _ := io.ReadAll(resp.Body)
-			return resp.StatusCode, string(b)
-		}
+		get := func(url, token string) (int, string) { return adminCall(t, url, token, "GET", "/metrics", "") }
 		if code, _ := get(r.http.url(), ""); code == 200 {
 			t.Fatalf("%s: /metrics served on the main listener", labels)
 		}
