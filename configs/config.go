@@ -240,12 +240,17 @@ type HealthConfig struct {
 	EjectMinVolume    int `mapstructure:"eject_min_volume" json:"eject_min_volume"`
 	EjectFailureShare int `mapstructure:"eject_failure_share" json:"eject_failure_share"`
 	EjectMinSources   int `mapstructure:"eject_min_sources" json:"eject_min_sources"`
+	// EjectTimeouts timeouts in a row with no answer between (a prefill
+	// past its bound, a request silent past first_byte) eject a replica
+	// whatever the traffic's volume or sources: a hung replica, seen at
+	// low traffic (replica.Ejection.Timeouts).
+	EjectTimeouts int `mapstructure:"eject_timeouts" json:"eject_timeouts"`
 }
 
 // Ejection is the passive ejection h describes.
 func (h HealthConfig) Ejection() replica.Ejection {
 	return replica.Ejection{Base: h.EjectBase, Max: h.EjectMax, Forgive: h.EjectForgive, Consecutive: h.EjectConsecutive,
-		MinVolume: h.EjectMinVolume, FailureShare: h.EjectFailureShare, MinSources: h.EjectMinSources}
+		MinVolume: h.EjectMinVolume, FailureShare: h.EjectFailureShare, MinSources: h.EjectMinSources, Timeouts: h.EjectTimeouts}
 }
 
 // TimeoutConfig bounds each upstream request and shutdown.
@@ -255,6 +260,12 @@ type TimeoutConfig struct {
 	Idle          time.Duration `mapstructure:"idle" json:"idle"`
 	ClientWrite   time.Duration `mapstructure:"client_write" json:"client_write"`
 	ShutdownGrace time.Duration `mapstructure:"shutdown_grace" json:"shutdown_grace"`
+	// PrefillFloor and PrefillTokensPerSecond bound a disaggregated
+	// request's prefill: its whole answer within PrefillFloor plus its
+	// uncached prompt at PrefillTokensPerSecond, at most FirstByte; past
+	// it the request goes to its decode replica (limits.Timeouts).
+	PrefillFloor           time.Duration `mapstructure:"prefill_floor" json:"prefill_floor"`
+	PrefillTokensPerSecond float64       `mapstructure:"prefill_tokens_per_second" json:"prefill_tokens_per_second"`
 }
 
 // GRPCConfig secures and bounds the gRPC API. With grpc_listen set, a
@@ -602,11 +613,14 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("health.eject_min_volume", replica.DefaultEjectVolume)
 	v.SetDefault("health.eject_failure_share", replica.DefaultEjectShare)
 	v.SetDefault("health.eject_min_sources", replica.DefaultEjectSources)
+	v.SetDefault("health.eject_timeouts", replica.DefaultEjectTimeouts)
 	v.SetDefault("timeouts.connect", limits.DefaultConnect)
 	v.SetDefault("timeouts.first_byte", limits.DefaultFirstByte)
 	v.SetDefault("timeouts.idle", limits.DefaultIdle)
 	v.SetDefault("timeouts.client_write", limits.DefaultClientWrite)
 	v.SetDefault("timeouts.shutdown_grace", "30s")
+	v.SetDefault("timeouts.prefill_floor", limits.DefaultPrefillFloor)
+	v.SetDefault("timeouts.prefill_tokens_per_second", limits.DefaultPrefillTokensPerSecond)
 	v.SetDefault("tracing.otlp_endpoint", "")
 	v.SetDefault("tracing.service_name", "semroute")
 	v.SetDefault("tracing.sample_ratio", 1.0)

@@ -291,14 +291,14 @@ func (h HealthConfig) validate(p *problems) {
 	if h.CheckInterval <= 0 || h.CheckTimeout <= 0 || h.Fall < 1 || h.Rise < 1 || h.ScrapeInterval < 0 ||
 		h.EjectBase <= 0 || h.EjectMax < h.EjectBase || h.EjectForgive <= 0 || h.EjectConsecutive < 1 ||
 		h.EjectMinVolume < 1 || h.EjectFailureShare < 1 || h.EjectFailureShare > 100 ||
-		h.EjectMinSources < 1 || h.EjectMinSources > replica.MaxEjectSources {
-		p.bad("health", "intervals and timeouts must be positive (scrape_interval 0 turns scraping off), fall, rise, eject_consecutive and eject_min_volume at least 1, eject_failure_share in [1, 100], eject_min_sources in [1, %d], eject_max ≥ eject_base", replica.MaxEjectSources)
+		h.EjectMinSources < 1 || h.EjectMinSources > replica.MaxEjectSources || h.EjectTimeouts < 1 {
+		p.bad("health", "intervals and timeouts must be positive (scrape_interval 0 turns scraping off), fall, rise, eject_consecutive, eject_min_volume and eject_timeouts at least 1, eject_failure_share in [1, 100], eject_min_sources in [1, %d], eject_max ≥ eject_base", replica.MaxEjectSources)
 	}
 }
 
 func (t TimeoutConfig) validate(p *problems) {
-	if t.Connect <= 0 || t.FirstByte <= 0 || t.Idle <= 0 || t.ClientWrite <= 0 || t.ShutdownGrace < 0 {
-		p.bad("timeouts", "connect, first_byte, idle and client_write must be positive, shutdown_grace not negative")
+	if t.Connect <= 0 || t.FirstByte <= 0 || t.Idle <= 0 || t.ClientWrite <= 0 || t.ShutdownGrace < 0 || t.PrefillFloor <= 0 || !(t.PrefillTokensPerSecond > 0) {
+		p.bad("timeouts", "connect, first_byte, idle, client_write, prefill_floor and prefill_tokens_per_second must be positive, shutdown_grace not negative")
 	}
 }
 

@@ -16,6 +16,7 @@ import (
 
 	"github.com/valyala/fastjson"
 
+	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
@@ -241,8 +242,14 @@ type prefillAnswer struct {
 	usage  usageJSON
 }
 
-// readPrefillAnswer reads a prefill replica's answer b.
-func readPrefillAnswer(b []byte) (*prefillAnswer, error) {
+// readPrefillAnswer reads a prefill replica's answer b, within lim's
+// bounds and parse budget as a client body is read (blockhash.Admit).
+func readPrefillAnswer(b []byte, lim blockhash.Limits) (*prefillAnswer, error) {
+	release, err := blockhash.Admit(b, lim)
+	defer release()
+	if err != nil {
+		return nil, fmt.Errorf("prefill answer: %w", err)
+	}
 	p := replyParsers.Get()
 	defer replyParsers.Put(p)
 	v, err := p.ParseBytes(b)
@@ -428,7 +435,7 @@ func (s *Server) prefillOnce(ctx context.Context, in *http.Request, rep *replica
 	case err != nil: // broken off: no answer
 		t.status, t.late = 0, lateBy(err)
 	case resp.StatusCode < 300:
-		t.ans, t.err = readPrefillAnswer(b)
+		t.ans, t.err = readPrefillAnswer(b, s.limits.Load().Parse)
 	}
 	return t
 }

@@ -210,6 +210,7 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		RecordReplies: cfg.Routing.RecordReplies, Logger: log,
 		Ejection: cfg.Health.Ejection(),
 		Timeouts: limits.Timeouts{Connect: cfg.Timeouts.Connect, FirstByte: cfg.Timeouts.FirstByte, Idle: cfg.Timeouts.Idle,
+			PrefillFloor: cfg.Timeouts.PrefillFloor, PrefillTokensPerSecond: cfg.Timeouts.PrefillTokensPerSecond,
 			ClientWrite: cfg.Timeouts.ClientWrite},
 		Metrics:    mainMetrics(cfg.Metrics, reg),
 		Ready:      fleetReady(fleet),
