@@ -241,7 +241,7 @@ type HealthConfig struct {
 	EjectFailureShare int `mapstructure:"eject_failure_share" json:"eject_failure_share"`
 	EjectMinSources   int `mapstructure:"eject_min_sources" json:"eject_min_sources"`
 	// EjectTimeouts timeouts in a row with no answer between (a prefill
-	// past its bound, a request silent past first_byte) eject a replica
+	// past its bound) eject a replica
 	// whatever the traffic's volume or sources: a hung replica, seen at
 	// low traffic (replica.Ejection.Timeouts).
 	EjectTimeouts int `mapstructure:"eject_timeouts" json:"eject_timeouts"`

@@ -74,6 +74,9 @@ func (c *Config) Validate() error {
 	c.Timeouts.validate(&p)
 	c.Tracing.validate(&p)
 	c.Discovery.validate(&p)
+	if c.Discovery.Kubernetes.MaxReplicas < 0 {
+		p.bad("discovery.kubernetes.max_replicas", "must not be negative")
+	}
 	c.Runtime.validate(&p)
 	c.Cluster.validate(&p)
 	p.hostPort("admin.listen", c.Admin.Listen, false)
@@ -288,12 +291,16 @@ func (l LimitsConfig) validate(p *problems) {
 }
 
 func (h HealthConfig) validate(p *problems) {
-	if h.CheckInterval <= 0 || h.CheckTimeout <= 0 || h.Fall < 1 || h.Rise < 1 || h.ScrapeInterval < 0 ||
-		h.EjectBase <= 0 || h.EjectMax < h.EjectBase || h.EjectForgive <= 0 || h.EjectConsecutive < 1 ||
-		h.EjectMinVolume < 1 || h.EjectFailureShare < 1 || h.EjectFailureShare > 100 ||
-		h.EjectMinSources < 1 || h.EjectMinSources > replica.MaxEjectSources || h.EjectTimeouts < 1 {
+	if h.CheckInterval <= 0 || h.CheckTimeout <= 0 || h.Fall < 1 || h.Rise < 1 || h.ScrapeInterval < 0 || !h.ejectionValid() {
 		p.bad("health", "intervals and timeouts must be positive (scrape_interval 0 turns scraping off), fall, rise, eject_consecutive, eject_min_volume and eject_timeouts at least 1, eject_failure_share in [1, 100], eject_min_sources in [1, %d], eject_max ≥ eject_base", replica.MaxEjectSources)
 	}
+}
+
+// ejectionValid reports whether h's passive ejection is one replica.Ejection takes.
+func (h HealthConfig) ejectionValid() bool {
+	return h.EjectBase > 0 && h.EjectMax >= h.EjectBase && h.EjectForgive > 0 && h.EjectConsecutive >= 1 &&
+		h.EjectMinVolume >= 1 && h.EjectFailureShare >= 1 && h.EjectFailureShare <= 100 &&
+		h.EjectMinSources >= 1 && h.EjectMinSources <= replica.MaxEjectSources && h.EjectTimeouts >= 1
 }
 
 func (t TimeoutConfig) validate(p *problems) {
@@ -335,9 +342,6 @@ func (d DiscoveryConfig) validate(p *problems) {
 		p.bad("discovery.kubernetes.pool_api", "%q: v1 or v1alpha2", k.PoolAPI)
 	case d.Interval <= 0:
 		p.bad("discovery.interval", "must be positive")
-	}
-	if k.MaxReplicas < 0 {
-		p.bad("discovery.kubernetes.max_replicas", "must not be negative")
 	}
 }
 

@@ -553,18 +553,9 @@ var routedPaths = map[string]blockhash.Endpoint{"/v1/chat/completions": blockhas
 // for, where the picker takes it out again). A request refused says why.
 func (st *epStream) input() (in CoreRequest, fwd []byte, refused *apiError) {
 	in = CoreRequest{Session: st.session, Tenant: st.tenant}
-	fwd = st.body
 	ep, routed := routedPaths[st.path]
 	if !routed {
-		decoded, err := url.PathUnescape(st.path)
-		if err != nil {
-			return in, nil, &apiError{http.StatusBadRequest, "invalid_request_error", "invalid_path", "the path is not valid percent-encoding"}
-		}
-		if e := checkPassPath(decoded, st.path); e != nil {
-			return in, nil, e
-		}
-		in.PassThrough, in.Route = true, "passthrough"
-		return in, fwd, nil
+		return st.passInput(in)
 	}
 	if st.method != http.MethodPost {
 		return in, nil, &apiError{http.StatusMethodNotAllowed, "invalid_request_error", "method_not_allowed", "use POST for " + st.path}
@@ -596,13 +587,47 @@ func (st *epStream) input() (in CoreRequest, fwd []byte, refused *apiError) {
 	in.Model, in.Route, in.API = req.Model, "ext_proc", ep
 	in.Priority, in.Flow = placement(st.s.o.Priorities, st.placing.Get, st.tenant, req.User)
 	in.Bytes = int64(len(st.body))
-	if req.KVTransferParams || req.RequestID && ep == blockhash.Responses { // the router's to set (Server.upstreamBody)
-		if fwd, err = scrubbed(fwd); err != nil {
-			e := classify(err)
+	fwd, e := st.upstream(req)
+	return in, fwd, e
+}
+
+// passInput makes the core's request of a stream that is not routed by
+// prefix: passed through with the HTTP front end's guards, and a request
+// about a stored response sent to its home, or refused as the HTTP front
+// end's storedResponse refuses it.
+func (st *epStream) passInput(in CoreRequest) (CoreRequest, []byte, *apiError) {
+	decoded, err := url.PathUnescape(st.path)
+	if err != nil {
+		return in, nil, &apiError{http.StatusBadRequest, "invalid_request_error", "invalid_path", "the path is not valid percent-encoding"}
+	}
+	if e := checkPassPath(decoded, st.path); e != nil {
+		return in, nil, e
+	}
+	in.PassThrough, in.Route = true, "passthrough"
+	if id, ok := storedResponsePath(decoded); ok {
+		allow, refused := st.s.core.ids.home(id, st.tenant)
+		if refused {
+			e := errNotYours
 			return in, nil, &e
 		}
+		in.Input.Allow, in.Input.Home = allow, allow != nil
 	}
-	if chatLike(ep) && req.Stream && !req.StreamOptions && st.respMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
+	return in, st.body, nil
+}
+
+// upstream returns the body to forward for the stream's body, parsed as
+// req: without the keys only the router sets (Server.upstreamBody), and
+// asking for the stream's usage where the picker can take it out again.
+func (st *epStream) upstream(req *blockhash.Request) ([]byte, *apiError) {
+	fwd := st.body
+	if routerKeys(req) {
+		var err error
+		if fwd, err = scrubbed(fwd, req.Endpoint); err != nil {
+			e := classify(err)
+			return nil, &e
+		}
+	}
+	if chatLike(req.Endpoint) && req.Stream && !req.StreamOptions && st.respMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
 		// As the HTTP front end: the replica is asked for the stream's
 		// usage, and its usage chunk is taken out of the client's stream
 		// (in the full-duplex response mode only: in the others the
@@ -610,7 +635,7 @@ func (st *epStream) input() (in CoreRequest, fwd []byte, refused *apiError) {
 		fwd = withIncludeUsage(fwd).b
 		st.stripUsage = true
 	}
-	return in, fwd, nil
+	return fwd, nil
 }
 
 // destine sends the proxy rt's destination (and its fallbacks), with fwd

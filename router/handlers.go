@@ -139,22 +139,16 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 	w.Header().Set(HeaderArm, rt.Arm.Name)
 	f := &flight{body: fwd, stripUsage: strip}
 	if ep == blockhash.Responses {
-		f.retag = s.issueID(fwd, tenant, lim.MaxBodyBytesInFlight)
+		f.retag = s.issueID(fwd, tenant)
 	}
 	s.forwardRouted(w, r, tctx, rt, f)
 }
 
 // issueID returns flight.retag for a Responses request of body b from
 // tenant: b with a response id the router issues, naming the replica the
-// attempt goes to; counted against limit (bytes of bodies in flight) where
-// it fits (a failover's copy is no larger than the one it replaces).
-func (s *Server) issueID(b *body, tenant string, limit int64) func(*replica.Replica) *body {
-	return func(rep *replica.Replica) *body {
-		tagged := withRequestID(b.b, s.core.ids.issue(rep.Name, tenant))
-		tagged.count(&s.bodies, limit)
-		tagged.hold(len(tagged.b))
-		return tagged
-	}
+// attempt goes to. The copy's bytes were counted with b's (upstreamBody).
+func (s *Server) issueID(b *body, tenant string) func(*replica.Replica) *body {
+	return func(rep *replica.Replica) *body { return withRequestID(b.b, s.core.ids.issue(rep.Name, tenant)) }
 }
 
 // upstreamBody returns the body to send the replicas for a client's body
@@ -170,8 +164,8 @@ func (s *Server) issueID(b *body, tenant string, limit int64) func(*replica.Repl
 //     The Responses and Messages APIs end every stream with the usage.
 func (s *Server) upstreamBody(b *body, req *blockhash.Request, limit int64) (fwd *body, strip bool, err error) {
 	fwd = b
-	if req.KVTransferParams || req.RequestID && req.Endpoint == blockhash.Responses {
-		clean, err := scrubbed(b.b)
+	if routerKeys(req) {
+		clean, err := scrubbed(b.b, req.Endpoint)
 		if err != nil {
 			return nil, false, err
 		}
@@ -184,26 +178,41 @@ func (s *Server) upstreamBody(b *body, req *blockhash.Request, limit int64) (fwd
 		}
 		fwd, strip = withUsage, true
 	}
+	held := len(fwd.b)
+	if req.Endpoint == blockhash.Responses {
+		held = 2*held + 128 // and the copy that carries the response's id (issueID)
+	}
 	if fwd != b {
-		// The copy is body bytes held too.
-		if fwd.count(&s.bodies, limit); !fwd.hold(len(fwd.b)) {
+		fwd.count(&s.bodies, limit) // the copy is body bytes held too
+	}
+	if !fwd.hold(held) {
+		if fwd != b {
 			fwd.release()
-			return nil, false, &bodiesInFlightError{limit}
 		}
+		return nil, false, &bodiesInFlightError{limit}
 	}
 	return fwd, strip, nil
 }
 
-// scrubbed returns body b, a JSON object, without the keys only the router
-// sets: kv_transfer_params and request_id.
-func scrubbed(b []byte) ([]byte, error) {
+// routerKeys reports whether the body req was parsed from gives keys only
+// the router sets: kv_transfer_params, or a Responses body's request_id.
+func routerKeys(req *blockhash.Request) bool {
+	return req.KVTransferParams || req.RequestID && req.Endpoint == blockhash.Responses
+}
+
+// scrubbed returns body b, a JSON object of API ep, without the keys only
+// the router sets: kv_transfer_params, and a Responses body's request_id
+// (another API's request_id is the client's, vLLM's chatcmpl-<id>).
+func scrubbed(b []byte, ep blockhash.Endpoint) ([]byte, error) {
 	m, err := fieldsOf(b)
 	if err != nil {
 		return nil, &blockhash.InputError{Msg: "request body: " + err.Error()}
 	}
 	return m.rewrite(len(b), func(m fields) {
 		delete(m, "kv_transfer_params")
-		delete(m, "request_id")
+		if ep == blockhash.Responses {
+			delete(m, "request_id")
+		}
 	})
 }
 
@@ -368,11 +377,30 @@ func checkPassPath(path, raw string) *apiError {
 		return &apiError{http.StatusBadRequest, "invalid_request_error", "invalid_path",
 			"the path must not contain . or .. segments, nor an encoded / or \\"}
 	}
-	if strings.HasPrefix(path, "/v1/chat/completions") || strings.HasPrefix(path, "/v1/completions") {
+	if strings.HasPrefix(path, "/v1/chat/completions") || strings.HasPrefix(path, "/v1/completions") || strings.HasPrefix(path, "/v1/messages") {
 		e := unknownRoute(path)
 		return &e
 	}
+	if _, ok := storedResponsePath(path); !ok && strings.HasPrefix(path, "/v1/responses") {
+		e := unknownRoute(path) // routed, or about a stored response: /v1/responses/, ;x, /x/ and /x/a/b are neither
+		return &e
+	}
 	return nil
+}
+
+// storedResponsePath returns the response id of a decoded path about a
+// stored response, /v1/responses/{id} or /v1/responses/{id}/{action}, and
+// false for any other path.
+func storedResponsePath(p string) (id string, ok bool) {
+	rest, ok := strings.CutPrefix(p, "/v1/responses/")
+	if !ok {
+		return "", false
+	}
+	id, action, more := strings.Cut(rest, "/")
+	if id == "" || more && (action == "" || strings.Contains(action, "/")) {
+		return "", false
+	}
+	return id, true
 }
 
 // encodesSeparator reports whether a raw (escaped) path encodes a / or a

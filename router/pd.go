@@ -14,8 +14,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/valyala/fastjson"
-
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
@@ -242,26 +240,42 @@ type prefillAnswer struct {
 	usage  usageJSON
 }
 
-// readPrefillAnswer reads a prefill replica's answer b, within lim's
-// bounds and parse budget as a client body is read (blockhash.Admit).
+// readPrefillAnswer reads a prefill replica's answer b (at most
+// maxPrefillAnswer bytes): checked within lim's nesting and values as a
+// client body is (blockhash.Admit), then read with no tree of it: the
+// kv_transfer_params' bytes are kept as they are (a long prompt's has
+// thousands of block ids), and only the small usage object is parsed. So
+// an answer costs about its size, and takes nothing from the parse budget
+// of client bodies, under which a prefill would fail for the load of
+// others.
 func readPrefillAnswer(b []byte, lim blockhash.Limits) (*prefillAnswer, error) {
+	lim.Budget = nil
 	release, err := blockhash.Admit(b, lim)
 	defer release()
 	if err != nil {
 		return nil, fmt.Errorf("prefill answer: %w", err)
 	}
-	p := replyParsers.Get()
-	defer replyParsers.Put(p)
-	v, err := p.ParseBytes(b)
-	if err != nil {
+	var top struct {
+		KV    json.RawMessage `json:"kv_transfer_params"`
+		Usage json.RawMessage `json:"usage"`
+	}
+	if err := json.Unmarshal(b, &top); err != nil {
 		return nil, fmt.Errorf("prefill answer: %w", err)
 	}
 	ans := &prefillAnswer{}
-	if ans.usage, _, err = parseUsage(v.Get("usage")); err != nil {
-		return nil, fmt.Errorf("prefill answer's usage: %w", err)
+	if len(top.Usage) > 0 {
+		p := replyParsers.Get()
+		defer replyParsers.Put(p)
+		v, err := p.ParseBytes(top.Usage)
+		if err != nil {
+			return nil, fmt.Errorf("prefill answer's usage: %w", err)
+		}
+		if ans.usage, _, err = parseUsage(v); err != nil {
+			return nil, fmt.Errorf("prefill answer's usage: %w", err)
+		}
 	}
-	if kv := v.Get("kv_transfer_params"); kv != nil && kv.Type() == fastjson.TypeObject && kv.GetObject().Len() > 0 {
-		ans.params = kv.MarshalTo(nil) // a copy: the parser goes back to its pool
+	if kv := bytes.TrimSpace(top.KV); len(kv) > 0 && kv[0] == '{' && len(bytes.TrimSpace(kv[1:len(kv)-1])) > 0 {
+		ans.params = kv // an object with members: Unmarshal copied it
 	}
 	return ans, nil
 }

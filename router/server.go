@@ -94,8 +94,8 @@ func objectivePriority(priorities map[string]int, get func(string) string) int {
 // objective above ceiling is removed (the replica does not see it).
 func capPriority(priorities map[string]int, h http.Header, ceiling int) {
 	p := objectivePriority(priorities, h.Get)
-	if p > ceiling {
-		for _, name := range objectiveHeaders {
+	for _, name := range objectiveHeaders { // every spelling: the first read is not the only one a replica may
+		if v := h.Get(name); v != "" && priorities[v] > ceiling {
 			h.Del(name)
 		}
 	}

@@ -785,13 +785,7 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	}
 	switch {
 	case agentic:
-		g.id = "msg_" + rand.Text()
-		if ep == blockhash.Responses {
-			g.id = "resp_" + rand.Text()
-			if fl.requestID != "" { // vLLM's ResponsesRequest.request_id is the response's id
-				g.id = fl.requestID
-			}
-		}
+		g.id = agenticID(ep, fl.requestID)
 		ok = g.agentic(ctx, w, req.Stream)
 	case req.Stream:
 		ok = g.stream(ctx, w)
@@ -962,6 +956,19 @@ func Start(o Options, addr string) (*Running, error) {
 	srv := &http.Server{Handler: s, ReadHeaderTimeout: 10 * time.Second}
 	go func() { _ = srv.Serve(ln) }()
 	return &Running{Server: s, URL: "http://" + ln.Addr().String(), srv: srv}, nil
+}
+
+// agenticID returns the id of an answer of the Responses (ep) or Messages
+// API: a Responses body's request_id when it has one, as vLLM's
+// ResponsesRequest.request_id is the response's id, else a new one.
+func agenticID(ep blockhash.Endpoint, requestID string) string {
+	switch {
+	case ep != blockhash.Responses:
+		return "msg_" + rand.Text()
+	case requestID != "":
+		return requestID
+	}
+	return "resp_" + rand.Text()
 }
 
 // Close stops serving at once, cutting open connections, and closes the

@@ -47,30 +47,8 @@ func (a *answerReader) read(limit int) (ids []int32, count int, err error) {
 		if c == '}' && first {
 			break
 		}
-		key, err := a.key(c)
-		if err != nil {
+		if err := a.member(c, seen, limit, &ids, &count); err != nil {
 			return nil, 0, err
-		}
-		if seen[key] {
-			return nil, 0, fmt.Errorf("tokenizer: /tokenize answer gives %s more than once", key)
-		}
-		seen[key] = true
-		switch key {
-		case "tokens":
-			if ids, err = a.tokens(limit, count); err != nil {
-				return nil, 0, err
-			}
-		case "count":
-			if count, err = a.count(); err != nil {
-				return nil, 0, err
-			}
-			if count > limit {
-				return nil, 0, fmt.Errorf("tokenizer: /tokenize answered %d tokens, over the limit of %d", count, limit)
-			}
-		default:
-			if err := a.skip(0); err != nil {
-				return nil, 0, err
-			}
 		}
 		if c, err = a.next(); err != nil || (c != ',' && c != '}') {
 			return nil, 0, errAnswer
@@ -83,6 +61,33 @@ func (a *answerReader) read(limit int) (ids []int32, count int, err error) {
 		return nil, 0, errAnswer
 	}
 	return ids, count, nil
+}
+
+// member reads one member of the answer, whose key's opening quote c was
+// read: tokens into ids, count into count, any other skipped.
+func (a *answerReader) member(c byte, seen map[string]bool, limit int, ids *[]int32, count *int) error {
+	key, err := a.key(c)
+	if err != nil {
+		return err
+	}
+	if seen[key] {
+		return fmt.Errorf("tokenizer: /tokenize answer gives %s more than once", key)
+	}
+	seen[key] = true
+	switch key {
+	case "tokens":
+		*ids, err = a.tokens(limit, *count)
+		return err
+	case "count":
+		if *count, err = a.count(); err != nil {
+			return err
+		}
+		if *count > limit {
+			return fmt.Errorf("tokenizer: /tokenize answered %d tokens, over the limit of %d", *count, limit)
+		}
+		return nil
+	}
+	return a.skip(0)
 }
 
 // next returns the next byte that is not JSON white space.
@@ -168,41 +173,50 @@ func (a *answerReader) tokens(limit, count int) ([]int32, error) {
 		return ids, nil
 	}
 	for {
-		if c < '0' || c > '9' {
-			return nil, errAnswer
-		}
-		id := uint64(c - '0')
-		for {
-			if c, err = a.r.ReadByte(); err != nil {
-				return nil, errAnswer
-			}
-			if c < '0' || c > '9' {
-				break
-			}
-			if id = id*10 + uint64(c-'0'); id > 1<<32-1 {
-				return nil, fmt.Errorf("tokenizer: /tokenize answered an id over 2^32")
-			}
+		id, end, err := a.id(c)
+		if err != nil {
+			return nil, err
 		}
 		if len(ids) == limit {
 			return nil, fmt.Errorf("tokenizer: /tokenize answered more than the limit of %d tokens", limit)
 		}
-		ids = append(ids, int32(uint32(id)))
-		for c == ' ' || c == '\t' || c == '\n' || c == '\r' {
-			if c, err = a.r.ReadByte(); err != nil {
-				return nil, errAnswer
-			}
-		}
-		switch c {
-		case ']':
+		ids = append(ids, int32(id))
+		if end == ']' {
 			return ids, nil
-		case ',':
-			if c, err = a.next(); err != nil {
-				return nil, errAnswer
-			}
-		default:
+		}
+		if c, err = a.next(); err != nil { // past the comma
 			return nil, errAnswer
 		}
 	}
+}
+
+// id reads a token id whose first byte c was read, and the delimiter
+// after it (a comma, or the array's end), past any space.
+func (a *answerReader) id(c byte) (id uint32, end byte, err error) {
+	if c < '0' || c > '9' {
+		return 0, 0, errAnswer
+	}
+	n := uint64(c - '0')
+	for {
+		if c, err = a.r.ReadByte(); err != nil {
+			return 0, 0, errAnswer
+		}
+		if c < '0' || c > '9' {
+			break
+		}
+		if n = n*10 + uint64(c-'0'); n > 1<<32-1 {
+			return 0, 0, fmt.Errorf("tokenizer: /tokenize answered an id over 2^32")
+		}
+	}
+	if c == ' ' || c == '\t' || c == '\n' || c == '\r' {
+		if c, err = a.next(); err != nil {
+			return 0, 0, errAnswer
+		}
+	}
+	if c != ',' && c != ']' {
+		return 0, 0, errAnswer
+	}
+	return uint32(n), c, nil
 }
 
 // skip reads past one JSON value at nesting depth: strings with their
@@ -270,12 +284,8 @@ func (a *answerReader) skipContainer(open byte, depth int) error {
 		}
 		_ = a.r.UnreadByte()
 		if open == '{' {
-			c, _ := a.next()
-			if c != '"' || a.skipString() != nil {
-				return errAnswer
-			}
-			if c, err := a.next(); err != nil || c != ':' {
-				return errAnswer
+			if err := a.skipKey(); err != nil {
+				return err
 			}
 		}
 		if err := a.skip(depth + 1); err != nil {
@@ -291,4 +301,15 @@ func (a *answerReader) skipContainer(open byte, depth int) error {
 			return errAnswer
 		}
 	}
+}
+
+// skipKey reads past an object member's key and its colon.
+func (a *answerReader) skipKey() error {
+	if c, _ := a.next(); c != '"' || a.skipString() != nil {
+		return errAnswer
+	}
+	if c, err := a.next(); err != nil || c != ':' {
+		return errAnswer
+	}
+	return nil
 }
