@@ -24,6 +24,7 @@ import (
 // picker is an endpoint picker served by NewGRPCServer on 127.0.0.1, over
 // a fixture's replicas, with its metrics in a registry of its own.
 type picker struct {
+	core   *Core
 	budget *BodyBudget
 	reg    *prometheus.Registry
 	conn   *grpc.ClientConn
@@ -57,7 +58,7 @@ func startPicker(t *testing.T, maxBody int64, o ExtProcOptions) *picker {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
-	return &picker{budget: o.Budget, reg: reg, conn: conn}
+	return &picker{core: core, budget: o.Budget, reg: reg, conn: conn}
 }
 
 // refused reads semroute_ext_proc_refused_total{reason}.

@@ -205,3 +205,41 @@ func TestResponseIDFollowsFailover(t *testing.T) {
 		}
 	}
 }
+
+// Through the endpoint picker too, a stored response's GET, DELETE and
+// cancel are refused for another tenant before any replica, and the
+// owner's go to the replica that stores it alone.
+func TestExtProcStoredResponseIsItsTenants(t *testing.T) {
+	p := startPicker(t, 1<<20, ExtProcOptions{})
+	id := p.core.ids.issue("r1", "acme")
+	for _, c := range []struct{ method, path, tenant string }{
+		{"GET", "/v1/responses/" + id, "bob"},
+		{"DELETE", "/v1/responses/" + id, "bob"},
+		{"POST", "/v1/responses/" + id + "/cancel", "bob"},
+		{"GET", "/v1/responses/" + id + "/", "acme"},
+		{"GET", "/v1/responses/" + id + "/a/b", "acme"},
+		{"POST", "/v1/messages/count_tokens/", "acme"},
+	} {
+		cl := p.open(t)
+		cl.send(reqHeaders(fullDuplex, epHeaders(":method", c.method, ":path", c.path, "x-tenant-id", c.tenant), true))
+		ir, _ := cl.end()
+		if ir == nil || ir.GetStatus().GetCode() < 400 || ir.GetStatus().GetCode() >= 500 {
+			t.Errorf("%s %s as %s: %v, want refused", c.method, c.path, c.tenant, ir)
+		}
+	}
+	cl := p.open(t)
+	cl.send(reqHeaders(fullDuplex, epHeaders(":method", "GET", ":path", "/v1/responses/"+id, "x-tenant-id", "acme"), true))
+	r, err := cl.st.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dest string
+	for _, h := range r.GetRequestHeaders().GetResponse().GetHeaderMutation().GetSetHeaders() {
+		if h.GetHeader().GetKey() == HeaderDestination {
+			dest = string(h.GetHeader().GetRawValue())
+		}
+	}
+	if dest != "127.0.0.1:9001" {
+		t.Fatalf("acme's GET went to %q, want r1 alone (127.0.0.1:9001)", dest)
+	}
+}
