@@ -39,7 +39,7 @@ const (
 	recReply   = 4 // a learned reply, chained after its prompt
 	recEject   = 5 // a replica was ejected after failing
 	recReset   = 6 // forget every request of the sender's in flight
-	recHome    = 7 // a Responses API response, stored on a replica
+	recHome    = 7 // a Responses API response, stored on a replica: older routers', read and ignored (router/respid.go)
 )
 
 // header is a batch's envelope.

@@ -20,8 +20,9 @@ import (
 //     tools as chat function tools).
 //   - A Responses request that continues a stored response
 //     (previous_response_id) must reach the replica that stored it: vLLM
-//     keeps responses in the memory of the instance that made them.
-//     responseHomes remembers which replica answered each response id.
+//     keeps responses in the memory of the instance that made them. The
+//     router issues each response's id, naming that replica and the
+//     tenant (respid.go).
 
 // chatForTokenize renders req, parsed from /v1/responses or /v1/messages,
 // as the body of a chat request of the same conversation, for /tokenize.
