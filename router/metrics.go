@@ -40,7 +40,8 @@ type Metrics struct {
 	pdDecodeFirst  prometheus.Histogram
 	authRefusedN   *prometheus.CounterVec
 	tenantN        *prometheus.CounterVec
-	tenantMode     string // TenantLabel's mode
+	tenantMode     string   // TenantLabel's mode
+	tenants        sync.Map // tenant → its counter in tenantN
 
 	mu     sync.RWMutex
 	models map[string]bool // the model label values given out (at most maxModelLabels)
@@ -215,15 +216,27 @@ func (m *Metrics) LabelTenants(mode string) {
 // tenant counts a request an API key let through, by its tenant.
 func (m *Metrics) tenant(t string) {
 	if m != nil {
-		m.tenantN.WithLabelValues(TenantLabel(m.tenantMode, t)).Inc()
+		m.tenantCounter(t).Inc()
 	}
 }
 
 // tenantSeen makes tenant t's request counter exist, at 0.
 func (m *Metrics) tenantSeen(t string) {
 	if m != nil {
-		m.tenantN.WithLabelValues(TenantLabel(m.tenantMode, t))
+		m.tenantCounter(t)
 	}
+}
+
+// tenantCounter returns tenant t's request counter, its label (a hash of
+// the name, by default) made once per tenant, not per request. The
+// tenants are the keys file's, so the cache is bounded by it.
+func (m *Metrics) tenantCounter(t string) prometheus.Counter {
+	if c, ok := m.tenants.Load(t); ok {
+		return c.(prometheus.Counter)
+	}
+	c := m.tenantN.WithLabelValues(TenantLabel(m.tenantMode, t))
+	m.tenants.Store(t, c)
+	return c
 }
 
 // decodeFirst records the time a disaggregated request's decode replica

@@ -3,7 +3,6 @@ package router
 import (
 	"fmt"
 	"io"
-	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -15,7 +14,6 @@ import (
 
 	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/replica"
-	"github.com/semroute/semroute/routing"
 )
 
 // Issue 43, item 7: a hung prefill replica cost every disaggregated
@@ -75,28 +73,14 @@ func newPDRig(t *testing.T, ej replica.Ejection, reps ...pdReplica) *pdRig {
 		}
 		specs = append(specs, replica.Spec{Name: r.name, URL: ts.URL, Role: r.role})
 	}
-	e, err := routing.New(routing.Options{Replicas: specs})
-	if err != nil {
-		t.Fatal(err)
-	}
-	pol, _ := routing.NewPolicy(routing.PolicySpec{Type: "semantic"})
 	reg := prometheus.NewRegistry()
 	m, err := NewMetrics(reg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	core, err := NewCore(CoreOptions{Engine: e, Arms: []Arm{{Name: "default", Policy: pol, Weight: 1}}, Metrics: m, PD: PDOptions{MinPrefillTokens: -1}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv, err := NewServer(ServerOptions{Core: core, Logger: slog.New(slog.DiscardHandler), Ejection: ej,
-		Timeouts: limits.Timeouts{FirstByte: time.Hour, PrefillFloor: pdFloor, PrefillTokensPerSecond: 1e12}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ts := httptest.NewServer(srv)
-	t.Cleanup(func() { ts.Close(); srv.CloseIdleConnections() })
-	return &pdRig{url: ts.URL, pool: e.Pool(), m: m, reg: reg, client: &http.Client{Timeout: pdClientTimeout}}
+	ts, core := serveRouter(t, specs, "semantic", CoreOptions{Metrics: m, PD: PDOptions{MinPrefillTokens: -1}},
+		ServerOptions{Ejection: ej, Timeouts: limits.Timeouts{FirstByte: time.Hour, PrefillFloor: pdFloor, PrefillTokensPerSecond: 1e12}})
+	return &pdRig{url: ts.URL, pool: core.e.Pool(), m: m, reg: reg, client: &http.Client{Timeout: pdClientTimeout}}
 }
 
 func orNotFound(h http.Handler) http.Handler {

@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -17,7 +16,6 @@ import (
 
 	"github.com/semroute/semroute/decisionlog"
 	"github.com/semroute/semroute/replica"
-	"github.com/semroute/semroute/routing"
 )
 
 // pdEngine is a vLLM with a NIXL connector as the router sees it: a
@@ -128,26 +126,12 @@ func pdServerLog(t *testing.T, o PDOptions, ps, ds []*pdEngine) (*httptest.Serve
 			specs = append(specs, replica.Spec{Name: e.name, URL: ts.URL, Role: group.role})
 		}
 	}
-	e, err := routing.New(routing.Options{Replicas: specs})
-	if err != nil {
-		t.Fatal(err)
-	}
-	pol, _ := routing.NewPolicy(routing.PolicySpec{Type: "semantic"})
 	m, err := NewMetrics(prometheus.NewRegistry())
 	if err != nil {
 		t.Fatal(err)
 	}
 	log := &pdLog{}
-	core, err := NewCore(CoreOptions{Engine: e, Arms: []Arm{{Name: "default", Policy: pol, Weight: 1}}, Metrics: m, PD: o, Log: log})
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv, err := NewServer(ServerOptions{Core: core, Logger: slog.New(slog.DiscardHandler)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ts := httptest.NewServer(srv)
-	t.Cleanup(func() { ts.Close(); srv.CloseIdleConnections() })
+	ts, _ := serveRouter(t, specs, "semantic", CoreOptions{Metrics: m, PD: o, Log: log}, ServerOptions{})
 	return ts, m, log
 }
 

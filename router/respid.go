@@ -9,6 +9,7 @@ import (
 	"encoding/binary"
 	"net/http"
 	"strconv"
+	"strings"
 
 	"github.com/cespare/xxhash/v2"
 	lru "github.com/hashicorp/golang-lru/v2"
@@ -127,7 +128,7 @@ func (k *responseIDs) open(id, tenant string) (tag uint64, ours, valid bool) {
 // remember notes that replica answered the engine's own response id for
 // tenant (an id the router did not issue: the engine ignored request_id).
 func (k *responseIDs) remember(id, replica, tenant string) {
-	if id != "" && len(id) <= 256 && !bytes.HasPrefix([]byte(id), []byte(respIDPrefix)) {
+	if id != "" && len(id) <= 256 && !strings.HasPrefix(id, respIDPrefix) {
 		k.homes.Add(id, responseHome{replica, tenant})
 	}
 }

@@ -50,18 +50,30 @@ func serverWithCore(t *testing.T, o ServerOptions, co CoreOptions, urls ...strin
 	for i, u := range urls {
 		specs[i] = replica.Spec{Name: fmt.Sprint("r", i), URL: u}
 	}
+	return serveRouter(t, specs, "round_robin", co, o)
+}
+
+// serveRouter serves, on 127.0.0.1, a router over the replicas specs with
+// one arm of policy, the core's options co and the server's o (their
+// engine, arms, core and logger set here); it returns the server and the
+// core.
+func serveRouter(t *testing.T, specs []replica.Spec, policy string, co CoreOptions, o ServerOptions) (*httptest.Server, *Core) {
+	t.Helper()
 	e, err := routing.New(routing.Options{Replicas: specs})
 	if err != nil {
 		t.Fatal(err)
 	}
-	rr, _ := routing.NewPolicy(routing.PolicySpec{Type: "round_robin"})
-	co.Engine, co.Arms = e, []Arm{{Name: "default", Policy: rr, Weight: 1}}
+	pol, err := routing.NewPolicy(routing.PolicySpec{Type: policy})
+	if err != nil {
+		t.Fatal(err)
+	}
+	co.Engine, co.Arms = e, []Arm{{Name: "default", Policy: pol, Weight: 1}}
 	core, err := NewCore(co)
 	if err != nil {
 		t.Fatal(err)
 	}
 	o.Core = core
-	o.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	o.Logger = slog.New(slog.DiscardHandler)
 	srv, err := NewServer(o)
 	if err != nil {
 		t.Fatal(err)
