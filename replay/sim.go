@@ -737,7 +737,7 @@ func (e *engineDecider) decide(i int, now int64) (place, error) {
 	// With flow control a request whose best replica would queue it waits
 	// in the router's queue instead, as in the live router.
 	hold := e.queue != nil && !waited && req.Logged == nil
-	ri := routing.Request{Blocks: req.Blocks, Key: req.Key, Text: req.Text, Policy: e.pol, Hold: hold, Room: waited, Slot: slot}
+	ri := routing.Request{Blocks: req.Blocks, Key: req.Key, Text: req.Text, Policy: e.pol, Defer: hold, Room: waited, Slot: slot}
 	pd := e.m.disaggregated()
 	if pd {
 		ri.Allow = decodes
@@ -749,7 +749,7 @@ func (e *engineDecider) decide(i int, now int64) (place, error) {
 	if err != nil {
 		return place{}, err
 	}
-	if d.Held {
+	if d.Deferred {
 		e.held[i] = d
 		e.eng.Wait(d, 0)
 		if _, err := e.queue.Enqueue(flow.Item{Flow: "", Home: d.Chosen().Replica.ID, Tokens: int64(d.Tokens), Value: i}); err != nil {

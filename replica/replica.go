@@ -477,10 +477,10 @@ func (r *Replica) Unwait(tokens int64, priority int) {
 	r.heldMu.Unlock()
 }
 
-// Held returns how many requests of priority or higher the router's queue
+// Deferred returns how many requests of priority or higher the router's queue
 // holds for the replica (Wait): those a request of that priority waits
 // behind.
-func (r *Replica) Held(priority int) int64 {
+func (r *Replica) Deferred(priority int) int64 {
 	r.heldMu.Lock()
 	defer r.heldMu.Unlock()
 	var n int64

@@ -58,7 +58,7 @@ type CoreOptions struct {
 	// Held bounds the decisions held for Release (gRPC): past its caps the
 	// oldest is finished as expired, and one never released stops counting
 	// as load after Held.ReleaseAfter.
-	Held limits.Held
+	Unreleased limits.Unreleased
 	// Metrics, if set, receives per-request metrics.
 	Metrics *Metrics
 	// Tokenizer, if set, is precise mode: each request is routed on the
@@ -140,7 +140,7 @@ func NewCore(o CoreOptions) (*Core, error) {
 	if o.Engine == nil {
 		return nil, errors.New("router: CoreOptions.Engine is required")
 	}
-	o.Held = o.Held.WithDefaults()
+	o.Unreleased = o.Unreleased.WithDefaults()
 	c := &Core{o: o, e: o.Engine, held: map[string]*list.Element{}, ids: newResponseIDs(o.StrictResponses)}
 	if o.Flow != nil {
 		fo := *o.Flow
@@ -366,8 +366,8 @@ func (c *Core) Route(req CoreRequest) (*Routed, error) {
 	t0 := time.Now()
 	// With flow control a request whose best replica would queue it waits
 	// in the router's queue instead.
-	req.Input.Hold = c.q != nil && !req.DryRun && !req.PassThrough
-	if req.Input.Hold {
+	req.Input.Defer = c.q != nil && !req.DryRun && !req.PassThrough
+	if req.Input.Defer {
 		yields, protected := c.demand.View(req.Priority, t0)
 		req.Input.Keep = c.keep(yields)
 		// Traffic that others keep slots for takes a free one wherever
@@ -375,18 +375,18 @@ func (c *Core) Route(req CoreRequest) (*Routed, error) {
 		req.Input.Room = protected
 	}
 	d, err := c.e.Decide(req.Input, !req.DryRun)
-	if req.Input.Hold && err == nil {
+	if req.Input.Defer && err == nil {
 		c.demand.Arrive(req.Priority, d.Chosen().Replica.ID, t0)
 	}
 	var waited time.Duration
-	if err == nil && d.Held {
+	if err == nil && d.Deferred {
 		var slot *replica.Replica
 		waited, slot, err = c.wait(&req, d)
 		c.e.Drop(d)
 		if err != nil {
 			return nil, err
 		}
-		req.Input.Hold, req.Input.Room, req.Input.Slot = false, true, slot // its turn came with a slot kept on slot: to the best replica with room
+		req.Input.Defer, req.Input.Room, req.Input.Slot = false, true, slot // its turn came with a slot kept on slot: to the best replica with room
 		d, err = c.e.Decide(req.Input, true)
 		c.unreserve(slot)
 	}
@@ -760,7 +760,7 @@ func (c *Core) Hold(rt *Routed) {
 	c.mu.Lock()
 	c.held[rt.ID] = c.heldOrder.PushBack(rt)
 	c.heldBlocks += len(rt.Blocks)
-	for c.heldOrder.Len() > c.o.Held.Max || (c.heldBlocks > c.o.Held.MaxBlocks && c.heldOrder.Len() > 1) {
+	for c.heldOrder.Len() > c.o.Unreleased.Max || (c.heldBlocks > c.o.Unreleased.MaxBlocks && c.heldOrder.Len() > 1) {
 		out = append(out, c.unholdLocked(c.heldOrder.Front()))
 	}
 	c.mu.Unlock()
@@ -781,7 +781,7 @@ func (c *Core) expired(rts []*Routed, reason string) {
 	for _, rt := range rts {
 		c.Finish(rt, Outcome{Error: "never released"}, nil)
 	}
-	c.o.Metrics.heldExpired(reason, len(rts))
+	c.o.Metrics.unreleasedExpired(reason, len(rts))
 }
 
 // Release finishes a held decision with o.
@@ -806,7 +806,7 @@ func (c *Core) Release(id string, o Outcome) error {
 func (c *Core) Expire(now time.Time) int {
 	var old []*Routed
 	c.mu.Lock()
-	for e := c.heldOrder.Front(); e != nil && now.Sub(e.Value.(*Routed).start) >= c.o.Held.ReleaseAfter; e = c.heldOrder.Front() {
+	for e := c.heldOrder.Front(); e != nil && now.Sub(e.Value.(*Routed).start) >= c.o.Unreleased.ReleaseAfter; e = c.heldOrder.Front() {
 		old = append(old, c.unholdLocked(e))
 	}
 	c.mu.Unlock()

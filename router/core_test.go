@@ -84,7 +84,7 @@ func TestCoreLogsFinishedDecisions(t *testing.T) {
 func TestCoreHoldReleaseExpire(t *testing.T) {
 	f := newFixture(t, 2, "semantic")
 	log := &memLog{}
-	c := newCore(t, f, CoreOptions{Log: log, Held: limits.Held{ReleaseAfter: time.Minute}})
+	c := newCore(t, f, CoreOptions{Log: log, Unreleased: limits.Unreleased{ReleaseAfter: time.Minute}})
 	// One Prepare per Route: a decision owns its input's pooled blocks and
 	// gives them back when it is finished.
 	in := func() routing.Request { return f.e.Prepare(parseChat(t, "user", "x"), "", false) }
@@ -153,7 +153,7 @@ func TestArmsValidateAndSplit(t *testing.T) {
 func TestCoreLifecyclesLeaveNoPins(t *testing.T) {
 	const budget = 300
 	f := newFixtureBudget(t, 3, "semantic", budget)
-	c := newCore(t, f, CoreOptions{Held: limits.Held{Max: 5, ReleaseAfter: time.Minute}})
+	c := newCore(t, f, CoreOptions{Unreleased: limits.Unreleased{Max: 5, ReleaseAfter: time.Minute}})
 	rng := rand.New(rand.NewPCG(1, 1))
 	var ids []string
 	for i := 0; i < 300; i++ {

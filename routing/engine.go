@@ -176,8 +176,8 @@ type Decision struct {
 	SyncID uint64
 	// Saturated is set when every candidate's replica was saturated when
 	// the request was ranked (replica.Replica.Saturated): its engine will
-	// queue it. Held: Request.Hold kept it from being recorded.
-	Saturated, Held bool
+	// queue it. Deferred: Request.Defer kept it from being recorded.
+	Saturated, Deferred bool
 	// served is the id of the replica now serving it, lease its time
 	// there (set by Commit).
 	served int
@@ -254,7 +254,7 @@ type Request struct {
 	// request in the router (package flow; see Wait and DispatchCost) and
 	// decide it again once a slot is free for it. Drop the held decision;
 	// the request's blocks stay with the request.
-	Hold bool
+	Defer bool
 	// Keep, if set with Hold, returns how many free slots of a replica
 	// the request must leave for the traffic it gives way to (flow.Demand):
 	// it is held too when the replica it ranks first has no more free
@@ -444,8 +444,8 @@ func (e *Engine) Decide(ri Request, record bool) (*Decision, error) {
 	if e.o.PreferDonor {
 		e.preferDonor(d, sketch)
 	}
-	if record && ri.Hold && full(d.Chosen().Replica, ri.Keep) {
-		d.Held = true
+	if record && ri.Defer && full(d.Chosen().Replica, ri.Keep) {
+		d.Deferred = true
 		return d, nil
 	}
 	if record {

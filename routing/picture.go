@@ -45,9 +45,9 @@ func (p *Picture) Chain(key uint64, dst []blockhash.Block) ([]blockhash.Block, b
 	return p.cache.Chain(key, dst)
 }
 
-// Held calls fn for every block replica id holds, each after its parent.
-func (p *Picture) Held(id int, fn func(parent uint64, hasParent bool, b blockhash.Block, cpu bool)) {
-	p.cache.Held(id, fn)
+// Walk calls fn for every block replica id holds, each after its parent.
+func (p *Picture) Walk(id int, fn func(parent uint64, hasParent bool, b blockhash.Block, cpu bool)) {
+	p.cache.Walk(id, fn)
 }
 
 // Store records that replica id's engine stored blocks, chained after

@@ -94,8 +94,8 @@ func buildInfo() (ver, commit, goVersion string) {
 // registerOps registers the process-level metrics: replicas, the decision
 // log and build info.
 func registerOps(reg *prometheus.Registry, pool *replica.Pool, cache *routing.Picture, dl *decisionlog.Writer, core *router.Core) {
-	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "semroute_grpc_held_decisions",
-		Help: "gRPC Route decisions awaiting Release (capped by grpc.max_held_decisions)."},
+	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "semroute_grpc_unreleased_decisions",
+		Help: "gRPC Route decisions awaiting Release (capped by grpc.max_unreleased_decisions)."},
 		func() float64 { n, _ := core.Held(); return float64(n) }))
 	reg.MustRegister(replicaCollector{pool, cache})
 	reg.MustRegister(queueCollector{core})

@@ -150,8 +150,8 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	var dl *decisionlog.Writer
 	copts := router.CoreOptions{Engine: eng, Arms: arms, Salt: cfg.Routing.ArmSalt,
 		RawIDs: cfg.DecisionLog.RawIDs, LogPrompts: cfg.DecisionLog.LogPrompts, Feedback: cfg.Cache.Feedback,
-		Held: limits.Held{Max: cfg.GRPC.MaxHeldDecisions, MaxBlocks: cfg.GRPC.MaxHeldBlocks, ReleaseAfter: cfg.Routing.ReleaseAfter},
-		PD:   router.PDOptions{MinPrefillTokens: cfg.Disaggregation.MinPrefillTokens},
+		Unreleased: limits.Unreleased{Max: cfg.GRPC.MaxUnreleasedDecisions, MaxBlocks: cfg.GRPC.MaxUnreleasedBlocks, ReleaseAfter: cfg.Routing.ReleaseAfter},
+		PD:         router.PDOptions{MinPrefillTokens: cfg.Disaggregation.MinPrefillTokens},
 		// With API keys the tenant is proven: a stored response's id the
 		// router cannot prove is the caller's is refused.
 		StrictResponses: cfg.Auth.APIKeysFile != ""}
