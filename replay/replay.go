@@ -16,6 +16,7 @@ import (
 	"github.com/semroute/semroute/flow"
 	"github.com/semroute/semroute/matcher"
 	"github.com/semroute/semroute/replica"
+	"github.com/semroute/semroute/router"
 	"github.com/semroute/semroute/routing"
 )
 
@@ -389,9 +390,6 @@ func runPolicy(reqs []Request, m *Config, run Run) (*Result, error) {
 		if routers > 1 {
 			return nil, fmt.Errorf("%s: flow control with %d routers: one router only", label, routers)
 		}
-		rs[0].queue = flow.New(flow.Options{MaxRequests: math.MaxInt32, MaxBytes: math.MaxInt64, TTL: math.MaxInt64,
-			Now: func() time.Time { return time.Unix(0, clock) }})
-		rs[0].held, rs[0].grant = map[int]*routing.Decision{}, map[int]int{}
 	}
 	var d decider = rs[0]
 	var fleet *fleetDecider
@@ -505,9 +503,19 @@ func newEngineDecider(reqs []Request, m *Config, run Run, clock *int64) (*engine
 	if err != nil {
 		return nil, err
 	}
-	return &engineDecider{m: m, reqs: reqs, eng: eng, pol: pol, pic: eng.Picture(), pool: eng.Pool(), clock: clock,
-		ds: make([]*routing.Decision, len(reqs)), served: make([]*routing.Candidate, len(reqs)), pds: map[int]*routing.Decision{},
-		picture: cmp.Or(run.Picture, PictureFeedback)}, nil
+	d := &engineDecider{m: m, reqs: reqs, eng: eng, pic: eng.Picture(), pool: eng.Pool(), clock: clock,
+		ps: make([]*router.Placement, len(reqs)), picture: cmp.Or(run.Picture, PictureFeedback),
+		deferred: map[*router.Deferral]int{}, deferral: map[int]*router.Deferral{}}
+	co := router.CoreOptions{Engine: eng, Arms: []router.Arm{{Name: "replay", Policy: pol, Weight: 1}},
+		PD: router.PDOptions{MinPrefillTokens: m.MinPrefillTokens}}
+	if run.FlowControl { // as bounded as the trace needs: a request waits as long as it must
+		co.Flow = &flow.Options[*replica.Replica]{MaxRequests: math.MaxInt32, MaxBytes: math.MaxInt64, TTL: math.MaxInt64}
+		co.OnGrant = d.granted
+	}
+	if d.core, err = router.NewCore(co); err != nil {
+		return nil, err
+	}
+	return d, nil
 }
 
 func runReference(reqs []Request, m *Config, name string, budget int64) (*Result, error) {

@@ -1,7 +1,6 @@
 package router
 
 import (
-	"cmp"
 	"context"
 	"crypto/subtle"
 	"encoding/json"
@@ -256,17 +255,19 @@ func (g *GRPCService) Route(ctx context.Context, in *pb.RouteRequest) (*pb.Route
 	case err != nil:
 		return nil, invalid(err)
 	}
-	defer req.Recycle()
-	var ri routing.Request
-	if _, ok := in.GetInput().(*pb.RouteRequest_Blocks); ok {
-		ri = g.preSplit(req, in.GetSessionId())
-	} else {
-		ri = g.core.Prepare(ctx, req, in.GetOpenaiBody(), in.GetSessionId())
+	_, preSplit := in.GetInput().(*pb.RouteRequest_Blocks)
+	lim := g.limits()
+	ad, err := g.core.Admit(Arrival{Parsed: req, PreSplit: preSplit, Body: in.GetOpenaiBody(), Session: in.GetSessionId(), Tenant: in.GetTenantId(),
+		Route: "grpc", Ctx: ctx, Bytes: int64(proto.Size(in)), DryRun: in.GetDryRun()}, &lim)
+	if err != nil {
+		return nil, invalid(err) // Admit recycled req
 	}
-	ri.DetachText() // a held decision logs its text after req is released
-	flowKey := cmp.Or(in.GetTenantId(), req.User)
-	rt, err := g.core.Route(CoreRequest{Input: ri, Model: req.Model, Session: in.GetSessionId(), Tenant: in.GetTenantId(), DryRun: in.GetDryRun(), Route: "grpc",
-		Ctx: ctx, Flow: flowKey, Bytes: int64(proto.Size(in))})
+	defer ad.Recycle()
+	var rt *Routed
+	p, err := g.core.Place(ad.CoreRequest)
+	if err == nil {
+		rt = p.Routed
+	}
 	switch {
 	case errors.As(err, new(*QueueError)):
 		return nil, status.Error(codes.ResourceExhausted, err.Error())
@@ -290,30 +291,9 @@ func (g *GRPCService) Route(ctx context.Context, in *pb.RouteRequest) (*pb.Route
 		})
 	}
 	if !in.GetDryRun() {
-		g.core.Hold(rt) // after the response is built: once held, expiry may finish it
+		g.core.unreleased.Add(rt) // after the response is built: once kept, expiry may finish it
 	}
 	return out, nil
-}
-
-// preSplit routes pre-split blocks: each keeps the kind the caller gave,
-// whatever the heuristics would say.
-func (g *GRPCService) preSplit(req *blockhash.Request, session string) routing.Request {
-	var ri routing.Request
-	h := blockhash.Seed(req.Model)
-	for i := range req.Parts {
-		n := len(ri.Blocks)
-		ri.Blocks = g.core.e.Splitter().AppendPart(ri.Blocks, h, &req.Parts[i])
-		for j := n; j < len(ri.Blocks); j++ {
-			ri.Blocks[j].Kind = req.Parts[i].Base
-		}
-		h = ri.Blocks[len(ri.Blocks)-1].Hash
-		if g.core.o.LogPrompts || g.core.e.HasMatcher() {
-			ri.Text = append(ri.Text, req.Parts[i].Text)
-		}
-	}
-	ri.Key = routing.SessionKey(session, "", ri.Blocks)
-	ri.Model = req.Model
-	return ri
 }
 
 // Release implements pb.RouterServer.
@@ -325,7 +305,7 @@ func (g *GRPCService) Release(_ context.Context, in *pb.ReleaseRequest) (*pb.Rel
 		!(in.GetTtftMs() >= 0 && in.GetTtftMs() < 1e9) || !(in.GetDurationMs() >= 0 && in.GetDurationMs() < 1e9) || in.GetStatus() < 0 || in.GetStatus() > 999 {
 		return nil, invalid(errors.New("token counts and times must not be negative (nor cached_tokens exceed prompt_tokens), status must be an HTTP status"))
 	}
-	err := g.core.Release(in.GetDecisionId(), Outcome{
+	err := g.core.unreleased.Release(in.GetDecisionId(), Outcome{
 		Status: int(in.GetStatus()), PromptTokens: in.GetPromptTokens(), OutputTokens: in.GetOutputTokens(),
 		// A cached_tokens of 0 is the field unset as often as a miss: only
 		// a positive count is taken as reported.

@@ -222,7 +222,7 @@ replicas:
 					failed.Add(1)
 				}
 				if i%97 == 0 {
-					held, _ := r.app.core.Held()
+					held, _ := r.app.core.Unreleased().Len()
 					if int64(held) > maxSeen.Load() {
 						maxSeen.Store(int64(held))
 					}
@@ -231,7 +231,7 @@ replicas:
 		}()
 	}
 	wg.Wait()
-	held, blocks := r.app.core.Held()
+	held, blocks := r.app.core.Unreleased().Len()
 	grown := int64(memAfterGC().HeapAlloc) - int64(before)
 	metrics := scrapeURL(t, r.http.url())
 	t.Logf("%d Routes without Release: %d held (%d blocks), at most %d seen; heap grew %d KB", n, held, blocks, maxSeen.Load(), grown>>10)

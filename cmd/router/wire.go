@@ -171,7 +171,8 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	ag := newAgreement(log)
 	copts.Agreement = ag
 	if f := cfg.FlowControl; f.Enabled {
-		copts.Flow = &flow.Options{MaxRequests: f.MaxRequests, MaxBytes: f.MaxBytes, TTL: f.TTL, LookAhead: f.LookAhead, AgeBound: f.AgeBound, Reserve: f.Reserve}
+		copts.Flow = &flow.Options[*replica.Replica]{MaxRequests: f.MaxRequests, MaxBytes: f.MaxBytes, TTL: f.TTL, LookAhead: f.LookAhead, AgeBound: f.AgeBound}
+		copts.Reserve = f.Reserve
 	}
 	precise := cfg.Tokenizer.Mode != "estimate"
 	if precise {
