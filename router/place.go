@@ -96,7 +96,7 @@ func (c *Core) decide(cr CoreRequest, arm *Arm, def *Deferral) (*Routed, *Deferr
 		in.Allow = allowBoth(in.Allow, roleOf(cr.Prefill))
 	}
 	now := c.e.Now()
-	start := now // the request's, which a deferred one keeps
+	start := now                                           // the request's, which a deferred one keeps
 	tracked := c.q != nil && !cr.DryRun && !cr.PassThrough // its demand counts (flow.Demand)
 	first := tracked && def == nil
 	in.Defer = first && !cr.Immediate
