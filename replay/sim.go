@@ -155,6 +155,20 @@ func (m *Config) defaults() error {
 	m.Eviction = cmp.Or(m.Eviction, eviction.Default)
 	m.Speedup = cmp.Or(m.Speedup, 1)
 	m.LoadHalfLife = cmp.Or(m.LoadHalfLife, replica.DefaultHalfLife)
+	if err := m.checkRanges(); err != nil {
+		return err
+	}
+	if _, err := m.evictionPolicy(); err != nil {
+		return err
+	}
+	if err := m.checkRoles(); err != nil {
+		return err
+	}
+	return m.Reuse.Check()
+}
+
+// checkRanges checks the model's numbers once defaulted.
+func (m *Config) checkRanges() error {
 	switch {
 	case m.Replicas < 1 || m.Replicas > 4096:
 		return fmt.Errorf("replicas %d not in [1, 4096]", m.Replicas)
@@ -169,13 +183,7 @@ func (m *Config) defaults() error {
 	case m.SpreadTies < 0 || m.SpreadTies > MaxSpreadTies:
 		return fmt.Errorf("spread ties %v: want 0 to %v", m.SpreadTies, MaxSpreadTies)
 	}
-	if _, err := m.evictionPolicy(); err != nil {
-		return err
-	}
-	if err := m.checkRoles(); err != nil {
-		return err
-	}
-	return m.Reuse.Check()
+	return nil
 }
 
 // checkRoles checks Roles and sets the transfer's defaults when some

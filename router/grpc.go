@@ -7,7 +7,6 @@ import (
 	"errors"
 	"strconv"
 	"time"
-	"unicode/utf8"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
@@ -167,47 +166,42 @@ func (a authenticator) tap(ctx context.Context, info *tap.Info) (context.Context
 
 func invalid(err error) error { return status.Error(codes.InvalidArgument, err.Error()) }
 
-// request turns a RouteRequest into the blockhash request it describes.
-func (g *GRPCService) request(in *pb.RouteRequest) (*blockhash.Request, error) {
+// arrival translates a RouteRequest into the request it describes: an
+// OpenAI body (openai_body, or the body messages and prompt make), or a
+// request of token ids or pre-split blocks.
+func (g *GRPCService) arrival(in *pb.RouteRequest) (Arrival, error) {
 	model := in.GetModel()
 	lim := g.limits()
 	switch x := in.GetInput().(type) {
 	case *pb.RouteRequest_OpenaiBody:
-		return openaiRequest(x.OpenaiBody, in.GetEndpoint(), &lim)
+		if int64(len(x.OpenaiBody)) > lim.MaxBodyBytes {
+			return Arrival{}, &blockhash.InputError{Field: "openai_body", Msg: "is larger than the limit of " + strconv.FormatInt(lim.MaxBodyBytes, 10) + " bytes"}
+		}
+		if in.GetEndpoint() == pb.Endpoint_ENDPOINT_COMPLETIONS {
+			return Arrival{API: blockhash.Completion, Body: x.OpenaiBody}, nil
+		}
+		return Arrival{API: blockhash.Chat, Body: x.OpenaiBody}, nil
 	case *pb.RouteRequest_Messages:
-		return messagesRequest(model, x.Messages.GetMessages(), &lim)
+		b, err := messagesBody(model, x.Messages.GetMessages(), &lim)
+		return Arrival{API: blockhash.Chat, Body: b}, err
 	case *pb.RouteRequest_Prompt:
-		b, _ := json.Marshal(map[string]any{"model": model, "prompt": x.Prompt})
-		return blockhash.ParseCompletion(b, lim.Parse)
+		b, _ := json.Marshal(map[string]any{"model": model, "prompt": x.Prompt}) // strings marshal
+		return Arrival{API: blockhash.Completion, Body: b}, nil
 	case *pb.RouteRequest_TokenIds:
 		if model == "" || len(x.TokenIds.GetIds()) == 0 {
-			return nil, errors.New("token_ids: model and at least one id are required")
+			return Arrival{}, errors.New("token_ids: model and at least one id are required")
 		}
-		return &blockhash.Request{Model: model, Parts: []blockhash.Part{blockhash.TokenPart(x.TokenIds.GetIds())}}, nil
+		return Arrival{Parsed: &blockhash.Request{Model: model, Parts: []blockhash.Part{blockhash.TokenPart(x.TokenIds.GetIds())}}}, nil
 	case *pb.RouteRequest_Blocks:
-		return blocksRequest(model, x.Blocks.GetBlocks(), &lim)
+		req, err := blocksRequest(model, x.Blocks.GetBlocks(), &lim)
+		return Arrival{Parsed: req, PreSplit: true}, err
 	}
-	return nil, errors.New("one of openai_body, messages, prompt, blocks or token_ids is required")
+	return Arrival{}, errors.New("one of openai_body, messages, prompt, blocks or token_ids is required")
 }
 
-// openaiRequest parses a raw OpenAI body for the endpoint named, within
-// the body limit.
-func openaiRequest(body []byte, endpoint pb.Endpoint, lim *limits.Request) (*blockhash.Request, error) {
-	ep := blockhash.Chat
-	if endpoint == pb.Endpoint_ENDPOINT_COMPLETIONS {
-		ep = blockhash.Completion
-	}
-	if int64(len(body)) > lim.MaxBodyBytes {
-		return nil, &blockhash.InputError{Field: "openai_body", Msg: "is larger than the limit of " + strconv.FormatInt(lim.MaxBodyBytes, 10) + " bytes"}
-	}
-	if !utf8.Valid(body) {
-		return nil, &blockhash.InputError{Field: "openai_body", Msg: "is not valid UTF-8"}
-	}
-	return blockhash.Parse(ep, body, lim.Parse)
-}
-
-// messagesRequest parses chat messages, as many as the message limit.
-func messagesRequest(model string, in []*pb.ChatMessage, lim *limits.Request) (*blockhash.Request, error) {
+// messagesBody makes the chat body of messages, as many as the message
+// limit.
+func messagesBody(model string, in []*pb.ChatMessage, lim *limits.Request) ([]byte, error) {
 	if n := len(in); lim.Parse.MaxMessages > 0 && n > lim.Parse.MaxMessages {
 		return nil, &blockhash.InputError{Field: "messages", Msg: "has " + strconv.Itoa(n) + " entries, more than the limit of " + strconv.Itoa(lim.Parse.MaxMessages)}
 	}
@@ -219,8 +213,7 @@ func messagesRequest(model string, in []*pb.ChatMessage, lim *limits.Request) (*
 		}
 		msgs = append(msgs, msg)
 	}
-	b, _ := json.Marshal(map[string]any{"model": model, "messages": msgs}) // strings marshal
-	return blockhash.ParseChat(b, lim.Parse)
+	return json.Marshal(map[string]any{"model": model, "messages": msgs}) // strings marshal
 }
 
 // blocksRequest makes a request of pre-split blocks with their kinds (none:
@@ -248,19 +241,18 @@ func blocksRequest(model string, blocks []*pb.Block, lim *limits.Request) (*bloc
 
 // Route implements pb.RouterServer.
 func (g *GRPCService) Route(ctx context.Context, in *pb.RouteRequest) (*pb.RouteResponse, error) {
-	req, err := g.request(in)
+	a, err := g.arrival(in)
+	if err != nil {
+		return nil, invalid(err)
+	}
+	a.Session, a.Tenant, a.Route, a.Ctx, a.Bytes, a.DryRun = in.GetSessionId(), in.GetTenantId(), "grpc", ctx, int64(proto.Size(in)), in.GetDryRun()
+	lim := g.limits()
+	ad, err := g.core.Admit(a, &lim)
 	switch {
 	case errors.Is(err, blockhash.ErrBusy):
 		return nil, status.Error(codes.ResourceExhausted, err.Error())
 	case err != nil:
 		return nil, invalid(err)
-	}
-	_, preSplit := in.GetInput().(*pb.RouteRequest_Blocks)
-	lim := g.limits()
-	ad, err := g.core.Admit(Arrival{Parsed: req, PreSplit: preSplit, Body: in.GetOpenaiBody(), Session: in.GetSessionId(), Tenant: in.GetTenantId(),
-		Route: "grpc", Ctx: ctx, Bytes: int64(proto.Size(in)), DryRun: in.GetDryRun()}, &lim)
-	if err != nil {
-		return nil, invalid(err) // Admit recycled req
 	}
 	defer ad.Recycle()
 	var rt *Routed
