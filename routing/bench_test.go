@@ -65,7 +65,7 @@ func benchDecide(b *testing.B, f *fixture, tokens int, model string, setBytes bo
 	}
 	blocks := f.e.Splitter().Split(nil, req)
 	for _, r := range f.pool.Replicas() {
-		f.cache.Record(r.ID, blocks[:len(blocks)*(r.ID%8+1)/8], 1)
+		f.model.Record(r.ID, blocks[:len(blocks)*(r.ID%8+1)/8], 1)
 	}
 	if setBytes {
 		b.SetBytes(int64(len(body)))

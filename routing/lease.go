@@ -49,7 +49,7 @@ type Lease struct {
 	blocks  []blockhash.Block
 	last    uint64
 	hasLast bool
-	shared  bool // counted in Engine.active (SharedActive)
+	shared  bool // counted in its Picture's active blocks (SharedActive)
 }
 
 // LeaseState is where a Lease is in its life; see Lease.
@@ -99,17 +99,17 @@ func (l *Lease) Pinned() (blocks int, tokens int64) {
 // Tokens recomputed under SharedActive when shared) on r. l is idle or
 // ended (Commit ends a live one first).
 func (l *Lease) begin(e *Engine, r *replica.Replica, d *Decision, c *Candidate, blocks []blockhash.Block, w replica.Work, pin, shared bool, now time.Time) {
-	*l = Lease{e: e, rep: r, d: d, c: c, work: w, blocks: blocks, shared: shared && e.active != nil, state: LeasePrefill}
+	*l = Lease{e: e, rep: r, d: d, c: c, work: w, blocks: blocks, shared: shared && e.pic.sharesActive(), state: LeasePrefill}
 	switch {
 	case len(blocks) == 0:
 	case pin:
-		_, l.pins = e.cache.Commit(r.ID, blocks, now.UnixNano())
+		l.pins = e.pic.pin(r.ID, blocks, now.UnixNano())
 	default:
-		e.cache.Record(r.ID, blocks, now.UnixNano())
+		e.pic.record(r.ID, blocks, now.UnixNano())
 		l.last, l.hasLast, l.blocks = blocks[len(blocks)-1].Hash, true, nil
 	}
 	if l.shared {
-		l.work.Tokens = e.activate(r.ID, blocks, 1)
+		l.work.Tokens = e.pic.activate(r.ID, blocks, 1)
 	}
 	r.Begin(&l.work, now)
 }
@@ -154,12 +154,9 @@ func (l *Lease) free(now time.Time) {
 	id := l.rep.ID
 	switch {
 	case l.blocks != nil:
-		l.e.cache.Done(id, l.blocks, l.pins, now.UnixNano())
+		l.e.pic.unpin(id, l.blocks, l.pins, now.UnixNano())
 	case l.hasLast:
-		var buf [64]blockhash.Block
-		if chain, ok := l.e.cache.Chain(l.last, buf[:0]); ok {
-			l.e.cache.Free(id, chain, now.UnixNano())
-		}
+		l.e.pic.freeChain(id, l.last, now.UnixNano())
 	}
 	l.pins = cachemodel.Pins{}
 }
@@ -172,7 +169,7 @@ func (l *Lease) End(now time.Time) {
 		return
 	}
 	if l.shared {
-		l.work.Tokens = l.e.activate(l.rep.ID, l.blocks, -1)
+		l.work.Tokens = l.e.pic.activate(l.rep.ID, l.blocks, -1)
 	}
 	l.rep.End(&l.work, now)
 	if l.state < LeaseDrained {

@@ -154,9 +154,7 @@ func (b blendReuse) credit(c *Candidate, sc *scratch) float64 {
 }
 func (blendReuse) donor(*Candidate, int, int, float64) (float64, bool) { return 0, false }
 func (blendReuse) committed(p *Picture, d *Decision, c *Candidate, now int64) {
-	if p.segs != nil {
-		p.segs.Record(c.Replica.ID, d.Blocks, now)
-	}
+	p.recordSegments(c.Replica.ID, d.Blocks, now)
 }
 
 // A blending engine reports what it reused too.
