@@ -177,11 +177,13 @@ type Decision struct {
 	served int
 	lease  Lease
 
-	pooled  bool              // Blocks came from the block pool
-	learned []blockhash.Block // LearnReply's chain, from the block pool
-	scale   scales            // engine tokens per estimated token in Blocks (zero: 1)
-	est     estimate          // Blocks' estimated tokens, before scale
-	exact   bool              // Blocks count token ids, not estimates
+	pooled  bool                   // Blocks came from the block pool
+	learned []blockhash.Block      // LearnReply's chain, from the block pool
+	model   string                 // Request.Model: the unit ObserveUsage learns is its
+	onDrain func(*replica.Replica) // Request.OnDrain, given to each lease
+	scale   scales                 // engine tokens per estimated token in Blocks (zero: 1)
+	est     estimate               // Blocks' estimated tokens, before scale
+	exact   bool                   // Blocks count token ids, not estimates
 	// precise: Blocks are the engine's own token blocks of blockTokens ids
 	// (PrepareTokens), keyed as its KV events are.
 	precise     bool
@@ -263,6 +265,16 @@ type Request struct {
 	// this request (replica.Replica.Reserve): with Room, it is a candidate
 	// with room though the kept slot makes it count as saturated.
 	Slot *replica.Replica
+	// OnDrain, if set, is called once the replica serving the decision no
+	// longer runs the request: at its lease's drain (Lease.EngineDone, or
+	// Lease.End without it; a failover's End too, for the replica it
+	// leaves), exactly once per replica the decision was committed on,
+	// with that replica, on the goroutine making the step, after its load
+	// stopped counting the request's slot. The router's queue offers the
+	// freed slot there. It must not block; set one func per front end, not
+	// a closure per request (a Request is copied by value, and a closure
+	// allocates).
+	OnDrain func(*replica.Replica)
 	// Model is the model the request names. A replica whose models are
 	// known and do not include it is not a candidate; among those that
 	// serve it as a LoRA adapter, the ones with it loaded rank first, then
@@ -423,7 +435,7 @@ func (e *Engine) Decide(ri Request, record bool) (*Decision, error) {
 		return nil, errors.New("routing: Request.Policy is required")
 	}
 	d := &Decision{Blocks: ri.Blocks, Key: ri.Key, Policy: pol.Name(), pooled: ri.pooled, scale: ri.scale, est: ri.est, exact: ri.exact,
-		precise: ri.blockTokens > 0, blockTokens: ri.blockTokens, Tokens: ri.Tail}
+		precise: ri.blockTokens > 0, blockTokens: ri.blockTokens, Tokens: ri.Tail, model: ri.Model, onDrain: ri.OnDrain}
 	for _, b := range ri.Blocks {
 		d.Tokens += int(b.Tokens)
 	}
