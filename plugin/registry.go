@@ -31,17 +31,22 @@ type Plugin[T any] struct {
 // use.
 type Registry[T any] struct {
 	kind string // what its plugins are, in errors: "routing policy"
+	noun string // what one is called before its name in its errors: "policy"
 
 	mu     sync.RWMutex
 	order  []string              // names, in registration order
 	byName map[string]*Plugin[T] // names and aliases
 }
 
-// NewRegistry returns a registry of plugins of kind (named in errors:
-// "eviction policy") holding plugins, in that order. It panics as
-// Register does.
-func NewRegistry[T any](kind string, plugins ...Plugin[T]) *Registry[T] {
-	r := &Registry[T]{kind: kind, byName: map[string]*Plugin[T]{}}
+// NewRegistry returns a registry of plugins of kind holding plugins, in
+// that order. Its errors name the kind ("unknown routing policy \"x\"")
+// and a plugin by noun and name ("policy dynamo: …"; noun "" is kind).
+// It panics as Register does.
+func NewRegistry[T any](kind, noun string, plugins ...Plugin[T]) *Registry[T] {
+	if noun == "" {
+		noun = kind
+	}
+	r := &Registry[T]{kind: kind, noun: noun, byName: map[string]*Plugin[T]{}}
 	for _, p := range plugins {
 		r.Register(p)
 	}
@@ -93,8 +98,8 @@ func (r *Registry[T]) Lookup(name string) (Plugin[T], bool) {
 // New builds the plugin s names (by name or alias) with s.Params. An
 // unknown type is an error listing the registered names; a parameter the
 // plugin does not have is one listing those it has (none: "takes no
-// parameters"); the plugin's own errors come prefixed with its kind and
-// name ("routing policy dynamo: temperature must be ≥ 0").
+// parameters"); the plugin's own errors come prefixed with its noun and
+// name ("policy dynamo: temperature must be ≥ 0").
 func (r *Registry[T]) New(s Spec) (T, error) {
 	var zero T
 	p, ok := r.Lookup(s.Type)
@@ -102,14 +107,14 @@ func (r *Registry[T]) New(s Spec) (T, error) {
 		return zero, fmt.Errorf("unknown %s %q (have %s)", r.kind, s.Type, strings.Join(r.Names(), ", "))
 	}
 	if p.Params == nil && len(s.Params) > 0 {
-		return zero, fmt.Errorf("%s %s takes no parameters", r.kind, p.Name)
+		return zero, fmt.Errorf("%s %s takes no parameters", r.noun, p.Name)
 	}
 	if err := unknown(s.Params, p.Params); err != nil {
-		return zero, fmt.Errorf("%s %s: %w", r.kind, p.Name, err)
+		return zero, fmt.Errorf("%s %s: %w", r.noun, p.Name, err)
 	}
 	v, err := p.New(s.Params)
 	if err != nil {
-		return zero, fmt.Errorf("%s %s: %w", r.kind, p.Name, err)
+		return zero, fmt.Errorf("%s %s: %w", r.noun, p.Name, err)
 	}
 	return v, nil
 }

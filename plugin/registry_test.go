@@ -18,7 +18,7 @@ type shape struct {
 }
 
 func shapes() *Registry[shape] {
-	return NewRegistry("shape",
+	return NewRegistry("shape", "",
 		Plugin[shape]{Name: "polygon", Aliases: []string{"poly"}, Params: shapeParams{},
 			New: func(p Params) (shape, error) {
 				c, err := DecodeOver(p, shapeParams{Sides: 3, Scale: 1}, func(c *shapeParams) error {
@@ -66,6 +66,13 @@ func TestRegistry(t *testing.T) {
 		if err == nil || !strings.HasPrefix(err.Error(), tc.want) {
 			t.Errorf("%+v: %v, want %s", tc.spec, err, tc.want)
 		}
+	}
+	nouned := NewRegistry("plane shape", "shape", Plugin[shape]{Name: "circle", New: func(Params) (shape, error) { return shape{}, nil }})
+	if _, err := nouned.New(Spec{Type: "cube"}); err == nil || err.Error() != `unknown plane shape "cube" (have circle)` {
+		t.Errorf("an unknown type names the kind: %v", err)
+	}
+	if _, err := nouned.New(Spec{Type: "circle", Params: Params{"r": 1}}); err == nil || err.Error() != "shape circle takes no parameters" {
+		t.Errorf("a plugin's error names it by its noun: %v", err)
 	}
 }
 
