@@ -113,7 +113,8 @@ func (j *joiner) join(s replica.Spec) (int, error) {
 		j.e.forgetFeedback(id) // a reused id starts from its own budget
 	}
 	j.reuses.set(id, u)
-	j.pic.setSegments(id, reuseModes[u.Mode()].segments, cmp.Or(s.Reuse.BudgetTokens, budget))
+	segments, _ := u.needs()
+	j.pic.setSegments(id, segments, cmp.Or(s.Reuse.BudgetTokens, budget))
 	return id, nil
 }
 
