@@ -84,7 +84,7 @@ func benchDecide(b *testing.B, f *fixture, tokens int, model string, setBytes bo
 		if err != nil {
 			b.Fatal(err)
 		}
-		f.e.Recycle(d) // as Core.Finish does
+		f.e.Recycle(d) // as a request's end does
 		req.Recycle()
 	}
 }

@@ -427,8 +427,9 @@ func (e *Engine) TokenScale(model string) float64 { return e.units.scale(model) 
 // Decide scores every available replica for a request and ranks
 // them. When record is true it also caches the blocks on the choice (so a
 // burst of identical prompts goes to one place), tells an Observer policy
-// and the matcher, and counts the request's work against the replica; the
-// caller must then call Done when the request ends.
+// and the matcher, and counts the request's work against the replica (its
+// lease, Decision.Lease); the caller must then end it when the request
+// ends (Finish, or the lease's End).
 func (e *Engine) Decide(ri Request, record bool) (*Decision, error) {
 	pol := ri.Policy
 	if pol == nil {
@@ -822,9 +823,10 @@ func (e *Engine) Drop(d *Decision) {
 
 // Recycle gives d's candidate list, and the block lists Prepare and
 // LearnReply made for it, back for reuse by later decisions. Call it once
-// nothing reads d.Candidates, d.Blocks or learned blocks any more
-// (Core.Finish does); d.Ranked and d.Chosen stay valid, d.Blocks becomes
-// nil. Calling it is optional; calling it twice is harmless.
+// nothing reads d.Candidates, d.Blocks or learned blocks any more (after
+// Finish, and whatever reads what it returned); d.Ranked and d.Chosen stay
+// valid, d.Blocks becomes nil. Calling it is optional; calling it twice is
+// harmless.
 func (e *Engine) Recycle(d *Decision) {
 	if d == nil {
 		return
