@@ -177,13 +177,12 @@ type Decision struct {
 	served int
 	lease  Lease
 
-	pooled  bool                   // Blocks came from the block pool
-	learned []blockhash.Block      // LearnReply's chain, from the block pool
-	model   string                 // Request.Model: the unit ObserveUsage learns is its
-	onDrain func(*replica.Replica) // Request.OnDrain, given to each lease
-	scale   scales                 // engine tokens per estimated token in Blocks (zero: 1)
-	est     estimate               // Blocks' estimated tokens, before scale
-	exact   bool                   // Blocks count token ids, not estimates
+	pooled  bool              // Blocks came from the block pool
+	learned []blockhash.Block // LearnReply's chain, from the block pool
+	model   string            // Request.Model: the unit ObserveUsage learns is its
+	scale   scales            // engine tokens per estimated token in Blocks (zero: 1)
+	est     estimate          // Blocks' estimated tokens, before scale
+	exact   bool              // Blocks count token ids, not estimates
 	// precise: Blocks are the engine's own token blocks of blockTokens ids
 	// (PrepareTokens), keyed as its KV events are.
 	precise     bool
@@ -436,7 +435,8 @@ func (e *Engine) Decide(ri Request, record bool) (*Decision, error) {
 		return nil, errors.New("routing: Request.Policy is required")
 	}
 	d := &Decision{Blocks: ri.Blocks, Key: ri.Key, Policy: pol.Name(), pooled: ri.pooled, scale: ri.scale, est: ri.est, exact: ri.exact,
-		precise: ri.blockTokens > 0, blockTokens: ri.blockTokens, Tokens: ri.Tail, model: ri.Model, onDrain: ri.OnDrain}
+		precise: ri.blockTokens > 0, blockTokens: ri.blockTokens, Tokens: ri.Tail, model: ri.Model}
+	d.lease.onDrain = ri.OnDrain // kept across the lease's commits
 	for _, b := range ri.Blocks {
 		d.Tokens += int(b.Tokens)
 	}

@@ -56,7 +56,8 @@ type Lease struct {
 	hasLast bool
 	shared  bool // counted in its Picture's active blocks (SharedActive)
 	remote  bool // Remote was reported: the replica decodes a prompt computed elsewhere
-	// onDrain is the decision's Request.OnDrain, called at the drain.
+	// onDrain is the decision's Request.OnDrain, called at the drain; set
+	// by Decide and kept by every begin (a failover's too).
 	onDrain func(*replica.Replica)
 }
 
@@ -107,10 +108,7 @@ func (l *Lease) Pinned() (blocks int, tokens int64) {
 // Tokens recomputed under SharedActive when shared) on r. l is idle or
 // ended (Commit ends a live one first).
 func (l *Lease) begin(e *Engine, r *replica.Replica, d *Decision, c *Candidate, blocks []blockhash.Block, w replica.Work, pin, shared bool, now time.Time) {
-	*l = Lease{e: e, rep: r, d: d, c: c, work: w, blocks: blocks, shared: shared && e.pic.sharesActive(), state: LeasePrefill}
-	if d != nil {
-		l.onDrain = d.onDrain
-	}
+	*l = Lease{e: e, rep: r, d: d, c: c, work: w, blocks: blocks, shared: shared && e.pic.sharesActive(), state: LeasePrefill, onDrain: l.onDrain}
 	switch {
 	case len(blocks) == 0:
 	case pin:
