@@ -764,7 +764,6 @@ func (r RoutingConfig) ArmSpec(i int) routing.PolicySpec {
 }
 
 func (r RoutingConfig) spec(s routing.PolicySpec, arm map[string]*float64) routing.PolicySpec {
-	s.Seed = r.Seed
 	if p, ok := routing.LookupPolicy(s.Type); !ok || p.Name != "semantic" {
 		return s
 	}

@@ -499,7 +499,7 @@ func newEngineDecider(reqs []Request, m *Config, run Run, clock *int64) (*engine
 	if p, ok := routing.LookupPolicy(run.Policy); ok && params == nil {
 		params = m.Params[p.Name]
 	}
-	pol, err := routing.NewPolicy(routing.PolicySpec{Type: run.Policy, Params: params, Seed: m.Seed})
+	pol, err := routing.NewSeededPolicy(routing.PolicySpec{Type: run.Policy, Params: params}, m.Seed)
 	if err != nil {
 		return nil, err
 	}

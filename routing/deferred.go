@@ -51,7 +51,7 @@ func (e *Engine) DispatchCost(d *Decision, r *replica.Replica) float64 {
 	if r == want {
 		return 0 // the same tokens either way: no picture to read
 	}
-	m := e.cache.Match(d.Blocks, e.o.Weights, nil)
+	m := e.pic.matches(d.Blocks, e.o.Weights, nil)
 	uncached := func(id int) float64 {
 		matched := 0
 		if id < len(m) {

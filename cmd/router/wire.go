@@ -492,7 +492,7 @@ func (r *running) shutdown(grace time.Duration) error {
 // running routing.policy.
 func armsFor(cfg *configs.Config) ([]router.Arm, error) {
 	if len(cfg.Routing.Arms) == 0 {
-		pol, err := routing.NewPolicy(cfg.Routing.PolicySpec())
+		pol, err := routing.NewSeededPolicy(cfg.Routing.PolicySpec(), cfg.Routing.Seed)
 		if err != nil {
 			return nil, fmt.Errorf("config: routing: %w", err)
 		}
@@ -500,7 +500,7 @@ func armsFor(cfg *configs.Config) ([]router.Arm, error) {
 	}
 	var arms []router.Arm
 	for i, a := range cfg.Routing.Arms {
-		ap, err := routing.NewPolicy(cfg.Routing.ArmSpec(i))
+		ap, err := routing.NewSeededPolicy(cfg.Routing.ArmSpec(i), cfg.Routing.Seed)
 		if err != nil {
 			return nil, fmt.Errorf("config: routing.arms[%d]: %w", i, err)
 		}
