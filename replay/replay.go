@@ -493,7 +493,8 @@ func (e *engineDecider) predicted(p *Prediction) {
 }
 
 // newEngineDecider builds one router of a run: its engine, picture and
-// replica pool, on the shared clock.
+// replica pool on the shared clock, and the live router's core over them
+// running the run's policy.
 func newEngineDecider(reqs []Request, m *Config, run Run, clock *int64) (*engineDecider, error) {
 	params := run.Params
 	if p, ok := routing.LookupPolicy(run.Policy); ok && params == nil {
@@ -507,38 +508,13 @@ func newEngineDecider(reqs []Request, m *Config, run Run, clock *int64) (*engine
 	if err != nil {
 		return nil, err
 	}
-	var index routing.Matcher
-	switch {
-	case m.Reuse.Donor(): // the router's own donor index, apart from the engines', down to what they take
-		if index, err = matcher.New(matcher.Options{MinSimilarity: min(m.Reuse.Similarity(), matcher.DefaultMinSimilarity)}); err != nil {
-			return nil, err
-		}
-	case run.Matcher && m.Matcher != nil:
-		index = m.Matcher()
-	}
-	specs := make([]replica.Spec, m.Replicas)
-	for i := range specs {
-		// The router is told each engine's running limit, as an operator
-		// sets replicas[].max_running to vLLM's --max-num-seqs.
-		specs[i] = replica.Spec{Name: fmt.Sprintf("replica-%d", i), URL: fmt.Sprintf("http://replica-%d.sim", i), BudgetTokens: m.BudgetTokens, Reuse: m.Reuse,
-			MaxRunning: int64(m.MaxRunning)}
-		if i < len(m.Roles) {
-			specs[i].Role = m.Roles[i]
-		}
-		if len(m.ReplicaNames) > 0 {
-			specs[i].Name = m.ReplicaNames[i]
-		}
-		if len(m.Budgets) > 0 {
-			specs[i].BudgetTokens = m.Budgets[i]
-		}
-	}
-	weights := m.Weights
-	if run.Weights != nil {
-		weights = run.Weights
+	index, err := m.routerMatcher(run)
+	if err != nil {
+		return nil, err
 	}
 	eng, err := routing.New(routing.Options{
-		Replicas: specs, LoadHalfLife: m.LoadHalfLife, Eviction: evict, Split: blockhash.Options{BlockTokens: m.BlockTokens},
-		Engine: routing.EngineOptions{Weights: weights, Attempts: 1,
+		Replicas: m.specs(), LoadHalfLife: m.LoadHalfLife, Eviction: evict, Split: blockhash.Options{BlockTokens: m.BlockTokens},
+		Engine: routing.EngineOptions{Weights: cmp.Or(run.Weights, m.Weights), Attempts: 1,
 			Now: func() time.Time { return time.Unix(0, *clock) }, SharedActive: m.SharedActive,
 			Matcher: index, PreferDonor: run.Matcher, PreferSimilarity: matcher.DefaultMinSimilarity, MatcherThreshold: m.MatcherThreshold},
 	})
@@ -558,6 +534,38 @@ func newEngineDecider(reqs []Request, m *Config, run Run, clock *int64) (*engine
 		return nil, err
 	}
 	return d, nil
+}
+
+// routerMatcher returns a router's semantic index for run: its own donor
+// index, apart from the engines', down to what they take (donor reuse),
+// or the run's matcher; nil for none.
+func (m *Config) routerMatcher(run Run) (routing.Matcher, error) {
+	switch {
+	case m.Reuse.Donor():
+		return matcher.New(matcher.Options{MinSimilarity: min(m.Reuse.Similarity(), matcher.DefaultMinSimilarity)})
+	case run.Matcher && m.Matcher != nil:
+		return m.Matcher(), nil
+	}
+	return nil, nil
+}
+
+// specs returns the replicas a router of the run is told of. Each
+// engine's running limit is told, as an operator sets
+// replicas[].max_running to vLLM's --max-num-seqs.
+func (m *Config) specs() []replica.Spec {
+	specs := make([]replica.Spec, m.Replicas)
+	budgets := m.budgets()
+	for i := range specs {
+		specs[i] = replica.Spec{Name: fmt.Sprintf("replica-%d", i), URL: fmt.Sprintf("http://replica-%d.sim", i), BudgetTokens: budgets[i], Reuse: m.Reuse,
+			MaxRunning: int64(m.MaxRunning)}
+		if i < len(m.Roles) {
+			specs[i].Role = m.Roles[i]
+		}
+		if len(m.ReplicaNames) > 0 {
+			specs[i].Name = m.ReplicaNames[i]
+		}
+	}
+	return specs
 }
 
 func runReference(reqs []Request, m *Config, name string, budget int64) (*Result, error) {

@@ -430,12 +430,7 @@ func (c *Core) Failover(rt *Routed, next int) bool {
 // the engine is done with the prompt's blocks, which the picture may now
 // evict, though the client may still be reading. Finish does it if this
 // was not called.
-func (c *Core) EngineDone(rt *Routed) {
-	if l := rt.Lease(); l.State() < routing.LeaseDrained {
-		l.EngineDone(c.e.Now())
-		c.q.freed(rt)
-	}
-}
+func (c *Core) EngineDone(rt *Routed) { rt.Lease().EngineDone(c.e.Now()) }
 
 // Outcome is how a routed request ended, as the front end saw it.
 type Outcome = decisionlog.Outcome
@@ -446,10 +441,8 @@ type Outcome = decisionlog.Outcome
 func (c *Core) Finish(rt *Routed, o Outcome, reply []byte) {
 	defer c.e.Recycle(rt.Decision) // after the decision log's record read the candidates
 	now := c.e.Now()
-	drained := rt.Lease().State() >= routing.LeaseDrained // the slot was offered then
-	rt.Lease().End(now)
-	c.q.ended(rt, drained)
-	learned := learn(c.e, &c.o, rt, &o, reply)
+	c.q.ended(rt) // before the lease's end offers its slot
+	learned := c.learn(rt, &o, reply)
 	if o.DurationNs == 0 {
 		o.DurationNs = now.Sub(rt.start).Nanoseconds()
 	}
@@ -465,29 +458,23 @@ func (c *Core) Finish(rt *Routed, o Outcome, reply []byte) {
 	c.o.Log.Log(c.log.record(rt, &o))
 }
 
-// learn teaches e what a finished request's outcome o and reply say (the
-// options o turn on), and returns the reply's blocks it learned: the
-// engine's prompt tokens (its token estimate) and cached tokens (the
-// picture, by feedback), and the reply on the replica that wrote it. A
-// disaggregated request's decode replica reports the tokens the transfer
-// brought as cached: they teach nothing of its own cache.
-func learn(e *routing.Engine, co *CoreOptions, rt *Routed, o *Outcome, reply []byte) []blockhash.Block {
-	if o.PromptTokens > 0 && o.Status == 200 && !rt.req.PassThrough && !rt.remote {
-		e.ObserveUsage(rt.req.Model, rt.Decision, int(o.PromptTokens))
-		if co.Agreement != nil {
-			co.Agreement.Finished(rt.Served.Replica.Name, rt.Decision.Precise(), rt.Tokens, int(o.PromptTokens),
-				rt.Served.Predicted(), int(o.CachedTokens), o.CachedReported)
-		}
-		if o.CachedReported && co.Feedback {
-			if n := e.Feedback(rt.Decision, rt.Served, int(o.CachedTokens)); n > 0 {
-				co.Metrics.trimmed(rt, n)
-			}
-		}
+// learn ends rt's lease and teaches the engine what the request's outcome
+// o and reply say (routing.Engine.Finish: its prompt tokens, cached tokens
+// and reply), and the agreement tracker its tokens; it returns the reply's
+// blocks learned. A disaggregated request's decode replica reports the
+// tokens the transfer brought as cached: they teach nothing of its own
+// cache.
+func (c *Core) learn(rt *Routed, o *Outcome, reply []byte) []blockhash.Block {
+	learned, trimmed := c.e.Finish(rt.Decision, routing.Usage{OK: o.Status == 200, PromptTokens: o.PromptTokens,
+		CachedTokens: o.CachedTokens, CachedReported: o.CachedReported, Feedback: c.o.Feedback, Reply: reply})
+	if trimmed > 0 {
+		c.o.Metrics.trimmed(rt, trimmed)
 	}
-	if reply == nil {
-		return nil
+	if c.o.Agreement != nil && o.PromptTokens > 0 && o.Status == 200 && !rt.req.PassThrough && !rt.remote {
+		c.o.Agreement.Finished(rt.Served.Replica.Name, rt.Decision.Precise(), rt.Tokens, int(o.PromptTokens),
+			rt.Served.Predicted(), int(o.CachedTokens), o.CachedReported)
 	}
-	return e.LearnReply(rt.Decision, rt.Served.Replica, reply)
+	return learned
 }
 
 func logBlocks(bl []blockhash.Block) []decisionlog.Block {

@@ -26,6 +26,9 @@ type Deferrals struct {
 	demand  *flow.Demand
 	reserve int // CoreOptions.Reserve
 	metrics *Metrics
+	// freed is Freed, made once: every request's lease calls it
+	// (routing.Request.OnDrain).
+	freed func(*replica.Replica)
 	// onGrant, if set, hears of every deferral given a slot (virtual
 	// time: nothing blocks in Wait); nil: the waiting goroutine wakes.
 	onGrant func(*Deferral)
@@ -56,6 +59,7 @@ func newDeferrals(e *routing.Engine, o flow.Options[*replica.Replica], reserve i
 	o.OnLost = w.unreserve // a request that left as it was dispatched: its slot is free again
 	o.Now = e.Now
 	w.q = flow.New[*Deferral](o)
+	w.freed = w.Freed
 	return w
 }
 
@@ -131,7 +135,7 @@ func (w *Deferrals) unreserve(r *replica.Replica) {
 
 // Freed offers the queue the slot a request's end freed on r: the waiting
 // request that would compute least there goes. The lease's drain calls it
-// once per request.
+// once per request (routing.Request.OnDrain).
 func (w *Deferrals) Freed(r *replica.Replica) { w.offer(r) }
 
 // offer gives the router's queue a slot on r if r is not saturated, and

@@ -96,16 +96,12 @@ func (c *Core) decide(cr CoreRequest, arm *Arm, def *Deferral) (*Routed, *Deferr
 		in.Allow = allowBoth(in.Allow, roleOf(cr.Prefill))
 	}
 	now := c.e.Now()
-	start := now                                           // the request's, which a deferred one keeps
-	tracked := c.q != nil && !cr.DryRun && !cr.PassThrough // its demand counts (flow.Demand)
-	first := tracked && def == nil
-	in.Defer = first && !cr.Immediate
-	switch {
-	case in.Defer:
-		in.Keep, in.Room = c.q.view(cr.Priority, now)
-	case def != nil: // its turn came with a slot kept on def.slot: to the best replica with room
-		in.Keep, in.Room, in.Slot, start = def.keep, true, def.slot, def.start
+	start := now // the request's, which a deferred one keeps
+	if def != nil {
+		start = def.start
 	}
+	tracked := c.q.input(&in, &cr, def, now)
+	first := tracked && def == nil
 	d, err := decideKnown(c.e, c.o.RefreshModels, in, !cr.DryRun)
 	if err != nil {
 		return nil, nil, err
@@ -129,6 +125,28 @@ func (c *Core) decide(cr CoreRequest, arm *Arm, def *Deferral) (*Routed, *Deferr
 		c.o.Metrics.routed(rt, c.e.Now().Sub(now).Seconds())
 	}
 	return rt, nil, nil
+}
+
+// input readies in, cr's input, for the router's queue, and reports
+// whether the request is tracked there (its demand counts, its lease's
+// drain offers its slot): with flow control, a request with a prompt
+// that is recorded. A first decision may be deferred (unless
+// cr.Immediate), leaving free the slots kept for the traffic it gives way
+// to; one whose turn came (def) goes to the best replica with room, the
+// slot kept for it counting as room.
+func (w *Deferrals) input(in *routing.Request, cr *CoreRequest, def *Deferral, now time.Time) (tracked bool) {
+	if w == nil || cr.DryRun || cr.PassThrough {
+		return false
+	}
+	in.OnDrain = w.freed
+	switch {
+	case def != nil:
+		in.Keep, in.Room, in.Slot = def.keep, true, def.slot
+	case !cr.Immediate:
+		in.Defer = true
+		in.Keep, in.Room = w.view(cr.Priority, now)
+	}
+	return true
 }
 
 // decideKnown decides in through e (recording it if record); a request
@@ -210,25 +228,10 @@ func fallback(m *Metrics, rt *Routed, err error) (*Placement, *Deferral, error) 
 	return &Placement{Routed: rt, Fallback: &pdFallbackError{reason: reason, err: err}}, nil, nil
 }
 
-// freed offers the router's queue the slot rt's request held on its
-// replica (none without flow control, or for a request without a
-// prompt). The lease's drain (EngineDone, or Finish without it) calls it
-// once.
-func (w *Deferrals) freed(rt *Routed) {
+// ended ends the demand rt's request counted where it was placed.
+func (w *Deferrals) ended(rt *Routed) {
 	if w != nil && !rt.req.PassThrough {
-		w.Freed(rt.Served.Replica)
-	}
-}
-
-// ended ends the demand rt's request counted where it was placed, and
-// offers its slot unless the lease's drain offered it (drained).
-func (w *Deferrals) ended(rt *Routed, drained bool) {
-	if w == nil || rt.req.PassThrough {
-		return
-	}
-	w.demand.End(rt.req.Priority, rt.Chosen().Replica.ID) // where Place began it: a failover moves Served, not the choice
-	if !drained {
-		w.Freed(rt.Served.Replica)
+		w.demand.End(rt.req.Priority, rt.Chosen().Replica.ID) // where Place began it: a failover moves Served, not the choice
 	}
 }
 
