@@ -14,6 +14,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/semroute/semroute/internal/testwait"
 )
 
 func testUpstream(t *testing.T) *upstream {
@@ -151,7 +153,8 @@ func TestUpstreamDoesNotSendAgainWhatWentOut(t *testing.T) {
 	if _, _, err := post(t, u, context.Background(), url, "b"); err == nil {
 		t.Fatal("no error from a replica that closed without answering")
 	}
-	time.Sleep(50 * time.Millisecond)
+	// Nothing to wait for: a request sent again would have been read
+	// before the replica closed, so before RoundTrip returned.
 	if n := seen.Load(); n != 2 {
 		t.Errorf("the replica read %d requests, want 2: a request it read whole must not be sent again", n)
 	}
@@ -163,7 +166,18 @@ func TestUpstreamChecksPooledConnectionsBeforeUse(t *testing.T) {
 	if _, _, err := post(t, u, context.Background(), url, "a"); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(20 * time.Millisecond) // the replica's close arrives
+	testwait.Until(t, "the replica's close to reach the pooled connection", func() bool {
+		u.mu.Lock()
+		defer u.mu.Unlock()
+		for _, l := range u.idle {
+			for _, pc := range l {
+				if pc.alive() {
+					return false
+				}
+			}
+		}
+		return true
+	})
 	// The closed connection is seen before use, so the request does not
 	// need its body again.
 	req, _ := http.NewRequest(http.MethodPost, url, strings.NewReader("b"))
@@ -179,9 +193,10 @@ func TestUpstreamChecksPooledConnectionsBeforeUse(t *testing.T) {
 }
 
 func TestUpstreamCancelClosesTheConnection(t *testing.T) {
-	gone := make(chan struct{})
+	arrived, gone := make(chan struct{}), make(chan struct{})
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		io.ReadAll(r.Body)   // net/http watches for a close once the body is read
+		io.ReadAll(r.Body) // net/http watches for a close once the body is read
+		close(arrived)
 		<-r.Context().Done() // the router's connection closed: the replica stops
 		close(gone)
 	}))
@@ -190,7 +205,7 @@ func TestUpstreamCancelClosesTheConnection(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	errc := make(chan error, 1)
 	go func() { _, _, err := post(t, u, ctx, srv.URL, "x"); errc <- err }()
-	time.Sleep(50 * time.Millisecond)
+	<-arrived // the replica has the request and works on it
 	cancel()
 	select {
 	case err := <-errc:
