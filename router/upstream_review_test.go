@@ -20,27 +20,41 @@ import (
 	"testing"
 	"time"
 
+	"github.com/semroute/semroute/internal/testwait"
 	"github.com/semroute/semroute/limits"
 )
 
 // cancelAtDeadline is a connection that, the first time a future read
-// deadline is set on it, first cancels the request and lets the context's
-// AfterFunc (SetDeadline in the past) run: the interleaving of a client
-// that leaves just after the request is written.
+// deadline is set on it, first cancels the request and waits for the
+// context's AfterFunc to set a deadline in the past: the interleaving of a
+// client that leaves just after the request is written.
 type cancelAtDeadline struct {
 	net.Conn
 	once   sync.Once
 	cancel context.CancelFunc
+	moved  chan struct{} // closed when a deadline in the past is set
+	past   sync.Once
 }
 
 func (c *cancelAtDeadline) SetReadDeadline(t time.Time) error {
 	if t.After(time.Now()) {
 		c.once.Do(func() {
 			c.cancel()
-			time.Sleep(50 * time.Millisecond) // the AfterFunc moves the deadline to the past
+			select {
+			case <-c.moved: // the AfterFunc moved the deadline to the past
+			case <-time.After(testwait.Deadline): // it never did: RoundTrip's time says so
+			}
 		})
 	}
 	return c.Conn.SetReadDeadline(t)
+}
+
+func (c *cancelAtDeadline) SetDeadline(t time.Time) error {
+	err := c.Conn.SetDeadline(t)
+	if !t.IsZero() && t.Before(time.Now()) {
+		c.past.Do(func() { close(c.moved) })
+	}
+	return err
 }
 
 // TestUpstreamCancelLostToFirstByteDeadline: exchange sets the first-byte
@@ -69,7 +83,7 @@ func TestUpstreamCancelLostToFirstByteDeadline(t *testing.T) {
 			if err != nil {
 				return nil, err
 			}
-			return &cancelAtDeadline{Conn: c, cancel: cancel}, nil
+			return &cancelAtDeadline{Conn: c, cancel: cancel, moved: make(chan struct{})}, nil
 		}
 		req, _ := http.NewRequestWithContext(ctx, "POST", s.url+"/x", strings.NewReader(strings.Repeat("x", size)))
 		start := time.Now()
@@ -189,7 +203,7 @@ func TestUpstreamIdleTotalUnbounded(t *testing.T) {
 				}
 			}
 			wg.Wait()
-			time.Sleep(200 * time.Millisecond)
+			testwait.Until(t, "every answered connection idle on the replica side", func() bool { return idle.Load() >= replicas*per })
 			// Idle on the replica side and still open on ours: count ours.
 			open := 0
 			switch x := rt.(type) {
@@ -215,7 +229,9 @@ func TestUpstreamIdleTotalUnbounded(t *testing.T) {
 // awaiting response headers"; the router's transport gives it the raw read
 // error, "read tcp <router ip:port>-><replica ip:port>: i/o timeout".
 func TestUpstreamFirstByteTimeoutLeaksAddresses(t *testing.T) {
-	url := rawOne(t, func(c net.Conn, br *bufio.Reader, req *http.Request) { time.Sleep(time.Second) })
+	done := make(chan struct{}) // the replica never answers; it lets go when the test ends
+	defer close(done)
+	url := rawOne(t, func(c net.Conn, br *bufio.Reader, req *http.Request) { <-done })
 	ts, _ := serverFor(t, ServerOptions{Timeouts: limits.Timeouts{FirstByte: 200 * time.Millisecond}}, url)
 	resp, err := http.Post(ts.URL+"/v1/chat/completions", "application/json", strings.NewReader(chatBody))
 	if err != nil {
@@ -376,6 +392,8 @@ func TestUpstreamChurn(t *testing.T) {
 			io.Copy(io.Discard, req.Body)
 			io.WriteString(c, "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
 			for range 5 {
+				// The workload, not synchronisation: a stream slow
+				// enough to be cancelled or closed half-way.
 				time.Sleep(time.Millisecond)
 				if _, err := io.WriteString(c, "5\r\nhello\r\n"); err != nil {
 					return false
@@ -432,13 +450,9 @@ func TestUpstreamChurn(t *testing.T) {
 	wg.Wait()
 	u.CloseIdleConnections()
 	s.closeAll()
-	deadline := time.Now().Add(5 * time.Second)
-	for time.Now().Before(deadline) {
-		if runtime.NumGoroutine() <= g0+4 && fds(t) <= f0+4 {
-			break
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	// The goroutines and sockets wind down; the checks below say what
+	// is left if they do not.
+	testwait.Within(testwait.Deadline, func() bool { return runtime.NumGoroutine() <= g0+4 && fds(t) <= f0+4 })
 	t.Logf("goroutines %d -> %d, fds %d -> %d, conns %d", g0, runtime.NumGoroutine(), f0, fds(t), s.conns.Load())
 	u.mu.Lock()
 	idle := 0
