@@ -63,9 +63,10 @@ func value[T any](t testing.TB, d time.Duration, what string, get func() (T, boo
 
 // Within polls cond until it returns true or d has passed, and reports
 // whether it held. It is the one polling loop: Until and Value are it with
-// Deadline and a failure. Use it directly only where a failure may not be
-// reported from the calling goroutine (a fake server's handler), or where
-// the bound d is itself what the test asserts.
+// Deadline and a failure. Use it directly only where the caller does
+// something else than fail with what it waited for: it reports more (a
+// log, a goroutine dump), goes on another way (starts a process again),
+// or may not fail from its goroutine (a fake server's handler).
 func Within(d time.Duration, cond func() bool) bool {
 	deadline := time.Now().Add(d)
 	for pause := minPause; ; pause = min(2*pause, maxPause) {
