@@ -23,6 +23,7 @@ import (
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/configs"
+	"github.com/semroute/semroute/internal/testwait"
 )
 
 // The interoperability suite runs the router against llm-d's vLLM
@@ -169,21 +170,17 @@ func (r *tpReplica) waitUp(t *testing.T) {
 	}
 }
 
-// up reports whether the simulator answers /v1/models within wait.
+// up reports whether the simulator answers /v1/models within wait (the
+// caller decides what a simulator that does not means).
 func (r *tpReplica) up(wait time.Duration) bool {
-	for deadline := time.Now().Add(wait); ; {
+	return testwait.Within(wait, func() bool {
 		resp, err := http.Get(r.url + "/v1/models")
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == 200 {
-				return true
-			}
-		}
-		if time.Now().After(deadline) {
+		if err != nil {
 			return false
 		}
-		time.Sleep(20 * time.Millisecond) // polling the simulator's port
-	}
+		resp.Body.Close()
+		return resp.StatusCode == 200
+	})
 }
 
 // restart kills the simulator and starts it again on the same ports: its
@@ -194,15 +191,10 @@ func (r *tpReplica) restart(t *testing.T) {
 	cmd := exec.Command(r.cmd.Path, r.cmd.Args[1:]...)
 	cmd.Env, cmd.Stdout, cmd.Stderr = r.cmd.Env, r.log, r.log
 	r.cmd = cmd
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		if err := cmd.Start(); err == nil {
-			break
-		} else if time.Now().After(deadline) {
-			t.Fatal(err)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	testwait.Value(t, "the simulator started again", func() (error, bool) {
+		err := cmd.Start()
+		return err, err == nil
+	})
 	r.waitUp(t)
 }
 
@@ -258,22 +250,15 @@ func tpConfig(reps []*tpReplica, events bool, policy string) string {
 // from its metrics (vllm:cache_config_info).
 func waitBudgets(t *testing.T, r *tpRouter, n int, tokens int64) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for {
+	testwait.Value(t, fmt.Sprint("the router to learn ", n, " replicas' budgets"), func() (int, bool) {
 		ok := 0
 		for id := range n {
 			if st, found := r.app.cache.Stats(id); found && st.Budget == tokens {
 				ok++
 			}
 		}
-		if ok == n {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the router learned %d of %d replicas' budgets", ok, n)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return ok, ok == n
+	})
 }
 
 // tpCeiling returns two references, on the engine's own tokens (from one
@@ -494,7 +479,6 @@ func TestThirdPartyBrokenTokenizeAndRestart(t *testing.T) {
 // Its picture is empty then.
 func tpWaitRestartSeen(t *testing.T, r *tpRouter, name string, resets float64) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
 	said := func() bool {
 		for _, l := range strings.Split(r.log.String(), "\n") {
 			if strings.Contains(l, "replica's engine restarted, as its metrics show") && strings.Contains(l, "replica="+name+" ") {
@@ -503,22 +487,16 @@ func tpWaitRestartSeen(t *testing.T, r *tpRouter, name string, resets float64) {
 		}
 		return false
 	}
-	for metric(t, r.url, "semroute_kv_events_resets_total", `replica="`+name+`"`) != resets || !said() {
-		if time.Now().After(deadline) {
-			t.Fatalf("the restart of %s was not seen without traffic (events %+v):\n%s", name, r.app.events.stats(), r.log.String())
-		}
-		time.Sleep(20 * time.Millisecond) // polling the router's own report
+	if !testwait.Within(testwait.Deadline, func() bool {
+		return metric(t, r.url, "semroute_kv_events_resets_total", `replica="`+name+`"`) == resets && said()
+	}) {
+		t.Fatalf("the restart of %s was not seen without traffic (events %+v):\n%s", name, r.app.events.stats(), r.log.String())
 	}
 	rep, _ := r.app.core.Engine().Pool().Get(name)
 	if st, _ := r.app.cache.Stats(rep.ID); st.Blocks != 0 {
 		t.Fatalf("%s's picture holds %d blocks after its restart, before any request reached it", name, st.Blocks)
 	}
-	for !rep.Available(time.Now()) {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s was not taken back after its restart", name)
-		}
-		time.Sleep(20 * time.Millisecond) // polling the router's pool
-	}
+	testwait.Until(t, name+" taken back after its restart", func() bool { return rep.Available(time.Now()) })
 }
 
 // followerStats adds up every follower's counters.
@@ -641,12 +619,8 @@ func TestThirdPartyMisconfiguredBlockSize(t *testing.T) {
 	if run.errors > 0 {
 		t.Fatalf("%d requests failed: %s", run.errors, run.firstErr)
 	}
-	deadline := time.Now().Add(60 * time.Second)
-	for !strings.Contains(r.log.String(), "replica=tp-0 cause=events_unusable") {
-		if time.Now().After(deadline) {
-			t.Fatalf("no warning within a minute:\n%s", r.log.String())
-		}
-		time.Sleep(50 * time.Millisecond)
+	if !testwait.Within(testwait.Deadline, func() bool { return strings.Contains(r.log.String(), "replica=tp-0 cause=events_unusable") }) {
+		t.Fatalf("no warning within %v:\n%s", testwait.Deadline, r.log.String())
 	}
 	if m := metric(t, r.url, "semroute_replica_disagreement", `cause="events_unusable",replica="tp-0"`); m != 1 {
 		t.Fatalf("semroute_replica_disagreement: %v", m)

@@ -141,12 +141,7 @@ func runTruth(t *testing.T, mode, policy string, work [][]byte) *truthRun {
 	}
 	d := startTestDemo(t, o)
 	if mode == "events" {
-		deadline := time.Now().Add(10 * time.Second)
-		for _, s := range d.sims {
-			for !s.KVEventsSubscribed() && time.Now().Before(deadline) {
-				time.Sleep(5 * time.Millisecond)
-			}
-		}
+		waitSubscribed(t, d)
 	}
 	run := sendTruth(d.router.url(), work, truthWorkers, nil)
 	run.mode, run.policy = mode, policy
