@@ -27,7 +27,7 @@ import (
 // fastSim answers quickly so that tests of routing spend little time waiting.
 var fastSim = simreplica.Options{Overhead: 100 * time.Microsecond, PrefillPerToken: 100 * time.Nanosecond, InterToken: 100 * time.Microsecond, OutputTokens: 4}
 
-func startTestDemo(t *testing.T, o demoOptions) *demo {
+func startTestDemo(t testing.TB, o demoOptions) *demo {
 	t.Helper()
 	if o.replicas == 0 {
 		o.replicas = 4
@@ -638,7 +638,7 @@ func TestDemoExampleHitsTheSecondTime(t *testing.T) {
 
 // waitSubscribed waits until every simulated replica's KV events have a
 // subscriber (a ZeroMQ subscriber misses what is published before).
-func waitSubscribed(t *testing.T, d *demo) {
+func waitSubscribed(t testing.TB, d *demo) {
 	t.Helper()
 	testwait.Until(t, "every replica's KV events subscribed", func() bool {
 		for _, s := range d.sims {
