@@ -498,10 +498,10 @@ func (r *rawStream) trailers() {
 	_ = r.st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestTrailers{RequestTrailers: &extprocv3.HttpTrailers{}}})
 }
 
-// wait returns the answers that came within d, and how the stream ended
-// (nil: still open).
-func (r *rawStream) wait(d time.Duration) (out []*extprocv3.ProcessingResponse, ended error) {
-	deadline := time.After(d)
+// wait returns the answers that came until the stream ended, and how it
+// ended (nil: still open after testwait.Deadline).
+func (r *rawStream) wait() (out []*extprocv3.ProcessingResponse, ended error) {
+	deadline := time.After(testwait.Deadline)
 	for {
 		select {
 		case m := <-r.got:
@@ -513,6 +513,32 @@ func (r *rawStream) wait(d time.Duration) (out []*extprocv3.ProcessingResponse, 
 			return out, err
 		case <-deadline:
 			return out, nil
+		}
+	}
+}
+
+// until returns the answers that came until one for which last is true,
+// that one included, and any that came with it; or those that came before
+// the stream ended or testwait.Deadline passed.
+func (r *rawStream) until(last func(*extprocv3.ProcessingResponse) bool) (out []*extprocv3.ProcessingResponse) {
+	deadline := time.After(testwait.Deadline)
+	for {
+		select {
+		case m := <-r.got:
+			out = append(out, m)
+			if last(m) {
+				for len(r.got) > 0 {
+					out = append(out, <-r.got)
+				}
+				return out
+			}
+		case <-r.end:
+			for len(r.got) > 0 {
+				out = append(out, <-r.got)
+			}
+			return out
+		case <-deadline:
+			return out
 		}
 	}
 }
@@ -562,9 +588,9 @@ func TestExtProcHostileOrdersLeaveNoLoad(t *testing.T) {
 		run(r)
 		if name == "cut before the body ended" { // breaks no order: the gateway leaves
 			r.cancel()
-			r.wait(testwait.Deadline)
+			r.wait()
 		} else { // the router ends the stream once it reads the message out of order
-			if _, ended := r.wait(testwait.Deadline); status.Code(ended) != codes.FailedPrecondition {
+			if _, ended := r.wait(); status.Code(ended) != codes.FailedPrecondition {
 				t.Fatalf("%s: the stream ended with %v, want FailedPrecondition", name, ended)
 			}
 			r.cancel()
@@ -577,7 +603,7 @@ func TestExtProcHostileOrdersLeaveNoLoad(t *testing.T) {
 	r := openRaw(t, conn)
 	r.headers(buf, buf, false, post...)
 	r.body(body, false)
-	got, _ := r.wait(300 * time.Millisecond)
+	got := r.until(func(m *extprocv3.ProcessingResponse) bool { return m.GetRequestBody() != nil })
 	if len(got) != 2 || got[0].GetRequestHeaders() == nil || got[1].GetRequestBody() == nil {
 		t.Fatalf("buffered body with trailers to come: answers %v", got)
 	}
@@ -590,7 +616,7 @@ func TestExtProcHostileOrdersLeaveNoLoad(t *testing.T) {
 	r.headers(fd, fd, false, post...)
 	r.body(body, false)
 	r.trailers()
-	got, _ = r.wait(300 * time.Millisecond)
+	got = r.until(func(m *extprocv3.ProcessingResponse) bool { return m.GetRequestTrailers() != nil })
 	var eos, trailersAnswered bool
 	for _, m := range got {
 		eos = eos || m.GetRequestBody().GetResponse().GetBodyMutation().GetStreamedResponse().GetEndOfStream()
@@ -607,7 +633,7 @@ func TestExtProcHostileOrdersLeaveNoLoad(t *testing.T) {
 		r := openRaw(t, conn)
 		r.headers(fd, fd, false, ":method", "POST", ":path", path, "content-type", "application/json")
 		r.body(body, true)
-		got, _ := r.wait(300 * time.Millisecond)
+		got := r.until(func(*extprocv3.ProcessingResponse) bool { return true })
 		if len(got) == 0 || int(got[0].GetImmediateResponse().GetStatus().GetCode()) != want {
 			t.Fatalf("%s: %v, want an immediate %d", path, got, want)
 		}
@@ -640,7 +666,7 @@ func TestExtProcSilentStreamEnds(t *testing.T) {
 		n := inFlight(d)
 		return n, n == 1
 	})
-	_, ended := r.wait(testwait.Deadline)
+	_, ended := r.wait()
 	if status.Code(ended) != codes.DeadlineExceeded {
 		t.Fatalf("a silent stream ended with %v", ended)
 	}
