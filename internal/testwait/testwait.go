@@ -25,7 +25,7 @@ const (
 )
 
 // Until polls cond until it returns true. If it has not by Deadline, it
-// fails t with "timed out waiting for " and what. cond runs on the
+// fails t with "timed out after 30s waiting for " and what. cond runs on the
 // caller's goroutine, so it may itself call t.Fatal when what it sees can
 // no longer become true. Call Until from the test's goroutine.
 func Until(t testing.TB, what string, cond func() bool) {
