@@ -145,7 +145,7 @@ func (f *Fleet) load(peer string) (int, error) {
 // engine's own, and a block stored from a snapshot would have no engine
 // hash for its removal to be applied.
 func (f *Fleet) applyChunk(b []byte) (int, error) {
-	cache, pool := f.eng.Picture(), f.eng.Pool()
+	pic, pool := f.eng.Picture(), f.eng.Pool()
 	r := &reader{b: b}
 	if r.byte() != version {
 		return 0, errMalformed
@@ -157,7 +157,7 @@ func (f *Fleet) applyChunk(b []byte) (int, error) {
 		name := r.str()
 		n := r.count(11)
 		rep, ok := pool.Get(name)
-		skip := !ok || cache.EventDriven(rep.ID)
+		skip := !ok || pic.EventDriven(rep.ID)
 		for range n {
 			flags := r.byte()
 			var parent uint64
@@ -172,7 +172,7 @@ func (f *Fleet) applyChunk(b []byte) (int, error) {
 				continue
 			}
 			one[0] = blockhash.Block{Hash: key, Tokens: int32(tokens), Kind: kind}
-			if ok, _ := cache.Store(rep.ID, parent, flags&snapParent != 0, one, flags&snapCPU != 0, now); ok {
+			if ok, _ := pic.Store(rep.ID, parent, flags&snapParent != 0, one, flags&snapCPU != 0, now); ok {
 				stored++
 			}
 		}
@@ -186,13 +186,13 @@ func (f *Fleet) serve(m *nats.Msg) {
 	if m.Reply == "" {
 		return
 	}
-	cache := f.eng.Picture()
+	pic := f.eng.Picture()
 	var chunks [][]byte
 	cur := []byte{version}
 	for _, rep := range f.eng.Pool().Replicas() {
 		var blocks []byte
 		n := 0
-		cache.Walk(rep.ID, func(parent uint64, hasParent bool, b blockhash.Block, cpu bool) {
+		pic.Walk(rep.ID, func(parent uint64, hasParent bool, b blockhash.Block, cpu bool) {
 			var flags byte
 			if hasParent {
 				flags |= snapParent

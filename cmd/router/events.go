@@ -22,7 +22,7 @@ import (
 // followers runs one kvsync.Follower per replica whose engine publishes
 // KV events, from when it joins the pool until it is retired.
 type followers struct {
-	cache     *routing.Picture
+	pic       *routing.Picture
 	engine    *routing.Engine
 	blockSize int
 	precise   bool // tokenizer.mode is not estimate: requests are keyed as events are
@@ -40,8 +40,8 @@ type listener struct {
 	users int
 }
 
-func newFollowers(cache *routing.Picture, eng *routing.Engine, blockSize int, precise bool, log *slog.Logger) *followers {
-	return &followers{cache: cache, engine: eng, blockSize: blockSize, precise: precise, log: log, by: map[int]*kvsync.Follower{},
+func newFollowers(pic *routing.Picture, eng *routing.Engine, blockSize int, precise bool, log *slog.Logger) *followers {
+	return &followers{pic: pic, engine: eng, blockSize: blockSize, precise: precise, log: log, by: map[int]*kvsync.Follower{},
 		listeners: map[string]*listener{}, listenOf: map[int]string{}}
 }
 
@@ -112,7 +112,7 @@ func (fs *followers) add(r *replica.Replica, s replica.Spec) {
 		return
 	}
 	fs.remove(r.ID) // a replica added again follows its new spec
-	o := kvsync.Options{Model: fs.cache, ID: r.ID, Name: r.Name, Endpoint: ev.Endpoint, ReplayEndpoint: ev.ReplayEndpoint,
+	o := kvsync.Options{Model: fs.pic, ID: r.ID, Name: r.Name, Endpoint: ev.Endpoint, ReplayEndpoint: ev.ReplayEndpoint,
 		Topic: ev.Topic, Rank: ev.DataParallelRank, BlockSize: fs.blockSize, OnLoRA: fs.engine.NoteAdapter, Logger: fs.log}
 	if ev.Listen != "" {
 		l, err := fs.listen(r.ID, ev.Listen)
@@ -165,7 +165,7 @@ func (fs *followers) engineRestarted(r *replica.Replica, rs monitor.Restart) {
 		f.EngineRestarted(rs.Since, rs.Reason)
 		return
 	}
-	fs.cache.Clear(r.ID)
+	fs.pic.Clear(r.ID)
 }
 
 // close stops every follower.

@@ -18,8 +18,8 @@ import (
 // replicaCollector exports every replica's state when scraped, so replicas
 // that leave the pool leave the metrics too.
 type replicaCollector struct {
-	pool  *replica.Pool
-	cache *routing.Picture
+	pool *replica.Pool
+	pic  *routing.Picture
 }
 
 var (
@@ -55,7 +55,7 @@ func (c replicaCollector) Collect(ch chan<- prometheus.Metric) {
 	now := time.Now()
 	for _, r := range c.pool.Replicas() {
 		l := r.Load(now)
-		st, _ := c.cache.Stats(r.ID)
+		st, _ := c.pic.Stats(r.ID)
 		g := func(d *prometheus.Desc, v float64) {
 			ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, r.Name)
 		}
@@ -93,11 +93,11 @@ func buildInfo() (ver, commit, goVersion string) {
 
 // registerOps registers the process-level metrics: replicas, the decision
 // log and build info.
-func registerOps(reg *prometheus.Registry, pool *replica.Pool, cache *routing.Picture, dl *decisionlog.Writer, core *router.Core) {
+func registerOps(reg *prometheus.Registry, pool *replica.Pool, pic *routing.Picture, dl *decisionlog.Writer, core *router.Core) {
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "semroute_grpc_unreleased_decisions",
 		Help: "gRPC Route decisions awaiting Release (capped by grpc.max_unreleased_decisions)."},
 		func() float64 { n, _ := core.Unreleased().Len(); return float64(n) }))
-	reg.MustRegister(replicaCollector{pool, cache})
+	reg.MustRegister(replicaCollector{pool, pic})
 	reg.MustRegister(queueCollector{core})
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "semroute_queue_bytes",
 		Help: "Bytes of the bodies waiting in the router's queue."},
