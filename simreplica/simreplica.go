@@ -253,13 +253,79 @@ func New(o Options) (*Server, error) {
 	}
 	s := &Server{o: o, cache: c, pins: map[uint64]int32{}, sem: make(chan struct{}, o.MaxRunning), mux: http.NewServeMux(), tok: tok,
 		models: map[string]model{o.Model: {name: o.Model, root: RootHash(o.Model)}}, engineID: rand.Text()}
-	for i, name := range o.LoRAs {
+	if err := s.serveLoRAs(o.LoRAs); err != nil {
+		return nil, err
+	}
+	if err := s.reusePastPrefix(); err != nil {
+		return nil, err
+	}
+	s.routes(s.registerMetrics())
+	if o.KVEvents != nil {
+		if s.kv, err = newKVPublisher(*o.KVEvents); err != nil {
+			return nil, err
+		}
+		user := o.OnKVEvent
+		s.o.OnKVEvent = func(ev KVEvent) {
+			if user != nil {
+				user(ev)
+			}
+			s.kv.send(ev)
+		}
+	}
+	return s, nil
+}
+
+// serveLoRAs serves the adapters of Options.LoRAs besides the base model,
+// with ids 1 + their index.
+func (s *Server) serveLoRAs(loras []string) error {
+	for i, name := range loras {
 		if _, dup := s.models[name]; dup || name == "" {
-			return nil, fmt.Errorf("simreplica: LoRA name %q is empty or served twice", name)
+			return fmt.Errorf("simreplica: LoRA name %q is empty or served twice", name)
 		}
 		s.models[name] = model{name: name, lora: name, loraID: i + 1, root: RootHash(name)}
 	}
-	s.loras, s.loraIDs = slices.Clone(o.LoRAs), len(o.LoRAs)
+	s.loras, s.loraIDs = slices.Clone(loras), len(loras)
+	return nil
+}
+
+// reusePastPrefix makes the stores of Options.Blend (its defaults filled
+// in) or Options.Donor, the engine's reuse past the prefix cache.
+func (s *Server) reusePastPrefix() (err error) {
+	o := s.o
+	if o.Blend != nil {
+		if o.Tokenizer != TokenizerWords {
+			return fmt.Errorf("simreplica: Blend needs the %q tokenizer", TokenizerWords)
+		}
+		b := *o.Blend
+		if b.Recompute == 0 {
+			b.Recompute = DefaultRecompute
+		}
+		if b.BudgetTokens <= 0 {
+			b.BudgetTokens = o.NumBlocks * o.BlockSize
+		}
+		s.o.Blend = &b
+		if s.blend, err = newBlendStore(b, o.BlockSize); err != nil {
+			return err
+		}
+	}
+	if o.Donor != nil {
+		if o.Blend != nil {
+			return errors.New("simreplica: Donor and Blend are exclusive")
+		}
+		if s.donor, err = newDonorStore(*o.Donor); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// registerMetrics makes the replica's vLLM metrics, labelled with its
+// model, and returns their registry: the gauges of running and waiting
+// requests and of KV cache usage, the prefix cache's counters (the
+// external cache's with Blend or Donor), the cache config, and LoRA
+// adapters' use when adapters are served.
+func (s *Server) registerMetrics() *prometheus.Registry {
+	o := s.o
 	reg := prometheus.NewRegistry()
 	lbl := prometheus.Labels{"model_name": o.Model}
 	g := func(name, help string) prometheus.Gauge {
@@ -278,30 +344,6 @@ func New(o Options) (*Server, error) {
 	ctr("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.", &s.hits)
 	ctr("vllm:prompt_tokens_total", "Number of prefill tokens processed.", &s.promptTotal)
 	ctr("vllm:generation_tokens_total", "Number of generation tokens processed.", &s.genTotal)
-	if o.Blend != nil {
-		if o.Tokenizer != TokenizerWords {
-			return nil, fmt.Errorf("simreplica: Blend needs the %q tokenizer", TokenizerWords)
-		}
-		b := *o.Blend
-		if b.Recompute == 0 {
-			b.Recompute = DefaultRecompute
-		}
-		if b.BudgetTokens <= 0 {
-			b.BudgetTokens = o.NumBlocks * o.BlockSize
-		}
-		s.o.Blend = &b
-		if s.blend, err = newBlendStore(b, o.BlockSize); err != nil {
-			return nil, err
-		}
-	}
-	if o.Donor != nil {
-		if o.Blend != nil {
-			return nil, errors.New("simreplica: Donor and Blend are exclusive")
-		}
-		if s.donor, err = newDonorStore(*o.Donor); err != nil {
-			return nil, err
-		}
-	}
 	if s.blend != nil || s.donor != nil {
 		ctr("vllm:external_prefix_cache_queries_total", "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.", &s.extQueries)
 		ctr("vllm:external_prefix_cache_hits_total", "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.", &s.extHits)
@@ -312,10 +354,18 @@ func New(o Options) (*Server, error) {
 	reg.MustRegister(info)
 	if len(o.LoRAs) > 0 || o.EnableLoRA {
 		s.lora = newLoRAUse(reg, o.MaxLoRAs)
+	}
+	return reg
+}
+
+// routes serves the replica's API on s.mux, its metrics from reg: the
+// OpenAI-compatible endpoints, vLLM's /tokenize and /detokenize, /health,
+// and the adapter endpoints when adapters are served.
+func (s *Server) routes(reg *prometheus.Registry) {
+	if s.lora != nil {
 		s.mux.HandleFunc("POST /v1/load_lora_adapter", s.loadLoRA)
 		s.mux.HandleFunc("POST /v1/unload_lora_adapter", s.unloadLoRA)
 	}
-
 	s.mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	s.mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
 	s.mux.HandleFunc("GET /v1/models", s.listModels)
@@ -326,19 +376,6 @@ func New(o Options) (*Server, error) {
 	s.mux.HandleFunc("GET /v1/responses/{id}", s.getResponse)
 	s.mux.HandleFunc("POST /tokenize", s.tokenize)
 	s.mux.HandleFunc("POST /detokenize", s.detokenize)
-	if o.KVEvents != nil {
-		if s.kv, err = newKVPublisher(*o.KVEvents); err != nil {
-			return nil, err
-		}
-		user := o.OnKVEvent
-		s.o.OnKVEvent = func(ev KVEvent) {
-			if user != nil {
-				user(ev)
-			}
-			s.kv.send(ev)
-		}
-	}
-	return s, nil
 }
 
 // ServeHTTP implements http.Handler.
