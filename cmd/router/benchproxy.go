@@ -28,6 +28,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/semroute/semroute/configs"
+	"github.com/semroute/semroute/internal/httpserve"
 	"github.com/semroute/semroute/router"
 	"github.com/semroute/semroute/simreplica"
 )
@@ -380,11 +381,11 @@ func serveBenchTarget(role, upstream, profile string, out io.Writer, in io.Reade
 			Transport:     t,
 			ErrorLog:      log.New(io.Discard, "", 0),
 		}
-		l, err := serve("127.0.0.1:0", plainProxy, slog.New(slog.DiscardHandler))
+		l, err := httpserve.Serve("127.0.0.1:0", plainProxy, slog.New(slog.DiscardHandler))
 		if err != nil {
 			return err
 		}
-		u, stop = l.url(), func() { _ = l.stop(5 * time.Second) }
+		u, stop = l.URL(), func() { _ = l.Stop(5 * time.Second) }
 	case "router":
 		v := configs.NewViper()
 		v.Set("listen", "127.0.0.1:0")
@@ -409,7 +410,7 @@ func serveBenchTarget(role, upstream, profile string, out io.Writer, in io.Reade
 			_ = r.stop(time.Second)
 			return err
 		}
-		u, stop = r.http.url(), func() { stopProfile(); _ = r.stop(5 * time.Second); stopFloor() }
+		u, stop = r.http.URL(), func() { stopProfile(); _ = r.stop(5 * time.Second); stopFloor() }
 	default:
 		return fmt.Errorf("--serve-target %q: want replica, plain or router", role)
 	}

@@ -16,6 +16,7 @@ import (
 
 	"github.com/semroute/semroute/cluster"
 	"github.com/semroute/semroute/configs"
+	"github.com/semroute/semroute/internal/httpserve"
 	"github.com/semroute/semroute/kvevents"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/simreplica"
@@ -54,7 +55,7 @@ type demoOptions struct {
 type demo struct {
 	app      *app
 	run      *running
-	router   *listening
+	router   *httpserve.Server
 	apps     []*app
 	runs     []*running
 	nats     *server.Server
@@ -256,12 +257,12 @@ func (d *demo) startRouters(v *viper.Viper, logw io.Writer, o demoOptions) error
 	}
 	var urls []string
 	for _, r := range d.runs {
-		urls = append(urls, r.http.url())
+		urls = append(urls, r.http.URL())
 	}
-	if d.router, err = serve(listen, newFront(urls), d.app.log); err != nil {
+	if d.router, err = httpserve.Serve(listen, newFront(urls), d.app.log); err != nil {
 		return err
 	}
-	d.app.log.Info("semroute demo front listening: round robin over the routers", "addr", d.router.addr, "routers", urls, "nats", d.nats.ClientURL())
+	d.app.log.Info("semroute demo front listening: round robin over the routers", "addr", d.router.Addr, "routers", urls, "nats", d.nats.ClientURL())
 	return nil
 }
 
@@ -290,7 +291,7 @@ func (d *demo) startRouter(v *viper.Viper, logw io.Writer, picture string) error
 	if d.app == nil {
 		d.app, d.run = a, run
 	}
-	log.Info("semroute demo listening", "addr", run.http.addr, "grpc", run.grpcAddr(), "replicas", len(cfg.Replicas), "policy", cfg.Routing.Policy.Type,
+	log.Info("semroute demo listening", "addr", run.http.Addr, "grpc", run.grpcAddr(), "replicas", len(cfg.Replicas), "policy", cfg.Routing.Policy.Type,
 		"tokenizer", cfg.Tokenizer.Mode, "picture", cmp.Or(picture, "approximate"))
 	return nil
 }
@@ -304,7 +305,7 @@ func (d *demo) close() error {
 func (d *demo) shutdown() error {
 	var errs []error
 	if d.router != nil && (len(d.runs) != 1 || d.router != d.run.http) {
-		errs = append(errs, d.router.stop(5*time.Second)) // the front
+		errs = append(errs, d.router.Stop(5*time.Second)) // the front
 	}
 	for _, r := range d.runs {
 		errs = append(errs, r.stop(5*time.Second))
@@ -342,7 +343,7 @@ Try:
 Send it twice: the second answer comes from the same replica (X-Semroute-Replica)
 with X-Semroute-Matched-Tokens > 0, and its usage reports cached_tokens > 0.
 Add "stream": true to stream. Ctrl-C stops the demo.
-`, len(d.sims), d.router.url(), d.router.url(), demoBody(d.sims[0].Options().Model))
+`, len(d.sims), d.router.URL(), d.router.URL(), demoBody(d.sims[0].Options().Model))
 	if g := d.run.grpcAddr(); g != "" {
 		fmt.Fprintf(w, "\ngRPC Route API on %s (grpcurl -plaintext -H 'authorization: Bearer %s' %s list)\n", g, d.app.cfg.GRPC.Token, g)
 	}

@@ -115,7 +115,7 @@ timeouts.shutdown_grace, and exits.`,
 			}
 			floor, stopFloor := startGCFloor(cfg.Runtime)
 			defer stopFloor()
-			log.Info("semroute listening", "addr", r.http.addr, "grpc", r.grpcAddr(), "replicas", len(cfg.Replicas), "policy", cfg.Routing.Policy.Type, "gc_floor", floor)
+			log.Info("semroute listening", "addr", r.http.Addr, "grpc", r.grpcAddr(), "replicas", len(cfg.Replicas), "policy", cfg.Routing.Policy.Type, "gc_floor", floor)
 			ctx, stop := signalContext()
 			defer stop()
 			<-ctx.Done()

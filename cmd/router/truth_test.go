@@ -148,7 +148,7 @@ func runTruth(t *testing.T, mode, policy string, work [][]byte) *truthRun {
 			}
 		}
 	}
-	run := sendTruth(d.router.url(), work, truthWorkers, nil)
+	run := sendTruth(d.router.URL(), work, truthWorkers, nil)
 	run.mode, run.policy = mode, policy
 	return run
 }

@@ -35,6 +35,7 @@ import (
 	"github.com/semroute/semroute/decisionlog"
 	"github.com/semroute/semroute/eviction"
 	"github.com/semroute/semroute/flow"
+	"github.com/semroute/semroute/internal/httpserve"
 	"github.com/semroute/semroute/kubedisc"
 	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/matcher"
@@ -420,8 +421,8 @@ func mainMetrics(c configs.MetricsConfig, reg *prometheus.Registry) http.Handler
 
 type running struct {
 	app     *app
-	http    *listening
-	admin   *listening // nil when off
+	http    *httpserve.Server
+	admin   *httpserve.Server // nil when off
 	grpc    *grpc.Server
 	grpcLn  net.Listener
 	cancel  context.CancelFunc
@@ -439,13 +440,13 @@ func (a *app) start() (*running, error) {
 			return nil, err
 		}
 	}
-	if r.http, err = serve(a.cfg.Listen, a.server, a.log); err != nil {
+	if r.http, err = httpserve.Serve(a.cfg.Listen, a.server, a.log); err != nil {
 		return nil, err
 	}
 	if a.cfg.GRPCListen != "" {
 		ln, err := net.Listen("tcp", a.cfg.GRPCListen)
 		if err != nil {
-			_ = r.http.stop(time.Second)
+			_ = r.http.Stop(time.Second)
 			return nil, fmt.Errorf("listen %s: %w", a.cfg.GRPCListen, err)
 		}
 		// At most grpcMaxConns connections at once: more wait to be
@@ -454,7 +455,7 @@ func (a *app) start() (*running, error) {
 		r.grpcLn = netutil.LimitListener(ln, grpcMaxConns)
 		creds, err := grpcCreds(a.cfg.GRPC)
 		if err != nil {
-			_ = r.http.stop(time.Second)
+			_ = r.http.Stop(time.Second)
 			_ = r.grpcLn.Close()
 			return nil, err
 		}
@@ -478,9 +479,9 @@ func (a *app) start() (*running, error) {
 	go func() { defer wg.Done(); a.monitor.Run(ctx) }()
 	go func() { defer wg.Done(); a.judgeEvents(ctx, 5*time.Second) }()
 	if c := a.cfg.Admin; c.Listen != "" && c.Token != "" {
-		if r.admin, err = serve(c.Listen, a.adminHandler(), a.log); err != nil {
+		if r.admin, err = httpserve.Serve(c.Listen, a.adminHandler(), a.log); err != nil {
 			cancel()
-			_ = r.http.stop(time.Second)
+			_ = r.http.Stop(time.Second)
 			return nil, err
 		}
 	}
@@ -495,7 +496,7 @@ func (a *app) start() (*running, error) {
 		src, err := a.kubernetes(ctx, d)
 		if err != nil {
 			cancel()
-			_ = r.http.stop(time.Second)
+			_ = r.http.Stop(time.Second)
 			return nil, err
 		}
 		wg.Add(1)
@@ -505,7 +506,7 @@ func (a *app) start() (*running, error) {
 		w, err := a.watch(ctx)
 		if err != nil {
 			cancel()
-			_ = r.http.stop(time.Second)
+			_ = r.http.Stop(time.Second)
 			return nil, err
 		}
 		wg.Add(1)
@@ -532,7 +533,7 @@ func (r *running) stop(grace time.Duration) error {
 
 func (r *running) shutdown(grace time.Duration) error {
 	var errs []error
-	errs = append(errs, r.http.stop(grace))
+	errs = append(errs, r.http.Stop(grace))
 	if r.grpc != nil {
 		done := make(chan struct{})
 		go func() { r.grpc.GracefulStop(); close(done) }()
@@ -543,7 +544,7 @@ func (r *running) shutdown(grace time.Duration) error {
 		}
 	}
 	if r.admin != nil {
-		errs = append(errs, r.admin.stop(grace))
+		errs = append(errs, r.admin.Stop(grace))
 	}
 	if r.app.fleet != nil {
 		r.app.fleet.Close() // after the requests in flight ended: their ends reach the peers
@@ -585,63 +586,6 @@ func armsFor(cfg *configs.Config) ([]router.Arm, error) {
 	}
 	return arms, nil
 }
-
-// listening is an HTTP server on a socket.
-type listening struct {
-	srv     *http.Server
-	addr    string // host:port actually bound
-	done    chan error
-	once    sync.Once
-	stopErr error
-}
-
-// serve starts h on addr ("127.0.0.1:0" picks a port).
-func serve(addr string, h http.Handler, log *slog.Logger) (*listening, error) {
-	ln, err := net.Listen("tcp", addr)
-	if err != nil {
-		return nil, fmt.Errorf("listen %s: %w", addr, err)
-	}
-	l := &listening{
-		srv: &http.Server{
-			Handler:           h,
-			ReadHeaderTimeout: 10 * time.Second,
-			ReadTimeout:       60 * time.Second, // headers and body: a slow upload cannot hold a connection
-			IdleTimeout:       120 * time.Second,
-			// The router answers headers over limits.max_header_bytes with
-			// an OpenAI-style 431; this is the hard cap above that.
-			MaxHeaderBytes: 1 << 20,
-			ErrorLog:       slog.NewLogLogger(log.Handler(), slog.LevelWarn),
-		},
-		addr: ln.Addr().String(),
-		done: make(chan error, 1),
-	}
-	go func() {
-		err := l.srv.Serve(ln)
-		if errors.Is(err, http.ErrServerClosed) {
-			err = nil
-		}
-		l.done <- err
-	}()
-	return l, nil
-}
-
-// stop shuts the server down gracefully, waiting up to grace for requests in
-// flight, then closes what is left.
-// It is safe to call more than once.
-func (l *listening) stop(grace time.Duration) error {
-	l.once.Do(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), grace)
-		defer cancel()
-		if err := l.srv.Shutdown(ctx); err != nil {
-			_ = l.srv.Close()
-		}
-		l.stopErr = <-l.done
-	})
-	return l.stopErr
-}
-
-// url returns the server's base URL.
-func (l *listening) url() string { return "http://" + strings.Replace(l.addr, "[::]", "127.0.0.1", 1) }
 
 // keysReload is how often the API keys file is read again for changes (a
 // mounted Secret changes in place).
