@@ -15,7 +15,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime/pprof"
 	"slices"
 	"sort"
 	"strings"
@@ -736,21 +735,4 @@ func childPIDs(pid int) []int {
 		}
 	}
 	return out
-}
-
-// startCPUProfile profiles this process's CPU into file until the returned
-// stop; with file "", it does nothing.
-func startCPUProfile(file string) (stop func(), err error) {
-	if file == "" {
-		return func() {}, nil
-	}
-	f, err := os.Create(file)
-	if err != nil {
-		return nil, err
-	}
-	if err := pprof.StartCPUProfile(f); err != nil {
-		f.Close()
-		return nil, err
-	}
-	return func() { pprof.StopCPUProfile(); f.Close() }, nil
 }
