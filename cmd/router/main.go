@@ -50,7 +50,7 @@ func newRoot() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newServe(), newDemo(), newSim(), newReplay(), newGenTrace(), newBenchProxy(), newVersion(), newHashKey())
+	root.AddCommand(newServe(), newDemo(), newSim(), newReplay(), newGenTrace(), newVersion(), newHashKey())
 	return root
 }
 
