@@ -27,12 +27,12 @@ func (m *Model) Chain(key uint64, dst []blockhash.Block) ([]blockhash.Block, boo
 	return dst, true
 }
 
-// Held calls fn with every block replica id holds in GPU or CPU memory
+// Walk calls fn with every block replica id holds in GPU or CPU memory
 // (not those only routed there and pending, nor dead ones), each block's
 // parent before it, so that Store can rebuild the picture elsewhere (a
 // fleet's warm start). fn runs under the model's read lock: it must not
 // call the model.
-func (m *Model) Held(id int, fn func(parent uint64, hasParent bool, b blockhash.Block, cpu bool)) {
+func (m *Model) Walk(id int, fn func(parent uint64, hasParent bool, b blockhash.Block, cpu bool)) {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
 	if !m.valid(id) {

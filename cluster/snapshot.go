@@ -192,7 +192,7 @@ func (f *Fleet) serve(m *nats.Msg) {
 	for _, rep := range f.eng.Pool().Replicas() {
 		var blocks []byte
 		n := 0
-		cache.Held(rep.ID, func(parent uint64, hasParent bool, b blockhash.Block, cpu bool) {
+		cache.Walk(rep.ID, func(parent uint64, hasParent bool, b blockhash.Block, cpu bool) {
 			var flags byte
 			if hasParent {
 				flags |= snapParent

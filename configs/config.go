@@ -289,11 +289,16 @@ type GRPCConfig struct {
 	// a request is answered 429. At least limits.max_body_bytes. Read at
 	// start.
 	ExtProcMaxBufferedBytes int64 `mapstructure:"ext_proc_max_buffered_bytes" json:"ext_proc_max_buffered_bytes"`
-	// MaxHeldDecisions and MaxHeldBlocks cap the Route decisions awaiting
-	// Release and the prompt blocks they keep; past either, the oldest is
-	// finished as expired.
-	MaxHeldDecisions int `mapstructure:"max_held_decisions" json:"max_held_decisions"`
-	MaxHeldBlocks    int `mapstructure:"max_held_blocks" json:"max_held_blocks"`
+	// MaxUnreleasedDecisions and MaxUnreleasedBlocks cap the Route
+	// decisions awaiting Release and the prompt blocks they keep; past
+	// either, the oldest is finished as expired. The old spellings
+	// max_unreleased_decisions and max_unreleased_blocks still set them.
+	MaxUnreleasedDecisions int `mapstructure:"max_unreleased_decisions" json:"max_unreleased_decisions"`
+	MaxUnreleasedBlocks    int `mapstructure:"max_unreleased_blocks" json:"max_unreleased_blocks"`
+	// HeldDecisions and HeldBlocks are MaxUnreleasedDecisions and
+	// MaxUnreleasedBlocks under the names they had first, still read.
+	HeldDecisions *int `mapstructure:"max_held_decisions" json:"-"`
+	HeldBlocks    *int `mapstructure:"max_held_blocks" json:"-"`
 }
 
 // AdminConfig sets the admin API's listener and bearer token; the API is
@@ -573,8 +578,8 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("grpc.tls_client_ca_file", "")
 	v.SetDefault("grpc.ext_proc_without_token", false)
 	v.SetDefault("grpc.ext_proc_max_buffered_bytes", limits.DefaultExtProcBufferBytes)
-	v.SetDefault("grpc.max_held_decisions", limits.DefaultMaxHeld)
-	v.SetDefault("grpc.max_held_blocks", limits.DefaultMaxHeldBlocks)
+	v.SetDefault("grpc.max_unreleased_decisions", limits.DefaultMaxUnreleased)
+	v.SetDefault("grpc.max_unreleased_blocks", limits.DefaultMaxUnreleasedBlocks)
 	v.SetDefault("decision_log.path", "")
 	v.SetDefault("decision_log.max_bytes", decisionlog.DefaultMaxBytes)
 	v.SetDefault("decision_log.max_files", decisionlog.DefaultMaxFiles)
@@ -723,6 +728,7 @@ func Decode(v *viper.Viper) (*Config, error) {
 		}
 		return nil, errors.Join(fmt.Errorf("config: unknown keys: %s", strings.Join(keys, ", ")), known.Validate())
 	}
+	c.renamed(v)
 	if err := c.Validate(); err != nil {
 		return nil, err
 	}
@@ -758,7 +764,6 @@ func (r RoutingConfig) ArmSpec(i int) routing.PolicySpec {
 }
 
 func (r RoutingConfig) spec(s routing.PolicySpec, arm map[string]*float64) routing.PolicySpec {
-	s.Seed = r.Seed
 	if p, ok := routing.LookupPolicy(s.Type); !ok || p.Name != "semantic" {
 		return s
 	}
@@ -772,4 +777,23 @@ func (r RoutingConfig) spec(s routing.PolicySpec, arm map[string]*float64) routi
 	maps.Copy(params, s.Params)
 	s.Params = params
 	return s
+}
+
+// renamed takes the values given under keys' old names (GRPCConfig's
+// Held* fields) to their new names, unless the new name is given too.
+func (c *Config) renamed(v *viper.Viper) {
+	g := &c.GRPC
+	if g.HeldDecisions != nil && !given(v, "grpc.max_unreleased_decisions") {
+		g.MaxUnreleasedDecisions = *g.HeldDecisions
+	}
+	if g.HeldBlocks != nil && !given(v, "grpc.max_unreleased_blocks") {
+		g.MaxUnreleasedBlocks = *g.HeldBlocks
+	}
+}
+
+// given reports whether key is set in v's config file or by its SEMROUTE_*
+// variable, not only by its default.
+func given(v *viper.Viper, key string) bool {
+	_, env := os.LookupEnv("SEMROUTE_" + strings.ToUpper(strings.ReplaceAll(key, ".", "_")))
+	return env || v.InConfig(key)
 }

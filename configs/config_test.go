@@ -72,7 +72,7 @@ func TestBadConfigs(t *testing.T) {
 			"limits.max_body_bytes_in_flight:", "limits.max_messages:", "replicas[0].url:", "replicas[1].name:", "replicas[1].weight:", "replicas[1].reuse:",
 			"routing.arms[0].policy:", "routing.arms[0].weight:", "routing.arms[1].name:", "runtime.gc_floor_mb:",
 		},
-		"hostile.bad.yaml": {"grpc.token:", "grpc.tls_cert_file:", "grpc.max_held_decisions:", "grpc.ext_proc_max_buffered_bytes:", "limits.max_json_depth:",
+		"hostile.bad.yaml": {"grpc.token:", "grpc.tls_cert_file:", "grpc.max_unreleased_decisions:", "grpc.ext_proc_max_buffered_bytes:", "limits.max_json_depth:",
 			"cache.default_budget_tokens:", "replicas[0].name:", "replicas[0].url:", "replicas[1].weight:", "replicas[2].reuse:"},
 		"bad-duration.bad.yaml":              {"load_half_life"},
 		"bad-yaml.bad.yaml":                  {"parse config"},

@@ -111,8 +111,8 @@ func (c *Config) validateGRPC(p *problems) {
 	if (g.TLSCertFile == "") != (g.TLSKeyFile == "") || (g.TLSClientCAFile != "" && g.TLSCertFile == "") {
 		p.bad("grpc.tls_cert_file", "tls_cert_file and tls_key_file go together, and tls_client_ca_file needs them")
 	}
-	if g.MaxHeldDecisions < 1 || g.MaxHeldBlocks < 1 {
-		p.bad("grpc.max_held_decisions", "max_held_decisions and max_held_blocks must be positive")
+	if g.MaxUnreleasedDecisions < 1 || g.MaxUnreleasedBlocks < 1 {
+		p.bad("grpc.max_unreleased_decisions", "max_unreleased_decisions and max_unreleased_blocks must be positive")
 	}
 	if g.ExtProcMaxBufferedBytes < c.Limits.MaxBodyBytes {
 		p.bad("grpc.ext_proc_max_buffered_bytes", "must be at least limits.max_body_bytes, or the largest bodies are never taken")

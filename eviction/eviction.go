@@ -11,10 +11,8 @@
 package eviction
 
 import (
-	"cmp"
 	"fmt"
 	"math"
-	"sort"
 	"time"
 
 	lru "github.com/hashicorp/golang-lru/v2/simplelru"
@@ -83,48 +81,41 @@ type Evicted interface {
 // Factory makes a fresh policy for one replica.
 type Factory func() Policy
 
-// registered is one eviction policy's registration: its parameters'
-// struct (nil: it takes none) and the constructor of its factory.
-type registered struct {
-	params any
-	new    func(plugin.Params) (Factory, error)
-}
-
 // none is the constructor of a policy that takes no parameters.
 func none(f Factory) func(plugin.Params) (Factory, error) {
 	return func(plugin.Params) (Factory, error) { return f, nil }
 }
 
-// registry maps names to policies; see New.
-var registry = map[string]registered{
-	"fifo":          {new: none(NewFIFO)},
-	"lru":           {new: none(NewLRU)},
-	"lfu":           {new: none(NewLFU)},
-	"size_lru":      {new: none(NewSizeLRU)},
-	"vllm":          {new: none(NewVLLM)},
-	"kind_weighted": {params: staticSpec{}, new: newStatic},
-	"kind_adaptive": {params: adaptiveSpec{}, new: newAdaptive},
-}
+// policies are the registered eviction policies (registry).
+var policies = registry()
 
-// aliases are older names of registered policies, still accepted.
-var aliases = map[string]string{"static_semantic": "kind_weighted", "adaptive_semantic": "kind_adaptive"}
+// registry returns the eviction policies, by name: the one place they are
+// registered. kind_weighted and kind_adaptive keep their older names as
+// aliases.
+func registry() *plugin.Registry[Factory] {
+	return plugin.NewRegistry("eviction policy", "",
+		plugin.Plugin[Factory]{Name: "fifo", New: none(NewFIFO)},
+		plugin.Plugin[Factory]{Name: "kind_adaptive", Aliases: []string{"adaptive_semantic"}, Params: adaptiveSpec{}, New: newAdaptive},
+		plugin.Plugin[Factory]{Name: "kind_weighted", Aliases: []string{"static_semantic"}, Params: staticSpec{}, New: newStatic},
+		plugin.Plugin[Factory]{Name: "lfu", New: none(NewLFU)},
+		plugin.Plugin[Factory]{Name: "lru", New: none(NewLRU)},
+		plugin.Plugin[Factory]{Name: "size_lru", New: none(NewSizeLRU)},
+		plugin.Plugin[Factory]{Name: "vllm", New: none(NewVLLM)},
+	)
+}
 
 // Default is the eviction policy of the live router's picture.
 const Default = "vllm"
 
-// Names returns the registered policy names, sorted.
-func Names() []string {
-	out := make([]string, 0, len(registry))
-	for n := range registry {
-		out = append(out, n)
-	}
-	sort.Strings(out)
-	return out
-}
+// Names returns the registered policy names, sorted (registry registers
+// them in that order).
+func Names() []string { return policies.Names() }
 
-// ParamNames returns the parameter names the named policy takes.
+// ParamNames returns the parameter names the named policy (or alias)
+// takes.
 func ParamNames(name string) []string {
-	return plugin.Names(registry[cmp.Or(aliases[name], name)].params)
+	p, _ := policies.Lookup(name)
+	return plugin.Names(p.Params)
 }
 
 // Lookup returns the factory registered under name, with default parameters.
@@ -132,21 +123,7 @@ func Lookup(name string) (Factory, error) { return New(plugin.Spec{Type: name}) 
 
 // New returns the factory of the policy s names, with its parameters
 // decoded and checked.
-func New(s plugin.Spec) (Factory, error) {
-	s.Type = cmp.Or(aliases[s.Type], s.Type)
-	r, ok := registry[s.Type]
-	if !ok {
-		return nil, fmt.Errorf("unknown eviction policy %q (have %v)", s.Type, Names())
-	}
-	if r.params == nil && len(s.Params) > 0 {
-		return nil, fmt.Errorf("eviction policy %s takes no parameters", s.Type)
-	}
-	f, err := r.new(s.Params)
-	if err != nil {
-		return nil, fmt.Errorf("eviction policy %s: %w", s.Type, err)
-	}
-	return f, nil
-}
+func New(s plugin.Spec) (Factory, error) { return policies.New(s) }
 
 // staticSpec is kind_weighted's parameters as config gives them.
 type staticSpec struct {

@@ -16,7 +16,7 @@ func TestTiesGoToTheOldestWaiting(t *testing.T) {
 		{"0-victim", "zzz-fresh-%d"},
 		{"", "fresh-%d"},
 	} {
-		q := New(Options{})
+		q := New[any, any](Options[any]{})
 		enqueue(t, q, 0, names.victim, "victim")
 		for i := range 20 {
 			enqueue(t, q, 0, fmt.Sprintf(names.fresh, i), fmt.Sprint("fresh", i))
@@ -41,7 +41,7 @@ func TestTiesGoToTheOldestWaiting(t *testing.T) {
 // was lifted to the one before it, which had not been served yet.)
 func TestNewFlowsCannotStarveAWaitingFlow(t *testing.T) {
 	for _, k := range []int{1, 2, 3, 5, 8} {
-		q := New(Options{})
+		q := New[any, any](Options[any]{})
 		for i := range 200 {
 			enqueue(t, q, 0, "victim", fmt.Sprint("victim", i))
 		}

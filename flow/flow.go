@@ -59,7 +59,7 @@ const (
 )
 
 // Options bound a Queue. Zero fields take the defaults.
-type Options struct {
+type Options[G any] struct {
 	MaxRequests int
 	MaxBytes    int64
 	// TTL is the longest a request waits.
@@ -70,20 +70,13 @@ type Options struct {
 	// cheaper ones queued after it, per request ahead of it).
 	LookAhead int
 	AgeBound  time.Duration
-	// Reserve is how many slots of the pool a request keeps free for the
-	// higher priorities (Demand.YieldsTo) while they arrive, on as few
-	// replicas as they go to: 0 sizes it by square-root staffing on their
-	// expected concurrency m (their rate times the seconds a request holds
-	// a slot), m + √m; a positive value is that many slots; a negative one
-	// keeps none. The Queue does not read it: its caller keeps the slots.
-	Reserve int
 	// Now is the clock; nil means time.Now.
 	Now func() time.Time
 	// OnLost, if set, is called with Dispatch's grant when a request
 	// Dispatch took had already left (its context ended at the same
 	// moment): the slot it was given is free again, and the caller should
 	// dispatch once more.
-	OnLost func(grant any)
+	OnLost func(grant G)
 }
 
 // Item is a request that waits: its priority (higher first), its flow
@@ -91,49 +84,52 @@ type Options struct {
 // replica's ID, as in that engine's own queue), its body's bytes (the
 // bound), its tokens (what its flow is charged when it is dispatched) and
 // the caller's value, which Dispatch's cost reads.
-type Item struct {
+type Item[V any] struct {
 	Priority int
 	Flow     string
 	Home     int
 	Bytes    int64
 	Tokens   int64
-	Value    any
+	Value    V
 }
 
 // Ticket is a queued request's place: Wait until it is dispatched.
-type Ticket struct {
-	Item
+type Ticket[V, G any] struct {
+	Item[V]
 	enqueued time.Time
 	seq      uint64     // arrival order in its Queue: ties between flows
-	grant    any        // Dispatch's, set before the verdict
+	grant    G          // Dispatch's, set before the verdict
 	done     chan error // buffered: the one verdict
-	q        *Queue
+	q        *Queue[V, G]
 	el       *list.Element // in its flow's list; nil once out
 	homeEl   *list.Element // in its flow's list for its home
-	f        *flowState
+	f        *flowState[V, G]
 }
 
 // Enqueued returns when the request was queued.
-func (t *Ticket) Enqueued() time.Time { return t.enqueued }
+func (t *Ticket[V, G]) Enqueued() time.Time { return t.enqueued }
+
+// Waited returns how long the request has waited, by the queue's clock.
+func (t *Ticket[V, G]) Waited() time.Duration { return t.q.o.Now().Sub(t.enqueued) }
 
 // Grant returns what Dispatch gave the request with its turn (the slot
 // kept for it); read it after Wait returned nil.
-func (t *Ticket) Grant() any { return t.grant }
+func (t *Ticket[V, G]) Grant() G { return t.grant }
 
-type flowState struct {
+type flowState[V, G any] struct {
 	key     string
-	band    *band
-	waiting *list.List         // of *Ticket, oldest first
+	band    *band[V, G]
+	waiting *list.List         // of *Ticket[V, G], oldest first
 	homes   map[int]*list.List // the same, by home
 	served  float64            // tokens dispatched (the virtual token counter)
 }
 
 // oldest returns the arrival number of f's oldest waiting request; f waits.
-func (f *flowState) oldest() uint64 { return f.waiting.Front().Value.(*Ticket).seq }
+func (f *flowState[V, G]) oldest() uint64 { return f.waiting.Front().Value.(*Ticket[V, G]).seq }
 
-type band struct {
+type band[V, G any] struct {
 	priority int
-	flows    map[string]*flowState
+	flows    map[string]*flowState[V, G]
 	n        int // tickets waiting
 	// vtime is the band's virtual time, in tokens: the sum over its
 	// dispatches of each one's tokens divided by the flows waiting at that
@@ -143,11 +139,11 @@ type band struct {
 }
 
 // Queue is the router's queue. Safe for concurrent use.
-type Queue struct {
-	o Options
+type Queue[V, G any] struct {
+	o Options[G]
 
 	mu    sync.Mutex
-	bands map[int]*band
+	bands map[int]*band[V, G]
 	n     int
 	bytes int64
 	gen   uint64 // changes with every request queued or gone (Generation)
@@ -157,14 +153,14 @@ type Queue struct {
 // Generation returns a number that changes whenever a request is queued
 // or leaves the queue: a caller whose offer nobody took may skip offering
 // again until it changes.
-func (q *Queue) Generation() uint64 {
+func (q *Queue[V, G]) Generation() uint64 {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	return q.gen
 }
 
 // New returns an empty Queue.
-func New(o Options) *Queue {
+func New[V, G any](o Options[G]) *Queue[V, G] {
 	if o.MaxRequests <= 0 {
 		o.MaxRequests = DefaultMaxRequests
 	}
@@ -183,11 +179,11 @@ func New(o Options) *Queue {
 	if o.Now == nil {
 		o.Now = time.Now
 	}
-	return &Queue{o: o, bands: map[int]*band{}}
+	return &Queue[V, G]{o: o, bands: map[int]*band[V, G]{}}
 }
 
 // Len returns the requests and bytes waiting.
-func (q *Queue) Len() (requests int, bytes int64) {
+func (q *Queue[V, G]) Len() (requests int, bytes int64) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	return q.n, q.bytes
@@ -195,7 +191,7 @@ func (q *Queue) Len() (requests int, bytes int64) {
 
 // Bands returns the requests waiting at each priority and the flows
 // waiting (at any priority).
-func (q *Queue) Bands() (requests map[int]int, flows int) {
+func (q *Queue[V, G]) Bands() (requests map[int]int, flows int) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	requests = make(map[int]int, len(q.bands))
@@ -214,7 +210,7 @@ func (q *Queue) Bands() (requests map[int]int, flows int) {
 // newest of the lowest first) when the queue is at its bounds, or refuses
 // it: ErrSheddable for a negative priority, ErrFull when nothing lower can
 // make room.
-func (q *Queue) Enqueue(it Item) (*Ticket, error) {
+func (q *Queue[V, G]) Enqueue(it Item[V]) (*Ticket[V, G], error) {
 	if it.Priority < 0 {
 		return nil, ErrSheddable
 	}
@@ -230,7 +226,7 @@ func (q *Queue) Enqueue(it Item) (*Ticket, error) {
 		m, _ := f.band.minServed(f)
 		f.served = max(f.served, m, f.band.vtime)
 	}
-	t := &Ticket{Item: it, enqueued: q.o.Now(), seq: q.seq, done: make(chan error, 1), q: q, f: f}
+	t := &Ticket[V, G]{Item: it, enqueued: q.o.Now(), seq: q.seq, done: make(chan error, 1), q: q, f: f}
 	q.seq++
 	t.el = f.waiting.PushBack(t)
 	h := f.homes[it.Home]
@@ -247,15 +243,15 @@ func (q *Queue) Enqueue(it Item) (*Ticket, error) {
 }
 
 // flowOf returns it's flow at its priority, made if new. q.mu is held.
-func (q *Queue) flowOf(it Item) *flowState {
+func (q *Queue[V, G]) flowOf(it Item[V]) *flowState[V, G] {
 	b := q.bands[it.Priority]
 	if b == nil {
-		b = &band{priority: it.Priority, flows: map[string]*flowState{}}
+		b = &band[V, G]{priority: it.Priority, flows: map[string]*flowState[V, G]{}}
 		q.bands[it.Priority] = b
 	}
 	f := b.flows[it.Flow]
 	if f == nil {
-		f = &flowState{key: it.Flow, band: b, waiting: list.New(), homes: map[int]*list.List{}}
+		f = &flowState[V, G]{key: it.Flow, band: b, waiting: list.New(), homes: map[int]*list.List{}}
 		b.flows[it.Flow] = f
 	}
 	return f
@@ -263,7 +259,7 @@ func (q *Queue) flowOf(it Item) *flowState {
 
 // minServed returns the smallest count of the band's flows waiting, but
 // f, and whether any waits.
-func (b *band) minServed(f *flowState) (m float64, any bool) {
+func (b *band[V, G]) minServed(f *flowState[V, G]) (m float64, any bool) {
 	for _, g := range b.flows {
 		if g == f || g.waiting.Len() == 0 {
 			continue
@@ -279,7 +275,7 @@ func (b *band) minServed(f *flowState) (m float64, any bool) {
 // band waits (the contention it was counted in is over), or the waiting
 // ones or the band's virtual time have caught up with it (it would be
 // lifted to their count anyway).
-func (b *band) forgettable(f *flowState) bool {
+func (b *band[V, G]) forgettable(f *flowState[V, G]) bool {
 	if f.waiting.Len() > 0 {
 		return false
 	}
@@ -289,8 +285,8 @@ func (b *band) forgettable(f *flowState) bool {
 
 // shedBelow sheds the newest request of the lowest priority below p, and
 // reports whether there was one. q.mu is held.
-func (q *Queue) shedBelow(p int) bool {
-	var low *band
+func (q *Queue[V, G]) shedBelow(p int) bool {
+	var low *band[V, G]
 	for _, b := range q.bands {
 		if b.n > 0 && b.priority < p && (low == nil || b.priority < low.priority) {
 			low = b
@@ -299,10 +295,10 @@ func (q *Queue) shedBelow(p int) bool {
 	if low == nil {
 		return false
 	}
-	var newest *Ticket
+	var newest *Ticket[V, G]
 	for _, f := range low.flows {
 		if e := f.waiting.Back(); e != nil {
-			if t := e.Value.(*Ticket); newest == nil || t.enqueued.After(newest.enqueued) {
+			if t := e.Value.(*Ticket[V, G]); newest == nil || t.enqueued.After(newest.enqueued) {
 				newest = t
 			}
 		}
@@ -312,7 +308,7 @@ func (q *Queue) shedBelow(p int) bool {
 }
 
 // remove takes t out with verdict err (nil: dispatched). q.mu is held.
-func (q *Queue) remove(t *Ticket, err error) {
+func (q *Queue[V, G]) remove(t *Ticket[V, G], err error) {
 	if t.el == nil {
 		return
 	}
@@ -337,7 +333,7 @@ func (q *Queue) remove(t *Ticket, err error) {
 // Wait blocks until t is dispatched (nil), shed or expired (ErrShed,
 // ErrExpired), or ctx ends (its error; t leaves the queue, and a dispatch
 // that came at the same moment is handed back through Options.OnLost).
-func (t *Ticket) Wait(ctx context.Context) error {
+func (t *Ticket[V, G]) Wait(ctx context.Context) error {
 	select {
 	case err := <-t.done: // a verdict already given goes first
 		return err
@@ -373,16 +369,16 @@ func (t *Ticket) Wait(ctx context.Context) error {
 // home, or the slot is kept for traffic it gives way to), and the next
 // flow, then the next priority, is looked at; nil takes the oldest. The request's
 // Ticket.Grant returns grant.
-func (q *Queue) Dispatch(home int, cost func(*Ticket) float64, grant any) (*Ticket, bool) {
+func (q *Queue[V, G]) Dispatch(home int, cost func(*Ticket[V, G]) float64, grant G) (*Ticket[V, G], bool) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	bands := make([]*band, 0, len(q.bands))
+	bands := make([]*band[V, G], 0, len(q.bands))
 	for _, b := range q.bands {
 		if b.n > 0 {
 			bands = append(bands, b)
 		}
 	}
-	slices.SortFunc(bands, func(a, b *band) int { return cmp.Compare(b.priority, a.priority) })
+	slices.SortFunc(bands, func(a, b *band[V, G]) int { return cmp.Compare(b.priority, a.priority) })
 	budget := 2 * q.o.LookAhead // costs computed at most, whatever the flows
 	for _, b := range bands {
 		fs := b.byServed()
@@ -404,11 +400,11 @@ func (q *Queue) Dispatch(home int, cost func(*Ticket) float64, grant any) (*Tick
 // oldest request waiting for home (which costs nothing, or what the
 // picture now says it would save there) and of those cheapest finds, the
 // home's first among equals; nil when none has a finite cost.
-func (q *Queue) pick(f *flowState, home int, cost func(*Ticket) float64, budget *int) *Ticket {
-	var own *Ticket
+func (q *Queue[V, G]) pick(f *flowState[V, G], home int, cost func(*Ticket[V, G]) float64, budget *int) *Ticket[V, G] {
+	var own *Ticket[V, G]
 	ownCost := math.Inf(1)
 	if h := f.homes[home]; h != nil {
-		own = h.Front().Value.(*Ticket)
+		own = h.Front().Value.(*Ticket[V, G])
 		if cost == nil {
 			return own
 		}
@@ -416,7 +412,7 @@ func (q *Queue) pick(f *flowState, home int, cost func(*Ticket) float64, budget 
 			own = nil // it may not take this slot (a reservation it gives way to)
 		}
 	}
-	var lent *Ticket
+	var lent *Ticket[V, G]
 	lentCost := math.Inf(1)
 	if *budget > 0 {
 		lent, lentCost = q.cheapest(f, cost, budget)
@@ -434,14 +430,14 @@ func (q *Queue) pick(f *flowState, home int, cost func(*Ticket) float64, budget 
 // equals, the flow whose oldest waiting request arrived first, so that
 // neither a flow's name nor the flows that start waiting after it (lifted
 // to its count) can keep it waiting.
-func (b *band) byServed() []*flowState {
-	fs := make([]*flowState, 0, len(b.flows))
+func (b *band[V, G]) byServed() []*flowState[V, G] {
+	fs := make([]*flowState[V, G], 0, len(b.flows))
 	for _, g := range b.flows {
 		if g.waiting.Len() > 0 {
 			fs = append(fs, g)
 		}
 	}
-	slices.SortFunc(fs, func(f, g *flowState) int {
+	slices.SortFunc(fs, func(f, g *flowState[V, G]) int {
 		return cmp.Or(cmp.Compare(f.served, g.served), cmp.Compare(f.oldest(), g.oldest()))
 	})
 	return fs
@@ -453,16 +449,16 @@ func (b *band) byServed() []*flowState {
 // when cost is nil; each cost computed takes one from budget. So a request
 // is passed over only by requests at most AgeBound younger than itself, or
 // while it waits for its own replica.
-func (q *Queue) cheapest(f *flowState, cost func(*Ticket) float64, budget *int) (*Ticket, float64) {
-	first := f.waiting.Front().Value.(*Ticket)
+func (q *Queue[V, G]) cheapest(f *flowState[V, G], cost func(*Ticket[V, G]) float64, budget *int) (*Ticket[V, G], float64) {
+	first := f.waiting.Front().Value.(*Ticket[V, G])
 	if cost == nil {
 		return first, 0
 	}
 	until := first.enqueued.Add(q.o.AgeBound)
-	var t *Ticket
+	var t *Ticket[V, G]
 	best, i := math.Inf(1), 0
 	for e := f.waiting.Front(); e != nil && i < q.o.LookAhead && *budget > 0; e, i = e.Next(), i+1 {
-		u := e.Value.(*Ticket)
+		u := e.Value.(*Ticket[V, G])
 		if u.enqueued.After(until) {
 			break
 		}
@@ -477,7 +473,7 @@ func (q *Queue) cheapest(f *flowState, cost func(*Ticket) float64, budget *int) 
 // Expire ends the requests that have waited the TTL with ErrExpired and
 // returns how many; it also forgets idle flows whose count the waiting
 // ones have caught up with, and empty priorities. Call it periodically.
-func (q *Queue) Expire() int {
+func (q *Queue[V, G]) Expire() int {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	now, n := q.o.Now(), 0
@@ -488,7 +484,7 @@ func (q *Queue) Expire() int {
 				continue
 			}
 			for e := f.waiting.Front(); e != nil; { // oldest first: the rest are younger
-				t := e.Value.(*Ticket)
+				t := e.Value.(*Ticket[V, G])
 				if now.Sub(t.enqueued) < q.o.TTL {
 					break
 				}

@@ -16,9 +16,9 @@ type clock struct{ t time.Time }
 
 func (c *clock) now() time.Time { return c.t }
 
-func enqueue(t *testing.T, q *Queue, p int, flow string, v any) *Ticket {
+func enqueue(t *testing.T, q *Queue[any, any], p int, flow string, v any) *Ticket[any, any] {
 	t.Helper()
-	tk, err := q.Enqueue(Item{Priority: p, Flow: flow, Bytes: 10, Tokens: 100, Value: v})
+	tk, err := q.Enqueue(Item[any]{Priority: p, Flow: flow, Bytes: 10, Tokens: 100, Value: v})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -26,7 +26,7 @@ func enqueue(t *testing.T, q *Queue, p int, flow string, v any) *Ticket {
 }
 
 // order dispatches everything and returns the values in dispatch order.
-func order(q *Queue, cost func(*Ticket) float64) string {
+func order(q *Queue[any, any], cost func(*Ticket[any, any]) float64) string {
 	var out []string
 	for {
 		tk, ok := q.Dispatch(-1, cost, nil)
@@ -39,7 +39,7 @@ func order(q *Queue, cost func(*Ticket) float64) string {
 
 func TestPriorityFirstThenFairness(t *testing.T) {
 	c := &clock{t: time.Unix(0, 0)}
-	q := New(Options{Now: c.now})
+	q := New[any, any](Options[any]{Now: c.now})
 	for i := range 4 {
 		enqueue(t, q, 0, "flood", fmt.Sprint("f", i))
 	}
@@ -60,7 +60,7 @@ func TestPriorityFirstThenFairness(t *testing.T) {
 // A flow that starts waiting is lifted to the least count waiting: it
 // does not get the service it did not ask for while it was idle.
 func TestIdleFlowIsLifted(t *testing.T) {
-	q := New(Options{})
+	q := New[any, any](Options[any]{})
 	for i := range 3 {
 		enqueue(t, q, 0, "a", fmt.Sprint("a", i))
 	}
@@ -79,13 +79,13 @@ func TestIdleFlowIsLifted(t *testing.T) {
 // queued within AgeBound of the oldest, however long all have waited.
 func TestLookAheadAndAgeBound(t *testing.T) {
 	c := &clock{t: time.Unix(0, 0)}
-	q := New(Options{Now: c.now, LookAhead: 3, AgeBound: time.Second})
+	q := New[any, any](Options[any]{Now: c.now, LookAhead: 3, AgeBound: time.Second})
 	for i, cost := range []float64{50, 40, 10, 0} {
 		enqueue(t, q, 0, "f", fmt.Sprintf("r%d:%v", i, cost))
 	}
 	c.t = c.t.Add(2 * time.Second)
 	enqueue(t, q, 0, "f", "late:0")
-	cost := func(it *Ticket) float64 {
+	cost := func(it *Ticket[any, any]) float64 {
 		var v float64
 		fmt.Sscanf(strings.Split(it.Value.(string), ":")[1], "%g", &v)
 		return v
@@ -111,9 +111,9 @@ func TestLookAheadAndAgeBound(t *testing.T) {
 // less there; a flow with none waiting there lends the slot to its
 // cheapest request of finite cost, or to none.
 func TestHomes(t *testing.T) {
-	q := New(Options{LookAhead: 2})
+	q := New[any, any](Options[any]{LookAhead: 2})
 	put := func(home int, v string) {
-		if _, err := q.Enqueue(Item{Flow: "f", Home: home, Tokens: 1, Value: v}); err != nil {
+		if _, err := q.Enqueue(Item[any]{Flow: "f", Home: home, Tokens: 1, Value: v}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -123,8 +123,8 @@ func TestHomes(t *testing.T) {
 	put(1, "d1")
 	// never lends: a request costs nothing on its home, and moving costs
 	// more than it saves.
-	never := func(slot int) func(*Ticket) float64 {
-		return func(it *Ticket) float64 {
+	never := func(slot int) func(*Ticket[any, any]) float64 {
+		return func(it *Ticket[any, any]) float64 {
 			if it.Home == slot {
 				return 0
 			}
@@ -135,7 +135,7 @@ func TestHomes(t *testing.T) {
 		t.Fatalf("home 1's slot went to %v, want d1, behind three others", tk)
 	}
 	put(1, "g1")
-	kept := func(*Ticket) float64 { return math.Inf(1) } // kept for traffic they give way to
+	kept := func(*Ticket[any, any]) float64 { return math.Inf(1) } // kept for traffic they give way to
 	if tk, ok := q.Dispatch(1, kept, nil); ok {
 		t.Fatalf("home 1's slot went to %v, which may not take it", tk.Value)
 	}
@@ -143,7 +143,7 @@ func TestHomes(t *testing.T) {
 	if tk, ok := q.Dispatch(1, never(1), nil); ok {
 		t.Fatalf("home 1's slot went to %v, which waits for home 0 at infinite cost", tk.Value)
 	}
-	cheapB := func(it *Ticket) float64 {
+	cheapB := func(it *Ticket[any, any]) float64 {
 		if it.Value == "b0" {
 			return 1
 		}
@@ -163,7 +163,7 @@ func TestHomes(t *testing.T) {
 	q.Dispatch(0, never(0), nil) // c0
 	put(1, "e1")
 	put(0, "f0")
-	betterHere := func(it *Ticket) float64 {
+	betterHere := func(it *Ticket[any, any]) float64 {
 		if it.Value == "f0" {
 			return -3
 		}
@@ -179,22 +179,22 @@ func TestHomes(t *testing.T) {
 
 func TestBoundsShedLowerPrioritiesFirst(t *testing.T) {
 	c := &clock{t: time.Unix(0, 0)}
-	q := New(Options{Now: c.now, MaxRequests: 3})
+	q := New[any, any](Options[any]{Now: c.now, MaxRequests: 3})
 	low0 := enqueue(t, q, 0, "batch", "low0")
 	c.t = c.t.Add(time.Millisecond)
 	low1 := enqueue(t, q, 0, "batch", "low1")
 	enqueue(t, q, 1, "x", "mid")
-	if _, err := q.Enqueue(Item{Priority: 0, Flow: "batch"}); !errors.Is(err, ErrFull) {
+	if _, err := q.Enqueue(Item[any]{Priority: 0, Flow: "batch"}); !errors.Is(err, ErrFull) {
 		t.Fatalf("a fourth request of the lowest priority: %v, want ErrFull", err)
 	}
 	enqueue(t, q, 2, "y", "high") // sheds low1, the newest of the lowest
 	if err := low1.Wait(context.Background()); !errors.Is(err, ErrShed) {
 		t.Fatalf("the shed request's wait: %v", err)
 	}
-	if _, err := q.Enqueue(Item{Priority: -1}); !errors.Is(err, ErrSheddable) {
+	if _, err := q.Enqueue(Item[any]{Priority: -1}); !errors.Is(err, ErrSheddable) {
 		t.Fatalf("a sheddable request: %v", err)
 	}
-	if _, err := q.Enqueue(Item{Priority: 9, Bytes: DefaultMaxBytes + 1}); !errors.Is(err, ErrFull) {
+	if _, err := q.Enqueue(Item[any]{Priority: 9, Bytes: DefaultMaxBytes + 1}); !errors.Is(err, ErrFull) {
 		t.Fatalf("a request larger than the byte bound: %v", err)
 	}
 	if got := order(q, nil); got != "high mid low0" {
@@ -208,7 +208,7 @@ func TestBoundsShedLowerPrioritiesFirst(t *testing.T) {
 func TestTTLAndCancel(t *testing.T) {
 	c := &clock{t: time.Unix(0, 0)}
 	lost := 0
-	q := New(Options{Now: c.now, TTL: time.Minute, OnLost: func(any) { lost++ }})
+	q := New[any, any](Options[any]{Now: c.now, TTL: time.Minute, OnLost: func(any) { lost++ }})
 	old := enqueue(t, q, 0, "f", "old")
 	c.t = c.t.Add(30 * time.Second)
 	young := enqueue(t, q, 0, "f", "young")
@@ -239,7 +239,7 @@ func TestTTLAndCancel(t *testing.T) {
 // TestFlowsAreForgotten: idle flows whose count the waiting ones reached
 // are forgotten, so that a queue of many flows does not keep them all.
 func TestFlowsAreForgotten(t *testing.T) {
-	q := New(Options{})
+	q := New[any, any](Options[any]{})
 	for i := range 1000 {
 		enqueue(t, q, 0, fmt.Sprint("user", i), i)
 		q.Dispatch(-1, nil, nil)
@@ -255,7 +255,7 @@ func TestFlowsAreForgotten(t *testing.T) {
 // to a waiter that had left comes back through OnLost.
 func TestConcurrentWaiters(t *testing.T) {
 	var lost, served grants
-	q := New(Options{OnLost: lost.add})
+	q := New[any, any](Options[any]{OnLost: lost.add})
 	const n = 400
 	results := make(chan error, n)
 	for i := range n {

@@ -133,10 +133,10 @@ func (t Timeouts) Prefill(uncached float64) time.Duration {
 	return min(t.PrefillFloor+time.Duration(sec*float64(time.Second)), t.FirstByte)
 }
 
-// Held bounds the decisions a front end keeps recorded while the caller
+// Unreleased bounds the decisions a front end keeps recorded while the caller
 // has not reported their end (the gRPC API's Route and Release). Zero
 // fields take the defaults.
-type Held struct {
+type Unreleased struct {
 	// Max caps the held decisions and MaxBlocks the blocks they keep
 	// (about 24 bytes each, for the decision log); past either the oldest
 	// is finished as expired.
@@ -145,18 +145,18 @@ type Held struct {
 	ReleaseAfter time.Duration
 }
 
-// Defaults of Held: 10,000 decisions, 4 Mi blocks among them (about
+// Defaults of Unreleased: 10,000 decisions, 4 Mi blocks among them (about
 // 100 MB of block lists), 10 minutes.
 const (
-	DefaultMaxHeld       = 10000
-	DefaultMaxHeldBlocks = 4 << 20
-	DefaultReleaseAfter  = 10 * time.Minute
+	DefaultMaxUnreleased       = 10000
+	DefaultMaxUnreleasedBlocks = 4 << 20
+	DefaultReleaseAfter        = 10 * time.Minute
 )
 
 // WithDefaults returns h with zero fields set to their defaults.
-func (h Held) WithDefaults() Held {
-	h.Max = cmp.Or(max(h.Max, 0), DefaultMaxHeld)
-	h.MaxBlocks = cmp.Or(max(h.MaxBlocks, 0), DefaultMaxHeldBlocks)
+func (h Unreleased) WithDefaults() Unreleased {
+	h.Max = cmp.Or(max(h.Max, 0), DefaultMaxUnreleased)
+	h.MaxBlocks = cmp.Or(max(h.MaxBlocks, 0), DefaultMaxUnreleasedBlocks)
 	h.ReleaseAfter = cmp.Or(max(h.ReleaseAfter, 0), DefaultReleaseAfter)
 	return h
 }

@@ -1,7 +1,9 @@
 // Package plugin is how config reaches a pluggable part (a routing policy,
-// an eviction policy): a Spec names it by type, and its Params are decoded
-// strictly into the plugin's own parameters struct, in the shape of the
-// Gateway API Inference Extension's plugin configs ({type, parameters}).
+// an eviction policy, a replica engine's reuse mode): a Spec names it by
+// type, and its Params are decoded strictly into the plugin's own
+// parameters struct, in the shape of the Gateway API Inference Extension's
+// plugin configs ({type, parameters}). Each kind of part has one Registry,
+// filled in one place by the package that defines the kind.
 package plugin
 
 import (

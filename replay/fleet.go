@@ -68,7 +68,7 @@ func (f *fleetDecider) done(i int, now int64) {
 	f.sync.flush(now)
 	k := f.of[i]
 	d := f.rs[k]
-	rep := d.served[i].Replica.ID
+	rep := d.ps[i].Served.Replica.ID
 	d.done(i, now)
 	if f.sync != nil && d.m.RecordReplies && d.reqs[i].Reply != nil {
 		all := append(append([]blockhash.Block(nil), d.reqs[i].Blocks...), d.reqs[i].Reply...)

@@ -16,6 +16,7 @@ import (
 	"github.com/semroute/semroute/flow"
 	"github.com/semroute/semroute/matcher"
 	"github.com/semroute/semroute/replica"
+	"github.com/semroute/semroute/router"
 	"github.com/semroute/semroute/routing"
 )
 
@@ -278,47 +279,13 @@ func Replay(reqs []Request, m Config, runs []Run) (*Summary, error) {
 	start := time.Now()
 	ties := Ties(reqs)
 	reqs = SpreadTies(reqs, m.SpreadTies)
-	sum := &Summary{
-		Requests: len(reqs), TiedArrivals: ties, Replicas: m.Replicas, BudgetTokens: m.BudgetTokens, Started: start,
-		ReplicaNames: m.ReplicaNames,
-		Model: ModelSummary{
-			BlockTokens: m.BlockTokens, MaxRunning: m.MaxRunning,
-			PrefillOverheadMS: float64(m.PrefillOverhead) / 1e6, PrefillPerTokenUS: float64(m.PrefillPerToken) / 1e3,
-			InterTokenMS: float64(m.InterToken) / 1e6, Eviction: m.Eviction, EvictionParams: m.EvictionParams, Speedup: m.Speedup, SpreadTiesMS: float64(m.SpreadTies) / 1e6,
-			RecordReplies: m.RecordReplies, SharedActive: m.SharedActive, Seed: m.Seed, Matcher: m.Matcher != nil,
-		},
-	}
-	if m.Reuse.Blend() || m.Reuse.Donor() {
-		sum.Model.Reuse = m.Reuse.Mode
-	}
-	if m.disaggregated() {
-		pd := &PDSummary{TransferLatencyMS: float64(m.TransferLatency) / 1e6, TransferPerTokenUS: float64(m.TransferPerToken) / 1e3,
-			MinPrefillTokens: cmp.Or(m.MinPrefillTokens, DefaultMinPrefillTokens)}
-		for r := range m.Replicas {
-			if m.prefills(r) {
-				pd.PrefillReplicas++
-			} else {
-				pd.DecodeReplicas++
-			}
-		}
-		sum.Model.Disaggregation = pd
-		for i := range reqs {
-			if reqs[i].Logged != nil {
-				return nil, errors.New("a decision log is replayed aggregated: set no replica roles")
-			}
-		}
+	sum := m.summary(len(reqs), ties, start)
+	if err := checkRuns(reqs, &m, runs); err != nil {
+		return nil, err
 	}
 	type job struct {
 		i   int
 		run func() (*Result, error)
-	}
-	for _, r := range runs {
-		if err := checkPicture(r.Picture); err != nil {
-			return nil, fmt.Errorf("run %s: %w", cmp.Or(r.Label, r.Policy), err)
-		}
-		if err := checkSync(r); err != nil {
-			return nil, fmt.Errorf("run %s: %w", cmp.Or(r.Label, r.Policy), err)
-		}
 	}
 	var jobs []job
 	results := make([]*Result, len(runs)+2)
@@ -369,41 +336,69 @@ func Replay(reqs []Request, m Config, runs []Run) (*Summary, error) {
 	return sum, nil
 }
 
+// summary begins the summary of a replay of n requests, ties of them
+// tied in arrival, under model m, started at start.
+func (m *Config) summary(n, ties int, start time.Time) *Summary {
+	sum := &Summary{
+		Requests: n, TiedArrivals: ties, Replicas: m.Replicas, BudgetTokens: m.BudgetTokens, Started: start,
+		ReplicaNames: m.ReplicaNames,
+		Model: ModelSummary{
+			BlockTokens: m.BlockTokens, MaxRunning: m.MaxRunning,
+			PrefillOverheadMS: float64(m.PrefillOverhead) / 1e6, PrefillPerTokenUS: float64(m.PrefillPerToken) / 1e3,
+			InterTokenMS: float64(m.InterToken) / 1e6, Eviction: m.Eviction, EvictionParams: m.EvictionParams, Speedup: m.Speedup, SpreadTiesMS: float64(m.SpreadTies) / 1e6,
+			RecordReplies: m.RecordReplies, SharedActive: m.SharedActive, Seed: m.Seed, Matcher: m.Matcher != nil,
+		},
+	}
+	if m.Reuse.Blend() || m.Reuse.Donor() {
+		sum.Model.Reuse = m.Reuse.Mode
+	}
+	if m.disaggregated() {
+		pd := &PDSummary{TransferLatencyMS: float64(m.TransferLatency) / 1e6, TransferPerTokenUS: float64(m.TransferPerToken) / 1e3,
+			MinPrefillTokens: cmp.Or(m.MinPrefillTokens, DefaultMinPrefillTokens)}
+		for r := range m.Replicas {
+			if m.prefills(r) {
+				pd.PrefillReplicas++
+			} else {
+				pd.DecodeReplicas++
+			}
+		}
+		sum.Model.Disaggregation = pd
+	}
+	return sum
+}
+
+// checkRuns checks that runs can replay reqs under model m.
+func checkRuns(reqs []Request, m *Config, runs []Run) error {
+	if m.disaggregated() {
+		for i := range reqs {
+			if reqs[i].Logged != nil {
+				return errors.New("a decision log is replayed aggregated: set no replica roles")
+			}
+		}
+	}
+	for _, r := range runs {
+		if err := checkPicture(r.Picture); err != nil {
+			return fmt.Errorf("run %s: %w", cmp.Or(r.Label, r.Policy), err)
+		}
+		if err := checkSync(r); err != nil {
+			return fmt.Errorf("run %s: %w", cmp.Or(r.Label, r.Policy), err)
+		}
+	}
+	return nil
+}
+
 func runPolicy(reqs []Request, m *Config, run Run) (*Result, error) {
 	label := cmp.Or(run.Label, run.Policy)
 	mode := cmp.Or(run.Picture, PictureFeedback)
 	var clock int64
-	routers := max(run.Routers, 1)
-	rs := make([]*engineDecider, routers)
-	for k := range rs {
-		d, err := newEngineDecider(reqs, m, run, &clock)
-		if err != nil {
-			return nil, err
-		}
-		rs[k] = d
-	}
-	if m.disaggregated() && (run.FlowControl || routers > 1) {
-		return nil, fmt.Errorf("%s: disaggregation is replayed with one router and no flow control", label)
-	}
-	if run.FlowControl {
-		if routers > 1 {
-			return nil, fmt.Errorf("%s: flow control with %d routers: one router only", label, routers)
-		}
-		rs[0].queue = flow.New(flow.Options{MaxRequests: math.MaxInt32, MaxBytes: math.MaxInt64, TTL: math.MaxInt64,
-			Now: func() time.Time { return time.Unix(0, clock) }})
-		rs[0].held, rs[0].grant = map[int]*routing.Decision{}, map[int]int{}
+	rs, err := newRouters(reqs, m, run, &clock)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", label, err)
 	}
 	var d decider = rs[0]
 	var fleet *fleetDecider
-	if routers > 1 {
-		fleet = &fleetDecider{rs: rs, of: make([]int, len(reqs)), rng: rand.New(rand.NewPCG(m.Seed, uint64(routers)))}
-		if run.Sync == SyncShared {
-			fleet.sync = &fleetSync{rs: rs, delay: run.SyncDelay.Nanoseconds(), works: make([]map[uint64]*routing.Lease, routers)}
-			for k, r := range rs {
-				fleet.sync.works[k] = map[uint64]*routing.Lease{}
-				r.eng.SetSync(&sender{s: fleet.sync, from: k, now: &clock})
-			}
-		}
+	if len(rs) > 1 {
+		fleet = newFleet(rs, len(reqs), m.Seed, run, &clock)
 		d = fleet
 	}
 	s := &sim{m: m, reqs: reqs, d: d, res: &Result{Name: label}}
@@ -411,27 +406,17 @@ func runPolicy(reqs []Request, m *Config, run Run) (*Result, error) {
 	for _, r := range rs {
 		pools = append(pools, r.pool)
 	}
-	{
-		budgets := make([]int64, m.Replicas)
-		for i := range budgets {
-			budgets[i] = m.BudgetTokens
-			if len(m.Budgets) > 0 {
-				budgets[i] = m.Budgets[i]
-			}
+	if s.engines, err = newEngineCaches(m, m.budgets()); err != nil {
+		return nil, err
+	}
+	if mode == PictureEvents { // the engines' caches reach the pictures as KV events would
+		s.engines.sink = rs[0]
+		if fleet != nil {
+			s.engines.sink = fleet
 		}
-		var err error
-		if s.engines, err = newEngineCaches(m, budgets); err != nil {
-			return nil, err
-		}
-		if mode == PictureEvents {
-			s.engines.sink = rs[0]
-			if fleet != nil {
-				s.engines.sink = fleet
-			}
-			for _, x := range rs {
-				for _, r := range x.pool.Replicas() {
-					x.pic.SetEventDriven(r.ID, true)
-				}
+		for _, x := range rs {
+			for _, r := range x.pool.Replicas() {
+				x.pic.SetEventDriven(r.ID, true)
 			}
 		}
 	}
@@ -441,25 +426,81 @@ func runPolicy(reqs []Request, m *Config, run Run) (*Result, error) {
 	if p := s.res.Prediction; p != nil {
 		p.Picture = mode
 		for _, x := range rs {
-			p.Orphans += x.orphans
-			for _, r := range x.pool.Replicas() {
-				if st, ok := x.pic.Stats(r.ID); ok {
-					p.PendingExpired += st.PendingExpired
-				}
-			}
+			x.predicted(p)
 		}
 	}
 	return s.res, nil
 }
 
+// newRouters builds a run's routers (Run.Routers, at least one), on the
+// shared clock.
+func newRouters(reqs []Request, m *Config, run Run, clock *int64) ([]*engineDecider, error) {
+	routers := max(run.Routers, 1)
+	switch {
+	case m.disaggregated() && (run.FlowControl || routers > 1):
+		return nil, errors.New("disaggregation is replayed with one router and no flow control")
+	case run.FlowControl && routers > 1:
+		return nil, fmt.Errorf("flow control with %d routers: one router only", routers)
+	}
+	rs := make([]*engineDecider, routers)
+	for k := range rs {
+		d, err := newEngineDecider(reqs, m, run, clock)
+		if err != nil {
+			return nil, err
+		}
+		rs[k] = d
+	}
+	return rs, nil
+}
+
+// newFleet makes routers rs one fleet for n requests: each request goes
+// to one picked at random, and with Run.Sync shared they tell each other
+// what they decide after Run.SyncDelay.
+func newFleet(rs []*engineDecider, n int, seed uint64, run Run, clock *int64) *fleetDecider {
+	fleet := &fleetDecider{rs: rs, of: make([]int, n), rng: rand.New(rand.NewPCG(seed, uint64(len(rs))))}
+	if run.Sync == SyncShared {
+		fleet.sync = &fleetSync{rs: rs, delay: run.SyncDelay.Nanoseconds(), works: make([]map[uint64]*routing.Lease, len(rs))}
+		for k, r := range rs {
+			fleet.sync.works[k] = map[uint64]*routing.Lease{}
+			r.eng.SetSync(&sender{s: fleet.sync, from: k, now: clock})
+		}
+	}
+	return fleet
+}
+
+// budgets returns each replica's KV cache in tokens: its own
+// (Config.Budgets) or the config's for all.
+func (m *Config) budgets() []int64 {
+	budgets := make([]int64, m.Replicas)
+	for i := range budgets {
+		budgets[i] = m.BudgetTokens
+		if len(m.Budgets) > 0 {
+			budgets[i] = m.Budgets[i]
+		}
+	}
+	return budgets
+}
+
+// predicted adds to p what router e's picture counted: the stored blocks
+// whose parent it had lost, the pending blocks that expired.
+func (e *engineDecider) predicted(p *Prediction) {
+	p.Orphans += e.orphans
+	for _, r := range e.pool.Replicas() {
+		if st, ok := e.pic.Stats(r.ID); ok {
+			p.PendingExpired += st.PendingExpired
+		}
+	}
+}
+
 // newEngineDecider builds one router of a run: its engine, picture and
-// replica pool, on the shared clock.
+// replica pool on the shared clock, and the live router's core over them
+// running the run's policy.
 func newEngineDecider(reqs []Request, m *Config, run Run, clock *int64) (*engineDecider, error) {
 	params := run.Params
 	if p, ok := routing.LookupPolicy(run.Policy); ok && params == nil {
 		params = m.Params[p.Name]
 	}
-	pol, err := routing.NewPolicy(routing.PolicySpec{Type: run.Policy, Params: params, Seed: m.Seed})
+	pol, err := routing.NewSeededPolicy(routing.PolicySpec{Type: run.Policy, Params: params}, m.Seed)
 	if err != nil {
 		return nil, err
 	}
@@ -467,20 +508,55 @@ func newEngineDecider(reqs []Request, m *Config, run Run, clock *int64) (*engine
 	if err != nil {
 		return nil, err
 	}
-	var index routing.Matcher
-	switch {
-	case m.Reuse.Donor(): // the router's own donor index, apart from the engines', down to what they take
-		if index, err = matcher.New(matcher.Options{MinSimilarity: min(m.Reuse.Similarity(), matcher.DefaultMinSimilarity)}); err != nil {
-			return nil, err
-		}
-	case run.Matcher && m.Matcher != nil:
-		index = m.Matcher()
+	index, err := m.routerMatcher(run)
+	if err != nil {
+		return nil, err
 	}
+	eng, err := routing.New(routing.Options{
+		Replicas: m.specs(), LoadHalfLife: m.LoadHalfLife, Eviction: evict, Split: blockhash.Options{BlockTokens: m.BlockTokens},
+		Engine: routing.EngineOptions{Weights: cmp.Or(run.Weights, m.Weights), Attempts: 1,
+			Now: func() time.Time { return time.Unix(0, *clock) }, SharedActive: m.SharedActive,
+			Matcher: index, PreferDonor: run.Matcher, PreferSimilarity: matcher.DefaultMinSimilarity, MatcherThreshold: m.MatcherThreshold},
+	})
+	if err != nil {
+		return nil, err
+	}
+	d := &engineDecider{m: m, reqs: reqs, eng: eng, pic: eng.Picture(), pool: eng.Pool(), clock: clock,
+		ps: make([]*router.Placement, len(reqs)), picture: cmp.Or(run.Picture, PictureFeedback),
+		deferred: map[*router.Deferral]int{}, deferral: map[int]*router.Deferral{}}
+	co := router.CoreOptions{Engine: eng, Arms: []router.Arm{{Name: "replay", Policy: pol, Weight: 1}},
+		PD: router.PDOptions{MinPrefillTokens: m.MinPrefillTokens}}
+	if run.FlowControl { // as bounded as the trace needs: a request waits as long as it must
+		co.Flow = &flow.Options[*replica.Replica]{MaxRequests: math.MaxInt32, MaxBytes: math.MaxInt64, TTL: math.MaxInt64}
+		co.OnGrant = d.granted
+	}
+	if d.core, err = router.NewCore(co); err != nil {
+		return nil, err
+	}
+	return d, nil
+}
+
+// routerMatcher returns a router's semantic index for run: its own donor
+// index, apart from the engines', down to what they take (donor reuse),
+// or the run's matcher; nil for none.
+func (m *Config) routerMatcher(run Run) (routing.Matcher, error) {
+	switch {
+	case m.Reuse.Donor():
+		return matcher.New(matcher.Options{MinSimilarity: min(m.Reuse.Similarity(), matcher.DefaultMinSimilarity)})
+	case run.Matcher && m.Matcher != nil:
+		return m.Matcher(), nil
+	}
+	return nil, nil
+}
+
+// specs returns the replicas a router of the run is told of. Each
+// engine's running limit is told, as an operator sets
+// replicas[].max_running to vLLM's --max-num-seqs.
+func (m *Config) specs() []replica.Spec {
 	specs := make([]replica.Spec, m.Replicas)
+	budgets := m.budgets()
 	for i := range specs {
-		// The router is told each engine's running limit, as an operator
-		// sets replicas[].max_running to vLLM's --max-num-seqs.
-		specs[i] = replica.Spec{Name: fmt.Sprintf("replica-%d", i), URL: fmt.Sprintf("http://replica-%d.sim", i), BudgetTokens: m.BudgetTokens, Reuse: m.Reuse,
+		specs[i] = replica.Spec{Name: fmt.Sprintf("replica-%d", i), URL: fmt.Sprintf("http://replica-%d.sim", i), BudgetTokens: budgets[i], Reuse: m.Reuse,
 			MaxRunning: int64(m.MaxRunning)}
 		if i < len(m.Roles) {
 			specs[i].Role = m.Roles[i]
@@ -488,26 +564,8 @@ func newEngineDecider(reqs []Request, m *Config, run Run, clock *int64) (*engine
 		if len(m.ReplicaNames) > 0 {
 			specs[i].Name = m.ReplicaNames[i]
 		}
-		if len(m.Budgets) > 0 {
-			specs[i].BudgetTokens = m.Budgets[i]
-		}
 	}
-	weights := m.Weights
-	if run.Weights != nil {
-		weights = run.Weights
-	}
-	eng, err := routing.New(routing.Options{
-		Replicas: specs, LoadHalfLife: m.LoadHalfLife, Eviction: evict, Split: blockhash.Options{BlockTokens: m.BlockTokens},
-		Engine: routing.EngineOptions{Weights: weights, Attempts: 1,
-			Now: func() time.Time { return time.Unix(0, *clock) }, SharedActive: m.SharedActive,
-			Matcher: index, PreferDonor: run.Matcher, PreferSimilarity: matcher.DefaultMinSimilarity, MatcherThreshold: m.MatcherThreshold},
-	})
-	if err != nil {
-		return nil, err
-	}
-	return &engineDecider{m: m, reqs: reqs, eng: eng, pol: pol, pic: eng.Picture(), pool: eng.Pool(), clock: clock,
-		ds: make([]*routing.Decision, len(reqs)), served: make([]*routing.Candidate, len(reqs)), pds: map[int]*routing.Decision{},
-		picture: cmp.Or(run.Picture, PictureFeedback)}, nil
+	return specs
 }
 
 func runReference(reqs []Request, m *Config, name string, budget int64) (*Result, error) {

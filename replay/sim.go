@@ -12,9 +12,9 @@ import (
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
 	"github.com/semroute/semroute/eviction"
-	"github.com/semroute/semroute/flow"
 	"github.com/semroute/semroute/plugin"
 	"github.com/semroute/semroute/replica"
+	"github.com/semroute/semroute/router"
 	"github.com/semroute/semroute/routing"
 )
 
@@ -155,6 +155,20 @@ func (m *Config) defaults() error {
 	m.Eviction = cmp.Or(m.Eviction, eviction.Default)
 	m.Speedup = cmp.Or(m.Speedup, 1)
 	m.LoadHalfLife = cmp.Or(m.LoadHalfLife, replica.DefaultHalfLife)
+	if err := m.checkRanges(); err != nil {
+		return err
+	}
+	if _, err := m.evictionPolicy(); err != nil {
+		return err
+	}
+	if err := m.checkRoles(); err != nil {
+		return err
+	}
+	return m.Reuse.Check()
+}
+
+// checkRanges checks the model's numbers once defaulted.
+func (m *Config) checkRanges() error {
 	switch {
 	case m.Replicas < 1 || m.Replicas > 4096:
 		return fmt.Errorf("replicas %d not in [1, 4096]", m.Replicas)
@@ -169,13 +183,7 @@ func (m *Config) defaults() error {
 	case m.SpreadTies < 0 || m.SpreadTies > MaxSpreadTies:
 		return fmt.Errorf("spread ties %v: want 0 to %v", m.SpreadTies, MaxSpreadTies)
 	}
-	if _, err := m.evictionPolicy(); err != nil {
-		return err
-	}
-	if err := m.checkRoles(); err != nil {
-		return err
-	}
-	return m.Reuse.Check()
+	return nil
 }
 
 // checkRoles checks Roles and sets the transfer's defaults when some
@@ -307,6 +315,8 @@ type sim struct {
 	// cache then holds what they found, pred what the picture predicted.
 	engines *engineCaches
 	pred    []int
+	ttft    []float64       // request → time to first token: -arrival until its first token, then ns, then ms
+	pools   []*replica.Pool // the routers' replica pools (none for a reference), which observe the replicas' gauges
 }
 
 // serve has the engine of replica r schedule request i at now and counts
@@ -333,8 +343,8 @@ func (s *sim) push(t int64, kind, req int) {
 	heap.Push(&s.q, event{t: t, seq: s.seq, kind: kind, req: req})
 }
 
-func (s *sim) observe(r int, now int64, pools []*replica.Pool) {
-	if len(pools) == 0 {
+func (s *sim) observe(r int, now int64) {
+	if len(s.pools) == 0 {
 		return
 	}
 	st := &s.reps[r]
@@ -348,7 +358,7 @@ func (s *sim) observe(r int, now int64, pools []*replica.Pool) {
 	}
 	// vLLM counts a request whose KV is on its way among the waiting.
 	o := replica.Observed{Running: running, Waiting: int64(len(st.admitQ) + len(st.prefillQ) + st.pulling), KVUsage: kv}
-	for _, p := range pools { // every router scrapes the replica alike
+	for _, p := range s.pools { // every router scrapes the replica alike
 		p.Replicas()[r].Observe(o)
 	}
 }
@@ -382,49 +392,13 @@ func (s *sim) admit(r, i int, now int64) {
 	s.admitWaiting(r, now)
 }
 
-// dispatch offers the router's queue (flow control) a slot on replica r at
-// now, if r has one, and reports whether a waiting request took it: the
-// one that gains most there, decided again at once, the slot kept for it
-// meanwhile (as the live router's Core.offer).
-func (s *sim) dispatch(r int, now int64) bool {
-	e, ok := s.d.(*engineDecider)
-	if !ok || e.queue == nil {
-		return false
-	}
-	rep := e.eng.Pool().Replicas()[r]
-	if rep.Saturated() {
-		return false
-	}
-	rep.Reserve()
-	t, ok := e.queue.Dispatch(r, func(t *flow.Ticket) float64 {
-		return e.eng.DispatchCost(e.held[t.Value.(int)], rep)
-	}, r)
-	if !ok {
-		rep.Unreserve()
-		return false
-	}
-	e.grant[t.Value.(int)] = r
-	s.push(now, evDispatch, t.Value.(int))
-	return true
-}
-
-// dispatchFree offers the router's queue every free slot at now (the live
-// router's tick does it every few milliseconds).
+// dispatchFree offers the routers' queues (flow control) every free slot
+// at now, as the live router's tick does every few milliseconds
+// (router.Deferrals.Tick): a request given one is resumed at now.
 func (s *sim) dispatchFree(now int64) {
-	for r := range s.reps {
-		for s.dispatch(r, now) {
-		}
-	}
-}
-
-// regrant offers again the slot request i was dispatched with when it
-// went to r, another replica with room, as the live router does.
-func (s *sim) regrant(i, r int, now int64) {
-	e := s.d.(*engineDecider)
-	g := e.grant[i]
-	delete(e.grant, i)
-	if g != r {
-		s.dispatch(g, now)
+	if e, ok := s.d.(*engineDecider); ok && e.core.Deferrals() != nil {
+		*e.clock = now
+		e.core.Deferrals().Tick()
 	}
 }
 
@@ -543,6 +517,37 @@ func (s *sim) transfer(r, i int, now int64) {
 // run replays s.reqs and fills s.res; pools are the routers' replica
 // pools (none for a reference), which observe the replicas' gauges.
 func (s *sim) run(pools ...*replica.Pool) error {
+	s.setUp(pools)
+	for s.q.Len() > 0 {
+		ev := heap.Pop(&s.q).(event)
+		var err error
+		switch ev.kind {
+		case evArrive, evDispatch:
+			err = s.arrive(ev)
+		case evPrefillDone:
+			s.prefillDone(ev.req, ev.t)
+		case evTransferDone:
+			s.transferDone(ev.req, ev.t)
+		case evFinish:
+			s.finish(ev.req, ev.t)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	if e, ok := s.d.(*engineDecider); ok && e.core.Deferrals() != nil {
+		if n, _ := e.core.Deferrals().Len(); n > 0 {
+			return fmt.Errorf("%d requests left in the router's queue with no request running to free a replica", n)
+		}
+	}
+	s.results()
+	return nil
+}
+
+// setUp readies a run: the replicas' queues, the per-request records,
+// every arrival as an event.
+func (s *sim) setUp(pools []*replica.Pool) {
+	s.pools = pools
 	s.reps = make([]simReplica, s.m.Replicas)
 	for r := range s.reps {
 		s.reps[r].prefilling = -1
@@ -556,7 +561,7 @@ func (s *sim) run(pools ...*replica.Pool) error {
 	if s.engines != nil {
 		s.pred = make([]int, len(s.reqs))
 	}
-	ttft := make([]float64, len(s.reqs))
+	s.ttft = make([]float64, len(s.reqs))
 	s.res.LoadOverTime = make([][]float64, buckets)
 	for b := range s.res.LoadOverTime {
 		s.res.LoadOverTime[b] = make([]float64, s.m.Replicas)
@@ -566,240 +571,240 @@ func (s *sim) run(pools ...*replica.Pool) error {
 		s.span = max(s.span, t)
 		s.push(t, evArrive, i)
 	}
-	for s.q.Len() > 0 {
-		ev := heap.Pop(&s.q).(event)
-		i, now := ev.req, ev.t
-		switch ev.kind {
-		case evArrive, evDispatch:
-			pl, err := s.d.decide(i, now)
-			if ev.kind == evArrive {
-				ttft[i] = float64(-now) // completed at prefill done; a wait in the router's queue counts
-			}
-			if errors.Is(err, errHeld) {
-				s.dispatchFree(now) // the wait it adds may make moving another worth it
-				continue
-			}
-			if err != nil {
-				return fmt.Errorf("request %d: %w", i, err)
-			}
-			r := pl.rep
-			if ev.kind == evDispatch {
-				s.regrant(i, r, now)
-			}
-			s.rep[i], s.pre[i] = r, pl.pre
-			if s.engines != nil {
-				s.pred[i] = pl.cached // the engine's own lookup comes when it schedules the prefill
-			} else {
-				s.cache[i] = pl.cached
-				s.res.CachedTokens += int64(pl.cached)
-				s.res.HitBlocks += int64(pl.blocks)
-			}
-			s.res.Requests++
-			s.res.PromptTokens += int64(s.reqs[i].Tokens)
-			s.res.Blocks += int64(len(s.reqs[i].Blocks))
-			if lg := s.reqs[i].Logged; lg != nil {
-				// A logged request keeps its live timing: first byte and end.
-				if len(pools) > 0 && lg.Chosen != pools[0].Replicas()[r].Name {
-					s.res.Changed++
-				}
-				if s.engines != nil {
-					s.serve(i, r, now)
-				}
-				s.reps[r].computed += int64(s.reqs[i].Tokens - s.cache[i])
-				s.reps[r].decoding++
-				s.hold(r, i, 1) // it ran when it ran live: its KV counts in the replica's usage
-				s.observe(r, now, pools)
-				s.push(now+lg.TTFTNs, evPrefillDone, i)
-				continue
-			}
-			s.admit(pl.computes(), i, now)
-			s.observe(pl.computes(), now, pools)
-		case evPrefillDone:
-			r := s.rep[i]
-			if s.pre[i] >= 0 {
-				s.d.prefillDone(i, now, s.cache[i])
-				s.prefilled(i, now)
-				s.observe(s.pre[i], now, pools)
-				s.observe(r, now, pools)
-				continue
-			}
-			ttft[i] += float64(now)
-			s.d.prefillDone(i, now, s.cache[i])
-			if lg := s.reqs[i].Logged; lg != nil {
-				s.push(now-lg.TTFTNs+max(lg.DurationNs, lg.TTFTNs), evFinish, i)
-				continue
-			}
-			st := &s.reps[r]
-			st.prefilling = -1
-			st.decoding++
-			s.push(now+int64(s.reqs[i].Output)*int64(s.m.InterToken), evFinish, i)
-			s.startPrefill(r, now)
-			s.observe(r, now, pools)
-		case evTransferDone: // the decode replica has the prompt's KV: its first token
-			r, p := s.rep[i], s.pre[i]
-			ttft[i] += float64(now)
-			s.reps[r].pulling--
-			s.reps[p].lent--
-			if s.engines != nil {
-				s.engines.finish(^i, p, &s.reqs[i], nil, now)
-			}
-			s.hold(p, i, -1)
-			s.admitWaiting(p, now)
-			s.reps[r].decoding++
-			s.d.transferred(i, now)
-			s.push(now+int64(s.reqs[i].Output)*int64(s.m.InterToken), evFinish, i)
-			s.observe(p, now, pools)
-			s.observe(r, now, pools)
-		case evFinish:
-			r := s.rep[i]
-			if s.engines != nil { // the engine ends the request before the router hears of it
-				s.engines.finish(i, r, &s.reqs[i], outputBlocks(&s.reqs[i], i, s.m.BlockTokens), now)
-			}
-			s.d.done(i, now)
-			st := &s.reps[r]
-			if s.reqs[i].Logged != nil {
-				st.decoding--
-				s.hold(r, i, -1)
-				s.observe(r, now, pools)
-				continue
-			}
-			st.decoding--
-			st.running--
-			s.hold(r, i, -1)
-			s.admitWaiting(r, now)
-			s.observe(r, now, pools)
-			s.dispatchFree(now)
-		}
+	if e, ok := s.d.(*engineDecider); ok {
+		e.onTurn = func(i int) { s.push(*e.clock, evDispatch, i) }
 	}
-	if e, ok := s.d.(*engineDecider); ok && e.queue != nil {
-		if n, _ := e.queue.Len(); n > 0 {
-			return fmt.Errorf("%d requests left in the router's queue with no request running to free a replica", n)
-		}
+}
+
+// arrive places request ev.req as it arrives, or as its turn comes in the
+// router's queue (evDispatch), and sends it to its replica.
+func (s *sim) arrive(ev event) error {
+	i, now := ev.req, ev.t
+	pl, err := s.d.decide(i, now)
+	if ev.kind == evArrive {
+		s.ttft[i] = float64(-now) // completed at prefill done; a wait in the router's queue counts
 	}
-	for i := range ttft {
-		ttft[i] /= 1e6 // ms
+	if errors.Is(err, errDeferred) {
+		s.dispatchFree(now) // the wait it adds may make moving another worth it
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("request %d: %w", i, err)
+	}
+	s.placed(i, pl)
+	if lg := s.reqs[i].Logged; lg != nil {
+		s.replayLogged(i, pl.rep, now, lg)
+		return nil
+	}
+	s.admit(pl.computes(), i, now)
+	s.observe(pl.computes(), now)
+	return nil
+}
+
+// placed counts request i placed at pl.
+func (s *sim) placed(i int, pl place) {
+	s.rep[i], s.pre[i] = pl.rep, pl.pre
+	if s.engines != nil {
+		s.pred[i] = pl.cached // the engine's own lookup comes when it schedules the prefill
+	} else {
+		s.cache[i] = pl.cached
+		s.res.CachedTokens += int64(pl.cached)
+		s.res.HitBlocks += int64(pl.blocks)
+	}
+	s.res.Requests++
+	s.res.PromptTokens += int64(s.reqs[i].Tokens)
+	s.res.Blocks += int64(len(s.reqs[i].Blocks))
+}
+
+// replayLogged runs logged request i on replica r with its live timing:
+// first byte and end.
+func (s *sim) replayLogged(i, r int, now int64, lg *Logged) {
+	if len(s.pools) > 0 && lg.Chosen != s.pools[0].Replicas()[r].Name {
+		s.res.Changed++
+	}
+	if s.engines != nil {
+		s.serve(i, r, now)
+	}
+	s.reps[r].computed += int64(s.reqs[i].Tokens - s.cache[i])
+	s.reps[r].decoding++
+	s.hold(r, i, 1) // it ran when it ran live: its KV counts in the replica's usage
+	s.observe(r, now)
+	s.push(now+lg.TTFTNs, evPrefillDone, i)
+}
+
+// prefillDone ends request i's prefill at now: a disaggregated request's
+// KV starts its way to its decode replica, another decodes.
+func (s *sim) prefillDone(i int, now int64) {
+	r := s.rep[i]
+	if s.pre[i] >= 0 {
+		s.d.prefillDone(i, now, s.cache[i])
+		s.prefilled(i, now)
+		s.observe(s.pre[i], now)
+		s.observe(r, now)
+		return
+	}
+	s.ttft[i] += float64(now)
+	s.d.prefillDone(i, now, s.cache[i])
+	if lg := s.reqs[i].Logged; lg != nil {
+		s.push(now-lg.TTFTNs+max(lg.DurationNs, lg.TTFTNs), evFinish, i)
+		return
+	}
+	st := &s.reps[r]
+	st.prefilling = -1
+	st.decoding++
+	s.push(now+int64(s.reqs[i].Output)*int64(s.m.InterToken), evFinish, i)
+	s.startPrefill(r, now)
+	s.observe(r, now)
+}
+
+// transferDone: disaggregated request i's decode replica has the prompt's
+// KV at now, and sends its first token.
+func (s *sim) transferDone(i int, now int64) {
+	r, p := s.rep[i], s.pre[i]
+	s.ttft[i] += float64(now)
+	s.reps[r].pulling--
+	s.reps[p].lent--
+	if s.engines != nil {
+		s.engines.finish(^i, p, &s.reqs[i], nil, now)
+	}
+	s.hold(p, i, -1)
+	s.admitWaiting(p, now)
+	s.reps[r].decoding++
+	s.d.transferred(i, now)
+	s.push(now+int64(s.reqs[i].Output)*int64(s.m.InterToken), evFinish, i)
+	s.observe(p, now)
+	s.observe(r, now)
+}
+
+// finish ends request i at now: its engine first, then the router hears.
+func (s *sim) finish(i int, now int64) {
+	r := s.rep[i]
+	if s.engines != nil { // the engine ends the request before the router hears of it
+		s.engines.finish(i, r, &s.reqs[i], outputBlocks(&s.reqs[i], i, s.m.BlockTokens), now)
+	}
+	s.d.done(i, now)
+	st := &s.reps[r]
+	st.decoding--
+	s.hold(r, i, -1)
+	if s.reqs[i].Logged != nil {
+		s.observe(r, now)
+		return
+	}
+	st.running--
+	s.admitWaiting(r, now)
+	s.observe(r, now)
+	s.dispatchFree(now)
+}
+
+// results fills s.res from the run's records.
+func (s *sim) results() {
+	for i := range s.ttft {
+		s.ttft[i] /= 1e6 // ms
 	}
 	var pool func(int) bool
 	if s.m.disaggregated() {
 		pool = s.m.prefills
 	}
-	s.res.finish(ttft, s.reps, pool, s.rep, s.pre, s.cache, s.reqs)
+	s.res.finish(s.ttft, s.reps, pool, s.rep, s.pre, s.cache, s.reqs)
 	if s.engines != nil {
 		s.res.predicted(s.pred, s.cache)
 		s.res.Prediction.EngineEvictions = s.engines.evict
 	}
-	return nil
 }
 
-// engineDecider routes through the live router's engine.
+// engineDecider routes through the live router's core (router.Core):
+// each request is placed as the live router places it, its deferral in
+// the router's queue (flow control) and its prefill decision
+// (disaggregation) included, in virtual time.
 type engineDecider struct {
-	m      *Config
-	reqs   []Request
-	eng    *routing.Engine
-	pol    routing.Policy
-	pic    *routing.Picture
-	pool   *replica.Pool
-	clock  *int64
-	ds     []*routing.Decision
-	served []*routing.Candidate
-	// pds holds a disaggregated request's prefill decision until its
-	// prefill ends (Config.Roles).
-	pds map[int]*routing.Decision
+	m     *Config
+	reqs  []Request
+	eng   *routing.Engine
+	core  *router.Core
+	pic   *routing.Picture
+	pool  *replica.Pool
+	clock *int64
+	// ps holds each request's placement until it ends: its decision
+	// (the decode replica's, disaggregated) and its prefill decision
+	// until its prefill ends.
+	ps []*router.Placement
 	// picture is the run's picture mode ("" when the picture stands for
 	// the engines' caches).
 	picture string
 	orphans int64 // events: stored blocks whose parent the picture had lost
-	// queue, when set, is flow control (Run.FlowControl): a request whose
-	// replica would queue it waits there, its held decision in held, until
-	// a slot is free for it.
-	queue *flow.Queue
-	held  map[int]*routing.Decision
-	grant map[int]int // a dispatched request's: the replica whose slot it was given
+	// deferred holds the requests the router's queue holds, by their
+	// deferral; onTurn hears of each whose turn came
+	// (router.CoreOptions.OnGrant), which the simulation resumes at once
+	// (evDispatch).
+	deferred map[*router.Deferral]int
+	deferral map[int]*router.Deferral // the same, by request
+	onTurn   func(i int)
 }
 
-// errHeld is decide's answer for a request the router's queue holds.
-var errHeld = errors.New("replay: held in the router's queue")
+// errDeferred is decide's answer for a request the router's queue holds.
+var errDeferred = errors.New("replay: deferred in the router's queue")
+
+// granted hears that deferral def's turn came (router.CoreOptions.OnGrant).
+func (e *engineDecider) granted(def *router.Deferral) { e.onTurn(e.deferred[def]) }
 
 func (e *engineDecider) decide(i int, now int64) (place, error) {
 	*e.clock = now
 	if e.picture == PictureEvents {
 		e.pic.ExpirePending(now)
 	}
-	req := &e.reqs[i]
-	_, waited := e.held[i]
-	var slot *replica.Replica
-	if waited { // its turn, with a slot kept: decided again, to the best replica with room
-		e.eng.Unwait(e.held[i])
-		e.eng.Drop(e.held[i])
-		delete(e.held, i)
-		slot = e.eng.Pool().Replicas()[e.grant[i]]
-	}
-	// With flow control a request whose best replica would queue it waits
-	// in the router's queue instead, as in the live router.
-	hold := e.queue != nil && !waited && req.Logged == nil
-	ri := routing.Request{Blocks: req.Blocks, Key: req.Key, Text: req.Text, Policy: e.pol, Hold: hold, Room: waited, Slot: slot}
-	pd := e.m.disaggregated()
-	if pd {
-		ri.Allow = decodes
-	}
-	d, err := e.eng.Decide(ri, true)
-	if slot != nil {
-		slot.Unreserve()
+	p, def, err := e.place(i)
+	if def != nil {
+		e.deferred[def], e.deferral[i] = i, def
+		return place{}, errDeferred
 	}
 	if err != nil {
 		return place{}, err
 	}
-	if d.Held {
-		e.held[i] = d
-		e.eng.Wait(d, 0)
-		if _, err := e.queue.Enqueue(flow.Item{Flow: "", Home: d.Chosen().Replica.ID, Tokens: int64(d.Tokens), Value: i}); err != nil {
-			return place{}, err
-		}
-		return place{}, errHeld
-	}
-	c := d.Chosen()
-	e.ds[i], e.served[i] = d, c
+	e.ps[i] = p
+	c := p.Chosen()
 	pl := place{rep: c.Replica.ID, pre: -1, cached: c.Match.Tokens + int(c.Reuse), blocks: c.Match.Blocks}
-	if !pd || !e.m.needsPrefill(int(d.Uncached(c.Replica.ID))) {
-		return pl, nil
+	if pre := p.Prefill; pre != nil {
+		p.SetRemote() // its decode replica takes the prompt's KV from the prefill replica
+		pc := pre.Chosen()
+		pl.pre, pl.cached, pl.blocks = pc.Replica.ID, pc.Match.Tokens+int(pc.Reuse), pc.Match.Blocks
 	}
-	// The prefill replica, by the policy among the prefill replicas, as
-	// router.Core.routePD decides it after the decode replica.
-	ri.Allow = prefills
-	pre, err := e.eng.Decide(ri, true)
-	if err != nil { // as the live router: the decode replica computes it
-		return pl, nil
-	}
-	d.Lease().Remote()
-	pc := pre.Chosen()
-	e.pds[i] = pre
-	pl.pre, pl.cached, pl.blocks = pc.Replica.ID, pc.Match.Tokens+int(pc.Reuse), pc.Match.Blocks
 	return pl, nil
 }
 
-func decodes(r *replica.Replica) bool  { return r.Role.Decodes() }
-func prefills(r *replica.Replica) bool { return r.Role.Prefills() }
+// place places request i (router.Core.Begin), or resumes it if the
+// router's queue deferred it and its turn came.
+func (e *engineDecider) place(i int) (*router.Placement, *router.Deferral, error) {
+	if def, ok := e.deferral[i]; ok {
+		delete(e.deferred, def)
+		delete(e.deferral, i)
+		return e.core.Resume(def, nil)
+	}
+	req := &e.reqs[i]
+	return e.core.Begin(router.CoreRequest{Input: routing.Request{Blocks: req.Blocks, Key: req.Key, Text: req.Text},
+		Route: "replay", Disaggregate: e.m.disaggregated(), Immediate: req.Logged != nil})
+}
 
 func (e *engineDecider) prefillDone(i int, now int64, cached int) {
 	*e.clock = now
-	if pre := e.pds[i]; pre != nil { // its one token: the prefill request ends
-		delete(e.pds, i)
-		pre.Lease().FirstToken(time.Unix(0, now))
+	p := e.ps[i]
+	if pre := p.Prefill; pre != nil { // its one token: the prefill request ends
+		p.Prefill = nil
+		e.core.FirstByte(pre)
 		if e.picture == PictureFeedback {
-			e.eng.Feedback(pre, pre.Chosen(), cached)
+			e.eng.Feedback(pre.Decision, pre.Chosen(), cached)
 		}
-		pre.Lease().End(time.Unix(0, now))
+		e.core.Finish(pre, router.Outcome{Status: 200}, nil)
 		return
 	}
-	e.ds[i].Lease().FirstToken(time.Unix(0, now))
+	e.core.FirstByte(p.Routed)
 	if e.picture == PictureFeedback {
-		e.eng.Feedback(e.ds[i], e.served[i], cached)
+		e.eng.Feedback(p.Decision, p.Served, cached)
 	}
 }
 
 func (e *engineDecider) transferred(i int, now int64) {
 	*e.clock = now
-	e.ds[i].Lease().FirstToken(time.Unix(0, now))
+	e.core.FirstByte(e.ps[i].Routed)
 }
 
 // stored and removed make the engine decider the events mode's cacheSink:
@@ -814,12 +819,14 @@ func (e *engineDecider) removed(rep int, key uint64) { e.pic.Remove(rep, key, fa
 
 func (e *engineDecider) done(i int, now int64) {
 	*e.clock = now
-	e.ds[i].Lease().End(time.Unix(0, now))
+	p := e.ps[i]
+	e.ps[i] = nil
+	served := p.Served.Replica.ID
+	e.core.Finish(p.Routed, router.Outcome{Status: 200}, nil)
 	if e.m.RecordReplies && e.reqs[i].Reply != nil {
 		all := append(append([]blockhash.Block(nil), e.reqs[i].Blocks...), e.reqs[i].Reply...)
-		e.pic.Replied(e.served[i].Replica.ID, all, len(e.reqs[i].Blocks), time.Unix(0, now))
+		e.pic.Replied(served, all, len(e.reqs[i].Blocks), time.Unix(0, now))
 	}
-	e.ds[i], e.served[i] = nil, nil
 }
 
 // pooledDecider is a reference: one cache shared by every replica, each

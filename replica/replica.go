@@ -15,6 +15,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/semroute/semroute/plugin"
 )
 
 // Spec is one replica's static configuration.
@@ -142,6 +144,27 @@ func (u Reuse) Share() float64 {
 		r = DefaultRecompute
 	}
 	return 1 - r
+}
+
+// Spec returns u as the plugin spec of its mode (routing's reuse modes):
+// the mode, "" read as ReusePrefix, with the parameters that mode takes and
+// u sets (blend: recompute; donor: min_similarity); a parameter left 0 is
+// the mode's default. BudgetTokens is the pool's, not the mode's.
+func (u Reuse) Spec() plugin.Spec {
+	s := plugin.Spec{Type: u.Mode}
+	switch u.Mode {
+	case "":
+		s.Type = ReusePrefix
+	case ReuseBlend:
+		if u.Recompute != 0 {
+			s.Params = plugin.Params{"recompute": u.Recompute}
+		}
+	case ReuseDonor:
+		if u.MinSimilarity != 0 {
+			s.Params = plugin.Params{"min_similarity": u.MinSimilarity}
+		}
+	}
+	return s
 }
 
 // Check validates u.
@@ -477,10 +500,10 @@ func (r *Replica) Unwait(tokens int64, priority int) {
 	r.heldMu.Unlock()
 }
 
-// Held returns how many requests of priority or higher the router's queue
+// Deferred returns how many requests of priority or higher the router's queue
 // holds for the replica (Wait): those a request of that priority waits
 // behind.
-func (r *Replica) Held(priority int) int64 {
+func (r *Replica) Deferred(priority int) int64 {
 	r.heldMu.Lock()
 	defer r.heldMu.Unlock()
 	var n int64

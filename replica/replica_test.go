@@ -180,8 +180,8 @@ func TestReserveAndWait(t *testing.T) {
 	if got := r.Load(time.Now()).PendingTokens; got != 200 { // per unit of weight
 		t.Fatalf("pending %v with 400 tokens held for it at weight 2", got)
 	}
-	if r.Held(0) != 2 || r.Held(10) != 1 || r.Held(11) != 0 {
-		t.Fatalf("held at or above 0, 10, 11: %d, %d, %d", r.Held(0), r.Held(10), r.Held(11))
+	if r.Deferred(0) != 2 || r.Deferred(10) != 1 || r.Deferred(11) != 0 {
+		t.Fatalf("held at or above 0, 10, 11: %d, %d, %d", r.Deferred(0), r.Deferred(10), r.Deferred(11))
 	}
 	r.Unwait(100, 10)
 	r.Unwait(300, 0)

@@ -104,9 +104,9 @@ func BenchmarkPictureInFlight(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		in := core.Prepare(context.Background(), req, body, "")
+		in := core.prepare(context.Background(), req, body, "")
 		req.Recycle()
-		rt, err := core.Route(CoreRequest{Input: in, Model: req.Model, Route: "chat"})
+		rt, err := route(core, CoreRequest{Input: in, Model: req.Model, Route: "chat"})
 		if err != nil {
 			b.Fatal(err)
 		}

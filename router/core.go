@@ -2,15 +2,11 @@ package router
 
 import (
 	"cmp"
-	"container/list"
 	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"math"
-	"math/rand/v2"
-	"slices"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -55,10 +51,10 @@ type CoreOptions struct {
 	RawIDs bool
 	// LogPrompts logs the prompt's text with each decision. Off by default.
 	LogPrompts bool
-	// Held bounds the decisions held for Release (gRPC): past its caps the
-	// oldest is finished as expired, and one never released stops counting
-	// as load after Held.ReleaseAfter.
-	Held limits.Held
+	// Unreleased bounds the decisions awaiting Release (gRPC): past its
+	// caps the oldest is finished as expired, and one never released stops
+	// counting as load after Unreleased.ReleaseAfter.
+	Unreleased limits.Unreleased
 	// Metrics, if set, receives per-request metrics.
 	Metrics *Metrics
 	// Tokenizer, if set, is precise mode: each request is routed on the
@@ -84,7 +80,18 @@ type CoreOptions struct {
 	// that replica or a slot elsewhere worth moving to, and is decided
 	// again when its turn comes (see ARCHITECTURE.md). Nil: every request
 	// goes to a replica at once, as engines queue.
-	Flow *flow.Options
+	Flow *flow.Options[*replica.Replica]
+	// Reserve is how many slots of the pool a request keeps free for the
+	// higher priorities (flow.Demand.YieldsTo) while they arrive, on as few
+	// replicas as they go to, with flow control on: 0 sizes it by
+	// square-root staffing on their expected concurrency m (their rate
+	// times the seconds a request holds a slot), m + √m; a positive value
+	// is that many slots; a negative one keeps none.
+	Reserve int
+	// OnGrant, if set, hears of each deferred request whose turn came (a
+	// slot is kept for it: Resume it) instead of waking its Wait: the
+	// replay, in virtual time, resumes it as an event.
+	OnGrant func(*Deferral)
 	// PD tunes prefill/decode disaggregation, which replicas of role
 	// prefill turn on (pd.go); both front ends read it.
 	PD PDOptions
@@ -104,29 +111,23 @@ type Tokenizer interface {
 	Body(ctx context.Context, ep blockhash.Endpoint, model string, body []byte) ([]int32, error)
 }
 
-// Core is the routing core that the HTTP and gRPC front ends share: it
-// assigns each request an arm, decides through the engine with the arm's
-// policy, and ends and logs each decision. Safe for concurrent use.
+// Core is the routing core that every front door and the replay share:
+// it admits a request (Admit), assigns it an arm and places it through the
+// engine with the arm's policy, deferring it in the router's queue while
+// its best replica is saturated (Place), and ends and logs each decision
+// (Finish). Its one clock is the engine's. Safe for concurrent use.
 type Core struct {
 	o    CoreOptions
 	e    *routing.Engine
 	arms atomic.Pointer[armSet]
-	q    *flow.Queue // flow control's (CoreOptions.Flow); nil: off
-	// demand counts arrivals by priority and replica, for the slots a
-	// request leaves free for higher priorities (keep).
-	demand *flow.Demand
-	// untaken maps a replica ID to the queue's generation when a slot
-	// offered there by dispatchFree went untaken: offering it again before
-	// the queue changes would only compute the same costs again.
-	untaken sync.Map
-
-	mu         sync.Mutex
-	held       map[string]*list.Element // gRPC decisions awaiting Release, by id
-	heldOrder  list.List                // of *Routed, oldest first
-	heldBlocks int                      // blocks of the held decisions
+	// q is the router's queue (CoreOptions.Flow); nil: flow control off.
+	q *Deferrals
+	// unreleased keeps the gRPC API's decisions until their Release.
+	unreleased *Unreleased
 	// ids issues and checks the ids of stored responses, for the
 	// requests that continue or fetch them, through either front end.
 	ids *responseIDs
+	log decisionRecorder
 }
 
 // armSet is an immutable set of arms with their total weight.
@@ -140,13 +141,12 @@ func NewCore(o CoreOptions) (*Core, error) {
 	if o.Engine == nil {
 		return nil, errors.New("router: CoreOptions.Engine is required")
 	}
-	o.Held = o.Held.WithDefaults()
-	c := &Core{o: o, e: o.Engine, held: map[string]*list.Element{}, ids: newResponseIDs(o.StrictResponses)}
+	c := &Core{o: o, e: o.Engine, ids: newResponseIDs(o.StrictResponses),
+		log: decisionRecorder{e: o.Engine, raw: o.RawIDs, prompts: o.LogPrompts}}
+	c.unreleased = newUnreleased(o.Unreleased, func(rt *Routed, o Outcome) { c.Finish(rt, o, nil) }, o.Metrics)
 	if o.Flow != nil {
-		fo := *o.Flow
-		fo.OnLost = c.lost
-		c.q = flow.New(fo)
-		c.demand = flow.NewDemand(0)
+		c.q = newDeferrals(o.Engine, *o.Flow, o.Reserve, o.Metrics)
+		c.q.onGrant = o.OnGrant
 	}
 	if err := c.SetArms(o.Arms); err != nil {
 		return nil, err
@@ -188,17 +188,28 @@ func (c *Core) Engine() *routing.Engine { return c.e }
 // Arms returns the current arms.
 func (c *Core) Arms() []Arm { return c.arms.Load().arms }
 
-// PickArm assigns a request to an arm: a hash of the salt and the session
+// Deferrals returns the router's queue; nil without flow control.
+func (c *Core) Deferrals() *Deferrals { return c.q }
+
+// Unreleased returns the decisions awaiting the gRPC API's Release.
+func (c *Core) Unreleased() *Unreleased { return c.unreleased }
+
+// PickArm returns the arm a request of session, tenant and key is
+// assigned (armSet.pick): the same session always gets the same arm.
+func (c *Core) PickArm(session, tenant string, key uint64) *Arm {
+	return c.arms.Load().pick(c.o.Salt, session, tenant, key)
+}
+
+// pick assigns a request to an arm: a hash of the salt and the session
 // id, else the tenant id, else the request's key, placed on the arms'
 // cumulative weights. The same session always gets the same arm.
-func (c *Core) PickArm(session, tenant string, key uint64) *Arm {
-	set := c.arms.Load()
+func (set *armSet) pick(salt, session, tenant string, key uint64) *Arm {
 	if len(set.arms) == 1 {
 		return &set.arms[0]
 	}
 	var d xxhash.Digest
 	d.Reset()
-	_, _ = d.WriteString(c.o.Salt)
+	_, _ = d.WriteString(salt)
 	switch {
 	case session != "":
 		_, _ = d.WriteString("\x00s")
@@ -252,6 +263,17 @@ type CoreRequest struct {
 	// (disaggregation's first step); otherwise a prefill replica is never
 	// a candidate.
 	Prefill bool
+	// Disaggregate places the request on a decode replica and, when that
+	// replica would compute enough of its prompt, a prefill replica
+	// (Place); Admit sets it for a chat or completions request of a model
+	// a prefill replica serves. Whole says it cannot be split (several
+	// prompts or answers: splittable), and goes to its decode replica
+	// alone.
+	Disaggregate, Whole bool
+	// Immediate places the request at once, never deferred in the
+	// router's queue (the replay's requests of a decision log, which keep
+	// their live timing).
+	Immediate bool
 }
 
 // QueueError is a request the router's queue would not hold or hold any
@@ -267,12 +289,12 @@ func (e *QueueError) Error() string {
 }
 func (e *QueueError) Unwrap() error { return e.Err }
 
-// Prepare makes the engine's input for a parsed request whose body is
+// prepare makes the engine's input for a parsed request whose body is
 // body: in precise mode (CoreOptions.Tokenizer) from the engine's token
 // ids, else, or when they cannot be had in time, from the estimate.
 // Requests given as token ids are exact already; a request with no body
 // (gRPC messages) is estimated.
-func (c *Core) Prepare(ctx context.Context, req *blockhash.Request, body []byte, session string) routing.Request {
+func (c *Core) prepare(ctx context.Context, req *blockhash.Request, body []byte, session string) routing.Request {
 	if c.o.Tokenizer != nil && len(body) > 0 && !req.TokenIDsOnly() {
 		ep := endpointOf(req)
 		if req.Endpoint == blockhash.Responses || req.Endpoint == blockhash.Messages {
@@ -337,77 +359,11 @@ type Routed struct {
 	remoteAt             time.Time // when the router sent it there with the prefill's kv_transfer_params, last; zero in ext_proc mode (the decode sidecar sends the prefill)
 }
 
-// pairPD links the prefill decision prt and the decode decision rt of one
-// disaggregated request, for the decision log.
-func pairPD(prt, rt *Routed) {
-	prt.stage, prt.pair = "prefill", rt.ID
-	rt.stage, rt.pair, rt.prefill = "decode", prt.ID, prt.Served.Replica.Name
-}
-
-// remote counts decode decision rt's replica as taking its prompt's KV
+// SetRemote counts decode decision rt's replica as taking its prompt's KV
 // from its prefill replica (routing.Lease.Remote): not computing it.
-func (c *Core) remote(rt *Routed) {
+func (rt *Routed) SetRemote() {
 	rt.remote = true
 	rt.Lease().Remote()
-}
-
-// Route assigns an arm and decides. Unless req.DryRun, the decision is
-// recorded and the caller must call Finish (or Hold, for Release to finish).
-func (c *Core) Route(req CoreRequest) (*Routed, error) {
-	arm := passThrough
-	if !req.PassThrough {
-		arm = c.PickArm(req.Session, req.Tenant, req.Input.Key)
-	}
-	req.Input.Policy = arm.Policy
-	if req.Prefill || c.e.Pool().HasPrefill() {
-		req.Input.Allow = allowBoth(req.Input.Allow, roleOf(req.Prefill))
-	}
-	start := c.e.Now()
-	t0 := time.Now()
-	// With flow control a request whose best replica would queue it waits
-	// in the router's queue instead.
-	req.Input.Hold = c.q != nil && !req.DryRun && !req.PassThrough
-	if req.Input.Hold {
-		yields, protected := c.demand.View(req.Priority, t0)
-		req.Input.Keep = c.keep(yields)
-		// Traffic that others keep slots for takes a free one wherever
-		// it is rather than wait for its best replica's.
-		req.Input.Room = protected
-	}
-	d, err := c.e.Decide(req.Input, !req.DryRun)
-	if req.Input.Hold && err == nil {
-		c.demand.Arrive(req.Priority, d.Chosen().Replica.ID, t0)
-	}
-	var waited time.Duration
-	if err == nil && d.Held {
-		var slot *replica.Replica
-		waited, slot, err = c.wait(&req, d)
-		c.e.Drop(d)
-		if err != nil {
-			return nil, err
-		}
-		req.Input.Hold, req.Input.Room, req.Input.Slot = false, true, slot // its turn came with a slot kept on slot: to the best replica with room
-		d, err = c.e.Decide(req.Input, true)
-		c.unreserve(slot)
-	}
-	if errors.Is(err, routing.ErrUnknownModel) && c.o.RefreshModels != nil {
-		ctx, cancel := context.WithTimeout(context.Background(), modelsRefreshWait)
-		c.o.RefreshModels(ctx)
-		cancel()
-		d, err = c.e.Decide(req.Input, !req.DryRun)
-	}
-	if err != nil {
-		return nil, err
-	}
-	rt := &Routed{Decision: d, Arm: arm, Served: d.Chosen(), req: req, start: start, Queued: waited}
-	if c.demand != nil && !req.DryRun && !req.PassThrough {
-		c.demand.Begin(req.Priority, d.Chosen().Replica.ID, t0) // Finish ends it
-	}
-	if !req.DryRun {
-		rt.ID = strconv.FormatUint(rand.Uint64(), 16)
-		c.o.Metrics.routed(rt, time.Since(t0).Seconds())
-	}
-	return rt, nil
 }
 
 // roleOf returns the filter of the replicas that prefill for others
@@ -430,7 +386,7 @@ func (rt *Routed) ttft() time.Duration {
 // ready reports whether some replica may take a request (Usable: what
 // routing falls back on when passive ejection took out the rest).
 func (c *Core) ready() bool {
-	now := time.Now()
+	now := c.e.Now()
 	for _, r := range c.e.Pool().Replicas() {
 		if r.Usable(now) {
 			return true
@@ -474,181 +430,7 @@ func (c *Core) Failover(rt *Routed, next int) bool {
 // the engine is done with the prompt's blocks, which the picture may now
 // evict, though the client may still be reading. Finish does it if this
 // was not called.
-func (c *Core) EngineDone(rt *Routed) {
-	if l := rt.Lease(); l.State() < routing.LeaseDrained {
-		l.EngineDone(c.e.Now())
-		c.freed(rt)
-	}
-}
-
-// wait queues req, whose decision d's best replica would queue it, and
-// waits for its turn; it returns how long it waited and the replica whose
-// slot was kept for it (Replica.Reserve), which the caller must unreserve.
-func (c *Core) wait(req *CoreRequest, d *routing.Decision) (time.Duration, *replica.Replica, error) {
-	t, err := c.q.Enqueue(flow.Item{Priority: req.Priority, Flow: req.Flow, Home: d.Chosen().Replica.ID, Bytes: req.Bytes, Tokens: int64(d.Tokens), Value: d})
-	if err != nil {
-		c.o.Metrics.shed(err)
-		return 0, nil, &QueueError{Err: err, RetryAfter: time.Second}
-	}
-	ctx := req.Ctx
-	if ctx == nil {
-		ctx = context.Background()
-	}
-	c.e.Wait(d, req.Priority)
-	err = t.Wait(ctx)
-	c.e.Unwait(d)
-	if err != nil {
-		if ctx.Err() != nil {
-			return 0, nil, err
-		}
-		c.o.Metrics.shed(err)
-		return 0, nil, &QueueError{Err: err, RetryAfter: time.Second}
-	}
-	waited := time.Since(t.Enqueued())
-	c.o.Metrics.queued(req.Priority, waited)
-	return waited, t.Grant().(*replica.Replica), nil
-}
-
-// unreserve gives back the slot kept on r for a request now decided (it
-// counts in flight by itself wherever it went), and offers it again: the
-// request may have gone to a better replica with room.
-func (c *Core) unreserve(r *replica.Replica) {
-	r.Unreserve()
-	c.offer(r)
-}
-
-// freed offers the slot rt's request held on its replica to the router's
-// queue: the waiting request that would compute least there goes. The
-// lease's drain (EngineDone, or End without it) calls it once.
-func (c *Core) freed(rt *Routed) {
-	if c.q != nil && !rt.req.PassThrough {
-		c.offer(rt.Served.Replica)
-	}
-}
-
-// offer gives the router's queue a slot on r if r is not saturated, and
-// reports whether a waiting request took it, and whether some request was
-// refused it to keep it for traffic it gives way to (reserve: that changes
-// with time, not only with the queue); the slot is kept for the request
-// that took it until it is decided (Replica.Reserve), so that no request
-// arriving meanwhile takes it.
-func (c *Core) offer(r *replica.Replica) (taken, keptFor bool) {
-	if r.Saturated() || !r.Available(time.Now()) {
-		return false, false
-	}
-	free, known := r.Free() // this slot among them
-	var kept map[int]bool   // keep's verdicts by priority: a few per offer
-	now := time.Now()
-	r.Reserve()
-	if _, ok := c.q.Dispatch(r.ID, func(t *flow.Ticket) float64 {
-		held, ok := kept[t.Priority]
-		if !ok {
-			if keep := c.keep(c.demand.YieldsTo(t.Priority, now)); keep != nil {
-				held = known && free <= keep(r)
-			}
-			if kept == nil {
-				kept = map[int]bool{}
-			}
-			kept[t.Priority] = held
-		}
-		if held {
-			keptFor = true
-			return math.Inf(1) // the slot is kept for the traffic it gives way to
-		}
-		return c.e.DispatchCost(t.Value.(*routing.Decision), r)
-	}, r); ok {
-		return true, keptFor
-	}
-	r.Unreserve()
-	return false, keptFor
-}
-
-// keep returns how many free slots of a replica a request must leave
-// there (routing.Request.Keep): the slots kept there for the traffic it
-// gives way to, y (flow.Demand.YieldsTo; concentrate says where and how
-// many), less those that traffic fills now. Nil where it gives way to
-// nothing, or flow_control.reserve keeps none.
-func (c *Core) keep(y map[int]flow.Yielded) func(*replica.Replica) int64 {
-	if c.o.Flow.Reserve < 0 || len(y) == 0 {
-		return nil
-	}
-	var kept map[int]int64 // by replica ID, made at the first call
-	return func(r *replica.Replica) int64 {
-		if kept == nil {
-			kept = c.concentrate(y)
-		}
-		return max(kept[r.ID]-y[r.ID].InFlight, 0)
-	}
-}
-
-// concentrate spreads the slots kept for traffic y (flow.Demand.YieldsTo)
-// over as few replicas as hold them: those it arrives at most first, each
-// filled to its capacity before the next. A replica whose engine runs
-// only that traffic keeps only its prefixes in its cache, where a flood
-// spread over every replica would evict them. The slots kept are
-// flow.Options.Reserve's count, or by default by square-root staffing on
-// the traffic's expected concurrency by Little's law, m = its rate times
-// the seconds a request holds a slot (routing.Engine.PerRequest), m + √m
-// rounded (it waits in about one case in five; a trickle keeps nothing).
-func (c *Core) concentrate(y map[int]flow.Yielded) map[int]int64 {
-	var rate float64
-	ids := make([]int, 0, len(y))
-	for id, v := range y {
-		if v.Rate > 0 {
-			rate += v.Rate
-			ids = append(ids, id)
-		}
-	}
-	n := int64(c.o.Flow.Reserve)
-	if n == 0 {
-		m := rate * c.e.PerRequest()
-		n = int64(math.Round(m + math.Sqrt(m)))
-	}
-	slices.SortFunc(ids, func(a, b int) int { return cmp.Or(cmp.Compare(y[b].Rate, y[a].Rate), cmp.Compare(a, b)) })
-	capacity := make(map[int]int64, len(ids))
-	for _, r := range c.e.Pool().Replicas() {
-		capacity[r.ID] = r.Capacity()
-	}
-	kept := make(map[int]int64, len(ids))
-	for _, id := range ids {
-		if n <= 0 {
-			break
-		}
-		if cp, ok := capacity[id]; ok { // not gone since
-			k := min(n, max(cp, 1))
-			kept[id], n = k, n-k
-		}
-	}
-	return kept
-}
-
-// lost takes back the slot kept for a request that left as it was
-// dispatched (flow.Options.OnLost).
-func (c *Core) lost(grant any) { c.unreserve(grant.(*replica.Replica)) }
-
-// dispatchFree offers the queue a slot on each replica that is not
-// saturated (its gauges show room that no request's end announced: a
-// peer's requests ended, a scrape), as many as it has, but not again to a
-// replica whose offer went untaken while nothing was queued or left since
-// (unless a slot was kept for a reservation, which time may end).
-func (c *Core) dispatchFree() {
-	if c.q == nil {
-		return
-	}
-	gen := c.q.Generation()
-	for _, r := range c.e.Pool().Replicas() {
-		if g, ok := c.untaken.Load(r.ID); ok && g.(uint64) == gen {
-			continue
-		}
-		taken, kept := c.offer(r)
-		for taken {
-			taken, kept = c.offer(r)
-		}
-		if !r.Saturated() && !kept {
-			c.untaken.Store(r.ID, c.q.Generation())
-		}
-	}
-}
+func (c *Core) EngineDone(rt *Routed) { rt.Lease().EngineDone(c.e.Now()) }
 
 // Outcome is how a routed request ended, as the front end saw it.
 type Outcome = decisionlog.Outcome
@@ -659,32 +441,8 @@ type Outcome = decisionlog.Outcome
 func (c *Core) Finish(rt *Routed, o Outcome, reply []byte) {
 	defer c.e.Recycle(rt.Decision) // after the decision log's record read the candidates
 	now := c.e.Now()
-	drained := rt.Lease().State() >= routing.LeaseDrained // the slot was offered then
-	rt.Lease().End(now)
-	if c.demand != nil && !rt.req.PassThrough {
-		c.demand.End(rt.req.Priority, rt.Chosen().Replica.ID) // where Route began it: a failover moves Served, not the choice
-	}
-	if !drained {
-		c.freed(rt)
-	}
-	// A disaggregated request's decode replica reports the tokens the
-	// transfer brought as cached: they teach nothing of its own cache.
-	if o.PromptTokens > 0 && o.Status == 200 && !rt.req.PassThrough && !rt.remote {
-		c.e.ObserveUsage(rt.req.Model, rt.Decision, int(o.PromptTokens))
-		if c.o.Agreement != nil {
-			c.o.Agreement.Finished(rt.Served.Replica.Name, rt.Decision.Precise(), rt.Tokens, int(o.PromptTokens),
-				rt.Served.Predicted(), int(o.CachedTokens), o.CachedReported)
-		}
-		if o.CachedReported && c.o.Feedback {
-			if n := c.e.Feedback(rt.Decision, rt.Served, int(o.CachedTokens)); n > 0 {
-				c.o.Metrics.trimmed(rt, n)
-			}
-		}
-	}
-	var learned []blockhash.Block
-	if reply != nil {
-		learned = c.e.LearnReply(rt.Decision, rt.Served.Replica, reply)
-	}
+	c.q.ended(rt) // before the lease's end offers its slot
+	learned := c.learn(rt, &o, reply)
 	if o.DurationNs == 0 {
 		o.DurationNs = now.Sub(rt.start).Nanoseconds()
 	}
@@ -697,7 +455,26 @@ func (c *Core) Finish(rt *Routed, o Outcome, reply []byte) {
 	}
 	o.Replica = rt.Served.Replica.Name
 	o.ReplyBlocks = logBlocks(learned)
-	c.o.Log.Log(c.record(rt, &o))
+	c.o.Log.Log(c.log.record(rt, &o))
+}
+
+// learn ends rt's lease and teaches the engine what the request's outcome
+// o and reply say (routing.Engine.Finish: its prompt tokens, cached tokens
+// and reply), and the agreement tracker its tokens; it returns the reply's
+// blocks learned. A disaggregated request's decode replica reports the
+// tokens the transfer brought as cached: they teach nothing of its own
+// cache.
+func (c *Core) learn(rt *Routed, o *Outcome, reply []byte) []blockhash.Block {
+	learned, trimmed := c.e.Finish(rt.Decision, routing.Usage{OK: o.Status == 200, PromptTokens: o.PromptTokens,
+		CachedTokens: o.CachedTokens, CachedReported: o.CachedReported, Feedback: c.o.Feedback, Reply: reply})
+	if trimmed > 0 {
+		c.o.Metrics.trimmed(rt, trimmed)
+	}
+	if c.o.Agreement != nil && o.PromptTokens > 0 && o.Status == 200 && !rt.req.PassThrough && !rt.remote {
+		c.o.Agreement.Finished(rt.Served.Replica.Name, rt.Decision.Precise(), rt.Tokens, int(o.PromptTokens),
+			rt.Served.Predicted(), int(o.CachedTokens), o.CachedReported)
+	}
+	return learned
 }
 
 func logBlocks(bl []blockhash.Block) []decisionlog.Block {
@@ -711,14 +488,23 @@ func logBlocks(bl []blockhash.Block) []decisionlog.Block {
 	return out
 }
 
-func (c *Core) id(v string) string {
-	if v == "" || c.o.RawIDs {
+// decisionRecorder makes a finished decision's decision-log record.
+type decisionRecorder struct {
+	e       *routing.Engine
+	raw     bool // CoreOptions.RawIDs
+	prompts bool // CoreOptions.LogPrompts
+}
+
+// id returns a session or tenant id as logged: hashed unless raw.
+func (c decisionRecorder) id(v string) string {
+	if v == "" || c.raw {
 		return v
 	}
 	return fmt.Sprintf("h:%016x", xxhash.Sum64String(v))
 }
 
-func (c *Core) record(rt *Routed, o *Outcome) *decisionlog.Record {
+// record returns rt's record, ended with o.
+func (c decisionRecorder) record(rt *Routed, o *Outcome) *decisionlog.Record {
 	r := &decisionlog.Record{
 		TimeNs: rt.start.UnixNano(), ID: rt.ID, Arm: rt.Arm.Name, Policy: rt.Arm.Policy.Name(), Model: rt.req.Model,
 		Session: c.id(rt.req.Session), Tenant: c.id(rt.req.Tenant), Key: fmt.Sprintf("%016x", rt.Key),
@@ -741,127 +527,10 @@ func (c *Core) record(rt *Routed, o *Outcome) *decisionlog.Record {
 			Engine: engine, Reuse: math.Round(cand.Reuse),
 		})
 	}
-	if c.o.LogPrompts {
+	if c.prompts {
 		for _, t := range rt.req.Input.Text {
 			r.Text = append(r.Text, string(t))
 		}
 	}
 	return r
-}
-
-// ErrUnknownDecision is returned by Release for an id not held.
-var ErrUnknownDecision = errors.New("unknown or already released decision")
-
-// Hold keeps a recorded decision until Release, until ReleaseAfter passes
-// (see Expire), or until the caps on held decisions push it out, oldest
-// first. Decisions pushed out are finished as expired before Hold returns.
-func (c *Core) Hold(rt *Routed) {
-	var out []*Routed
-	c.mu.Lock()
-	c.held[rt.ID] = c.heldOrder.PushBack(rt)
-	c.heldBlocks += len(rt.Blocks)
-	for c.heldOrder.Len() > c.o.Held.Max || (c.heldBlocks > c.o.Held.MaxBlocks && c.heldOrder.Len() > 1) {
-		out = append(out, c.unholdLocked(c.heldOrder.Front()))
-	}
-	c.mu.Unlock()
-	c.expired(out, "cap")
-}
-
-// unholdLocked removes e from the held decisions; c.mu is held.
-func (c *Core) unholdLocked(e *list.Element) *Routed {
-	rt := c.heldOrder.Remove(e).(*Routed)
-	delete(c.held, rt.ID)
-	c.heldBlocks -= len(rt.Blocks)
-	return rt
-}
-
-// expired finishes decisions that were never released, counting them by
-// reason ("cap" or "timeout").
-func (c *Core) expired(rts []*Routed, reason string) {
-	for _, rt := range rts {
-		c.Finish(rt, Outcome{Error: "never released"}, nil)
-	}
-	c.o.Metrics.heldExpired(reason, len(rts))
-}
-
-// Release finishes a held decision with o.
-func (c *Core) Release(id string, o Outcome) error {
-	c.mu.Lock()
-	e, ok := c.held[id]
-	var rt *Routed
-	if ok {
-		rt = c.unholdLocked(e)
-	}
-	c.mu.Unlock()
-	if !ok {
-		return ErrUnknownDecision
-	}
-	c.Finish(rt, o, nil)
-	return nil
-}
-
-// Expire finishes held decisions older than ReleaseAfter at now and
-// returns how many. It costs O(expired): held decisions are kept in the
-// order they were made.
-func (c *Core) Expire(now time.Time) int {
-	var old []*Routed
-	c.mu.Lock()
-	for e := c.heldOrder.Front(); e != nil && now.Sub(e.Value.(*Routed).start) >= c.o.Held.ReleaseAfter; e = c.heldOrder.Front() {
-		old = append(old, c.unholdLocked(e))
-	}
-	c.mu.Unlock()
-	c.expired(old, "timeout")
-	return len(old)
-}
-
-// Run expires unreleased decisions every interval until ctx ends.
-func (c *Core) Run(ctx context.Context, interval time.Duration) {
-	t := time.NewTicker(interval)
-	defer t.Stop()
-	var queue <-chan time.Time // the router's queue: its TTL, and room no request's end announced
-	if c.q != nil {
-		qt := time.NewTicker(QueueTick)
-		defer qt.Stop()
-		queue = qt.C
-	}
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case now := <-t.C:
-			c.Expire(now)
-		case <-queue:
-			c.q.Expire()
-			c.dispatchFree()
-		}
-	}
-}
-
-// QueueTick is how often Run expires the router's queue and offers it the
-// room replicas' gauges show (a request's end offers its slot at once).
-const QueueTick = 20 * time.Millisecond
-
-// Queued returns the requests and bytes waiting in the router's queue; 0
-// without flow control.
-func (c *Core) Queued() (requests int, bytes int64) {
-	if c.q == nil {
-		return 0, 0
-	}
-	return c.q.Len()
-}
-
-// QueuedBy returns the requests waiting in the router's queue at each
-// priority and the flows waiting; nil and 0 without flow control.
-func (c *Core) QueuedBy() (requests map[int]int, flows int) {
-	if c.q == nil {
-		return nil, 0
-	}
-	return c.q.Bands()
-}
-
-// Held returns how many decisions await Release, and the blocks they keep.
-func (c *Core) Held() (decisions, blocks int) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.heldOrder.Len(), c.heldBlocks
 }

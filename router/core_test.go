@@ -43,7 +43,7 @@ func TestCoreLogsFinishedDecisions(t *testing.T) {
 	log := &memLog{}
 	c := newCore(t, f, CoreOptions{Log: log})
 	req := parseChat(t, "system", strings.Repeat("policy text ", 100), "user", "q")
-	rt, err := c.Route(CoreRequest{Input: f.e.Prepare(req, "alice", true), Model: "m", Session: "alice", Tenant: "acme"})
+	rt, err := route(c, CoreRequest{Input: f.e.Prepare(req, "alice", true), Model: "m", Session: "alice", Tenant: "acme"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -74,7 +74,7 @@ func TestCoreLogsFinishedDecisions(t *testing.T) {
 	}
 	// Raw ids and prompts when asked.
 	c2 := newCore(t, f, CoreOptions{Log: log, RawIDs: true, LogPrompts: true})
-	rt2, _ := c2.Route(CoreRequest{Input: f.e.Prepare(req, "alice", true), Session: "alice"})
+	rt2, _ := route(c2, CoreRequest{Input: f.e.Prepare(req, "alice", true), Session: "alice"})
 	c2.Finish(rt2, Outcome{}, nil)
 	if r := log.recs[1]; r.Session != "alice" || len(r.Text) != 2 {
 		t.Fatalf("raw record %+v", r)
@@ -84,30 +84,30 @@ func TestCoreLogsFinishedDecisions(t *testing.T) {
 func TestCoreHoldReleaseExpire(t *testing.T) {
 	f := newFixture(t, 2, "semantic")
 	log := &memLog{}
-	c := newCore(t, f, CoreOptions{Log: log, Held: limits.Held{ReleaseAfter: time.Minute}})
+	c := newCore(t, f, CoreOptions{Log: log, Unreleased: limits.Unreleased{ReleaseAfter: time.Minute}})
 	// One Prepare per Route: a decision owns its input's pooled blocks and
 	// gives them back when it is finished.
 	in := func() routing.Request { return f.e.Prepare(parseChat(t, "user", "x"), "", false) }
-	a, _ := c.Route(CoreRequest{Input: in()})
-	b, _ := c.Route(CoreRequest{Input: in()})
-	c.Hold(a)
-	c.Hold(b)
-	if err := c.Release(a.ID, Outcome{Status: 200}); err != nil {
+	a, _ := route(c, CoreRequest{Input: in()})
+	b, _ := route(c, CoreRequest{Input: in()})
+	c.unreleased.Add(a)
+	c.unreleased.Add(b)
+	if err := c.unreleased.Release(a.ID, Outcome{Status: 200}); err != nil {
 		t.Fatal(err)
 	}
-	if err := c.Release(a.ID, Outcome{}); err != ErrUnknownDecision {
+	if err := c.unreleased.Release(a.ID, Outcome{}); err != ErrUnknownDecision {
 		t.Fatalf("second release: %v", err)
 	}
-	if n := c.Expire(f.now.Add(30 * time.Second)); n != 0 {
+	if n := c.unreleased.Expire(f.now.Add(30 * time.Second)); n != 0 {
 		t.Fatalf("expired %d too early", n)
 	}
-	if n := c.Expire(f.now.Add(time.Minute)); n != 1 || func() int { n, _ := c.Held(); return n }() != 0 {
+	if n := c.unreleased.Expire(f.now.Add(time.Minute)); n != 1 || func() int { n, _ := c.unreleased.Len(); return n }() != 0 {
 		t.Fatalf("expired %d", n)
 	}
 	if last := log.recs[len(log.recs)-1]; last.Outcome.Error == "" {
 		t.Fatalf("expired record %+v", last.Outcome)
 	}
-	dry, _ := c.Route(CoreRequest{Input: in(), DryRun: true})
+	dry, _ := route(c, CoreRequest{Input: in(), DryRun: true})
 	if dry.ID != "" {
 		t.Fatal("a dry run got an id")
 	}
@@ -139,7 +139,7 @@ func TestArmsValidateAndSplit(t *testing.T) {
 		t.Fatalf("a new salt moved only %d of 200 sessions", moved)
 	}
 	in := f.e.Prepare(parseChat(t, "user", "x"), "sess", false)
-	rt, _ := c.Route(CoreRequest{Input: in, Session: "sess"})
+	rt, _ := route(c, CoreRequest{Input: in, Session: "sess"})
 	if rt.Policy != rt.Arm.Policy.Name() {
 		t.Fatalf("decided by %s in arm %s (%s)", rt.Policy, rt.Arm.Name, rt.Arm.Policy.Name())
 	}
@@ -153,12 +153,12 @@ func TestArmsValidateAndSplit(t *testing.T) {
 func TestCoreLifecyclesLeaveNoPins(t *testing.T) {
 	const budget = 300
 	f := newFixtureBudget(t, 3, "semantic", budget)
-	c := newCore(t, f, CoreOptions{Held: limits.Held{Max: 5, ReleaseAfter: time.Minute}})
+	c := newCore(t, f, CoreOptions{Unreleased: limits.Unreleased{Max: 5, ReleaseAfter: time.Minute}})
 	rng := rand.New(rand.NewPCG(1, 1))
 	var ids []string
 	for i := 0; i < 300; i++ {
 		req := parseChat(t, "system", strings.Repeat(fmt.Sprint("sys", i%40, " "), 200), "user", fmt.Sprint("q", i))
-		rt, err := c.Route(CoreRequest{Input: f.e.Prepare(req, fmt.Sprint("s", i), false), Model: "m"})
+		rt, err := route(c, CoreRequest{Input: f.e.Prepare(req, fmt.Sprint("s", i), false), Model: "m"})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -174,17 +174,17 @@ func TestCoreLifecyclesLeaveNoPins(t *testing.T) {
 			c.EngineDone(rt) // twice: the second does nothing
 			c.Finish(rt, Outcome{Status: 200}, []byte("reply "+fmt.Sprint(i)))
 		default:
-			c.Hold(rt)
+			c.unreleased.Add(rt)
 			ids = append(ids, rt.ID)
 			if rng.IntN(2) == 0 {
-				_ = c.Release(ids[rng.IntN(len(ids))], Outcome{Status: 200})
+				_ = c.unreleased.Release(ids[rng.IntN(len(ids))], Outcome{Status: 200})
 			}
 		}
 		f.now = f.now.Add(time.Second)
 	}
 	f.now = f.now.Add(time.Hour)
-	c.Expire(f.now)
-	if n, _ := c.Held(); n != 0 {
+	c.unreleased.Expire(f.now)
+	if n, _ := c.unreleased.Len(); n != 0 {
 		t.Fatalf("%d still held", n)
 	}
 	for id := 0; id < 3; id++ {
@@ -202,7 +202,7 @@ func TestEngineDoneUnpinsBeforeFinish(t *testing.T) {
 	f := newFixtureBudget(t, 1, "semantic", 2000)
 	c := newCore(t, f, CoreOptions{})
 	route := func(text string) *Routed {
-		rt, err := c.Route(CoreRequest{Input: f.e.Prepare(parseChat(t, "user", text), "", false), Model: "m"})
+		rt, err := route(c, CoreRequest{Input: f.e.Prepare(parseChat(t, "user", text), "", false), Model: "m"})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -21,6 +21,10 @@ type apiError struct {
 	msg    string
 }
 
+// Error returns e's message: an *apiError is an error Admit may return,
+// which classify answers as it is.
+func (e *apiError) Error() string { return e.msg }
+
 // maxErrorMessage bounds an error body's message, in bytes, whatever the
 // input or upstream error behind it.
 const maxErrorMessage = 512
@@ -87,7 +91,10 @@ func classify(err error) apiError {
 	var tooBig *http.MaxBytesError
 	var um *routing.UnknownModelError
 	var busy *bodiesInFlightError
+	var ae *apiError
 	switch {
+	case errors.As(err, &ae):
+		return *ae
 	case errors.As(err, &tooBig):
 		return apiError{http.StatusRequestEntityTooLarge, "invalid_request_error", "body_too_large",
 			"request body is larger than the limit of " + strconv.FormatInt(tooBig.Limit, 10) + " bytes"}

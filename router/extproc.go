@@ -495,13 +495,8 @@ func (st *epStream) route(noBody bool) (bool, error) {
 		in.Input.Allow = func(r *replica.Replica) bool { return sub.has(Endpoint(r)) && (home == nil || home(r)) }
 	}
 	in.Ctx = st.srv.Context()
-	var rt, prt *Routed
-	var perr, err error
-	if !in.PassThrough && chatLike(in.API) && st.s.core.disaggregated(in.Model) {
-		rt, prt, perr, err = st.s.core.routePD(in, splittable(fwd))
-	} else {
-		rt, err = st.s.core.Route(in)
-	}
+	in.Whole = in.Disaggregate && !splittable(fwd)
+	p, err := st.s.core.Place(in)
 	if err != nil {
 		e := classify(err)
 		if errors.As(err, new(*QueueError)) {
@@ -509,11 +504,11 @@ func (st *epStream) route(noBody bool) (bool, error) {
 		}
 		return st.reject(e)
 	}
-	st.rt = rt
-	if perr != nil {
-		st.s.o.Logger.Warn("no prefill replica for a disaggregated request: its decode replica computes the prompt", "err", perr, "decode", rt.Served.Replica.Name)
+	st.rt = p.Routed
+	if p.Fallback != nil {
+		st.s.o.Logger.Warn("no prefill replica for a disaggregated request: its decode replica computes the prompt", "err", p.Fallback, "decode", p.Served.Replica.Name)
 	}
-	return st.destine(rt, fwd, noBody, st.prefillOn(prt)...)
+	return st.destine(p.Routed, fwd, noBody, st.prefillOn(p.Prefill)...)
 }
 
 // prefillOn takes prt, the prefill decision of a disaggregated request
@@ -527,7 +522,7 @@ func (st *epStream) prefillOn(prt *Routed) []*corev3.HeaderValueOption {
 		return nil
 	}
 	st.prefill = prt
-	st.s.core.remote(st.rt)
+	st.rt.SetRemote()
 	st.s.core.o.Metrics.disaggregated("disaggregated")
 	return []*corev3.HeaderValueOption{setHeader(HeaderPrefillerHostPort, Endpoint(prt.Served.Replica)), setHeader(HeaderPrefillReplica, prt.Served.Replica.Name)}
 }
@@ -560,35 +555,16 @@ func (st *epStream) input() (in CoreRequest, fwd []byte, refused *apiError) {
 	if st.method != http.MethodPost {
 		return in, nil, &apiError{http.StatusMethodNotAllowed, "invalid_request_error", "method_not_allowed", "use POST for " + st.path}
 	}
-	if e := checkBodyType(st.contentType, st.body); e != nil {
-		return in, nil, e
-	}
 	lim := st.s.o.Limits()
-	req, err := blockhash.Parse(ep, st.body, lim.Parse)
+	ad, err := st.s.core.Admit(Arrival{API: ep, Body: st.body, ContentType: st.contentType, Session: st.session, Tenant: st.tenant,
+		Header: st.placing.Get, Priorities: st.s.o.Priorities, Route: "ext_proc", Ctx: st.srv.Context(), Disaggregates: true}, &lim)
 	if err != nil {
 		e := shedOr(err)
 		return in, nil, &e
 	}
-	defer req.Recycle()
-	if e := maxTokensError(req.MaxTokens, &lim); e != nil {
-		return in, nil, e
-	}
-	in.Input = st.s.core.Prepare(st.srv.Context(), req, st.body, st.session)
-	in.Input.DetachText()
-	if id := req.PreviousResponseID; id != "" {
-		var refused bool
-		in.Input.Allow, refused = st.s.core.ids.home(id, st.tenant) // the replica that stored the response it continues
-		if refused {
-			e := errNotYours
-			return in, nil, &e
-		}
-		in.Input.Home = in.Input.Allow != nil
-	}
-	in.Model, in.Route, in.API = req.Model, "ext_proc", ep
-	in.Priority, in.Flow = placement(st.s.o.Priorities, st.placing.Get, st.tenant, req.User)
-	in.Bytes = int64(len(st.body))
-	fwd, e := st.upstream(req)
-	return in, fwd, e
+	defer ad.Recycle()
+	fwd, e := st.upstream(ad.Parsed)
+	return ad.CoreRequest, fwd, e
 }
 
 // passInput makes the core's request of a stream that is not routed by
@@ -741,7 +717,7 @@ func (st *epStream) responseHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadat
 			set = append(set, setHeader(HeaderMatchedTokens, strconv.Itoa(rt.Served.Predicted())))
 			st.capture = &replyCapture{limit: st.s.o.MaxReplyBytes, sse: sse, lim: st.s.o.Limits().Parse, first: func() { st.s.core.FirstByte(rt) },
 				end: func() { st.s.core.EngineDone(rt) }}
-			st.s.core.readyCapture(st.capture, rt, rt.Served.Replica.Name)
+			readyCapture(st.s.core.ids, st.capture, rt, rt.Served.Replica.Name)
 		} else {
 			st.s.core.FirstByte(rt)
 		}

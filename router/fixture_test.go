@@ -52,3 +52,13 @@ func (f *fixture) arms() []Arm { return []Arm{{Name: "default", Policy: f.pol, W
 func parseChat(t testing.TB, msgs ...string) *blockhash.Request {
 	return benchdata.ParseChat(t, msgs...)
 }
+
+// route places cr (Core.Place) and returns its decision, for the tests
+// that route one request and look at its decision only.
+func route(c *Core, cr CoreRequest) (*Routed, error) {
+	p, err := c.Place(cr)
+	if err != nil {
+		return nil, err
+	}
+	return p.Routed, nil
+}

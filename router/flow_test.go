@@ -22,14 +22,14 @@ import (
 // waits. Past the queue's bound a request is refused with a QueueError.
 func TestCoreQueuesWhileSaturated(t *testing.T) {
 	f := newFixture(t, 1, "semantic")
-	fo := &flow.Options{MaxRequests: 1}
+	fo := &flow.Options[*replica.Replica]{MaxRequests: 1}
 	c, err := NewCore(CoreOptions{Engine: f.e, Arms: f.arms(), Flow: fo})
 	if err != nil {
 		t.Fatal(err)
 	}
 	route := func(text string) (*Routed, error) {
 		in := f.e.Prepare(parseChat(t, "user", text), "", false)
-		return c.Route(CoreRequest{Input: in, Route: "chat", Ctx: context.Background(), Flow: "a"})
+		return route(c, CoreRequest{Input: in, Route: "chat", Ctx: context.Background(), Flow: "a"})
 	}
 	rep := f.e.Pool().Replicas()[0]
 	first, err := route("first")
@@ -56,9 +56,10 @@ func TestCoreQueuesWhileSaturated(t *testing.T) {
 	if _, err := route("third"); !errors.As(err, new(*QueueError)) || !errors.Is(err, flow.ErrFull) {
 		t.Fatalf("a request past the queue's bound: %v", err)
 	}
+	f.now = f.now.Add(time.Second)
 	c.EngineDone(first) // the engine finished the first: its slot goes to the second
 	r := <-done
-	if r.err != nil || r.rt.Queued <= 0 {
+	if r.err != nil || r.rt.Queued != time.Second {
 		t.Fatalf("the waiting request: %v, queued %v", r.err, r.rt.Queued)
 	}
 	if got := rep.Load(time.Now()).InFlight; got != 2 { // the first's client still reads
@@ -75,14 +76,14 @@ func TestCoreQueuesWhileSaturated(t *testing.T) {
 // request waits leaves the queue, and nothing of it was recorded.
 func TestCoreQueueWaitEndsWithTheClient(t *testing.T) {
 	f := newFixture(t, 1, "semantic")
-	fo := &flow.Options{}
+	fo := &flow.Options[*replica.Replica]{}
 	c, _ := NewCore(CoreOptions{Engine: f.e, Arms: f.arms(), Flow: fo})
 	f.e.Pool().Replicas()[0].Observe(replica.Observed{Waiting: 9}) // capacity unknown: the gauge says it queues
 	ctx, cancel := context.WithCancel(context.Background())
 	errc := make(chan error, 1)
 	go func() {
 		in := f.e.Prepare(parseChat(t, "user", "waits"), "", false)
-		_, err := c.Route(CoreRequest{Input: in, Route: "chat", Ctx: ctx})
+		_, err := route(c, CoreRequest{Input: in, Route: "chat", Ctx: ctx})
 		errc <- err
 	}()
 	waitQueued(t, c, 1)
@@ -90,7 +91,7 @@ func TestCoreQueueWaitEndsWithTheClient(t *testing.T) {
 	if err := <-errc; !errors.Is(err, context.Canceled) {
 		t.Fatalf("a client that left: %v", err)
 	}
-	if n, _ := c.Queued(); n != 0 {
+	if n, _ := c.q.Len(); n != 0 {
 		t.Fatalf("%d still queued", n)
 	}
 	if st, _ := f.e.Picture().Stats(0); st.Blocks != 0 {
@@ -104,7 +105,7 @@ func waitQueued(t *testing.T, c *Core, n int) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		if got, _ := c.Queued(); got == n {
+		if got, _ := c.q.Len(); got == n {
 			return
 		}
 		if time.Now().After(deadline) {
@@ -130,7 +131,7 @@ func TestHTTPFlowControl(t *testing.T) {
 		t.Fatal(err)
 	}
 	rr, _ := routing.NewPolicy(routing.PolicySpec{Type: "round_robin"})
-	fo := &flow.Options{MaxRequests: 1}
+	fo := &flow.Options[*replica.Replica]{MaxRequests: 1}
 	core, _ := NewCore(CoreOptions{Engine: e, Arms: []Arm{{Name: "default", Policy: rr, Weight: 1}}, Flow: fo})
 	srv, _ := NewServer(ServerOptions{Core: core, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	ts := httptest.NewServer(srv)
@@ -211,12 +212,12 @@ func TestPlacement(t *testing.T) {
 // that moment does not take it.
 func TestCoreHoldsForThePrefixReplica(t *testing.T) {
 	f := newFixture(t, 2, "semantic")
-	c, _ := NewCore(CoreOptions{Engine: f.e, Arms: f.arms(), Flow: &flow.Options{}})
+	c, _ := NewCore(CoreOptions{Engine: f.e, Arms: f.arms(), Flow: &flow.Options[*replica.Replica]{}})
 	rs := f.e.Pool().Replicas()
 	doc := strings.Repeat("the shared document goes on ", 200)
 	route := func(ctx context.Context, user string) (*Routed, error) {
 		in := f.e.Prepare(parseChat(t, "system", doc, "user", user), "", false)
-		return c.Route(CoreRequest{Input: in, Route: "chat", Ctx: ctx})
+		return route(c, CoreRequest{Input: in, Route: "chat", Ctx: ctx})
 	}
 	first, err := route(context.Background(), "first")
 	if err != nil {
@@ -234,16 +235,17 @@ func TestCoreHoldsForThePrefixReplica(t *testing.T) {
 		done <- rt
 	}()
 	waitQueued(t, c, 1)
-	c.dispatchFree() // the other is free, but moving costs the document
-	if n, _ := c.Queued(); n != 1 {
+	c.q.Tick() // the other is free, but moving costs the document
+	if n, _ := c.q.Len(); n != 1 {
 		t.Fatal("the request moved and computed its prefix again")
 	}
+	f.now = f.now.Add(time.Second)
 	c.EngineDone(first)
 	if !home.Saturated() {
 		t.Fatal("the freed slot was not kept for the waiting request")
 	}
 	second := <-done
-	if second.Served.Replica != home || second.Queued <= 0 {
+	if second.Served.Replica != home || second.Queued != time.Second {
 		t.Fatalf("the second went to %s after %v", second.Served.Replica.Name, second.Queued)
 	}
 	c.Finish(first, Outcome{Status: 200}, nil)
@@ -256,18 +258,18 @@ func TestCoreHoldsForThePrefixReplica(t *testing.T) {
 }
 
 // While a higher priority arrives at a replica, a lower one leaves free
-// there the slots kept for it (flow.Options.Reserve) less those it fills:
+// there the slots kept for it (CoreOptions.Reserve) less those it fills:
 // it waits in the router's queue though a slot is free, the higher one
 // takes that slot at once, and the lower one goes when more than that is
 // free.
 func TestCoreReservesForHigherPriority(t *testing.T) {
 	f := newFixture(t, 1, "semantic")
-	c, _ := NewCore(CoreOptions{Engine: f.e, Arms: f.arms(), Flow: &flow.Options{Reserve: 2}})
+	c, _ := NewCore(CoreOptions{Engine: f.e, Arms: f.arms(), Flow: &flow.Options[*replica.Replica]{}, Reserve: 2})
 	r := f.e.Pool().Replicas()[0]
 	r.Observe(replica.Observed{Running: 3, Waiting: 1}) // it runs three at a time
 	route := func(priority int, user string) (*Routed, error) {
 		in := f.e.Prepare(parseChat(t, "user", user), "", false)
-		return c.Route(CoreRequest{Input: in, Route: "chat", Priority: priority, Ctx: context.Background()})
+		return route(c, CoreRequest{Input: in, Route: "chat", Priority: priority, Ctx: context.Background()})
 	}
 	mustRoute := func(priority int, user string) *Routed {
 		t.Helper()
@@ -297,12 +299,13 @@ func TestCoreReservesForHigherPriority(t *testing.T) {
 	}
 	ui2 := mustRoute(10, "interactive two")
 	c.Finish(ui1, Outcome{Status: 200}, nil) // 2 kept, 1 filled (ui2): its slot stays free
-	if n, _ := c.Queued(); n != 1 || free() != 1 {
+	if n, _ := c.q.Len(); n != 1 || free() != 1 {
 		t.Fatalf("a freed slot kept for the interactive traffic went to the batch tenant: %d queued, %d free", n, free())
 	}
+	f.now = f.now.Add(time.Second)
 	c.Finish(b1, Outcome{Status: 200}, nil)
 	b2 := <-done
-	if b2 == nil || b2.Queued <= 0 {
+	if b2 == nil || b2.Queued != time.Second {
 		t.Fatal("the batch request did not wait for a second free slot")
 	}
 	for _, rt := range []*Routed{ui2, b2} {
@@ -311,7 +314,7 @@ func TestCoreReservesForHigherPriority(t *testing.T) {
 	if l := r.Load(time.Now()); l.InFlight != 0 || l.PendingTokens != 0 || r.Saturated() {
 		t.Fatalf("at the end: %+v, saturated %v", l, r.Saturated())
 	}
-	if y := c.demand.YieldsTo(0, time.Now()); y[r.ID].Rate <= 0 || y[r.ID].InFlight != 0 {
+	if y := c.q.demand.YieldsTo(0, f.now); y[r.ID].Rate <= 0 || y[r.ID].InFlight != 0 {
 		t.Fatalf("after the end the batch tenant gives way to %+v, want a rate and none in flight", y)
 	}
 }

@@ -103,7 +103,8 @@ func (c *chunked) Read(p []byte) (int, error) {
 	return n, nil
 }
 
-// FuzzGRPCRequest: any RouteRequest converts or returns an error.
+// FuzzGRPCRequest: any RouteRequest translates into a request Admit
+// parses, or returns an error.
 func FuzzGRPCRequest(f *testing.F) {
 	f.Add("m", []byte(`{"model":"m","prompt":"x"}`), "user", "hello", "system", uint8(0))
 	f.Add("", []byte("{"), "", "", "weird", uint8(3))
@@ -127,7 +128,11 @@ func FuzzGRPCRequest(f *testing.F) {
 			}
 			in.Input = &pb.RouteRequest_TokenIds{TokenIds: &pb.TokenIds{Ids: ids}}
 		}
-		r, err := g.request(in)
+		a, err := g.arrival(in)
+		if err != nil {
+			return
+		}
+		r, err := parseArrival(a, &lim)
 		if err == nil && (r == nil || len(r.Parts) == 0) {
 			t.Fatal("a request without parts converted without error")
 		}

@@ -1,14 +1,12 @@
 package router
 
 import (
-	"cmp"
 	"context"
 	"crypto/subtle"
 	"encoding/json"
 	"errors"
 	"strconv"
 	"time"
-	"unicode/utf8"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
@@ -168,47 +166,42 @@ func (a authenticator) tap(ctx context.Context, info *tap.Info) (context.Context
 
 func invalid(err error) error { return status.Error(codes.InvalidArgument, err.Error()) }
 
-// request turns a RouteRequest into the blockhash request it describes.
-func (g *GRPCService) request(in *pb.RouteRequest) (*blockhash.Request, error) {
+// arrival translates a RouteRequest into the request it describes: an
+// OpenAI body (openai_body, or the body messages and prompt make), or a
+// request of token ids or pre-split blocks.
+func (g *GRPCService) arrival(in *pb.RouteRequest) (Arrival, error) {
 	model := in.GetModel()
 	lim := g.limits()
 	switch x := in.GetInput().(type) {
 	case *pb.RouteRequest_OpenaiBody:
-		return openaiRequest(x.OpenaiBody, in.GetEndpoint(), &lim)
+		if int64(len(x.OpenaiBody)) > lim.MaxBodyBytes {
+			return Arrival{}, &blockhash.InputError{Field: "openai_body", Msg: "is larger than the limit of " + strconv.FormatInt(lim.MaxBodyBytes, 10) + " bytes"}
+		}
+		if in.GetEndpoint() == pb.Endpoint_ENDPOINT_COMPLETIONS {
+			return Arrival{API: blockhash.Completion, Body: x.OpenaiBody}, nil
+		}
+		return Arrival{API: blockhash.Chat, Body: x.OpenaiBody}, nil
 	case *pb.RouteRequest_Messages:
-		return messagesRequest(model, x.Messages.GetMessages(), &lim)
+		b, err := messagesBody(model, x.Messages.GetMessages(), &lim)
+		return Arrival{API: blockhash.Chat, Body: b}, err
 	case *pb.RouteRequest_Prompt:
-		b, _ := json.Marshal(map[string]any{"model": model, "prompt": x.Prompt})
-		return blockhash.ParseCompletion(b, lim.Parse)
+		b, _ := json.Marshal(map[string]any{"model": model, "prompt": x.Prompt}) // strings marshal
+		return Arrival{API: blockhash.Completion, Body: b}, nil
 	case *pb.RouteRequest_TokenIds:
 		if model == "" || len(x.TokenIds.GetIds()) == 0 {
-			return nil, errors.New("token_ids: model and at least one id are required")
+			return Arrival{}, errors.New("token_ids: model and at least one id are required")
 		}
-		return &blockhash.Request{Model: model, Parts: []blockhash.Part{blockhash.TokenPart(x.TokenIds.GetIds())}}, nil
+		return Arrival{Parsed: &blockhash.Request{Model: model, Parts: []blockhash.Part{blockhash.TokenPart(x.TokenIds.GetIds())}}}, nil
 	case *pb.RouteRequest_Blocks:
-		return blocksRequest(model, x.Blocks.GetBlocks(), &lim)
+		req, err := blocksRequest(model, x.Blocks.GetBlocks(), &lim)
+		return Arrival{Parsed: req, PreSplit: true}, err
 	}
-	return nil, errors.New("one of openai_body, messages, prompt, blocks or token_ids is required")
+	return Arrival{}, errors.New("one of openai_body, messages, prompt, blocks or token_ids is required")
 }
 
-// openaiRequest parses a raw OpenAI body for the endpoint named, within
-// the body limit.
-func openaiRequest(body []byte, endpoint pb.Endpoint, lim *limits.Request) (*blockhash.Request, error) {
-	ep := blockhash.Chat
-	if endpoint == pb.Endpoint_ENDPOINT_COMPLETIONS {
-		ep = blockhash.Completion
-	}
-	if int64(len(body)) > lim.MaxBodyBytes {
-		return nil, &blockhash.InputError{Field: "openai_body", Msg: "is larger than the limit of " + strconv.FormatInt(lim.MaxBodyBytes, 10) + " bytes"}
-	}
-	if !utf8.Valid(body) {
-		return nil, &blockhash.InputError{Field: "openai_body", Msg: "is not valid UTF-8"}
-	}
-	return blockhash.Parse(ep, body, lim.Parse)
-}
-
-// messagesRequest parses chat messages, as many as the message limit.
-func messagesRequest(model string, in []*pb.ChatMessage, lim *limits.Request) (*blockhash.Request, error) {
+// messagesBody makes the chat body of messages, as many as the message
+// limit.
+func messagesBody(model string, in []*pb.ChatMessage, lim *limits.Request) ([]byte, error) {
 	if n := len(in); lim.Parse.MaxMessages > 0 && n > lim.Parse.MaxMessages {
 		return nil, &blockhash.InputError{Field: "messages", Msg: "has " + strconv.Itoa(n) + " entries, more than the limit of " + strconv.Itoa(lim.Parse.MaxMessages)}
 	}
@@ -220,8 +213,7 @@ func messagesRequest(model string, in []*pb.ChatMessage, lim *limits.Request) (*
 		}
 		msgs = append(msgs, msg)
 	}
-	b, _ := json.Marshal(map[string]any{"model": model, "messages": msgs}) // strings marshal
-	return blockhash.ParseChat(b, lim.Parse)
+	return json.Marshal(map[string]any{"model": model, "messages": msgs}) // strings marshal
 }
 
 // blocksRequest makes a request of pre-split blocks with their kinds (none:
@@ -249,24 +241,25 @@ func blocksRequest(model string, blocks []*pb.Block, lim *limits.Request) (*bloc
 
 // Route implements pb.RouterServer.
 func (g *GRPCService) Route(ctx context.Context, in *pb.RouteRequest) (*pb.RouteResponse, error) {
-	req, err := g.request(in)
+	a, err := g.arrival(in)
+	if err != nil {
+		return nil, invalid(err)
+	}
+	a.Session, a.Tenant, a.Route, a.Ctx, a.Bytes, a.DryRun = in.GetSessionId(), in.GetTenantId(), "grpc", ctx, int64(proto.Size(in)), in.GetDryRun()
+	lim := g.limits()
+	ad, err := g.core.Admit(a, &lim)
 	switch {
 	case errors.Is(err, blockhash.ErrBusy):
 		return nil, status.Error(codes.ResourceExhausted, err.Error())
 	case err != nil:
 		return nil, invalid(err)
 	}
-	defer req.Recycle()
-	var ri routing.Request
-	if _, ok := in.GetInput().(*pb.RouteRequest_Blocks); ok {
-		ri = g.preSplit(req, in.GetSessionId())
-	} else {
-		ri = g.core.Prepare(ctx, req, in.GetOpenaiBody(), in.GetSessionId())
+	defer ad.Recycle()
+	var rt *Routed
+	p, err := g.core.Place(ad.CoreRequest)
+	if err == nil {
+		rt = p.Routed
 	}
-	ri.DetachText() // a held decision logs its text after req is released
-	flowKey := cmp.Or(in.GetTenantId(), req.User)
-	rt, err := g.core.Route(CoreRequest{Input: ri, Model: req.Model, Session: in.GetSessionId(), Tenant: in.GetTenantId(), DryRun: in.GetDryRun(), Route: "grpc",
-		Ctx: ctx, Flow: flowKey, Bytes: int64(proto.Size(in))})
 	switch {
 	case errors.As(err, new(*QueueError)):
 		return nil, status.Error(codes.ResourceExhausted, err.Error())
@@ -290,30 +283,9 @@ func (g *GRPCService) Route(ctx context.Context, in *pb.RouteRequest) (*pb.Route
 		})
 	}
 	if !in.GetDryRun() {
-		g.core.Hold(rt) // after the response is built: once held, expiry may finish it
+		g.core.unreleased.Add(rt) // after the response is built: once kept, expiry may finish it
 	}
 	return out, nil
-}
-
-// preSplit routes pre-split blocks: each keeps the kind the caller gave,
-// whatever the heuristics would say.
-func (g *GRPCService) preSplit(req *blockhash.Request, session string) routing.Request {
-	var ri routing.Request
-	h := blockhash.Seed(req.Model)
-	for i := range req.Parts {
-		n := len(ri.Blocks)
-		ri.Blocks = g.core.e.Splitter().AppendPart(ri.Blocks, h, &req.Parts[i])
-		for j := n; j < len(ri.Blocks); j++ {
-			ri.Blocks[j].Kind = req.Parts[i].Base
-		}
-		h = ri.Blocks[len(ri.Blocks)-1].Hash
-		if g.core.o.LogPrompts || g.core.e.HasMatcher() {
-			ri.Text = append(ri.Text, req.Parts[i].Text)
-		}
-	}
-	ri.Key = routing.SessionKey(session, "", ri.Blocks)
-	ri.Model = req.Model
-	return ri
 }
 
 // Release implements pb.RouterServer.
@@ -325,7 +297,7 @@ func (g *GRPCService) Release(_ context.Context, in *pb.ReleaseRequest) (*pb.Rel
 		!(in.GetTtftMs() >= 0 && in.GetTtftMs() < 1e9) || !(in.GetDurationMs() >= 0 && in.GetDurationMs() < 1e9) || in.GetStatus() < 0 || in.GetStatus() > 999 {
 		return nil, invalid(errors.New("token counts and times must not be negative (nor cached_tokens exceed prompt_tokens), status must be an HTTP status"))
 	}
-	err := g.core.Release(in.GetDecisionId(), Outcome{
+	err := g.core.unreleased.Release(in.GetDecisionId(), Outcome{
 		Status: int(in.GetStatus()), PromptTokens: in.GetPromptTokens(), OutputTokens: in.GetOutputTokens(),
 		// A cached_tokens of 0 is the field unset as often as a miss: only
 		// a positive count is taken as reported.

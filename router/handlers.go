@@ -49,99 +49,93 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 		return
 	}
 	defer body.release()
-	if e := checkBodyType(r.Header.Get("Content-Type"), body.b); e != nil {
-		writeError(w, *e)
-		return
-	}
-	lim := s.limits.Load()
-	req, err := blockhash.Parse(ep, body.b, lim.Parse)
-	if err != nil {
-		writeError(w, classify(err))
-		return
-	}
-	defer req.Recycle() // on the error paths; released early below
-	if e := maxTokensError(req.MaxTokens, lim); e != nil {
-		writeError(w, *e)
-		return
-	}
-	sid, tenant := r.Header.Get(HeaderSessionID), r.Header.Get(HeaderTenantID)
-	route := routeNames[ep]
-	// Without a tracer no span is made (an incoming traceparent reaches the
-	// replica with the other headers, unchanged).
-	tctx, span := r.Context(), trace.SpanFromContext(r.Context())
-	if s.o.Tracer != nil {
-		tctx = s.o.Propagator.Extract(tctx, propagation.HeaderCarrier(r.Header))
-		tctx, span = s.o.Tracer.Start(tctx, "semroute.route", trace.WithAttributes(attribute.String("semroute.route", route)))
-	}
-	in := s.core.Prepare(tctx, req, body.b, sid)
-	in.DetachText()
-	if id := req.PreviousResponseID; id != "" {
-		var refused bool
-		in.Allow, refused = s.core.ids.home(id, tenant) // the replica that stored the response it continues
-		if refused {
-			span.End()
-			writeError(w, errNotYours)
-			return
-		}
-		in.Home = in.Allow != nil
-	}
-	fwd, strip, err := s.upstreamBody(body, req, lim.MaxBodyBytesInFlight)
+	tctx, span := s.startSpan(r, routeNames[ep])
+	cr, fwd, strip, err := s.admit(w, r, tctx, ep, body)
 	if err != nil {
 		span.End()
-		var busy *bodiesInFlightError
-		if errors.As(err, &busy) {
-			w.Header().Set("Retry-After", "1")
-		}
 		writeError(w, classify(err))
 		return
 	}
 	if fwd != body {
 		defer fwd.release()
 	}
-	req.Recycle() // the parse is done with: its tree is not held while the response streams
-	prio, flowKey := placement(s.o.Priorities, r.Header.Get, tenant, req.User)
-	cr := CoreRequest{Input: in, Model: req.Model, Session: sid, Tenant: tenant, Route: route, API: ep,
-		Ctx: r.Context(), Priority: prio, Flow: flowKey, Bytes: int64(len(fwd.b))}
 	var rt *Routed
-	if chatLike(ep) && s.core.disaggregated(req.Model) { // vLLM's kv_transfer_params are chat's and completions'; the others are aggregated on a decode replica
-		drt, decode, prefill, derr := s.routeDisaggregated(r, cr, fwd)
-		rt, err = drt, derr
+	if cr.Disaggregate {
+		rt, err = s.routeDisaggregated(w, r, cr, &fwd)
 		if err == nil {
-			defer decode.release()
-			fwd = decode
-			if prefill != "" {
-				w.Header().Set(HeaderPrefillReplica, prefill)
-				r.Header.Set("X-Request-Id", rt.ID) // the prefill's: vLLM pairs the two by it
-			}
+			defer fwd.release()
 		}
 	} else {
-		rt, err = s.core.Route(cr)
+		var p *Placement
+		if p, err = s.core.Place(cr); err == nil {
+			rt = p.Routed
+		}
 	}
 	if err != nil {
 		span.SetStatus(codes.Error, err.Error())
 		span.End()
-		var qe *QueueError
-		if errors.As(err, &qe) {
+		if qe := (*QueueError)(nil); errors.As(err, &qe) {
 			w.Header().Set("Retry-After", strconv.Itoa(max(int(qe.RetryAfter/time.Second), 1)))
 		}
 		writeError(w, classify(err))
 		return
 	}
+	s.routedSpan(span, rt)
 	if rt.Queued > 0 {
 		w.Header().Set(HeaderQueueMs, strconv.FormatInt(rt.Queued.Milliseconds(), 10))
 	}
+	w.Header().Set(HeaderArm, rt.Arm.Name)
+	f := &flight{body: fwd, stripUsage: strip}
+	if ep == blockhash.Responses {
+		f.retag = s.issueID(fwd, cr.Tenant)
+	}
+	s.forwardRouted(w, r, tctx, rt, f)
+}
+
+// admit admits the request r of API ep whose body is b (Core.Admit),
+// within the limits now, and returns the core's request and the body to
+// forward (upstreamBody: b, or a copy the caller releases). tctx carries
+// the request's trace.
+func (s *Server) admit(w http.ResponseWriter, r *http.Request, tctx context.Context, ep blockhash.Endpoint, b *body) (CoreRequest, *body, bool, error) {
+	lim := s.limits.Load()
+	ad, err := s.core.Admit(Arrival{API: ep, Body: b.b, ContentType: r.Header.Get("Content-Type"),
+		Session: r.Header.Get(HeaderSessionID), Tenant: r.Header.Get(HeaderTenantID), Header: r.Header.Get, Priorities: s.o.Priorities,
+		Route: routeNames[ep], Ctx: tctx, Disaggregates: true}, lim)
+	if err != nil {
+		return CoreRequest{}, nil, false, err
+	}
+	fwd, strip, err := s.upstreamBody(b, ad.Parsed, lim.MaxBodyBytesInFlight)
+	ad.Recycle() // the parse is done with: its tree is not held while the response streams
+	if err != nil {
+		if errors.As(err, new(*bodiesInFlightError)) {
+			w.Header().Set("Retry-After", "1")
+		}
+		return CoreRequest{}, nil, false, err
+	}
+	ad.Bytes = int64(len(fwd.b))
+	return ad.CoreRequest, fwd, strip, nil
+}
+
+// startSpan starts the span of a routed request on route, if a tracer is
+// set, from the trace context its headers carry. Without a tracer no span
+// is made (an incoming traceparent reaches the replica with the other
+// headers, unchanged): it returns r's context and its span.
+func (s *Server) startSpan(r *http.Request, route string) (context.Context, trace.Span) {
+	if s.o.Tracer == nil {
+		return r.Context(), trace.SpanFromContext(r.Context())
+	}
+	tctx := s.o.Propagator.Extract(r.Context(), propagation.HeaderCarrier(r.Header))
+	return s.o.Tracer.Start(tctx, "semroute.route", trace.WithAttributes(attribute.String("semroute.route", route)))
+}
+
+// routedSpan ends a routed request's span with its decision.
+func (s *Server) routedSpan(span trace.Span, rt *Routed) {
 	if s.o.Tracer != nil {
 		span.SetAttributes(attribute.String("semroute.decision_id", rt.ID), attribute.String("semroute.arm", rt.Arm.Name),
 			attribute.String("semroute.policy", rt.Policy), attribute.String("semroute.replica", rt.Chosen().Replica.Name),
 			attribute.Int("semroute.prompt_tokens", rt.Tokens), attribute.Int("semroute.matched_tokens", rt.Chosen().Match.Tokens))
 	}
 	span.End()
-	w.Header().Set(HeaderArm, rt.Arm.Name)
-	f := &flight{body: fwd, stripUsage: strip}
-	if ep == blockhash.Responses {
-		f.retag = s.issueID(fwd, tenant)
-	}
-	s.forwardRouted(w, r, tctx, rt, f)
 }
 
 // issueID returns flight.retag for a Responses request of body b from
@@ -357,12 +351,12 @@ func (s *Server) passTo(w http.ResponseWriter, r *http.Request, allow func(*repl
 	defer body.release()
 	cr := CoreRequest{PassThrough: true, Route: "passthrough"}
 	cr.Input.Allow, cr.Input.Home = allow, allow != nil
-	rt, err := s.core.Route(cr)
+	p, err := s.core.Place(cr)
 	if err != nil {
 		writeError(w, classify(err))
 		return
 	}
-	s.forwardRouted(w, r, r.Context(), rt, &flight{body: body})
+	s.forwardRouted(w, r, r.Context(), p.Routed, &flight{body: body})
 }
 
 // checkPassPath refuses a path that is not to be passed through to a

@@ -30,7 +30,7 @@ type heldRouter struct {
 
 // newHeldRouter starts a heldRouter whose requests need keys (nil: none)
 // and whose objectives name priorities. Its flow control keeps no slots
-// for higher priorities (flow.Options.Reserve −1): the order the queue
+// for higher priorities (CoreOptions.Reserve −1): the order the queue
 // gives is the one the test sees.
 func newHeldRouter(t *testing.T, keys *apikey.Set, priorities map[string]int) *heldRouter {
 	t.Helper()
@@ -51,7 +51,7 @@ func newHeldRouter(t *testing.T, keys *apikey.Set, priorities map[string]int) *h
 		t.Fatal(err)
 	}
 	rr, _ := routing.NewPolicy(routing.PolicySpec{Type: "round_robin"})
-	h.core, err = NewCore(CoreOptions{Engine: e, Arms: []Arm{{Name: "default", Policy: rr, Weight: 1}}, Flow: &flow.Options{Reserve: -1}})
+	h.core, err = NewCore(CoreOptions{Engine: e, Arms: []Arm{{Name: "default", Policy: rr, Weight: 1}}, Flow: &flow.Options[*replica.Replica]{}, Reserve: -1})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -112,7 +112,7 @@ func (h *heldRouter) answeredUnqueued(code <-chan int, queued int) (int, bool) {
 			return c, true
 		default:
 		}
-		if n, _ := h.core.Queued(); n > queued {
+		if n, _ := h.core.q.Len(); n > queued {
 			return 0, false
 		}
 		if time.Now().After(deadline) {

@@ -16,32 +16,32 @@ import (
 // Metrics are the router's per-request Prometheus metrics. Every series
 // carries the request's arm and policy. Base units: seconds and tokens.
 type Metrics struct {
-	requests       *prometheus.CounterVec
-	decision       *prometheus.HistogramVec
-	matchRatio     *prometheus.HistogramVec
-	predicted      *prometheus.CounterVec
-	reported       *prometheus.CounterVec
-	trimmedTokens  *prometheus.CounterVec
-	tokenizeN      *prometheus.CounterVec
-	predictionDiff *prometheus.HistogramVec
-	ttft           *prometheus.HistogramVec
-	duration       *prometheus.HistogramVec
-	retries        *prometheus.CounterVec
-	saturated      *prometheus.CounterVec
-	queueWait      *prometheus.HistogramVec
-	queueShed      *prometheus.CounterVec
-	upstreamErrors *prometheus.CounterVec
-	heldExpiredN   *prometheus.CounterVec
-	modelTTFT      *prometheus.HistogramVec
-	extProcRefused *prometheus.CounterVec
-	pdRequests     *prometheus.CounterVec
-	pdFallbacks    *prometheus.CounterVec
-	pdPrefill      prometheus.Histogram
-	pdDecodeFirst  prometheus.Histogram
-	authRefusedN   *prometheus.CounterVec
-	tenantN        *prometheus.CounterVec
-	tenantMode     string   // TenantLabel's mode
-	tenants        sync.Map // tenant → its counter in tenantN
+	requests           *prometheus.CounterVec
+	decision           *prometheus.HistogramVec
+	matchRatio         *prometheus.HistogramVec
+	predicted          *prometheus.CounterVec
+	reported           *prometheus.CounterVec
+	trimmedTokens      *prometheus.CounterVec
+	tokenizeN          *prometheus.CounterVec
+	predictionDiff     *prometheus.HistogramVec
+	ttft               *prometheus.HistogramVec
+	duration           *prometheus.HistogramVec
+	retries            *prometheus.CounterVec
+	saturated          *prometheus.CounterVec
+	queueWait          *prometheus.HistogramVec
+	queueShed          *prometheus.CounterVec
+	upstreamErrors     *prometheus.CounterVec
+	unreleasedExpiredN *prometheus.CounterVec
+	modelTTFT          *prometheus.HistogramVec
+	extProcRefused     *prometheus.CounterVec
+	pdRequests         *prometheus.CounterVec
+	pdFallbacks        *prometheus.CounterVec
+	pdPrefill          prometheus.Histogram
+	pdDecodeFirst      prometheus.Histogram
+	authRefusedN       *prometheus.CounterVec
+	tenantN            *prometheus.CounterVec
+	tenantMode         string   // TenantLabel's mode
+	tenants            sync.Map // tenant → its counter in tenantN
 
 	mu     sync.RWMutex
 	models map[string]bool // the model label values given out (at most maxModelLabels)
@@ -99,8 +99,8 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Requests moved to another replica before any byte reached the client."}, ap),
 		upstreamErrors: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_upstream_errors_total",
 			Help: "Failed upstream attempts by kind: connect, timeout, reset, status_5xx, idle."}, []string{"replica", "kind"}),
-		heldExpiredN: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_grpc_held_expired_total",
-			Help: "gRPC decisions never released, finished by reason: timeout (routing.release_after) or cap (grpc.max_held_decisions, the oldest first)."}, []string{"reason"}),
+		unreleasedExpiredN: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_grpc_unreleased_expired_total",
+			Help: "gRPC decisions never released, finished by reason: timeout (routing.release_after) or cap (grpc.max_unreleased_decisions, the oldest first)."}, []string{"reason"}),
 		extProcRefused: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_ext_proc_refused_total",
 			Help: "Endpoint-picker streams refused by reason: buffer_full (429: the bodies buffered across streams are at grpc.ext_proc_max_buffered_bytes), body_too_large (413), silent (no message within timeouts.idle), out_of_order (a message the ext_proc protocol's order does not allow)."}, []string{"reason"}),
 		pdRequests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_pd_requests_total",
@@ -130,13 +130,13 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		m.queueShed.WithLabelValues(r) // 0 from the first scrape
 	}
 	m.queueWait.WithLabelValues("0")
-	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.reported, m.trimmedTokens, m.tokenizeN, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors, m.heldExpiredN, m.modelTTFT, m.extProcRefused, m.saturated, m.queueWait, m.queueShed, m.pdRequests, m.pdFallbacks, m.pdPrefill, m.pdDecodeFirst, m.authRefusedN, m.tenantN} {
+	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.reported, m.trimmedTokens, m.tokenizeN, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors, m.unreleasedExpiredN, m.modelTTFT, m.extProcRefused, m.saturated, m.queueWait, m.queueShed, m.pdRequests, m.pdFallbacks, m.pdPrefill, m.pdDecodeFirst, m.authRefusedN, m.tenantN} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
 	}
 	for _, reason := range []string{"timeout", "cap"} {
-		m.heldExpiredN.WithLabelValues(reason) // exported at 0 from the start
+		m.unreleasedExpiredN.WithLabelValues(reason) // exported at 0 from the start
 	}
 	for _, reason := range extProcRefusals {
 		m.extProcRefused.WithLabelValues(reason)
@@ -403,9 +403,9 @@ func (m *Metrics) Tokenized(result string) {
 	}
 }
 
-func (m *Metrics) heldExpired(reason string, n int) {
+func (m *Metrics) unreleasedExpired(reason string, n int) {
 	if m != nil && n > 0 {
-		m.heldExpiredN.WithLabelValues(reason).Add(float64(n))
+		m.unreleasedExpiredN.WithLabelValues(reason).Add(float64(n))
 	}
 }
 

@@ -16,7 +16,6 @@ import (
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/replica"
-	"github.com/semroute/semroute/routing"
 )
 
 // Prefill/decode disaggregation over vLLM's own protocol (its NIXL
@@ -65,8 +64,8 @@ const (
 // pdFallbackReasons are every fallback reason, each counted from 0.
 var pdFallbackReasons = []string{pdNoPrefill, pdPrefillFailed, pdPrefillTimeout, pdRefused, pdNoParams}
 
-// pdFallbackError is why a request's prefill could not be routed (the
-// perr of routePD), with its fallback reason.
+// pdFallbackError is why a request's prefill could not be placed
+// (Placement.Fallback), with its fallback reason.
 type pdFallbackError struct {
 	reason string // pdNoPrefill or pdPrefillFailed
 	err    error
@@ -75,7 +74,7 @@ type pdFallbackError struct {
 func (e *pdFallbackError) Error() string { return e.reason + ": " + e.err.Error() }
 func (e *pdFallbackError) Unwrap() error { return e.err }
 
-// reasonOf returns the fallback reason of routePD's perr.
+// reasonOf returns the fallback reason of Placement.Fallback.
 func reasonOf(perr error) string {
 	if fe, ok := perr.(*pdFallbackError); ok {
 		return fe.reason
@@ -83,76 +82,22 @@ func reasonOf(perr error) string {
 	return pdPrefillFailed
 }
 
-// disaggregated reports whether requests for model go through routePD:
+// disaggregated reports whether requests for model in pool are
+// disaggregated (CoreRequest.Disaggregate):
 // some replica of role prefill may serve it, available or not. A request
 // whose prefill replicas are all out (ejected, down, draining) is routed
 // there too, to be served by its decode replica alone and counted
 // (no_prefill_replica), not aggregated unseen.
-func (c *Core) disaggregated(model string) bool {
-	if !c.e.Pool().HasPrefill() {
+func disaggregated(pool *replica.Pool, model string) bool {
+	if !pool.HasPrefill() {
 		return false // no scan on the way of every request
 	}
-	for _, r := range c.e.Pool().Replicas() {
+	for _, r := range pool.Replicas() {
 		if r.Role.Prefills() && servesModel(r, model) {
 			return true
 		}
 	}
 	return false
-}
-
-// routePD routes a request of a model a prefill replica serves, for both
-// front ends: a decode replica first, by the policy among the replicas
-// that decode (its load, and the prefix it holds, which shortens the
-// transfer); then, unless that replica would compute less than
-// MinPrefillTokens of the prompt (needsPrefill) or the request is not
-// splittable (several prompts or answers, counted "batch"), a prefill
-// replica by the policy among the prefill replicas (its cache), the two
-// decisions paired for the decision log. The prefill decision takes only
-// available prefill replicas, never those passive ejection took out
-// (routing's panic mode would try them again): with none, the request
-// goes to its decode replica at once. prt is nil when the request goes to
-// its decode replica alone; perr (a *pdFallbackError) says why the
-// prefill replica could not be routed, counted as a fallback by its
-// reason: no_prefill_replica, or prefill_failed (the router's own queue
-// shed it); err is the decode decision's.
-func (c *Core) routePD(cr CoreRequest, splittable bool) (rt, prt *Routed, perr, err error) {
-	in := cr.Input.Copy() // for the prefill decision, before the decode one owns cr's blocks
-	if rt, err = c.Route(cr); err != nil {
-		return nil, nil, nil, err
-	}
-	if !c.needsPrefill(rt) {
-		return rt, nil, nil, nil
-	}
-	if !splittable {
-		c.o.Metrics.disaggregated("batch")
-		return rt, nil, nil, nil
-	}
-	now := time.Now()
-	in.Allow = allowBoth(in.Allow, func(r *replica.Replica) bool { return r.Available(now) })
-	cr.Input, cr.Prefill = in, true
-	if prt, perr = c.Route(cr); perr != nil {
-		reason := pdPrefillFailed
-		if errors.Is(perr, routing.ErrNoReplica) || errors.Is(perr, routing.ErrUnknownModel) {
-			reason = pdNoPrefill
-		}
-		c.o.Metrics.pdFallback(reason)
-		return rt, nil, &pdFallbackError{reason: reason, err: perr}, nil
-	}
-	pairPD(prt, rt)
-	return rt, prt, nil, nil
-}
-
-// needsPrefill reports whether decode decision rt's request goes through
-// a prefill replica: its decode replica would compute at least
-// MinPrefillTokens of its prompt. A request that does not is counted
-// short.
-func (c *Core) needsPrefill(rt *Routed) bool {
-	min := cmp.Or(c.o.PD.MinPrefillTokens, DefaultMinPrefillTokens)
-	if min > 0 && rt.Uncached(rt.Served.Replica.ID) < float64(min) {
-		c.o.Metrics.disaggregated("short")
-		return false
-	}
-	return true
 }
 
 // servesModel reports whether r may serve model: its models are not known
@@ -454,54 +399,74 @@ func (s *Server) prefillOnce(ctx context.Context, in *http.Request, rep *replica
 	return t
 }
 
-// routeDisaggregated routes a request of a model a prefill replica serves
-// (cr, whose forwarded body is fwd): a decode replica first, by the
-// policy among the replicas that decode (its load and the prefix it
-// holds, which shortens the transfer); then, unless that replica would
-// compute less than MinPrefillTokens of the prompt, a prefill replica by
-// the policy among the prefill replicas (its cache), which computes the
-// prompt (prefill). It returns the decode decision, the body to send it
-// (with the prefill's kv_transfer_params) and the prefill replica's name
-// ("" when the request went aggregated). A request with no prefill
-// replica available, or whose prefill fails or outlasts its bound, falls
-// back to the decode replica alone, counted by reason; the caller
-// releases the body.
-func (s *Server) routeDisaggregated(r *http.Request, cr CoreRequest, fwd *body) (*Routed, *body, string, error) {
-	m, ferr := fieldsOf(fwd.b) // once, for every body made below; it parsed before
-	rt, prt, perr, err := s.core.routePD(cr, ferr == nil && m.splittable())
+// routeDisaggregated places a request of a model a prefill replica serves
+// (cr, whose forwarded body is *fwd; Core.Place): a decode replica, and
+// unless it would compute too little of the prompt a prefill replica,
+// which computes the prompt (prefill) before the decode replica is sent
+// the request with the prefill's kv_transfer_params. It returns the decode
+// decision and sets *fwd to the body to send it, which the caller
+// releases, and names the prefill replica in w's headers. A request with
+// no prefill replica available, or whose prefill fails or outlasts its
+// bound, falls back to the decode replica alone, counted by reason.
+func (s *Server) routeDisaggregated(w http.ResponseWriter, r *http.Request, cr CoreRequest, fwd **body) (*Routed, error) {
+	m, ferr := fieldsOf((*fwd).b) // once, for every body made below; it parsed before
+	cr.Whole = ferr != nil || !m.splittable()
+	p, err := s.core.Place(cr)
 	if err != nil {
-		return nil, nil, "", err
+		return nil, err
 	}
-	d := &decodeSide{s: s, rt: rt, fwd: fwd, m: m, ferr: ferr}
+	d := &decodeSide{s: s, rt: p.Routed, fwd: *fwd, m: m, ferr: ferr}
+	var prefill string
 	switch {
-	case perr != nil: // counted by routePD
-		d.warn(reasonOf(perr), perr)
-		return d.whole()
-	case prt == nil:
-		return d.whole()
+	case p.Fallback != nil: // counted by Place
+		d.warn(reasonOf(p.Fallback), p.Fallback)
+		*fwd, err = d.whole()
+	case p.Prefill == nil:
+		*fwd, err = d.whole()
+	default:
+		var named bool
+		*fwd, named, err = d.afterPrefill(r, p.Prefill)
+		if named {
+			prefill = p.Prefill.Served.Replica.Name
+		}
 	}
+	if err != nil {
+		return nil, err
+	}
+	if prefill != "" {
+		w.Header().Set(HeaderPrefillReplica, prefill)
+		r.Header.Set("X-Request-Id", p.ID) // the prefill's: vLLM pairs the two by it
+	}
+	return p.Routed, nil
+}
+
+// afterPrefill sends prt's replica the prefill and returns the body to
+// send the decode replica: with the prefill's kv_transfer_params, or
+// without (it computes the prompt) when the prefill failed, counted by
+// reason. named says the prefill replica answered (or the client left
+// meanwhile), and is named to the client.
+func (d *decodeSide) afterPrefill(r *http.Request, prt *Routed) (b *body, named bool, err error) {
 	params, err := d.prefill(r, prt)
-	name := prt.Served.Replica.Name
 	switch {
 	case r.Context().Err() != nil:
-		fwd.refs.Add(1)
-		return rt, fwd, name, nil // the client left: the proxy ends rt
+		d.fwd.refs.Add(1)
+		return d.fwd, true, nil // the client left: the proxy ends rt
 	case errors.Is(err, errPrefillRefused):
-		return d.aggregated(pdRefused, err)
+		b, err = d.aggregated(pdRefused, err)
 	case errors.Is(err, errPrefillTimeout):
-		return d.aggregated(pdPrefillTimeout, err)
+		b, err = d.aggregated(pdPrefillTimeout, err)
 	case err != nil:
-		return d.aggregated(pdPrefillFailed, err)
+		b, err = d.aggregated(pdPrefillFailed, err)
 	case params == nil:
-		s.core.o.Metrics.pdFallback(pdNoParams)
-		s.o.Logger.Warn("prefill answer without kv_transfer_params: the decode replica computes the prompt", "prefill", name, "decode", rt.Served.Replica.Name)
-		rt, b, _, err := d.whole()
-		if err != nil {
-			return rt, b, "", err
-		}
-		return rt, b, name, nil
+		d.s.core.o.Metrics.pdFallback(pdNoParams)
+		d.s.o.Logger.Warn("prefill answer without kv_transfer_params: the decode replica computes the prompt", "prefill", prt.Served.Replica.Name, "decode", d.rt.Served.Replica.Name)
+		b, err = d.whole()
+		return b, true, err
+	default:
+		b, err = d.remote(params)
+		return b, true, err
 	}
-	return d.remote(params, name)
+	return b, false, err
 }
 
 // decodeSide is a disaggregated request's decode decision rt and the
@@ -517,18 +482,18 @@ type decodeSide struct {
 
 // refuse ends rt, which cannot be sent (a body that does not fit), and
 // returns why.
-func (d *decodeSide) refuse(err error) (*Routed, *body, string, error) {
+func (d *decodeSide) refuse(err error) (*body, error) {
 	d.s.core.Finish(d.rt, Outcome{Status: http.StatusServiceUnavailable, Error: err.Error()}, nil)
-	return nil, nil, "", err
+	return nil, err
 }
 
 // whole sends the decode replica the client's request without any
 // kv_transfer_params of the client's own (they would point its connector
 // anywhere): it computes the prompt.
-func (d *decodeSide) whole() (*Routed, *body, string, error) {
+func (d *decodeSide) whole() (*body, error) {
 	if !bytes.Contains(d.fwd.b, []byte("kv_transfer_params")) {
 		d.fwd.refs.Add(1) // the caller releases what this returns, and its own
-		return d.rt, d.fwd, "", nil
+		return d.fwd, nil
 	}
 	if d.ferr != nil {
 		return d.refuse(d.ferr)
@@ -541,7 +506,7 @@ func (d *decodeSide) whole() (*Routed, *body, string, error) {
 	if err != nil {
 		return d.refuse(err)
 	}
-	return d.rt, nb, "", nil
+	return nb, nil
 }
 
 // warn logs a fallback for reason (a no_prefill_replica, which every
@@ -555,7 +520,7 @@ func (d *decodeSide) warn(reason string, err error) {
 }
 
 // aggregated counts a fallback for reason and sends the request whole.
-func (d *decodeSide) aggregated(reason string, err error) (*Routed, *body, string, error) {
+func (d *decodeSide) aggregated(reason string, err error) (*body, error) {
 	d.s.core.o.Metrics.pdFallback(reason)
 	d.warn(reason, err)
 	return d.whole()
@@ -582,8 +547,8 @@ func (d *decodeSide) prefill(r *http.Request, prt *Routed) (json.RawMessage, err
 }
 
 // remote sends the decode replica the client's request with the
-// kv_transfer_params prefill replica name returned: it pulls the KV.
-func (d *decodeSide) remote(params json.RawMessage, name string) (*Routed, *body, string, error) {
+// kv_transfer_params its prefill replica returned: it pulls the KV.
+func (d *decodeSide) remote(params json.RawMessage) (*body, error) {
 	b, err := decodeBody(d.m, len(d.fwd.b), params)
 	if err != nil {
 		return d.aggregated(pdPrefillFailed, err)
@@ -593,9 +558,9 @@ func (d *decodeSide) remote(params json.RawMessage, name string) (*Routed, *body
 		return d.refuse(err)
 	}
 	d.s.core.o.Metrics.disaggregated("disaggregated")
-	d.s.core.remote(d.rt)
+	d.rt.SetRemote()
 	d.rt.remoteAt = d.s.core.e.Now() // sent next (semroute_pd_decode_first_byte_seconds)
-	return d.rt, nb, name, nil
+	return nb, nil
 }
 
 // heldBody returns b as a body counted against the bytes of request

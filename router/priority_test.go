@@ -64,7 +64,7 @@ func TestKeyMaxPriorityIsTheCeiling(t *testing.T) {
 	waitQueued(t, h.core, 1)
 	forged := h.post("forged", bearer("sk-open", "X-Semroute-Priority", "7"))
 	waitQueued(t, h.core, 2)
-	if got, _ := h.core.QueuedBy(); !maps.Equal(got, map[int]int{1: 1, 0: 1}) {
+	if got, _ := h.core.q.Bands(); !maps.Equal(got, map[int]int{1: 1, 0: 1}) {
 		t.Fatalf("waiting by priority: %v, want the capped key's at 1, the forged one's at 0", got)
 	}
 	if got := h.next(); got != "mid" {

@@ -11,7 +11,7 @@ import (
 
 func mustPolicy(t *testing.T, name string) Policy {
 	t.Helper()
-	p, err := NewPolicy(PolicySpec{Type: name, Seed: 7})
+	p, err := NewSeededPolicy(PolicySpec{Type: name}, 7)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -111,7 +111,7 @@ func TestDynamoDocumentedExample(t *testing.T) {
 }
 
 func TestDynamoTemperatureSamples(t *testing.T) {
-	p, _ := NewPolicy(PolicySpec{Type: "dynamo", Seed: 3, Params: Params{"temperature": 1}})
+	p, _ := NewSeededPolicy(PolicySpec{Type: "dynamo", Params: Params{"temperature": 1}}, 3)
 	wins := map[string]int{}
 	for i := 0; i < 300; i++ {
 		cs := cands(3)

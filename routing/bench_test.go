@@ -65,7 +65,7 @@ func benchDecide(b *testing.B, f *fixture, tokens int, model string, setBytes bo
 	}
 	blocks := f.e.Splitter().Split(nil, req)
 	for _, r := range f.pool.Replicas() {
-		f.cache.Record(r.ID, blocks[:len(blocks)*(r.ID%8+1)/8], 1)
+		f.model.Record(r.ID, blocks[:len(blocks)*(r.ID%8+1)/8], 1)
 	}
 	if setBytes {
 		b.SetBytes(int64(len(body)))
@@ -84,7 +84,7 @@ func benchDecide(b *testing.B, f *fixture, tokens int, model string, setBytes bo
 		if err != nil {
 			b.Fatal(err)
 		}
-		f.e.Recycle(d) // as Core.Finish does
+		f.e.Recycle(d) // as a request's end does
 		req.Recycle()
 	}
 }

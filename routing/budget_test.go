@@ -31,14 +31,14 @@ func TestReportedBudgetResetsFeedbackBase(t *testing.T) {
 	if e.Feedback(d, c, 0) == 0 {
 		t.Fatal("the first correction evicted nothing")
 	}
-	if st, _ := e.cache.Stats(0); st.Budget >= 262144 {
+	if st, _ := e.Picture().Stats(0); st.Budget >= 262144 {
 		t.Fatalf("budget %d after an over-prediction, want below 262144", st.Budget)
 	}
 	e.Picture().SetBudget(0, 4_000_000)
 	d, c = decide()
 	c.Match.Tokens = 0 // the engine found 800 tokens the picture did not predict
 	e.Feedback(d, c, 800)
-	if st, _ := e.cache.Stats(0); st.Budget < 4_000_000 {
+	if st, _ := e.Picture().Stats(0); st.Budget < 4_000_000 {
 		t.Fatalf("budget %d after the engine reported 4,000,000 and a correction upwards, want at least that", st.Budget)
 	}
 }

@@ -64,7 +64,7 @@ func TestDonorCreditsSimilarPrompt(t *testing.T) {
 	// The picture evicts r1's blocks (its budget shrinks to nothing): the
 	// donor is forgotten with them.
 	id := first.Chosen().Replica.ID
-	if freed := e.cache.Shrink(id, 1<<30); freed == 0 {
+	if freed := e.pic.model.Shrink(id, 1<<30); freed == 0 {
 		t.Fatal("nothing evicted")
 	}
 	third := decide("", "system", "You are a third persona.", "user", doc.String()+" When?")
@@ -96,7 +96,7 @@ func TestDonorFeedbackOnlyBelowThePrefix(t *testing.T) {
 	if got := e.Feedback(d, c, c.Match.Tokens+800); got != 0 {
 		t.Fatalf("more than the prefix evicted %d", got)
 	}
-	if st, _ := e.cache.Stats(0); st.Budget != 10000 {
+	if st, _ := e.Picture().Stats(0); st.Budget != 10000 {
 		t.Fatalf("budget %d after a donor's tokens, want 10000 unchanged", st.Budget)
 	}
 	c.Match.Tokens = 400 // as if the picture predicted 400

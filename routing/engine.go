@@ -99,11 +99,9 @@ func DefaultWeights() *cachemodel.Weights {
 type Engine struct {
 	o     EngineOptions
 	split *blockhash.Splitter
-	cache *cachemodel.Model
 	pool  *replica.Pool
 
-	mu     sync.Mutex
-	active map[int]map[uint64]int32 // SharedActive: replica id → block → running requests
+	mu sync.Mutex // NoteAdapter's copy-on-write of adapters
 
 	avgPrefill atomic.Uint64 // float64 bits: EWMA of committed requests' uncached tokens
 
@@ -117,13 +115,13 @@ type Engine struct {
 
 	sync Sync // SetSync's; nil: a router alone
 
-	pic *Picture // the picture's owner: every write to cache and segs goes through it or a Lease
+	pic *Picture // the cache picture: every read and write of it goes through it
 
 	reuses *reuses // each replica's Reuse, set as it joins (New's)
 }
 
-// newEngine returns an Engine over split, cache and pool.
-func newEngine(o EngineOptions, split *blockhash.Splitter, cache *cachemodel.Model, pool *replica.Pool) (*Engine, error) {
+// newEngine returns an Engine over split, pic and pool.
+func newEngine(o EngineOptions, split *blockhash.Splitter, pic *Picture, pool *replica.Pool) (*Engine, error) {
 	if o.Weights == nil {
 		o.Weights = DefaultWeights()
 	}
@@ -139,11 +137,7 @@ func newEngine(o EngineOptions, split *blockhash.Splitter, cache *cachemodel.Mod
 	o.MatcherThreshold = cmp.Or(o.MatcherThreshold, DefaultMatcherThreshold)
 	o.HotUses = cmp.Or(o.HotUses, 8)
 	o.HotShare = cmp.Or(o.HotShare, 1.5)
-	e := &Engine{o: o, split: split, cache: cache, pool: pool, pic: &Picture{cache: cache}, reuses: new(reuses)}
-	if o.SharedActive {
-		e.active = map[int]map[uint64]int32{}
-	}
-	return e, nil
+	return &Engine{o: o, split: split, pool: pool, pic: pic, reuses: new(reuses)}, nil
 }
 
 // Splitter returns the engine's splitter.
@@ -176,8 +170,8 @@ type Decision struct {
 	SyncID uint64
 	// Saturated is set when every candidate's replica was saturated when
 	// the request was ranked (replica.Replica.Saturated): its engine will
-	// queue it. Held: Request.Hold kept it from being recorded.
-	Saturated, Held bool
+	// queue it. Deferred: Request.Defer kept it from being recorded.
+	Saturated, Deferred bool
 	// served is the id of the replica now serving it, lease its time
 	// there (set by Commit).
 	served int
@@ -185,6 +179,7 @@ type Decision struct {
 
 	pooled  bool              // Blocks came from the block pool
 	learned []blockhash.Block // LearnReply's chain, from the block pool
+	model   string            // Request.Model: the unit ObserveUsage learns is its
 	scale   scales            // engine tokens per estimated token in Blocks (zero: 1)
 	est     estimate          // Blocks' estimated tokens, before scale
 	exact   bool              // Blocks count token ids, not estimates
@@ -254,7 +249,7 @@ type Request struct {
 	// request in the router (package flow; see Wait and DispatchCost) and
 	// decide it again once a slot is free for it. Drop the held decision;
 	// the request's blocks stay with the request.
-	Hold bool
+	Defer bool
 	// Keep, if set with Hold, returns how many free slots of a replica
 	// the request must leave for the traffic it gives way to (flow.Demand):
 	// it is held too when the replica it ranks first has no more free
@@ -269,6 +264,16 @@ type Request struct {
 	// this request (replica.Replica.Reserve): with Room, it is a candidate
 	// with room though the kept slot makes it count as saturated.
 	Slot *replica.Replica
+	// OnDrain, if set, is called once the replica serving the decision no
+	// longer runs the request: at its lease's drain (Lease.EngineDone, or
+	// Lease.End without it; a failover's End too, for the replica it
+	// leaves), exactly once per replica the decision was committed on,
+	// with that replica, on the goroutine making the step, after its load
+	// stopped counting the request's slot. The router's queue offers the
+	// freed slot there. It must not block; set one func per front end, not
+	// a closure per request (a Request is copied by value, and a closure
+	// allocates).
+	OnDrain func(*replica.Replica)
 	// Model is the model the request names. A replica whose models are
 	// known and do not include it is not a candidate; among those that
 	// serve it as a LoRA adapter, the ones with it loaded rank first, then
@@ -337,7 +342,7 @@ func (e *Engine) PrepareTokens(req *blockhash.Request, ids []int32, blockTokens 
 		seed = blockhash.TokenSeed(req.Model)
 	}
 	bl, tail := blockhash.AppendTokenBlocks(newBlocks(len(ids)/max(blockTokens, 1)), seed, ids, blockTokens, req)
-	if e.pic.segs != nil { // a replica blends: its documents' blocks need keys of their own
+	if e.pic.blending() { // a replica blends: its documents' blocks need keys of their own
 		blockhash.SetTokenSegments(bl, len(ids), blockTokens, req)
 	}
 	in := Request{Blocks: bl, Tail: tail, pooled: true, exact: true, blockTokens: blockTokens, Model: req.Model}
@@ -421,15 +426,17 @@ func (e *Engine) TokenScale(model string) float64 { return e.units.scale(model) 
 // Decide scores every available replica for a request and ranks
 // them. When record is true it also caches the blocks on the choice (so a
 // burst of identical prompts goes to one place), tells an Observer policy
-// and the matcher, and counts the request's work against the replica; the
-// caller must then call Done when the request ends.
+// and the matcher, and counts the request's work against the replica (its
+// lease, Decision.Lease); the caller must then end it when the request
+// ends (Finish, or the lease's End).
 func (e *Engine) Decide(ri Request, record bool) (*Decision, error) {
 	pol := ri.Policy
 	if pol == nil {
 		return nil, errors.New("routing: Request.Policy is required")
 	}
 	d := &Decision{Blocks: ri.Blocks, Key: ri.Key, Policy: pol.Name(), pooled: ri.pooled, scale: ri.scale, est: ri.est, exact: ri.exact,
-		precise: ri.blockTokens > 0, blockTokens: ri.blockTokens, Tokens: ri.Tail}
+		precise: ri.blockTokens > 0, blockTokens: ri.blockTokens, Tokens: ri.Tail, model: ri.Model}
+	d.lease.onDrain = ri.OnDrain // kept across the lease's commits
 	for _, b := range ri.Blocks {
 		d.Tokens += int(b.Tokens)
 	}
@@ -444,8 +451,8 @@ func (e *Engine) Decide(ri Request, record bool) (*Decision, error) {
 	if e.o.PreferDonor {
 		e.preferDonor(d, sketch)
 	}
-	if record && ri.Hold && full(d.Chosen().Replica, ri.Keep) {
-		d.Held = true
+	if record && ri.Defer && full(d.Chosen().Replica, ri.Keep) {
+		d.Deferred = true
 		return d, nil
 	}
 	if record {
@@ -507,7 +514,7 @@ func (e *Engine) view(d *Decision) *View {
 	}
 	in.AvgPrefill = math.Float64frombits(e.avgPrefill.Load())
 	if e.o.HotUses > 0 && len(d.Candidates) > 0 {
-		in.Hot = e.cache.Hot(d.Blocks, e.o.Weights, e.o.HotUses, e.o.HotShare/float64(len(d.Candidates)), e.o.Now().UnixNano())
+		in.Hot = e.pic.hot(d.Blocks, e.o.Weights, e.o.HotUses, e.o.HotShare/float64(len(d.Candidates)), e.o.Now().UnixNano())
 	}
 	return in
 }
@@ -527,7 +534,7 @@ func (e *Engine) rank(d *Decision, pol Policy, ri *Request, sketch []uint64) (*V
 		sc = &scratch{}
 	}
 	defer scratchPool.Put(sc)
-	e.lookup(d, sc)
+	e.pic.lookup(d.Blocks, e.o.Weights, sc)
 	g := gathering{e: e, d: d, sc: sc, reps: e.pool.Replicas(), now: e.o.Now(), allow: ri.Allow, home: ri.Home, onlyRoom: ri.Room, slot: ri.Slot, keep: ri.Keep, model: model,
 		adapter: model != "" && e.isAdapter(model), reuses: e.reuses.load()}
 	d.Candidates = newCandidates(len(g.reps))
@@ -549,20 +556,6 @@ func (e *Engine) rank(d *Decision, pol Policy, ri *Request, sketch []uint64) (*V
 	in.budgets = nil // sc's: it goes back to the pool when rank returns (an Observer's Chosen sees no budgets)
 	d.Ranked = rank(d.Candidates, d.Key, e.o.Attempts)
 	return in, nil
-}
-
-// lookup fills sc with the picture's answers for d's blocks: each
-// replica's match (with the blocks it holds past it), its size and, with
-// blending engines, what it holds beyond the match.
-func (e *Engine) lookup(d *Decision, sc *scratch) {
-	sc.matches = e.cache.Match(d.Blocks, e.o.Weights, sc.matches[:0])
-	sc.sizes, sc.budgets = e.cache.SizesBudgets(sc.sizes[:0], sc.budgets[:0])
-	e.cache.Past(d.Blocks, sc.matches)
-	sc.beyond = sc.beyond[:0]
-	if e.pic.segs != nil {
-		sc.beyond = append(sc.beyond, make([]float64, len(sc.matches))...)
-		e.pic.segs.Beyond(d.Blocks, sc.matches, sc.beyond)
-	}
 }
 
 // gathering is one rank's pass over the pool: what it fills in, and what
@@ -830,9 +823,10 @@ func (e *Engine) Drop(d *Decision) {
 
 // Recycle gives d's candidate list, and the block lists Prepare and
 // LearnReply made for it, back for reuse by later decisions. Call it once
-// nothing reads d.Candidates, d.Blocks or learned blocks any more
-// (Core.Finish does); d.Ranked and d.Chosen stay valid, d.Blocks becomes
-// nil. Calling it is optional; calling it twice is harmless.
+// nothing reads d.Candidates, d.Blocks or learned blocks any more (after
+// Finish, and whatever reads what it returned); d.Ranked and d.Chosen stay
+// valid, d.Blocks becomes nil. Calling it is optional; calling it twice is
+// harmless.
 func (e *Engine) Recycle(d *Decision) {
 	if d == nil {
 		return
@@ -849,40 +843,6 @@ func (e *Engine) Recycle(d *Decision) {
 	}
 	putBlocks(d.learned)
 	d.learned = nil
-}
-
-// activate adds delta (±1) to the running count of blocks on replica id
-// and returns the tokens that became held (delta 1) or released (delta −1):
-// with SharedActive, only blocks no other running request holds; without,
-// all of them.
-func (e *Engine) activate(id int, blocks []blockhash.Block, delta int32) int64 {
-	var n int64
-	if e.active == nil {
-		for _, b := range blocks {
-			n += int64(b.Tokens)
-		}
-		return n
-	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	m := e.active[id]
-	if m == nil {
-		m = map[uint64]int32{}
-		e.active[id] = m
-	}
-	for _, b := range blocks {
-		before := m[b.Hash]
-		after := before + delta
-		if after <= 0 {
-			delete(m, b.Hash)
-		} else {
-			m[b.Hash] = after
-		}
-		if (delta > 0 && before == 0) || (delta < 0 && after <= 0 && before > 0) {
-			n += int64(b.Tokens)
-		}
-	}
-	return n
 }
 
 // LearnReply caches the assistant's reply, chained after the request's
@@ -906,7 +866,7 @@ func (e *Engine) LearnReply(d *Decision, r *replica.Replica, reply []byte) []blo
 	// The prompt's blocks were recorded when the request was routed: the
 	// reply extends them without counting the request a second time (which
 	// made a prefix hot after half the uses it needs).
-	e.cache.Extend(r.ID, all, n, e.o.Now().UnixNano())
+	e.pic.Replied(r.ID, all, n, e.o.Now())
 	if e.sync != nil {
 		e.sync.Learned(d, r, all, n)
 	}
@@ -933,7 +893,7 @@ func (e *Engine) Feedback(d *Decision, c *Candidate, cached int) int64 {
 	if cached < 0 {
 		return 0
 	}
-	if e.cache.EventDriven(id) {
+	if e.pic.EventDriven(id) {
 		e.counting.observe(id, c.Match, cached, cmp.Or(d.blockTokens, e.split.BlockTokens()))
 		return 0
 	}

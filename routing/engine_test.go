@@ -17,7 +17,7 @@ import (
 
 type fixture struct {
 	e     *Engine
-	cache *cachemodel.Model
+	model *cachemodel.Model // the picture's block model, read by the tests
 	pool  *replica.Pool
 	pol   Policy
 	now   time.Time
@@ -39,7 +39,7 @@ func newFixture(t testing.TB, replicas int, policy string) *fixture {
 	if err != nil {
 		t.Fatal(err)
 	}
-	f.cache, f.pool, f.pol = f.e.cache, f.e.Pool(), pol
+	f.model, f.pool, f.pol = f.e.pic.model, f.e.Pool(), pol
 	return f
 }
 
@@ -93,7 +93,7 @@ func TestDecideDryRunRecordsNothing(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := f.cache.Match(d.Blocks, nil, nil); got[0].Blocks+got[1].Blocks != 0 {
+	if got := f.model.Match(d.Blocks, nil, nil); got[0].Blocks+got[1].Blocks != 0 {
 		t.Fatalf("dry run recorded blocks: %+v", got)
 	}
 	if l := d.Chosen().Replica.Load(f.now); l.InFlight != 0 {
@@ -160,7 +160,7 @@ func TestRecycledBlocks(t *testing.T) {
 		}
 		reply := f.e.LearnReply(d, d.Chosen().Replica, []byte(strings.Repeat("r", 50*i+1)))
 		chain := slices.Concat(d.Blocks, reply)
-		if got := f.cache.Match(chain, nil, nil); got[d.Chosen().Replica.ID].Blocks != len(chain) {
+		if got := f.model.Match(chain, nil, nil); got[d.Chosen().Replica.ID].Blocks != len(chain) {
 			t.Fatalf("decision %d: the reply's chain is not cached: %+v", i, got)
 		}
 		d.Lease().End(f.e.Now())
@@ -252,7 +252,7 @@ func TestSharedActiveCountsSharedBlocksOnce(t *testing.T) {
 		f := newFixture(t, 1, "semantic")
 		f.e.o.SharedActive = shared
 		if shared {
-			f.e.active = map[int]map[uint64]int32{}
+			f.e.pic.active = &active{by: map[int]map[uint64]int32{}}
 		}
 		sys := strings.Repeat("s", 4000) // 1,000 tokens in 16 blocks
 		d1, _ := f.decide(parseChat(t, "system", sys, "user", strings.Repeat("a", 400)), "", true)

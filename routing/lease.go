@@ -27,6 +27,11 @@ import (
 //	LeaseDrained  EngineDone            the engine freed the blocks: pins released (prefill ended if it was not)
 //	LeaseEnded    End                   work no longer counted; pins released if they were not
 //
+// The drain, the step after which the replica no longer runs the request
+// (EngineDone, or End without it), calls the decision's Request.OnDrain, if
+// set, exactly once, with the lease's replica: the slot the request held
+// there is free.
+//
 // The states the next capabilities add sit at its ends: a request waiting
 // in the router's own queue is LeaseIdle until it is committed; a
 // disaggregated request holds one lease on its prefill replica, ended at
@@ -49,7 +54,11 @@ type Lease struct {
 	blocks  []blockhash.Block
 	last    uint64
 	hasLast bool
-	shared  bool // counted in Engine.active (SharedActive)
+	shared  bool // counted in its Picture's active blocks (SharedActive)
+	remote  bool // Remote was reported: the replica decodes a prompt computed elsewhere
+	// onDrain is the decision's Request.OnDrain, called at the drain; set
+	// by Decide and kept by every begin (a failover's too).
+	onDrain func(*replica.Replica)
 }
 
 // LeaseState is where a Lease is in its life; see Lease.
@@ -99,25 +108,30 @@ func (l *Lease) Pinned() (blocks int, tokens int64) {
 // Tokens recomputed under SharedActive when shared) on r. l is idle or
 // ended (Commit ends a live one first).
 func (l *Lease) begin(e *Engine, r *replica.Replica, d *Decision, c *Candidate, blocks []blockhash.Block, w replica.Work, pin, shared bool, now time.Time) {
-	*l = Lease{e: e, rep: r, d: d, c: c, work: w, blocks: blocks, shared: shared && e.active != nil, state: LeasePrefill}
+	*l = Lease{e: e, rep: r, d: d, c: c, work: w, blocks: blocks, shared: shared && e.pic.sharesActive(), state: LeasePrefill, onDrain: l.onDrain}
 	switch {
 	case len(blocks) == 0:
 	case pin:
-		_, l.pins = e.cache.Commit(r.ID, blocks, now.UnixNano())
+		l.pins = e.pic.pin(r.ID, blocks, now.UnixNano())
 	default:
-		e.cache.Record(r.ID, blocks, now.UnixNano())
+		e.pic.record(r.ID, blocks, now.UnixNano())
 		l.last, l.hasLast, l.blocks = blocks[len(blocks)-1].Hash, true, nil
 	}
 	if l.shared {
-		l.work.Tokens = e.activate(r.ID, blocks, 1)
+		l.work.Tokens = e.pic.activate(r.ID, blocks, 1)
 	}
 	r.Begin(&l.work, now)
 }
 
 // Remote reports that another replica computes the prompt (disaggregated
 // prefill): l's replica only takes its KV and decodes
-// (replica.Replica.Remote).
+// (replica.Replica.Remote). What that replica's engine then reports of the
+// prompt teaches nothing of its own cache (Engine.Finish).
 func (l *Lease) Remote() {
+	if l.state == LeaseIdle || l.state == LeaseEnded {
+		return
+	}
+	l.remote = true
 	if l.state == LeasePrefill {
 		l.rep.Remote(&l.work)
 	}
@@ -147,6 +161,9 @@ func (l *Lease) EngineDone(now time.Time) {
 	l.state = LeaseDrained
 	l.rep.Drained(&l.work, now)
 	l.free(now)
+	if l.onDrain != nil {
+		l.onDrain(l.rep)
+	}
 }
 
 // free releases l's pins and records its blocks' free time.
@@ -154,12 +171,9 @@ func (l *Lease) free(now time.Time) {
 	id := l.rep.ID
 	switch {
 	case l.blocks != nil:
-		l.e.cache.Done(id, l.blocks, l.pins, now.UnixNano())
+		l.e.pic.unpin(id, l.blocks, l.pins, now.UnixNano())
 	case l.hasLast:
-		var buf [64]blockhash.Block
-		if chain, ok := l.e.cache.Chain(l.last, buf[:0]); ok {
-			l.e.cache.Free(id, chain, now.UnixNano())
-		}
+		l.e.pic.freeChain(id, l.last, now.UnixNano())
 	}
 	l.pins = cachemodel.Pins{}
 }
@@ -172,15 +186,19 @@ func (l *Lease) End(now time.Time) {
 		return
 	}
 	if l.shared {
-		l.work.Tokens = l.e.activate(l.rep.ID, l.blocks, -1)
+		l.work.Tokens = l.e.pic.activate(l.rep.ID, l.blocks, -1)
 	}
 	l.rep.End(&l.work, now)
-	if l.state < LeaseDrained {
+	drain := l.state < LeaseDrained
+	if drain {
 		l.free(now)
 	}
 	l.state = LeaseEnded
 	if l.d != nil && l.e.sync != nil {
 		l.e.sync.Done(l.d, l.c)
+	}
+	if drain && l.onDrain != nil {
+		l.onDrain(l.rep)
 	}
 }
 
@@ -231,4 +249,61 @@ func (e *Engine) Commit(d *Decision, c *Candidate) {
 			break
 		}
 	}
+}
+
+// Usage is what a front end learned of a request's answer by its end
+// (Engine.Finish): the replica's status and usage report, the router's
+// feedback setting and the reply it captured.
+type Usage struct {
+	// OK: the replica answered with status 200.
+	OK bool
+	// PromptTokens is the engine's count of the prompt
+	// (usage.prompt_tokens; 0: not reported), in engine tokens.
+	PromptTokens int64
+	// CachedTokens is the prompt tokens the engine found cached
+	// (usage.prompt_tokens_details.cached_tokens), read when CachedReported.
+	CachedTokens   int64
+	CachedReported bool
+	// Feedback corrects the picture of the serving replica from
+	// CachedTokens (Engine.Feedback): the router's feedback setting.
+	Feedback bool
+	// Reply is the assistant's answer the front end captured, to learn as
+	// the conversation's next prefix (LearnReply); nil: none.
+	Reply []byte
+}
+
+// Finish ends recorded decision d's request, in the order the front ends
+// made these steps one by one, at the engine's clock's now:
+//
+//  1. its lease ends (Lease.End): its work stops counting on the replica
+//     serving it and, if EngineDone did not, its blocks are freed and
+//     Request.OnDrain offered the slot;
+//  2. with an OK answer reporting prompt tokens, unless the replica only
+//     decoded a prompt computed elsewhere (Lease.Remote), the engine's
+//     token unit is learned (ObserveUsage) and, when u.Feedback and
+//     CachedReported, the serving replica's picture is corrected
+//     (Feedback), trimmed being the tokens that evicted;
+//  3. a reply given is learned on the replica that wrote it (LearnReply),
+//     learned being its blocks, valid until Recycle(d).
+//
+// A decision without blocks (no prompt: a pass-through request), or never
+// committed, learns nothing. Call it once, from the request's goroutine;
+// Recycle(d) after whatever reads d and learned.
+func (e *Engine) Finish(d *Decision, u Usage) (learned []blockhash.Block, trimmed int64) {
+	l := &d.lease
+	l.End(e.o.Now())
+	c := l.c
+	if c == nil || len(d.Blocks) == 0 {
+		return nil, 0
+	}
+	if u.OK && u.PromptTokens > 0 && !l.remote {
+		e.ObserveUsage(d.model, d, int(u.PromptTokens))
+		if u.CachedReported && u.Feedback {
+			trimmed = e.Feedback(d, c, int(u.CachedTokens))
+		}
+	}
+	if u.Reply != nil {
+		learned = e.LearnReply(d, c.Replica, u.Reply)
+	}
+	return learned, trimmed
 }

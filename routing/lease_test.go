@@ -2,6 +2,7 @@ package routing
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -60,12 +61,22 @@ func TestLeaseTransitions(t *testing.T) {
 			f := newFixture(t, 1, "least_load")
 			sc := &syncCounts{}
 			f.e.SetSync(sc)
-			d, err := f.decide(prompt, "s", false)
+			in := f.e.Prepare(prompt, "s", false)
+			drains := 0
+			in.Policy, in.OnDrain = f.pol, func(*replica.Replica) { drains++ }
+			d, err := f.e.Decide(in, false)
 			if err != nil {
 				t.Fatal(err)
 			}
 			l := d.Lease()
+			wantDrains, committed := 0, false // the contract: once per commit, at EngineDone or End, whichever is first
 			do := func(step string) {
+				switch {
+				case step == "commit":
+					committed = true
+				case (step == "engine" || step == "end") && committed:
+					wantDrains, committed = wantDrains+1, false
+				}
 				f.now = f.now.Add(time.Millisecond)
 				switch step {
 				case "commit":
@@ -97,6 +108,9 @@ func TestLeaseTransitions(t *testing.T) {
 			}
 			if tc.want.state == LeaseEnded && sc.done != 1 {
 				t.Errorf("ended, and the fleet heard %d ends", sc.done)
+			}
+			if drains != wantDrains {
+				t.Errorf("OnDrain called %d times, want %d", drains, wantDrains)
 			}
 		})
 	}
@@ -185,5 +199,81 @@ func TestDecisionSaturated(t *testing.T) {
 	rs[1].Observe(replica.Observed{KVUsage: 0.99})
 	if !saturated() {
 		t.Fatal("both replicas saturated, the decision says not")
+	}
+}
+
+// TestFinish: Engine.Finish makes the steps of a request's end in one
+// call: the lease ends (offering the slot once, unless EngineDone did),
+// the engine's unit is learned and the picture corrected only from an OK
+// answer of a replica that computed the prompt, and a reply is learned.
+func TestFinish(t *testing.T) {
+	prompt := func() *blockhash.Request {
+		req := parseChat(t, "system", strings.Repeat("a system prompt long enough for blocks. ", 40), "user", "question")
+		req.Model = "m"
+		return req
+	}
+	for _, tc := range []struct {
+		name        string
+		u           Usage
+		remote      bool
+		engineDone  bool
+		observe     bool // the unit moves
+		trim, learn bool
+	}{
+		{name: "ok", u: Usage{OK: true, PromptTokens: 4000, CachedReported: true, Feedback: true}, observe: true, trim: true},
+		{name: "feedback off", u: Usage{OK: true, PromptTokens: 4000, CachedReported: true}, observe: true},
+		{name: "cached not reported", u: Usage{OK: true, PromptTokens: 4000, Feedback: true}, observe: true},
+		{name: "not ok", u: Usage{PromptTokens: 4000, CachedReported: true, Feedback: true}},
+		{name: "no prompt tokens", u: Usage{OK: true, CachedReported: true, Feedback: true}},
+		{name: "remote decode", u: Usage{OK: true, PromptTokens: 4000, CachedReported: true, Feedback: true}, remote: true},
+		{name: "reply", u: Usage{Reply: []byte(strings.Repeat("the assistant's answer. ", 20))}, learn: true},
+		{name: "drained first", u: Usage{OK: true, PromptTokens: 4000}, engineDone: true, observe: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t, 1, "least_load")
+			r := f.pool.Replicas()[0]
+			f.e.Picture().Routed(r.ID, f.e.Prepare(prompt(), "s", false).Blocks, f.now) // the prompt is cached: predicted > 0
+			in := f.e.Prepare(prompt(), "s", false)
+			drains := 0
+			in.Policy, in.OnDrain = f.pol, func(got *replica.Replica) {
+				if got != r {
+					t.Errorf("drained %s", got.Name)
+				}
+				drains++
+			}
+			d, err := f.e.Decide(in, true)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if tc.remote {
+				d.Lease().Remote()
+			}
+			if tc.engineDone {
+				d.Lease().EngineDone(f.now)
+			}
+			learned, trimmed := f.e.Finish(d, tc.u)
+			if d.Lease().State() != LeaseEnded || r.Load(f.now).InFlight != 0 {
+				t.Errorf("the lease is %s, %d in flight", d.Lease().State(), r.Load(f.now).InFlight)
+			}
+			if drains != 1 {
+				t.Errorf("OnDrain called %d times", drains)
+			}
+			if moved := f.e.TokenScale("m") != 1; moved != tc.observe {
+				t.Errorf("the unit moved: %v (scale %v)", moved, f.e.TokenScale("m"))
+			}
+			if (trimmed > 0) != tc.trim {
+				t.Errorf("trimmed %d tokens", trimmed)
+			}
+			if (len(learned) > 0) != tc.learn {
+				t.Errorf("learned %d blocks", len(learned))
+			}
+			if tc.learn {
+				chain := append(slices.Clone(d.Blocks), learned...)
+				if got := f.e.Picture().Match(chain)[r.ID].Blocks; got != len(chain) {
+					t.Errorf("the reply's chain: %d of %d blocks in the picture", got, len(chain))
+				}
+			}
+			f.e.Recycle(d)
+		})
 	}
 }

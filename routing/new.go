@@ -71,16 +71,15 @@ func New(o Options) (*Engine, error) {
 	if o.Engine.Matcher != nil {
 		co.OnEvict = o.Engine.Matcher.Forget
 	}
-	j := &joiner{o: &o, cache: cachemodel.New(co), segs: segs, reuses: new(reuses)}
+	j := &joiner{o: &o, pic: newPicture(cachemodel.New(co), segs, o.Engine.SharedActive), reuses: new(reuses)}
 	pool, err := replica.NewPool(o.Replicas, replica.Options{HalfLife: o.LoadHalfLife}, j.join)
 	if err != nil {
 		return nil, err
 	}
-	e, err := newEngine(o.Engine, split, j.cache, pool)
+	e, err := newEngine(o.Engine, split, j.pic, pool)
 	if err != nil {
 		return nil, err
 	}
-	e.pic.segs = segs
 	e.join, e.reuses, j.e = j.join, j.reuses, e
 	return e, nil
 }
@@ -89,8 +88,7 @@ func New(o Options) (*Engine, error) {
 // join, replica.NewPool).
 type joiner struct {
 	o      *Options
-	cache  *cachemodel.Model
-	segs   *cachemodel.Segments
+	pic    *Picture
 	reuses *reuses
 	e      *Engine // nil while New builds the pool
 }
@@ -107,7 +105,7 @@ func (j *joiner) join(s replica.Spec) (int, error) {
 			j.o.OnDefaultBudget(s.Name, budget)
 		}
 	}
-	id, err := j.cache.AddReplica(s.Name, budget)
+	id, err := j.pic.addReplica(s.Name, budget)
 	if err != nil {
 		return id, err
 	}
@@ -115,13 +113,8 @@ func (j *joiner) join(s replica.Spec) (int, error) {
 		j.e.forgetFeedback(id) // a reused id starts from its own budget
 	}
 	j.reuses.set(id, u)
-	if j.segs != nil {
-		if reuseModes[u.Mode()].segments {
-			j.segs.AddReplica(id, cmp.Or(s.Reuse.BudgetTokens, budget))
-		} else {
-			j.segs.RemoveReplica(id)
-		}
-	}
+	segments, _ := u.needs()
+	j.pic.setSegments(id, segments, cmp.Or(s.Reuse.BudgetTokens, budget))
 	return id, nil
 }
 
@@ -134,7 +127,7 @@ func (e *Engine) AddReplica(s replica.Spec) (*replica.Replica, error) {
 		return nil, errors.New("routing: AddReplica needs an engine made by New")
 	}
 	segments, matcher := reuseNeeds([]replica.Spec{s})
-	if segments && e.pic.segs == nil {
+	if segments && !e.pic.blending() {
 		return nil, errors.New("routing: a blending replica joins only a pool that had one from the start (its prompts' segment keys are computed from then on)")
 	}
 	if matcher && e.o.Matcher == nil {

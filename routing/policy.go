@@ -6,11 +6,8 @@ import (
 	"sync"
 	"sync/atomic"
 
-	lru "github.com/hashicorp/golang-lru/v2"
-
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
-	"github.com/semroute/semroute/plugin"
 	"github.com/semroute/semroute/replica"
 )
 
@@ -164,78 +161,6 @@ func nonNegative(names []string, vals ...float64) error {
 		}
 	}
 	return nil
-}
-
-// The registered policies, in the order PolicyNames() lists them.
-func init() {
-	RegisterPolicy(PolicyPlugin{Name: "semantic", Params: PrefixCostParams{},
-		New: func(p Params, _ uint64) (Policy, error) {
-			c, err := plugin.DecodeOver(p, DefaultPrefixCostParams(), (*PrefixCostParams).valid)
-			return &PrefixCost{cfg: c}, err
-		}})
-	RegisterPolicy(PolicyPlugin{Name: "round_robin",
-		New: func(Params, uint64) (Policy, error) { return &RoundRobin{}, nil }})
-	RegisterPolicy(PolicyPlugin{Name: "random",
-		New: func(_ Params, seed uint64) (Policy, error) { return &Random{rng: newSeededRand(seed)}, nil }})
-	RegisterPolicy(PolicyPlugin{Name: "least_load",
-		New: func(Params, uint64) (Policy, error) { return LeastLoad{}, nil }})
-	RegisterPolicy(PolicyPlugin{Name: "power_of_two",
-		New: func(_ Params, seed uint64) (Policy, error) { return &PowerOfTwo{rng: newSeededRand(seed)}, nil }})
-	RegisterPolicy(PolicyPlugin{Name: "consistent_hash", Params: ConsistentHashParams{},
-		New: func(p Params, _ uint64) (Policy, error) {
-			c, err := plugin.DecodeOver(p, ConsistentHashParams{VirtualNodes: 160}, func(c *ConsistentHashParams) error {
-				if c.VirtualNodes < 1 || c.VirtualNodes > 1<<16 {
-					return fmt.Errorf("virtual_nodes must be in [1, 65536], not %d", c.VirtualNodes)
-				}
-				return nil
-			})
-			return &ConsistentHash{VirtualNodes: c.VirtualNodes}, err
-		}})
-	RegisterPolicy(PolicyPlugin{Name: "sglang", Params: SGLangParams{},
-		New: func(p Params, _ uint64) (Policy, error) {
-			c, err := plugin.DecodeOver(p, SGLangParams{CacheThreshold: 0.3, BalanceAbsThreshold: 64, BalanceRelThreshold: 1.5}, func(c *SGLangParams) error {
-				if !(c.CacheThreshold >= 0 && c.CacheThreshold <= 1) || !(c.BalanceRelThreshold >= 1) {
-					return fmt.Errorf("cache_threshold must be in [0, 1] and balance_rel_threshold ≥ 1")
-				}
-				return nonNegative([]string{"balance_abs_threshold"}, c.BalanceAbsThreshold)
-			})
-			return &SGLang{p: c}, err
-		}})
-	RegisterPolicy(PolicyPlugin{Name: "dynamo", Params: DynamoParams{},
-		New: func(p Params, seed uint64) (Policy, error) {
-			c, err := plugin.DecodeOver(p, DynamoParams{OverlapWeight: 1}, func(c *DynamoParams) error {
-				return nonNegative([]string{"overlap_weight", "temperature"}, c.OverlapWeight, c.Temperature)
-			})
-			return &Dynamo{p: c, rng: newSeededRand(seed)}, err
-		}})
-	RegisterPolicy(PolicyPlugin{Name: "llmd", Aliases: []string{"llm-d"}, Params: LLMDParams{},
-		New: func(p Params, _ uint64) (Policy, error) {
-			c, err := plugin.DecodeOver(p, LLMDParams{PrefixWeight: 3, QueueWeight: 2, KVWeight: 2}, func(c *LLMDParams) error {
-				return nonNegative([]string{"prefix_weight", "queue_weight", "kv_weight"}, c.PrefixWeight, c.QueueWeight, c.KVWeight)
-			})
-			return &LLMD{p: c}, err
-		}})
-	RegisterPolicy(PolicyPlugin{Name: "aibrix", Params: AIBrixParams{},
-		New: func(p Params, _ uint64) (Policy, error) {
-			c, err := plugin.DecodeOver(p, AIBrixParams{ImbalanceCount: 16, StdDevFactor: 2}, func(c *AIBrixParams) error {
-				return nonNegative([]string{"imbalance_count", "std_dev_factor"}, c.ImbalanceCount, c.StdDevFactor)
-			})
-			return &AIBrix{p: c}, err
-		}})
-	RegisterPolicy(PolicyPlugin{Name: "semantickv", Params: SemanticKVParams{},
-		New: func(p Params, _ uint64) (Policy, error) {
-			c, err := plugin.DecodeOver(p, SemanticKVParams{SessionBonusTokens: 512, LoadWeight: 1, Sessions: 65536}, func(c *SemanticKVParams) error {
-				if c.Sessions < 1 || c.Sessions > 1<<24 {
-					return fmt.Errorf("sessions must be in [1, 16777216], not %d", c.Sessions)
-				}
-				return nonNegative([]string{"session_bonus_tokens", "load_weight"}, c.SessionBonusTokens, c.LoadWeight)
-			})
-			if err != nil {
-				return nil, err
-			}
-			sessions, err := lru.New[uint64, string](c.Sessions)
-			return &SemanticKV{p: c, sessions: sessions}, err
-		}})
 }
 
 // PrefixCost is semroute's own policy. Every cost is in prefill tokens:

@@ -241,7 +241,7 @@ func TestRankMatchesSort(t *testing.T) {
 }
 
 func TestRandomSpreads(t *testing.T) {
-	rp, _ := NewPolicy(PolicySpec{Type: "random", Seed: 1})
+	rp, _ := NewSeededPolicy(PolicySpec{Type: "random"}, 1)
 	wins := map[string]int{}
 	for i := 0; i < 400; i++ {
 		cs := cands(4)

@@ -1,6 +1,8 @@
 package routing
 
 import (
+	"fmt"
+	"slices"
 	"strings"
 	"testing"
 
@@ -63,5 +65,35 @@ func TestPolicyParamsReachThePolicy(t *testing.T) {
 	s, _ := NewPolicy(PolicySpec{Type: "semantic", Params: Params{"load_weight": 0.7}})
 	if got := s.(*PrefixCost).cfg; got.LoadWeight != 0.7 || got.SpillFactor != DefaultSpillFactor {
 		t.Errorf("semantic params %+v: load_weight set, the rest defaults", got)
+	}
+}
+
+// TestSeededPoliciesRepeat: a randomised policy built twice with one seed
+// (config's routing.seed, the replay's --seed) scores the same candidates
+// the same way, and one without randomness takes a seed as well.
+func TestSeededPoliciesRepeat(t *testing.T) {
+	scores := func(p Policy) []string {
+		var out []string
+		for range 20 {
+			cs := cands(5)
+			for i := range cs {
+				cs[i].Match.Tokens, cs[i].Match.Weighted = i*100, float64(i*100)
+			}
+			p.Score(&View{Tokens: 1000, Weighted: 1000, BlockTokens: 16}, cs)
+			for _, c := range cs {
+				out = append(out, fmt.Sprint(c.Tier, c.Score, c.Reason))
+			}
+		}
+		return out
+	}
+	for _, spec := range []PolicySpec{{Type: "random"}, {Type: "power_of_two"}, {Type: "dynamo", Params: Params{"temperature": 1}}, {Type: "least_load"}} {
+		a, err := NewSeededPolicy(spec, 42)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := NewSeededPolicy(spec, 42)
+		if !slices.Equal(scores(a), scores(b)) {
+			t.Errorf("%s: one seed, two sequences", spec.Type)
+		}
 	}
 }

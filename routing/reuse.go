@@ -1,18 +1,19 @@
 package routing
 
 import (
+	"cmp"
 	"fmt"
 	"slices"
-	"sort"
 	"sync/atomic"
 
+	"github.com/semroute/semroute/plugin"
 	"github.com/semroute/semroute/replica"
 )
 
 // Reuse is how the router credits what a replica's engine reuses of a
 // prompt's KV past the exact prefix. Each replica has one, made when it
 // joins from its replica.Reuse by the mode registered under
-// replica.Reuse.Mode (ReuseModes): prefix (nothing past the prefix, vLLM
+// replica.Reuse.Mode (ReuseModes, with replica.Reuse.Spec's parameters): prefix (nothing past the prefix, vLLM
 // and SGLang), blend (cached segments anywhere in the prompt, CacheBlend)
 // and donor (a similar earlier prompt's KV, SGLang's
 // SemanticPrefixProvider). The engine asks it at each step of a decision
@@ -35,52 +36,77 @@ type Reuse interface {
 	// for c, and whether only fewer than that measure the picture (a donor
 	// engine reports whatever its own provider found besides).
 	predicted(c *Candidate) (tokens int64, onlyFewer bool)
+	// needs reports what the engine must have for the mode: the blending
+	// replicas' segment picture (New's Blending), a donor index
+	// (EngineOptions.Matcher).
+	needs() (segments, matcher bool)
 }
 
-// reuseModes are the registered modes, by name: a constructor from the
-// replica's spec and what the engine must have for it.
-var reuseModes = map[string]struct {
-	make     func(replica.Reuse) Reuse
-	segments bool // the blending replicas' segment picture (New's Blending)
-	matcher  bool // a donor index (EngineOptions.Matcher)
-}{
-	replica.ReusePrefix: {make: func(replica.Reuse) Reuse { return prefixReuse{} }},
-	replica.ReuseBlend:  {make: func(u replica.Reuse) Reuse { return blendReuse{share: u.Share()} }, segments: true},
-	replica.ReuseDonor:  {make: func(u replica.Reuse) Reuse { return donorReuse{min: u.Similarity()} }, matcher: true},
+// reuseModes are the registered reuse modes (reuseRegistry).
+var reuseModes = reuseRegistry()
+
+// reuseRegistry returns the reuse modes, by name: the one place they are
+// registered. Each is made from a replica's replica.Reuse as a plugin spec
+// (replica.Reuse.Spec).
+func reuseRegistry() *plugin.Registry[Reuse] {
+	return plugin.NewRegistry("reuse mode", "",
+		plugin.Plugin[Reuse]{Name: replica.ReusePrefix, New: func(plugin.Params) (Reuse, error) { return prefixReuse{}, nil }},
+		plugin.Plugin[Reuse]{Name: replica.ReuseBlend, Params: blendParams{}, New: func(p plugin.Params) (Reuse, error) {
+			c, err := plugin.DecodeOver(p, blendParams{Recompute: replica.DefaultRecompute}, func(c *blendParams) error {
+				if !(c.Recompute >= 0 && c.Recompute < 1) {
+					return fmt.Errorf("recompute must be in [0, 1), not %v", c.Recompute)
+				}
+				return nil
+			})
+			return blendReuse{share: 1 - cmp.Or(c.Recompute, replica.DefaultRecompute)}, err
+		}},
+		plugin.Plugin[Reuse]{Name: replica.ReuseDonor, Params: donorParams{}, New: func(p plugin.Params) (Reuse, error) {
+			c, err := plugin.DecodeOver(p, donorParams{MinSimilarity: replica.DefaultMinSimilarity}, func(c *donorParams) error {
+				if !(c.MinSimilarity >= 0 && c.MinSimilarity <= 1) {
+					return fmt.Errorf("min_similarity must be in [0, 1], not %v", c.MinSimilarity)
+				}
+				return nil
+			})
+			return donorReuse{min: cmp.Or(c.MinSimilarity, replica.DefaultMinSimilarity)}, err
+		}},
+	)
 }
 
-// ReuseModes lists the registered reuse modes, sorted.
-func ReuseModes() []string {
-	out := make([]string, 0, len(reuseModes))
-	for m := range reuseModes {
-		out = append(out, m)
-	}
-	sort.Strings(out)
-	return out
+// blendParams are blend's parameters (replica.Reuse's).
+type blendParams struct {
+	// Recompute is the share of a blended segment's tokens the engine
+	// computes again, in [0, 1); 0: replica.DefaultRecompute.
+	Recompute float64 `json:"recompute"`
 }
+
+// donorParams are donor's parameters (replica.Reuse's).
+type donorParams struct {
+	// MinSimilarity is the least similarity of a donor the engine reuses,
+	// in [0, 1]; 0: replica.DefaultMinSimilarity.
+	MinSimilarity float64 `json:"min_similarity"`
+}
+
+// ReuseModes lists the registered reuse modes, in registration order.
+func ReuseModes() []string { return reuseModes.Names() }
 
 // newReuse returns the Reuse of a replica spec's mode ("" is prefix).
 func newReuse(u replica.Reuse) (Reuse, error) {
-	m, ok := reuseModes[modeOf(u)]
-	if !ok {
-		return nil, fmt.Errorf("routing: unknown reuse mode %q (have %v)", u.Mode, ReuseModes())
+	r, err := reuseModes.New(u.Spec())
+	if err != nil {
+		return nil, fmt.Errorf("routing: %w", err)
 	}
-	return m.make(u), nil
-}
-
-func modeOf(u replica.Reuse) string {
-	if u.Mode == "" {
-		return replica.ReusePrefix
-	}
-	return u.Mode
+	return r, nil
 }
 
 // reuseNeeds reports whether any of specs needs the segment picture and a
-// donor index.
+// donor index (a spec whose mode is unknown needs neither: New refuses it
+// at its join).
 func reuseNeeds(specs []replica.Spec) (segments, matcher bool) {
 	for _, s := range specs {
-		m := reuseModes[modeOf(s.Reuse)]
-		segments, matcher = segments || m.segments, matcher || m.matcher
+		if u, err := newReuse(s.Reuse); err == nil {
+			seg, mat := u.needs()
+			segments, matcher = segments || seg, matcher || mat
+		}
 	}
 	return segments, matcher
 }
@@ -125,8 +151,8 @@ func (r *reuses) set(id int, u Reuse) {
 	s.by[id] = u
 	for _, x := range s.by {
 		if x != nil {
-			m := reuseModes[x.Mode()]
-			s.donors, s.credits = s.donors || m.matcher, s.credits || m.segments
+			segments, matcher := x.needs()
+			s.donors, s.credits = s.donors || matcher, s.credits || segments
 		}
 	}
 	r.p.Store(s)
@@ -140,12 +166,14 @@ func (prefixReuse) credit(*Candidate, *scratch) float64                 { return
 func (prefixReuse) donor(*Candidate, int, int, float64) (float64, bool) { return 0, false }
 func (prefixReuse) committed(*Picture, *Decision, *Candidate, int64)    {}
 func (prefixReuse) predicted(c *Candidate) (int64, bool)                { return int64(c.Match.Tokens), false }
+func (prefixReuse) needs() (segments, matcher bool)                     { return false, false }
 
 // blendReuse: the engine also reuses the segments it holds anywhere in
 // the prompt, computing 1 − share of their tokens again.
 type blendReuse struct{ share float64 }
 
-func (blendReuse) Mode() string { return replica.ReuseBlend }
+func (blendReuse) Mode() string                    { return replica.ReuseBlend }
+func (blendReuse) needs() (segments, matcher bool) { return true, false }
 func (b blendReuse) credit(c *Candidate, sc *scratch) float64 {
 	if id := c.Replica.ID; id < len(sc.beyond) {
 		return sc.beyond[id] * b.share
@@ -154,9 +182,7 @@ func (b blendReuse) credit(c *Candidate, sc *scratch) float64 {
 }
 func (blendReuse) donor(*Candidate, int, int, float64) (float64, bool) { return 0, false }
 func (blendReuse) committed(p *Picture, d *Decision, c *Candidate, now int64) {
-	if p.segs != nil {
-		p.segs.Record(c.Replica.ID, d.Blocks, now)
-	}
+	p.recordSegments(c.Replica.ID, d.Blocks, now)
 }
 
 // A blending engine reports what it reused too.
@@ -169,6 +195,7 @@ func (blendReuse) predicted(c *Candidate) (int64, bool) {
 type donorReuse struct{ min float64 }
 
 func (donorReuse) Mode() string                                     { return replica.ReuseDonor }
+func (donorReuse) needs() (segments, matcher bool)                  { return false, true }
 func (donorReuse) credit(*Candidate, *scratch) float64              { return 0 }
 func (donorReuse) committed(*Picture, *Decision, *Candidate, int64) {}
 

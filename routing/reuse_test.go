@@ -1,9 +1,11 @@
 package routing
 
 import (
+	"strings"
 	"testing"
 
 	"github.com/semroute/semroute/cachemodel"
+	"github.com/semroute/semroute/plugin"
 	"github.com/semroute/semroute/replica"
 )
 
@@ -43,7 +45,16 @@ func TestReuseModes(t *testing.T) {
 	if got, _ := d.donor(c, 500, 800, 0.8); got != 0.8*400 {
 		t.Errorf("a donor longer than the prompt credited %v, want 0.8 × (500 − 100)", got)
 	}
-	if _, err := newReuse(replica.Reuse{Mode: "magic"}); err == nil {
-		t.Error("an unknown mode was accepted")
+	if _, err := newReuse(replica.Reuse{Mode: "magic"}); err == nil || !strings.Contains(err.Error(), `unknown reuse mode "magic" (have prefix, blend, donor)`) {
+		t.Errorf("an unknown mode: %v", err)
+	}
+	for _, bad := range []plugin.Spec{
+		{Type: replica.ReusePrefix, Params: plugin.Params{"recompute": 0.2}},
+		{Type: replica.ReuseBlend, Params: plugin.Params{"recompute": 1}},
+		{Type: replica.ReuseDonor, Params: plugin.Params{"recompute": 0.2}},
+	} {
+		if _, err := reuseModes.New(bad); err == nil {
+			t.Errorf("%+v accepted", bad)
+		}
 	}
 }

@@ -88,7 +88,7 @@ func TestGRPCRouteReleaseListReplicas(t *testing.T) {
 	if err != nil || second.PredictedMatchedTokens < 500 || second.DecisionId != "" {
 		t.Fatalf("dry run after the first: %+v, %v", second, err)
 	}
-	if n, _ := d.app.core.Held(); n != 0 {
+	if n, _ := d.app.core.Unreleased().Len(); n != 0 {
 		t.Fatalf("%d decisions still held after release", n)
 	}
 	// Errors: a released id again, no input, a bad kind.

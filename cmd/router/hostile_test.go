@@ -199,7 +199,7 @@ func TestGRPCHeldDecisionsAreCapped(t *testing.T) {
 	cfg := filepath.Join(t.TempDir(), "router.yaml")
 	const maxHeld = 1000
 	writeConfig(t, cfg, fmt.Sprintf(`grpc_listen: 127.0.0.1:0
-grpc: {token: tok, max_held_decisions: %d}
+grpc: {token: tok, max_unreleased_decisions: %d}
 replicas:
   - {name: a, url: %q}
   - {name: b, url: %q}
@@ -222,7 +222,7 @@ replicas:
 					failed.Add(1)
 				}
 				if i%97 == 0 {
-					held, _ := r.app.core.Held()
+					held, _ := r.app.core.Unreleased().Len()
 					if int64(held) > maxSeen.Load() {
 						maxSeen.Store(int64(held))
 					}
@@ -231,7 +231,7 @@ replicas:
 		}()
 	}
 	wg.Wait()
-	held, blocks := r.app.core.Held()
+	held, blocks := r.app.core.Unreleased().Len()
 	grown := int64(memAfterGC().HeapAlloc) - int64(before)
 	metrics := scrapeURL(t, r.http.URL())
 	t.Logf("%d Routes without Release: %d held (%d blocks), at most %d seen; heap grew %d KB", n, held, blocks, maxSeen.Load(), grown>>10)
@@ -241,7 +241,7 @@ replicas:
 	if held != maxHeld || maxSeen.Load() > maxHeld {
 		t.Fatalf("held %d (at most %d seen), cap %d", held, maxSeen.Load(), maxHeld)
 	}
-	want := fmt.Sprintf(`semroute_grpc_held_expired_total{reason="cap"} %d`, n-maxHeld)
+	want := fmt.Sprintf(`semroute_grpc_unreleased_expired_total{reason="cap"} %d`, n-maxHeld)
 	if !strings.Contains(metrics, want) {
 		t.Fatalf("metrics lack %s", want)
 	}

@@ -94,14 +94,14 @@ func buildInfo() (ver, commit, goVersion string) {
 // registerOps registers the process-level metrics: replicas, the decision
 // log and build info.
 func registerOps(reg *prometheus.Registry, pool *replica.Pool, cache *routing.Picture, dl *decisionlog.Writer, core *router.Core) {
-	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "semroute_grpc_held_decisions",
-		Help: "gRPC Route decisions awaiting Release (capped by grpc.max_held_decisions)."},
-		func() float64 { n, _ := core.Held(); return float64(n) }))
+	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "semroute_grpc_unreleased_decisions",
+		Help: "gRPC Route decisions awaiting Release (capped by grpc.max_unreleased_decisions)."},
+		func() float64 { n, _ := core.Unreleased().Len(); return float64(n) }))
 	reg.MustRegister(replicaCollector{pool, cache})
 	reg.MustRegister(queueCollector{core})
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "semroute_queue_bytes",
 		Help: "Bytes of the bodies waiting in the router's queue."},
-		func() float64 { _, b := core.Queued(); return float64(b) }))
+		func() float64 { _, b := core.Deferrals().Len(); return float64(b) }))
 	ver, commit, gov := buildInfo()
 	bi := prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "semroute_build_info", Help: "1, labelled with the build's version, commit and Go version."},
 		[]string{"version", "commit", "goversion"})
@@ -167,7 +167,7 @@ func (queueCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c queueCollector) Collect(ch chan<- prometheus.Metric) {
-	by, flows := c.core.QueuedBy()
+	by, flows := c.core.Deferrals().Bands()
 	if _, ok := by[0]; !ok {
 		ch <- prometheus.MustNewConstMetric(descQueueRequests, prometheus.GaugeValue, 0, "0")
 	}

@@ -229,8 +229,8 @@ func matcherFor(mc configs.MatcherConfig, specs []replica.Spec) (routing.Matcher
 func coreOptions(cfg *configs.Config, eng *routing.Engine, arms []router.Arm, reg *prometheus.Registry, ag *agreement.Tracker, log *slog.Logger) (router.CoreOptions, *decisionlog.Writer, error) {
 	copts := router.CoreOptions{Engine: eng, Arms: arms, Salt: cfg.Routing.ArmSalt,
 		RawIDs: cfg.DecisionLog.RawIDs, LogPrompts: cfg.DecisionLog.LogPrompts, Feedback: cfg.Cache.Feedback,
-		Held: limits.Held{Max: cfg.GRPC.MaxHeldDecisions, MaxBlocks: cfg.GRPC.MaxHeldBlocks, ReleaseAfter: cfg.Routing.ReleaseAfter},
-		PD:   router.PDOptions{MinPrefillTokens: cfg.Disaggregation.MinPrefillTokens},
+		Unreleased: limits.Unreleased{Max: cfg.GRPC.MaxUnreleasedDecisions, MaxBlocks: cfg.GRPC.MaxUnreleasedBlocks, ReleaseAfter: cfg.Routing.ReleaseAfter},
+		PD:         router.PDOptions{MinPrefillTokens: cfg.Disaggregation.MinPrefillTokens},
 		// With API keys the tenant is proven: a stored response's id the
 		// router cannot prove is the caller's is refused.
 		StrictResponses: cfg.Auth.APIKeysFile != "", Agreement: ag}
@@ -249,7 +249,8 @@ func coreOptions(cfg *configs.Config, eng *routing.Engine, arms []router.Arm, re
 	}
 	copts.Metrics.LabelTenants(cfg.Metrics.TenantLabels)
 	if f := cfg.FlowControl; f.Enabled {
-		copts.Flow = &flow.Options{MaxRequests: f.MaxRequests, MaxBytes: f.MaxBytes, TTL: f.TTL, LookAhead: f.LookAhead, AgeBound: f.AgeBound, Reserve: f.Reserve}
+		copts.Flow = &flow.Options[*replica.Replica]{MaxRequests: f.MaxRequests, MaxBytes: f.MaxBytes, TTL: f.TTL, LookAhead: f.LookAhead, AgeBound: f.AgeBound}
+		copts.Reserve = f.Reserve
 	}
 	if precise(cfg.Tokenizer) {
 		tok, err := tokenizerFor(cfg.Tokenizer.URL, cfg.Tokenizer.Timeout, cfg.Tokenizer.CacheTokens, eng.Pool(), ag)
@@ -570,7 +571,7 @@ func (r *running) shutdown(grace time.Duration) error {
 // running routing.policy.
 func armsFor(cfg *configs.Config) ([]router.Arm, error) {
 	if len(cfg.Routing.Arms) == 0 {
-		pol, err := routing.NewPolicy(cfg.Routing.PolicySpec())
+		pol, err := routing.NewSeededPolicy(cfg.Routing.PolicySpec(), cfg.Routing.Seed)
 		if err != nil {
 			return nil, fmt.Errorf("config: routing: %w", err)
 		}
@@ -578,7 +579,7 @@ func armsFor(cfg *configs.Config) ([]router.Arm, error) {
 	}
 	var arms []router.Arm
 	for i, a := range cfg.Routing.Arms {
-		ap, err := routing.NewPolicy(cfg.Routing.ArmSpec(i))
+		ap, err := routing.NewSeededPolicy(cfg.Routing.ArmSpec(i), cfg.Routing.Seed)
 		if err != nil {
 			return nil, fmt.Errorf("config: routing.arms[%d]: %w", i, err)
 		}

@@ -28,10 +28,10 @@ func TestHeldWaitsForItsReplica(t *testing.T) {
 		t.Fatalf("saturated: r0 %v, r1 %v", rs[0].Saturated(), rs[1].Saturated())
 	}
 	in := f.e.Prepare(parseChat(t, "system", doc, "user", "second"), "b", false)
-	in.Policy, in.Hold = f.pol, true
+	in.Policy, in.Defer = f.pol, true
 	d, err := f.e.Decide(in, true)
-	if err != nil || !d.Held || d.Chosen().Replica != rs[0] {
-		t.Fatalf("held %v for %s (%v): want held for r0, where its prefix is", d.Held, d.Chosen().Replica.Name, err)
+	if err != nil || !d.Deferred || d.Chosen().Replica != rs[0] {
+		t.Fatalf("held %v for %s (%v): want held for r0, where its prefix is", d.Deferred, d.Chosen().Replica.Name, err)
 	}
 	if got := rs[0].Load(f.e.Now()).PendingTokens; got != 0 {
 		t.Fatalf("r0's pending work before the wait: %v", got)
@@ -80,8 +80,8 @@ func TestHeldWaitsForItsReplica(t *testing.T) {
 		t.Fatalf("cost of moving to r1 from a replica of long answers: %v", c)
 	}
 	f.e.Unwait(d)
-	if got := rs[0].Load(f.e.Now()).PendingTokens; got != 0 || rs[0].Held(0) != 0 {
-		t.Fatalf("r0 after the wait: pending %v, %d held", got, rs[0].Held(0))
+	if got := rs[0].Load(f.e.Now()).PendingTokens; got != 0 || rs[0].Deferred(0) != 0 {
+		t.Fatalf("r0 after the wait: pending %v, %d held", got, rs[0].Deferred(0))
 	}
 	f.e.Drop(d)
 }

@@ -51,7 +51,7 @@ func (e *Engine) DispatchCost(d *Decision, r *replica.Replica) float64 {
 	if r == want {
 		return 0 // the same tokens either way: no picture to read
 	}
-	m := e.cache.Match(d.Blocks, e.o.Weights, nil)
+	m := e.pic.matches(d.Blocks, e.o.Weights, nil)
 	uncached := func(id int) float64 {
 		matched := 0
 		if id < len(m) {
@@ -76,7 +76,7 @@ func (e *Engine) DispatchCost(d *Decision, r *replica.Replica) float64 {
 		return regret
 	}
 	wait := func(x *replica.Replica, per float64) float64 {
-		return float64(x.Held(d.priority)) * per / float64(max(x.Capacity(), 1))
+		return float64(x.Deferred(d.priority)) * per / float64(max(x.Capacity(), 1))
 	}
 	if regret*perToken > wait(want, perWant)-wait(r, perHere) {
 		return math.Inf(1)

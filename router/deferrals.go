@@ -1,0 +1,280 @@
+package router
+
+import (
+	"cmp"
+	"context"
+	"math"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/semroute/semroute/flow"
+	"github.com/semroute/semroute/replica"
+	"github.com/semroute/semroute/routing"
+)
+
+// Deferrals is the router's queue (flow control): a request whose best
+// replica's engine would queue it is deferred here instead (Defer), and a
+// slot that frees (Freed, or room the replicas' gauges show at Tick) goes
+// to the waiting request that would compute least there, which is then
+// placed again (Core.Resume). It also counts each priority's demand, for
+// the slots a request leaves free for the traffic it gives way to (keep).
+// Safe for concurrent use.
+type Deferrals struct {
+	e       *routing.Engine
+	q       *flow.Queue[*Deferral, *replica.Replica]
+	demand  *flow.Demand
+	reserve int // CoreOptions.Reserve
+	metrics *Metrics
+	// freed is Freed, made once: every request's lease calls it
+	// (routing.Request.OnDrain).
+	freed func(*replica.Replica)
+	// onGrant, if set, hears of every deferral given a slot (virtual
+	// time: nothing blocks in Wait); nil: the waiting goroutine wakes.
+	onGrant func(*Deferral)
+	// untaken maps a replica ID to the queue's generation when a slot
+	// offered there by Tick went untaken: offering it again before the
+	// queue changes would only compute the same costs again.
+	untaken sync.Map
+}
+
+// Deferral is a request deferred in the router's queue: the request, its
+// decision when it was deferred, and its place in the queue.
+type Deferral struct {
+	cr    CoreRequest
+	arm   *Arm
+	d     *routing.Decision
+	t     *flow.Ticket[*Deferral, *replica.Replica]
+	start time.Time                    // of its first decision
+	keep  func(*replica.Replica) int64 // its first decision's Keep, for the next
+	slot  *replica.Replica             // the replica whose slot was kept for it, once its turn came
+	// decode, when set, is the decode decision of a disaggregated request
+	// whose prefill decision was deferred.
+	decode *Routed
+}
+
+// newDeferrals returns the router's queue of bounds o, its clock e's.
+func newDeferrals(e *routing.Engine, o flow.Options[*replica.Replica], reserve int, m *Metrics) *Deferrals {
+	w := &Deferrals{e: e, demand: flow.NewDemand(0), reserve: reserve, metrics: m}
+	o.OnLost = w.unreserve // a request that left as it was dispatched: its slot is free again
+	o.Now = e.Now
+	w.q = flow.New[*Deferral](o)
+	w.freed = w.Freed
+	return w
+}
+
+// view returns, for a decision of priority that may be deferred at now,
+// the slots it must leave free for the traffic it gives way to
+// (routing.Request.Keep), and whether it is protected traffic, which takes
+// a free slot wherever it is rather than wait for its best replica's
+// (routing.Request.Room).
+func (w *Deferrals) view(priority int, now time.Time) (keep func(*replica.Replica) int64, room bool) {
+	yields, protected := w.demand.View(priority, now)
+	return w.keep(yields), protected
+}
+
+// Defer queues cr, whose decision d (made at start, with keep) by arm's
+// policy found its best replica would queue it, and counts its uncached
+// prefill there as pending work (routing.Engine.Wait).
+func (w *Deferrals) Defer(cr CoreRequest, arm *Arm, d *routing.Decision, keep func(*replica.Replica) int64, start time.Time) (*Deferral, error) {
+	def := &Deferral{cr: cr, arm: arm, d: d, keep: keep, start: start}
+	t, err := w.q.Enqueue(flow.Item[*Deferral]{Priority: cr.Priority, Flow: cr.Flow, Home: d.Chosen().Replica.ID,
+		Bytes: cr.Bytes, Tokens: int64(d.Tokens), Value: def})
+	if err != nil {
+		w.e.Drop(d)
+		w.metrics.shed(err)
+		return nil, &QueueError{Err: err, RetryAfter: time.Second}
+	}
+	def.t = t
+	w.e.Wait(d, cr.Priority)
+	return def, nil
+}
+
+// Wait blocks until def's turn comes (a slot is kept for it: resume it
+// with Core.Resume) or it leaves the queue: ctx ended (its error), or the
+// queue shed or expired it (a *QueueError). A nil ctx ends only with the
+// queue's TTL.
+func (def *Deferral) Wait(ctx context.Context) error {
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	err := def.t.Wait(ctx)
+	if err != nil && ctx.Err() == nil {
+		err = &QueueError{Err: err, RetryAfter: time.Second}
+	}
+	return err
+}
+
+// taken ends def's wait in the queue, its turn come (err nil) or not: its
+// pending work is taken back and its first decision given up. It returns
+// the replica whose slot was kept for it (nil when it left without one),
+// which the caller must unreserve once the request is decided.
+func (w *Deferrals) taken(def *Deferral, err error) *replica.Replica {
+	w.e.Unwait(def.d)
+	w.e.Drop(def.d)
+	if err != nil {
+		if qe, ok := err.(*QueueError); ok {
+			w.metrics.shed(qe.Err)
+		}
+		return nil
+	}
+	w.metrics.queued(def.cr.Priority, def.waited())
+	return def.t.Grant()
+}
+
+// waited returns how long def waited in the queue, until now.
+func (def *Deferral) waited() time.Duration { return def.t.Waited() }
+
+// unreserve gives back the slot kept on r for a request now decided (it
+// counts in flight by itself wherever it went), and offers it again: the
+// request may have gone to a better replica with room.
+func (w *Deferrals) unreserve(r *replica.Replica) {
+	r.Unreserve()
+	w.offer(r)
+}
+
+// Freed offers the queue the slot a request's end freed on r: the waiting
+// request that would compute least there goes. The lease's drain calls it
+// once per request (routing.Request.OnDrain).
+func (w *Deferrals) Freed(r *replica.Replica) { w.offer(r) }
+
+// offer gives the router's queue a slot on r if r is not saturated, and
+// reports whether a waiting request took it, and whether some request was
+// refused it to keep it for traffic it gives way to (reserve: that changes
+// with time, not only with the queue); the slot is kept for the request
+// that took it until it is decided (Replica.Reserve), so that no request
+// arriving meanwhile takes it.
+func (w *Deferrals) offer(r *replica.Replica) (taken, keptFor bool) {
+	now := w.e.Now()
+	if r.Saturated() || !r.Available(now) {
+		return false, false
+	}
+	free, known := r.Free() // this slot among them
+	var kept map[int]bool   // keep's verdicts by priority: a few per offer
+	r.Reserve()
+	t, ok := w.q.Dispatch(r.ID, func(t *flow.Ticket[*Deferral, *replica.Replica]) float64 {
+		held, ok := kept[t.Priority]
+		if !ok {
+			if keep := w.keep(w.demand.YieldsTo(t.Priority, now)); keep != nil {
+				held = known && free <= keep(r)
+			}
+			if kept == nil {
+				kept = map[int]bool{}
+			}
+			kept[t.Priority] = held
+		}
+		if held {
+			keptFor = true
+			return math.Inf(1) // the slot is kept for the traffic it gives way to
+		}
+		return w.e.DispatchCost(t.Value.d, r)
+	}, r)
+	if !ok {
+		r.Unreserve()
+		return false, keptFor
+	}
+	if w.onGrant != nil {
+		w.onGrant(t.Value)
+	}
+	return true, keptFor
+}
+
+// Tick expires the requests waiting past the queue's TTL and offers the
+// queue a slot on each replica that is not saturated (its gauges show room
+// that no request's end announced: a peer's requests ended, a scrape), as
+// many as it has, but not again to a replica whose offer went untaken
+// while nothing was queued or left since (unless a slot was kept for a
+// reservation, which time may end).
+func (w *Deferrals) Tick() {
+	w.q.Expire()
+	gen := w.q.Generation()
+	for _, r := range w.e.Pool().Replicas() {
+		if g, ok := w.untaken.Load(r.ID); ok && g.(uint64) == gen {
+			continue
+		}
+		taken, kept := w.offer(r)
+		for taken {
+			taken, kept = w.offer(r)
+		}
+		if !r.Saturated() && !kept {
+			w.untaken.Store(r.ID, w.q.Generation())
+		}
+	}
+}
+
+// keep returns how many free slots of a replica a request must leave
+// there (routing.Request.Keep): the slots kept there for the traffic it
+// gives way to, y (flow.Demand.YieldsTo; concentrate says where and how
+// many), less those that traffic fills now. Nil where it gives way to
+// nothing, or the reserve keeps none.
+func (w *Deferrals) keep(y map[int]flow.Yielded) func(*replica.Replica) int64 {
+	if w.reserve < 0 || len(y) == 0 {
+		return nil
+	}
+	var kept map[int]int64 // by replica ID, made at the first call
+	return func(r *replica.Replica) int64 {
+		if kept == nil {
+			kept = w.concentrate(y)
+		}
+		return max(kept[r.ID]-y[r.ID].InFlight, 0)
+	}
+}
+
+// concentrate spreads the slots kept for traffic y (flow.Demand.YieldsTo)
+// over as few replicas as hold them: those it arrives at most first, each
+// filled to its capacity before the next. A replica whose engine runs
+// only that traffic keeps only its prefixes in its cache, where a flood
+// spread over every replica would evict them. The slots kept are the
+// reserve's count, or by default by square-root staffing on the traffic's
+// expected concurrency by Little's law, m = its rate times the seconds a
+// request holds a slot (routing.Engine.PerRequest), m + √m rounded (it
+// waits in about one case in five; a trickle keeps nothing).
+func (w *Deferrals) concentrate(y map[int]flow.Yielded) map[int]int64 {
+	var rate float64
+	ids := make([]int, 0, len(y))
+	for id, v := range y {
+		if v.Rate > 0 {
+			rate += v.Rate
+			ids = append(ids, id)
+		}
+	}
+	n := int64(w.reserve)
+	if n == 0 {
+		m := rate * w.e.PerRequest()
+		n = int64(math.Round(m + math.Sqrt(m)))
+	}
+	slices.SortFunc(ids, func(a, b int) int { return cmp.Or(cmp.Compare(y[b].Rate, y[a].Rate), cmp.Compare(a, b)) })
+	capacity := make(map[int]int64, len(ids))
+	for _, r := range w.e.Pool().Replicas() {
+		capacity[r.ID] = r.Capacity()
+	}
+	kept := make(map[int]int64, len(ids))
+	for _, id := range ids {
+		if n <= 0 {
+			break
+		}
+		if cp, ok := capacity[id]; ok { // not gone since
+			k := min(n, max(cp, 1))
+			kept[id], n = k, n-k
+		}
+	}
+	return kept
+}
+
+// Len returns the requests and bytes waiting; none for a nil w (flow
+// control off).
+func (w *Deferrals) Len() (requests int, bytes int64) {
+	if w == nil {
+		return 0, 0
+	}
+	return w.q.Len()
+}
+
+// Bands returns the requests waiting at each priority and the flows
+// waiting; none for a nil w (flow control off).
+func (w *Deferrals) Bands() (requests map[int]int, flows int) {
+	if w == nil {
+		return nil, 0
+	}
+	return w.q.Bands()
+}
