@@ -13,6 +13,7 @@ import (
 	"github.com/nats-io/nats-server/v2/server"
 
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/internal/testwait"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
@@ -59,7 +60,7 @@ func startFleetWith(t testing.TB, o Options) (*Fleet, *routing.Engine) {
 		t.Fatal(err)
 	}
 	t.Cleanup(f.Close)
-	waitFor(t, "ready", f.Ready)
+	testwait.Until(t, "ready", f.Ready)
 	return f, e
 }
 
@@ -71,17 +72,6 @@ func serve(t testing.TB, port int) *server.Server {
 	}
 	t.Cleanup(s.Shutdown)
 	return s
-}
-
-func waitFor(t testing.TB, what string, ok func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !ok() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
 }
 
 // prompt returns a request of n blocks: a shared system prompt of 4
@@ -169,7 +159,7 @@ func TestPeersShareThePicture(t *testing.T) {
 	ns := serve(t, -1)
 	fa, ea := startFleet(t, ns.ClientURL(), "ra")
 	_, eb := startFleet(t, ns.ClientURL(), "rb")
-	waitFor(t, "peers", func() bool { return fa.Stats().Peers == 1 })
+	testwait.Until(t, "peers", func() bool { return fa.Stats().Peers == 1 })
 
 	req := prompt(ea, 1, 10)
 	req.Policy, _ = routing.NewPolicy(routing.PolicySpec{Type: "semantic"})
@@ -179,19 +169,19 @@ func TestPeersShareThePicture(t *testing.T) {
 	}
 	name := d.Chosen().Replica.Name
 	rb, _ := eb.Pool().Get(name)
-	waitFor(t, "blocks on the peer", func() bool { return matchOn(eb, name, d.Blocks) == d.Tokens })
-	waitFor(t, "load on the peer", func() bool { return rb.Load(time.Now()).InFlight == 1 })
+	testwait.Until(t, "blocks on the peer", func() bool { return matchOn(eb, name, d.Blocks) == d.Tokens })
+	testwait.Until(t, "load on the peer", func() bool { return rb.Load(time.Now()).InFlight == 1 })
 	if l := rb.Load(time.Now()); l.PendingTokens == 0 {
 		t.Fatalf("peer's replica has no pending prefill: %+v", l)
 	}
 	d.Lease().FirstToken(ea.Now())
-	waitFor(t, "prefill done on the peer", func() bool { return rb.Load(time.Now()).PendingTokens == 0 })
+	testwait.Until(t, "prefill done on the peer", func() bool { return rb.Load(time.Now()).PendingTokens == 0 })
 	reply := ea.LearnReply(d, d.Chosen().Replica, []byte("an answer of some length to make a block or two of reply text, "+
 		"repeated: an answer of some length to make a block or two of reply text"))
 	chain := append(append([]blockhash.Block(nil), d.Blocks...), reply...)
-	waitFor(t, "reply on the peer", func() bool { return matchOn(eb, name, chain) == matchOn(ea, name, chain) })
+	testwait.Until(t, "reply on the peer", func() bool { return matchOn(eb, name, chain) == matchOn(ea, name, chain) })
 	d.Lease().End(ea.Now())
-	waitFor(t, "end on the peer", func() bool { return rb.Load(time.Now()).InFlight == 0 })
+	testwait.Until(t, "end on the peer", func() bool { return rb.Load(time.Now()).InFlight == 0 })
 
 	// A second request sharing the system prompt names it by its last
 	// key: the peer rebuilds it from its own picture.
@@ -204,13 +194,13 @@ func TestPeersShareThePicture(t *testing.T) {
 	if d2.Chosen().Replica.Name != name || d2.Chosen().Match.Blocks < 4 {
 		t.Fatalf("second request went to %s matching %d blocks", d2.Chosen().Replica.Name, d2.Chosen().Match.Blocks)
 	}
-	waitFor(t, "second request on the peer", func() bool { return matchOn(eb, name, d2.Blocks) == d2.Tokens })
+	testwait.Until(t, "second request on the peer", func() bool { return matchOn(eb, name, d2.Blocks) == d2.Tokens })
 	d2.Lease().End(ea.Now())
 
 	ra, _ := ea.Pool().Get("c")
 	ea.Fail(ra, time.Now(), replica.Ejection{})
 	rc, _ := eb.Pool().Get("c")
-	waitFor(t, "ejection on the peer", func() bool { return !rc.Available(time.Now()) })
+	testwait.Until(t, "ejection on the peer", func() bool { return !rc.Available(time.Now()) })
 	if st := fa.Stats(); st.Published < 6 || st.DroppedFull+st.DroppedDown != 0 {
 		t.Fatalf("stats %+v", st)
 	}
@@ -254,7 +244,7 @@ func TestPeerGoneTakesItsLoad(t *testing.T) {
 	ns := serve(t, -1)
 	fa, ea := startFleet(t, ns.ClientURL(), "ra")
 	fb, eb := startFleet(t, ns.ClientURL(), "rb")
-	waitFor(t, "peers", func() bool { return fb.Stats().Peers == 1 })
+	testwait.Until(t, "peers", func() bool { return fb.Stats().Peers == 1 })
 	req := prompt(ea, 5, 6)
 	req.Policy, _ = routing.NewPolicy(routing.PolicySpec{Type: "semantic"})
 	d, err := ea.Decide(req, true)
@@ -262,9 +252,9 @@ func TestPeerGoneTakesItsLoad(t *testing.T) {
 		t.Fatal(err)
 	}
 	rb, _ := eb.Pool().Get(d.Chosen().Replica.Name)
-	waitFor(t, "load on the peer", func() bool { return rb.Load(time.Now()).InFlight == 1 })
+	testwait.Until(t, "load on the peer", func() bool { return rb.Load(time.Now()).InFlight == 1 })
 	fa.nc.Close() // dies without a word: no Done will come
-	waitFor(t, "the dead peer's load to expire", func() bool { return rb.Load(time.Now()).InFlight == 0 })
+	testwait.Until(t, "the dead peer's load to expire", func() bool { return rb.Load(time.Now()).InFlight == 0 })
 	if st := fb.Stats(); st.Peers != 0 {
 		t.Fatalf("peer still seen: %+v", st)
 	}
@@ -281,9 +271,9 @@ func TestNATSDownThenBack(t *testing.T) {
 	url := ns.ClientURL()
 	fa, ea := startFleet(t, url, "ra")
 	fb, eb := startFleet(t, url, "rb")
-	waitFor(t, "peers", func() bool { return fa.Stats().Peers == 1 && fb.Stats().Peers == 1 })
+	testwait.Until(t, "peers", func() bool { return fa.Stats().Peers == 1 && fb.Stats().Peers == 1 })
 	ns.Shutdown()
-	waitFor(t, "disconnected", func() bool { return !fa.Connected() && !fb.Connected() })
+	testwait.Until(t, "disconnected", func() bool { return !fa.Connected() && !fb.Connected() })
 	pol, _ := routing.NewPolicy(routing.PolicySpec{Type: "round_robin"})
 	var ds []*routing.Decision
 	for i := range 12 {
@@ -300,8 +290,8 @@ func TestNATSDownThenBack(t *testing.T) {
 		t.Fatalf("nothing counted as dropped while NATS was down: %+v", st)
 	}
 	serve(t, p)
-	waitFor(t, "reconnected", func() bool { return fa.Connected() && fb.Connected() })
-	waitFor(t, "resynced", func() bool {
+	testwait.Until(t, "reconnected", func() bool { return fa.Connected() && fb.Connected() })
+	testwait.Until(t, "resynced", func() bool {
 		for _, d := range ds {
 			name := d.Chosen().Replica.Name
 			if matchOn(eb, name, d.Blocks) != d.Tokens {

@@ -16,6 +16,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/semroute/semroute/internal/testwait"
 )
 
 // fakeClock is a clock the test moves.
@@ -124,16 +126,12 @@ func (l *logBuffer) lines() []string {
 	return strings.Split(strings.TrimSpace(l.b.String()), "\n")
 }
 
-// settle waits (boundedly) until the writer has counted n records.
+// settle waits until the writer has counted n records.
 func settle(t *testing.T, w *Writer, n int64) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for w.Written()+w.Dropped()+w.Failed() != n {
-		if time.Now().After(deadline) {
-			t.Fatalf("after 10s: written %d + dropped %d + failed %d != %d logged", w.Written(), w.Dropped(), w.Failed(), n)
-		}
-		time.Sleep(time.Millisecond)
-	}
+	testwait.Value(t, fmt.Sprint(n, " records counted"), func() (string, bool) {
+		return fmt.Sprintf("written %d + dropped %d + failed %d", w.Written(), w.Dropped(), w.Failed()), w.Written()+w.Dropped()+w.Failed() == n
+	})
 }
 
 // logged logs n records with IDs prefix0, prefix1, … and returns n.
@@ -302,16 +300,10 @@ func TestDecisionLogTickNoticesRemovedFile(t *testing.T) {
 	}
 	defer w.Close()
 	os.Remove(path)
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		if _, err := os.Stat(path); err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the fsync tick did not reopen a removed file")
-		}
-		time.Sleep(time.Millisecond)
-	}
+	testwait.Until(t, "the fsync tick to reopen the removed file", func() bool {
+		_, err := os.Stat(path)
+		return err == nil
+	})
 	n := logN(w, "x", 3)
 	if err := w.Close(); err != nil {
 		t.Fatal(err)

@@ -10,6 +10,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/semroute/semroute/internal/testwait"
 )
 
 // mountTmpfs mounts a tmpfs of size bytes on a new directory, or skips the
@@ -86,14 +88,13 @@ func TestDecisionLogFullTmpfs(t *testing.T) {
 
 	filler := filepath.Join(dir, "filler")
 	fill(t, filler)
-	deadline := time.Now().Add(10 * time.Second)
-	for w.Failed() == 0 { // the log's own last page may take a few records
-		if time.Now().After(deadline) {
-			t.Fatalf("no write failed on a full disk: written %d, logged %d", w.Written(), n)
+	testwait.Until(t, "a write failing on the full disk", func() bool { // the log's own last page may take a few records
+		if w.Failed() > 0 {
+			return true
 		}
 		logSome(5)
-		time.Sleep(2 * time.Millisecond)
-	}
+		return false
+	})
 	logSome(50) // while full: failed, not dropped, not written
 	settle(t, w, n)
 	full := w.Written()
@@ -101,14 +102,13 @@ func TestDecisionLogFullTmpfs(t *testing.T) {
 	if err := os.Remove(filler); err != nil {
 		t.Fatal(err)
 	}
-	deadline = time.Now().Add(10 * time.Second)
-	for w.Written() < full+20 {
-		if time.Now().After(deadline) {
-			t.Fatalf("writing did not resume after space was freed: written %d, failed %d, logged %d", w.Written(), w.Failed(), n)
+	testwait.Until(t, "writing to resume after space was freed", func() bool {
+		if w.Written() >= full+20 {
+			return true
 		}
 		logSome(5)
-		time.Sleep(2 * time.Millisecond)
-	}
+		return false
+	})
 	if err := w.Close(); err != nil {
 		t.Fatal(err)
 	}

@@ -2,9 +2,9 @@ package kubedisc
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"testing"
-	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -15,31 +15,24 @@ import (
 	dynamicfake "k8s.io/client-go/dynamic/fake"
 	"k8s.io/client-go/kubernetes/fake"
 
+	"github.com/semroute/semroute/internal/testwait"
 	"github.com/semroute/semroute/replica"
 )
 
 const ns = "llm"
 
 // waitSpecs polls the source until its replicas are want (names and
-// URLs), or fails after 10 s: the informers apply changes on their own
-// goroutines.
+// URLs): the informers apply changes on their own goroutines.
 func waitSpecs(t *testing.T, s *Source, want ...string) {
 	t.Helper()
-	var got []string
-	for deadline := time.Now().Add(10 * time.Second); ; {
+	testwait.Value(t, fmt.Sprintf("replicas %v", want), func() (string, bool) {
 		specs, err := s.Specs(context.Background())
-		got = got[:0]
+		var got []string
 		for _, sp := range specs {
 			got = append(got, sp.Name+"="+sp.URL)
 		}
-		if err == nil && slices.Equal(got, want) {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("replicas %v (err %v), want %v", got, err, want)
-		}
-		time.Sleep(10 * time.Millisecond) // polling the informers' caches
-	}
+		return fmt.Sprintf("replicas %v (err %v)", got, err), err == nil && slices.Equal(got, want)
+	})
 }
 
 // slice is an EndpointSlice of the Service vllm, as the EndpointSlice

@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/go-zeromq/zmq4"
+	"github.com/semroute/semroute/internal/testwait"
 	"github.com/tinylib/msgp/msgp"
 )
 
@@ -220,13 +221,13 @@ func TestListenerBoundsMessages(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer sub.Close()
-	waitFor(t, "the subscription", pub.Subscribed)
+	testwait.Until(t, "the subscription", pub.Subscribed)
 	for _, b := range []Batch{batchFor(1), tokensBatch(2, 100<<10), batchFor(3)} {
 		if _, err := pub.Publish(b); err != nil {
 			t.Fatal(err)
 		}
 	}
-	waitFor(t, "the batches", func() bool { s, _, _ := col.snapshot(); return len(s) == 2 })
+	testwait.Until(t, "the batches", func() bool { s, _, _ := col.snapshot(); return len(s) == 2 })
 	seqs, first, resets := col.snapshot()
 	st := sub.Stats()
 	if !equal(seqs, []uint64{0, 2}) || !equal(first, []uint64{1, 3}) || len(resets) != 0 ||

@@ -4,6 +4,8 @@ import (
 	"net"
 	"testing"
 	"time"
+
+	"github.com/semroute/semroute/internal/testwait"
 )
 
 // Two engines dial one bound Listener, as llm-d deploys vLLM; each
@@ -37,7 +39,7 @@ func TestListenerTellsEnginesApartByTopic(t *testing.T) {
 		t.Fatal("a second subscriber of one topic on one listener was accepted")
 	}
 	for _, r := range rigs {
-		waitFor(t, "the subscription", r.pub.Subscribed)
+		testwait.Until(t, "the subscription", r.pub.Subscribed)
 	}
 	a, b := rigs[0], rigs[1]
 	a.publish(t, 100, 101)
@@ -65,11 +67,11 @@ func TestListenerTellsEnginesApartByTopic(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer other.Close()
-	waitFor(t, "the subscription", other.Subscribed)
+	testwait.Until(t, "the subscription", other.Subscribed)
 	if _, err := other.Publish(batchFor(900)); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the unmatched message", func() bool { return l.Unmatched() == 1 })
+	testwait.Until(t, "the unmatched message", func() bool { return l.Unmatched() == 1 })
 }
 
 // A peer that connects to the Listener and sends nothing is cut after the
@@ -98,17 +100,11 @@ func TestListenerSilentPeer(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pub.Close()
-	deadline := time.Now().Add(3 * handshakeTimeout)
-	for !pub.Subscribed() {
-		if time.Now().After(deadline) {
-			t.Fatal("an engine dialling after a silent peer never got the subscription")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	testwait.Until(t, "the subscription of an engine dialling after a silent peer", pub.Subscribed)
 	if _, err := pub.Publish(batchFor(1)); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the batch", func() bool { s, _, _ := col.snapshot(); return len(s) == 1 })
+	testwait.Until(t, "the batch", func() bool { s, _, _ := col.snapshot(); return len(s) == 1 })
 }
 
 func TestReplyFrames(t *testing.T) {
@@ -156,11 +152,11 @@ func TestFirstBatchCatchesUpFromReplay(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer sub.Close()
-	waitFor(t, "the subscription", pub.Subscribed)
+	testwait.Until(t, "the subscription", pub.Subscribed)
 	if _, err := pub.Publish(batchFor(502)); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the batches", func() bool { s, _, _ := col.snapshot(); return len(s) == 3 })
+	testwait.Until(t, "the batches", func() bool { s, _, _ := col.snapshot(); return len(s) == 3 })
 	seqs, first, resets := col.snapshot()
 	if !equal(seqs, []uint64{1, 2, 3}) || !equal(first, []uint64{500, 501, 502}) || len(resets) != 0 {
 		t.Fatalf("seqs %v first %v resets %v", seqs, first, resets)

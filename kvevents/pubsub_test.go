@@ -7,6 +7,7 @@ import (
 	"net"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -14,6 +15,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/semroute/semroute/internal/testnet"
+	"github.com/semroute/semroute/internal/testwait"
 )
 
 // zmq4 v0.17.0 never stops a closed PUB socket's writer goroutine (see
@@ -51,17 +53,6 @@ func (c *collector) snapshot() (seqs, first []uint64, resets []string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return append([]uint64(nil), c.seqs...), append([]uint64(nil), c.first...), append([]string(nil), c.resets...)
-}
-
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
 }
 
 // batchFor is a one-event batch whose block hash tells which batch it is.
@@ -102,7 +93,7 @@ func newRig(t *testing.T, popts PublisherOptions, sopts SubscriberOptions) *rig 
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { sub.Close() })
-	waitFor(t, "the subscription", pub.Subscribed)
+	testwait.Until(t, "the subscription", pub.Subscribed)
 	return &rig{pub, sub, col}
 }
 
@@ -117,7 +108,7 @@ func (r *rig) publish(t *testing.T, ids ...uint64) {
 
 func (r *rig) waitApplied(t *testing.T, n int) {
 	t.Helper()
-	waitFor(t, "batches", func() bool { s, _, _ := r.col.snapshot(); return len(s) >= n })
+	testwait.Until(t, "batches", func() bool { s, _, _ := r.col.snapshot(); return len(s) >= n })
 }
 
 func equal(a, b []uint64) bool {
@@ -256,7 +247,7 @@ func TestMalformedSkipped(t *testing.T) {
 	_ = r.pub.pub.SendMulti(zmq4.NewMsgFrom([]byte(""), seqBytes(99)))
 	r.publish(t, 4) // seq 3: the hand-made messages used none
 	r.waitApplied(t, 3)
-	waitFor(t, "all messages", func() bool { return r.sub.Stats().Received == 6 })
+	testwait.Until(t, "all messages", func() bool { return r.sub.Stats().Received == 6 })
 	seqs, first, resets := r.col.snapshot()
 	st := r.sub.Stats()
 	if !equal(seqs, []uint64{0, 2, 3}) || !equal(first, []uint64{1, 3, 4}) || len(resets) != 0 || st.Malformed != 3 {
@@ -269,13 +260,13 @@ func TestSilent(t *testing.T) {
 	if !r.sub.LastBatch().IsZero() {
 		t.Fatal("LastBatch before any batch")
 	}
-	waitFor(t, "silent without batches", func() bool { return r.sub.Silent(50 * time.Millisecond) })
+	testwait.Until(t, "silent without batches", func() bool { return r.sub.Silent(50 * time.Millisecond) })
 	r.publish(t, 1)
 	r.waitApplied(t, 1)
 	if r.sub.Silent(time.Second) || r.sub.LastBatch().IsZero() {
 		t.Fatal("silent right after a batch")
 	}
-	waitFor(t, "silent after the events stopped", func() bool { return r.sub.Silent(50 * time.Millisecond) })
+	testwait.Until(t, "silent after the events stopped", func() bool { return r.sub.Silent(50 * time.Millisecond) })
 }
 
 // The engine goes away and comes back on the same port: the subscriber
@@ -287,13 +278,13 @@ func TestReconnect(t *testing.T) {
 	ep := r.pub.Endpoint()
 	r.pub.Close()
 	var pub *Publisher
-	waitFor(t, "the port again", func() bool {
+	testwait.Until(t, "the port again", func() bool {
 		var err error
 		pub, err = NewPublisher(PublisherOptions{Endpoint: ep})
 		return err == nil
 	})
 	defer pub.Close()
-	waitFor(t, "the new subscription", pub.Subscribed)
+	testwait.Until(t, "the new subscription", pub.Subscribed)
 	if _, err := pub.Publish(batchFor(10)); err != nil {
 		t.Fatal(err)
 	}
@@ -308,14 +299,35 @@ func TestReconnect(t *testing.T) {
 // ran against a publisher.
 func TestCloseLeavesNoGoroutines(t *testing.T) {
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent(), pubLeak)
-	s, err := NewSubscriber(SubscriberOptions{Endpoint: "tcp://127.0.0.1:1", OnBatch: func(uint64, Batch) {},
+	// "Nothing" hangs up on every connection, so that the subscriber is
+	// closed in the middle of its redialling.
+	nothing, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dials atomic.Int32
+	hungUp := make(chan struct{})
+	go func() {
+		defer close(hungUp)
+		for {
+			c, err := nothing.Accept()
+			if err != nil {
+				return
+			}
+			dials.Add(1)
+			c.Close()
+		}
+	}()
+	s, err := NewSubscriber(SubscriberOptions{Endpoint: "tcp://" + nothing.Addr().String(), OnBatch: func(uint64, Batch) {},
 		ReconnectMin: time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(20 * time.Millisecond)
+	testwait.Until(t, "the subscriber's second dial", func() bool { return dials.Load() >= 2 })
 	s.Close()
 	s.Close()
+	nothing.Close()
+	<-hungUp
 
 	pub, err := NewPublisher(PublisherOptions{Endpoint: "tcp://127.0.0.1:0", ReplayEndpoint: "tcp://127.0.0.1:0"})
 	if err != nil {
@@ -329,7 +341,7 @@ func TestCloseLeavesNoGoroutines(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the subscription", pub.Subscribed)
+	testwait.Until(t, "the subscription", pub.Subscribed)
 	pub.Drop(batchFor(1))
 	for range 30 { // more than zmq4's queues hold, and a replay
 		pub.Publish(batchFor(2))
@@ -535,9 +547,7 @@ func BenchmarkSubscriber(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer s.Close()
-	for !pub.Subscribed() {
-		time.Sleep(time.Millisecond)
-	}
+	testwait.Until(b, "the subscription", pub.Subscribed)
 	payload := EncodeShape(nil, realistic(), ShapeMixed)
 	b.ResetTimer()
 	for i := range b.N {
@@ -576,10 +586,12 @@ func TestPublisherCloseAfterSubscriberLeft(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		waitFor(t, "the subscription", pub.Subscribed)
+		testwait.Until(t, "the subscription", pub.Subscribed)
 		s.Close()
 		for range i % 4 { // a send to the gone subscriber has zmq4 close its end
 			pub.Publish(batchFor(1))
+			// Not synchronisation: the rounds vary how far zmq4 got in
+			// closing its end when Close comes, which nothing exposes.
 			time.Sleep(time.Millisecond)
 		}
 		if err := pub.Close(); err != nil {

@@ -3,6 +3,8 @@ package kvevents
 import (
 	"strings"
 	"testing"
+
+	"github.com/semroute/semroute/internal/testwait"
 )
 
 // An engine that restarted and whose first batches were lost, so that the
@@ -13,7 +15,7 @@ import (
 // waitDelivered waits until the batch of block hash id is delivered.
 func (r *rig) waitDelivered(t *testing.T, id uint64) {
 	t.Helper()
-	waitFor(t, "the batch", func() bool { _, first, _ := r.col.snapshot(); return len(first) > 0 && first[len(first)-1] == id })
+	testwait.Until(t, "the batch", func() bool { _, first, _ := r.col.snapshot(); return len(first) > 0 && first[len(first)-1] == id })
 }
 
 func TestRestartPastTheOldSequence(t *testing.T) {
@@ -54,13 +56,13 @@ func TestReconnectToANewEngineWhoseSequenceFollowsOn(t *testing.T) {
 	ep, replay := r.pub.Endpoint(), r.pub.ReplayEndpoint()
 	r.pub.Close()
 	var pub *Publisher
-	waitFor(t, "the ports again", func() bool {
+	testwait.Until(t, "the ports again", func() bool {
 		var err error
 		pub, err = NewPublisher(PublisherOptions{Endpoint: ep, ReplayEndpoint: replay})
 		return err == nil
 	})
 	defer pub.Close()
-	waitFor(t, "the new subscription", pub.Subscribed)
+	testwait.Until(t, "the new subscription", pub.Subscribed)
 	for id := uint64(10); id < 13; id++ {
 		pub.Drop(batchFor(id)) // seqs 0–2, published before anyone listened
 	}

@@ -13,22 +13,12 @@ import (
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
+	"github.com/semroute/semroute/internal/testwait"
 	"github.com/semroute/semroute/kvevents"
 	"github.com/semroute/semroute/kvsync"
 	"github.com/semroute/semroute/simreplica"
 	"github.com/semroute/semroute/tokenizer"
 )
-
-func waitFor(t *testing.T, what string, ok func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !ok() {
-		if time.Now().After(deadline) {
-			t.Fatalf("never: %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
 
 // chatBody is one request of a small mixed workload: a few system
 // prompts with tools, shared documents, multi-turn histories.
@@ -100,7 +90,7 @@ func TestPictureIsTheEnginesCache(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	waitFor(t, "subscribed", sim.KVEventsSubscribed)
+	testwait.Until(t, "subscribed", sim.KVEventsSubscribed)
 	tok, err := tokenizer.New(tokenizer.Options{URL: sim.URL, Timeout: 5 * time.Second})
 	if err != nil {
 		t.Fatal(err)
@@ -125,7 +115,7 @@ func TestPictureIsTheEnginesCache(t *testing.T) {
 		if cached > 0 {
 			hits++
 		}
-		waitFor(t, "events applied", func() bool { return int64(f.Stats().Subscriber.Applied) == events.Load() })
+		testwait.Until(t, "events applied", func() bool { return int64(f.Stats().Subscriber.Applied) == events.Load() })
 	}
 	st := f.Stats()
 	if hits < 20 || st.Removed == 0 || !st.Live {
@@ -176,7 +166,7 @@ func TestEventFaults(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	waitFor(t, "subscribed", p.Subscribed)
+	testwait.Until(t, "subscribed", p.Subscribed)
 	matched := func(bl []blockhash.Block) int { return model.Match(bl, nil, nil)[id].Blocks }
 	a := blocksOf(0, 4)
 	one := uint64(101)
@@ -184,10 +174,10 @@ func TestEventFaults(t *testing.T) {
 	p.Drop(kvevents.Batch{Events: []kvevents.Event{chainEvent([]uint64{102, 103}, &one, 32)}}) // lost on the way
 	p.PublishRaw([]byte{0xc1, 0x00})                                                           // malformed
 	p.Publish(kvevents.Batch{Events: []kvevents.Event{{Kind: kvevents.BlockRemoved, BlockHashes: []uint64{999}, Medium: "GPU"}}})
-	waitFor(t, "the gap filled from replay", func() bool { return matched(a) == 4 })
+	testwait.Until(t, "the gap filled from replay", func() bool { return matched(a) == 4 })
 	// The malformed payload is counted once it is decoded, which may come
 	// after the gap it revealed is filled.
-	waitFor(t, "the malformed payload counted", func() bool { return f.Stats().Subscriber.Malformed > 0 })
+	testwait.Until(t, "the malformed payload counted", func() bool { return f.Stats().Subscriber.Malformed > 0 })
 	st := f.Stats()
 	if st.Subscriber.Gaps == 0 || st.Subscriber.Replayed == 0 || st.Subscriber.Malformed == 0 || st.Subscriber.Resets != 0 {
 		t.Fatalf("stats after gap and malformed payload: %+v", st.Subscriber)
@@ -195,18 +185,18 @@ func TestEventFaults(t *testing.T) {
 	// Restart: the sequence starts over; the picture is cleared.
 	p.Restart()
 	p.Publish(kvevents.Batch{Events: []kvevents.Event{chainEvent([]uint64{200}, nil, 1000)}})
-	waitFor(t, "the restart cleared the picture", func() bool { return matched(a) == 0 && f.Stats().Cleared > 0 })
+	testwait.Until(t, "the restart cleared the picture", func() bool { return matched(a) == 0 && f.Stats().Cleared > 0 })
 	if matched(blocksOf(1000, 1)) != 1 {
 		t.Fatal("the batch after the restart was not applied")
 	}
 	// Silence: routed blocks go unconfirmed and no batch comes.
 	model.Record(id, blocksOf(5000, 3), time.Now().UnixNano())
-	waitFor(t, "fallback to the approximate picture", func() bool { return !f.Stats().Live && !model.EventDriven(id) })
+	testwait.Until(t, "fallback to the approximate picture", func() bool { return !f.Stats().Live && !model.EventDriven(id) })
 	if f.Stats().Fallbacks != 1 {
 		t.Fatalf("fallbacks %d", f.Stats().Fallbacks)
 	}
 	p.Publish(kvevents.Batch{Events: []kvevents.Event{chainEvent([]uint64{300}, nil, 2000)}})
-	waitFor(t, "live again", func() bool { return f.Stats().Live && model.EventDriven(id) })
+	testwait.Until(t, "live again", func() bool { return f.Stats().Live && model.EventDriven(id) })
 }
 
 // TestTrackedBlocksBounded: an engine that only ever stores is reset at

@@ -4,6 +4,7 @@ import (
 	"testing"
 
 	"github.com/semroute/semroute/cachemodel"
+	"github.com/semroute/semroute/internal/testwait"
 	"github.com/semroute/semroute/kvevents"
 	"github.com/semroute/semroute/kvsync"
 )
@@ -25,7 +26,7 @@ func TestFollowerSkipsBatchesOverLimits(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	waitFor(t, "subscribed", p.Subscribed)
+	testwait.Until(t, "subscribed", p.Subscribed)
 	matched := func(base, n int) int { return model.Match(blocksOf(base, n), nil, nil)[id].Blocks }
 	hashes := make([]uint64, 65) // 1040 token ids
 	for i := range hashes {
@@ -39,7 +40,7 @@ func TestFollowerSkipsBatchesOverLimits(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	waitFor(t, "the batch after", func() bool { return matched(1<<20, 1) == 1 })
+	testwait.Until(t, "the batch after", func() bool { return matched(1<<20, 1) == 1 })
 	st := f.Stats()
 	if matched(0, 65) != 0 || st.Subscriber.OverLimit[kvevents.LimitTokens] != 1 || st.Subscriber.Gaps != 0 ||
 		st.Subscriber.Resets != 0 || st.Cleared != 0 || st.Stored != 1 {

@@ -6,6 +6,7 @@ import (
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
+	"github.com/semroute/semroute/internal/testwait"
 	"github.com/semroute/semroute/kvevents"
 	"github.com/semroute/semroute/kvsync"
 )
@@ -32,7 +33,7 @@ func newRestartRig(t *testing.T) *restartRig {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { f.Close() })
-	waitFor(t, "subscribed", p.Subscribed)
+	testwait.Until(t, "subscribed", p.Subscribed)
 	return &restartRig{p, f, model, id}
 }
 
@@ -65,7 +66,7 @@ func (r *restartRig) publish(t *testing.T, bs []kvevents.Batch, bl []blockhash.B
 			t.Fatal(err)
 		}
 	}
-	waitFor(t, "the blocks applied", func() bool { return r.matched(bl) == len(bl) })
+	testwait.Until(t, "the blocks applied", func() bool { return r.matched(bl) == len(bl) })
 }
 
 // The restart is seen in the engine's metrics first, before its events

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/semroute/semroute/internal/testwait"
 	"github.com/semroute/semroute/replica"
 )
 
@@ -33,9 +34,11 @@ func TestMonitorScrapesChecksAndDetectsRestart(t *testing.T) {
 	queries.Store(500)
 	var healthy atomic.Bool
 	healthy.Store(true)
+	var checks atomic.Int64
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case "/health":
+			checks.Add(1)
 			if !healthy.Load() {
 				w.WriteHeader(http.StatusServiceUnavailable)
 			}
@@ -83,11 +86,12 @@ func TestMonitorScrapesChecksAndDetectsRestart(t *testing.T) {
 	// Run stops with its context.
 	rctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
+	before := checks.Load()
 	go func() {
 		New(p, Options{CheckInterval: time.Millisecond, ScrapeInterval: time.Millisecond}).Run(rctx)
 		close(done)
 	}()
-	time.Sleep(20 * time.Millisecond)
+	testwait.Until(t, "Run's checks", func() bool { return checks.Load() >= before+2 })
 	cancel()
 	select {
 	case <-done:

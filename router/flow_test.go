@@ -3,6 +3,7 @@ package router
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -12,6 +13,7 @@ import (
 	"time"
 
 	"github.com/semroute/semroute/flow"
+	"github.com/semroute/semroute/internal/testwait"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
@@ -99,20 +101,13 @@ func TestCoreQueueWaitEndsWithTheClient(t *testing.T) {
 	}
 }
 
-// waitQueued waits until c's queue holds n requests (a condition, with a
-// deadline).
+// waitQueued waits until c's queue holds n requests.
 func waitQueued(t *testing.T, c *Core, n int) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		if got, _ := c.q.Len(); got == n {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the queue never held %d requests", n)
-		}
-		time.Sleep(time.Millisecond)
-	}
+	testwait.Value(t, fmt.Sprint(n, " requests queued"), func() (int, bool) {
+		got, _ := c.q.Len()
+		return got, got == n
+	})
 }
 
 // TestHTTPFlowControl: over HTTP, a request past the queue's bound is
@@ -153,13 +148,9 @@ func TestHTTPFlowControl(t *testing.T) {
 	}
 	first, second := make(chan answer, 1), make(chan answer, 1)
 	go post(first)
-	deadline := time.Now().Add(10 * time.Second)
-	for e.Pool().Replicas()[0].Load(time.Now()).InFlight != 1 { // the first is at the replica: its one slot
-		if time.Now().After(deadline) {
-			t.Fatal("the first request never reached the replica")
-		}
-		time.Sleep(time.Millisecond)
-	}
+	testwait.Until(t, "the first request at the replica, in its one slot", func() bool {
+		return e.Pool().Replicas()[0].Load(time.Now()).InFlight == 1
+	})
 	go post(second)
 	waitQueued(t, core, 1)
 	resp, err := http.Post(ts.URL+"/v1/chat/completions", "application/json", strings.NewReader(chatBody))

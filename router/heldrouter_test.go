@@ -8,10 +8,10 @@ import (
 	"net/http/httptest"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/semroute/semroute/apikey"
 	"github.com/semroute/semroute/flow"
+	"github.com/semroute/semroute/internal/testwait"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
@@ -105,19 +105,17 @@ func (h *heldRouter) next() string {
 // the request is queued first (the queue holds more than queued requests).
 func (h *heldRouter) answeredUnqueued(code <-chan int, queued int) (int, bool) {
 	h.t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	var c int
+	answered := false
+	testwait.Until(h.t, "an answer or the request queued", func() bool {
 		select {
-		case c := <-code:
-			return c, true
+		case c = <-code:
+			answered = true
+			return true
 		default:
 		}
-		if n, _ := h.core.q.Len(); n > queued {
-			return 0, false
-		}
-		if time.Now().After(deadline) {
-			h.t.Fatal("never answered, never queued")
-		}
-		time.Sleep(time.Millisecond)
-	}
+		n, _ := h.core.q.Len()
+		return n > queued
+	})
+	return c, answered
 }

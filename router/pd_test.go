@@ -9,12 +9,12 @@ import (
 	"strings"
 	"sync"
 	"testing"
-	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/semroute/semroute/decisionlog"
+	"github.com/semroute/semroute/internal/testwait"
 	"github.com/semroute/semroute/replica"
 )
 
@@ -104,13 +104,8 @@ func (l *pdLog) records() []*decisionlog.Record {
 // its handler ends, which may be after the client read the answer.
 func (l *pdLog) wait(t *testing.T, n int) []*decisionlog.Record {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		if recs := l.records(); len(recs) >= n || time.Now().After(deadline) {
-			return recs
-		}
-		time.Sleep(time.Millisecond) // polling the log the handler writes to
-	}
+	testwait.Until(t, fmt.Sprint(n, " decision records"), func() bool { return len(l.records()) >= n })
+	return l.records()
 }
 
 func pdServerLog(t *testing.T, o PDOptions, ps, ds []*pdEngine) (*httptest.Server, *Metrics, *pdLog) {

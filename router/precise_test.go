@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/semroute/semroute/decisionlog"
+	"github.com/semroute/semroute/internal/testwait"
 	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
@@ -247,13 +248,10 @@ func TestBodiesInFlightAreCapped(t *testing.T) {
 // waitGauge waits until the server holds want bytes of bodies.
 func waitGauge(t *testing.T, s *Server, want int64) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for s.bodies.Load() != want {
-		if time.Now().After(deadline) {
-			t.Fatalf("%d bytes of bodies held, want %d", s.bodies.Load(), want)
-		}
-		time.Sleep(time.Millisecond) // polling, not synchronisation
-	}
+	testwait.Value(t, fmt.Sprint(want, " bytes of bodies held"), func() (int64, bool) {
+		held := s.bodies.Load()
+		return held, held == want
+	})
 }
 
 // TestStreamedCopyCountsInFlight: the copy of a streamed body that asks

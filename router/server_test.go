@@ -18,6 +18,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/semroute/semroute/apikey"
+	"github.com/semroute/semroute/internal/testwait"
 	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
@@ -141,13 +142,10 @@ func TestServerFailsOverBeforeTheFirstByte(t *testing.T) {
 // request's work just after its client has the whole response.
 func waitIdle(t *testing.T, e *routing.Engine) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for inFlight(e) != 0 {
-		if time.Now().After(deadline) {
-			t.Fatalf("%d requests still counted in flight", inFlight(e))
-		}
-		time.Sleep(time.Millisecond)
-	}
+	testwait.Value(t, "no request counted in flight", func() (int64, bool) {
+		n := inFlight(e)
+		return n, n == 0
+	})
 }
 
 // TestServerStreamsChunkByChunk: each event reaches the client while the
@@ -185,13 +183,7 @@ func TestServerStreamsChunkByChunk(t *testing.T) {
 		t.Fatalf("stream ended without [DONE]: %q", rest)
 	}
 	resp.Body.Close()
-	deadline := time.Now().Add(5 * time.Second)
-	for inFlight(e) != 0 {
-		if time.Now().After(deadline) {
-			t.Fatal("the finished stream still counts in flight")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	waitIdle(t, e) // the finished stream
 }
 
 // TestServerIdleTimeoutOnEveryRoute: a replica silent after its first
@@ -228,13 +220,7 @@ func TestServerIdleTimeoutOnEveryRoute(t *testing.T) {
 			t.Fatalf("%s: not cut off (read error %v, client %v)", path, err, ctx.Err())
 		}
 		cancel()
-		deadline := time.Now().Add(5 * time.Second)
-		for inFlight(e) != 0 {
-			if time.Now().After(deadline) {
-				t.Fatalf("%s: the cut-off request still counts in flight", path)
-			}
-			time.Sleep(5 * time.Millisecond)
-		}
+		waitIdle(t, e) // the cut-off request
 		if e.Pool().Replicas()[0].Available(time.Now()) {
 			t.Fatalf("%s: the silent replica was not taken out of rotation", path)
 		}
@@ -349,6 +335,8 @@ func TestStrippedStreamTricklingAndLength(t *testing.T) {
 		for i := 0; i < len(ev); i += 8 { // 8 bytes every 40ms: 0.3 s for the event
 			_, _ = io.WriteString(w, ev[i:min(i+8, len(ev))])
 			w.(http.Flusher).Flush()
+			// The thing under test, in real time: a pause shorter than
+			// the idle timeout (150 ms), an event longer than it.
 			time.Sleep(40 * time.Millisecond)
 		}
 		_, _ = io.WriteString(w, usage+"data: [DONE]\n\n")
@@ -380,18 +368,38 @@ func TestStrippedStreamTricklingAndLength(t *testing.T) {
 // written after the proxy returns, get a deadline of their own. (Found by
 // a helper's review.)
 func TestClientWriteDeadlineRenewedForTheEnd(t *testing.T) {
+	const clientWrite = 200 * time.Millisecond
+	end := make(chan struct{}) // the replica ends its answer when the test closes it
 	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/event-stream")
 		_, _ = io.WriteString(w, "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: [DONE]\n\n")
 		w.(http.Flusher).Flush()
-		time.Sleep(600 * time.Millisecond)
+		select {
+		case <-end:
+		case <-r.Context().Done():
+		}
 	}))
 	defer up.Close()
-	ts, _ := serverFor(t, ServerOptions{Timeouts: limits.Timeouts{ClientWrite: 200 * time.Millisecond}}, up.URL)
+	ts, _ := serverFor(t, ServerOptions{Timeouts: limits.Timeouts{ClientWrite: clientWrite}}, up.URL)
 	resp := postChat(t, ts.URL)
 	defer resp.Body.Close()
-	if b, err := io.ReadAll(resp.Body); err != nil {
-		t.Fatalf("the stream, whole to its [DONE], ended in an error: %q: %v", b, err)
+	br := bufio.NewReader(resp.Body)
+	var got string
+	for !strings.HasSuffix(got, "data: [DONE]\n\n") {
+		line, err := br.ReadString('\n')
+		if err != nil {
+			t.Fatalf("the stream before its end: %q: %v", got+line, err)
+		}
+		got += line
+	}
+	// The thing under test is a deadline passing in real time: the one
+	// the proxy gave its write of [DONE] was set before the client read
+	// it, so clientWrite from now it has passed. Only then does the
+	// replica end its answer.
+	time.Sleep(clientWrite)
+	close(end)
+	if b, err := io.ReadAll(br); err != nil {
+		t.Fatalf("the stream, whole to its [DONE], ended in an error: %q: %v", got+string(b), err)
 	}
 }
 
@@ -401,6 +409,7 @@ func TestClientWriteDeadlineRenewedForTheEnd(t *testing.T) {
 // a stream's headers at once, its first chunk after queueing and prefill)
 // is not cut off while within FirstByte.
 func TestServerSoftFailuresDoNotEject(t *testing.T) {
+	const idle = 100 * time.Millisecond
 	rep := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		b, _ := io.ReadAll(r.Body)
 		if strings.Contains(string(b), "poison") {
@@ -410,11 +419,16 @@ func TestServerSoftFailuresDoNotEject(t *testing.T) {
 		w.Header().Set("Content-Type", "text/event-stream")
 		w.WriteHeader(200)
 		w.(http.Flusher).Flush()
-		time.Sleep(400 * time.Millisecond) // prefill
+		// The thing under test, in real time: the first chunk comes four
+		// idle timeouts after the headers (a prefill). Nothing the test
+		// can see marks when the proxy started its timer (it has the
+		// headers before the client does), so no gate: on a machine slow
+		// enough to shorten the gap, the test only proves less.
+		time.Sleep(4 * idle)
 		_, _ = io.WriteString(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\ndata: [DONE]\n\n")
 	}))
 	defer rep.Close()
-	ts, e := serverFor(t, ServerOptions{Timeouts: limits.Timeouts{Idle: 100 * time.Millisecond, FirstByte: 5 * time.Second}}, rep.URL)
+	ts, e := serverFor(t, ServerOptions{Timeouts: limits.Timeouts{Idle: idle, FirstByte: 5 * time.Second}}, rep.URL)
 	post := func(content string) (int, string) {
 		body := `{"model":"m","stream":true,"messages":[{"role":"user","content":"` + content + `"}]}`
 		resp, err := http.Post(ts.URL+"/v1/chat/completions", "application/json", strings.NewReader(body))

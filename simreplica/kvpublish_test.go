@@ -5,8 +5,8 @@ import (
 	"strings"
 	"sync"
 	"testing"
-	"time"
 
+	"github.com/semroute/semroute/internal/testwait"
 	"github.com/semroute/semroute/kvevents"
 )
 
@@ -55,31 +55,17 @@ func TestKVEventsOverZMQ(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer sub.Close()
-	deadline := time.Now().Add(10 * time.Second)
-	for !r.kv.pub.Subscribed() {
-		if time.Now().After(deadline) {
-			t.Fatal("the subscriber never subscribed")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	testwait.Until(t, "the subscription", r.kv.pub.Subscribed)
 	for i := range 12 { // 12 × ~28 blocks: more than 64, so some are evicted
 		call(t, r, "/v1/completions", fmt.Sprintf(`{"model":"sim-model","max_tokens":1,"prompt":%q}`, strings.Repeat(fmt.Sprint("prompt ", i, " "), 200)))
 	}
 	wait := func(what string, ok func() bool) {
 		t.Helper()
-		deadline := time.Now().Add(10 * time.Second)
-		for {
+		testwait.Until(t, what, func() bool {
 			mu.Lock()
-			done := ok()
-			mu.Unlock()
-			if done {
-				return
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("never: %s", what)
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
+			defer mu.Unlock()
+			return ok()
+		})
 	}
 	wait("the subscriber holds what the cache holds", func() bool { return removed > 0 && len(held) == r.CachedBlocks() })
 	mu.Lock()

@@ -2,8 +2,10 @@ package simreplica
 
 import (
 	"context"
+	"fmt"
 	"testing"
-	"time"
+
+	"github.com/semroute/semroute/internal/testwait"
 )
 
 // A waiter that gives up leaves the queue; the turn passes in arrival
@@ -42,17 +44,9 @@ func TestPrefillQueueOrderAndCancel(t *testing.T) {
 
 func waitQueued(t *testing.T, p *prefillQueue, n int) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for {
+	testwait.Value(t, fmt.Sprint(n, " waiting"), func() (int, bool) {
 		p.mu.Lock()
-		q := len(p.q)
-		p.mu.Unlock()
-		if q == n {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d waiting, want %d", q, n)
-		}
-		time.Sleep(time.Millisecond)
-	}
+		defer p.mu.Unlock()
+		return len(p.q), len(p.q) == n
+	})
 }

@@ -12,6 +12,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/semroute/semroute/internal/testwait"
 )
 
 var fast = Options{Overhead: time.Microsecond, PrefillPerToken: time.Nanosecond, InterToken: time.Microsecond, OutputTokens: 3, Tokenizer: TokenizerBytes}
@@ -216,21 +218,13 @@ func TestWaitingQueueAndCancel(t *testing.T) {
 		}
 		return ""
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for metric("vllm:num_requests_running") != "1" || metric("vllm:num_requests_waiting") != "1" {
-		if time.Now().After(deadline) {
-			t.Fatalf("running %s waiting %s", metric("vllm:num_requests_running"), metric("vllm:num_requests_waiting"))
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	testwait.Value(t, "one request running and one waiting", func() (string, bool) {
+		running, waiting := metric("vllm:num_requests_running"), metric("vllm:num_requests_waiting")
+		return "running " + running + " waiting " + waiting, running == "1" && waiting == "1"
+	})
 	cancel()
 	wg.Wait()
-	for r.Stats().Cancelled != 2 {
-		if time.Now().After(deadline) {
-			t.Fatalf("stats %+v", r.Stats())
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	testwait.Value(t, "both requests cancelled", func() (Stats, bool) { st := r.Stats(); return st, st.Cancelled == 2 })
 }
 
 func TestMetricsAndModels(t *testing.T) {
@@ -300,19 +294,18 @@ func TestKVUsageCountsRunningRequestsOnly(t *testing.T) {
 		call(t, r, "/v1/completions", fmt.Sprintf(`{"model":"sim-model","max_tokens":16,"prompt":%q}`, strings.Repeat("x", 1024)))
 	}()
 	// The prompt renders to 257 tokens: with 16 output tokens, 18 blocks of 64.
-	seen := map[string]bool{}
-	for running := true; running; {
+	testwait.Until(t, "usage 18/64 = 0.28125 while the request runs", func() bool {
+		if u := usage(); u == "0.28125" {
+			return true
+		}
 		select {
 		case <-done:
-			running = false
+			t.Fatal("the request ended and its usage was never seen at 18/64 = 0.28125")
 		default:
-			seen[usage()] = true
-			time.Sleep(time.Millisecond)
 		}
-	}
-	if !seen["0.28125"] {
-		t.Fatalf("usage while one request ran: %v, want 18/64 = 0.28125", seen)
-	}
+		return false
+	})
+	<-done
 	if u := usage(); u != "0" {
 		t.Fatalf("usage after the request: %s", u)
 	}
@@ -349,24 +342,12 @@ func TestPrefillsTakeTurns(t *testing.T) {
 		return c
 	}
 	first := post(chatBody(sys, "one"))
-	deadline := time.Now().Add(5 * time.Second)
-	for r.Stats().Requests != 1 {
-		if time.Now().After(deadline) {
-			t.Fatal("the first request never arrived")
-		}
-		time.Sleep(time.Millisecond)
-	}
+	testwait.Until(t, "the first request", func() bool { return r.Stats().Requests == 1 })
 	second := post(chatBody(sys, "two"))
-	for {
+	testwait.Value(t, "the second request waiting behind the first's prefill", func() (map[string]string, bool) {
 		m := metricValues(t, r)
-		if m["vllm:num_requests_waiting"] == "1" && m["vllm:num_requests_running"] == "1" {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the second request is not waiting behind the first's prefill: %v", m)
-		}
-		time.Sleep(time.Millisecond)
-	}
+		return m, m["vllm:num_requests_waiting"] == "1" && m["vllm:num_requests_running"] == "1"
+	})
 	if u := <-first; u.Prompt == 0 || u.Details.Cached != 0 {
 		t.Fatalf("first: %+v", u)
 	}
@@ -451,9 +432,7 @@ func TestRunningRequestsBlocksPinned(t *testing.T) {
 	}
 	done := make(chan struct{})
 	go func() { defer close(done); call(t, r, "/v1/chat/completions", long(a)) }() // runs 400 ms
-	for r.CachedBlocks() == 0 {                                                    // a's prefill stored
-		time.Sleep(time.Millisecond)
-	}
+	testwait.Until(t, "a's prefill stored", func() bool { return r.CachedBlocks() > 0 })
 	call(t, r, "/v1/chat/completions", chatBody(b, "x"))
 	if _, u, _ := call(t, r, "/v1/chat/completions", chatBody(a, "y")); u.Details.Cached != 62*16 {
 		t.Fatalf("a while its first request runs: %+v, want all 62 full blocks (992 tokens) cached", u)

@@ -7,9 +7,9 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/semroute/semroute/apikey"
+	"github.com/semroute/semroute/internal/testwait"
 	"github.com/semroute/semroute/router"
 )
 
@@ -72,17 +72,10 @@ func TestAPIKeysAtTheRouter(t *testing.T) {
 	}
 	// The file changes (a Secret rotated): the new key works, the old not.
 	writeConfig(t, keys, fmt.Sprintf("keys:\n  - {name: a2, tenant: acme, sha256: %s}\n", apikey.Hash("sk-rotated")))
-	deadline := time.Now().Add(20 * time.Second)
-	for {
+	testwait.Value(t, "the rotated key accepted", func() (string, bool) {
 		code, _, err := postURL(r.http.URL(), body, map[string]string{"Authorization": "Bearer sk-rotated"})
-		if err == nil && code == http.StatusOK {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the rotated key is still refused: %d %v", code, err)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		return fmt.Sprint(code, " ", err), err == nil && code == http.StatusOK
+	})
 	if code, _, _ := postURL(r.http.URL(), body, map[string]string{"Authorization": "Bearer sk-acme"}); code != 401 {
 		t.Fatalf("the removed key got %d", code)
 	}
@@ -90,15 +83,10 @@ func TestAPIKeysAtTheRouter(t *testing.T) {
 	if err := os.WriteFile(keys, []byte("keys: [broken"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	for deadline := time.Now().Add(20 * time.Second); ; {
-		if code, _, _ := postURL(r.http.URL(), body, map[string]string{"Authorization": "Bearer sk-rotated"}); code == 401 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("a broken keys file kept the key before it")
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	testwait.Until(t, "a broken keys file to refuse the key before it", func() bool {
+		code, _, _ := postURL(r.http.URL(), body, map[string]string{"Authorization": "Bearer sk-rotated"})
+		return code == 401
+	})
 }
 
 // The metrics on the admin listener alone, behind its token, and tenants

@@ -18,7 +18,7 @@ import (
 
 // blendWorkload returns the request bodies of `router gentrace --workload
 // blend` for sessions sessions, in arrival order, each asking for usage.
-func blendWorkload(t *testing.T, o replay.GenOptions) [][]byte {
+func blendWorkload(t testing.TB, o replay.GenOptions) [][]byte {
 	t.Helper()
 	var buf bytes.Buffer
 	o.Workload = "blend"
@@ -75,13 +75,13 @@ func runBlend(t *testing.T, name, policy, reuse string, work [][]byte) *blendRun
 // says ("blend" or "donor") behind a router with policy and its picture in
 // mode picture, told that the engines reuse so (reuse = engine) or the
 // exact prefix alone ("prefix").
-func runReuse(t *testing.T, engine, picture, name, policy, reuse string, work [][]byte) *blendRun {
+func runReuse(t testing.TB, engine, picture, name, policy, reuse string, work [][]byte) *blendRun {
 	t.Helper()
 	return runReuseN(t, truthWorkers, engine, picture, name, policy, reuse, work)
 }
 
 // runReuseN is runReuse with workers requests in flight.
-func runReuseN(t *testing.T, workers int, engine, picture, name, policy, reuse string, work [][]byte) *blendRun {
+func runReuseN(t testing.TB, workers int, engine, picture, name, policy, reuse string, work [][]byte) *blendRun {
 	t.Helper()
 	sim := blendSim
 	switch engine {
@@ -145,20 +145,24 @@ func TestE2EBlendCreditPrecise(t *testing.T) {
 	}
 }
 
-// TestE2EBlendTable measures the live table of the README (reuse beyond
-// the exact prefix). It takes a minute or two: run it with
+// BenchmarkE2EBlendTable measures the live table of
+// docs/reuse-beyond-prefix.md (reuse beyond the exact prefix), a
+// sub-benchmark a policy reporting the tokens the engines did not compute,
+// those of them past the prefix, TTFT p50 and p99 at the client and the
+// imbalance of prefill work; then it logs the table. One run takes a
+// minute or two: run it with
 //
-//	SEMROUTE_BLEND_TABLE=600 go test -run TestE2EBlendTable -v -timeout 30m ./cmd/router
+//	SEMROUTE_BLEND_TABLE=600 go test -run '^$' -bench BenchmarkE2EBlendTable -benchtime 1x -v -timeout 30m ./cmd/router
 //
-// where the number is the workload's sessions; SEMROUTE_BLEND_AGENTS and
+// where the number is the workload's sessions (-v for the table); SEMROUTE_BLEND_AGENTS and
 // SEMROUTE_BLEND_ZIPF_V set the workload's agent share (negative: none) and
 // Zipf offset, SEMROUTE_BLEND_PICTURE the router's picture (approximate or
 // events), SEMROUTE_BLEND_ENGINE the engines' reuse (blend or donor) and
 // SEMROUTE_BLEND_TOPICS the workload's retrieval topics (GenOptions.Topics).
-func TestE2EBlendTable(t *testing.T) {
+func BenchmarkE2EBlendTable(b *testing.B) {
 	n, _ := strconv.Atoi(os.Getenv("SEMROUTE_BLEND_TABLE"))
 	if n == 0 {
-		t.Skip("set SEMROUTE_BLEND_TABLE=<sessions> to measure")
+		b.Skip("set SEMROUTE_BLEND_TABLE=<sessions> to measure")
 	}
 	g := blendGen
 	g.Seed, g.Sessions = 7, n
@@ -171,22 +175,39 @@ func TestE2EBlendTable(t *testing.T) {
 	if v, err := strconv.Atoi(os.Getenv("SEMROUTE_BLEND_TOPICS")); err == nil {
 		g.Topics = v
 	}
-	work := blendWorkload(t, g)
+	work := blendWorkload(b, g)
 	pic := cmp.Or(os.Getenv("SEMROUTE_BLEND_PICTURE"), "approximate")
 	eng := cmp.Or(os.Getenv("SEMROUTE_BLEND_ENGINE"), "blend")
-	rows := []*blendRun{
-		runReuse(t, eng, pic, "semantic ("+eng+" credit)", "semantic", eng, work),
-		runReuse(t, eng, pic, "semantic (prefix credit)", "semantic", "prefix", work),
-		runReuse(t, eng, pic, "llmd", "llmd", eng, work),
-		runReuse(t, eng, pic, "sglang", "sglang", eng, work),
-		runReuse(t, eng, pic, "round_robin", "round_robin", eng, work),
+	rows := []struct{ name, policy, reuse string }{
+		{"semantic (" + eng + " credit)", "semantic", eng},
+		{"semantic (prefix credit)", "semantic", "prefix"},
+		{"llmd", "llmd", eng},
+		{"sglang", "sglang", eng},
+		{"round_robin", "round_robin", eng},
 	}
-	var b strings.Builder
-	fmt.Fprintf(&b, "\n%d requests\n\n| policy | tokens not computed | of them past the prefix | TTFT p50 | TTFT p99 | imbalance |\n|---|---:|---:|---:|---:|---:|\n", len(work))
-	for _, r := range rows {
-		fmt.Fprintf(&b, "| %s | %d | %d | %.1f ms | %.1f ms | %.3f |\n", r.name, r.cached, r.reused, 1e3*r.pct(0.5), 1e3*r.pct(0.99), r.imbalance)
+	runs := make([]*blendRun, len(rows)) // the last run of each row
+	for i, row := range rows {
+		b.Run(row.name, func(b *testing.B) {
+			var r *blendRun
+			for range b.N {
+				r = runReuse(b, eng, pic, row.name, row.policy, row.reuse, work)
+			}
+			b.ReportMetric(float64(r.cached), "tokens-not-computed")
+			b.ReportMetric(float64(r.reused), "past-prefix-tokens")
+			b.ReportMetric(1e3*r.pct(0.5), "ttft-p50-ms")
+			b.ReportMetric(1e3*r.pct(0.99), "ttft-p99-ms")
+			b.ReportMetric(r.imbalance, "imbalance")
+			runs[i] = r
+		})
 	}
-	t.Log(b.String())
+	var t strings.Builder
+	fmt.Fprintf(&t, "\n%d requests\n\n| policy | tokens not computed | of them past the prefix | TTFT p50 | TTFT p99 | imbalance |\n|---|---:|---:|---:|---:|---:|\n", len(work))
+	for _, r := range runs {
+		if r != nil {
+			fmt.Fprintf(&t, "| %s | %d | %d | %.1f ms | %.1f ms | %.3f |\n", r.name, r.cached, r.reused, 1e3*r.pct(0.5), 1e3*r.pct(0.99), r.imbalance)
+		}
+	}
+	b.Log(t.String())
 }
 
 // TestE2EDonorCreditReusesMore: over sockets, 4 replicas whose engines

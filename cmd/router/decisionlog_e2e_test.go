@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/semroute/semroute/decisionlog"
+	"github.com/semroute/semroute/internal/testwait"
 )
 
 // metricValue returns the value of the unlabelled sample name in scraped; a
@@ -46,21 +47,17 @@ func scrapeDecisionLog(t *testing.T, base string) dlCounts {
 	}
 }
 
-// waitDecisionsCounted polls /metrics (for at most 10s) until every one of
-// routed decisions is counted written, dropped or failed.
+// waitDecisionsCounted polls /metrics until every one of routed decisions
+// is counted written, dropped or failed.
 func waitDecisionsCounted(t *testing.T, base string, routed int64) dlCounts {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	return testwait.Value(t, fmt.Sprint(routed, " routed decisions counted"), func() (dlCounts, bool) {
 		c := scrapeDecisionLog(t, base)
-		if c.written+c.dropped+c.failed == routed {
-			return c
+		if c.written+c.dropped+c.failed > routed {
+			t.Fatalf("decision log counts %+v, sum %d, more than %d routed requests", c, c.written+c.dropped+c.failed, routed)
 		}
-		if c.written+c.dropped+c.failed > routed || time.Now().After(deadline) {
-			t.Fatalf("decision log counts %+v, sum %d, want %d routed requests", c, c.written+c.dropped+c.failed, routed)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		return c, c.written+c.dropped+c.failed == routed
+	})
 }
 
 func readDecisions(t *testing.T, path string) []*decisionlog.Record {
@@ -121,17 +118,11 @@ func TestDecisionLogE2EDirectoryRemovedAndRecreated(t *testing.T) {
 	}
 	// The writer retries about once a second: keep sending until lines
 	// appear in the new file.
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	c = testwait.Value(t, "a line written after the directory came back", func() (dlCounts, bool) {
 		send("after", 5)
-		if c = scrapeDecisionLog(t, base); c.written > 20 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no line written 10s after the directory came back: counts %+v", c)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		c := scrapeDecisionLog(t, base)
+		return c, c.written > 20
+	})
 	send("after", 10)
 	c = waitDecisionsCounted(t, base, routed)
 	recs := readDecisions(t, logPath)

@@ -20,13 +20,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/semroute/semroute/internal/testwait"
 	"github.com/semroute/semroute/simreplica"
 )
 
 // fastSim answers quickly so that tests of routing spend little time waiting.
 var fastSim = simreplica.Options{Overhead: 100 * time.Microsecond, PrefillPerToken: 100 * time.Nanosecond, InterToken: 100 * time.Microsecond, OutputTokens: 4}
 
-func startTestDemo(t *testing.T, o demoOptions) *demo {
+func startTestDemo(t testing.TB, o demoOptions) *demo {
 	t.Helper()
 	if o.replicas == 0 {
 		o.replicas = 4
@@ -284,18 +285,12 @@ func TestE2EClientDisconnectCancelsUpstream(t *testing.T) {
 	readEvent(t, br)
 	cancel()
 	resp.Body.Close()
-	deadline := time.Now().Add(10 * time.Second)
-	for totalStats(d).Cancelled == 0 {
-		if time.Now().After(deadline) {
-			t.Fatalf("replica never saw the request cancelled: %+v", totalStats(d))
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	waitCancelled(t, d, "the replica to see the request cancelled")
 	if s := totalStats(d); s.Completed != 0 {
 		t.Fatalf("the request completed: %+v", s)
 	}
 	// The router ended the request's work too: no replica still counts it.
-	waitNoneInFlight(t, d, deadline)
+	waitNoneInFlight(t, d)
 	if m := scrape(t, d); !strings.Contains(m, `code="499"`) {
 		t.Fatal("the request that broke off is not counted with code 499 in semroute_requests_total")
 	}
@@ -643,25 +638,23 @@ func TestDemoExampleHitsTheSecondTime(t *testing.T) {
 
 // waitSubscribed waits until every simulated replica's KV events have a
 // subscriber (a ZeroMQ subscriber misses what is published before).
-func waitSubscribed(t *testing.T, d *demo) {
+func waitSubscribed(t testing.TB, d *demo) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for _, s := range d.sims {
-		for !s.KVEventsSubscribed() {
-			if time.Now().After(deadline) {
-				t.Fatal("KV events never subscribed")
+	testwait.Until(t, "every replica's KV events subscribed", func() bool {
+		for _, s := range d.sims {
+			if !s.KVEventsSubscribed() {
+				return false
 			}
-			time.Sleep(5 * time.Millisecond)
 		}
-	}
+		return true
+	})
 }
 
 // waitEventsApplied waits until the router has applied as many KV event
 // batches as the replicas published (each simulated event is a batch).
 func waitEventsApplied(t *testing.T, d *demo) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	testwait.Value(t, "the router to apply every KV event batch published", func() (string, bool) {
 		applied := uint64(0)
 		d.app.events.mu.Lock()
 		for _, f := range d.app.events.by {
@@ -672,14 +665,8 @@ func waitEventsApplied(t *testing.T, d *demo) {
 		for _, s := range d.sims {
 			published += s.KVEventsPublished()
 		}
-		if applied >= published {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("KV events: %d batches applied of %d published", applied, published)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
+		return fmt.Sprintf("%d batches applied of %d published", applied, published), applied >= published
+	})
 }
 
 // TestStreamingUsageIsLearnedAndHidden: a streaming client that does not
@@ -747,33 +734,28 @@ func TestE2EClientThatStopsReadingIsCutOff(t *testing.T) {
 		rest, _ := io.ReadAll(conn)
 		t.Fatalf("answer %q, %v: %s", status, err, rest)
 	}
-	deadline := time.Now().Add(30 * time.Second)
-	for totalStats(d).Cancelled == 0 {
-		if time.Now().After(deadline) {
-			t.Fatalf("the replica's request was never cancelled with the client not reading: %+v", totalStats(d))
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	waitNoneInFlight(t, d, deadline)
+	waitCancelled(t, d, "the replica's request to be cancelled with the client not reading")
+	waitNoneInFlight(t, d)
+}
+
+// waitCancelled waits until a simulated replica of d counts a request
+// cancelled.
+func waitCancelled(t *testing.T, d *demo, what string) {
+	t.Helper()
+	testwait.Value(t, what, func() (simreplica.Stats, bool) { s := totalStats(d); return s, s.Cancelled > 0 })
 }
 
 // waitNoneInFlight waits until no replica of d's router counts a request
-// in flight, failing t at deadline.
-func waitNoneInFlight(t *testing.T, d *demo, deadline time.Time) {
+// in flight.
+func waitNoneInFlight(t *testing.T, d *demo) {
 	t.Helper()
-	for {
+	testwait.Value(t, "no request counted in flight", func() (int64, bool) {
 		inFlight := int64(0)
 		for _, r := range d.app.pool.Replicas() {
 			inFlight += r.Load(time.Now()).InFlight
 		}
-		if inFlight == 0 {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the router still counts %d request(s) in flight", inFlight)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		return inFlight, inFlight == 0
+	})
 }
 
 // The write deadline a request's answer set does not outlive it: the next
@@ -782,7 +764,8 @@ func waitNoneInFlight(t *testing.T, d *demo, deadline time.Time) {
 // answer, which is not written through the proxy.
 func TestE2EWriteDeadlineDoesNotOutliveItsRequest(t *testing.T) {
 	// One raw connection, so that no client library retries on another.
-	_, conn := demoWithClientWrite(t, fastSim, "200ms")
+	const clientWrite = 200 * time.Millisecond
+	_, conn := demoWithClientWrite(t, fastSim, clientWrite.String())
 	br := bufio.NewReader(conn)
 	post := func(body string) (int, error) {
 		fmt.Fprintf(conn, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
@@ -797,7 +780,10 @@ func TestE2EWriteDeadlineDoesNotOutliveItsRequest(t *testing.T) {
 	if code, err := post(`{"model":"sim-model","messages":[{"role":"user","content":"hi"}]}`); code != 200 || err != nil {
 		t.Fatalf("first request: %d %v", code, err)
 	}
-	time.Sleep(400 * time.Millisecond) // past the first answer's write deadline, on the same connection
+	// The thing under test is a deadline passing in real time: the first
+	// answer's last write deadline was set before the client read it, so
+	// clientWrite from now it has passed, on the same connection.
+	time.Sleep(clientWrite)
 	if code, err := post(`{"model":"sim-model","messages":[`); code != 400 || err != nil {
 		t.Fatalf("a bad request on the kept-alive connection: %d %v, want its 400", code, err)
 	}

@@ -24,6 +24,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/structpb"
 
+	"github.com/semroute/semroute/internal/testwait"
 	"github.com/semroute/semroute/router"
 )
 
@@ -443,14 +444,8 @@ func TestExtProcSubsetErrorsAndModes(t *testing.T) {
 // waitModels waits until the router knows what every replica serves.
 func waitModels(t *testing.T, d *demo) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
 	for _, r := range d.app.core.Engine().Pool().Replicas() {
-		for r.Models() == nil {
-			if time.Now().After(deadline) {
-				t.Fatalf("the models of %s are not known", r.Name)
-			}
-			time.Sleep(5 * time.Millisecond)
-		}
+		testwait.Until(t, "the models of "+r.Name, func() bool { return r.Models() != nil })
 	}
 }
 
@@ -503,10 +498,10 @@ func (r *rawStream) trailers() {
 	_ = r.st.Send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestTrailers{RequestTrailers: &extprocv3.HttpTrailers{}}})
 }
 
-// wait returns the answers that came within d, and how the stream ended
-// (nil: still open).
-func (r *rawStream) wait(d time.Duration) (out []*extprocv3.ProcessingResponse, ended error) {
-	deadline := time.After(d)
+// wait returns the answers that came until the stream ended, and how it
+// ended (nil: still open after testwait.Deadline).
+func (r *rawStream) wait() (out []*extprocv3.ProcessingResponse, ended error) {
+	deadline := time.After(testwait.Deadline)
 	for {
 		select {
 		case m := <-r.got:
@@ -518,6 +513,32 @@ func (r *rawStream) wait(d time.Duration) (out []*extprocv3.ProcessingResponse, 
 			return out, err
 		case <-deadline:
 			return out, nil
+		}
+	}
+}
+
+// until returns the answers that came until one for which last is true,
+// that one included, and any that came with it; or those that came before
+// the stream ended or testwait.Deadline passed.
+func (r *rawStream) until(last func(*extprocv3.ProcessingResponse) bool) (out []*extprocv3.ProcessingResponse) {
+	deadline := time.After(testwait.Deadline)
+	for {
+		select {
+		case m := <-r.got:
+			out = append(out, m)
+			if last(m) {
+				for len(r.got) > 0 {
+					out = append(out, <-r.got)
+				}
+				return out
+			}
+		case <-r.end:
+			for len(r.got) > 0 {
+				out = append(out, <-r.got)
+			}
+			return out
+		case <-deadline:
+			return out
 		}
 	}
 }
@@ -565,9 +586,15 @@ func TestExtProcHostileOrdersLeaveNoLoad(t *testing.T) {
 	for name, run := range cases {
 		r := openRaw(t, conn)
 		run(r)
-		time.Sleep(20 * time.Millisecond)
-		r.cancel()
-		r.wait(2 * time.Second)
+		if name == "cut before the body ended" { // breaks no order: the gateway leaves
+			r.cancel()
+			r.wait()
+		} else { // the router ends the stream once it reads the message out of order
+			if _, ended := r.wait(); status.Code(ended) != codes.FailedPrecondition {
+				t.Fatalf("%s: the stream ended with %v, want FailedPrecondition", name, ended)
+			}
+			r.cancel()
+		}
 		waitNoLoad(t, d, name)
 	}
 
@@ -576,7 +603,7 @@ func TestExtProcHostileOrdersLeaveNoLoad(t *testing.T) {
 	r := openRaw(t, conn)
 	r.headers(buf, buf, false, post...)
 	r.body(body, false)
-	got, _ := r.wait(300 * time.Millisecond)
+	got := r.until(func(m *extprocv3.ProcessingResponse) bool { return m.GetRequestBody() != nil })
 	if len(got) != 2 || got[0].GetRequestHeaders() == nil || got[1].GetRequestBody() == nil {
 		t.Fatalf("buffered body with trailers to come: answers %v", got)
 	}
@@ -589,7 +616,7 @@ func TestExtProcHostileOrdersLeaveNoLoad(t *testing.T) {
 	r.headers(fd, fd, false, post...)
 	r.body(body, false)
 	r.trailers()
-	got, _ = r.wait(300 * time.Millisecond)
+	got = r.until(func(m *extprocv3.ProcessingResponse) bool { return m.GetRequestTrailers() != nil })
 	var eos, trailersAnswered bool
 	for _, m := range got {
 		eos = eos || m.GetRequestBody().GetResponse().GetBodyMutation().GetStreamedResponse().GetEndOfStream()
@@ -606,7 +633,7 @@ func TestExtProcHostileOrdersLeaveNoLoad(t *testing.T) {
 		r := openRaw(t, conn)
 		r.headers(fd, fd, false, ":method", "POST", ":path", path, "content-type", "application/json")
 		r.body(body, true)
-		got, _ := r.wait(300 * time.Millisecond)
+		got := r.until(func(*extprocv3.ProcessingResponse) bool { return true })
 		if len(got) == 0 || int(got[0].GetImmediateResponse().GetStatus().GetCode()) != want {
 			t.Fatalf("%s: %v, want an immediate %d", path, got, want)
 		}
@@ -618,13 +645,10 @@ func TestExtProcHostileOrdersLeaveNoLoad(t *testing.T) {
 // waitNoLoad waits for every request in flight on d's replicas to end.
 func waitNoLoad(t *testing.T, d *demo, what string) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for inFlight(d) != 0 {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: %d requests still in flight after their streams ended", what, inFlight(d))
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	testwait.Value(t, what+": no request in flight after the streams ended", func() (int64, bool) {
+		n := inFlight(d)
+		return n, n == 0
+	})
 }
 
 // A stream silent past its bound is ended, and its request with it: a
@@ -638,14 +662,11 @@ func TestExtProcSilentStreamEnds(t *testing.T) {
 	r.headers(filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, false,
 		":method", "POST", ":path", "/v1/chat/completions", "content-type", "application/json")
 	r.body(body, true)
-	deadline := time.Now().Add(5 * time.Second)
-	for inFlight(d) != 1 {
-		if time.Now().After(deadline) {
-			t.Fatalf("not routed: %d in flight", inFlight(d))
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
-	_, ended := r.wait(3 * time.Second)
+	testwait.Value(t, "the request routed, one in flight", func() (int64, bool) {
+		n := inFlight(d)
+		return n, n == 1
+	})
+	_, ended := r.wait()
 	if status.Code(ended) != codes.DeadlineExceeded {
 		t.Fatalf("a silent stream ended with %v", ended)
 	}
@@ -716,16 +737,16 @@ func TestExtProcBufferCapFromConfig(t *testing.T) {
 	conn.Close()
 	env := newEnvoy(t, d)
 	body, _ := json.Marshal(chat([2]string{"user", "hello"}))
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	testwait.Until(t, "a request routed after the streams went away", func() bool {
 		p := env.do("/v1/chat/completions", body, nil, nil, false, "")
 		if p.immediate == 0 && p.dest != "" {
-			break
+			return true
 		}
-		if p.immediate != http.StatusTooManyRequests || time.Now().After(deadline) {
+		if p.immediate != http.StatusTooManyRequests {
 			t.Fatalf("after the streams went away: immediate %d %s", p.immediate, p.errBody)
 		}
-	}
+		return false
+	})
 }
 
 // The endpoint picker sends no client's kv_transfer_params upstream, and a

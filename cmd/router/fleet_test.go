@@ -17,6 +17,7 @@ import (
 
 	"github.com/semroute/semroute/cluster"
 	"github.com/semroute/semroute/internal/httpserve"
+	"github.com/semroute/semroute/internal/testwait"
 	"github.com/semroute/semroute/simreplica"
 )
 
@@ -26,7 +27,7 @@ type routerProc struct {
 	url string
 }
 
-func freeAddr(t *testing.T) string {
+func freeAddr(t testing.TB) string {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -193,18 +194,11 @@ func TestFleetOfRouterProcesses(t *testing.T) {
 		}
 		return ok, strings.Join(out, " ")
 	}
-	deadline := time.Now().Add(20 * time.Second)
-	for {
+	vals := testwait.Value(t, "the pictures to converge after NATS returned", func() (string, bool) {
 		ok, vals := converged()
-		if ok {
-			t.Logf("pictures after NATS returned (tracked tokens per replica, per router): %s", vals)
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("pictures did not converge after NATS returned: %s", vals)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+		return vals, ok
+	})
+	t.Logf("pictures after NATS returned (tracked tokens per replica, per router): %s", vals)
 
 	// A router dies mid-load: the others keep answering.
 	var after int
@@ -229,18 +223,12 @@ func TestFleetOfRouterProcesses(t *testing.T) {
 // waitReady waits for the router at url to say it is ready.
 func waitReady(t *testing.T, url string) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for {
+	testwait.Until(t, url+" ready", func() bool {
 		resp, err := http.Get(url + "/readyz")
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == 200 {
-				return
-			}
+		if err != nil {
+			return false
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s not ready", url)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		resp.Body.Close()
+		return resp.StatusCode == 200
+	})
 }

@@ -16,6 +16,7 @@ import (
 
 	"github.com/semroute/semroute/cluster"
 	"github.com/semroute/semroute/internal/httpserve"
+	"github.com/semroute/semroute/internal/testwait"
 )
 
 // The flow-control measurements of issue 32 beyond TestThirdPartyFlowControl:
@@ -359,11 +360,8 @@ func startRouterProc(t *testing.T, bin, yaml string) (*exec.Cmd, string) {
 // metric name.
 func waitMetric(t *testing.T, url, name string, want float64) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for metric(t, url, name, "") != want {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: %s is %.0f, want %.0f", url, name, metric(t, url, name, ""), want)
-		}
-		time.Sleep(20 * time.Millisecond) // polling the router's own report
-	}
+	testwait.Value(t, fmt.Sprintf("%s: %s at %.0f", url, name, want), func() (float64, bool) {
+		got := metric(t, url, name, "")
+		return got, got == want
+	})
 }

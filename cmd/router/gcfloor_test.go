@@ -5,11 +5,11 @@ import (
 	"runtime/metrics"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/bytedance/gopkg/util/gctuner"
 
 	"github.com/semroute/semroute/configs"
+	"github.com/semroute/semroute/internal/testwait"
 )
 
 var gcSink []byte
@@ -40,14 +40,14 @@ func TestGCFloorPacesCollections(t *testing.T) {
 		t.Fatalf("description %q", desc)
 	}
 	// The floor is set after each collection, from the first one on.
-	for deadline := time.Now().Add(10 * time.Second); gctuner.GetGCPercent() <= 100; {
-		if time.Now().After(deadline) {
-			stop()
-			t.Fatal("GOGC was never raised")
+	t.Cleanup(stop) // also when the wait fails; stop twice is harmless
+	testwait.Until(t, "GOGC raised", func() bool {
+		if gctuner.GetGCPercent() > 100 {
+			return true
 		}
 		runtime.GC()
-		time.Sleep(time.Millisecond)
-	}
+		return false
+	})
 	// Other tests' goroutines in this process may still be winding down
 	// and allocating: the fewest collections of three rounds is the
 	// floor's.

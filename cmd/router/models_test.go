@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/semroute/semroute/internal/testwait"
 	"github.com/semroute/semroute/simreplica"
 )
 
@@ -89,37 +90,26 @@ func TestE2EModelAwarePools(t *testing.T) {
 	// every other request for it goes there, whatever its prompt. First the
 	// router's picture of the adapters must have caught up with the end of
 	// the traffic above (the metrics are scraped every 50 ms).
-	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
-		busy := false
+	testwait.Until(t, "the adapters to look idle after the traffic ended", func() bool {
 		for _, rep := range d.app.core.Engine().Pool().Replicas() {
 			if m := rep.Models(); m != nil && (len(m.Running) > 0 || len(m.Waiting) > 0) {
-				busy = true
+				return false
 			}
 		}
-		if !busy {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the adapters still look busy 5 s after the traffic ended")
-		}
-	}
+		return true
+	})
 	long := chat([2]string{"user", text("long adapter stream", 50)})
 	long["model"], long["stream"], long["max_tokens"] = "alpha-sql", true, 400 // 2 s
 	first := make(chan result, 1)
 	go func() { first <- post(t, d, "/v1/chat/completions", long, nil) }()
-	var loaded string
-	deadline := time.Now().Add(5 * time.Second)
-	for loaded == "" {
+	loaded := testwait.Value(t, "the router to see the adapter running", func() (string, bool) {
 		for _, rep := range d.app.core.Engine().Pool().Replicas() {
 			if m := rep.Models(); m != nil && contains(m.Running, "alpha-sql") {
-				loaded = rep.Name
+				return rep.Name, true
 			}
 		}
-		if time.Now().After(deadline) {
-			t.Fatal("the router never saw the adapter running")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+		return "", false
+	})
 	for i := 0; i < 8; i++ {
 		b := chat([2]string{"system", text(fmt.Sprint("other prompt ", i), 200)}, [2]string{"user", "x"})
 		b["model"] = "alpha-sql"
@@ -215,15 +205,16 @@ func TestE2EAdapterLoadedAtRuntime(t *testing.T) {
 	resp.Body.Close()
 	// A request for a model no replica lists refreshes the lists, paced at
 	// one a second: it is routed once a refresh after the load has run.
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+	testwait.Until(t, "the new adapter routed to sim-2", func() bool {
 		r := post(t, d, "/v1/chat/completions", b, nil)
 		if r.status == 200 && r.replica == "sim-2" {
-			break
+			return true
 		}
-		if r.status != http.StatusNotFound || time.Now().After(deadline) {
+		if r.status != http.StatusNotFound {
 			t.Fatalf("after the adapter was loaded on sim-2: %d on %s: %s", r.status, r.replica, r.body)
 		}
-	}
+		return false
+	})
 }
 
 // Without a tracer the router makes no span, and a client's traceparent

@@ -214,7 +214,7 @@ func sustainedRate(t *testing.T, work [][]byte) float64 {
 //	  go test -run TestThirdPartyFlowControl -v -timeout 60m ./cmd/router
 //
 // SEMROUTE_THIRDPARTY_RATE=<requests/s> skips measuring the sustained rate;
-// SEMROUTE_THIRDPARTY_ROWS keeps some rows, as for TestThirdPartyTable.
+// SEMROUTE_THIRDPARTY_ROWS keeps some rows, as for BenchmarkThirdPartyTable.
 func TestThirdPartyFlowControl(t *testing.T) {
 	rate := flowRate(t)
 	fc := "flow_control:\n  enabled: true\n"

@@ -14,12 +14,13 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/semroute/semroute/kvevents"
 	"strconv"
 	"strings"
 	"sync"
 	"testing"
-	"time"
+
+	"github.com/semroute/semroute/internal/testwait"
+	"github.com/semroute/semroute/kvevents"
 
 	collectorpb "go.opentelemetry.io/proto/otlp/collector/trace/v1"
 	"google.golang.org/protobuf/proto"
@@ -151,21 +152,14 @@ func TestDNSDiscoveryFollowsReplicas(t *testing.T) {
 	}
 	waitFor := func(want ...int) {
 		t.Helper()
-		deadline := time.Now().Add(5 * time.Second)
-		for {
+		testwait.Value(t, fmt.Sprint("served by exactly ", want), func() (map[int]bool, bool) {
 			got := served()
 			ok := len(got) == len(want)
 			for _, p := range want {
 				ok = ok && got[p]
 			}
-			if ok {
-				return
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("served by %v, want exactly %v", got, want)
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
+			return got, ok
+		})
 	}
 	waitFor(port(t, sims[0].URL), port(t, sims[1].URL))
 	res.set(port(t, sims[1].URL), port(t, sims[2].URL)) // sim 0 leaves, sim 2 appears
@@ -251,15 +245,11 @@ func TestMetricsTableIsExportedAndDeployUsesIt(t *testing.T) {
 		}
 	}
 	writeConfig(t, cfg, body+"# touched\n") // a reload
-	deadline := time.Now().Add(5 * time.Second)
 	var scraped string
-	for {
+	testwait.Until(t, "the reload counted", func() bool {
 		scraped = scrapeURL(t, r.http.URL())
-		if strings.Contains(scraped, "semroute_config_reloads_total") || time.Now().After(deadline) {
-			break
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return strings.Contains(scraped, "semroute_config_reloads_total")
+	})
 	exported := map[string]bool{}
 	for _, line := range strings.Split(scraped, "\n") {
 		if m := metricName.FindString(line); m != "" && !strings.HasPrefix(line, "#") {

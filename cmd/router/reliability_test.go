@@ -26,6 +26,8 @@ import (
 
 	"github.com/semroute/semroute/configs"
 	"github.com/semroute/semroute/internal/testnet"
+	"github.com/semroute/semroute/internal/testwait"
+	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/simreplica"
 )
 
@@ -192,7 +194,7 @@ func TestFailingReplicaEjectedThenReadmitted(t *testing.T) {
 		if rep == "sim-0" && time.Since(start) > time.Second {
 			hitsAfter++
 		}
-		time.Sleep(5 * time.Millisecond)
+		time.Sleep(5 * time.Millisecond) // the workload's pace over the 3 s under test, not synchronisation
 	}
 	t.Logf("requests to the failing replica after its first second: %d", hitsAfter)
 	if hitsAfter > 3 {
@@ -200,20 +202,13 @@ func TestFailingReplicaEjectedThenReadmitted(t *testing.T) {
 	}
 	// Phase 2: healed, it is readmitted.
 	sims[0].Fault(0)
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	testwait.Until(t, "the healed replica readmitted", func() bool {
 		code, rep, err := postURL(base, chat([2]string{"user", "y"}), nil)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if code == 200 && rep == "sim-0" {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the healed replica was never readmitted")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return code == 200 && rep == "sim-0"
+	})
 }
 
 func TestHangingReplicaFailsOverWithinFirstByteTimeout(t *testing.T) {
@@ -359,38 +354,27 @@ func TestConfigReloadChangesReplicasWithoutDroppingRequests(t *testing.T) {
 	waitTotal := func(n int64) {
 		t.Helper()
 		want := total.Load() + n
-		for deadline := time.Now().Add(10 * time.Second); total.Load() < want; time.Sleep(5 * time.Millisecond) {
-			if time.Now().After(deadline) {
-				t.Fatalf("only %d requests answered", total.Load())
-			}
-		}
+		testwait.Value(t, fmt.Sprint(want, " requests answered"), func() (int64, bool) {
+			got := total.Load()
+			return got, got >= want
+		})
 	}
 	waitTotal(20)
 	writeConfig(t, cfg, two(1, 2)) // s0 leaves, s2 joins
 	reloadedAt := time.Now()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		if at, ok := seen.Load("s2"); ok && at.(time.Time).After(reloadedAt) {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the new replica never took traffic")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	testwait.Until(t, "the new replica to take traffic", func() bool {
+		at, ok := seen.Load("s2")
+		return ok && at.(time.Time).After(reloadedAt)
+	})
 	// s2 answered: the new replica set is in force, so no request sent
 	// from now on may reach s0.
 	cutoff := time.Now()
 	waitTotal(20)
 	// An invalid config is refused; the old one keeps serving.
 	writeConfig(t, cfg, "routing: {policy: nope}\nreplicas: []\n")
-	deadline = time.Now().Add(10 * time.Second)
-	for !strings.Contains(scrapeURL(t, base), `semroute_config_reloads_total{result="failed"} 1`) {
-		if time.Now().After(deadline) {
-			t.Fatal("the invalid config was not counted as refused")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	testwait.Until(t, "the invalid config counted as refused", func() bool {
+		return strings.Contains(scrapeURL(t, base), `semroute_config_reloads_total{result="failed"} 1`)
+	})
 	waitTotal(20)
 	close(stop)
 	wg.Wait()
@@ -445,22 +429,12 @@ func TestRestartedReplicaPictureCleared(t *testing.T) {
 	// resets them: scrapes run one at a time, so the second to begin after
 	// the request began after the first of them ended.
 	after := scrapes.Load() + 2
-	for deadline := time.Now().Add(10 * time.Second); scrapes.Load() < after; time.Sleep(5 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("the replica was not scraped after the request")
-		}
-	}
+	testwait.Until(t, "a scrape after the request", func() bool { return scrapes.Load() >= after })
 	sims[0].Restart()
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		if st, _ := a.cache.Stats(rep.ID); st.Blocks == 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the restarted replica's picture was never cleared")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	testwait.Until(t, "the restarted replica's picture cleared", func() bool {
+		st, _ := a.cache.Stats(rep.ID)
+		return st.Blocks == 0
+	})
 }
 
 func TestAdminAPI(t *testing.T) {
@@ -562,13 +536,10 @@ replicas:
 		t.Fatalf("the stream ended after %v, not at the 300ms idle timeout", el)
 	}
 	rep := r.app.pool.Replicas()[0]
-	deadline := time.Now().Add(5 * time.Second)
-	for rep.Load(time.Now()).InFlight != 0 {
-		if time.Now().After(deadline) {
-			t.Fatalf("the cut-off request still counts on the replica: %+v", rep.Load(time.Now()))
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	testwait.Value(t, "the cut-off request to stop counting on the replica", func() (replica.Load, bool) {
+		l := rep.Load(time.Now())
+		return l, l.InFlight == 0
+	})
 	if rep.Available(time.Now()) {
 		t.Fatal("a replica that went silent mid-stream is still in rotation")
 	}

@@ -14,6 +14,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/semroute/semroute/internal/testwait"
 )
 
 // poisonFront serves a simulated replica, except that it answers 500 to a
@@ -138,13 +140,7 @@ replicas:
 `, front.URL))
 	r := serveConfig(t, cfg)
 	rep, _ := r.app.pool.Get("a")
-	deadline := time.Now().Add(30 * time.Second)
-	for rep.Budget() == 0 {
-		if time.Now().After(deadline) {
-			t.Fatal("the replica's reported budget was never taken")
-		}
-		time.Sleep(10 * time.Millisecond) // polling, not synchronisation
-	}
+	testwait.Until(t, "the replica's reported budget taken", func() bool { return rep.Budget() != 0 })
 	st, _ := r.app.cache.Stats(rep.ID)
 	if rep.Budget() != 65536 || st.Budget != 65536 {
 		t.Fatalf("reported 2^40 tokens: replica budget %d, picture budget %d; want the bound 65536", rep.Budget(), st.Budget)

@@ -15,6 +15,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/semroute/semroute/internal/testwait"
 )
 
 func TestSIGTERMFinishesStreamsAndRefusesNewConnections(t *testing.T) {
@@ -94,22 +96,18 @@ func TestSIGTERMFinishesStreamsAndRefusesNewConnections(t *testing.T) {
 		t.Fatal(err)
 	}
 	// New connections are refused soon after.
-	deadline := time.Now().Add(3 * time.Second)
-	for {
+	testwait.Until(t, "new connections refused after SIGTERM", func() bool {
 		c, err := net.DialTimeout("tcp", addr, 200*time.Millisecond)
 		if err != nil {
 			var op *net.OpError
 			if !errors.As(err, &op) {
 				t.Fatalf("dial: %v", err)
 			}
-			break
+			return true
 		}
 		c.Close()
-		if time.Now().After(deadline) {
-			t.Fatal("still accepting connections 3 s after SIGTERM")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return false
+	})
 	wg.Wait()
 	close(results)
 	for r := range results {

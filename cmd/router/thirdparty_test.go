@@ -23,6 +23,7 @@ import (
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/configs"
+	"github.com/semroute/semroute/internal/testwait"
 )
 
 // The interoperability suite runs the router against llm-d's vLLM
@@ -33,7 +34,7 @@ import (
 // wire bytes (testdata/thirdparty).
 
 // thirdPartyBin returns the simulator's path, or skips the test.
-func thirdPartyBin(t *testing.T) string {
+func thirdPartyBin(t testing.TB) string {
 	t.Helper()
 	bin := os.Getenv("SEMROUTE_THIRDPARTY_SIM")
 	if bin == "" {
@@ -84,7 +85,7 @@ func (s *syncBuffer) String() string {
 	return s.b.String()
 }
 
-func freePort(t *testing.T) int {
+func freePort(t testing.TB) int {
 	t.Helper()
 	_, p, _ := net.SplitHostPort(freeAddr(t))
 	n, _ := strconv.Atoi(p)
@@ -98,7 +99,7 @@ const tpModel = "sim-model"
 // blocks of 16 tokens, 4 sequences at once, prefill 20 ms + 2 ms a token,
 // 10 ms a generated token. With events, each dials the router's listen
 // address for its KV events and binds a replay socket.
-func startThirdParty(t *testing.T, o tpOptions) []*tpReplica {
+func startThirdParty(t testing.TB, o tpOptions) []*tpReplica {
 	t.Helper()
 	bin := thirdPartyBin(t)
 	shared := ""
@@ -162,28 +163,24 @@ func (r *tpReplica) stop() {
 	}
 }
 
-func (r *tpReplica) waitUp(t *testing.T) {
+func (r *tpReplica) waitUp(t testing.TB) {
 	t.Helper()
 	if !r.up(20 * time.Second) {
 		t.Fatalf("third-party replica %s never came up:\n%s", r.url, r.log.String())
 	}
 }
 
-// up reports whether the simulator answers /v1/models within wait.
+// up reports whether the simulator answers /v1/models within wait (the
+// caller decides what a simulator that does not means).
 func (r *tpReplica) up(wait time.Duration) bool {
-	for deadline := time.Now().Add(wait); ; {
+	return testwait.Within(wait, func() bool {
 		resp, err := http.Get(r.url + "/v1/models")
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == 200 {
-				return true
-			}
-		}
-		if time.Now().After(deadline) {
+		if err != nil {
 			return false
 		}
-		time.Sleep(20 * time.Millisecond) // polling the simulator's port
-	}
+		resp.Body.Close()
+		return resp.StatusCode == 200
+	})
 }
 
 // restart kills the simulator and starts it again on the same ports: its
@@ -194,15 +191,10 @@ func (r *tpReplica) restart(t *testing.T) {
 	cmd := exec.Command(r.cmd.Path, r.cmd.Args[1:]...)
 	cmd.Env, cmd.Stdout, cmd.Stderr = r.cmd.Env, r.log, r.log
 	r.cmd = cmd
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		if err := cmd.Start(); err == nil {
-			break
-		} else if time.Now().After(deadline) {
-			t.Fatal(err)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	testwait.Value(t, "the simulator started again", func() (error, bool) {
+		err := cmd.Start()
+		return err, err == nil
+	})
 	r.waitUp(t)
 }
 
@@ -216,7 +208,7 @@ type tpRouter struct {
 
 // startRouterYAML builds and starts a router from the YAML of a config
 // whose listen address it sets itself.
-func startRouterYAML(t *testing.T, yaml string) *tpRouter {
+func startRouterYAML(t testing.TB, yaml string) *tpRouter {
 	t.Helper()
 	cfg, err := configs.LoadBytes(configs.NewViper(), []byte("listen: 127.0.0.1:0\n"+yaml))
 	if err != nil {
@@ -256,24 +248,17 @@ func tpConfig(reps []*tpReplica, events bool, policy string) string {
 
 // waitBudgets waits until the router learned every replica's KV cache size
 // from its metrics (vllm:cache_config_info).
-func waitBudgets(t *testing.T, r *tpRouter, n int, tokens int64) {
+func waitBudgets(t testing.TB, r *tpRouter, n int, tokens int64) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for {
+	testwait.Value(t, fmt.Sprint("the router to learn ", n, " replicas' budgets"), func() (int, bool) {
 		ok := 0
 		for id := range n {
 			if st, found := r.app.cache.Stats(id); found && st.Budget == tokens {
 				ok++
 			}
 		}
-		if ok == n {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the router learned %d of %d replicas' budgets", ok, n)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return ok, ok == n
+	})
 }
 
 // tpCeiling returns two references, on the engine's own tokens (from one
@@ -283,7 +268,7 @@ func waitBudgets(t *testing.T, r *tpRouter, n int, tokens int64) {
 // fleet's total size, pooledBlocks (the design's upper reference: what
 // one cache of all the replicas' memory would hold, with no request
 // running).
-func tpCeiling(t *testing.T, url string, work [][]byte, pooledBlocks int) (infinite, pooled, opt float64) {
+func tpCeiling(t testing.TB, url string, work [][]byte, pooledBlocks int) (infinite, pooled, opt float64) {
 	t.Helper()
 	var seq []uint64 // every full block of every prompt, in order
 	seen := map[uint64]bool{}
@@ -494,7 +479,6 @@ func TestThirdPartyBrokenTokenizeAndRestart(t *testing.T) {
 // Its picture is empty then.
 func tpWaitRestartSeen(t *testing.T, r *tpRouter, name string, resets float64) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
 	said := func() bool {
 		for _, l := range strings.Split(r.log.String(), "\n") {
 			if strings.Contains(l, "replica's engine restarted, as its metrics show") && strings.Contains(l, "replica="+name+" ") {
@@ -503,22 +487,16 @@ func tpWaitRestartSeen(t *testing.T, r *tpRouter, name string, resets float64) {
 		}
 		return false
 	}
-	for metric(t, r.url, "semroute_kv_events_resets_total", `replica="`+name+`"`) != resets || !said() {
-		if time.Now().After(deadline) {
-			t.Fatalf("the restart of %s was not seen without traffic (events %+v):\n%s", name, r.app.events.stats(), r.log.String())
-		}
-		time.Sleep(20 * time.Millisecond) // polling the router's own report
+	if !testwait.Within(testwait.Deadline, func() bool {
+		return metric(t, r.url, "semroute_kv_events_resets_total", `replica="`+name+`"`) == resets && said()
+	}) {
+		t.Fatalf("the restart of %s was not seen without traffic (events %+v):\n%s", name, r.app.events.stats(), r.log.String())
 	}
 	rep, _ := r.app.core.Engine().Pool().Get(name)
 	if st, _ := r.app.cache.Stats(rep.ID); st.Blocks != 0 {
 		t.Fatalf("%s's picture holds %d blocks after its restart, before any request reached it", name, st.Blocks)
 	}
-	for !rep.Available(time.Now()) {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s was not taken back after its restart", name)
-		}
-		time.Sleep(20 * time.Millisecond) // polling the router's pool
-	}
+	testwait.Until(t, name+" taken back after its restart", func() bool { return rep.Available(time.Now()) })
 }
 
 // followerStats adds up every follower's counters.
@@ -535,22 +513,26 @@ func (fs *followers) stats() (sum struct{ Stored, Orphans, Removed, Skipped uint
 	return sum
 }
 
-// TestThirdPartyTable measures, through 4 third-party replicas on this
-// project's mixed chat workload, every configuration of the table in
-// BENCHMARKS.md (one run each), with the ceiling of an infinite cache on
-// the engine's own tokens. It takes minutes: run it with
+// BenchmarkThirdPartyTable measures, through 4 third-party replicas on
+// this project's mixed chat workload, every configuration of the table in
+// BENCHMARKS.md, with the ceiling of an infinite cache on the engine's own
+// tokens: a sub-benchmark a workload and configuration reporting the
+// engines' hit ratio, TTFT p50, p90 and p99 at the client, the router's
+// predicted cached tokens ÷ the engines' and the failed requests, and one a
+// workload ("ceiling") reporting the references. It logs the tables. It
+// takes minutes: run it with
 //
 //	SEMROUTE_THIRDPARTY_SIM=/path/to/llm-d-inference-sim SEMROUTE_THIRDPARTY_TABLE=600 \
-//	  go test -run TestThirdPartyTable -v -timeout 30m ./cmd/router
+//	  go test -run '^$' -bench BenchmarkThirdPartyTable -benchtime 1x -v -timeout 40m ./cmd/router
 //
-// SEMROUTE_THIRDPARTY_ROWS=events,llm-d keeps only the rows whose names
-// contain one of the words; SEMROUTE_THIRDPARTY_WORKERS sets the clients
-// (default 16: 4 replicas × 4 sequences; more overload the engines) and
-// SEMROUTE_THIRDPARTY_ONE=1 runs the first workload alone.
-func TestThirdPartyTable(t *testing.T) {
+// (-v for the tables). SEMROUTE_THIRDPARTY_ROWS=events,llm-d keeps only
+// the rows whose names contain one of the words; SEMROUTE_THIRDPARTY_WORKERS
+// sets the clients (default 16: 4 replicas × 4 sequences; more overload
+// the engines) and SEMROUTE_THIRDPARTY_ONE=1 runs the first workload alone.
+func BenchmarkThirdPartyTable(b *testing.B) {
 	n, _ := strconv.Atoi(os.Getenv("SEMROUTE_THIRDPARTY_TABLE"))
 	if n == 0 {
-		t.Skip("set SEMROUTE_THIRDPARTY_TABLE=<requests> to measure")
+		b.Skip("set SEMROUTE_THIRDPARTY_TABLE=<requests> to measure")
 	}
 	workers := 16 // 4 replicas × 4 sequences
 	if w, _ := strconv.Atoi(os.Getenv("SEMROUTE_THIRDPARTY_WORKERS")); w > 0 {
@@ -570,13 +552,17 @@ func TestThirdPartyTable(t *testing.T) {
 	// 40 sessions open: a working set the fleet's memory holds, as the
 	// issue's held-out workload's (its llm-d port reached 0.93 of its
 	// ceiling), where the infinite ceiling is within reach.
-	t.Log(tpTable(t, "the mixed chat workload, 40 sessions open", truthSessions(n, 29, 40), all, workers))
+	b.Run("40 sessions open", func(b *testing.B) {
+		b.Log(tpTable(b, "the mixed chat workload, 40 sessions open", truthSessions(n, 29, 40), all, workers))
+	})
 	if os.Getenv("SEMROUTE_THIRDPARTY_ONE") != "" {
 		return
 	}
 	// The same generator with n/4 sessions open: a working set larger than
 	// the fleet's memory.
-	t.Log(tpTable(t, "the same, n/4 sessions open", tpWork(n), all, workers))
+	b.Run("n÷4 sessions open", func(b *testing.B) {
+		b.Log(tpTable(b, "the same, n/4 sessions open", tpWork(n), all, workers))
+	})
 }
 
 // tpWanted reports whether SEMROUTE_THIRDPARTY_ROWS keeps the row named name.
@@ -599,35 +585,56 @@ type tpRow struct {
 	events             bool
 }
 
-// tpTable runs each row through 4 fresh third-party replicas and returns
-// the table, with the two references of tpCeiling.
-func tpTable(t *testing.T, title string, work [][]byte, rows []tpRow, workers int) string {
-	var b strings.Builder
-	fmt.Fprintf(&b, "\n%s\n\n| configuration | engine hit ratio | TTFT p50 / p90 / p99 ms | predicted ÷ reported | errors |\n|---|---:|---|---:|---:|\n", title)
+// tpTable runs each row, a sub-benchmark of b, through 4 fresh
+// third-party replicas, then reports the three references of tpCeiling
+// (sub-benchmark "ceiling"), and returns the table.
+func tpTable(b *testing.B, title string, work [][]byte, rows []tpRow, workers int) string {
+	var t strings.Builder
+	fmt.Fprintf(&t, "\n%s\n\n| configuration | engine hit ratio | TTFT p50 / p90 / p99 ms | predicted ÷ reported | errors |\n|---|---:|---|---:|---:|\n", title)
 	var ceiling, pooled, opt float64
 	for _, row := range rows {
 		if !tpWanted(row.name) {
 			continue
 		}
-		reps := startThirdParty(t, tpOptions{n: 4, events: row.events})
-		if ceiling == 0 {
-			ceiling, pooled, opt = tpCeiling(t, reps[0].url, work, 4*768)
-		}
-		r := startRouterYAML(t, row.yaml+tpConfig(reps, row.events, row.policy))
-		waitBudgets(t, r, 4, 768*16)
-		run := sendTruth(r.url, work, workers, nil)
-		fmt.Fprintf(&b, "| %s | %.3f | %.0f / %.0f / %.0f | %.3f | %d |\n", row.name, run.hitRatio(),
-			1e3*run.pct(0.5), 1e3*run.pct(0.9), 1e3*run.pct(0.99), float64(run.predicted)/float64(max(run.cached, 1)), run.errors)
-		t.Logf("%s, %s done: hit ratio %.3f; first error: %s", title, row.name, run.hitRatio(), run.firstErr)
-		_ = r.run.stop(time.Second)
-		for _, rep := range reps {
-			rep.stop()
+		var run *truthRun
+		b.Run(row.name, func(b *testing.B) {
+			for range b.N {
+				reps := startThirdParty(b, tpOptions{n: 4, events: row.events})
+				if ceiling == 0 {
+					ceiling, pooled, opt = tpCeiling(b, reps[0].url, work, 4*768)
+				}
+				r := startRouterYAML(b, row.yaml+tpConfig(reps, row.events, row.policy))
+				waitBudgets(b, r, 4, 768*16)
+				run = sendTruth(r.url, work, workers, nil)
+				b.Logf("%s, %s done: hit ratio %.3f; first error: %s", title, row.name, run.hitRatio(), run.firstErr)
+				_ = r.run.stop(time.Second)
+				for _, rep := range reps {
+					rep.stop()
+				}
+			}
+			b.ReportMetric(run.hitRatio(), "hit-ratio")
+			b.ReportMetric(1e3*run.pct(0.5), "ttft-p50-ms")
+			b.ReportMetric(1e3*run.pct(0.9), "ttft-p90-ms")
+			b.ReportMetric(1e3*run.pct(0.99), "ttft-p99-ms")
+			b.ReportMetric(float64(run.predicted)/float64(max(run.cached, 1)), "predicted/reported")
+			b.ReportMetric(float64(run.errors), "errors")
+		})
+		if run != nil {
+			fmt.Fprintf(&t, "| %s | %.3f | %.0f / %.0f / %.0f | %.3f | %d |\n", row.name, run.hitRatio(),
+				1e3*run.pct(0.5), 1e3*run.pct(0.9), 1e3*run.pct(0.99), float64(run.predicted)/float64(max(run.cached, 1)), run.errors)
 		}
 	}
-	fmt.Fprintf(&b, "| ceiling: an infinite cache on the engine's tokens | %.3f | | | |\n", ceiling)
-	fmt.Fprintf(&b, "| reference: one pooled LRU cache of the fleet's 4 × 768 blocks | %.3f | | | |\n", pooled)
-	fmt.Fprintf(&b, "| bound: one pooled cache of 4 × 768 blocks with Belady's optimal eviction | %.3f | | | |\n", opt)
-	return b.String()
+	if ceiling != 0 {
+		b.Run("ceiling", func(b *testing.B) {
+			b.ReportMetric(ceiling, "infinite-hit-ratio")
+			b.ReportMetric(pooled, "pooled-lru-hit-ratio")
+			b.ReportMetric(opt, "pooled-belady-hit-ratio")
+		})
+	}
+	fmt.Fprintf(&t, "| ceiling: an infinite cache on the engine's tokens | %.3f | | | |\n", ceiling)
+	fmt.Fprintf(&t, "| reference: one pooled LRU cache of the fleet's 4 × 768 blocks | %.3f | | | |\n", pooled)
+	fmt.Fprintf(&t, "| bound: one pooled cache of 4 × 768 blocks with Belady's optimal eviction | %.3f | | | |\n", opt)
+	return t.String()
 }
 
 // TestThirdPartyMisconfiguredBlockSize: a router told the engine's blocks
@@ -641,12 +648,8 @@ func TestThirdPartyMisconfiguredBlockSize(t *testing.T) {
 	if run.errors > 0 {
 		t.Fatalf("%d requests failed: %s", run.errors, run.firstErr)
 	}
-	deadline := time.Now().Add(60 * time.Second)
-	for !strings.Contains(r.log.String(), "replica=tp-0 cause=events_unusable") {
-		if time.Now().After(deadline) {
-			t.Fatalf("no warning within a minute:\n%s", r.log.String())
-		}
-		time.Sleep(50 * time.Millisecond)
+	if !testwait.Within(testwait.Deadline, func() bool { return strings.Contains(r.log.String(), "replica=tp-0 cause=events_unusable") }) {
+		t.Fatalf("no warning within %v:\n%s", testwait.Deadline, r.log.String())
 	}
 	if m := metric(t, r.url, "semroute_replica_disagreement", `cause="events_unusable",replica="tp-0"`); m != 1 {
 		t.Fatalf("semroute_replica_disagreement: %v", m)

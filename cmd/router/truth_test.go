@@ -126,7 +126,7 @@ func (r *truthRun) pct(q float64) float64 {
 // runTruth sends the workload through a demo of 4 replicas in one mode
 // with one policy, truthWorkers requests at a time, and measures what the engines
 // reported.
-func runTruth(t *testing.T, mode, policy string, work [][]byte) *truthRun {
+func runTruth(t testing.TB, mode, policy string, work [][]byte) *truthRun {
 	t.Helper()
 	o := demoOptions{sim: truthSim, policy: policy, replicas: 4}
 	switch mode {
@@ -141,12 +141,7 @@ func runTruth(t *testing.T, mode, policy string, work [][]byte) *truthRun {
 	}
 	d := startTestDemo(t, o)
 	if mode == "events" {
-		deadline := time.Now().Add(10 * time.Second)
-		for _, s := range d.sims {
-			for !s.KVEventsSubscribed() && time.Now().Before(deadline) {
-				time.Sleep(5 * time.Millisecond)
-			}
-		}
+		waitSubscribed(t, d)
 	}
 	run := sendTruth(d.router.URL(), work, truthWorkers, nil)
 	run.mode, run.policy = mode, policy
@@ -243,17 +238,22 @@ func TestEnginesTruthPredicts(t *testing.T) {
 	}
 }
 
-// TestEnginesTruthTable measures every policy in every mode and prints the
-// table of BENCHMARKS.md (engine's truth). It takes minutes: run it with
+// BenchmarkEnginesTruthTable measures every policy in every mode, a
+// sub-benchmark each (mode/policy) reporting what the engines said: their
+// hit ratio, TTFT p50 and p99 at the client, the router's predicted cached
+// tokens ÷ the engines' − 1 and the failed requests; then it logs the table
+// of BENCHMARKS.md (engine's truth). One run takes minutes: run it with
 //
-//	SEMROUTE_TRUTH_TABLE=600 go test -run TestEnginesTruthTable -v -timeout 30m ./cmd/router
+//	SEMROUTE_TRUTH_TABLE=600 go test -run '^$' -bench BenchmarkEnginesTruthTable -benchtime 1x -v -timeout 30m ./cmd/router
 //
-// SEMROUTE_TRUTH_MODES and SEMROUTE_TRUTH_POLICIES (comma-separated) run a
-// subset; SEMROUTE_ROUTING_* set the routers' parameters as in production.
-func TestEnginesTruthTable(t *testing.T) {
+// (-v for the table: a benchmark with sub-benchmarks prints its log only
+// then). SEMROUTE_TRUTH_MODES and SEMROUTE_TRUTH_POLICIES (comma-separated), or
+// -bench BenchmarkEnginesTruthTable/events/semantic, run a subset;
+// SEMROUTE_ROUTING_* set the routers' parameters as in production.
+func BenchmarkEnginesTruthTable(b *testing.B) {
 	n, _ := strconv.Atoi(os.Getenv("SEMROUTE_TRUTH_TABLE"))
 	if n == 0 {
-		t.Skip("set SEMROUTE_TRUTH_TABLE=<requests> to measure")
+		b.Skip("set SEMROUTE_TRUTH_TABLE=<requests> to measure")
 	}
 	if w, _ := strconv.Atoi(os.Getenv("SEMROUTE_TRUTH_WORKERS")); w > 0 {
 		truthWorkers = w
@@ -266,20 +266,40 @@ func TestEnginesTruthTable(t *testing.T) {
 	if v := os.Getenv("SEMROUTE_TRUTH_POLICIES"); v != "" {
 		policies = strings.Split(v, ",")
 	}
-	var rows []*truthRun
+	runs := map[[2]string]*truthRun{} // the last run of each row
+	for _, mode := range modes {
+		b.Run(mode, func(b *testing.B) {
+			for _, pol := range policies {
+				b.Run(pol, func(b *testing.B) {
+					var r *truthRun
+					for range b.N {
+						r = runTruth(b, mode, pol, work)
+					}
+					r.report(b)
+					runs[[2]string{mode, pol}] = r
+				})
+			}
+		})
+	}
+	var t strings.Builder
+	fmt.Fprintf(&t, "\n| mode | policy | engine hit ratio | TTFT p50 | TTFT p99 | predicted ÷ reported − 1 | errors |\n|---|---|---:|---:|---:|---:|---:|\n")
 	for _, mode := range modes {
 		for _, pol := range policies {
-			r := runTruth(t, mode, pol, work)
-			rows = append(rows, r)
-			t.Logf("%s %s done", mode, pol)
+			if r := runs[[2]string{mode, pol}]; r != nil {
+				fmt.Fprintf(&t, "| %s | %s | %.3f | %.1f ms | %.1f ms | %+.1f%% | %d |\n", r.mode, r.policy, r.hitRatio(), 1e3*r.pct(0.5), 1e3*r.pct(0.99), 100*r.predErr(), r.errors)
+			}
 		}
 	}
-	var b strings.Builder
-	fmt.Fprintf(&b, "\n| mode | policy | engine hit ratio | TTFT p50 | TTFT p99 | predicted ÷ reported − 1 | errors |\n|---|---|---:|---:|---:|---:|---:|\n")
-	for _, r := range rows {
-		fmt.Fprintf(&b, "| %s | %s | %.3f | %.1f ms | %.1f ms | %+.1f%% | %d |\n", r.mode, r.policy, r.hitRatio(), 1e3*r.pct(0.5), 1e3*r.pct(0.99), 100*r.predErr(), r.errors)
-	}
-	t.Log(b.String())
+	b.Log(t.String())
+}
+
+// report reports r's figures as b's metrics, per run (not per request).
+func (r *truthRun) report(b *testing.B) {
+	b.ReportMetric(r.hitRatio(), "hit-ratio")
+	b.ReportMetric(1e3*r.pct(0.5), "ttft-p50-ms")
+	b.ReportMetric(1e3*r.pct(0.99), "ttft-p99-ms")
+	b.ReportMetric(100*r.predErr(), "pred-err-%")
+	b.ReportMetric(float64(r.errors), "errors")
 }
 
 // truthWorkers is how many requests are in flight at once. With one, the

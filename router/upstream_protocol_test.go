@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/semroute/semroute/internal/testnet"
+	"github.com/semroute/semroute/internal/testwait"
 )
 
 // scripted is a raw replica: serve is called for each request read on a
@@ -23,6 +24,7 @@ type scripted struct {
 	url      string
 	reqs     atomic.Int32
 	conns    atomic.Int32
+	ended    atomic.Int32 // connections whose script ended, or whose client left
 	mu       sync.Mutex
 	seen     []string // "METHOD path body"
 	closeAll func()
@@ -33,6 +35,7 @@ func newScripted(t testing.TB, readBody bool, serve func(c net.Conn, br *bufio.R
 	s := &scripted{}
 	addr, closeAll := testnet.Serve(t, func(c net.Conn) {
 		s.conns.Add(1)
+		defer s.ended.Add(1)
 		defer c.Close()
 		br := bufio.NewReader(c)
 		for i := 0; ; i++ {
@@ -184,7 +187,8 @@ func TestUpstreamHostileHeadWithBody(t *testing.T) {
 
 // A4: a reused connection; the replica reads the whole POST (and would run
 // the generation), then the connection dies without an answer. Is the POST
-// sent a second time?
+// sent a second time? (The script runs once the whole request is read: it
+// closes at once, which is as late as any close for the transport.)
 func TestUpstreamHostileRetryDuplicatesPOST(t *testing.T) {
 	both(t, func(t *testing.T, rt http.RoundTripper) {
 		s := newScripted(t, true, func(c net.Conn, _ *bufio.Reader, req *http.Request, i int) bool {
@@ -192,8 +196,7 @@ func TestUpstreamHostileRetryDuplicatesPOST(t *testing.T) {
 				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
 				return true
 			}
-			time.Sleep(20 * time.Millisecond) // "processing", then crash / LB idle timeout
-			return false
+			return false // crash, or a load balancer's idle timeout
 		})
 		do(t, rt, "POST", s.url+"/v1/completions", "warm")
 		req, _ := http.NewRequest("POST", s.url+"/v1/completions", strings.NewReader(`{"prompt":"charge me"}`))
@@ -212,26 +215,38 @@ func TestUpstreamHostileRetryDuplicatesPOST(t *testing.T) {
 }
 
 // earlyAnswer POSTs a 16 MiB body to a replica that writes reply without
-// reading it and holds the connection for hold before closing it; it
-// returns what the client got and how long it took.
-func earlyAnswer(t *testing.T, rt http.RoundTripper, reply string, hold time.Duration) (int, time.Duration, error) {
+// reading it, ends its side of the connection (a FIN) if closeWrite, and
+// holds the connection, unread, until the client has its answer. It
+// returns what the client got, and heldUp: the client had nothing until
+// the replica let go of the connection after testwait.Deadline (the
+// exchange waited for a body the replica would never read).
+func earlyAnswer(t *testing.T, rt http.RoundTripper, reply string, closeWrite bool) (code int, heldUp bool, err error) {
+	answered := make(chan struct{})
+	var gaveUp atomic.Bool
 	s := newScripted(t, false, func(c net.Conn, _ *bufio.Reader, _ *http.Request, _ int) bool {
 		io.WriteString(c, reply)
-		time.Sleep(hold)
+		if closeWrite {
+			c.(*net.TCPConn).CloseWrite()
+		}
+		select {
+		case <-answered:
+		case <-time.After(testwait.Deadline):
+			gaveUp.Store(true)
+		}
 		return false
 	})
-	start := time.Now()
 	code, b, err := do(t, rt, "POST", s.url+"/v1/completions", strings.Repeat("x", 16<<20))
-	took := time.Since(start)
-	t.Logf("%d %q %v after %v", code, b, err, took.Round(time.Millisecond))
-	return code, took, err
+	heldUp = gaveUp.Load()
+	close(answered)
+	t.Logf("%d %q %v (held up until the replica let go: %v)", code, b, err, heldUp)
+	return code, heldUp, err
 }
 
 // A5: the replica answers early (413) without reading a large body, and
 // closes. Does the client get the 413?
 func TestUpstreamHostileEarlyAnswerThenClose(t *testing.T) {
 	both(t, func(t *testing.T, rt http.RoundTripper) {
-		code, _, err := earlyAnswer(t, rt, "HTTP/1.1 413 Payload Too Large\r\nConnection: close\r\nContent-Length: 7\r\n\r\ntoo big", 50*time.Millisecond)
+		code, _, err := earlyAnswer(t, rt, "HTTP/1.1 413 Payload Too Large\r\nConnection: close\r\nContent-Length: 7\r\n\r\ntoo big", true)
 		if code != 413 {
 			t.Errorf("got %d %v, want the replica's 413", code, err)
 		}
@@ -242,9 +257,9 @@ func TestUpstreamHostileEarlyAnswerThenClose(t *testing.T) {
 // the body: does the exchange end before the client gives up?
 func TestUpstreamHostileEarlyAnswerNoRead(t *testing.T) {
 	both(t, func(t *testing.T, rt http.RoundTripper) {
-		code, took, err := earlyAnswer(t, rt, "HTTP/1.1 400 Bad Request\r\nContent-Length: 3\r\n\r\nbad", 3*time.Second)
-		if code != 400 || took > time.Second {
-			t.Errorf("got %d %v after %v, want the 400 at once", code, err, took)
+		code, heldUp, err := earlyAnswer(t, rt, "HTTP/1.1 400 Bad Request\r\nContent-Length: 3\r\n\r\nbad", false)
+		if code != 400 || heldUp {
+			t.Errorf("got %d %v, held up until the replica let go: %v; want the 400 while the replica holds the connection", code, err, heldUp)
 		}
 	})
 }
@@ -255,20 +270,18 @@ func TestUpstreamHostileClosedIdleConnsStayPooled(t *testing.T) {
 	both(t, func(t *testing.T, rt http.RoundTripper) {
 		s := newScripted(t, true, func(c net.Conn, _ *bufio.Reader, req *http.Request, i int) bool {
 			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-			time.Sleep(100 * time.Millisecond) // the replica's keep-alive timeout
-			return false
+			return true
 		})
 		before := fds(t)
 		burst(t, rt, s.url+"/x", 50)
-		// The replica closes all 50; the pool must let go of them.
-		after := fds(t)
-		for deadline := time.Now().Add(10 * time.Second); after-before > 5 && time.Now().Before(deadline); after = fds(t) {
-			time.Sleep(20 * time.Millisecond)
-		}
+		// The replica's keep-alive timeout: it closes all of them, and the
+		// pool must let go of them.
+		s.closeAll()
+		after := testwait.Value(t, "at most 5 sockets more than before the burst", func() (int, bool) {
+			after := fds(t)
+			return after, after-before <= 5
+		})
 		t.Logf("fds before %d, after the replica closed all: %d (connections %d)", before, after, s.conns.Load())
-		if after-before > 5 {
-			t.Errorf("%d sockets the replica closed are still held after 10 s", after-before)
-		}
 	})
 }
 
@@ -368,14 +381,22 @@ func TestUpstreamHostileUpgradeHeaderDropped(t *testing.T) {
 // arrive late (after the body ended, before the next request).
 func TestUpstreamHostileLateUnsolicitedBytes(t *testing.T) {
 	both(t, func(t *testing.T, rt http.RoundTripper) {
+		answered, late := make(chan struct{}), make(chan struct{})
 		s := newScripted(t, true, thenSecond(func(c net.Conn) bool {
 			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfirst")
-			time.Sleep(10 * time.Millisecond)
+			<-answered
 			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\nunsolicited!")
+			close(late)
 			return true
 		}))
 		do(t, rt, "GET", s.url+"/a", "")
-		time.Sleep(100 * time.Millisecond)
+		close(answered)
+		<-late // written to a loopback socket: in the client's buffer
+		if _, std := rt.(*http.Transport); std {
+			// http.Transport's reader drops the connection when the bytes
+			// come; the replica sees its close.
+			testwait.Until(t, "http.Transport to drop the connection", func() bool { return s.ended.Load() == 1 })
+		}
 		c2, b2, err := do(t, rt, "GET", s.url+"/b", "")
 		t.Logf("req2: %d %q %v", c2, b2, err)
 		if b2 != "second" {
@@ -394,32 +415,31 @@ func TestUpstreamHostileClosedIdleConnsStayPooled256(t *testing.T) {
 		} else {
 			rt.(*http.Transport).MaxIdleConnsPerHost = maxIdlePerReplica
 		}
+		const n = 200
+		var all sync.WaitGroup
+		all.Add(n)
 		s := newScripted(t, true, func(c net.Conn, _ *bufio.Reader, req *http.Request, i int) bool {
-			time.Sleep(50 * time.Millisecond) // so that the burst needs many connections
+			all.Done()
+			all.Wait() // every request holds its connection until all arrived: the burst needs n
 			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
 			return true
 		})
+		if u, ok := rt.(*upstream); ok {
+			// upstream's sweep looks every sweepEvery (http.Transport's
+			// reader sees each close at once): not 5 s here.
+			u.sweepEvery = 200 * time.Millisecond
+		}
 		before := fds(t)
-		burst(t, rt, s.url+"/x", 200)
+		burst(t, rt, s.url+"/x", n)
 		mid := fds(t)
 		// The replica (uvicorn, 5 s keep-alive) closes every idle connection:
 		// here, the test's server-side close of all its accepted conns.
 		s.closeAll()
-		// http.Transport's reader sees each close at once; upstream's
-		// sweep looks every sweep interval.
-		if u, ok := rt.(*upstream); ok {
-			u.mu.Lock()
-			u.sweepEvery = 200 * time.Millisecond
-			u.mu.Unlock()
-			time.Sleep(sweepEvery + 500*time.Millisecond) // the sweep put's burst scheduled
-		} else {
-			time.Sleep(500 * time.Millisecond)
-		}
-		after := fds(t)
+		after := testwait.Value(t, "the sockets the replica closed let go (not held in CLOSE_WAIT until a request to that host or CloseIdleConnections)", func() (int, bool) {
+			after := fds(t)
+			return after, after-before <= 5
+		})
 		t.Logf("fds before %d, after burst %d, after the replica closed all: %d (connections %d)", before, mid, after, s.conns.Load())
-		if after-before > 5 {
-			t.Errorf("%d sockets the replica closed are still held (CLOSE_WAIT), until a request to that host or CloseIdleConnections", after-before)
-		}
 	})
 }
 

@@ -24,6 +24,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/semroute/semroute/internal/testwait"
 )
 
 // hostileSent is what the fake replica wrote for one response: its length
@@ -199,13 +201,7 @@ func TestHostileReplicaToolCallRepliesBounded(t *testing.T) {
 		// The router counts a request once it has finished with it, after
 		// learning (or not) its reply.
 		finished++
-		deadline := time.Now().Add(10 * time.Second)
-		for requestsFinished(t, base, "200") < finished {
-			if time.Now().After(deadline) {
-				t.Fatalf("%s: the router never finished the request with 200", mode)
-			}
-			time.Sleep(5 * time.Millisecond)
-		}
+		testwait.Until(t, mode+": the router to finish the request with 200", func() bool { return requestsFinished(t, base, "200") >= finished })
 		t.Logf("%s: %d bytes streamed whole; peak heap objects %.1f MB", mode, n, float64(peak.Load())/1e6)
 		return peak.Load()
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/internal/testwait"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
@@ -97,7 +98,7 @@ func TestForgedEjectCannotCutTraffic(t *testing.T) {
 	}
 	forge(t, nc, "evil", 1, 1, recs...)
 	ra, _ := e.Pool().Get("a")
-	waitFor(t, "the forged ejection", func() bool { return f.Stats().Applied >= int64(len(specs)) })
+	testwait.Until(t, "the forged ejection", func() bool { return f.Stats().Applied >= int64(len(specs)) })
 	now := time.Now()
 	if ra.Available(now) {
 		t.Fatal("the peer's ejection was not applied at all")
@@ -129,7 +130,7 @@ func TestForgedPrefillOverNATSIsBounded(t *testing.T) {
 		return appendChain(appendUv(appendUv(b, prefill), prefill), nil, 0)
 	}
 	forge(t, nc, "evil", 1, 1, route(1, "a", 1<<62), route(2, "b", 1<<62), route(3, "c", math.MaxInt64), route(4, "c", math.MaxInt64))
-	waitFor(t, "the forged records", func() bool { return f.Stats().Applied >= 4 })
+	testwait.Until(t, "the forged records", func() bool { return f.Stats().Applied >= 4 })
 	block := float64(e.Splitter().BlockTokens())
 	for _, s := range specs {
 		r, _ := e.Pool().Get(s.Name)
@@ -221,7 +222,7 @@ func TestForgedSnapshotResponderIsBounded(t *testing.T) {
 	t.Cleanup(f.Close)
 	// evil is heard publishing during the warm start, and asked.
 	forge(t, nc, "evil", 1, 1)
-	waitFor(t, "ready despite the endless snapshot", f.Ready)
+	testwait.Until(t, "ready despite the endless snapshot", f.Ready)
 	// Live records are applied while a second endless load runs.
 	forge(t, nc, "evil", 1, 2, []byte{recReset})
 	_, real := startFleet(t, ns.ClientURL(), "honest")
@@ -230,7 +231,7 @@ func TestForgedSnapshotResponderIsBounded(t *testing.T) {
 		t.Fatal(err)
 	}
 	rep, _ := e.Pool().Get(d.Chosen().Replica.Name)
-	waitFor(t, "an honest peer's record applied during the forged load", func() bool { return rep.Load(time.Now()).InFlight == 1 })
+	testwait.Until(t, "an honest peer's record applied during the forged load", func() bool { return rep.Load(time.Now()).InFlight == 1 })
 }
 
 // Attack 4: an empty batch under a live router's id and epoch with
@@ -240,16 +241,16 @@ func TestForgedSequenceCannotSilenceAPeer(t *testing.T) {
 	ns := serve(t, -1)
 	fa, ea := startFleet(t, ns.ClientURL(), "ra")
 	fb, eb := startFleet(t, ns.ClientURL(), "rb")
-	waitFor(t, "peers", func() bool { return fb.Stats().Peers == 1 })
+	testwait.Until(t, "peers", func() bool { return fb.Stats().Peers == 1 })
 	nc := attacker(t, ns.ClientURL())
 	forge(t, nc, "ra", fa.epoch, 1<<62)
-	waitFor(t, "the forged batch", func() bool { return fb.Stats().Gaps >= 1 })
+	testwait.Until(t, "the forged batch", func() bool { return fb.Stats().Gaps >= 1 })
 	d, err := ea.Decide(withPolicy(prompt(ea, 3, 6)), true)
 	if err != nil {
 		t.Fatal(err)
 	}
 	rep, _ := eb.Pool().Get(d.Chosen().Replica.Name)
-	waitFor(t, "ra's record applied after the forged sequence", func() bool { return rep.Load(time.Now()).InFlight == 1 })
+	testwait.Until(t, "ra's record applied after the forged sequence", func() bool { return rep.Load(time.Now()).InFlight == 1 })
 }
 
 // Attack 5, over NATS: forged senders past MaxPeers are refused.
@@ -262,7 +263,7 @@ func TestForgedPeersOverNATSAreBounded(t *testing.T) {
 	for s := range 12 {
 		forge(t, nc, fmt.Sprint("forged-", s), 1, 1, []byte{recReset})
 	}
-	waitFor(t, "the forged batches", func() bool { st := f.Stats(); return st.Applied+st.Refused >= 12 })
+	testwait.Until(t, "the forged batches", func() bool { st := f.Stats(); return st.Applied+st.Refused >= 12 })
 	if st := f.Stats(); st.Peers > 4 || st.Refused != 8 {
 		t.Fatalf("%d peers, %d batches refused; want at most 4 and 8", st.Peers, st.Refused)
 	}
@@ -373,7 +374,7 @@ func TestForgedHomesAreNotTaken(t *testing.T) {
 		}
 		forge(t, nc, "evil", 1, s+1, recs...)
 	}
-	waitFor(t, "the forged homes", func() bool { return f.Stats().IgnoredHomes == batches*per })
+	testwait.Until(t, "the forged homes", func() bool { return f.Stats().IgnoredHomes == batches*per })
 	rb, _ := e.Pool().Get("b")
-	waitFor(t, "the batch's other record", func() bool { return !rb.Available(time.Now()) })
+	testwait.Until(t, "the batch's other record", func() bool { return !rb.Available(time.Now()) })
 }

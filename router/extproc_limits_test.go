@@ -3,6 +3,7 @@ package router
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"net"
 	"strings"
 	"sync"
@@ -18,6 +19,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
+	"github.com/semroute/semroute/internal/testwait"
 	"github.com/semroute/semroute/limits"
 )
 
@@ -85,13 +87,10 @@ func (p *picker) refused(t *testing.T, reason string) float64 {
 // waitUsed waits until the budget's bytes taken are want.
 func (p *picker) waitUsed(t *testing.T, want int64, what string) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for p.budget.Used() != want {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: %d bytes taken from the budget, want %d", what, p.budget.Used(), want)
-		}
-		time.Sleep(time.Millisecond) // polling, not synchronisation
-	}
+	testwait.Value(t, fmt.Sprintf("%s: %d bytes taken from the budget", what, want), func() (int64, bool) {
+		used := p.budget.Used()
+		return used, used == want
+	})
 }
 
 // epClient is one ext_proc stream played as Envoy would, message by message.

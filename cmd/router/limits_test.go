@@ -31,6 +31,7 @@ import (
 
 	pb "github.com/semroute/semroute/api/proto/semroute/v1"
 	"github.com/semroute/semroute/configs"
+	"github.com/semroute/semroute/internal/testwait"
 )
 
 // rawPost posts body to the router's path and returns the status, the
@@ -422,19 +423,9 @@ func TestReloadAppliesOrReportsEveryKey(t *testing.T) {
 	if code, _, _ := rawPost(t, r.http.URL(), "/v1/chat/completions", big); code != 200 {
 		t.Fatalf("8 KB body under a 1 MiB limit: %d", code)
 	}
-	waitFor := func(what string, ok func() bool) {
-		t.Helper()
-		deadline := time.Now().Add(10 * time.Second)
-		for !ok() {
-			if time.Now().After(deadline) {
-				t.Fatalf("never: %s", what)
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
-	}
 	// Live keys only: the reload is ok and they apply at once.
 	writeConfig(t, cfg, conf("new", 4096, "60s"))
-	waitFor("the new admin token works", func() bool { code, _ := admin("new"); return code == 200 })
+	testwait.Until(t, "the new admin token works", func() bool { code, _ := admin("new"); return code == 200 })
 	if code, _ := admin("old"); code != 401 {
 		t.Fatalf("the old admin token still works: %d", code)
 	}
@@ -446,7 +437,7 @@ func TestReloadAppliesOrReportsEveryKey(t *testing.T) {
 	}
 	// A key that needs a restart is reported, not silently ignored.
 	writeConfig(t, cfg, conf("new", 4096, "5s"))
-	waitFor("restart_required counted", func() bool {
+	testwait.Until(t, "restart_required counted", func() bool {
 		return strings.Contains(scrapeURL(t, r.http.URL()), `semroute_config_reloads_total{result="restart_required"} 1`)
 	})
 	_, body := admin("new")
@@ -567,16 +558,7 @@ func TestAdminAPIValidatesAndPersists(t *testing.T) {
 	}
 	// A reload of the file keeps b (added through the API) and adds c.
 	writeConfig(t, cfg, file(fmt.Sprintf("  - {name: c, url: %q}\n", sims[2].URL)))
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		if _, ok := r.app.pool.Get("c"); ok {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the reload never added c")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	testwait.Until(t, "the reload to add c", func() bool { _, ok := r.app.pool.Get("c"); return ok })
 	if got, ok := r.app.pool.Get("b"); !ok || got != b {
 		t.Fatal("the reload dropped the replica added through the admin API")
 	}
@@ -638,11 +620,10 @@ func TestDeclaredLengthDoesNotAllocate(t *testing.T) {
 	}
 	// Every handler is reading its body once each holds its first buffer
 	// (router.bodyPrealloc, 64 KiB).
-	for deadline := time.Now().Add(10 * time.Second); r.app.server.BodyBytesInFlight() < conns*64<<10; time.Sleep(5 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("only %d body bytes held for %d connections", r.app.server.BodyBytesInFlight(), conns)
-		}
-	}
+	testwait.Value(t, fmt.Sprint("a first buffer held for each of ", conns, " connections"), func() (int64, bool) {
+		held := r.app.server.BodyBytesInFlight()
+		return held, held >= conns*64<<10
+	})
 	grown := int64(memAfterGC().HeapAlloc) - int64(before)
 	t.Logf("%d connections declaring 16 MiB each: heap +%d MB", conns, grown>>20)
 	if grown > 32<<20 { // declared-length buffers would be 800 MB
