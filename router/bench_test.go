@@ -21,7 +21,7 @@ import (
 // in-memory replica (cannedTransport), for bodies of about 1 KB and 128 KB.
 //
 // With new=true every prompt is new (numbered at its start) and one replica
-// has the default 256K-token picture, as in `router benchproxy`: each
+// has the default 256K-token picture, as in `cmd/benchproxy`: each
 // request records all its blocks and, once the picture is full, evicts as
 // many.
 func BenchmarkServeHTTP(b *testing.B) {
@@ -82,7 +82,7 @@ func (noUsageTransport) RoundTrip(r *http.Request) (*http.Response, error) {
 }
 
 // BenchmarkPictureInFlight is the picture's share of BenchmarkServeHTTP's
-// worst case with requests overlapping, as `router benchproxy` runs them:
+// worst case with requests overlapping, as `cmd/benchproxy` runs them:
 // one replica with the default 256K-token picture, every prompt new
 // (about 32K tokens, 512 blocks), 8 requests in flight (each is finished —
 // its reply learned, its blocks released — 8 routes after its own), so a

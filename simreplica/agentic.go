@@ -154,70 +154,125 @@ func (g *generation) messageObject(text string, done bool) map[string]any {
 func (g *generation) agentic(ctx context.Context, w http.ResponseWriter, stream bool) bool {
 	text := g.text()
 	if g.ep == blockhash.Responses {
-		parts := make([]blockhash.Part, 0, len(g.req.Parts)+1)
-		for _, p := range g.req.Parts { // copied: the request's parse is recycled when it ends
-			p.Text, p.Segs = bytes.Clone(p.Text), slices.Clone(p.Segs)
-			parts = append(parts, p)
-		}
-		parts = append(parts, blockhash.Part{Role: blockhash.RoleAssistant, Base: blockhash.KindAssistantHistory, Text: []byte(text)})
-		g.s.responses.put(g.id, &storedResponse{parts: parts, obj: g.responseObject(text, true)})
+		g.storeResponse(text)
 	}
-	if !stream {
-		if !sleep(ctx, time.Duration(g.out-1)*g.s.o.InterToken) {
-			return false
+	if stream {
+		return g.agenticStream(ctx, w, text)
+	}
+	if !sleep(ctx, time.Duration(g.out-1)*g.s.o.InterToken) {
+		return false
+	}
+	if g.ep == blockhash.Responses {
+		writeJSON(w, http.StatusOK, g.responseObject(text, true))
+	} else {
+		writeJSON(w, http.StatusOK, g.messageObject(text, true))
+	}
+	return true
+}
+
+// storeResponse stores the Responses answer text, for a later request's
+// previous_response_id and for GET /v1/responses/{id}: the request's parts
+// and the answer after them.
+func (g *generation) storeResponse(text string) {
+	parts := make([]blockhash.Part, 0, len(g.req.Parts)+1)
+	for _, p := range g.req.Parts { // copied: the request's parse is recycled when it ends
+		p.Text, p.Segs = bytes.Clone(p.Text), slices.Clone(p.Segs)
+		parts = append(parts, p)
+	}
+	parts = append(parts, blockhash.Part{Role: blockhash.RoleAssistant, Base: blockhash.KindAssistantHistory, Text: []byte(text)})
+	g.s.responses.put(g.id, &storedResponse{parts: parts, obj: g.responseObject(text, true)})
+}
+
+// sse is one server-sent event of an agentic answer: its type (the event
+// line, and the body's "type") and its body.
+type sse struct {
+	event string
+	data  map[string]any
+}
+
+// agenticEvents are the events an agentic API streams an answer in: open
+// before its first word, delta for each word, and close after the last
+// (made then: a response's created_at is the time it completed).
+type agenticEvents struct {
+	open  func(g *generation) []sse
+	delta func(g *generation, word string) sse
+	close func(g *generation, text string) []sse
+	// sequenced events carry a sequence_number from 0.
+	sequenced bool
+}
+
+// responsesEvents are the Responses API's events.
+var responsesEvents = agenticEvents{
+	open: func(g *generation) []sse {
+		return []sse{{"response.created", map[string]any{"response": g.responseObject("", false)}}}
+	},
+	delta: func(g *generation, word string) sse {
+		return sse{"response.output_text.delta", map[string]any{"item_id": "msg_" + g.id, "output_index": 0, "content_index": 0, "delta": word}}
+	},
+	close: func(g *generation, text string) []sse {
+		return []sse{{"response.completed", map[string]any{"response": g.responseObject(text, true)}}}
+	},
+	sequenced: true,
+}
+
+// messagesEvents are the Messages API's events.
+var messagesEvents = agenticEvents{
+	open: func(g *generation) []sse {
+		return []sse{
+			{"message_start", map[string]any{"message": g.messageObject("", false)}},
+			{"content_block_start", map[string]any{"index": 0, "content_block": map[string]any{"type": "text", "text": ""}}},
 		}
-		if g.ep == blockhash.Responses {
-			writeJSON(w, http.StatusOK, g.responseObject(text, true))
-		} else {
-			writeJSON(w, http.StatusOK, g.messageObject(text, true))
+	},
+	delta: func(_ *generation, word string) sse {
+		return sse{"content_block_delta", map[string]any{"index": 0, "delta": map[string]any{"type": "text_delta", "text": word}}}
+	},
+	close: func(g *generation, _ string) []sse {
+		return []sse{
+			{"content_block_stop", map[string]any{"index": 0}},
+			{"message_delta", map[string]any{"delta": map[string]any{"stop_reason": "max_tokens", "stop_sequence": nil}, "usage": map[string]any{"output_tokens": g.out}}},
+			{"message_stop", map[string]any{}},
 		}
-		return true
+	},
+}
+
+// agenticStream streams the answer text as its API's events, a word every
+// InterToken; it reports whether every event reached the client.
+func (g *generation) agenticStream(ctx context.Context, w http.ResponseWriter, text string) bool {
+	events := messagesEvents
+	if g.ep == blockhash.Responses {
+		events = responsesEvents
 	}
 	w.Header().Set("Content-Type", "text/event-stream")
 	w.Header().Set("Cache-Control", "no-cache")
 	w.WriteHeader(http.StatusOK)
 	rc := http.NewResponseController(w)
 	seq := 0
-	send := func(event string, v map[string]any) bool {
-		v["type"] = event
-		if g.ep == blockhash.Responses {
-			v["sequence_number"] = seq
-			seq++
+	send := func(evs ...sse) bool {
+		for _, e := range evs {
+			e.data["type"] = e.event
+			if events.sequenced {
+				e.data["sequence_number"] = seq
+				seq++
+			}
+			b, _ := json.Marshal(e.data)
+			if _, err := fmt.Fprintf(w, "event: %s\ndata: %s\n\n", e.event, b); err != nil || rc.Flush() != nil {
+				return false
+			}
 		}
-		b, _ := json.Marshal(v)
-		if _, err := fmt.Fprintf(w, "event: %s\ndata: %s\n\n", event, b); err != nil {
-			return false
-		}
-		return rc.Flush() == nil
+		return true
 	}
-	delta := func(word string) bool {
-		if g.ep == blockhash.Responses {
-			return send("response.output_text.delta", map[string]any{"item_id": "msg_" + g.id, "output_index": 0, "content_index": 0, "delta": word})
-		}
-		return send("content_block_delta", map[string]any{"index": 0, "delta": map[string]any{"type": "text_delta", "text": word}})
+	if !send(events.open(g)...) {
+		return false
 	}
-	ok := true
-	if g.ep == blockhash.Responses {
-		ok = send("response.created", map[string]any{"response": g.responseObject("", false)})
-	} else {
-		ok = send("message_start", map[string]any{"message": g.messageObject("", false)}) &&
-			send("content_block_start", map[string]any{"index": 0, "content_block": map[string]any{"type": "text", "text": ""}})
-	}
-	for i := 0; ok && i < g.out; i++ {
+	for i := range g.out {
 		if i > 0 && !sleep(ctx, g.s.o.InterToken) {
 			return false
 		}
-		ok = delta(g.word(i))
+		if !send(events.delta(g, g.word(i))) {
+			return false
+		}
 	}
-	if !ok {
-		return false
-	}
-	if g.ep == blockhash.Responses {
-		return send("response.completed", map[string]any{"response": g.responseObject(text, true)})
-	}
-	return send("content_block_stop", map[string]any{"index": 0}) &&
-		send("message_delta", map[string]any{"delta": map[string]any{"stop_reason": "max_tokens", "stop_sequence": nil}, "usage": map[string]any{"output_tokens": g.out}}) &&
-		send("message_stop", map[string]any{})
+	return send(events.close(g, text)...)
 }
 
 // getResponse answers GET /v1/responses/{id} with a stored response.

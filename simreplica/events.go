@@ -100,23 +100,50 @@ func BlockHash(parent uint64, ids []int32) uint64 { return blockhash.TokenBlockH
 // prompt's head that fits is cached. It returns the keys cached, a prefix
 // of keys.
 func (s *Server) storeLocked(keys []uint64, ids []int32, m model) []uint64 {
+	keys = keys[:s.roomLocked(keys)]
+	hook := s.o.OnKVEvent
+	var fresh []bool // fresh[i]: keys[i] was not cached before (hook only)
+	if hook != nil {
+		fresh = make([]bool, len(keys))
+	}
+	s.refreshLocked(keys, fresh)
+	evicted := s.addLocked(keys)
+	if hook != nil {
+		s.reportLocked(hook, keys, ids, m, fresh, evicted)
+	}
+	return keys
+}
+
+// roomLocked returns how many of a prompt's blocks keys, from the first,
+// the cache can hold beside the blocks other running requests use (their
+// pins; the prompt's own pinned blocks count as its). s.mu must be held.
+func (s *Server) roomLocked(keys []uint64) int {
 	others := len(s.pins) // blocks in use, the prompt's own ones taken out below
 	for _, k := range keys {
 		if s.pins[k] > 0 {
 			others--
 		}
 	}
-	keys = keys[:min(len(keys), max(s.o.NumBlocks-others, 0))]
-	hook := s.o.OnKVEvent
-	var fresh []bool // fresh[i]: keys[i] was not cached before (hook only)
-	if hook != nil {
-		fresh = make([]bool, len(keys))
-	}
+	return min(len(keys), max(s.o.NumBlocks-others, 0))
+}
+
+// refreshLocked makes the blocks of keys the cache holds the most recently
+// used, tail first, and marks in fresh (nil: not asked) those it does not
+// hold. s.mu must be held.
+func (s *Server) refreshLocked(keys []uint64, fresh []bool) {
 	for i := len(keys) - 1; i >= 0; i-- {
 		if _, ok := s.cache.Get(keys[i]); !ok && fresh != nil {
 			fresh[i] = true
 		}
 	}
+}
+
+// addLocked adds the blocks of keys to the cache tail first, evicting the
+// least recently used blocks no running request uses, and returns those it
+// evicted, in order (s.evicted's memory: read them before the next call). A
+// block finds no room when every cached block is in use, and is not
+// cached. s.mu must be held.
+func (s *Server) addLocked(keys []uint64) []uint64 {
 	evicted := s.evicted[:0]
 	for i := len(keys) - 1; i >= 0; i-- {
 		k := keys[i]
@@ -130,14 +157,47 @@ func (s *Server) storeLocked(keys []uint64, ids []int32, m model) []uint64 {
 		s.cache.Add(k, struct{}{})
 	}
 	s.evicted = evicted[:0]
-	if hook == nil {
-		return keys
+	return evicted
+}
+
+// reportLocked tells hook what a store of keys (ids' full blocks, for m)
+// changed, fresh marking the blocks it found uncached: BlockRemoved for
+// the blocks it evicted, then one BlockStored for each run of newly cached
+// blocks, in prefix order. s.mu must be held.
+func (s *Server) reportLocked(hook func(KVEvent), keys []uint64, ids []int32, m model, fresh []bool, evicted []uint64) {
+	if removed := removedBlocks(keys, fresh, evicted); len(removed) > 0 {
+		hook(KVEvent{Type: BlockRemoved, BlockHashes: removed, Medium: MediumGPU})
 	}
-	// A block is reported removed if it was cached before this store (a
-	// block of this prompt added and evicted within it, when the prompt
-	// is larger than the cache, was never reported stored); one of this
-	// prompt's cached blocks evicted and added again is reported stored
-	// again, after its removal.
+	bs := s.o.BlockSize
+	stored := func(i int) bool { return fresh[i] && s.cache.Contains(keys[i]) }
+	for i := 0; i < len(keys); {
+		if !stored(i) {
+			i++
+			continue
+		}
+		j := i + 1
+		for j < len(keys) && stored(j) {
+			j++
+		}
+		ev := KVEvent{
+			Type: BlockStored, BlockHashes: slices.Clone(keys[i:j]), TokenIDs: slices.Clone(ids[i*bs : j*bs]),
+			BlockSize: bs, LoRAID: m.loraID, LoRAName: m.lora, Medium: MediumGPU,
+		}
+		if i > 0 {
+			p := keys[i-1]
+			ev.ParentBlockHash = &p
+		}
+		hook(ev)
+		i = j
+	}
+}
+
+// removedBlocks returns the blocks of evicted to report removed: those
+// cached before the store of keys. A block of the prompt added and evicted
+// within the store (a prompt larger than the cache) was never reported
+// stored and is not reported; one of its cached blocks evicted and added
+// again is marked fresh, to be reported stored again after its removal.
+func removedBlocks(keys []uint64, fresh []bool, evicted []uint64) []uint64 {
 	index := make(map[uint64]int, len(keys))
 	for i, k := range keys {
 		index[k] = i
@@ -152,29 +212,5 @@ func (s *Server) storeLocked(keys []uint64, ids []int32, m model) []uint64 {
 		}
 		removed = append(removed, k)
 	}
-	if len(removed) > 0 {
-		hook(KVEvent{Type: BlockRemoved, BlockHashes: removed, Medium: MediumGPU})
-	}
-	bs := s.o.BlockSize
-	for i := 0; i < len(keys); {
-		if !fresh[i] || !s.cache.Contains(keys[i]) {
-			i++
-			continue
-		}
-		j := i + 1
-		for j < len(keys) && fresh[j] && s.cache.Contains(keys[j]) {
-			j++
-		}
-		ev := KVEvent{
-			Type: BlockStored, BlockHashes: slices.Clone(keys[i:j]), TokenIDs: slices.Clone(ids[i*bs : j*bs]),
-			BlockSize: bs, LoRAID: m.loraID, LoRAName: m.lora, Medium: MediumGPU,
-		}
-		if i > 0 {
-			p := keys[i-1]
-			ev.ParentBlockHash = &p
-		}
-		hook(ev)
-		i = j
-	}
-	return keys
+	return removed
 }

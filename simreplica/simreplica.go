@@ -253,13 +253,79 @@ func New(o Options) (*Server, error) {
 	}
 	s := &Server{o: o, cache: c, pins: map[uint64]int32{}, sem: make(chan struct{}, o.MaxRunning), mux: http.NewServeMux(), tok: tok,
 		models: map[string]model{o.Model: {name: o.Model, root: RootHash(o.Model)}}, engineID: rand.Text()}
-	for i, name := range o.LoRAs {
+	if err := s.serveLoRAs(o.LoRAs); err != nil {
+		return nil, err
+	}
+	if err := s.reusePastPrefix(); err != nil {
+		return nil, err
+	}
+	s.routes(s.registerMetrics())
+	if o.KVEvents != nil {
+		if s.kv, err = newKVPublisher(*o.KVEvents); err != nil {
+			return nil, err
+		}
+		user := o.OnKVEvent
+		s.o.OnKVEvent = func(ev KVEvent) {
+			if user != nil {
+				user(ev)
+			}
+			s.kv.send(ev)
+		}
+	}
+	return s, nil
+}
+
+// serveLoRAs serves the adapters of Options.LoRAs besides the base model,
+// with ids 1 + their index.
+func (s *Server) serveLoRAs(loras []string) error {
+	for i, name := range loras {
 		if _, dup := s.models[name]; dup || name == "" {
-			return nil, fmt.Errorf("simreplica: LoRA name %q is empty or served twice", name)
+			return fmt.Errorf("simreplica: LoRA name %q is empty or served twice", name)
 		}
 		s.models[name] = model{name: name, lora: name, loraID: i + 1, root: RootHash(name)}
 	}
-	s.loras, s.loraIDs = slices.Clone(o.LoRAs), len(o.LoRAs)
+	s.loras, s.loraIDs = slices.Clone(loras), len(loras)
+	return nil
+}
+
+// reusePastPrefix makes the stores of Options.Blend (its defaults filled
+// in) or Options.Donor, the engine's reuse past the prefix cache.
+func (s *Server) reusePastPrefix() (err error) {
+	o := s.o
+	if o.Blend != nil {
+		if o.Tokenizer != TokenizerWords {
+			return fmt.Errorf("simreplica: Blend needs the %q tokenizer", TokenizerWords)
+		}
+		b := *o.Blend
+		if b.Recompute == 0 {
+			b.Recompute = DefaultRecompute
+		}
+		if b.BudgetTokens <= 0 {
+			b.BudgetTokens = o.NumBlocks * o.BlockSize
+		}
+		s.o.Blend = &b
+		if s.blend, err = newBlendStore(b, o.BlockSize); err != nil {
+			return err
+		}
+	}
+	if o.Donor != nil {
+		if o.Blend != nil {
+			return errors.New("simreplica: Donor and Blend are exclusive")
+		}
+		if s.donor, err = newDonorStore(*o.Donor); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// registerMetrics makes the replica's vLLM metrics, labelled with its
+// model, and returns their registry: the gauges of running and waiting
+// requests and of KV cache usage, the prefix cache's counters (the
+// external cache's with Blend or Donor), the cache config, and LoRA
+// adapters' use when adapters are served.
+func (s *Server) registerMetrics() *prometheus.Registry {
+	o := s.o
 	reg := prometheus.NewRegistry()
 	lbl := prometheus.Labels{"model_name": o.Model}
 	g := func(name, help string) prometheus.Gauge {
@@ -278,30 +344,6 @@ func New(o Options) (*Server, error) {
 	ctr("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.", &s.hits)
 	ctr("vllm:prompt_tokens_total", "Number of prefill tokens processed.", &s.promptTotal)
 	ctr("vllm:generation_tokens_total", "Number of generation tokens processed.", &s.genTotal)
-	if o.Blend != nil {
-		if o.Tokenizer != TokenizerWords {
-			return nil, fmt.Errorf("simreplica: Blend needs the %q tokenizer", TokenizerWords)
-		}
-		b := *o.Blend
-		if b.Recompute == 0 {
-			b.Recompute = DefaultRecompute
-		}
-		if b.BudgetTokens <= 0 {
-			b.BudgetTokens = o.NumBlocks * o.BlockSize
-		}
-		s.o.Blend = &b
-		if s.blend, err = newBlendStore(b, o.BlockSize); err != nil {
-			return nil, err
-		}
-	}
-	if o.Donor != nil {
-		if o.Blend != nil {
-			return nil, errors.New("simreplica: Donor and Blend are exclusive")
-		}
-		if s.donor, err = newDonorStore(*o.Donor); err != nil {
-			return nil, err
-		}
-	}
 	if s.blend != nil || s.donor != nil {
 		ctr("vllm:external_prefix_cache_queries_total", "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.", &s.extQueries)
 		ctr("vllm:external_prefix_cache_hits_total", "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.", &s.extHits)
@@ -312,10 +354,18 @@ func New(o Options) (*Server, error) {
 	reg.MustRegister(info)
 	if len(o.LoRAs) > 0 || o.EnableLoRA {
 		s.lora = newLoRAUse(reg, o.MaxLoRAs)
+	}
+	return reg
+}
+
+// routes serves the replica's API on s.mux, its metrics from reg: the
+// OpenAI-compatible endpoints, vLLM's /tokenize and /detokenize, /health,
+// and the adapter endpoints when adapters are served.
+func (s *Server) routes(reg *prometheus.Registry) {
+	if s.lora != nil {
 		s.mux.HandleFunc("POST /v1/load_lora_adapter", s.loadLoRA)
 		s.mux.HandleFunc("POST /v1/unload_lora_adapter", s.unloadLoRA)
 	}
-
 	s.mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	s.mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
 	s.mux.HandleFunc("GET /v1/models", s.listModels)
@@ -326,19 +376,6 @@ func New(o Options) (*Server, error) {
 	s.mux.HandleFunc("GET /v1/responses/{id}", s.getResponse)
 	s.mux.HandleFunc("POST /tokenize", s.tokenize)
 	s.mux.HandleFunc("POST /detokenize", s.detokenize)
-	if o.KVEvents != nil {
-		if s.kv, err = newKVPublisher(*o.KVEvents); err != nil {
-			return nil, err
-		}
-		user := o.OnKVEvent
-		s.o.OnKVEvent = func(ev KVEvent) {
-			if user != nil {
-				user(ev)
-			}
-			s.kv.send(ev)
-		}
-	}
-	return s, nil
 }
 
 // ServeHTTP implements http.Handler.
@@ -617,6 +654,36 @@ func (s *Server) hold(blocks int64) {
 // request, or "".
 func (s *Server) LastTraceparent() string { v, _ := s.traceparent.Load().(string); return v }
 
+// completion is one completion request on its way through the replica:
+// what its body asks for, read and checked before it waits for a slot
+// (prepare), then what the cache gives its prompt, looked up when its
+// prefill turn comes (lookupPrompt). Its prompt and token ids are in sc.
+type completion struct {
+	ep      blockhash.Endpoint
+	agentic bool // the Responses or Messages API, rendered into the chat template
+	req     *blockhash.Request
+	m       model
+	fl      flags
+	out     int // output tokens: max_tokens, or Options.OutputTokens
+	sc      *scratch
+	// sample is the prompt's Donor sample; donorKey and donorKeys the
+	// most similar earlier prompt's key and blocks' keys (nil: none).
+	// Found before the prefill turn: similarity does not change with the
+	// cache.
+	sample    enginereuse.Sample
+	donorKey  uint64
+	donorKeys []uint64
+
+	// keys are the prompt's full blocks' hashes; tokens its token count,
+	// cached those the prefix cache holds and reused those Blend or Donor
+	// gives past them.
+	keys                   []uint64
+	tokens, cached, reused int
+}
+
+// complete answers a completion request of any endpoint: it is read and
+// tokenized, waits for a running slot and its prefill turn, computes what
+// the cache does not hold, and generates its answer.
 func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.Endpoint) {
 	s.traceparent.Store(r.Header.Get("traceparent"))
 	sc := scratchPool.Get().(*scratch)
@@ -632,122 +699,24 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 		return
 	}
 	defer req.Recycle()
-	m, ok := s.model(req.Model)
+	c, ok := s.prepare(w, ep, req, sc)
 	if !ok {
-		modelNotFound(w, req.Model)
 		return
-	}
-	agentic := ep == blockhash.Responses || ep == blockhash.Messages
-	if agentic && !s.agenticPrompt(w, req) {
-		return
-	}
-	// The body already parsed as JSON; the few switches read here are read
-	// from it with fastjson rather than decoding it all again.
-	fl, err := readFlags(body, ep)
-	if err != nil {
-		writeError(w, http.StatusBadRequest, "BadRequestError", err.Error())
-		return
-	}
-	outTokens := s.o.OutputTokens
-	if req.MaxTokens > 0 {
-		outTokens = req.MaxTokens
-	}
-	if outTokens > s.o.MaxOutputTokens {
-		writeError(w, http.StatusBadRequest, "BadRequestError",
-			fmt.Sprintf("max_tokens %d is more than this model allows (%d)", outTokens, s.o.MaxOutputTokens))
-		return
-	}
-	// Tokenized before the request waits for a slot, as vLLM's API server
-	// tokenizes before the engine schedules.
-	tokEP := ep
-	if agentic { // rendered into the chat template, as vLLM renders them
-		tokEP = blockhash.Chat
-	}
-	sc.ids, sc.prompt = s.tok.promptIDs(sc.ids, sc.prompt, req, tokEP, fl.chat)
-	if n := max(len(sc.ids), 1); n+outTokens > s.o.MaxModelLen {
-		writeError(w, http.StatusBadRequest, "BadRequestError", fmt.Sprintf(
-			"This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the messages, %d in the completion). Please reduce the length of the messages or completion.",
-			s.o.MaxModelLen, n+outTokens, n, outTokens))
-		return
-	}
-	if s.blend != nil { // found before the prefill turn, which is one at a time
-		sc.spans, sc.seg = s.spans(sc.spans[:0], sc.seg, req, sc.ids, m)
-	}
-	var donorSample enginereuse.Sample
-	var donorKeys []uint64
-	var donorKey uint64
-	if s.donor != nil { // so is the donor: similarity does not change with the cache
-		donorSample, donorKey, donorKeys = s.donor.find(sc.prompt, m.loraID)
 	}
 	s.requests.Add(1)
 	ctx := r.Context()
-
-	// Wait for a running slot, then for the prefill turn: until it comes
-	// the request is waiting, as in vLLM's scheduler, and the cache is
-	// looked up only then.
-	s.waiting.Inc()
-	s.loraAdd(m.lora, 1, 0)
-	select {
-	case s.sem <- struct{}{}:
-	case <-ctx.Done():
-		s.waiting.Dec()
-		s.loraAdd(m.lora, -1, 0)
+	done, ok := s.schedule(ctx, c.m.lora)
+	if !ok {
 		s.cancelled.Add(1)
 		return
 	}
-	defer func() { <-s.sem }()
-	if !s.prefill.acquire(ctx) {
-		s.waiting.Dec()
-		s.loraAdd(m.lora, -1, 0)
-		s.cancelled.Add(1)
-		return
-	}
-	s.waiting.Dec()
-	s.running.Inc()
-	s.loraAdd(m.lora, -1, 1)
-	defer func() { s.running.Dec(); s.loraAdd(m.lora, 0, -1) }()
+	defer done()
 
-	keys, tokens, cached := s.lookup(sc.ids, m, sc.keys)
-	sc.keys = keys
-	reused := 0
-	if s.blend != nil {
-		// An engine always computes at least the last prompt token.
-		reused = max(min(s.blend.reuse(sc.spans, cached), tokens-1-cached), 0)
-	} else if s.donor != nil {
-		reused = s.donorReuse(donorKey, donorKeys, tokens, cached)
-	}
-	if s.blend != nil || s.donor != nil {
-		s.extQueries.Add(int64(tokens - cached))
-		s.extHits.Add(int64(reused))
-	}
-	blocks := int64((tokens + outTokens + s.o.BlockSize - 1) / s.o.BlockSize)
+	s.lookupPrompt(&c)
+	blocks := int64((c.tokens + c.out + s.o.BlockSize - 1) / s.o.BlockSize)
 	s.hold(blocks)
 	defer s.hold(-blocks)
-	s.promptTokens.Add(int64(tokens))
-	s.cachedTokens.Add(int64(cached + reused))
-	s.reusedTokens.Add(int64(reused))
-	s.queries.Add(int64(tokens))
-	s.hits.Add(int64(cached))
-	var unpin func()
-	computed := func() bool {
-		defer s.prefill.release() // whatever happens, the next prefill's turn comes
-		d := time.Duration(tokens-cached-reused) * s.o.PrefillPerToken
-		if fl.remotePrefill { // pulled from the prefill replica, not computed
-			d = s.o.TransferLatency + time.Duration(tokens-cached)*s.o.TransferPerToken
-			s.transfers.Add(1)
-		}
-		ok := sleep(ctx, d)
-		if ok {
-			unpin = s.store(keys, sc.ids, m)
-			if s.blend != nil {
-				s.blend.put(sc.spans)
-			}
-			if s.donor != nil {
-				s.donor.put(donorSample, m.loraID, keys)
-			}
-		}
-		return ok
-	}()
+	unpin, computed := s.computePrefill(ctx, &c)
 	if unpin != nil {
 		defer unpin()
 	}
@@ -759,45 +728,197 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	// is out (vllm/v1/metrics/stats.py, IterationStats.update_from_output:
 	// num_prompt_tokens += prompt_len); what was computed is the prompt less
 	// the prefix and external cache hits.
-	s.promptTotal.Add(int64(tokens))
+	s.promptTotal.Add(int64(c.tokens))
 
-	g := &generation{
-		s: s, model: m.name, ep: ep, req: req, tokens: tokens, cached: cached + reused, out: outTokens,
-		id: fmt.Sprintf("cmpl-%016x", keys0(keys)^uint64(time.Now().UnixNano())), seed: keys0(keys),
-		usage: fl.includeUsage,
-	}
-	if fl.remotePrefill {
-		// vLLM counts the tokens its connector brought (all the prompt
-		// but its last token, which the decode computes) with its own
-		// prefix cache's as cached (NixlConnector.get_num_new_matched_tokens).
-		g.cached = max(tokens-1, cached)
-	}
-	if fl.remoteDecode && !req.Stream { // a prefill for a decode replica: where its KV is, in the whole answer alone, as vLLM
-		host, port, _ := net.SplitHostPort(r.Host)
-		p, _ := strconv.Atoi(port)
-		ids := make([]int, len(keys))
-		for i := range ids {
-			ids[i] = i
-		}
-		g.kv = map[string]any{"do_remote_decode": false, "do_remote_prefill": true, "remote_engine_id": s.engineID,
-			"remote_block_ids": ids, "remote_host": host, "remote_port": p, "tp_size": 1}
-		s.remoteDecodes.Add(1)
-	}
-	switch {
-	case agentic:
-		g.id = agenticID(ep, fl.requestID)
-		ok = g.agentic(ctx, w, req.Stream)
-	case req.Stream:
-		ok = g.stream(ctx, w)
-	default:
-		ok = g.whole(ctx, w)
-	}
-	if !ok {
+	if !s.newGeneration(r, &c).answer(ctx, w, &c) {
 		s.cancelled.Add(1)
 		return
 	}
-	s.genTotal.Add(int64(outTokens))
+	s.genTotal.Add(int64(c.out))
 	s.completed.Add(1)
+}
+
+// prepare checks what a parsed completion request asks for (its model, its
+// switches, its output and context lengths) and tokenizes its prompt into
+// sc, before the request waits for a slot, as vLLM's API server tokenizes
+// before the engine schedules. A request refused is answered here, and ok
+// is false.
+func (s *Server) prepare(w http.ResponseWriter, ep blockhash.Endpoint, req *blockhash.Request, sc *scratch) (c completion, ok bool) {
+	c = completion{ep: ep, req: req, sc: sc, out: s.o.OutputTokens,
+		agentic: ep == blockhash.Responses || ep == blockhash.Messages}
+	if c.m, ok = s.model(req.Model); !ok {
+		modelNotFound(w, req.Model)
+		return c, false
+	}
+	if c.agentic && !s.agenticPrompt(w, req) {
+		return c, false
+	}
+	// The body already parsed as JSON; the few switches read here are read
+	// from it with fastjson rather than decoding it all again.
+	var err error
+	if c.fl, err = readFlags(sc.body, ep); err != nil {
+		writeError(w, http.StatusBadRequest, "BadRequestError", err.Error())
+		return c, false
+	}
+	if req.MaxTokens > 0 {
+		c.out = req.MaxTokens
+	}
+	if c.out > s.o.MaxOutputTokens {
+		writeError(w, http.StatusBadRequest, "BadRequestError",
+			fmt.Sprintf("max_tokens %d is more than this model allows (%d)", c.out, s.o.MaxOutputTokens))
+		return c, false
+	}
+	tokEP := ep
+	if c.agentic { // rendered into the chat template, as vLLM renders them
+		tokEP = blockhash.Chat
+	}
+	sc.ids, sc.prompt = s.tok.promptIDs(sc.ids, sc.prompt, req, tokEP, c.fl.chat)
+	if n := max(len(sc.ids), 1); n+c.out > s.o.MaxModelLen {
+		writeError(w, http.StatusBadRequest, "BadRequestError", fmt.Sprintf(
+			"This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the messages, %d in the completion). Please reduce the length of the messages or completion.",
+			s.o.MaxModelLen, n+c.out, n, c.out))
+		return c, false
+	}
+	if s.blend != nil { // found before the prefill turn, which is one at a time
+		sc.spans, sc.seg = s.spans(sc.spans[:0], sc.seg, req, sc.ids, c.m)
+	}
+	if s.donor != nil { // so is the donor: similarity does not change with the cache
+		c.sample, c.donorKey, c.donorKeys = s.donor.find(sc.prompt, c.m.loraID)
+	}
+	return c, true
+}
+
+// schedule waits for a running slot, then for the prefill turn: until it
+// comes the request is waiting, as in vLLM's scheduler, and the cache is
+// looked up only then. With ok it returns holding both, the request
+// counted as running for adapter lora ("": the base model); done ends its
+// run and frees the slot, and the prefill turn is the caller's to release.
+// ok is false, holding nothing, when ctx ends first.
+func (s *Server) schedule(ctx context.Context, lora string) (done func(), ok bool) {
+	s.waiting.Inc()
+	s.loraAdd(lora, 1, 0)
+	select {
+	case s.sem <- struct{}{}:
+	case <-ctx.Done():
+		s.waiting.Dec()
+		s.loraAdd(lora, -1, 0)
+		return nil, false
+	}
+	if !s.prefill.acquire(ctx) {
+		s.waiting.Dec()
+		s.loraAdd(lora, -1, 0)
+		<-s.sem
+		return nil, false
+	}
+	s.waiting.Dec()
+	s.running.Inc()
+	s.loraAdd(lora, -1, 1)
+	return func() {
+		s.running.Dec()
+		s.loraAdd(lora, 0, -1)
+		<-s.sem
+	}, true
+}
+
+// lookupPrompt finds, with the prefill turn held, what the prefix cache
+// holds of c's prompt and what Blend or Donor reuse past it, and counts
+// them.
+func (s *Server) lookupPrompt(c *completion) {
+	c.keys, c.tokens, c.cached = s.lookup(c.sc.ids, c.m, c.sc.keys)
+	c.sc.keys = c.keys
+	switch {
+	case s.blend != nil:
+		// An engine always computes at least the last prompt token.
+		c.reused = max(min(s.blend.reuse(c.sc.spans, c.cached), c.tokens-1-c.cached), 0)
+	case s.donor != nil:
+		c.reused = s.donorReuse(c.donorKey, c.donorKeys, c.tokens, c.cached)
+	}
+	if s.blend != nil || s.donor != nil {
+		s.extQueries.Add(int64(c.tokens - c.cached))
+		s.extHits.Add(int64(c.reused))
+	}
+	s.promptTokens.Add(int64(c.tokens))
+	s.cachedTokens.Add(int64(c.cached + c.reused))
+	s.reusedTokens.Add(int64(c.reused))
+	s.queries.Add(int64(c.tokens))
+	s.hits.Add(int64(c.cached))
+}
+
+// computePrefill takes the prefill's time (the uncached tokens computed,
+// or pulled from a prefill replica with do_remote_prefill), then caches
+// the prompt's blocks, pinned for the request until unpin, and gives the
+// prefill turn to the next request whatever happens. computed is false,
+// and nothing stored, when ctx ended first.
+func (s *Server) computePrefill(ctx context.Context, c *completion) (unpin func(), computed bool) {
+	defer s.prefill.release() // whatever happens, the next prefill's turn comes
+	d := time.Duration(c.tokens-c.cached-c.reused) * s.o.PrefillPerToken
+	if c.fl.remotePrefill { // pulled from the prefill replica, not computed
+		d = s.o.TransferLatency + time.Duration(c.tokens-c.cached)*s.o.TransferPerToken
+		s.transfers.Add(1)
+	}
+	if !sleep(ctx, d) {
+		return nil, false
+	}
+	unpin = s.store(c.keys, c.sc.ids, c.m)
+	if s.blend != nil {
+		s.blend.put(c.sc.spans)
+	}
+	if s.donor != nil {
+		s.donor.put(c.sample, c.m.loraID, c.keys)
+	}
+	return unpin, true
+}
+
+// newGeneration returns the answer's generator for c, whose prompt is
+// computed: its id, its seed (the prompt's last block, so that a replayed
+// conversation gets the same replies) and, for a prefill done for a decode
+// replica (do_remote_decode, answered whole), where its KV is.
+func (s *Server) newGeneration(r *http.Request, c *completion) *generation {
+	g := &generation{
+		s: s, model: c.m.name, ep: c.ep, req: c.req, tokens: c.tokens, cached: c.cached + c.reused, out: c.out,
+		id: fmt.Sprintf("cmpl-%016x", keys0(c.keys)^uint64(time.Now().UnixNano())), seed: keys0(c.keys),
+		usage: c.fl.includeUsage,
+	}
+	if c.fl.remotePrefill {
+		// vLLM counts the tokens its connector brought (all the prompt
+		// but its last token, which the decode computes) with its own
+		// prefix cache's as cached (NixlConnector.get_num_new_matched_tokens).
+		g.cached = max(c.tokens-1, c.cached)
+	}
+	if c.fl.remoteDecode && !c.req.Stream { // a prefill for a decode replica: where its KV is, in the whole answer alone, as vLLM
+		g.kv = s.transferParams(r.Host, len(c.keys))
+		s.remoteDecodes.Add(1)
+	}
+	return g
+}
+
+// transferParams returns the kv_transfer_params of a prefill's whole
+// answer for a decode replica, as vLLM's NIXL connector gives them: this
+// engine, reached at hostport (the request's Host), and the prompt's
+// blocks 0 to blocks-1.
+func (s *Server) transferParams(hostport string, blocks int) map[string]any {
+	host, port, _ := net.SplitHostPort(hostport)
+	p, _ := strconv.Atoi(port)
+	ids := make([]int, blocks)
+	for i := range ids {
+		ids[i] = i
+	}
+	return map[string]any{"do_remote_decode": false, "do_remote_prefill": true, "remote_engine_id": s.engineID,
+		"remote_block_ids": ids, "remote_host": host, "remote_port": p, "tp_size": 1}
+}
+
+// answer generates c's answer as its endpoint and stream switch ask; it
+// reports whether it all reached the client.
+func (g *generation) answer(ctx context.Context, w http.ResponseWriter, c *completion) bool {
+	switch {
+	case c.agentic:
+		g.id = agenticID(c.ep, c.fl.requestID)
+		return g.agentic(ctx, w, c.req.Stream)
+	case c.req.Stream:
+		return g.stream(ctx, w)
+	default:
+		return g.whole(ctx, w)
+	}
 }
 
 func keys0(keys []uint64) uint64 {

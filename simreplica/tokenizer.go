@@ -186,61 +186,87 @@ func (t *Tokenizer) each(text []byte, addSpecial bool, f func(int32, []byte)) {
 	if addSpecial {
 		f(TokenBOS, []byte(specialText[TokenBOS]))
 	}
-	piece := func(p []byte) {
-		for len(p) > 0 {
-			n := min(len(p), WordMaxPiece)
-			id := pieceID(p[:n], WordVocabSize)
-			t.learn(id, p[:n])
-			f(id, p[:n])
-			p = p[n:]
-		}
-	}
 	for i := 0; i < len(text); {
 		if id, n := special(text[i:]); n > 0 {
 			f(id, text[i:i+n])
 			i += n
 			continue
 		}
-		start := i
-		if text[i] == ' ' && i+1 < len(text) && !isSpace(text[i+1]) && !startsSpecial(text[i+1:]) {
-			i++ // a lone space before a word or a mark is part of it
-		} else if isSpace(text[i]) {
-			j := i + 1
-			for j < len(text) && isSpace(text[j]) {
-				j++
-			}
-			// The run's last space goes with the word or mark after it.
-			if j < len(text) && j-1 > i && text[j-1] == ' ' && !startsSpecial(text[j:]) {
-				j--
-			}
-			piece(text[start:j])
-			i = j
-			continue
-		}
-		c, j := text[i], i+1
-		if isWord(c) {
-		word:
-			for j < len(text) {
-				switch {
-				case isWord(text[j]):
-					j++
-				case isConnector(text[j]) && j+1 < len(text) && isWord(text[j+1]):
-					j += 2
-				default:
-					break word
-				}
-			}
-			for j < len(text) && isCloser(text[j]) {
-				j++
-			}
-		} else {
-			for j < len(text) && text[j] == c && !startsSpecial(text[j:]) {
-				j++
-			}
-		}
-		piece(text[start:j])
+		j := pieceEnd(text, i)
+		t.eachPiece(text[i:j], f)
 		i = j
 	}
+}
+
+// eachPiece calls f with the tokens of one pre-tokenized piece of text: p
+// cut every WordMaxPiece bytes, each cut's id learnt for Decode.
+func (t *Tokenizer) eachPiece(p []byte, f func(int32, []byte)) {
+	for len(p) > 0 {
+		n := min(len(p), WordMaxPiece)
+		id := pieceID(p[:n], WordVocabSize)
+		t.learn(id, p[:n])
+		f(id, p[:n])
+		p = p[n:]
+	}
+}
+
+// pieceEnd returns the end of the words tokenizer's piece that starts at
+// text[i], which is not a special token: a run of whitespace, or a word or
+// a mark with the lone space before it (see Tokenizer).
+func pieceEnd(text []byte, i int) int {
+	if text[i] == ' ' && i+1 < len(text) && !isSpace(text[i+1]) && !startsSpecial(text[i+1:]) {
+		i++ // a lone space before a word or a mark is part of it
+	} else if isSpace(text[i]) {
+		return spaceEnd(text, i)
+	}
+	if isWord(text[i]) {
+		return wordEnd(text, i+1)
+	}
+	return markEnd(text, i)
+}
+
+// spaceEnd returns the end of the run of whitespace at text[i], less its
+// last space when a word or a mark follows: that space goes with it.
+func spaceEnd(text []byte, i int) int {
+	j := i + 1
+	for j < len(text) && isSpace(text[j]) {
+		j++
+	}
+	if j < len(text) && j-1 > i && text[j-1] == ' ' && !startsSpecial(text[j:]) {
+		j--
+	}
+	return j
+}
+
+// wordEnd returns the end of the word whose first letter is before
+// text[j]: its letters and the connectors between them, then the closing
+// punctuation after it.
+func wordEnd(text []byte, j int) int {
+word:
+	for j < len(text) {
+		switch {
+		case isWord(text[j]):
+			j++
+		case isConnector(text[j]) && j+1 < len(text) && isWord(text[j+1]):
+			j += 2
+		default:
+			break word
+		}
+	}
+	for j < len(text) && isCloser(text[j]) {
+		j++
+	}
+	return j
+}
+
+// markEnd returns the end of the run of the mark at text[i], stopping
+// before a special token.
+func markEnd(text []byte, i int) int {
+	c, j := text[i], i+1
+	for j < len(text) && text[j] == c && !startsSpecial(text[j:]) {
+		j++
+	}
+	return j
 }
 
 // learn remembers p as the text of id, for Decode. In the usual case (the

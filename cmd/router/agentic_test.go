@@ -37,7 +37,7 @@ func TestAgenticAPIsThroughTheOfficialSDKs(t *testing.T) {
 	system := text("You are the support assistant of a bicycle shop; answer in two sentences.", 400)
 	model := d.sims[0].Options().Model
 
-	oa := openai.NewClient(option.WithBaseURL(d.router.url()+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
+	oa := openai.NewClient(option.WithBaseURL(d.router.URL()+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
 	var got [2]struct {
 		replica string
 		matched int
@@ -82,7 +82,7 @@ func TestAgenticAPIsThroughTheOfficialSDKs(t *testing.T) {
 		t.Fatalf("GET the stored response: %v %v", r, err)
 	}
 
-	an := anthropic.NewClient(aoption.WithBaseURL(d.router.url()), aoption.WithAPIKey("unused"), aoption.WithMaxRetries(0))
+	an := anthropic.NewClient(aoption.WithBaseURL(d.router.URL()), aoption.WithAPIKey("unused"), aoption.WithMaxRetries(0))
 	var replicas [2]string
 	for i := range replicas {
 		var hr *http.Response
@@ -185,7 +185,7 @@ func TestResponseHomesAcrossTheFleet(t *testing.T) {
 		_ = json.NewDecoder(resp.Body).Decode(&r)
 		return resp.StatusCode, r.ID, resp.Header.Get("X-Semroute-Replica")
 	}
-	routers := []string{d.runs[0].http.url(), d.runs[1].http.url()}
+	routers := []string{d.runs[0].http.URL(), d.runs[1].http.URL()}
 	st, id, home := call(routers[0], "POST", "/v1/responses", "sk-acme", map[string]any{"model": model, "input": "first turn", "max_output_tokens": 2})
 	if st != 200 || home == "" {
 		t.Fatalf("first turn: %d via %q", st, home)

@@ -44,7 +44,7 @@ func TestAPIKeysAtTheRouter(t *testing.T) {
 		{"the key, the scheme in lower case", map[string]string{"Authorization": "bearer sk-acme"}, 200},
 		{"the key as x-api-key beside a Basic Authorization", map[string]string{"Authorization": "Basic eDp5", "X-Api-Key": "sk-acme"}, 200},
 	} {
-		code, b, _, err := postChat(r.http.url(), body, c.hdr)
+		code, b, _, err := postChat(r.http.URL(), body, c.hdr)
 		if err != nil || code != c.want {
 			t.Fatalf("%s: %d %s (%v), want %d", c.name, code, b, err, c.want)
 		}
@@ -59,7 +59,7 @@ func TestAPIKeysAtTheRouter(t *testing.T) {
 	if requests != 4 || refused != 0 {
 		t.Fatalf("the replicas saw %d requests and refused %d keys; want 4 and 0 (no refused request reaches one)", requests, refused)
 	}
-	scraped := scrapeURL(t, r.http.url())
+	scraped := scrapeURL(t, r.http.URL())
 	// The unauthenticated /metrics names no tenant: a hash of its name.
 	acme := router.TenantLabel(router.TenantHash, "acme")
 	for _, want := range []string{`semroute_tenant_requests_total{tenant="` + acme + `"} 4`, `semroute_auth_refused_total{reason="missing"} 2`, `semroute_auth_refused_total{reason="invalid"} 2`} {
@@ -73,10 +73,10 @@ func TestAPIKeysAtTheRouter(t *testing.T) {
 	// The file changes (a Secret rotated): the new key works, the old not.
 	writeConfig(t, keys, fmt.Sprintf("keys:\n  - {name: a2, tenant: acme, sha256: %s}\n", apikey.Hash("sk-rotated")))
 	testwait.Value(t, "the rotated key accepted", func() (string, bool) {
-		code, _, err := postURL(r.http.url(), body, map[string]string{"Authorization": "Bearer sk-rotated"})
+		code, _, err := postURL(r.http.URL(), body, map[string]string{"Authorization": "Bearer sk-rotated"})
 		return fmt.Sprint(code, " ", err), err == nil && code == http.StatusOK
 	})
-	if code, _, _ := postURL(r.http.url(), body, map[string]string{"Authorization": "Bearer sk-acme"}); code != 401 {
+	if code, _, _ := postURL(r.http.URL(), body, map[string]string{"Authorization": "Bearer sk-acme"}); code != 401 {
 		t.Fatalf("the removed key got %d", code)
 	}
 	// A broken file fails closed: no key is accepted until it is valid.
@@ -84,7 +84,7 @@ func TestAPIKeysAtTheRouter(t *testing.T) {
 		t.Fatal(err)
 	}
 	testwait.Until(t, "a broken keys file to refuse the key before it", func() bool {
-		code, _, _ := postURL(r.http.url(), body, map[string]string{"Authorization": "Bearer sk-rotated"})
+		code, _, _ := postURL(r.http.URL(), body, map[string]string{"Authorization": "Bearer sk-rotated"})
 		return code == 401
 	})
 }
@@ -101,17 +101,17 @@ func TestMetricsOnTheAdminListener(t *testing.T) {
 		writeConfig(t, cfg, fmt.Sprintf("auth: {api_keys_file: %q}\nadmin: {listen: 127.0.0.1:0, token: admin-secret}\n"+
 			"metrics: {listener: admin, tenant_labels: %s}\nreplicas:\n  - {name: a, url: %q}\n", keys, labels, sims[0].URL))
 		r := serveConfig(t, cfg)
-		if code, _, _, err := postChat(r.http.url(), chat([2]string{"user", "hello"}), map[string]string{"Authorization": "Bearer sk-acme"}); err != nil || code != 200 {
+		if code, _, _, err := postChat(r.http.URL(), chat([2]string{"user", "hello"}), map[string]string{"Authorization": "Bearer sk-acme"}); err != nil || code != 200 {
 			t.Fatalf("%s: a request: %d %v", labels, code, err)
 		}
 		get := func(url, token string) (int, string) { return adminCall(t, url, token, "GET", "/metrics", "") }
-		if code, _ := get(r.http.url(), ""); code == 200 {
+		if code, _ := get(r.http.URL(), ""); code == 200 {
 			t.Fatalf("%s: /metrics served on the main listener", labels)
 		}
-		if code, _ := get(r.admin.url(), ""); code != 401 {
+		if code, _ := get(r.admin.URL(), ""); code != 401 {
 			t.Fatalf("%s: the admin listener's /metrics without its token: %d", labels, code)
 		}
-		code, scraped := get(r.admin.url(), "admin-secret")
+		code, scraped := get(r.admin.URL(), "admin-secret")
 		want := map[string]string{"name": `semroute_tenant_requests_total{tenant="acme"} 1`, "omit": `semroute_tenant_requests_total{tenant="all"} 1`}[labels]
 		if code != 200 || !strings.Contains(scraped, want) {
 			t.Fatalf("%s: the admin listener's /metrics: %d, lacks %s", labels, code, want)

@@ -96,7 +96,7 @@ func runReuseN(t testing.TB, workers int, engine, picture, name, policy, reuse s
 	if picture == "events" {
 		waitSubscribed(t, d)
 	}
-	run := &blendRun{name: name, truthRun: sendTruth(d.router.url(), work, workers, nil)}
+	run := &blendRun{name: name, truthRun: sendTruth(d.router.URL(), work, workers, nil)}
 	var most, sum float64
 	for _, s := range d.sims {
 		st := s.Stats()

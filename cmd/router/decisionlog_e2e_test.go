@@ -85,7 +85,7 @@ func TestDecisionLogE2EDirectoryRemovedAndRecreated(t *testing.T) {
 	writeConfig(t, cfg, fmt.Sprintf("decision_log: {path: %q, fsync_interval: 20ms}\nreplicas:\n  - {name: a, url: %q}\n  - {name: b, url: %q}\n",
 		logPath, sims[0].URL, sims[1].URL))
 	r := serveConfig(t, cfg)
-	base := r.http.url()
+	base := r.http.URL()
 	var routed int64
 	send := func(phase string, n int) {
 		t.Helper()

@@ -16,6 +16,7 @@ import (
 
 	"github.com/semroute/semroute/cluster"
 	"github.com/semroute/semroute/configs"
+	"github.com/semroute/semroute/internal/httpserve"
 	"github.com/semroute/semroute/kvevents"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/simreplica"
@@ -54,7 +55,7 @@ type demoOptions struct {
 type demo struct {
 	app      *app
 	run      *running
-	router   *listening
+	router   *httpserve.Server
 	apps     []*app
 	runs     []*running
 	nats     *server.Server
@@ -66,24 +67,59 @@ type demo struct {
 // startDemo starts o.replicas simulated replicas on 127.0.0.1 and the router
 // on o.listen, with the embedded demo config. Logs go to logw.
 func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
-	prefills := 0
+	prefills, err := o.resolveCounts()
+	if err != nil {
+		return nil, err
+	}
+	v, err := o.load()
+	if err != nil {
+		return nil, err
+	}
+	if err := o.choosePicture(v); err != nil {
+		return nil, err
+	}
+	if err := o.chooseReuse(); err != nil {
+		return nil, err
+	}
+	d := &demo{}
+	reps, err := d.startSims(o, prefills)
+	if err == nil {
+		v.Set("replicas", reps)
+		err = d.startRouters(v, logw, o)
+	}
+	if err != nil {
+		d.close()
+		return nil, err
+	}
+	return d, nil
+}
+
+// resolveCounts checks the counts of replicas and routers, --pd setting
+// the replicas' to P+D, and returns P, the prefill replicas (0 without
+// --pd). o.routers < 1 is 1.
+func (o *demoOptions) resolveCounts() (prefills int, err error) {
 	if o.pd != "" {
-		var (
-			decodes int
-			err     error
-		)
+		var decodes int
 		if prefills, decodes, err = parsePD(o.pd); err != nil {
-			return nil, err
+			return 0, err
 		}
 		o.replicas = prefills + decodes
 	}
 	if o.replicas < 1 || o.replicas > 256 {
-		return nil, fmt.Errorf("--replicas %d is not in [1, 256]", o.replicas)
+		return 0, fmt.Errorf("--replicas %d is not in [1, 256]", o.replicas)
 	}
 	o.routers = max(o.routers, 1)
 	if o.routers > 16 {
-		return nil, fmt.Errorf("--routers %d is not in [1, 16]", o.routers)
+		return 0, fmt.Errorf("--routers %d is not in [1, 16]", o.routers)
 	}
+	return prefills, nil
+}
+
+// load returns the demo's config: the embedded demo config, --config's
+// file over it, then the flags that override it. A gRPC API without a
+// token or client certificates gets a token made for this run: it is never
+// open (printExample shows the token).
+func (o *demoOptions) load() (*viper.Viper, error) {
 	v := configs.NewViper()
 	if _, err := configs.LoadBytes(v, configs.DemoYAML); err != nil {
 		return nil, fmt.Errorf("embedded demo config: %w", err)
@@ -93,21 +129,21 @@ func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
 			return nil, err
 		}
 	}
-	if o.listen != "" {
-		v.Set("listen", o.listen)
-	}
-	if o.policy != "" {
-		v.Set("routing.policy", o.policy)
-	}
-	if o.grpcListen != "" {
-		v.Set("grpc_listen", o.grpcListen)
+	for key, val := range map[string]string{"listen": o.listen, "routing.policy": o.policy, "grpc_listen": o.grpcListen, "decision_log.path": o.decisionLog} {
+		if val != "" {
+			v.Set(key, val)
+		}
 	}
 	if v.GetString("grpc_listen") != "" && v.GetString("grpc.token") == "" && v.GetString("grpc.tls_client_ca_file") == "" {
-		v.Set("grpc.token", rand.Text()) // the gRPC API is never open; printExample shows the token
+		v.Set("grpc.token", rand.Text())
 	}
-	if o.decisionLog != "" {
-		v.Set("decision_log.path", o.decisionLog)
-	}
+	return v, nil
+}
+
+// choosePicture sets how the router knows the replicas' caches (--picture):
+// approximate (estimated tokens) by default, or events, the replicas then
+// publishing KV events and the router tokenizing through them.
+func (o *demoOptions) choosePicture(v *viper.Viper) error {
 	switch o.picture {
 	case "", "approximate":
 		v.Set("tokenizer.mode", "estimate")
@@ -115,8 +151,14 @@ func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
 		v.Set("tokenizer.mode", "replica")
 		o.sim.KVEvents = &kvevents.PublisherOptions{Endpoint: "tcp://127.0.0.1:0", ReplayEndpoint: "tcp://127.0.0.1:0", Topic: "kv-events"}
 	default:
-		return nil, fmt.Errorf("--picture %q is not events or approximate", o.picture)
+		return fmt.Errorf("--picture %q is not events or approximate", o.picture)
 	}
+	return nil
+}
+
+// chooseReuse gives the simulated engines the reuse past the prefix
+// --reuse names, with its defaults unless o.sim sets it.
+func (o *demoOptions) chooseReuse() error {
 	switch o.reuse {
 	case "", replica.ReusePrefix:
 	case replica.ReuseBlend:
@@ -128,11 +170,16 @@ func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
 			o.sim.Donor = &simreplica.Donor{}
 		}
 	default:
-		return nil, fmt.Errorf("--reuse %q is not prefix, blend or donor", o.reuse)
+		return fmt.Errorf("--reuse %q is not prefix, blend or donor", o.reuse)
 	}
-	d := &demo{}
+	return nil
+}
+
+// startSims starts the demo's simulated replicas, the first prefills of
+// them prefill replicas, and returns their entries of the config.
+func (d *demo) startSims(o demoOptions, prefills int) ([]configs.Replica, error) {
 	var reps []configs.Replica
-	for i := 0; i < o.replicas; i++ {
+	for i := range o.replicas {
 		so := o.sim
 		if len(o.models) > 0 {
 			so.Model = o.models[i%len(o.models)]
@@ -142,45 +189,57 @@ func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
 		}
 		s, err := simreplica.Start(so, "127.0.0.1:0")
 		if err != nil {
-			d.close()
 			return nil, err
 		}
 		d.sims = append(d.sims, s)
-		so = s.Options()
-		rep := configs.Replica{Name: fmt.Sprintf("sim-%d", i), URL: s.URL, BudgetTokens: int64(so.NumBlocks * so.BlockSize)}
-		switch {
-		case i < prefills:
-			rep.Role, rep.Name = string(replica.RolePrefill), fmt.Sprintf("sim-prefill-%d", i)
-		case prefills > 0:
-			rep.Role, rep.Name = string(replica.RoleDecode), fmt.Sprintf("sim-decode-%d", i-prefills)
-		}
-		if b := so.Blend; b != nil && o.reuse == replica.ReuseBlend {
-			rep.Reuse = configs.ReuseConfig{Mode: replica.ReuseBlend, Recompute: b.Recompute, BudgetTokens: int64(b.BudgetTokens)}
-		}
-		if dn := so.Donor; dn != nil && o.reuse == replica.ReuseDonor {
-			rep.Reuse = configs.ReuseConfig{Mode: replica.ReuseDonor, MinSimilarity: dn.MinSimilarity}
-		}
-		if pub, replay := s.KVEventsEndpoints(); pub != "" {
-			rep.KVEvents = configs.KVEventsConfig{Endpoint: pub, ReplayEndpoint: replay, Topic: "kv-events"}
-		}
-		reps = append(reps, rep)
+		reps = append(reps, simReplica(s, i, prefills, o.reuse))
 	}
-	v.Set("replicas", reps)
+	return reps, nil
+}
+
+// simReplica returns the config entry of the demo's simulated replica s,
+// the i-th: its name and budget, its role when the first prefills prefill,
+// the reuse it is told of (only --reuse's: a replica that blends while the
+// router is told nothing is --reuse prefix's baseline), and its KV events.
+func simReplica(s *simreplica.Running, i, prefills int, reuse string) configs.Replica {
+	so := s.Options()
+	rep := configs.Replica{Name: fmt.Sprintf("sim-%d", i), URL: s.URL, BudgetTokens: int64(so.NumBlocks * so.BlockSize)}
+	switch {
+	case i < prefills:
+		rep.Role, rep.Name = string(replica.RolePrefill), fmt.Sprintf("sim-prefill-%d", i)
+	case prefills > 0:
+		rep.Role, rep.Name = string(replica.RoleDecode), fmt.Sprintf("sim-decode-%d", i-prefills)
+	}
+	if b := so.Blend; b != nil && reuse == replica.ReuseBlend {
+		rep.Reuse = configs.ReuseConfig{Mode: replica.ReuseBlend, Recompute: b.Recompute, BudgetTokens: int64(b.BudgetTokens)}
+	}
+	if dn := so.Donor; dn != nil && reuse == replica.ReuseDonor {
+		rep.Reuse = configs.ReuseConfig{Mode: replica.ReuseDonor, MinSimilarity: dn.MinSimilarity}
+	}
+	if pub, replay := s.KVEventsEndpoints(); pub != "" {
+		rep.KVEvents = configs.KVEventsConfig{Endpoint: pub, ReplayEndpoint: replay, Topic: "kv-events"}
+	}
+	return rep
+}
+
+// startRouters starts the demo's router on v's listen address or, with
+// o.routers > 1, its fleet: the routers on ports of their own, sharing
+// one picture over an embedded NATS server, behind a round-robin front on
+// that address.
+func (d *demo) startRouters(v *viper.Viper, logw io.Writer, o demoOptions) error {
 	if o.routers == 1 {
 		if err := d.startRouter(v, logw, o.picture); err != nil {
-			d.close()
-			return nil, err
+			return err
 		}
 		d.router = d.run.http
-		return d, nil
+		return nil
 	}
 	// The fleet's NATS, with a password made for this run: only the
 	// demo's routers can publish on it.
 	account := cluster.Account{User: "semroute-demo", Password: rand.Text()}
 	var err error
 	if d.nats, err = cluster.Serve("127.0.0.1", -1, account); err != nil {
-		d.close()
-		return nil, err
+		return err
 	}
 	listen := v.GetString("listen")
 	v.Set("cluster.urls", []string{d.nats.ClientURL()})
@@ -193,20 +252,18 @@ func startDemo(o demoOptions, logw io.Writer) (*demo, error) {
 			v.Set("grpc_listen", "") // the first router's only
 		}
 		if err := d.startRouter(v, logw, o.picture); err != nil {
-			d.close()
-			return nil, err
+			return err
 		}
 	}
 	var urls []string
 	for _, r := range d.runs {
-		urls = append(urls, r.http.url())
+		urls = append(urls, r.http.URL())
 	}
-	if d.router, err = serve(listen, newFront(urls), d.app.log); err != nil {
-		d.close()
-		return nil, err
+	if d.router, err = httpserve.Serve(listen, newFront(urls), d.app.log); err != nil {
+		return err
 	}
-	d.app.log.Info("semroute demo front listening: round robin over the routers", "addr", d.router.addr, "routers", urls, "nats", d.nats.ClientURL())
-	return d, nil
+	d.app.log.Info("semroute demo front listening: round robin over the routers", "addr", d.router.Addr, "routers", urls, "nats", d.nats.ClientURL())
+	return nil
 }
 
 // startRouter builds and starts one router of the demo from v.
@@ -234,7 +291,7 @@ func (d *demo) startRouter(v *viper.Viper, logw io.Writer, picture string) error
 	if d.app == nil {
 		d.app, d.run = a, run
 	}
-	log.Info("semroute demo listening", "addr", run.http.addr, "grpc", run.grpcAddr(), "replicas", len(cfg.Replicas), "policy", cfg.Routing.Policy.Type,
+	log.Info("semroute demo listening", "addr", run.http.Addr, "grpc", run.grpcAddr(), "replicas", len(cfg.Replicas), "policy", cfg.Routing.Policy.Type,
 		"tokenizer", cfg.Tokenizer.Mode, "picture", cmp.Or(picture, "approximate"))
 	return nil
 }
@@ -248,7 +305,7 @@ func (d *demo) close() error {
 func (d *demo) shutdown() error {
 	var errs []error
 	if d.router != nil && (len(d.runs) != 1 || d.router != d.run.http) {
-		errs = append(errs, d.router.stop(5*time.Second)) // the front
+		errs = append(errs, d.router.Stop(5*time.Second)) // the front
 	}
 	for _, r := range d.runs {
 		errs = append(errs, r.stop(5*time.Second))
@@ -286,7 +343,7 @@ Try:
 Send it twice: the second answer comes from the same replica (X-Semroute-Replica)
 with X-Semroute-Matched-Tokens > 0, and its usage reports cached_tokens > 0.
 Add "stream": true to stream. Ctrl-C stops the demo.
-`, len(d.sims), d.router.url(), d.router.url(), demoBody(d.sims[0].Options().Model))
+`, len(d.sims), d.router.URL(), d.router.URL(), demoBody(d.sims[0].Options().Model))
 	if g := d.run.grpcAddr(); g != "" {
 		fmt.Fprintf(w, "\ngRPC Route API on %s (grpcurl -plaintext -H 'authorization: Bearer %s' %s list)\n", g, d.app.cfg.GRPC.Token, g)
 	}

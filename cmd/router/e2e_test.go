@@ -64,7 +64,7 @@ func post(t *testing.T, d *demo, path string, body any, hdr map[string]string) r
 			t.Fatal(err)
 		}
 	}
-	req, err := http.NewRequest(http.MethodPost, d.router.url()+path, bytes.NewReader(b))
+	req, err := http.NewRequest(http.MethodPost, d.router.URL()+path, bytes.NewReader(b))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -227,7 +227,7 @@ func streamRequest(t *testing.T, ctx context.Context, d *demo, maxTokens int) (*
 	t.Helper()
 	b, _ := json.Marshal(map[string]any{"model": "sim-model", "stream": true, "max_tokens": maxTokens,
 		"messages": []map[string]string{{"role": "user", "content": "stream to me"}}})
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, d.router.url()+"/v1/chat/completions", bytes.NewReader(b))
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, d.router.URL()+"/v1/chat/completions", bytes.NewReader(b))
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
@@ -364,7 +364,7 @@ func TestE2ENoReplicaAvailable(t *testing.T) {
 	if last.status != http.StatusServiceUnavailable || !bytes.Contains(last.body, []byte(`"code":"no_replica"`)) {
 		t.Fatalf("want 503 no_replica, got %d %s", last.status, last.body)
 	}
-	resp, err := http.Get(d.router.url() + "/readyz")
+	resp, err := http.Get(d.router.URL() + "/readyz")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -394,7 +394,7 @@ func TestE2EFailoverOnRefusedConnection(t *testing.T) {
 
 func TestE2EModelsAndPassthrough(t *testing.T) {
 	d := startTestDemo(t, demoOptions{sim: fastSim})
-	resp, err := http.Get(d.router.url() + "/v1/models")
+	resp, err := http.Get(d.router.URL() + "/v1/models")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -408,7 +408,7 @@ func TestE2EModelsAndPassthrough(t *testing.T) {
 	}
 	// An unknown /v1 path reaches a replica (which answers 404) with the
 	// replica header set.
-	resp, err = http.Get(d.router.url() + "/v1/files")
+	resp, err = http.Get(d.router.URL() + "/v1/files")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -458,7 +458,7 @@ func TestE2EConcurrentRequests(t *testing.T) {
 		go func(i int) {
 			defer wg.Done()
 			b, _ := json.Marshal(chat([2]string{"system", text(fmt.Sprint("c", i%5), 300)}, [2]string{"user", fmt.Sprint("q", i)}))
-			resp, err := http.Post(d.router.url()+"/v1/chat/completions", "application/json", bytes.NewReader(b))
+			resp, err := http.Post(d.router.URL()+"/v1/chat/completions", "application/json", bytes.NewReader(b))
 			if err != nil {
 				errs <- err.Error()
 				return
@@ -501,7 +501,7 @@ func TestE2ESemanticMatcherPrefersDonor(t *testing.T) {
 
 func scrape(t *testing.T, d *demo) string {
 	t.Helper()
-	resp, err := http.Get(d.router.url() + "/metrics")
+	resp, err := http.Get(d.router.URL() + "/metrics")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -560,7 +560,7 @@ func TestE2EHostileInput(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			req, _ := http.NewRequest(http.MethodPost, d.router.url()+"/v1/completions", bytes.NewReader(tc.body))
+			req, _ := http.NewRequest(http.MethodPost, d.router.URL()+"/v1/completions", bytes.NewReader(tc.body))
 			req.Header.Set("Content-Type", tc.ct)
 			for k, v := range tc.header {
 				req.Header.Set(k, v)
@@ -606,7 +606,7 @@ func TestDemoExampleHitsTheSecondTime(t *testing.T) {
 	}
 	var first, second result
 	for i, r := range []*result{&first, &second} {
-		req, _ := http.NewRequest(http.MethodPost, d.router.url()+"/v1/chat/completions", strings.NewReader(body))
+		req, _ := http.NewRequest(http.MethodPost, d.router.URL()+"/v1/chat/completions", strings.NewReader(body))
 		req.Header.Set("Content-Type", "application/json")
 		req.Header.Set("X-Session-ID", "demo-1")
 		resp, err := http.DefaultClient.Do(req)
@@ -683,7 +683,7 @@ func TestStreamingUsageIsLearnedAndHidden(t *testing.T) {
 			body["stream_options"] = map[string]any{"include_usage": true}
 		}
 		b, _ := json.Marshal(body)
-		resp, err := http.Post(d.router.url()+"/v1/chat/completions", "application/json", bytes.NewReader(b))
+		resp, err := http.Post(d.router.URL()+"/v1/chat/completions", "application/json", bytes.NewReader(b))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -798,7 +798,7 @@ func demoWithClientWrite(t *testing.T, sim simreplica.Options, d string) (*demo,
 		t.Fatal(err)
 	}
 	dm := startTestDemo(t, demoOptions{sim: sim, config: cfg})
-	conn, err := net.Dial("tcp", strings.TrimPrefix(dm.router.url(), "http://"))
+	conn, err := net.Dial("tcp", strings.TrimPrefix(dm.router.URL(), "http://"))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/semroute/semroute/cluster"
+	"github.com/semroute/semroute/internal/httpserve"
 	"github.com/semroute/semroute/internal/testwait"
 	"github.com/semroute/semroute/simreplica"
 )
@@ -127,13 +128,13 @@ func TestFleetOfRouterProcesses(t *testing.T) {
 	for _, p := range procs {
 		urls = append(urls, p.url)
 	}
-	front, err := serve("127.0.0.1:0", newFront(urls), slog.New(slog.DiscardHandler))
+	front, err := httpserve.Serve("127.0.0.1:0", newFront(urls), slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = front.stop(time.Second) })
+	t.Cleanup(func() { _ = front.Stop(time.Second) })
 
-	fleet := sendTruth(front.url(), work, truthWorkers, nil)
+	fleet := sendTruth(front.URL(), work, truthWorkers, nil)
 	t.Logf("engine hit ratio: one router %.3f, three routers sharing one picture %.3f (%d requests)", one.hitRatio(), fleet.hitRatio(), len(work))
 	if fleet.errors != 0 {
 		t.Fatalf("fleet: %d errors", fleet.errors)
@@ -154,7 +155,7 @@ func TestFleetOfRouterProcesses(t *testing.T) {
 	// NATS stops mid-load and comes back: no request fails, and the
 	// routers' pictures agree again.
 	more := truthWorkload(160, 2)
-	stopped := sendTruth(front.url(), more, truthWorkers, func(i int) {
+	stopped := sendTruth(front.URL(), more, truthWorkers, func(i int) {
 		switch i {
 		case 40:
 			ns.Shutdown()
@@ -201,7 +202,7 @@ func TestFleetOfRouterProcesses(t *testing.T) {
 
 	// A router dies mid-load: the others keep answering.
 	var after int
-	killed := sendTruth(front.url(), truthWorkload(120, 3), truthWorkers, func(i int) {
+	killed := sendTruth(front.URL(), truthWorkload(120, 3), truthWorkers, func(i int) {
 		if i == 40 {
 			_ = procs[2].cmd.Process.Kill()
 			_ = procs[2].cmd.Wait()
@@ -213,7 +214,7 @@ func TestFleetOfRouterProcesses(t *testing.T) {
 	if killed.errors > truthWorkers {
 		t.Fatalf("%d requests failed: more than were in flight on the killed router", killed.errors)
 	}
-	last := sendTruth(front.url(), truthWorkload(40, 4), truthWorkers, nil)
+	last := sendTruth(front.URL(), truthWorkload(40, 4), truthWorkers, nil)
 	if last.errors != 0 {
 		t.Fatalf("%d requests failed after the router died", last.errors)
 	}

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/semroute/semroute/cluster"
+	"github.com/semroute/semroute/internal/httpserve"
 	"github.com/semroute/semroute/internal/testwait"
 )
 
@@ -320,14 +321,14 @@ func TestThirdPartyFlowFleet(t *testing.T) {
 			waitReady(t, u)
 			waitMetric(t, u, "semroute_replica_budget_tokens", 4*768*16)
 		}
-		front, err := serve("127.0.0.1:0", newFront(urls), slog.New(slog.DiscardHandler))
+		front, err := httpserve.Serve("127.0.0.1:0", newFront(urls), slog.New(slog.DiscardHandler))
 		if err != nil {
 			t.Fatal(err)
 		}
-		s := sendOpenLoop(front.url(), work, at, nil, 5*time.Minute).stats(nil)
+		s := sendOpenLoop(front.URL(), work, at, nil, 5*time.Minute).stats(nil)
 		t.Logf("%s, %d requests: engine hit ratio %.3f, TTFT p50 / p90 / p99 %.0f / %.0f / %.0f ms, answered %d, shed %d, failed %d (%s)",
 			row.name, len(at), s.hitRatio(), s.pct(0.5), s.pct(0.9), s.pct(0.99), s.ok, s.shed, s.failed, s)
-		_ = front.stop(time.Second)
+		_ = front.Stop(time.Second)
 		for _, cmd := range procs {
 			_ = cmd.Process.Kill()
 			_ = cmd.Wait()

@@ -102,7 +102,7 @@ func TestHostileNestingRefusedWithShortError(t *testing.T) {
 	c := pb.NewRouterClient(grpcClient(t, r.grpcAddr(), "tok"))
 	for name, b := range bodies {
 		t.Run(name, func(t *testing.T) {
-			code, resp, _ := rawPost(t, r.http.url(), "/v1/chat/completions", b)
+			code, resp, _ := rawPost(t, r.http.URL(), "/v1/chat/completions", b)
 			if code != http.StatusBadRequest || len(resp) > 1024 || !bytes.Contains(resp, []byte("nesting")) {
 				t.Fatalf("HTTP: %d, %d-byte body %.300s", code, len(resp), resp)
 			}
@@ -167,10 +167,10 @@ replicas:
 		urls = append(urls, rep.Url)
 	}
 	adminReq := func(path string) string {
-		_, body := adminCall(t, r.admin.url(), "adm", http.MethodGet, path, "")
+		_, body := adminCall(t, r.admin.URL(), "adm", http.MethodGet, path, "")
 		return body
 	}
-	seen := strings.Join(urls, " ") + adminReq("/admin/replicas") + adminReq("/admin/config") + scrapeURL(t, r.http.url())
+	seen := strings.Join(urls, " ") + adminReq("/admin/replicas") + adminReq("/admin/config") + scrapeURL(t, r.http.URL())
 	if strings.Contains(seen, "hunter2") || strings.Contains(seen, "user:") {
 		t.Fatalf("credentials exported: %s", seen)
 	}
@@ -234,7 +234,7 @@ replicas:
 	wg.Wait()
 	held, blocks := r.app.core.Unreleased().Len()
 	grown := int64(memAfterGC().HeapAlloc) - int64(before)
-	metrics := scrapeURL(t, r.http.url())
+	metrics := scrapeURL(t, r.http.URL())
 	t.Logf("%d Routes without Release: %d held (%d blocks), at most %d seen; heap grew %d KB", n, held, blocks, maxSeen.Load(), grown>>10)
 	if failed.Load() != 0 {
 		t.Fatalf("%d Route calls failed", failed.Load())
@@ -272,7 +272,7 @@ replicas:
 `, sims[0].URL))
 	r := serveConfig(t, cfg)
 	for i := range 48 { // 48 × 8,000 tokens of unique prompts: more than the assumed budget
-		if code, _, err := postURL(r.http.url(), chat([2]string{"user", text(fmt.Sprint("unique ", i), 8000)}), nil); err != nil || code != 200 {
+		if code, _, err := postURL(r.http.URL(), chat([2]string{"user", text(fmt.Sprint("unique ", i), 8000)}), nil); err != nil || code != 200 {
 			t.Fatalf("request %d: %d %v", i, code, err)
 		}
 	}
@@ -282,7 +282,7 @@ replicas:
 	if st.Budget != configs.DefaultBudgetTokens || st.Tokens > st.Budget || st.Evictions == 0 {
 		t.Fatalf("unbounded picture: %+v", st)
 	}
-	req, _ := http.NewRequest(http.MethodPost, r.admin.url()+"/admin/replicas",
+	req, _ := http.NewRequest(http.MethodPost, r.admin.URL()+"/admin/replicas",
 		strings.NewReader(fmt.Sprintf(`{"name":"b","url":%q,"budget_tokens":5000}`, sims[1].URL)))
 	req.Header.Set("Authorization", "Bearer adm")
 	resp, err := http.DefaultClient.Do(req)
@@ -337,20 +337,20 @@ func TestRouterReadsTheBodyAsTheEngine(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			code, body, _ := rawPost(t, r.http.url(), "/v1/chat/completions", []byte(tc.body))
+			code, body, _ := rawPost(t, r.http.URL(), "/v1/chat/completions", []byte(tc.body))
 			if code != http.StatusBadRequest || !bytes.Contains(body, []byte(tc.want)) {
 				t.Fatalf("%d %s", code, body)
 			}
 		})
 	}
 	// A key the router does not read may repeat, as the engine allows.
-	if code, body, _ := rawPost(t, r.http.url(), "/v1/chat/completions",
+	if code, body, _ := rawPost(t, r.http.URL(), "/v1/chat/completions",
 		[]byte(`{"model":"sim-model","temperature":1,"temperature":0,"max_tokens":2,"messages":`+msgs+`}`)); code != 200 {
 		t.Fatalf("repeated unread key: %d %s", code, body)
 	}
 	for _, path := range []string{"/v1/chat/completions", "/v1/completions"} {
 		for _, method := range []string{http.MethodGet, http.MethodPut, http.MethodPatch, http.MethodDelete} {
-			req, _ := http.NewRequest(method, r.http.url()+path, strings.NewReader(`{"model":"sim-model","prompt":"x"}`))
+			req, _ := http.NewRequest(method, r.http.URL()+path, strings.NewReader(`{"model":"sim-model","prompt":"x"}`))
 			resp, err := http.DefaultClient.Do(req)
 			if err != nil {
 				t.Fatal(err)
@@ -365,7 +365,7 @@ func TestRouterReadsTheBodyAsTheEngine(t *testing.T) {
 	// routes reads as them, do not slip through the pass-through route.
 	for _, p := range []string{"/v1/chat/completions/", "/v1/completions/x", "/v1/chat%2Fcompletions", "/v1/chat%2fcompletions",
 		"/v1/chat%5Ccompletions", "/v1/chat/completions%2F", "/v1/chat/completions;x", "/v1/completions%00"} {
-		conn, err := net.Dial("tcp", r.http.addr)
+		conn, err := net.Dial("tcp", r.http.Addr)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -383,7 +383,7 @@ func TestRouterReadsTheBodyAsTheEngine(t *testing.T) {
 	}
 	// Dot segments sent encoded are refused, not passed on raw.
 	for _, p := range []string{"/v1/%2e%2e/metrics", "/v1/models/%2E%2E/%2e%2e/health", "/v1/%2e/models"} {
-		conn, err := net.Dial("tcp", r.http.addr)
+		conn, err := net.Dial("tcp", r.http.Addr)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -417,10 +417,10 @@ func TestReloadAppliesOrReportsEveryKey(t *testing.T) {
 	writeConfig(t, cfg, conf("old", 1<<20, "60s"))
 	r := serveConfig(t, cfg)
 	admin := func(token string) (int, string) {
-		return adminCall(t, r.admin.url(), token, http.MethodGet, "/admin/config", "")
+		return adminCall(t, r.admin.URL(), token, http.MethodGet, "/admin/config", "")
 	}
 	big := []byte(`{"model":"sim-model","max_tokens":2,"messages":[{"role":"user","content":"` + strings.Repeat("x", 8000) + `"}]}`)
-	if code, _, _ := rawPost(t, r.http.url(), "/v1/chat/completions", big); code != 200 {
+	if code, _, _ := rawPost(t, r.http.URL(), "/v1/chat/completions", big); code != 200 {
 		t.Fatalf("8 KB body under a 1 MiB limit: %d", code)
 	}
 	// Live keys only: the reload is ok and they apply at once.
@@ -429,16 +429,16 @@ func TestReloadAppliesOrReportsEveryKey(t *testing.T) {
 	if code, _ := admin("old"); code != 401 {
 		t.Fatalf("the old admin token still works: %d", code)
 	}
-	if code, _, _ := rawPost(t, r.http.url(), "/v1/chat/completions", big); code != http.StatusRequestEntityTooLarge {
+	if code, _, _ := rawPost(t, r.http.URL(), "/v1/chat/completions", big); code != http.StatusRequestEntityTooLarge {
 		t.Fatalf("8 KB body after lowering the limit to 4 KB: %d", code)
 	}
-	if !strings.Contains(scrapeURL(t, r.http.url()), `semroute_config_reloads_total{result="ok"} 1`) {
+	if !strings.Contains(scrapeURL(t, r.http.URL()), `semroute_config_reloads_total{result="ok"} 1`) {
 		t.Fatal("the live reload was not counted ok")
 	}
 	// A key that needs a restart is reported, not silently ignored.
 	writeConfig(t, cfg, conf("new", 4096, "5s"))
 	testwait.Until(t, "restart_required counted", func() bool {
-		return strings.Contains(scrapeURL(t, r.http.url()), `semroute_config_reloads_total{result="restart_required"} 1`)
+		return strings.Contains(scrapeURL(t, r.http.URL()), `semroute_config_reloads_total{result="restart_required"} 1`)
 	})
 	_, body := admin("new")
 	if !strings.Contains(body, `"pending_restart": [`) || !strings.Contains(body, `"timeouts.idle"`) || strings.Contains(body, `"new"`) {
@@ -469,7 +469,7 @@ func TestPassthroughSilentReplicaIsCutOff(t *testing.T) {
 	r := serveConfig(t, cfg)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, r.http.url()+"/v1/embeddings", strings.NewReader(`{"model":"m","input":"x"}`))
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, r.http.URL()+"/v1/embeddings", strings.NewReader(`{"model":"m","input":"x"}`))
 	req.Header.Set("Content-Type", "application/json")
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
@@ -495,7 +495,7 @@ func TestOverLimitBodyRefusedFromHeader(t *testing.T) {
 	r := routerOverSim(t, "limits: {max_body_bytes: 65536}\n")
 	for _, path := range []string{"/v1/chat/completions", "/v1/embeddings"} {
 		for _, expect := range []string{"", "Expect: 100-continue\r\n"} {
-			conn, err := net.Dial("tcp", r.http.addr)
+			conn, err := net.Dial("tcp", r.http.Addr)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -525,7 +525,7 @@ func TestAdminAPIValidatesAndPersists(t *testing.T) {
 	writeConfig(t, cfg, file(""))
 	r := serveConfig(t, cfg)
 	call := func(method, path, body string) (int, string) {
-		return adminCall(t, r.admin.url(), "adm", method, path, body)
+		return adminCall(t, r.admin.URL(), "adm", method, path, body)
 	}
 	for name, body := range map[string]string{
 		"tiny weight":   fmt.Sprintf(`{"name":"x","url":%q,"weight":1e-308}`, sims[1].URL),
@@ -579,7 +579,7 @@ func TestJSONValuesAreBounded(t *testing.T) {
 	var m0, m1 runtime.MemStats
 	runtime.GC()
 	runtime.ReadMemStats(&m0)
-	code, body, _ := rawPost(t, r.http.url(), "/v1/completions", ids(8<<20-1000))
+	code, body, _ := rawPost(t, r.http.URL(), "/v1/completions", ids(8<<20-1000))
 	runtime.ReadMemStats(&m1)
 	if grew := m1.TotalAlloc - m0.TotalAlloc; grew > 256<<20 { // the body itself is 16 MiB
 		t.Fatalf("refusing 8 Mi values allocated %d MB", grew>>20)
@@ -589,7 +589,7 @@ func TestJSONValuesAreBounded(t *testing.T) {
 	}
 	// Under the limit, a long token-id prompt is routed (it is one prompt,
 	// not 6,000 against limits.max_messages).
-	if code, body, _ := rawPost(t, r.http.url(), "/v1/completions", ids(6000)); code != 200 {
+	if code, body, _ := rawPost(t, r.http.URL(), "/v1/completions", ids(6000)); code != 200 {
 		t.Fatalf("6,000 token ids: %d %s", code, body)
 	}
 }
@@ -607,7 +607,7 @@ func TestDeclaredLengthDoesNotAllocate(t *testing.T) {
 		}
 	}()
 	for i := range conns {
-		c, err := net.Dial("tcp", r.http.addr)
+		c, err := net.Dial("tcp", r.http.Addr)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -50,7 +50,7 @@ func newRoot() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newServe(), newDemo(), newSim(), newReplay(), newGenTrace(), newBenchProxy(), newVersion(), newHashKey())
+	root.AddCommand(newServe(), newDemo(), newSim(), newReplay(), newGenTrace(), newVersion(), newHashKey())
 	return root
 }
 
@@ -60,7 +60,7 @@ func signalContext() (context.Context, context.CancelFunc) {
 }
 
 func newServe() *cobra.Command {
-	var path string
+	var path, cpuProfile string
 	cmd := &cobra.Command{
 		Use:   "serve",
 		Short: "Route requests to the replicas in the config",
@@ -103,6 +103,11 @@ timeouts.shutdown_grace, and exits.`,
 			if err != nil {
 				return err
 			}
+			stopProfile, err := startCPUProfile(cpuProfile)
+			if err != nil {
+				return err
+			}
+			defer stopProfile()
 			log := newLogger(cfg.Log, os.Stderr)
 			a, err := build(cfg, log)
 			if err != nil {
@@ -115,7 +120,7 @@ timeouts.shutdown_grace, and exits.`,
 			}
 			floor, stopFloor := startGCFloor(cfg.Runtime)
 			defer stopFloor()
-			log.Info("semroute listening", "addr", r.http.addr, "grpc", r.grpcAddr(), "replicas", len(cfg.Replicas), "policy", cfg.Routing.Policy.Type, "gc_floor", floor)
+			log.Info("semroute listening", "addr", r.http.Addr, "grpc", r.grpcAddr(), "replicas", len(cfg.Replicas), "policy", cfg.Routing.Policy.Type, "gc_floor", floor)
 			ctx, stop := signalContext()
 			defer stop()
 			<-ctx.Done()
@@ -126,6 +131,7 @@ timeouts.shutdown_grace, and exits.`,
 	cmd.Flags().StringVar(&path, "config", "", "YAML config file, watched and reloaded (default $SEMROUTE_CONFIG)")
 	cmd.Flags().String("listen", "127.0.0.1:8080", "address to serve the OpenAI API on")
 	cmd.Flags().String("grpc-listen", "", "address to serve the gRPC Route API on (default: the config's; empty: off)")
+	cmd.Flags().StringVar(&cpuProfile, "cpuprofile", "", "write this process's CPU profile to this file until it exits (go tool pprof reads it)")
 	return cmd
 }
 

@@ -122,7 +122,7 @@ func TestE2EModelAwarePools(t *testing.T) {
 	}
 
 	// /v1/models: each model once.
-	resp, err := http.Get(d.router.url() + "/v1/models")
+	resp, err := http.Get(d.router.URL() + "/v1/models")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -156,7 +156,7 @@ func TestModelByID(t *testing.T) {
 		{"/v1/models/nope", 404, ""},
 		{"/v1/models/%2e%2e/x", 400, ""},
 	} {
-		resp, err := http.Get(d.router.url() + c.path)
+		resp, err := http.Get(d.router.URL() + c.path)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -56,7 +56,7 @@ func TestTracingExportsSpansAndPropagatesTraceparent(t *testing.T) {
 	writeConfig(t, cfg, fmt.Sprintf("tracing: {otlp_endpoint: %q}\nreplicas:\n  - {name: s, url: %q}\n", collector.URL, sims[0].URL))
 	r := serveConfig(t, cfg)
 	const traceID = "4bf92f3577b34da6a3ce929d0e0e4736"
-	code, _, err := postURL(r.http.url(), chat([2]string{"user", "traced"}), map[string]string{"traceparent": "00-" + traceID + "-00f067aa0ba902b7-01"})
+	code, _, err := postURL(r.http.URL(), chat([2]string{"user", "traced"}), map[string]string{"traceparent": "00-" + traceID + "-00f067aa0ba902b7-01"})
 	if err != nil || code != 200 {
 		t.Fatal(code, err)
 	}
@@ -78,7 +78,7 @@ func TestTracingExportsSpansAndPropagatesTraceparent(t *testing.T) {
 func TestTraceparentPassesThroughWithTracingOff(t *testing.T) {
 	d := startTestDemo(t, demoOptions{sim: fastSim})
 	const tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-	if code, _, err := postURL(d.router.url(), chat([2]string{"user", "x"}), map[string]string{"traceparent": tp}); err != nil || code != 200 {
+	if code, _, err := postURL(d.router.URL(), chat([2]string{"user", "x"}), map[string]string{"traceparent": tp}); err != nil || code != 200 {
 		t.Fatal(code, err)
 	}
 	saw := 0
@@ -139,7 +139,7 @@ func TestDNSDiscoveryFollowsReplicas(t *testing.T) {
 	served := func() map[int]bool {
 		out := map[int]bool{}
 		for i := 0; i < 20; i++ {
-			code, rep, err := postURL(r.http.url(), chat([2]string{"user", fmt.Sprint(i)}), nil)
+			code, rep, err := postURL(r.http.URL(), chat([2]string{"user", fmt.Sprint(i)}), nil)
 			if code == http.StatusServiceUnavailable {
 				continue
 			}
@@ -217,7 +217,7 @@ func TestMetricsTableIsExportedAndDeployUsesIt(t *testing.T) {
 	// series already, so that a rate is 0 rather than no data and an
 	// alert on a counter's first increase can fire.
 	fresh := map[string]bool{}
-	for _, line := range strings.Split(scrapeURL(t, r.http.url()), "\n") {
+	for _, line := range strings.Split(scrapeURL(t, r.http.URL()), "\n") {
 		if m := metricName.FindString(line); m != "" && !strings.HasPrefix(line, "#") {
 			fresh[m] = true
 		}
@@ -234,20 +234,20 @@ func TestMetricsTableIsExportedAndDeployUsesIt(t *testing.T) {
 		}
 	}
 	for i := 0; i < 20; i++ {
-		if code, _, err := postURL(r.http.url(), chat([2]string{"system", text("metric prompt", 300)}, [2]string{"user", fmt.Sprint(i)}), nil); err != nil || code != 200 {
+		if code, _, err := postURL(r.http.URL(), chat([2]string{"system", text("metric prompt", 300)}, [2]string{"user", fmt.Sprint(i)}), nil); err != nil || code != 200 {
 			t.Fatal(code, err)
 		}
 	}
 	sims[0].Close() // retries and upstream errors
 	for i := 0; i < 10; i++ {
-		if code, _, err := postURL(r.http.url(), chat([2]string{"system", text("metric prompt", 300)}, [2]string{"user", fmt.Sprint("after ", i)}), nil); err != nil || code != 200 {
+		if code, _, err := postURL(r.http.URL(), chat([2]string{"system", text("metric prompt", 300)}, [2]string{"user", fmt.Sprint("after ", i)}), nil); err != nil || code != 200 {
 			t.Fatal(code, err)
 		}
 	}
 	writeConfig(t, cfg, body+"# touched\n") // a reload
 	var scraped string
 	testwait.Until(t, "the reload counted", func() bool {
-		scraped = scrapeURL(t, r.http.url())
+		scraped = scrapeURL(t, r.http.URL())
 		return strings.Contains(scraped, "semroute_config_reloads_total")
 	})
 	exported := map[string]bool{}

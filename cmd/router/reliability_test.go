@@ -148,7 +148,7 @@ func TestKillReplicaMidwayEveryRequestSucceeds(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for i := range work {
-				code, _, err := postURL(d.router.url(), chat([2]string{"system", text(fmt.Sprint("tenant ", i%6), 200)}, [2]string{"user", fmt.Sprint("q", i)}), nil)
+				code, _, err := postURL(d.router.URL(), chat([2]string{"system", text(fmt.Sprint("tenant ", i%6), 200)}, [2]string{"user", fmt.Sprint("q", i)}), nil)
 				if err != nil || code != 200 {
 					failed.Add(1)
 					t.Errorf("request %d: %d %v", i, code, err)
@@ -181,7 +181,7 @@ func TestFailingReplicaEjectedThenReadmitted(t *testing.T) {
 	}
 	writeConfig(t, cfg, "routing: {policy: round_robin}\nhealth: {check_interval: 100ms, check_timeout: 100ms, eject_base: 500ms, eject_max: 2s}\nreplicas:\n"+reps.String())
 	r := serveConfig(t, cfg)
-	base := r.http.url()
+	base := r.http.URL()
 	sims[0].Fault(500)
 	// Phase 1: the failing replica is taken out within a few seconds.
 	var hitsAfter int
@@ -228,7 +228,7 @@ replicas:
 	worst := time.Duration(0)
 	for i := 0; i < 6; i++ {
 		t0 := time.Now()
-		code, rep, err := postURL(r.http.url(), chat([2]string{"user", fmt.Sprint("h", i)}), nil)
+		code, rep, err := postURL(r.http.URL(), chat([2]string{"user", fmt.Sprint("h", i)}), nil)
 		el := time.Since(t0)
 		worst = max(worst, el)
 		if err != nil || code != 200 || rep == "hang" {
@@ -271,7 +271,7 @@ func TestThousandStreamsNoLeaks(t *testing.T) {
 			<-start
 			b, _ := json.Marshal(map[string]any{"model": "sim-model", "stream": true, "max_tokens": 20,
 				"messages": []map[string]string{{"role": "user", "content": fmt.Sprint("stream ", i%50)}}})
-			resp, err := client.Post(d.router.url()+"/v1/chat/completions", "application/json", bytes.NewReader(b))
+			resp, err := client.Post(d.router.URL()+"/v1/chat/completions", "application/json", bytes.NewReader(b))
 			if err != nil {
 				t.Errorf("stream %d: %v", i, err)
 				return
@@ -319,7 +319,7 @@ func TestConfigReloadChangesReplicasWithoutDroppingRequests(t *testing.T) {
 	}
 	writeConfig(t, cfg, two(0, 1))
 	r := serveConfig(t, cfg)
-	base := r.http.url()
+	base := r.http.URL()
 	var failed, total atomic.Int64
 	var seen sync.Map         // replica → when it last answered
 	var lastOnS0 atomic.Int64 // when the last request s0 answered was sent (ns)
@@ -418,7 +418,7 @@ func TestRestartedReplicaPictureCleared(t *testing.T) {
 	writeConfig(t, cfg, fmt.Sprintf("health: {scrape_interval: 50ms}\nreplicas:\n  - {name: s, url: %q}\n", front.URL))
 	r := serveConfig(t, cfg)
 	a := r.app
-	if code, _, err := postURL(r.http.url(), chat([2]string{"system", text("x", 500)}), nil); err != nil || code != 200 {
+	if code, _, err := postURL(r.http.URL(), chat([2]string{"system", text("x", 500)}), nil); err != nil || code != 200 {
 		t.Fatal(code, err)
 	}
 	rep, _ := a.pool.Get("s")
@@ -443,7 +443,7 @@ func TestAdminAPI(t *testing.T) {
 	writeConfig(t, cfg, fmt.Sprintf("admin: {listen: 127.0.0.1:0, token: s3cret}\nreplicas:\n  - {name: a, url: %q}\n", sims[0].URL))
 	r := serveConfig(t, cfg)
 	call := func(method, path, token, body string) (int, string) {
-		return adminCall(t, r.admin.url(), token, method, path, body)
+		return adminCall(t, r.admin.URL(), token, method, path, body)
 	}
 	if code, _ := call("GET", "/admin/replicas", "", ""); code != 401 {
 		t.Fatalf("no token: %d", code)
@@ -465,7 +465,7 @@ func TestAdminAPI(t *testing.T) {
 		t.Fatal("drain failed")
 	}
 	for i := 0; i < 5; i++ {
-		if code, rep, _ := postURL(r.http.url(), chat([2]string{"user", fmt.Sprint(i)}), nil); code != 200 || rep != "b" {
+		if code, rep, _ := postURL(r.http.URL(), chat([2]string{"user", fmt.Sprint(i)}), nil); code != 200 || rep != "b" {
 			t.Fatalf("after draining a: %d from %s", code, rep)
 		}
 	}
@@ -522,7 +522,7 @@ replicas:
 	b, _ := json.Marshal(map[string]any{"model": "m", "stream": true,
 		"messages": []map[string]string{{"role": "user", "content": "say something"}}})
 	t0 := time.Now()
-	resp, err := http.Post(r.http.url()+"/v1/chat/completions", "application/json", bytes.NewReader(b))
+	resp, err := http.Post(r.http.URL()+"/v1/chat/completions", "application/json", bytes.NewReader(b))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -556,7 +556,7 @@ func TestPoisonRequestsDoNotEjectAReplica(t *testing.T) {
 	writeConfig(t, cfg, fmt.Sprintf("health: {check_interval: 1h}\nreplicas:\n  - {name: a, url: %q}\n", front.URL))
 	r := serveConfig(t, cfg)
 	for i := range 12 {
-		code, _, err := postURL(r.http.url(), chat([2]string{"user", fmt.Sprint("poison ", i)}), nil)
+		code, _, err := postURL(r.http.URL(), chat([2]string{"user", fmt.Sprint("poison ", i)}), nil)
 		if err != nil || code != 500 {
 			t.Fatalf("poison request %d: %d %v, want the replica's 500", i, code, err)
 		}
@@ -565,7 +565,7 @@ func TestPoisonRequestsDoNotEjectAReplica(t *testing.T) {
 	if !rep.Available(time.Now()) {
 		t.Fatal("a dozen poison requests from one client ejected the replica")
 	}
-	if code, _, err := postURL(r.http.url(), chat([2]string{"user", "hello"}), nil); err != nil || code != 200 {
+	if code, _, err := postURL(r.http.URL(), chat([2]string{"user", "hello"}), nil); err != nil || code != 200 {
 		t.Fatalf("a good request after the poison: %d %v", code, err)
 	}
 }

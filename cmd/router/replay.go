@@ -22,24 +22,27 @@ import (
 	"github.com/semroute/semroute/replay"
 )
 
+// replayOptions are `router replay`'s flags.
+type replayOptions struct {
+	trace, format, out, policies string
+	pictures                     string
+	routers                      int
+	syncs                        string
+	syncDelay                    time.Duration
+	sample                       int // the trace's first requests replayed; 0: all
+	blockTokens                  int // 0: the format's default
+	m                            replay.Config
+	seed                         uint64
+	ablate, withMatcher          bool
+	semantic                     routing.PrefixCostParams
+	policyFile                   string
+	evictionParams               string // JSON; "": none
+	flowControl                  bool
+	pd                           string // "P:D"; "": not disaggregated
+}
+
 func newReplay() *cobra.Command {
-	var (
-		trace, format, out, pols string
-		pictures                 string
-		routers                  int
-		syncs                    string
-		syncDelay                time.Duration
-		sample                   int
-		blockTokens              int
-		m                        replay.Config
-		seed                     uint64
-		ablate, withMatcher      bool
-		semantic                 routing.PrefixCostParams
-		policyFile               string
-		evictionParams           string
-		flowControl              bool
-		pd                       string
-	)
+	var o replayOptions
 	cmd := &cobra.Command{
 		Use:   "replay",
 		Short: "Replay a trace through simulated replicas under several routing policies",
@@ -47,129 +50,165 @@ func newReplay() *cobra.Command {
 routing policy side by side, with the pooled (one cache of replicas × budget) and
 infinite-cache references, and write summary.json, summary.md, a CSV per run and
 report.html to --out.`,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			if _, err := replay.ParseFormat(format); err != nil {
-				return err
-			}
-			if evictionParams != "" {
-				if err := json.Unmarshal([]byte(evictionParams), &m.EvictionParams); err != nil {
-					return fmt.Errorf("--eviction-params: %w", err)
-				}
-			}
-			f, err := os.Open(trace)
-			if err != nil {
-				return err
-			}
-			defer f.Close()
-			var (
-				reqs []replay.Request
-				arms []replay.ArmStats
-			)
-			switch format {
-			case "decisions":
-				var t *replay.DecisionTrace
-				if t, err = replay.ReadDecisions(f); err == nil {
-					reqs, arms = t.Requests, t.Arms
-					m.ReplicaNames = t.Replicas
-					if !cmd.Flags().Changed("budget-tokens") {
-						m.Budgets = t.Budgets
-					}
-				}
-			case "mooncake":
-				if blockTokens == 0 {
-					blockTokens = 512
-				}
-				reqs, err = replay.ReadMooncake(f, blockTokens)
-			case "openai":
-				if blockTokens == 0 {
-					blockTokens = blockhash.DefaultBlockTokens
-				}
-				var s *blockhash.Splitter
-				if s, err = blockhash.NewSplitter(blockhash.Options{BlockTokens: blockTokens, Segments: m.Reuse.Blend()}); err == nil {
-					reqs, err = replay.ReadOpenAI(f, s)
-				}
-			}
-			if err != nil {
-				return err
-			}
-			if sample > 0 && sample < len(reqs) {
-				reqs = reqs[:sample]
-			}
-			if blockTokens == 0 {
-				blockTokens = blockhash.DefaultBlockTokens
-			}
-			m.BlockTokens = blockTokens
-			m.Seed = seed
-			if pd == "" {
-				for _, f := range []string{"transfer-latency", "transfer-per-token", "min-prefill-tokens"} {
-					if cmd.Flags().Changed(f) {
-						return fmt.Errorf("--%s without --pd: the replicas are not disaggregated", f)
-					}
-				}
-			}
-			if pd != "" {
-				p, d, err := parsePD(pd)
-				if err != nil {
-					return err
-				}
-				if flowControl || routers > 1 {
-					return errors.New("--pd is replayed with one router and no flow control")
-				}
-				if cmd.Flags().Changed("replicas") && m.Replicas != p+d {
-					return fmt.Errorf("--pd %s is %d replicas, --replicas %d", pd, p+d, m.Replicas)
-				}
-				m.Replicas, m.Roles = p+d, pdRoles(p, d)
-			}
-			m.Params = map[string]routing.Params{"semantic": {"load_weight": semantic.LoadWeight, "recent_weight": semantic.RecentWeight,
-				"spill_factor": semantic.SpillFactor, "spill_margin_tokens": semantic.SpillMarginTokens}}
-			modes, err := replay.ParsePictures(pictures)
-			if err != nil {
-				return err
-			}
-			x := replay.Matrix{Ablations: ablate, PrefixCredit: m.Reuse.Blend() || m.Reuse.Donor(), Matcher: withMatcher,
-				Pictures: modes, Routers: routers, Syncs: strings.Split(syncs, ","), SyncDelay: syncDelay, FlowControl: flowControl}
-			for _, p := range strings.Split(pols, ",") {
-				if p = strings.TrimSpace(p); p != "" {
-					x.Policies = append(x.Policies, p)
-				}
-			}
-			if policyFile != "" {
-				if x.Extra, err = readPolicyFile(policyFile); err != nil {
-					return err
-				}
-			}
-			if withMatcher {
-				m.Matcher = func() routing.Matcher {
-					mm, err := matcher.New(matcher.Options{})
-					if err != nil {
-						panic(err) // default options are valid
-					}
-					return mm
-				}
-			}
-			runs := x.Runs(&m)
-			sum, err := replay.Replay(reqs, m, runs)
-			if err != nil {
-				return err
-			}
-			sum.Trace, sum.Format, sum.Arms = trace, format, arms
-			if err := sum.Write(out); err != nil {
-				return err
-			}
-			if err := sum.Markdown(cmd.OutOrStdout()); err != nil {
-				return err
-			}
-			fmt.Fprintf(cmd.OutOrStdout(), "\nwrote %s/summary.json, summary.md, report.html and runs/*.csv\n", out)
-			return nil
-		},
+		RunE: func(cmd *cobra.Command, _ []string) error { return o.run(cmd) },
 	}
-	f := cmd.Flags()
-	f.StringVar(&trace, "trace", "", "trace file (JSONL)")
-	f.StringVar(&format, "format", "mooncake", "trace format: mooncake, openai, or decisions (a router decision log)")
-	f.StringVar(&out, "out", "replay-out", "directory for the report")
-	f.StringVar(&pols, "policies", strings.Join(routing.PolicyNames(), ","), "routing policies to compare with their default parameters, comma-separated (empty: none but --policy-file's)")
-	f.StringVar(&policyFile, "policy-file", "", "a YAML list of further runs, each a policy with its own parameters as config's routing.policy takes them: - {label: dynamo-t05, type: dynamo, params: {temperature: 0.5}}")
-	f.IntVar(&blockTokens, "block-tokens", 0, "tokens per block (default 512 for mooncake, 64 for openai)")
+	o.register(cmd)
+	return cmd
+}
+
+// run replays the trace under every run the flags ask for, writes the
+// report to o.out and prints its summary.
+func (o *replayOptions) run(cmd *cobra.Command) error {
+	if _, err := replay.ParseFormat(o.format); err != nil {
+		return err
+	}
+	if o.evictionParams != "" {
+		if err := json.Unmarshal([]byte(o.evictionParams), &o.m.EvictionParams); err != nil {
+			return fmt.Errorf("--eviction-params: %w", err)
+		}
+	}
+	reqs, arms, err := o.readTrace(cmd.Flags().Changed)
+	if err != nil {
+		return err
+	}
+	if o.sample > 0 && o.sample < len(reqs) {
+		reqs = reqs[:o.sample]
+	}
+	if o.blockTokens == 0 {
+		o.blockTokens = blockhash.DefaultBlockTokens
+	}
+	o.m.BlockTokens = o.blockTokens
+	o.m.Seed = o.seed
+	if err := o.disaggregate(cmd.Flags().Changed); err != nil {
+		return err
+	}
+	o.m.Params = map[string]routing.Params{"semantic": {"load_weight": o.semantic.LoadWeight, "recent_weight": o.semantic.RecentWeight,
+		"spill_factor": o.semantic.SpillFactor, "spill_margin_tokens": o.semantic.SpillMarginTokens}}
+	x, err := o.matrix()
+	if err != nil {
+		return err
+	}
+	runs := x.Runs(&o.m)
+	sum, err := replay.Replay(reqs, o.m, runs)
+	if err != nil {
+		return err
+	}
+	sum.Trace, sum.Format, sum.Arms = o.trace, o.format, arms
+	if err := sum.Write(o.out); err != nil {
+		return err
+	}
+	if err := sum.Markdown(cmd.OutOrStdout()); err != nil {
+		return err
+	}
+	fmt.Fprintf(cmd.OutOrStdout(), "\nwrote %s/summary.json, summary.md, report.html and runs/*.csv\n", o.out)
+	return nil
+}
+
+// readTrace reads the trace in its format, and for a decision log its
+// arms' statistics and its replicas (and their budgets, unless
+// --budget-tokens was given: changed tells which flags were). It sets the
+// format's default block size when --block-tokens is not given.
+func (o *replayOptions) readTrace(changed func(flag string) bool) ([]replay.Request, []replay.ArmStats, error) {
+	f, err := os.Open(o.trace)
+	if err != nil {
+		return nil, nil, err
+	}
+	defer f.Close()
+	switch o.format {
+	case "decisions":
+		t, err := replay.ReadDecisions(f)
+		if err != nil {
+			return nil, nil, err
+		}
+		o.m.ReplicaNames = t.Replicas
+		if !changed("budget-tokens") {
+			o.m.Budgets = t.Budgets
+		}
+		return t.Requests, t.Arms, nil
+	case "mooncake":
+		o.blockTokens = cmp.Or(o.blockTokens, 512)
+		reqs, err := replay.ReadMooncake(f, o.blockTokens)
+		return reqs, nil, err
+	case "openai":
+		o.blockTokens = cmp.Or(o.blockTokens, blockhash.DefaultBlockTokens)
+		s, err := blockhash.NewSplitter(blockhash.Options{BlockTokens: o.blockTokens, Segments: o.m.Reuse.Blend()})
+		if err != nil {
+			return nil, nil, err
+		}
+		reqs, err := replay.ReadOpenAI(f, s)
+		return reqs, nil, err
+	}
+	return nil, nil, nil // replay.ParseFormat has refused any other
+}
+
+// disaggregate makes the replicas --pd's P prefill and D decode replicas;
+// without --pd it refuses the flags of disaggregation (changed tells which
+// flags were given).
+func (o *replayOptions) disaggregate(changed func(flag string) bool) error {
+	if o.pd == "" {
+		for _, f := range []string{"transfer-latency", "transfer-per-token", "min-prefill-tokens"} {
+			if changed(f) {
+				return fmt.Errorf("--%s without --pd: the replicas are not disaggregated", f)
+			}
+		}
+		return nil
+	}
+	p, d, err := parsePD(o.pd)
+	if err != nil {
+		return err
+	}
+	if o.flowControl || o.routers > 1 {
+		return errors.New("--pd is replayed with one router and no flow control")
+	}
+	if changed("replicas") && o.m.Replicas != p+d {
+		return fmt.Errorf("--pd %s is %d replicas, --replicas %d", o.pd, p+d, o.m.Replicas)
+	}
+	o.m.Replicas, o.m.Roles = p+d, pdRoles(p, d)
+	return nil
+}
+
+// matrix returns the runs to compare: the policies, --policy-file's
+// runs, and their variants (ablations, matcher, picture modes, routers,
+// flow control). With --matcher the replay's matcher is the reference
+// one with its default options.
+func (o *replayOptions) matrix() (*replay.Matrix, error) {
+	modes, err := replay.ParsePictures(o.pictures)
+	if err != nil {
+		return nil, err
+	}
+	x := &replay.Matrix{Ablations: o.ablate, PrefixCredit: o.m.Reuse.Blend() || o.m.Reuse.Donor(), Matcher: o.withMatcher,
+		Pictures: modes, Routers: o.routers, Syncs: strings.Split(o.syncs, ","), SyncDelay: o.syncDelay, FlowControl: o.flowControl}
+	for _, p := range strings.Split(o.policies, ",") {
+		if p = strings.TrimSpace(p); p != "" {
+			x.Policies = append(x.Policies, p)
+		}
+	}
+	if o.policyFile != "" {
+		if x.Extra, err = readPolicyFile(o.policyFile); err != nil {
+			return nil, err
+		}
+	}
+	if o.withMatcher {
+		o.m.Matcher = func() routing.Matcher {
+			mm, err := matcher.New(matcher.Options{})
+			if err != nil {
+				panic(err) // default options are valid
+			}
+			return mm
+		}
+	}
+	return x, nil
+}
+
+// register defines cmd's flags (`router replay`'s) into o.
+func (o *replayOptions) register(cmd *cobra.Command) {
+	f, m := cmd.Flags(), &o.m
+	f.StringVar(&o.trace, "trace", "", "trace file (JSONL)")
+	f.StringVar(&o.format, "format", "mooncake", "trace format: mooncake, openai, or decisions (a router decision log)")
+	f.StringVar(&o.out, "out", "replay-out", "directory for the report")
+	f.StringVar(&o.policies, "policies", strings.Join(routing.PolicyNames(), ","), "routing policies to compare with their default parameters, comma-separated (empty: none but --policy-file's)")
+	f.StringVar(&o.policyFile, "policy-file", "", "a YAML list of further runs, each a policy with its own parameters as config's routing.policy takes them: - {label: dynamo-t05, type: dynamo, params: {temperature: 0.5}}")
+	f.IntVar(&o.blockTokens, "block-tokens", 0, "tokens per block (default 512 for mooncake, 64 for openai)")
 	f.IntVar(&m.Replicas, "replicas", replay.DefaultReplicas, "replicas")
 	f.Int64Var(&m.BudgetTokens, "budget-tokens", replay.DefaultBudgetTokens, "KV cache per replica, tokens")
 	f.IntVar(&m.MaxRunning, "max-running", replay.DefaultMaxRunning, "running sequences per replica; more wait")
@@ -177,37 +216,36 @@ report.html to --out.`,
 	f.DurationVar(&m.PrefillPerToken, "prefill-per-token", replay.DefaultPrefillPerToken, "prefill time per uncached token")
 	f.DurationVar(&m.InterToken, "inter-token", replay.DefaultInterToken, "decode time per output token")
 	f.StringVar(&m.Eviction, "eviction", eviction.Default, "replicas' eviction policy")
-	f.StringVar(&evictionParams, "eviction-params", "", `the eviction policy's parameters as a JSON object, as config's cache.eviction params: '{"size_exponent": 0.5}'`)
+	f.StringVar(&o.evictionParams, "eviction-params", "", `the eviction policy's parameters as a JSON object, as config's cache.eviction params: '{"size_exponent": 0.5}'`)
 	f.Float64Var(&m.Speedup, "speedup", 1, "divide arrival times by this")
 	f.DurationVar(&m.SpreadTies, "spread-ties", 0, "spread requests that share one millisecond evenly over this span or up to the next, as a trace whose timestamps were bucketed to it (the Mooncake conversation trace: about 3s); 0 replays them at once; at most 1h")
 	f.BoolVar(&m.RecordReplies, "record-replies", true, "cache a reply's blocks when its request finishes (openai traces)")
 	f.BoolVar(&m.SharedActive, "shared-active", false, "count blocks shared by running requests once in KV load (cascade attention)")
-	f.Uint64Var(&seed, "seed", 1, "seed of the randomised policies")
-	f.Float64Var(&semantic.LoadWeight, "load-weight", routing.DefaultLoadWeight, "semantic: weight of queued tokens")
-	f.Float64Var(&semantic.RecentWeight, "recent-weight", routing.DefaultRecentWeight, "semantic: share of recently finished prefill counted as load (negative for none)")
-	f.Float64Var(&semantic.SpillFactor, "spill-factor", routing.DefaultSpillFactor, "semantic: skip replicas above this × mean load + margin")
-	f.Float64Var(&semantic.SpillMarginTokens, "spill-margin-tokens", routing.DefaultSpillMarginTokens, "semantic: see --spill-factor")
+	f.Uint64Var(&o.seed, "seed", 1, "seed of the randomised policies")
+	f.Float64Var(&o.semantic.LoadWeight, "load-weight", routing.DefaultLoadWeight, "semantic: weight of queued tokens")
+	f.Float64Var(&o.semantic.RecentWeight, "recent-weight", routing.DefaultRecentWeight, "semantic: share of recently finished prefill counted as load (negative for none)")
+	f.Float64Var(&o.semantic.SpillFactor, "spill-factor", routing.DefaultSpillFactor, "semantic: skip replicas above this × mean load + margin")
+	f.Float64Var(&o.semantic.SpillMarginTokens, "spill-margin-tokens", routing.DefaultSpillMarginTokens, "semantic: see --spill-factor")
 	f.DurationVar(&m.LoadHalfLife, "load-half-life", replica.DefaultHalfLife, "half-life of the recent-work signal")
-	f.BoolVar(&withMatcher, "matcher", false, "also run the semantic policy with the MinHash semantic matcher (useful on openai traces)")
-	f.BoolVar(&ablate, "ablations", false, "also run the semantic policy with unit kind weights and with load ignored")
-	f.StringVar(&pictures, "picture", "", "picture modes, comma-separated ("+strings.Join(replay.PictureModes, ",")+
+	f.BoolVar(&o.withMatcher, "matcher", false, "also run the semantic policy with the MinHash semantic matcher (useful on openai traces)")
+	f.BoolVar(&o.ablate, "ablations", false, "also run the semantic policy with unit kind weights and with load ignored")
+	f.StringVar(&o.pictures, "picture", "", "picture modes, comma-separated ("+strings.Join(replay.PictureModes, ",")+
 		"): how the router's picture learns what each replica's engine cache (simulated apart) holds; several run every policy once per mode side by side; "+
 		"empty: feedback, the live router's default for engines without KV events")
-	f.IntVar(&routers, "routers", 1, "send each request to one of this many routers at random, as a Kubernetes Service would, and compare with one router (needs a picture mode; default approximate)")
-	f.StringVar(&syncs, "sync", "none,shared", "with --routers: whether the routers share their pictures and load (none, shared; comma-separated to compare)")
-	f.DurationVar(&syncDelay, "sync-delay", 5*time.Millisecond, "with --sync shared: the time a router's change takes to reach the others")
-	f.BoolVar(&flowControl, "flow-control", false, "also run each policy with the router's queue (flow_control): a request whose replica would queue it waits in the router instead, as the live router does; labelled policy/flow-control")
-	f.StringVar(&pd, "pd", "", "P:D: P prefill replicas and D decode replicas, each request disaggregated as the live router does it (replicas[].role); the replicas are then P+D")
+	f.IntVar(&o.routers, "routers", 1, "send each request to one of this many routers at random, as a Kubernetes Service would, and compare with one router (needs a picture mode; default approximate)")
+	f.StringVar(&o.syncs, "sync", "none,shared", "with --routers: whether the routers share their pictures and load (none, shared; comma-separated to compare)")
+	f.DurationVar(&o.syncDelay, "sync-delay", 5*time.Millisecond, "with --sync shared: the time a router's change takes to reach the others")
+	f.BoolVar(&o.flowControl, "flow-control", false, "also run each policy with the router's queue (flow_control): a request whose replica would queue it waits in the router instead, as the live router does; labelled policy/flow-control")
+	f.StringVar(&o.pd, "pd", "", "P:D: P prefill replicas and D decode replicas, each request disaggregated as the live router does it (replicas[].role); the replicas are then P+D")
 	f.DurationVar(&m.TransferLatency, "transfer-latency", replay.DefaultTransferLatency, "with --pd: a KV transfer's fixed time (0: the default)")
 	f.DurationVar(&m.TransferPerToken, "transfer-per-token", replay.DefaultTransferPerToken, "with --pd: a KV transfer's time per token moved (0: the default)")
 	f.IntVar(&m.MinPrefillTokens, "min-prefill-tokens", replay.DefaultMinPrefillTokens, "with --pd: a request its decode replica would compute less of than this many tokens is not disaggregated (disaggregation.min_prefill_tokens); negative: every request is")
-	f.IntVar(&sample, "requests", 0, "replay only the first this many requests of the trace (0: all)")
+	f.IntVar(&o.sample, "requests", 0, "replay only the first this many requests of the trace (0: all)")
 	f.StringVar(&m.Reuse.Mode, "reuse", replica.ReusePrefix, "the engines' reuse beyond the exact prefix: prefix, blend (position-independent segments, as CacheBlend) or donor (a similar earlier prompt's cached KV, as SGLang's SemanticPrefixProvider; openai traces only); with blend or donor, also runs semantic-prefix-credit, the semantic policy crediting the exact prefix alone")
 	f.Float64Var(&m.Reuse.MinSimilarity, "donor-similarity", replica.DefaultMinSimilarity, "--reuse donor: least similarity of a donor the engines reuse, in (0, 1]")
 	f.Float64Var(&m.Reuse.Recompute, "recompute", replica.DefaultRecompute, "--reuse blend: share of a reused segment's tokens the engine computes again")
 	f.Int64Var(&m.Reuse.BudgetTokens, "reuse-budget-tokens", 0, "--reuse blend: tokens of segments each engine keeps for blending (0: --budget-tokens)")
 	_ = cmd.MarkFlagRequired("trace")
-	return cmd
 }
 
 func newGenTrace() *cobra.Command {

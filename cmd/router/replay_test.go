@@ -95,35 +95,6 @@ func TestCLIReplayMooncakeAndErrors(t *testing.T) {
 	}
 }
 
-func TestCLIBenchProxyRuns(t *testing.T) {
-	t.Setenv("SEMROUTE_TEST_MAIN", "1") // the targets' processes run this binary as the router (TestMain)
-	out := runCLI(t, "benchproxy", "--sizes", "1024", "--requests", "20", "--rounds", "2", "--duration", "50ms", "--concurrency", "2,4",
-		"--throughput-rounds", "1")
-	for _, want := range []string{"replica", "plain proxy", "router", "stream", "whole", "CPU/req", "1024 B whole: router added p99 ÷ plain proxy's: "} {
-		if !strings.Contains(out, want) {
-			t.Fatalf("output lacks %q:\n%s", want, out)
-		}
-	}
-	// nginx is measured where it is installed (deploy/bench/install-nginx.sh).
-	if bin, _ := findNginx("auto"); bin != "" {
-		// (CPU is read in 10 ms ticks: phases this short may show none, and
-		// the ratio line needs some.)
-		if !strings.Contains(out, " nginx ") {
-			t.Fatalf("nginx is installed, the output lacks it:\n%s", out)
-		}
-	} else if !strings.Contains(out, "nginx: not found") {
-		t.Fatalf("nginx is not installed, and the output does not say so:\n%s", out)
-	}
-	for _, line := range strings.Split(out, "\n") {
-		if strings.Contains(line, "÷") || strings.HasPrefix(line, "nginx:") {
-			continue
-		}
-		if f := strings.Fields(line); len(f) > 0 && f[len(f)-1] != "0" && f[len(f)-1] != "errors" {
-			t.Fatalf("errors in %q", line)
-		}
-	}
-}
-
 func TestCLIReplayPictures(t *testing.T) {
 	dir := t.TempDir()
 	trace := filepath.Join(dir, "m.jsonl")

@@ -85,7 +85,7 @@ func TestPoisonFromOneClientAtVolumeDoesNotEject(t *testing.T) {
 	r := serveConfig(t, cfg)
 	c := clientFrom(t, "127.0.0.1")
 	for i := range 30 {
-		if code := postFrom(t, c, r.http.url(), fmt.Sprint("poison ", i)); code != 500 {
+		if code := postFrom(t, c, r.http.URL(), fmt.Sprint("poison ", i)); code != 500 {
 			t.Fatalf("poison request %d: %d, want the replica's 500", i, code)
 		}
 	}
@@ -93,7 +93,7 @@ func TestPoisonFromOneClientAtVolumeDoesNotEject(t *testing.T) {
 	if !rep.Available(time.Now()) {
 		t.Fatal("30 poison requests from one client ejected the replica")
 	}
-	if code := postFrom(t, clientFrom(t, "127.0.0.2"), r.http.url(), "hello"); code != 200 {
+	if code := postFrom(t, clientFrom(t, "127.0.0.2"), r.http.URL(), "hello"); code != 200 {
 		t.Fatalf("another client's request after the poison: %d", code)
 	}
 }
@@ -112,14 +112,14 @@ replicas:
 	one, two := clientFrom(t, "127.0.0.1"), clientFrom(t, "127.0.0.2")
 	rep, _ := r.app.pool.Get("a")
 	for i := range 6 {
-		if code := postFrom(t, one, r.http.url(), fmt.Sprint("poison ", i)); code != 500 {
+		if code := postFrom(t, one, r.http.URL(), fmt.Sprint("poison ", i)); code != 500 {
 			t.Fatalf("poison request %d: %d", i, code)
 		}
 	}
 	if !rep.Available(time.Now()) {
 		t.Fatal("one client's failures ejected the replica")
 	}
-	if code := postFrom(t, two, r.http.url(), "poison 6"); code != 500 {
+	if code := postFrom(t, two, r.http.URL(), "poison 6"); code != 500 {
 		t.Fatalf("the second client's request: %d", code)
 	}
 	if rep.Available(time.Now()) {
@@ -145,7 +145,7 @@ replicas:
 	if rep.Budget() != 65536 || st.Budget != 65536 {
 		t.Fatalf("reported 2^40 tokens: replica budget %d, picture budget %d; want the bound 65536", rep.Budget(), st.Budget)
 	}
-	if m := scrapeURL(t, r.http.url()); !strings.Contains(m, `semroute_replica_budget_clamped_total{replica="a"} 1`) {
+	if m := scrapeURL(t, r.http.URL()); !strings.Contains(m, `semroute_replica_budget_clamped_total{replica="a"} 1`) {
 		t.Fatalf("the clamp was not counted once:\n%s", grepLines(m, "budget"))
 	}
 }

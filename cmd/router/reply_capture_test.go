@@ -134,7 +134,7 @@ func TestHostileReplicaToolCallRepliesBounded(t *testing.T) {
 	cfg := filepath.Join(t.TempDir(), "router.yaml")
 	writeConfig(t, cfg, fmt.Sprintf("health: {check_interval: 1h}\nreplicas:\n  - {name: hostile, url: %q}\n", rep.URL))
 	r := serveConfig(t, cfg)
-	base := r.http.url()
+	base := r.http.URL()
 	replica, _ := r.app.pool.Get("hostile")
 	blocks := func() int64 {
 		st, _ := r.app.cache.Stats(replica.ID)

@@ -224,7 +224,7 @@ func startRouterYAML(t testing.TB, yaml string) *tpRouter {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = r.stop(time.Second) })
-	return &tpRouter{app: a, run: r, url: r.http.url(), log: lb}
+	return &tpRouter{app: a, run: r, url: r.http.URL(), log: lb}
 }
 
 // tpConfig is the YAML of a router in front of reps: the replicas' URLs,

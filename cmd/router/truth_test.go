@@ -143,7 +143,7 @@ func runTruth(t testing.TB, mode, policy string, work [][]byte) *truthRun {
 	if mode == "events" {
 		waitSubscribed(t, d)
 	}
-	run := sendTruth(d.router.url(), work, truthWorkers, nil)
+	run := sendTruth(d.router.URL(), work, truthWorkers, nil)
 	run.mode, run.policy = mode, policy
 	return run
 }

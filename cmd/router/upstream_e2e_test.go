@@ -68,8 +68,8 @@ func TestUpstreamHostileE2EResponseToTheWrongClient(t *testing.T) {
 		return true
 	})
 	r := routerOver(t, url)
-	_, a, _ := rawPost(t, r.http.url(), "/v1/embeddings", []byte(`{"input":"A's private text"}`))
-	_, b, _ := rawPost(t, r.http.url(), "/v1/embeddings", []byte(`{"input":"B"}`))
+	_, a, _ := rawPost(t, r.http.URL(), "/v1/embeddings", []byte(`{"input":"A's private text"}`))
+	_, b, _ := rawPost(t, r.http.URL(), "/v1/embeddings", []byte(`{"input":"B"}`))
 	t.Logf("A got %s\nB got %s", a, b)
 	if strings.Contains(string(b), "private") {
 		t.Errorf("client B received client A's data: %s", b)
@@ -87,8 +87,8 @@ func TestUpstreamHostileE2EDuplicatePOST(t *testing.T) {
 		return false // it has read the request whole: it works on it, then the connection is reset
 	})
 	r := routerOver(t, url)
-	rawPost(t, r.http.url(), "/v1/embeddings", []byte(`{"input":"warm"}`))
-	code, b, _ := rawPost(t, r.http.url(), "/v1/embeddings", []byte(`{"input":"once"}`))
+	rawPost(t, r.http.URL(), "/v1/embeddings", []byte(`{"input":"warm"}`))
+	code, b, _ := rawPost(t, r.http.URL(), "/v1/embeddings", []byte(`{"input":"once"}`))
 	t.Logf("%d %s; replica got %d POSTs for the second request", code, b, n.Load()-1)
 	if n.Load() != 2 {
 		t.Errorf("the second POST reached the replica %d times", n.Load()-1)
@@ -113,7 +113,7 @@ func TestUpstreamHostileE2EEarlyAnswerLost(t *testing.T) {
 	})
 	r := routerOver(t, url)
 	big := `{"input":"` + strings.Repeat("x", 8<<20) + `"}`
-	code, b, _ := rawPost(t, r.http.url(), "/v1/embeddings", []byte(big))
+	code, b, _ := rawPost(t, r.http.URL(), "/v1/embeddings", []byte(big))
 	close(answered)
 	t.Logf("%d %s", code, b)
 	if code != 413 {
@@ -136,7 +136,7 @@ func TestUpstreamHostileE2EEarlyAnswerHangs(t *testing.T) {
 	big := `{"input":"` + strings.Repeat("x", 8<<20) + `"}`
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	req, _ := http.NewRequestWithContext(ctx, "POST", r.http.url()+"/v1/embeddings", strings.NewReader(big))
+	req, _ := http.NewRequestWithContext(ctx, "POST", r.http.URL()+"/v1/embeddings", strings.NewReader(big))
 	start := time.Now()
 	resp, err := http.DefaultClient.Do(req)
 	if err == nil {
@@ -165,7 +165,7 @@ func TestUpstreamHostileE2E101Leak(t *testing.T) {
 	count := func() int { es, _ := os.ReadDir("/proc/self/fd"); return len(es) }
 	before := count()
 	for range 50 {
-		if code, _, _ := rawPost(t, r.http.url(), "/v1/embeddings", []byte(`{}`)); code != http.StatusBadGateway && code != http.StatusServiceUnavailable {
+		if code, _, _ := rawPost(t, r.http.URL(), "/v1/embeddings", []byte(`{}`)); code != http.StatusBadGateway && code != http.StatusServiceUnavailable {
 			t.Fatalf("a replica's unasked 101 reached the client as %d, want 502 or 503", code)
 		}
 	}

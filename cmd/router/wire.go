@@ -35,6 +35,7 @@ import (
 	"github.com/semroute/semroute/decisionlog"
 	"github.com/semroute/semroute/eviction"
 	"github.com/semroute/semroute/flow"
+	"github.com/semroute/semroute/internal/httpserve"
 	"github.com/semroute/semroute/kubedisc"
 	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/matcher"
@@ -99,31 +100,83 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	if err := cfg.CheckServable(); err != nil {
 		return nil, err
 	}
+	specs := specsOf(cfg.Replicas)
+	eng, arms, err := newEngine(cfg, specs, log)
+	if err != nil {
+		return nil, err
+	}
+	fleet, err := newFleet(cfg.Cluster, cfg.Health.Ejection(), eng, log)
+	if err != nil {
+		return nil, err
+	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	ag := newAgreement(log)
+	copts, dl, err := coreOptions(cfg, eng, arms, reg, ag, log)
+	if err != nil {
+		return nil, err
+	}
+	// The monitor is made below, once the app is: a request for a model no
+	// replica lists has the replicas' lists read again first.
+	var mon *monitor.Monitor
+	copts.RefreshModels = func(ctx context.Context) {
+		if mon != nil {
+			mon.RefreshAllModels(ctx)
+		}
+	}
+	core, err := router.NewCore(copts)
+	if err != nil {
+		return nil, err
+	}
+	srv, keys, stopTracing, err := newServer(cfg, core, copts.Metrics, reg, fleet, log)
+	if err != nil {
+		return nil, err
+	}
+	cache, pool := eng.Picture(), eng.Pool()
+	registerOps(reg, pool, cache, dl, core)
+	reg.MustRegister(agreementMetrics{ag, pool})
+	if fleet != nil {
+		reg.MustRegister(fleetMetrics{fleet})
+	}
+	a := &app{agreement: ag, cfg: cfg, log: log, cache: cache, pool: pool, engine: eng, core: core, server: srv, decisions: dl, reg: reg, stopTracing: stopTracing, fleet: fleet,
+		file: replica.NewStatic("config", specs), admin: replica.NewStatic("admin", nil)}
+	a.current.Store(cfg)
+	a.ctx, a.stopCtx = context.WithCancel(context.Background())
+	if keys != nil {
+		a.watchKeys(keys)
+	}
+	a.events = newFollowers(cache, eng, cmp.Or(cfg.Tokenizer.BlockTokens, 16), precise(cfg.Tokenizer), log)
+	reg.MustRegister(a.events)
+	if err := a.joinReplicas(copts.Metrics); err != nil {
+		return nil, err
+	}
+	a.reloads = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_config_reloads_total",
+		Help: "Config reloads by result: ok, restart_required (applied, but some changed keys take effect only after a restart), failed."}, []string{"result"})
+	reg.MustRegister(a.reloads)
+	for _, r := range []string{"ok", "restart_required", "failed"} {
+		a.reloads.WithLabelValues(r) // 0 from the first scrape: an alert on the first failure has a series to rise from
+	}
+	a.monitor = a.newMonitor()
+	mon = a.monitor
+	reg.MustRegister(restartCollector{pool, a.monitor, a.events})
+	return a, nil
+}
+
+// newEngine builds the routing engine of cfg (its eviction policy, the
+// semantic matcher when it or a donor engine needs one, its weights) over
+// the replicas specs, and the A/B arms that route with it.
+func newEngine(cfg *configs.Config, specs []replica.Spec, log *slog.Logger) (*routing.Engine, []router.Arm, error) {
 	evict, err := eviction.New(cfg.Cache.Eviction)
 	if err != nil {
-		return nil, fmt.Errorf("config: cache.eviction: %w", err)
+		return nil, nil, fmt.Errorf("config: cache.eviction: %w", err)
 	}
-	specs := specsOf(cfg.Replicas)
-	// The donor index keeps what the least demanding use of it takes: each
-	// donor engine's own threshold is applied when it is credited.
-	var sims []float64
-	if mc := cfg.Routing.Matcher; mc.Enabled {
-		sims = append(sims, mc.MinSimilarity)
-	}
-	for _, sp := range specs {
-		if sp.Reuse.Donor() {
-			sims = append(sims, sp.Reuse.Similarity())
-		}
-	}
-	var mt routing.Matcher
-	if len(sims) > 0 {
-		if mt, err = matcher.New(matcher.Options{MinSimilarity: slices.Min(sims), MaxDonors: cfg.Routing.Matcher.MaxDonors}); err != nil {
-			return nil, fmt.Errorf("config: routing.semantic_matcher: %w", err)
-		}
+	mt, err := matcherFor(cfg.Routing.Matcher, specs)
+	if err != nil {
+		return nil, nil, err
 	}
 	arms, err := armsFor(cfg)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	eng, err := routing.New(routing.Options{
 		LoadHalfLife: cfg.Routing.LoadHalfLife, Eviction: evict,
@@ -140,68 +193,92 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 			MatcherThreshold: cfg.Routing.Matcher.Threshold},
 	})
 	if err != nil {
-		return nil, fmt.Errorf("config: %w", err)
+		return nil, nil, fmt.Errorf("config: %w", err)
 	}
-	cache, pool := eng.Picture(), eng.Pool()
-	fleet, err := newFleet(cfg.Cluster, cfg.Health.Ejection(), eng, log)
+	return eng, arms, nil
+}
+
+// matcherFor returns the semantic matcher the config's matcher section
+// and the donor engines among specs need, nil when none does. Its donor
+// index keeps what the least demanding use of it takes: each donor
+// engine's own threshold is applied when it is credited.
+func matcherFor(mc configs.MatcherConfig, specs []replica.Spec) (routing.Matcher, error) {
+	var sims []float64
+	if mc.Enabled {
+		sims = append(sims, mc.MinSimilarity)
+	}
+	for _, sp := range specs {
+		if sp.Reuse.Donor() {
+			sims = append(sims, sp.Reuse.Similarity())
+		}
+	}
+	if len(sims) == 0 {
+		return nil, nil
+	}
+	mt, err := matcher.New(matcher.Options{MinSimilarity: slices.Min(sims), MaxDonors: mc.MaxDonors})
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("config: routing.semantic_matcher: %w", err)
 	}
-	var dl *decisionlog.Writer
+	return mt, nil
+}
+
+// coreOptions returns the Core's options for cfg, but for RefreshModels,
+// and the decision log it opened (nil when off): the request metrics in
+// reg, flow control, and in precise mode the tokenizer, whose calls ag
+// judges.
+func coreOptions(cfg *configs.Config, eng *routing.Engine, arms []router.Arm, reg *prometheus.Registry, ag *agreement.Tracker, log *slog.Logger) (router.CoreOptions, *decisionlog.Writer, error) {
 	copts := router.CoreOptions{Engine: eng, Arms: arms, Salt: cfg.Routing.ArmSalt,
 		RawIDs: cfg.DecisionLog.RawIDs, LogPrompts: cfg.DecisionLog.LogPrompts, Feedback: cfg.Cache.Feedback,
 		Unreleased: limits.Unreleased{Max: cfg.GRPC.MaxUnreleasedDecisions, MaxBlocks: cfg.GRPC.MaxUnreleasedBlocks, ReleaseAfter: cfg.Routing.ReleaseAfter},
 		PD:         router.PDOptions{MinPrefillTokens: cfg.Disaggregation.MinPrefillTokens},
 		// With API keys the tenant is proven: a stored response's id the
 		// router cannot prove is the caller's is refused.
-		StrictResponses: cfg.Auth.APIKeysFile != ""}
+		StrictResponses: cfg.Auth.APIKeysFile != "", Agreement: ag}
+	var dl *decisionlog.Writer
 	if d := cfg.DecisionLog; d.Path != "" {
+		var err error
 		dl, err = decisionlog.Open(decisionlog.Options{Path: d.Path, MaxBytes: d.MaxBytes, MaxFiles: d.MaxFiles, Buffer: d.Buffer, FsyncInterval: d.FsyncInterval, Logger: log})
 		if err != nil {
-			return nil, fmt.Errorf("config: decision_log: %w", err)
+			return copts, nil, fmt.Errorf("config: decision_log: %w", err)
 		}
 		copts.Log = dl
 	}
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	var err error
 	if copts.Metrics, err = router.NewMetrics(reg); err != nil {
-		return nil, err
+		return copts, nil, err
 	}
 	copts.Metrics.LabelTenants(cfg.Metrics.TenantLabels)
-	ag := newAgreement(log)
-	copts.Agreement = ag
 	if f := cfg.FlowControl; f.Enabled {
 		copts.Flow = &flow.Options[*replica.Replica]{MaxRequests: f.MaxRequests, MaxBytes: f.MaxBytes, TTL: f.TTL, LookAhead: f.LookAhead, AgeBound: f.AgeBound}
 		copts.Reserve = f.Reserve
 	}
-	precise := cfg.Tokenizer.Mode != "estimate"
-	if precise {
-		tok, err := tokenizerFor(cfg.Tokenizer.URL, cfg.Tokenizer.Timeout, cfg.Tokenizer.CacheTokens, pool, ag)
+	if precise(cfg.Tokenizer) {
+		tok, err := tokenizerFor(cfg.Tokenizer.URL, cfg.Tokenizer.Timeout, cfg.Tokenizer.CacheTokens, eng.Pool(), ag)
 		if err != nil {
-			return nil, fmt.Errorf("config: tokenizer: %w", err)
+			return copts, nil, fmt.Errorf("config: tokenizer: %w", err)
 		}
 		copts.Tokenizer, copts.BlockTokens = tok, cmp.Or(cfg.Tokenizer.BlockTokens, 16)
 	}
-	// The monitor is made below, once the app is: a request for a model no
-	// replica lists has the replicas' lists read again first.
-	var mon *monitor.Monitor
-	copts.RefreshModels = func(ctx context.Context) {
-		if mon != nil {
-			mon.RefreshAllModels(ctx)
-		}
-	}
-	core, err := router.NewCore(copts)
-	if err != nil {
-		return nil, err
-	}
+	return copts, dl, nil
+}
+
+// precise reports whether the router is in precise mode: the engine's
+// token ids from a replica's /tokenize, not estimated tokens.
+func precise(c configs.TokenizerConfig) bool { return c.Mode != "estimate" }
+
+// newServer builds the HTTP front door of core for cfg: its tracer (and
+// what stops it), its API keys (nil without auth.api_keys_file), limits,
+// timeouts and metrics (m in reg), ready once the fleet's warm start is
+// done.
+func newServer(cfg *configs.Config, core *router.Core, m *router.Metrics, reg *prometheus.Registry, fleet *cluster.Fleet, log *slog.Logger) (*router.Server, *apikey.Set, func(context.Context) error, error) {
 	tracer, stopTracing, err := newTracer(cfg.Tracing)
 	if err != nil {
-		return nil, err
+		return nil, nil, nil, err
 	}
 	var keys *apikey.Set
 	if f := cfg.Auth.APIKeysFile; f != "" {
 		if keys, err = apikey.Load(f); err != nil {
-			return nil, err
+			return nil, nil, nil, err
 		}
 	}
 	srv, err := router.NewServer(router.ServerOptions{
@@ -218,58 +295,63 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 		Priorities: cfg.FlowControl.Priorities,
 	})
 	if err != nil {
-		return nil, err
+		return nil, nil, nil, err
 	}
-	registerOps(reg, pool, cache, dl, core)
-	reg.MustRegister(agreementMetrics{ag, pool})
-	if fleet != nil {
-		reg.MustRegister(fleetMetrics{fleet})
-	}
-	a := &app{agreement: ag, cfg: cfg, log: log, cache: cache, pool: pool, engine: eng, core: core, server: srv, decisions: dl, reg: reg, stopTracing: stopTracing, fleet: fleet,
-		file: replica.NewStatic("config", specs), admin: replica.NewStatic("admin", nil)}
-	a.current.Store(cfg)
-	a.ctx, a.stopCtx = context.WithCancel(context.Background())
-	if keys != nil {
-		go keys.Watch(a.ctx, keysReload,
-			func() { log.Info("API keys reloaded", "path", cfg.Auth.APIKeysFile, "tenants", len(keys.Tenants())) },
-			func(err error) {
-				log.Error("API keys file refused: no key is accepted until it is valid again", "path", cfg.Auth.APIKeysFile, "err", err)
-			})
-	}
-	a.events = newFollowers(cache, eng, cmp.Or(cfg.Tokenizer.BlockTokens, 16), precise, log)
-	reg.MustRegister(a.events)
-	a.members = replica.NewMembership(pool, replica.MembershipOptions{
+	return srv, keys, stopTracing, nil
+}
+
+// watchKeys follows the API keys file while the app runs, logging each
+// reload and each refusal (no key is then accepted).
+func (a *app) watchKeys(keys *apikey.Set) {
+	path := a.cfg.Auth.APIKeysFile
+	go keys.Watch(a.ctx, keysReload,
+		func() { a.log.Info("API keys reloaded", "path", path, "tenants", len(keys.Tenants())) },
+		func(err error) {
+			a.log.Error("API keys file refused: no key is accepted until it is valid again", "path", path, "err", err)
+		})
+}
+
+// joinReplicas makes the membership that keeps the pool in step with its
+// sources, each replica added to the engine, its KV events followed and
+// its metrics (m) made, and adds the config file's replicas. On failure it
+// stops what the app started.
+func (a *app) joinReplicas(m *router.Metrics) error {
+	a.members = replica.NewMembership(a.pool, replica.MembershipOptions{
 		Add: func(s replica.Spec) (*replica.Replica, error) {
-			r, err := eng.AddReplica(s)
+			r, err := a.engine.AddReplica(s)
 			if err == nil {
 				a.events.add(r, s)
-				copts.Metrics.Replica(r.Name)
+				m.Replica(r.Name)
 			}
 			return r, err
 		},
-		Retire: a.retire, Precedence: []string{"config", "admin", "dns", "kubernetes"}, Context: a.ctx, Logger: log,
+		Retire: a.retire, Precedence: []string{"config", "admin", "dns", "kubernetes"}, Context: a.ctx, Logger: a.log,
 	})
 	if err := a.members.Reconcile(a.ctx, a.file); err != nil {
 		a.stopCtx()
 		a.events.close()
-		return nil, fmt.Errorf("config: replicas: %w", err)
+		return fmt.Errorf("config: replicas: %w", err)
 	}
-	a.reloads = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_config_reloads_total",
-		Help: "Config reloads by result: ok, restart_required (applied, but some changed keys take effect only after a restart), failed."}, []string{"result"})
-	reg.MustRegister(a.reloads)
-	for _, r := range []string{"ok", "restart_required", "failed"} {
-		a.reloads.WithLabelValues(r) // 0 from the first scrape: an alert on the first failure has a series to rise from
-	}
+	return nil
+}
+
+// newMonitor returns the health checks and scrapes of the pool's replicas
+// the config asks for: each budget a replica reports set in the picture
+// (held to cache.max_budget_tokens, the clamps counted in a.reg), engine
+// restarts clearing its picture, its LoRA adapters keyed as its engine
+// keys them.
+func (a *app) newMonitor() *monitor.Monitor {
+	cfg, eng := a.cfg, a.engine
 	h := cfg.Health
 	clamped := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_replica_budget_clamped_total",
 		Help: "Budgets a replica reported (vllm:cache_config_info) above cache.max_budget_tokens, held to it."}, []string{"replica"})
-	reg.MustRegister(clamped)
-	a.monitor = monitor.New(pool, monitor.Options{
+	a.reg.MustRegister(clamped)
+	return monitor.New(a.pool, monitor.Options{
 		MaxBudget:       cfg.Cache.MaxBudgetTokens,
 		Authorization:   bearerValue(cfg.Auth.UpstreamAPIKey),
 		OnBudgetClamped: func(r *replica.Replica, _, _ int64) { clamped.WithLabelValues(r.Name).Inc() },
 		CheckInterval:   h.CheckInterval, CheckTimeout: h.CheckTimeout, Fall: h.Fall, Rise: h.Rise,
-		ScrapeInterval: scrapeInterval(h.ScrapeInterval), Logger: log,
+		ScrapeInterval: scrapeInterval(h.ScrapeInterval), Logger: a.log,
 		OnBudget: func(r *replica.Replica, tokens int64) {
 			clamped.WithLabelValues(r.Name) // 0 until it reports too much
 			eng.Picture().SetBudget(r.ID, tokens)
@@ -281,9 +363,6 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 			}
 		},
 	})
-	mon = a.monitor
-	reg.MustRegister(restartCollector{pool, a.monitor, a.events})
-	return a, nil
 }
 
 // scrapeInterval maps the config's 0 (off) to the monitor's negative.
@@ -343,8 +422,8 @@ func mainMetrics(c configs.MetricsConfig, reg *prometheus.Registry) http.Handler
 
 type running struct {
 	app     *app
-	http    *listening
-	admin   *listening // nil when off
+	http    *httpserve.Server
+	admin   *httpserve.Server // nil when off
 	grpc    *grpc.Server
 	grpcLn  net.Listener
 	cancel  context.CancelFunc
@@ -362,13 +441,13 @@ func (a *app) start() (*running, error) {
 			return nil, err
 		}
 	}
-	if r.http, err = serve(a.cfg.Listen, a.server, a.log); err != nil {
+	if r.http, err = httpserve.Serve(a.cfg.Listen, a.server, a.log); err != nil {
 		return nil, err
 	}
 	if a.cfg.GRPCListen != "" {
 		ln, err := net.Listen("tcp", a.cfg.GRPCListen)
 		if err != nil {
-			_ = r.http.stop(time.Second)
+			_ = r.http.Stop(time.Second)
 			return nil, fmt.Errorf("listen %s: %w", a.cfg.GRPCListen, err)
 		}
 		// At most grpcMaxConns connections at once: more wait to be
@@ -377,7 +456,7 @@ func (a *app) start() (*running, error) {
 		r.grpcLn = netutil.LimitListener(ln, grpcMaxConns)
 		creds, err := grpcCreds(a.cfg.GRPC)
 		if err != nil {
-			_ = r.http.stop(time.Second)
+			_ = r.http.Stop(time.Second)
 			_ = r.grpcLn.Close()
 			return nil, err
 		}
@@ -401,9 +480,9 @@ func (a *app) start() (*running, error) {
 	go func() { defer wg.Done(); a.monitor.Run(ctx) }()
 	go func() { defer wg.Done(); a.judgeEvents(ctx, 5*time.Second) }()
 	if c := a.cfg.Admin; c.Listen != "" && c.Token != "" {
-		if r.admin, err = serve(c.Listen, a.adminHandler(), a.log); err != nil {
+		if r.admin, err = httpserve.Serve(c.Listen, a.adminHandler(), a.log); err != nil {
 			cancel()
-			_ = r.http.stop(time.Second)
+			_ = r.http.Stop(time.Second)
 			return nil, err
 		}
 	}
@@ -418,7 +497,7 @@ func (a *app) start() (*running, error) {
 		src, err := a.kubernetes(ctx, d)
 		if err != nil {
 			cancel()
-			_ = r.http.stop(time.Second)
+			_ = r.http.Stop(time.Second)
 			return nil, err
 		}
 		wg.Add(1)
@@ -428,7 +507,7 @@ func (a *app) start() (*running, error) {
 		w, err := a.watch(ctx)
 		if err != nil {
 			cancel()
-			_ = r.http.stop(time.Second)
+			_ = r.http.Stop(time.Second)
 			return nil, err
 		}
 		wg.Add(1)
@@ -455,7 +534,7 @@ func (r *running) stop(grace time.Duration) error {
 
 func (r *running) shutdown(grace time.Duration) error {
 	var errs []error
-	errs = append(errs, r.http.stop(grace))
+	errs = append(errs, r.http.Stop(grace))
 	if r.grpc != nil {
 		done := make(chan struct{})
 		go func() { r.grpc.GracefulStop(); close(done) }()
@@ -466,7 +545,7 @@ func (r *running) shutdown(grace time.Duration) error {
 		}
 	}
 	if r.admin != nil {
-		errs = append(errs, r.admin.stop(grace))
+		errs = append(errs, r.admin.Stop(grace))
 	}
 	if r.app.fleet != nil {
 		r.app.fleet.Close() // after the requests in flight ended: their ends reach the peers
@@ -508,63 +587,6 @@ func armsFor(cfg *configs.Config) ([]router.Arm, error) {
 	}
 	return arms, nil
 }
-
-// listening is an HTTP server on a socket.
-type listening struct {
-	srv     *http.Server
-	addr    string // host:port actually bound
-	done    chan error
-	once    sync.Once
-	stopErr error
-}
-
-// serve starts h on addr ("127.0.0.1:0" picks a port).
-func serve(addr string, h http.Handler, log *slog.Logger) (*listening, error) {
-	ln, err := net.Listen("tcp", addr)
-	if err != nil {
-		return nil, fmt.Errorf("listen %s: %w", addr, err)
-	}
-	l := &listening{
-		srv: &http.Server{
-			Handler:           h,
-			ReadHeaderTimeout: 10 * time.Second,
-			ReadTimeout:       60 * time.Second, // headers and body: a slow upload cannot hold a connection
-			IdleTimeout:       120 * time.Second,
-			// The router answers headers over limits.max_header_bytes with
-			// an OpenAI-style 431; this is the hard cap above that.
-			MaxHeaderBytes: 1 << 20,
-			ErrorLog:       slog.NewLogLogger(log.Handler(), slog.LevelWarn),
-		},
-		addr: ln.Addr().String(),
-		done: make(chan error, 1),
-	}
-	go func() {
-		err := l.srv.Serve(ln)
-		if errors.Is(err, http.ErrServerClosed) {
-			err = nil
-		}
-		l.done <- err
-	}()
-	return l, nil
-}
-
-// stop shuts the server down gracefully, waiting up to grace for requests in
-// flight, then closes what is left.
-// It is safe to call more than once.
-func (l *listening) stop(grace time.Duration) error {
-	l.once.Do(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), grace)
-		defer cancel()
-		if err := l.srv.Shutdown(ctx); err != nil {
-			_ = l.srv.Close()
-		}
-		l.stopErr = <-l.done
-	})
-	return l.stopErr
-}
-
-// url returns the server's base URL.
-func (l *listening) url() string { return "http://" + strings.Replace(l.addr, "[::]", "127.0.0.1", 1) }
 
 // keysReload is how often the API keys file is read again for changes (a
 // mounted Secret changes in place).

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Installs nginx from the Debian/Ubuntu packages, for `router benchproxy`
+# Installs nginx from the Debian/Ubuntu packages, for `go run ./cmd/benchproxy`
 # to measure the router beside it (--nginx auto finds it on PATH or at
 # /usr/sbin/nginx). The benchmark runs nginx with its own configuration and
 # prefix directory; the package's service is not needed.
