@@ -124,7 +124,7 @@ func (a *app) adminList(w http.ResponseWriter, _ *http.Request) {
 	now := time.Now()
 	out := []adminReplica{}
 	for _, r := range a.pool.Replicas() {
-		st, _ := a.cache.Stats(r.ID)
+		st, _ := a.pic.Stats(r.ID)
 		l := r.Load(now)
 		out = append(out, adminReplica{r.Name, r.PublicURL(), a.members.Owner(r.Name), r.Healthy(now), r.Draining(), l.InFlight, l.PendingTokens,
 			st.Budget, r.Budget() == 0, st.Blocks, st.Tokens})

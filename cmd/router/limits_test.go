@@ -277,7 +277,7 @@ replicas:
 		}
 	}
 	rep, _ := r.app.pool.Get("a")
-	st, _ := r.app.cache.Stats(rep.ID)
+	st, _ := r.app.pic.Stats(rep.ID)
 	t.Logf("picture of a: %d tokens in %d blocks, budget %d", st.Tokens, st.Blocks, st.Budget)
 	if st.Budget != configs.DefaultBudgetTokens || st.Tokens > st.Budget || st.Evictions == 0 {
 		t.Fatalf("unbounded picture: %+v", st)
@@ -295,7 +295,7 @@ replicas:
 	if resp.StatusCode != 200 || !ok {
 		t.Fatalf("add with budget_tokens: %d %s", resp.StatusCode, body)
 	}
-	if st, _ := r.app.cache.Stats(b.ID); st.Budget != 5000 {
+	if st, _ := r.app.pic.Stats(b.ID); st.Budget != 5000 {
 		t.Fatalf("budget_tokens not applied: %+v", st)
 	}
 }

@@ -422,7 +422,7 @@ func TestRestartedReplicaPictureCleared(t *testing.T) {
 		t.Fatal(code, err)
 	}
 	rep, _ := a.pool.Get("s")
-	if st, _ := a.cache.Stats(rep.ID); st.Blocks == 0 {
+	if st, _ := a.pic.Stats(rep.ID); st.Blocks == 0 {
 		t.Fatal("nothing tracked after a request")
 	}
 	// A scrape must see the counters after the request before the restart
@@ -432,7 +432,7 @@ func TestRestartedReplicaPictureCleared(t *testing.T) {
 	testwait.Until(t, "a scrape after the request", func() bool { return scrapes.Load() >= after })
 	sims[0].Restart()
 	testwait.Until(t, "the restarted replica's picture cleared", func() bool {
-		st, _ := a.cache.Stats(rep.ID)
+		st, _ := a.pic.Stats(rep.ID)
 		return st.Blocks == 0
 	})
 }

@@ -141,7 +141,7 @@ replicas:
 	r := serveConfig(t, cfg)
 	rep, _ := r.app.pool.Get("a")
 	testwait.Until(t, "the replica's reported budget taken", func() bool { return rep.Budget() != 0 })
-	st, _ := r.app.cache.Stats(rep.ID)
+	st, _ := r.app.pic.Stats(rep.ID)
 	if rep.Budget() != 65536 || st.Budget != 65536 {
 		t.Fatalf("reported 2^40 tokens: replica budget %d, picture budget %d; want the bound 65536", rep.Budget(), st.Budget)
 	}

@@ -137,7 +137,7 @@ func TestHostileReplicaToolCallRepliesBounded(t *testing.T) {
 	base := r.http.URL()
 	replica, _ := r.app.pool.Get("hostile")
 	blocks := func() int64 {
-		st, _ := r.app.cache.Stats(replica.ID)
+		st, _ := r.app.pic.Stats(replica.ID)
 		return st.Blocks
 	}
 	client := &http.Client{Transport: &http.Transport{}}

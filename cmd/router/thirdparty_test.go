@@ -253,7 +253,7 @@ func waitBudgets(t testing.TB, r *tpRouter, n int, tokens int64) {
 	testwait.Value(t, fmt.Sprint("the router to learn ", n, " replicas' budgets"), func() (int, bool) {
 		ok := 0
 		for id := range n {
-			if st, found := r.app.cache.Stats(id); found && st.Budget == tokens {
+			if st, found := r.app.pic.Stats(id); found && st.Budget == tokens {
 				ok++
 			}
 		}
@@ -493,7 +493,7 @@ func tpWaitRestartSeen(t *testing.T, r *tpRouter, name string, resets float64) {
 		t.Fatalf("the restart of %s was not seen without traffic (events %+v):\n%s", name, r.app.events.stats(), r.log.String())
 	}
 	rep, _ := r.app.core.Engine().Pool().Get(name)
-	if st, _ := r.app.cache.Stats(rep.ID); st.Blocks != 0 {
+	if st, _ := r.app.pic.Stats(rep.ID); st.Blocks != 0 {
 		t.Fatalf("%s's picture holds %d blocks after its restart, before any request reached it", name, st.Blocks)
 	}
 	testwait.Until(t, name+" taken back after its restart", func() bool { return rep.Available(time.Now()) })

@@ -50,7 +50,7 @@ type app struct {
 	agreement *agreement.Tracker // each replica's sources against its engine
 	cfg       *configs.Config    // as built; see current for reloads
 	log       *slog.Logger
-	cache     *routing.Picture
+	pic       *routing.Picture
 	pool      *replica.Pool
 	engine    *routing.Engine
 	core      *router.Core
@@ -132,20 +132,20 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 	if err != nil {
 		return nil, err
 	}
-	cache, pool := eng.Picture(), eng.Pool()
-	registerOps(reg, pool, cache, dl, core)
+	pic, pool := eng.Picture(), eng.Pool()
+	registerOps(reg, pool, pic, dl, core)
 	reg.MustRegister(agreementMetrics{ag, pool})
 	if fleet != nil {
 		reg.MustRegister(fleetMetrics{fleet})
 	}
-	a := &app{agreement: ag, cfg: cfg, log: log, cache: cache, pool: pool, engine: eng, core: core, server: srv, decisions: dl, reg: reg, stopTracing: stopTracing, fleet: fleet,
+	a := &app{agreement: ag, cfg: cfg, log: log, pic: pic, pool: pool, engine: eng, core: core, server: srv, decisions: dl, reg: reg, stopTracing: stopTracing, fleet: fleet,
 		file: replica.NewStatic("config", specs), admin: replica.NewStatic("admin", nil)}
 	a.current.Store(cfg)
 	a.ctx, a.stopCtx = context.WithCancel(context.Background())
 	if keys != nil {
 		a.watchKeys(keys)
 	}
-	a.events = newFollowers(cache, eng, cmp.Or(cfg.Tokenizer.BlockTokens, 16), precise(cfg.Tokenizer), log)
+	a.events = newFollowers(pic, eng, cmp.Or(cfg.Tokenizer.BlockTokens, 16), precise(cfg.Tokenizer), log)
 	reg.MustRegister(a.events)
 	if err := a.joinReplicas(copts.Metrics); err != nil {
 		return nil, err
