@@ -199,8 +199,11 @@ func TestGRPCHeldDecisionsAreCapped(t *testing.T) {
 	sims := startSims(t, 2, fastSim)
 	cfg := filepath.Join(t.TempDir(), "router.yaml")
 	const maxHeld = 1000
+	// Estimated, not tokenized: the heap's bound is the unreleased
+	// decisions', not the tokenizer cache's (tokenizer.cache_tokens).
 	writeConfig(t, cfg, fmt.Sprintf(`grpc_listen: 127.0.0.1:0
 grpc: {token: tok, max_unreleased_decisions: %d}
+tokenizer: {mode: estimate}
 replicas:
   - {name: a, url: %q}
   - {name: b, url: %q}
