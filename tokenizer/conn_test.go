@@ -1,7 +1,9 @@
 package tokenizer
 
 import (
+	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -155,5 +157,173 @@ func TestCallsReuseConnections(t *testing.T) {
 				t.Fatalf("stats %+v: every call should have been sent", s)
 			}
 		})
+	}
+}
+
+// scripted is a raw TCP server: each connection is handed to serve, which
+// reads the call's request from br and writes what it likes.
+func scripted(t *testing.T, serve func(c net.Conn, br *bufio.Reader, n int)) (url string, conns *atomic.Int64) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	conns = &atomic.Int64{}
+	var (
+		wg   sync.WaitGroup
+		mu   sync.Mutex
+		open []net.Conn
+	)
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		for _, c := range open {
+			c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			open = append(open, c)
+			mu.Unlock()
+			n := int(conns.Add(1))
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer c.Close()
+				serve(c, bufio.NewReader(c), n)
+			}()
+		}
+	}()
+	return "http://" + ln.Addr().String(), conns
+}
+
+// readCall reads one request and its body.
+func readCall(br *bufio.Reader) error {
+	req, err := http.ReadRequest(br)
+	if err != nil {
+		return err
+	}
+	_, err = io.Copy(io.Discard, req.Body)
+	return err
+}
+
+const okAnswer = "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 35\r\n\r\n" + `{"count":3,"tokens":[1,2,3]}       `
+
+// TestPooledConnectionClosedIsCalledAgain: a replica that closes each
+// connection after one answer, without saying so, costs no failed call:
+// the call on the closed connection, which got no byte of answer, goes
+// again on a new one.
+func TestPooledConnectionClosedIsCalledAgain(t *testing.T) {
+	url, conns := scripted(t, func(c net.Conn, br *bufio.Reader, _ int) {
+		if readCall(br) == nil {
+			_, _ = io.WriteString(c, okAnswer)
+		}
+	})
+	c, err := New(Options{URL: url, Timeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 20 {
+		ids, err := c.Prompt(context.Background(), "m", []byte(fmt.Sprintf(`"prompt %d"`, i)))
+		if err != nil || len(ids) != 3 {
+			t.Fatalf("call %d: %v %v", i, ids, err)
+		}
+	}
+	if s := c.Stats(); s.Failures != 0 || s.Calls != 20 {
+		t.Fatalf("stats %+v", s)
+	}
+	if n := conns.Load(); n < 20 {
+		t.Fatalf("%d connections for 20 calls on connections closed after each", n)
+	}
+}
+
+// TestIdleBytesAreNotAnAnswer: bytes a replica sends on an idle connection
+// (here a whole answer nobody asked for) are not read as the next call's
+// answer: a connection that idled is peeked at and left.
+func TestIdleBytesAreNotAnAnswer(t *testing.T) {
+	url, conns := scripted(t, func(c net.Conn, br *bufio.Reader, _ int) {
+		for readCall(br) == nil {
+			_, _ = io.WriteString(c, okAnswer)
+			_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 30\r\n\r\n"+`{"count":1,"tokens":[666]}    `)
+		}
+	})
+	c, err := New(Options{URL: url, Timeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.conns.peekAfter = 0 // every reuse peeks
+	for i := range 5 {
+		ids, err := c.Prompt(context.Background(), "m", []byte(fmt.Sprintf(`"prompt %d"`, i)))
+		if err != nil || len(ids) != 3 {
+			t.Fatalf("call %d: %v %v", i, ids, err)
+		}
+		time.Sleep(20 * time.Millisecond) // the unasked answer arrives
+	}
+	if n := conns.Load(); n != 5 {
+		t.Fatalf("%d connections, want 5: each left for the bytes on it", n)
+	}
+}
+
+// TestCallCancelled: a call whose request is cancelled ends then, with the
+// context's error (not ErrSlow, which the 10 s timeout would give: the
+// replica was not slow), and its connection is not kept.
+func TestCallCancelled(t *testing.T) {
+	late := make(chan struct{}) // the first connection's answer comes at the test's end
+	url, conns := scripted(t, func(c net.Conn, br *bufio.Reader, n int) {
+		for readCall(br) == nil {
+			if n == 1 {
+				<-late
+			}
+			_, _ = io.WriteString(c, okAnswer)
+		}
+	})
+	t.Cleanup(func() { close(late) }) // before the server's cleanup
+	c, err := New(Options{URL: url, Timeout: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	time.AfterFunc(50*time.Millisecond, cancel)
+	if _, err = c.Prompt(ctx, "m", []byte(`"late"`)); !errors.Is(err, context.Canceled) || errors.Is(err, ErrSlow) {
+		t.Fatalf("cancelled call: %v", err)
+	}
+	if ids, err := c.Prompt(context.Background(), "m", []byte(`"next"`)); err != nil || len(ids) != 3 {
+		t.Fatalf("next call: %v %v", ids, err)
+	}
+	if n := conns.Load(); n != 2 {
+		t.Fatalf("%d connections, want 2: the cancelled call's is not reused", n)
+	}
+}
+
+// TestAnswerHeadersBounded: an answer's headers past maxHeaderBytes fail
+// the call, unread further.
+func TestAnswerHeadersBounded(t *testing.T) {
+	url, _ := scripted(t, func(c net.Conn, br *bufio.Reader, _ int) {
+		if readCall(br) != nil {
+			return
+		}
+		_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\n")
+		line := "X-Pad: " + strings.Repeat("a", 1000) + "\r\n"
+		for range 2 * maxHeaderBytes / len(line) {
+			if _, err := io.WriteString(c, line); err != nil {
+				return
+			}
+		}
+	})
+	c, err := New(Options{URL: url, Timeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Prompt(context.Background(), "m", []byte(`"p"`)); err == nil || errors.Is(err, ErrSlow) {
+		t.Fatalf("headers of 128 KiB: %v", err)
 	}
 }

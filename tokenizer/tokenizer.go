@@ -14,6 +14,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -41,9 +42,10 @@ type Options struct {
 	// MaxTokens refuses an answer longer than this many tokens (a broken
 	// or hostile replica). Default 1 Mi.
 	MaxTokens int
-	// Client sends the calls. Nil means a client of its own, which keeps
-	// up to maxIdlePerHost idle connections to each replica (see
-	// newTransport).
+	// Client sends the calls. Nil means the Client's own: HTTP/1.1 on
+	// kept-alive connections, up to maxIdlePerHost idle ones to each
+	// replica, in the calling goroutine (conns); https replicas, and every
+	// replica when HTTP_PROXY is set, through net/http (newTransport).
 	Client *http.Client
 	// OnCall, if set, hears the outcome of every call: the base URL asked
 	// and nil, ErrSlow or the failure.
@@ -95,6 +97,7 @@ type Client struct {
 	o     Options
 	cache *lru.Cache[uint64, []int32]
 	held  atomic.Int64 // tokens in the cache, approximately (evictions subtract)
+	conns *conns       // the calls' own connections; nil: all go through o.Client
 
 	hits, calls, failures, slow atomic.Int64
 }
@@ -113,10 +116,13 @@ func New(o Options) (*Client, error) {
 	if o.MaxTokens <= 0 {
 		o.MaxTokens = 1 << 20
 	}
-	if o.Client == nil {
-		o.Client = &http.Client{Transport: newTransport()}
-	}
 	c := &Client{o: o}
+	if o.Client == nil {
+		c.o.Client = &http.Client{Transport: newTransport()}
+		if !proxied {
+			c.conns = newConns()
+		}
+	}
 	// The LRU is bounded by entries; the token bound is kept by evicting
 	// the oldest entries while the cache holds more tokens than allowed.
 	cache, err := lru.NewWithEvict[uint64, []int32](1<<16, func(_ uint64, v []int32) { c.held.Add(-int64(len(v))) })
@@ -197,8 +203,6 @@ func (c *Client) tokenize(ctx context.Context, q *query) ([]int32, error) {
 }
 
 func (c *Client) call(ctx context.Context, q *query) ([]int32, error) {
-	ctx, cancel := context.WithTimeout(ctx, c.o.Timeout)
-	defer cancel()
 	base := c.o.URL
 	if c.o.Pick != nil {
 		if base = c.o.Pick(q.model); base == "" {
@@ -212,9 +216,42 @@ func (c *Client) call(ctx context.Context, q *query) ([]int32, error) {
 	return ids, err
 }
 
-// post sends q to base's /tokenize. q's pieces are read only until post
-// returns: the request's readers fail after it (see lease).
+// CloseIdleConnections closes the connections to replicas kept for later
+// calls.
+func (c *Client) CloseIdleConnections() {
+	if c.conns != nil {
+		c.conns.closeIdle()
+	}
+	c.o.Client.CloseIdleConnections()
+}
+
+// post sends q to base's /tokenize, within Timeout: on the Client's own
+// connections when it has them and base is plain http, else through its
+// http.Client.
 func (c *Client) post(ctx context.Context, base string, q *query) ([]int32, error) {
+	deadline := time.Now().Add(c.o.Timeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
+		deadline = d
+	}
+	if c.conns != nil {
+		if t := c.conns.target(base); t != nil {
+			ids, err := c.conns.post(ctx, deadline, t, q, c.o.MaxTokens)
+			if err != nil && ctx.Err() != context.Canceled &&
+				(!time.Now().Before(deadline) || errors.Is(err, os.ErrDeadlineExceeded) || errors.Is(err, context.DeadlineExceeded)) {
+				return nil, ErrSlow
+			}
+			return ids, err
+		}
+	}
+	ctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	return c.postHTTP(ctx, base, q)
+}
+
+// postHTTP sends q to base's /tokenize through the http.Client. q's pieces
+// are read only until postHTTP returns: the request's readers fail after
+// it (see lease).
+func (c *Client) postHTTP(ctx context.Context, base string, q *query) ([]int32, error) {
 	l := &lease{}
 	defer l.end()
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimSuffix(base, "/")+"/tokenize", q.reader(l))
