@@ -16,6 +16,7 @@ import (
 	"os"
 	"os/exec"
 	"runtime/pprof"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -42,8 +43,10 @@ import (
 // phase of preciseCPUPhase against each router, the two alternating so
 // that they meet the same background load; a router's CPU is its own
 // process's (getrusage, user and system), so neither the replica's nor
-// the clients' is counted. It reports each mode's CPU per request and
-// precise's over estimate's, and the connections each router made to its
+// the clients' is counted. It reports each mode's CPU per request over
+// the rounds and precise's over estimate's, that ratio's median over the
+// rounds (the steadier figure on a machine shared with other work), and
+// the connections each router made to its
 // replica per request (a router that reuses its connections makes none
 // once warm). Run it alone, e.g.:
 //
@@ -86,8 +89,10 @@ func BenchmarkPreciseCPU(b *testing.B) {
 	}
 	cpu := make([]time.Duration, len(modes))
 	reqs, dials := make([]int64, len(modes)), make([]int64, len(modes))
+	var ratios []float64 // precise's CPU per request over estimate's, each round
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
+		var round [2]float64
 		for k := range children {
 			k := (k + i) % len(children) // each mode first in every other round
 			c := children[k]
@@ -106,8 +111,10 @@ func BenchmarkPreciseCPU(b *testing.B) {
 			}
 			cpu[k] += after - before
 			reqs[k] += n
+			round[k] = float64(after-before) / float64(max(n, 1))
 			dials[k] += conns[k].Load() - conns0
 		}
+		ratios = append(ratios, round[1]/round[0])
 	}
 	b.StopTimer()
 	per := make([]float64, len(modes))
@@ -121,10 +128,19 @@ func BenchmarkPreciseCPU(b *testing.B) {
 		b.ReportMetric(float64(dials[k])/float64(reqs[k]), m+"-conns/req")
 	}
 	b.ReportMetric(per[1]/per[0], "precise/estimate")
+	slices.Sort(ratios)
+	b.ReportMetric(ratios[len(ratios)/2], "median-round-precise/estimate")
 }
 
-// preciseCPUPhase is one phase of BenchmarkPreciseCPU against one router.
-const preciseCPUPhase = 2 * time.Second
+// preciseCPUPhase is one phase of BenchmarkPreciseCPU against one router:
+// SEMROUTE_PRECISE_CPU_PHASE (a duration), else 1 s. Shorter phases, more
+// rounds, put the two routers under more alike background load.
+var preciseCPUPhase = func() time.Duration {
+	if d, err := time.ParseDuration(os.Getenv("SEMROUTE_PRECISE_CPU_PHASE")); err == nil && d > 0 {
+		return d
+	}
+	return time.Second
+}()
 
 // preciseBenchBody returns a chat body of at most size bytes whose first
 // message starts with 12 zeros at the returned offset, numbered there by
