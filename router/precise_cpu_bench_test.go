@@ -44,7 +44,7 @@ import (
 // that they meet the same background load; a router's CPU is its own
 // process's (getrusage, user and system), so neither the replica's nor
 // the clients' is counted. It reports each mode's CPU per request over
-// the rounds and precise's over estimate's, that ratio's median over the
+// the rounds (and its system time, the kernel's part) and precise's over estimate's, that ratio's median over the
 // rounds (the steadier figure on a machine shared with other work), and
 // the connections each router made to its
 // replica per request (a router that reuses its connections makes none
@@ -87,7 +87,7 @@ func BenchmarkPreciseCPU(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
-	cpu := make([]time.Duration, len(modes))
+	cpu, sys := make([]time.Duration, len(modes)), make([]time.Duration, len(modes))
 	reqs, dials := make([]int64, len(modes)), make([]int64, len(modes))
 	var ratios []float64 // precise's CPU per request over estimate's, each round
 	b.ResetTimer()
@@ -96,7 +96,7 @@ func BenchmarkPreciseCPU(b *testing.B) {
 		for k := range children {
 			k := (k + i) % len(children) // each mode first in every other round
 			c := children[k]
-			before, err := c.cpu()
+			before, sys0, err := c.cpu()
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -105,11 +105,12 @@ func BenchmarkPreciseCPU(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
-			after, err := c.cpu()
+			after, sys1, err := c.cpu()
 			if err != nil {
 				b.Fatal(err)
 			}
 			cpu[k] += after - before
+			sys[k] += sys1 - sys0
 			reqs[k] += n
 			round[k] = float64(after-before) / float64(max(n, 1))
 			dials[k] += conns[k].Load() - conns0
@@ -124,6 +125,7 @@ func BenchmarkPreciseCPU(b *testing.B) {
 		}
 		per[k] = float64(cpu[k].Microseconds()) / float64(reqs[k])
 		b.ReportMetric(per[k], m+"-µs-cpu/req")
+		b.ReportMetric(float64(sys[k].Microseconds())/float64(reqs[k]), m+"-µs-sys/req")
 		b.ReportMetric(float64(reqs[k])/(float64(b.N)*preciseCPUPhase.Seconds()), m+"-req/s")
 		b.ReportMetric(float64(dials[k])/float64(reqs[k]), m+"-conns/req")
 	}
@@ -221,20 +223,21 @@ func (c *cpuChild) line() (string, error) {
 	return "", fmt.Errorf("the child ended: %v", c.out.Err())
 }
 
-// cpu returns the CPU time the child's process has spent so far.
-func (c *cpuChild) cpu() (time.Duration, error) {
+// cpu returns the CPU time the child's process has spent so far, and the
+// part of it in the kernel.
+func (c *cpuChild) cpu() (all, sys time.Duration, err error) {
 	if _, err := io.WriteString(c.in, "cpu\n"); err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 	l, err := c.line()
 	if err != nil {
-		return 0, err
+		return 0, 0, err
 	}
-	var ns int64
-	if _, err := fmt.Sscanf(l, "cpu %d", &ns); err != nil {
-		return 0, err
+	var user, kernel int64
+	if _, err := fmt.Sscanf(l, "cpu %d %d", &user, &kernel); err != nil {
+		return 0, 0, err
 	}
-	return time.Duration(ns), nil
+	return time.Duration(user + kernel), time.Duration(kernel), nil
 }
 
 func (c *cpuChild) stop() {
@@ -348,7 +351,7 @@ func TestPreciseCPUChild(t *testing.T) {
 			if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
 				t.Fatal(err)
 			}
-			fmt.Printf("cpu %d\n", ru.Utime.Nano()+ru.Stime.Nano())
+			fmt.Printf("cpu %d %d\n", ru.Utime.Nano(), ru.Stime.Nano())
 		}
 	}
 }
