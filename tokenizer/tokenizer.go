@@ -192,9 +192,10 @@ func (c *Client) tokenize(ctx context.Context, q *query) ([]int32, error) {
 		}
 		return nil, err
 	}
-	if !c.cache.Contains(key) { // another call may have added it meanwhile
-		c.held.Add(int64(len(ids)))
-		c.cache.Add(key, ids)
+	n := int64(len(ids))
+	c.held.Add(n)
+	if found, _ := c.cache.ContainsOrAdd(key, ids); found { // another call added it meanwhile
+		c.held.Add(-n)
 	}
 	for c.held.Load() > int64(c.o.CacheTokens) && c.cache.Len() > 1 {
 		c.cache.RemoveOldest()
