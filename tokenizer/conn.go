@@ -10,6 +10,7 @@ import (
 	"net/url"
 	"os"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 )
@@ -82,7 +83,7 @@ func (p *conns) target(base string) *target {
 	if t, ok := p.targets.Load(base); ok {
 		return t.(*target)
 	}
-	u, err := url.Parse(base + "/tokenize")
+	u, err := url.Parse(strings.TrimSuffix(base, "/") + "/tokenize")
 	if err != nil || u.Scheme != "http" || u.Host == "" || u.User != nil {
 		return nil
 	}

@@ -327,3 +327,25 @@ func TestAnswerHeadersBounded(t *testing.T) {
 		t.Fatalf("headers of 128 KiB: %v", err)
 	}
 }
+
+// TestTargets: where a base URL's /tokenize is, as net/http would send to
+// it; a base the Client's own connections do not serve goes through
+// net/http (nil).
+func TestTargets(t *testing.T) {
+	p := newConns()
+	for base, want := range map[string]*target{
+		"http://10.0.0.5:8000":        {addr: "10.0.0.5:8000", host: "10.0.0.5:8000", path: "/tokenize"},
+		"http://10.0.0.5:8000/":       {addr: "10.0.0.5:8000", host: "10.0.0.5:8000", path: "/tokenize"},
+		"http://replica/prefix/":      {addr: "replica:80", host: "replica", path: "/prefix/tokenize"},
+		"http://[::1]:9000":           {addr: "[::1]:9000", host: "[::1]:9000", path: "/tokenize"},
+		"http://[::1]":                {addr: "[::1]:80", host: "[::1]", path: "/tokenize"},
+		"https://10.0.0.5:8443":       nil,
+		"http://user:pw@10.0.0.5:800": nil,
+		"10.0.0.5:8000":               nil,
+	} {
+		got := p.target(base)
+		if (got == nil) != (want == nil) || got != nil && *got != *want {
+			t.Errorf("%s: %+v, want %+v", base, got, want)
+		}
+	}
+}
