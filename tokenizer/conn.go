@@ -196,7 +196,7 @@ func (p *conns) exchange(ctx context.Context, deadline time.Time, pc *conn, t *t
 		}()
 	}
 	pc.lim.n, pc.lim.read = maxHeaderBytes, 0
-	if err := writeQuery(pc.bw, t, q); err != nil {
+	if err := writeQuery(pc, t, q); err != nil {
 		return nil, false, fmt.Errorf("tokenizer: %w", err)
 	}
 	h, err := readHead(pc.br)
@@ -223,20 +223,30 @@ func (p *conns) exchange(ctx context.Context, deadline time.Time, pc *conn, t *t
 	return ids, keep, nil
 }
 
-// writeQuery writes q as a POST to t's /tokenize and flushes.
-func writeQuery(bw *bufio.Writer, t *target, q *query) error {
-	bw.WriteString("POST ")
-	bw.WriteString(t.path)
-	bw.WriteString(" HTTP/1.1\r\nHost: ")
-	bw.WriteString(t.host)
-	bw.WriteString("\r\nContent-Type: application/json\r\nContent-Length: ")
-	var b [20]byte
-	bw.Write(strconv.AppendInt(b[:0], int64(q.n), 10))
-	bw.WriteString("\r\n\r\n")
-	for _, part := range q.parts {
-		bw.Write(part)
+// writeQuery writes q as a POST to t's /tokenize on pc: through its
+// buffer when q fits, else the head and q's parts in one vectored write
+// (through the buffer, a large body went in three writes).
+func writeQuery(pc *conn, t *target, q *query) error {
+	var b [256]byte
+	head := append(b[:0], "POST "...)
+	head = append(head, t.path...)
+	head = append(head, " HTTP/1.1\r\nHost: "...)
+	head = append(head, t.host...)
+	head = append(head, "\r\nContent-Type: application/json\r\nContent-Length: "...)
+	head = strconv.AppendInt(head, int64(q.n), 10)
+	head = append(head, "\r\n\r\n"...)
+	if len(head)+q.n <= pc.bw.Available() {
+		pc.bw.Write(head)
+		for _, part := range q.parts {
+			pc.bw.Write(part)
+		}
+		return pc.bw.Flush()
 	}
-	return bw.Flush()
+	bufs := make(net.Buffers, 0, 1+len(q.parts))
+	bufs = append(bufs, head)
+	bufs = append(bufs, q.parts...)
+	_, err := bufs.WriteTo(pc.c)
+	return err
 }
 
 // get returns a pooled connection to addr that is still open, or dials

@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -346,6 +347,38 @@ func TestTargets(t *testing.T) {
 		got := p.target(base)
 		if (got == nil) != (want == nil) || got != nil && *got != *want {
 			t.Errorf("%s: %+v, want %+v", base, got, want)
+		}
+	}
+}
+
+// TestOwnConnectionsAsNetHTTP: the Client's own connections get the ids
+// net/http gets, for a query that fits the write buffer and one that
+// does not (written in one vectored write).
+func TestOwnConnectionsAsNetHTTP(t *testing.T) {
+	r := sim(t)
+	own, err := New(Options{URL: r.URL, Timeout: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	viaHTTP, err := New(Options{URL: r.URL, Timeout: 10 * time.Second, Client: &http.Client{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if own.conns == nil || viaHTTP.conns != nil {
+		t.Fatal("the Client without an http.Client should have its own connections, the other not")
+	}
+	for _, words := range []int{10, 40000} {
+		msgs := fmt.Sprintf(`[{"role":"system","content":"Be brief."},{"role":"user","content":%q}]`, strings.Repeat("word ", words))
+		a, err := own.Chat(context.Background(), "sim-model", []byte(msgs))
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := viaHTTP.Chat(context.Background(), "sim-model", []byte(msgs))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(a) < words || !slices.Equal(a, b) {
+			t.Fatalf("%d words: %d ids, net/http %d", words, len(a), len(b))
 		}
 	}
 }
