@@ -2,10 +2,12 @@ package tokenizer
 
 import (
 	"bufio"
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"sync"
 )
 
 // maxAnswerDepth bounds the nesting of the values a /tokenize answer may
@@ -27,9 +29,17 @@ var errAnswer = errors.New("tokenizer: /tokenize answer is not a JSON object of 
 // Other members are skipped, to a nesting of maxAnswerDepth. A member
 // given twice is refused, as the router's parsers refuse one.
 func readAnswer(r io.Reader, limit int) (ids []int32, count int, err error) {
-	a := answerReader{r: bufio.NewReaderSize(r, 16<<10)}
-	return a.read(limit)
+	br := answerBufs.Get().(*bufio.Reader)
+	br.Reset(r)
+	a := answerReader{r: br}
+	ids, count, err = a.read(limit)
+	br.Reset(nil) // holds no reader of the call's
+	answerBufs.Put(br)
+	return ids, count, err
 }
+
+// answerBufs are readAnswer's read buffers, one a call in flight.
+var answerBufs = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 16<<10) }}
 
 type answerReader struct{ r *bufio.Reader }
 
@@ -38,7 +48,7 @@ func (a *answerReader) read(limit int) (ids []int32, count int, err error) {
 	if c, err := a.next(); err != nil || c != '{' {
 		return nil, 0, errAnswer
 	}
-	seen := map[string]bool{}
+	var seen seenKeys
 	for first := true; ; first = false {
 		c, err := a.next()
 		if err != nil {
@@ -47,7 +57,7 @@ func (a *answerReader) read(limit int) (ids []int32, count int, err error) {
 		if c == '}' && first {
 			break
 		}
-		if err := a.member(c, seen, limit, &ids, &count); err != nil {
+		if err := a.member(c, &seen, limit, &ids, &count); err != nil {
 			return nil, 0, err
 		}
 		if c, err = a.next(); err != nil || (c != ',' && c != '}') {
@@ -57,23 +67,45 @@ func (a *answerReader) read(limit int) (ids []int32, count int, err error) {
 			break
 		}
 	}
-	if !seen["tokens"] {
+	if !seen.has("tokens") {
 		return nil, 0, errAnswer
 	}
 	return ids, count, nil
 }
 
+// seenKeys are the keys of an answer's members read so far: a few.
+type seenKeys struct {
+	keys []string
+	fix  [8]string
+}
+
+func (s *seenKeys) has(k string) bool {
+	for _, x := range s.keys {
+		if x == k {
+			return true
+		}
+	}
+	return false
+}
+
+func (s *seenKeys) add(k string) {
+	if s.keys == nil {
+		s.keys = s.fix[:0]
+	}
+	s.keys = append(s.keys, k)
+}
+
 // member reads one member of the answer, whose key's opening quote c was
 // read: tokens into ids, count into count, any other skipped.
-func (a *answerReader) member(c byte, seen map[string]bool, limit int, ids *[]int32, count *int) error {
+func (a *answerReader) member(c byte, seen *seenKeys, limit int, ids *[]int32, count *int) error {
 	key, err := a.key(c)
 	if err != nil {
 		return err
 	}
-	if seen[key] {
+	if seen.has(key) {
 		return fmt.Errorf("tokenizer: /tokenize answer gives %s more than once", key)
 	}
-	seen[key] = true
+	seen.add(key)
 	switch key {
 	case "tokens":
 		*ids, err = a.tokens(limit, *count)
@@ -108,8 +140,9 @@ func (a *answerReader) key(c byte) (string, error) {
 	if c != '"' {
 		return "", errAnswer
 	}
-	raw := []byte{'"'}
-	escaped := false
+	var buf [258]byte
+	raw := append(buf[:0], '"')
+	escaped, plain := false, true
 	for {
 		b, err := a.r.ReadByte()
 		if err != nil || len(raw) > 256 {
@@ -121,19 +154,39 @@ func (a *answerReader) key(c byte) (string, error) {
 			continue
 		}
 		if b == '\\' {
-			escaped = true
+			escaped, plain = true, false
 		} else if b == '"' {
 			break
+		} else if b < 0x20 || b >= 0x80 {
+			plain = false
 		}
 	}
 	var k string
-	if err := json.Unmarshal(raw, &k); err != nil { // escapes, as the engine's JSON reader takes them
+	if plain { // printable ASCII, no escape: the key is its bytes
+		k = knownKey(raw[1 : len(raw)-1])
+	} else if err := json.Unmarshal(bytes.Clone(raw), &k); err != nil { // escapes, as the engine's JSON reader takes them
 		return "", errAnswer
 	}
 	if c, err := a.next(); err != nil || c != ':' {
 		return "", errAnswer
 	}
 	return k, nil
+}
+
+// knownKey is b as a string, without a copy for the keys of vLLM's
+// TokenizeResponse.
+func knownKey(b []byte) string {
+	switch string(b) {
+	case "tokens":
+		return "tokens"
+	case "count":
+		return "count"
+	case "max_model_len":
+		return "max_model_len"
+	case "token_strs":
+		return "token_strs"
+	}
+	return string(b)
 }
 
 // count reads a non-negative integer.
@@ -172,23 +225,69 @@ func (a *answerReader) tokens(limit, count int) ([]int32, error) {
 	if c == ']' {
 		return ids, nil
 	}
+	_ = a.r.UnreadByte()
 	for {
-		id, end, err := a.id(c)
+		// The ids whole in the buffer, at once; then one byte by byte
+		// (across the buffer's end, or with spaces about it).
+		var end bool
+		if ids, end, err = a.buffered(ids, limit); err != nil || end {
+			return ids, err
+		}
+		if c, err = a.next(); err != nil {
+			return nil, errAnswer
+		}
+		id, delim, err := a.id(c)
 		if err != nil {
 			return nil, err
 		}
 		if len(ids) == limit {
-			return nil, fmt.Errorf("tokenizer: /tokenize answered more than the limit of %d tokens", limit)
+			return nil, errOverLimit(limit)
 		}
 		ids = append(ids, int32(id))
-		if end == ']' {
+		if delim == ']' {
 			return ids, nil
 		}
 		if c, err = a.next(); err != nil { // past the comma
 			return nil, errAnswer
 		}
+		_ = a.r.UnreadByte()
 	}
 }
+
+func errOverLimit(limit int) error {
+	return fmt.Errorf("tokenizer: /tokenize answered more than the limit of %d tokens", limit)
+}
+
+// buffered appends to ids the ids that the reader's buffer holds whole,
+// from its start, each its digits and a comma or the array's closing
+// bracket (end, then), as id reads them; it leaves the rest, a byte that
+// is neither, or an id that may go on past the buffer, to id.
+func (a *answerReader) buffered(ids []int32, limit int) (_ []int32, end bool, err error) {
+	buf, _ := a.r.Peek(a.r.Buffered())
+	i := 0
+	defer func() { _, _ = a.r.Discard(i) }()
+	for {
+		j, n := i, uint64(0)
+		for ; j < len(buf) && buf[j] >= '0' && buf[j] <= '9'; j++ {
+			if n = n*10 + uint64(buf[j]-'0'); n > 1<<32-1 {
+				return nil, false, errIDOver
+			}
+		}
+		if j == i || j == len(buf) || buf[j] != ',' && buf[j] != ']' {
+			return ids, false, nil
+		}
+		if len(ids) == limit {
+			return nil, false, errOverLimit(limit)
+		}
+		ids = append(ids, int32(uint32(n)))
+		i = j + 1
+		if buf[j] == ']' {
+			return ids, true, nil
+		}
+	}
+}
+
+var errIDOver = errors.New("tokenizer: /tokenize answered an id over 2^32")
 
 // id reads a token id whose first byte c was read, and the delimiter
 // after it (a comma, or the array's end), past any space.
@@ -205,7 +304,7 @@ func (a *answerReader) id(c byte) (id uint32, end byte, err error) {
 			break
 		}
 		if n = n*10 + uint64(c-'0'); n > 1<<32-1 {
-			return 0, 0, fmt.Errorf("tokenizer: /tokenize answered an id over 2^32")
+			return 0, 0, errIDOver
 		}
 	}
 	if c == ' ' || c == '\t' || c == '\n' || c == '\r' {

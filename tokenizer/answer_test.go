@@ -3,9 +3,12 @@ package tokenizer
 import (
 	"encoding/json"
 	"fmt"
+	"io"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
+	"testing/iotest"
 )
 
 // readAnswer reads what encoding/json reads of a TokenizeResponse, and
@@ -53,8 +56,17 @@ func FuzzReadAnswer(f *testing.F) {
 	f.Add(`{"count":3,"max_model_len":8192,"tokens":[1,2,3]}`)
 	f.Add(`{"tokens":[7,4294967295],"token_strs":["a","b"]}`)
 	f.Add(`{"tokens":[],"x":{"y":[true,null,"\\"]}}`)
+	f.Add(`{"count":4,"tokens":[ 12 ,345,6789 , 0]}`)
+	f.Add(`{"tokens":[1,2,]}`)
 	f.Fuzz(func(t *testing.T, in string) {
-		ids, _, err := readAnswer(strings.NewReader(in), 1000)
+		ids, count, err := readAnswer(strings.NewReader(in), 1000)
+		// Read in pieces (ids across the buffer's end), the same.
+		for _, r := range []io.Reader{iotest.OneByteReader(strings.NewReader(in)), iotest.HalfReader(strings.NewReader(in))} {
+			pids, pcount, perr := readAnswer(r, 1000)
+			if (perr == nil) != (err == nil) || pcount != count || !slices.Equal(pids, ids) {
+				t.Fatalf("%q: %v %d %v, in pieces %v %d %v", in, ids, count, err, pids, pcount, perr)
+			}
+		}
 		if err != nil {
 			return
 		}

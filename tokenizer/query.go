@@ -19,6 +19,7 @@ type query struct {
 	model string // the model asked for, as the router's parse read it (for Pick)
 	parts [][]byte
 	n     int // bytes in parts
+	fix   [2 + 2*maxFields + 1][]byte
 }
 
 // The fields of a request body that /tokenize is given, as vLLM's OpenAI
@@ -79,11 +80,27 @@ var (
 
 // newQuery starts a query for model.
 func newQuery(model string) *query {
-	m, _ := json.Marshal(model) // a string always marshals
-	q := &query{model: model, parts: make([][]byte, 0, 2+2*maxFields+1)}
-	q.add([]byte(`{"model":`))
-	q.add(m)
+	q := &query{model: model}
+	q.parts = q.fix[:0]
+	q.add(modelKey)
+	q.add(jsonString(model))
 	return q
+}
+
+var modelKey = []byte(`{"model":`)
+
+// jsonString is s as a JSON string, as encoding/json writes it.
+func jsonString(s string) []byte {
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c < 0x20 || c >= 0x80 || c == '"' || c == '\\' || c == '<' || c == '>' || c == '&' {
+			m, _ := json.Marshal(s) // a string always marshals
+			return m
+		}
+	}
+	b := make([]byte, 0, len(s)+2)
+	b = append(b, '"')
+	b = append(b, s...)
+	return append(b, '"')
 }
 
 // field adds "name": value, value being raw JSON.

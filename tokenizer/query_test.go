@@ -190,3 +190,14 @@ func TestBodyTokenizesTheEnginesMessages(t *testing.T) {
 		t.Fatalf("/tokenize gave %d ids, the engine counted %d prompt tokens", len(ids), out.Usage.Prompt)
 	}
 }
+
+// TestJSONString: a model's name is written as encoding/json writes it
+// (the query's bytes, and so its cache key, are as before).
+func TestJSONString(t *testing.T) {
+	for _, s := range []string{"", "sim-model", "Qwen/Qwen3-8B", `a"b`, `a\b`, "a<b>&c", "tab\there", "é", "\u2028", "\xff", "del\x7f", "x:y@z"} {
+		want, _ := json.Marshal(s)
+		if got := jsonString(s); !bytes.Equal(got, want) {
+			t.Errorf("%q: %s, want %s", s, got, want)
+		}
+	}
+}

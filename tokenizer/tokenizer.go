@@ -14,6 +14,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -41,7 +42,10 @@ type Options struct {
 	// MaxTokens refuses an answer longer than this many tokens (a broken
 	// or hostile replica). Default 1 Mi.
 	MaxTokens int
-	// Client sends the calls. Nil means a client of its own.
+	// Client sends the calls. Nil means the Client's own: HTTP/1.1 on
+	// kept-alive connections, up to maxIdlePerHost idle ones to each
+	// replica, in the calling goroutine (conns); https replicas, and every
+	// replica when HTTP_PROXY is set, through net/http (newTransport).
 	Client *http.Client
 	// OnCall, if set, hears the outcome of every call: the base URL asked
 	// and nil, ErrSlow or the failure.
@@ -53,6 +57,29 @@ const (
 	DefaultTimeout     = 50 * time.Millisecond
 	DefaultCacheTokens = 4 << 20
 )
+
+// maxIdlePerHost bounds the idle keep-alive connections the Client's own
+// transport keeps to one replica: as many as the calls that may be in
+// flight at once, so that each call finds one made. net/http's default
+// transport keeps 2: under 8 concurrent requests, a third of the calls
+// opened a connection (a TCP handshake and a goroutine pair at each end),
+// and the router spent about as much CPU again per request as without
+// /tokenize (BenchmarkPreciseCPU in router).
+const maxIdlePerHost = 256
+
+// newTransport is the Client's own transport: net/http's default, keeping
+// maxIdlePerHost idle connections per replica and no bound on their sum
+// (Pick may ask several replicas).
+func newTransport() *http.Transport {
+	t := http.DefaultTransport.(*http.Transport).Clone()
+	t.MaxIdleConnsPerHost = maxIdlePerHost
+	t.MaxIdleConns = 0
+	return t
+}
+
+// maxAnswerTail bounds the bytes read after an answer's object so that
+// its connection is kept.
+const maxAnswerTail = 4 << 10
 
 // ErrNoReplica is returned when Pick finds no replica to ask.
 var ErrNoReplica = errors.New("tokenizer: no replica to ask")
@@ -70,6 +97,7 @@ type Client struct {
 	o     Options
 	cache *lru.Cache[uint64, []int32]
 	held  atomic.Int64 // tokens in the cache, approximately (evictions subtract)
+	conns *conns       // the calls' own connections; nil: all go through o.Client
 
 	hits, calls, failures, slow atomic.Int64
 }
@@ -88,10 +116,13 @@ func New(o Options) (*Client, error) {
 	if o.MaxTokens <= 0 {
 		o.MaxTokens = 1 << 20
 	}
-	if o.Client == nil {
-		o.Client = &http.Client{}
-	}
 	c := &Client{o: o}
+	if o.Client == nil {
+		c.o.Client = &http.Client{Transport: newTransport()}
+		if !proxied {
+			c.conns = newConns()
+		}
+	}
 	// The LRU is bounded by entries; the token bound is kept by evicting
 	// the oldest entries while the cache holds more tokens than allowed.
 	cache, err := lru.NewWithEvict[uint64, []int32](1<<16, func(_ uint64, v []int32) { c.held.Add(-int64(len(v))) })
@@ -161,9 +192,10 @@ func (c *Client) tokenize(ctx context.Context, q *query) ([]int32, error) {
 		}
 		return nil, err
 	}
-	if !c.cache.Contains(key) { // another call may have added it meanwhile
-		c.held.Add(int64(len(ids)))
-		c.cache.Add(key, ids)
+	n := int64(len(ids))
+	c.held.Add(n)
+	if found, _ := c.cache.ContainsOrAdd(key, ids); found { // another call added it meanwhile
+		c.held.Add(-n)
 	}
 	for c.held.Load() > int64(c.o.CacheTokens) && c.cache.Len() > 1 {
 		c.cache.RemoveOldest()
@@ -172,8 +204,6 @@ func (c *Client) tokenize(ctx context.Context, q *query) ([]int32, error) {
 }
 
 func (c *Client) call(ctx context.Context, q *query) ([]int32, error) {
-	ctx, cancel := context.WithTimeout(ctx, c.o.Timeout)
-	defer cancel()
 	base := c.o.URL
 	if c.o.Pick != nil {
 		if base = c.o.Pick(q.model); base == "" {
@@ -187,9 +217,42 @@ func (c *Client) call(ctx context.Context, q *query) ([]int32, error) {
 	return ids, err
 }
 
-// post sends q to base's /tokenize. q's pieces are read only until post
-// returns: the request's readers fail after it (see lease).
+// CloseIdleConnections closes the connections to replicas kept for later
+// calls.
+func (c *Client) CloseIdleConnections() {
+	if c.conns != nil {
+		c.conns.closeIdle()
+	}
+	c.o.Client.CloseIdleConnections()
+}
+
+// post sends q to base's /tokenize, within Timeout: on the Client's own
+// connections when it has them and base is plain http, else through its
+// http.Client.
 func (c *Client) post(ctx context.Context, base string, q *query) ([]int32, error) {
+	deadline := time.Now().Add(c.o.Timeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
+		deadline = d
+	}
+	if c.conns != nil {
+		if t := c.conns.target(base); t != nil {
+			ids, err := c.conns.post(ctx, deadline, t, q, c.o.MaxTokens)
+			if err != nil && ctx.Err() != context.Canceled &&
+				(!time.Now().Before(deadline) || errors.Is(err, os.ErrDeadlineExceeded) || errors.Is(err, context.DeadlineExceeded)) {
+				return nil, ErrSlow
+			}
+			return ids, err
+		}
+	}
+	ctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	return c.postHTTP(ctx, base, q)
+}
+
+// postHTTP sends q to base's /tokenize through the http.Client. q's pieces
+// are read only until postHTTP returns: the request's readers fail after
+// it (see lease).
+func (c *Client) postHTTP(ctx context.Context, base string, q *query) ([]int32, error) {
 	l := &lease{}
 	defer l.end()
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimSuffix(base, "/")+"/tokenize", q.reader(l))
@@ -224,5 +287,9 @@ func (c *Client) post(ctx context.Context, base string, q *query) ([]int32, erro
 	if count >= 0 && count != len(ids) {
 		return nil, fmt.Errorf("tokenizer: /tokenize answered %d tokens (count %d)", len(ids), count)
 	}
+	// The answer is read to its end (a new line after the object, a
+	// chunked answer's last chunk), a few KiB at most: net/http keeps a
+	// connection for the next call only if its answer was.
+	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, maxAnswerTail))
 	return ids, nil
 }

@@ -1,0 +1,365 @@
+package tokenizer
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/url"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+)
+
+// conns is the Client's own way to a replica's /tokenize over plain HTTP:
+// HTTP/1.1 on pooled keep-alive connections, the exchange — write the
+// query, read the answer's headers, read its ids — in the calling
+// goroutine, as the router's own transport to replicas does
+// (router/upstream.go). http.Transport runs a reader and a writer
+// goroutine on each connection and hands each request and response
+// between them over channels; for a 1 KB prompt that machinery, with the
+// answer's 16 KiB read buffer, was most of what precise mode added to the
+// router's CPU per request (BenchmarkPreciseCPU in router).
+//
+// Answers' headers are read for their status and framing alone
+// (readHead: Content-Length, chunked, to the connection's end). The call's deadline is the
+// connection's; a cancelled context moves it to the past, which ends a
+// blocked write or read, and the connection is closed rather than pooled.
+// Nothing reads an idle connection, so a connection is pooled only when
+// nothing is left to read on it, is checked with a non-blocking peek
+// before its reuse once it idled peekAfter (bytes the replica sent unasked
+// are not read as the next answer; servers send them, a 408, after
+// seconds of idling), and idle ones are swept every sweepEvery. /tokenize has no
+// effect but its answer: a call on a reused connection that got no byte of
+// answer (the replica closed it as the call went out) is sent again, once,
+// on a new one.
+//
+// Safe for concurrent use.
+type conns struct {
+	mu         sync.Mutex
+	idle       map[string][]*conn // by host:port, most recently used last
+	nIdle      int
+	sweeping   bool
+	sweepEvery time.Duration
+	peekAfter  time.Duration
+	targets    sync.Map // base URL → *target
+	nTargets   int      // entries in targets, under mu
+}
+
+// The bounds of conns: idle connections kept over all replicas, how long
+// one may idle (http.DefaultTransport's IdleConnTimeout), how often idle
+// ones are looked at (vLLM's server, uvicorn, closes a connection idle for
+// 5 s), the bytes of an answer's headers, the base URLs remembered, and
+// the idling after which a connection is peeked at before reuse.
+const (
+	maxIdleTotal   = 1024
+	idleTimeout    = 90 * time.Second
+	sweepEvery     = 5 * time.Second
+	maxHeaderBytes = 64 << 10
+	maxTargets     = 1024
+	peekAfter      = time.Second
+)
+
+func newConns() *conns {
+	return &conns{idle: map[string][]*conn{}, sweepEvery: sweepEvery, peekAfter: peekAfter}
+}
+
+// proxied reports whether the environment names an HTTP proxy: calls then
+// go through net/http, which honours it.
+var proxied = os.Getenv("HTTP_PROXY") != "" || os.Getenv("http_proxy") != ""
+
+// target is where a base URL's /tokenize is: the address to dial, the
+// Host header and the path.
+type target struct {
+	addr, host, path string
+}
+
+// target returns base's target; nil if base is not a plain http URL.
+func (p *conns) target(base string) *target {
+	if t, ok := p.targets.Load(base); ok {
+		return t.(*target)
+	}
+	u, err := url.Parse(strings.TrimSuffix(base, "/") + "/tokenize")
+	if err != nil || u.Scheme != "http" || u.Host == "" || u.User != nil {
+		return nil
+	}
+	t := &target{addr: u.Host, host: u.Host, path: u.RequestURI()}
+	if u.Port() == "" { // http://replica, as http.Transport reads it
+		t.addr = net.JoinHostPort(u.Hostname(), "80")
+	}
+	p.mu.Lock()
+	if p.nTargets >= maxTargets { // replicas come and go: forget them all, now and then
+		p.targets.Clear()
+		p.nTargets = 0
+	}
+	if _, loaded := p.targets.LoadOrStore(base, t); !loaded {
+		p.nTargets++
+	}
+	p.mu.Unlock()
+	return t
+}
+
+// conn is one connection to a replica. Its reads pass through lim, which
+// bounds the answer's headers.
+type conn struct {
+	c      net.Conn
+	lim    capReader
+	br     *bufio.Reader
+	bw     *bufio.Writer
+	lr     io.LimitedReader // the body of an answer of known length
+	ans    io.LimitedReader // the answer's bytes read at most
+	addr   string
+	reused bool      // it served a call before
+	since  time.Time // when it last went idle
+}
+
+// capReader reads from c, at most n bytes while n >= 0.
+type capReader struct {
+	c net.Conn
+	n int
+	// read counts the bytes read since the call began: none means the
+	// replica answered nothing.
+	read int
+}
+
+var errHeaders = errors.New("tokenizer: /tokenize answer's headers too large")
+
+func (r *capReader) Read(p []byte) (int, error) {
+	if r.n == 0 {
+		return 0, errHeaders
+	}
+	if r.n > 0 && len(p) > r.n {
+		p = p[:r.n]
+	}
+	n, err := r.c.Read(p)
+	if r.n > 0 {
+		r.n -= n
+	}
+	r.read += n
+	return n, err
+}
+
+// pastDeadline ends any blocked read or write on a connection at once.
+var pastDeadline = time.Unix(1, 0)
+
+// post sends q to t and reads the ids answered, at most limit, by
+// deadline; ctx cancels the call.
+func (p *conns) post(ctx context.Context, deadline time.Time, t *target, q *query, limit int) ([]int32, error) {
+	for retried := false; ; retried = true {
+		pc, err := p.get(ctx, deadline, t.addr)
+		if err != nil {
+			return nil, fmt.Errorf("tokenizer: %w", err)
+		}
+		ids, keep, err := p.exchange(ctx, deadline, pc, t, q, limit)
+		if err == nil {
+			if keep {
+				p.put(pc)
+			} else {
+				pc.c.Close()
+			}
+			return ids, nil
+		}
+		pc.c.Close()
+		if retried || !pc.reused || pc.lim.read > 0 || ctx.Err() != nil || errors.Is(err, os.ErrDeadlineExceeded) {
+			return nil, err
+		}
+		// A pooled connection the replica closed as the call went out
+		// (after the peek in get), no byte of answer read: again, on a
+		// new connection.
+	}
+}
+
+// errAnswered is a /tokenize that answered with a status other than 200.
+type errAnswered struct{ status int }
+
+func (e *errAnswered) Error() string {
+	return fmt.Sprintf("tokenizer: /tokenize answered %d", e.status)
+}
+
+// exchange writes q on pc and reads the answer's ids; keep says pc may be
+// pooled.
+func (p *conns) exchange(ctx context.Context, deadline time.Time, pc *conn, t *target, q *query, limit int) (ids []int32, keep bool, err error) {
+	_ = pc.c.SetDeadline(deadline)
+	if ctx.Done() != nil {
+		stop := context.AfterFunc(ctx, func() { _ = pc.c.SetDeadline(pastDeadline) })
+		defer func() {
+			if !stop() { // the context fired: the deadline is in the past
+				keep = false
+				if err != nil {
+					err = fmt.Errorf("tokenizer: %w", ctx.Err())
+				}
+			}
+		}()
+	}
+	pc.lim.n, pc.lim.read = maxHeaderBytes, 0
+	if err := writeQuery(pc, t, q); err != nil {
+		return nil, false, fmt.Errorf("tokenizer: %w", err)
+	}
+	h, err := readHead(pc.br)
+	if err != nil {
+		return nil, false, fmt.Errorf("tokenizer: %w", err)
+	}
+	pc.lim.n = -1
+	if h.status != 200 {
+		return nil, false, &errAnswered{h.status}
+	}
+	body, done := pc.body(h)
+	// Token ids are at most 11 bytes each in JSON.
+	pc.ans = io.LimitedReader{R: body, N: int64(limit)*12 + 4096}
+	ids, count, err := readAnswer(&pc.ans, limit)
+	if err != nil {
+		return nil, false, fmt.Errorf("tokenizer: /tokenize answer: %w", err)
+	}
+	if count >= 0 && count != len(ids) {
+		return nil, false, fmt.Errorf("tokenizer: /tokenize answered %d tokens (count %d)", len(ids), count)
+	}
+	if keep = !h.close && done(); keep {
+		_ = pc.c.SetDeadline(time.Time{})
+	}
+	return ids, keep, nil
+}
+
+// writeQuery writes q as a POST to t's /tokenize on pc: through its
+// buffer when q fits, else the head and q's parts in one vectored write
+// (through the buffer, a large body went in three writes).
+func writeQuery(pc *conn, t *target, q *query) error {
+	var b [256]byte
+	head := append(b[:0], "POST "...)
+	head = append(head, t.path...)
+	head = append(head, " HTTP/1.1\r\nHost: "...)
+	head = append(head, t.host...)
+	head = append(head, "\r\nContent-Type: application/json\r\nContent-Length: "...)
+	head = strconv.AppendInt(head, int64(q.n), 10)
+	head = append(head, "\r\n\r\n"...)
+	if len(head)+q.n <= pc.bw.Available() {
+		pc.bw.Write(head)
+		for _, part := range q.parts {
+			pc.bw.Write(part)
+		}
+		return pc.bw.Flush()
+	}
+	bufs := make(net.Buffers, 0, 1+len(q.parts))
+	bufs = append(bufs, head)
+	bufs = append(bufs, q.parts...)
+	_, err := bufs.WriteTo(pc.c)
+	return err
+}
+
+// get returns a pooled connection to addr that is still open, or dials
+// one by deadline.
+func (p *conns) get(ctx context.Context, deadline time.Time, addr string) (*conn, error) {
+	for {
+		p.mu.Lock()
+		l := p.idle[addr]
+		if len(l) == 0 {
+			p.mu.Unlock()
+			break
+		}
+		pc := l[len(l)-1]
+		l[len(l)-1] = nil
+		p.idle[addr] = l[:len(l)-1]
+		p.nIdle--
+		p.mu.Unlock()
+		// A connection that idled a while is looked at: the replica may
+		// have closed it, or sent bytes nobody asked for, which must
+		// never be read as this call's answer. One just back from a call
+		// is trusted (a peek is a system call a call): if the replica
+		// closed it meanwhile, the call, sent again, goes on a new one
+		// (post).
+		if time.Since(pc.since) < p.peekAfter || pc.alive() {
+			return pc, nil
+		}
+		pc.c.Close()
+	}
+	d := net.Dialer{Deadline: deadline}
+	c, err := d.DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	pc := &conn{c: c, addr: addr, lim: capReader{c: c, n: -1}}
+	pc.br = bufio.NewReader(&pc.lim)
+	pc.bw = bufio.NewWriter(c)
+	return pc, nil
+}
+
+// alive reports whether an idle connection is still open: nothing to read
+// means it is; the end of the stream, an error, or bytes nobody asked for
+// mean it is not.
+func (pc *conn) alive() bool {
+	return pc.br.Buffered() == 0 && peekIdle(pc.c)
+}
+
+// put pools pc for reuse, or closes it when it holds bytes past the answer
+// or the pool for its replica, or the whole pool, is full.
+func (p *conns) put(pc *conn) {
+	if pc.br.Buffered() != 0 {
+		pc.c.Close()
+		return
+	}
+	pc.reused, pc.since = true, time.Now()
+	p.mu.Lock()
+	l := p.idle[pc.addr]
+	full := len(l) >= maxIdlePerHost || p.nIdle >= maxIdleTotal
+	if !full {
+		p.idle[pc.addr] = append(l, pc)
+		p.nIdle++
+		if !p.sweeping {
+			p.sweeping = true
+			time.AfterFunc(p.sweepEvery, p.sweep)
+		}
+	}
+	p.mu.Unlock()
+	if full {
+		pc.c.Close()
+	}
+}
+
+// sweep closes the idle connections the replica closed or that idled past
+// idleTimeout, forgets replicas left without any, and comes back in
+// sweepEvery while any are left.
+func (p *conns) sweep() {
+	now := time.Now()
+	var dead []*conn
+	p.mu.Lock()
+	for addr, l := range p.idle {
+		keep := l[:0]
+		for _, pc := range l {
+			if now.Sub(pc.since) < idleTimeout && pc.alive() {
+				keep = append(keep, pc)
+			} else {
+				dead = append(dead, pc)
+			}
+		}
+		clear(l[len(keep):])
+		p.nIdle -= len(l) - len(keep)
+		if len(keep) == 0 {
+			delete(p.idle, addr)
+		} else {
+			p.idle[addr] = keep
+		}
+	}
+	if p.sweeping = len(p.idle) > 0; p.sweeping {
+		time.AfterFunc(p.sweepEvery, p.sweep)
+	}
+	p.mu.Unlock()
+	for _, pc := range dead {
+		pc.c.Close()
+	}
+}
+
+// closeIdle closes every pooled connection.
+func (p *conns) closeIdle() {
+	p.mu.Lock()
+	idle := p.idle
+	p.idle, p.nIdle = map[string][]*conn{}, 0
+	p.mu.Unlock()
+	for _, l := range idle {
+		for _, pc := range l {
+			pc.c.Close()
+		}
+	}
+}
