@@ -377,37 +377,48 @@ func readInt(p []byte, what string) (uint64, []byte, error) {
 	if c >= 0xe0 { // negative fixint
 		return uint64(int64(int8(c))), p[1:], nil
 	}
+	if len(p) < 9 {
+		return readIntNearEnd(p, what)
+	}
+	// The longest int's bytes are there: no type needs its own check.
+	switch c {
+	case 0xcc:
+		return uint64(p[1]), p[2:], nil
+	case 0xcd:
+		return uint64(binary.BigEndian.Uint16(p[1:])), p[3:], nil
+	case 0xce:
+		return uint64(binary.BigEndian.Uint32(p[1:])), p[5:], nil
+	case 0xcf:
+		return binary.BigEndian.Uint64(p[1:]), p[9:], nil
+	case 0xd0:
+		return uint64(int64(int8(p[1]))), p[2:], nil
+	case 0xd1:
+		return uint64(int64(int16(binary.BigEndian.Uint16(p[1:])))), p[3:], nil
+	case 0xd2:
+		return uint64(int64(int32(binary.BigEndian.Uint32(p[1:])))), p[5:], nil
+	case 0xd3:
+		return binary.BigEndian.Uint64(p[1:]), p[9:], nil
+	}
+	return 0, p, malformed("%s: msgpack type %v, not an int", what, msgp.NextType(p))
+}
+
+// readIntNearEnd is readInt for the sized ints (types 0xcc-0xd3) when p is
+// shorter than the longest: it checks that the type's bytes are all there
+// and reads the int from a copy of p padded to the longest's length.
+func readIntNearEnd(p []byte, what string) (uint64, []byte, error) {
+	c := p[0]
 	if c < 0xcc || c > 0xd3 {
 		return 0, p, malformed("%s: msgpack type %v, not an int", what, msgp.NextType(p))
 	}
-	// uint8, uint16, uint32, uint64 (0xcc-0xcf), then int8 to int64
-	// (0xd0-0xd3): the low two bits give the width.
+	// uint8 to uint64, then int8 to int64: the low two bits give the width.
 	n := 1 + 1<<(c&3)
 	if len(p) < n {
 		return 0, p, malformed("%s: %v", what, msgp.ErrShortBytes)
 	}
-	return sizedInt(c, p[1:n]), p[n:], nil
-}
-
-// sizedInt decodes b, the big-endian payload of msgpack's sized int type c
-// (0xcc-0xd3), as readInt does.
-func sizedInt(c byte, b []byte) uint64 {
-	switch c {
-	case 0xcc:
-		return uint64(b[0])
-	case 0xcd:
-		return uint64(binary.BigEndian.Uint16(b))
-	case 0xce:
-		return uint64(binary.BigEndian.Uint32(b))
-	case 0xd0:
-		return uint64(int64(int8(b[0])))
-	case 0xd1:
-		return uint64(int64(int16(binary.BigEndian.Uint16(b))))
-	case 0xd2:
-		return uint64(int64(int32(binary.BigEndian.Uint32(b))))
-	default: // 0xcf, 0xd3: all 64 bits
-		return binary.BigEndian.Uint64(b)
-	}
+	var padded [9]byte
+	copy(padded[:], p)
+	v, _, err := readInt(padded[:], what)
+	return v, p[n:], err
 }
 
 // signedNeg reports whether an int whose first byte is c is encoded as a
