@@ -82,3 +82,44 @@ func TestDemandBounded(t *testing.T) {
 		t.Fatalf("%d counts, bound %d", len(d.counts), MaxDemandKeys)
 	}
 }
+
+// BenchmarkDemandBound: at the bound, every count live, each new pair is
+// refused (TestDemandBounded's pairs past the bound).
+func BenchmarkDemandBound(b *testing.B) {
+	d := NewDemand(time.Second)
+	now := time.Unix(1000, 0)
+	for i := range MaxDemandKeys {
+		d.Arrive(i, 0, now)
+	}
+	i := MaxDemandKeys
+	for b.Loop() {
+		d.Arrive(i, 0, now)
+		i++
+	}
+}
+
+// BenchmarkDemandTurnover: a new pair every millisecond, each counted once
+// and forgotten about 6.6 s (6,600 pairs) later: at the bound, most new
+// pairs are refused and one gets in as the oldest decays away.
+func BenchmarkDemandTurnover(b *testing.B) {
+	d := NewDemand(time.Second)
+	now := time.Unix(1000, 0)
+	for i := 0; b.Loop(); i++ {
+		d.Arrive(i, 0, now)
+		now = now.Add(time.Millisecond)
+	}
+}
+
+// BenchmarkDemandSteady: the router's usual load, a few priorities on a
+// few replicas, each request counted in, begun and ended.
+func BenchmarkDemandSteady(b *testing.B) {
+	d := NewDemand(0)
+	now := time.Unix(1000, 0)
+	for i := 0; b.Loop(); i++ {
+		p, home := i%4, i/4%8
+		d.Arrive(p, home, now)
+		d.Begin(p, home, now)
+		d.End(p, home)
+		now = now.Add(time.Millisecond)
+	}
+}
