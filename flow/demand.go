@@ -31,7 +31,7 @@ type Demand struct {
 
 	mu     sync.Mutex
 	counts map[demandKey]*demandRate
-	idle   dueHeap // the counts with nothing in flight, by due
+	idle   dueHeap // by due: every count with nothing in flight, and those begun since forget last saw them
 }
 
 // MaxDemandKeys bounds the priority and replica pairs Demand counts; past
@@ -63,7 +63,7 @@ type demandRate struct {
 	// it leaves due early, and Begin and End do not change it; forget
 	// sets it anew when it finds an idle count due that it cannot forget.
 	due   time.Time
-	index int // its place in Demand.idle; -1 while it is not there (something is in flight)
+	index int // its place in Demand.idle; -1 when forget found something in flight, until End ends it
 }
 
 // NewDemand returns an empty Demand whose counts halve every half (zero:
