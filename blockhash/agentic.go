@@ -164,12 +164,8 @@ func (r *Request) anthropic(b *body, lim Limits) error {
 	if err := r.toolsPart(b); err != nil {
 		return err
 	}
-	if !isNull(b.system) {
-		s, segs, err := blocksText(b.system, "system")
-		if err != nil {
-			return err
-		}
-		r.Parts = append(r.Parts, Part{Role: RoleSystem, Base: KindSystem, Text: s, Segs: segs})
+	if err := r.systemPart(b); err != nil {
+		return err
 	}
 	msgs, err := messagesOf(b, lim)
 	if err != nil {
@@ -216,6 +212,19 @@ func (r *Request) anthropic(b *body, lim Limits) error {
 	if lastUser >= first {
 		r.Parts[lastUser].Base = KindUserQuery
 	}
+	return nil
+}
+
+// systemPart appends the body's system prompt, if any, as the system part.
+func (r *Request) systemPart(b *body) error {
+	if isNull(b.system) {
+		return nil
+	}
+	s, segs, err := blocksText(b.system, "system")
+	if err != nil {
+		return err
+	}
+	r.Parts = append(r.Parts, Part{Role: RoleSystem, Base: KindSystem, Text: s, Segs: segs})
 	return nil
 }
 

@@ -68,64 +68,20 @@ func (f *Fleet) applyBatch(data []byte, first string) {
 func (f *Fleet) apply(p *peer, r *record, now time.Time) {
 	f.applied.Add(1)
 	p.records++
-	pool := f.eng.Pool()
 	switch r.typ {
 	case recRoute, recReply:
-		rep, ok := pool.Get(r.replica)
-		if !ok {
-			f.unresolved.Add(1)
-			return
-		}
-		if old := p.flight[r.req]; old != nil && r.typ == recRoute {
-			f.end(p, old, now)
-			delete(p.flight, r.req)
-		}
-		all, ok := f.resolve(&r.chain)
-		if !ok {
-			all = nil
-		}
-		if r.typ == recReply {
-			f.eng.Picture().Replied(rep.ID, all, r.chain.prefix, now)
-			return
-		}
-		f.bound(r, all, ok)
-		if f.flights >= maxFlights { // an untracked request would never be unpinned
-			f.eng.Picture().Routed(rep.ID, all, now)
-			return
-		}
-		st, _ := f.eng.Picture().Stats(rep.ID)
-		pin := f.keys+len(all) <= maxPinnedKeys && (st.Budget == 0 || f.pinned[rep.ID]+chainTokens(all) <= st.Budget/pinShare)
-		fl := &flight{start: now}
-		fl.l = f.eng.PeerLease(rep, all, replica.Work{Prefill: r.prefill, Tokens: r.tokens}, pin, now)
-		n := fl.l.Kept()
-		_, tokens := fl.l.Pinned()
-		fl.keys, fl.pinned = n, tokens
-		p.keys += n
-		f.keys += n
-		f.pinned[rep.ID] += tokens
-		p.flight[r.req] = fl
-		f.flights++
+		f.applyRoute(p, r, now)
 	case recPrefill:
 		if fl := p.flight[r.req]; fl != nil {
 			fl.l.FirstToken(now)
 		}
 	case recDone:
-		fl := p.flight[r.req]
-		if fl == nil {
-			return
+		if fl := p.flight[r.req]; fl != nil {
+			delete(p.flight, r.req)
+			f.end(p, fl, now)
 		}
-		delete(p.flight, r.req)
-		f.end(p, fl, now)
 	case recEject:
-		// Evidence, not an order: no longer than this router's own first
-		// cool-down, and soft, so that the all-ejected fallback still has it.
-		if rep, ok := pool.Get(r.replica); ok {
-			cool := time.Duration(min(r.cool, uint64(f.o.Ejection.Base/time.Millisecond))) * time.Millisecond
-			if r.cool > uint64(f.o.Ejection.Base/time.Millisecond) {
-				f.clamped.Add(1)
-			}
-			rep.EjectSoft(now, now.Add(cool))
-		}
+		f.applyEject(r, now)
 	case recHome:
 		// Older routers' word of where a response is stored: ignored. A
 		// response's id carries its home and its tenant under the fleet's
@@ -138,6 +94,69 @@ func (f *Fleet) apply(p *peer, r *record, now time.Time) {
 			f.askResync(p.id)
 		}
 	}
+}
+
+// applyRoute applies a route record (a request p sent to a replica, which
+// ends the one it had in flight under the same id) or a reply record (the
+// blocks of a reply p learned). f.amu must be held.
+func (f *Fleet) applyRoute(p *peer, r *record, now time.Time) {
+	rep, ok := f.eng.Pool().Get(r.replica)
+	if !ok {
+		f.unresolved.Add(1)
+		return
+	}
+	if old := p.flight[r.req]; old != nil && r.typ == recRoute {
+		f.end(p, old, now)
+		delete(p.flight, r.req)
+	}
+	all, ok := f.resolve(&r.chain)
+	if !ok {
+		all = nil
+	}
+	if r.typ == recReply {
+		f.eng.Picture().Replied(rep.ID, all, r.chain.prefix, now)
+		return
+	}
+	f.bound(r, all, ok)
+	if f.flights >= maxFlights { // an untracked request would never be unpinned
+		f.eng.Picture().Routed(rep.ID, all, now)
+		return
+	}
+	f.track(p, r, rep, all, now)
+}
+
+// track leases rep for p's routed request r, whose blocks are all, and
+// keeps it in flight until its done record. Its blocks are pinned while
+// the fleet's pinned keys and rep's share of pinned tokens allow. f.amu
+// must be held.
+func (f *Fleet) track(p *peer, r *record, rep *replica.Replica, all []blockhash.Block, now time.Time) {
+	st, _ := f.eng.Picture().Stats(rep.ID)
+	pin := f.keys+len(all) <= maxPinnedKeys && (st.Budget == 0 || f.pinned[rep.ID]+chainTokens(all) <= st.Budget/pinShare)
+	fl := &flight{start: now}
+	fl.l = f.eng.PeerLease(rep, all, replica.Work{Prefill: r.prefill, Tokens: r.tokens}, pin, now)
+	n := fl.l.Kept()
+	_, tokens := fl.l.Pinned()
+	fl.keys, fl.pinned = n, tokens
+	p.keys += n
+	f.keys += n
+	f.pinned[rep.ID] += tokens
+	p.flight[r.req] = fl
+	f.flights++
+}
+
+// applyEject applies an ejection record: evidence, not an order. The
+// replica is ejected no longer than this router's own first cool-down,
+// and softly, so that the all-ejected fallback still has it.
+func (f *Fleet) applyEject(r *record, now time.Time) {
+	rep, ok := f.eng.Pool().Get(r.replica)
+	if !ok {
+		return
+	}
+	most := uint64(f.o.Ejection.Base / time.Millisecond)
+	if r.cool > most {
+		f.clamped.Add(1)
+	}
+	rep.EjectSoft(now, now.Add(time.Duration(min(r.cool, most))*time.Millisecond))
 }
 
 // bound clamps a route record's work to what a router could have sent

@@ -140,6 +140,21 @@ func (r RoutingConfig) validate(p *problems) {
 	if _, err := routing.NewPolicy(r.PolicySpec()); err != nil {
 		p.bad("routing.policy", "%v", err)
 	}
+	r.validatePolicyKeys(p)
+	if r.Attempts < 1 || r.Attempts > 16 {
+		p.bad("routing.attempts", "%d is not in [1, 16]", r.Attempts)
+	}
+	r.Matcher.validate(p)
+	if r.ReleaseAfter <= 0 {
+		p.bad("routing.release_after", "must be positive")
+	}
+	r.validateArms(p)
+	r.validateKindWeights(p)
+}
+
+// validatePolicyKeys checks the semantic policy's parameters by their
+// older keys.
+func (r RoutingConfig) validatePolicyKeys(p *problems) {
 	if r.LoadWeight < 0 {
 		p.bad("routing.load_weight", "must not be negative")
 	}
@@ -155,15 +170,15 @@ func (r RoutingConfig) validate(p *problems) {
 	if r.LoadHalfLife < 0 {
 		p.bad("routing.load_half_life", "must not be negative")
 	}
-	if r.Attempts < 1 || r.Attempts > 16 {
-		p.bad("routing.attempts", "%d is not in [1, 16]", r.Attempts)
-	}
-	if m := r.Matcher; !(m.Threshold >= 0 && m.Threshold <= 1) || !(m.MinSimilarity >= 0 && m.MinSimilarity <= 1) || m.MaxDonors < 1 {
+}
+
+func (m MatcherConfig) validate(p *problems) {
+	if !(m.Threshold >= 0 && m.Threshold <= 1) || !(m.MinSimilarity >= 0 && m.MinSimilarity <= 1) || m.MaxDonors < 1 {
 		p.bad("routing.semantic_matcher", "threshold and min_similarity must be in [0, 1] and max_donors positive")
 	}
-	if r.ReleaseAfter <= 0 {
-		p.bad("routing.release_after", "must be positive")
-	}
+}
+
+func (r RoutingConfig) validateArms(p *problems) {
 	arms := p.uniqueNames("routing.arms", "arm")
 	for i, a := range r.Arms {
 		f := fmt.Sprintf("routing.arms[%d]", i)
@@ -175,6 +190,9 @@ func (r RoutingConfig) validate(p *problems) {
 			p.bad(f+".weight", "must be positive")
 		}
 	}
+}
+
+func (r RoutingConfig) validateKindWeights(p *problems) {
 	for k, w := range r.KindWeights {
 		if _, err := blockhash.ParseKind(k); err != nil {
 			p.bad("routing.kind_weights."+k, "unknown kind")
@@ -243,8 +261,7 @@ func (t TokenizerConfig) validate(p *problems) {
 
 func (c ClusterConfig) validate(p *problems) {
 	for i, u := range c.URLs {
-		pu, err := url.Parse(u)
-		if err != nil || pu.Host == "" || (pu.Scheme != "nats" && pu.Scheme != "tls") {
+		if !natsURL(u) {
 			p.bad(fmt.Sprintf("cluster.urls[%d]", i), "%q is not nats://host:port or tls://host:port", u)
 		}
 	}
@@ -263,10 +280,23 @@ func (c ClusterConfig) validate(p *problems) {
 	if (c.CertFile == "") != (c.KeyFile == "") {
 		p.bad("cluster.cert_file", "cert_file and key_file go together")
 	}
-	if len(c.URLs) > 0 && !c.Insecure && c.Credentials == "" && c.NkeySeed == "" && c.User == "" && c.Token == "" && c.CertFile == "" {
+	if len(c.URLs) > 0 && !c.Insecure && !c.hasCredentials() {
 		p.bad("cluster", "no NATS credentials: anyone reaching the server could steer or stop the fleet's routing; "+
 			"set credentials, nkey_seed, user and password, token or cert_file, or insecure: true to run without")
 	}
+}
+
+// natsURL reports whether u is a NATS server's URL: nats:// or tls://
+// with a host.
+func natsURL(u string) bool {
+	pu, err := url.Parse(u)
+	return err == nil && pu.Host != "" && (pu.Scheme == "nats" || pu.Scheme == "tls")
+}
+
+// hasCredentials reports whether c sets any way of authenticating to the
+// NATS server.
+func (c ClusterConfig) hasCredentials() bool {
+	return c.Credentials != "" || c.NkeySeed != "" || c.User != "" || c.Token != "" || c.CertFile != ""
 }
 
 func (l LimitsConfig) validate(p *problems) {
@@ -316,13 +346,23 @@ func (t TracingConfig) validate(p *problems) {
 }
 
 func (d DiscoveryConfig) validate(p *problems) {
-	if d.DNSName != "" && (d.Interval <= 0 || d.Port < 1 || d.Port > 65535 || (d.Scheme != "http" && d.Scheme != "https") || d.BudgetTokens < 0) {
+	if d.DNSName != "" && !d.dnsValid() {
 		p.bad("discovery", "interval must be positive, port in [1, 65535], scheme http or https")
 	}
-	k := d.Kubernetes
-	if !k.On() {
-		return
+	if d.Kubernetes.On() {
+		d.validateKubernetes(p)
 	}
+}
+
+// dnsValid reports whether the settings DNS discovery uses are valid.
+func (d DiscoveryConfig) dnsValid() bool {
+	return d.Interval > 0 && validPort(d.Port) && httpScheme(d.Scheme) && d.BudgetTokens >= 0
+}
+
+// validateKubernetes checks discovery through the Kubernetes API, which
+// is on: the first problem found, the later ones depending on it.
+func (d DiscoveryConfig) validateKubernetes(p *problems) {
+	k := d.Kubernetes
 	n := 0
 	for _, s := range []string{k.Service, k.Selector, k.InferencePool} {
 		if s != "" {
@@ -334,9 +374,9 @@ func (d DiscoveryConfig) validate(p *problems) {
 		p.bad("discovery.kubernetes", "one of service, selector and inference_pool")
 	case d.DNSName != "":
 		p.bad("discovery.kubernetes", "and discovery.dns_name are two ways to find the same replicas: use one")
-	case k.Selector != "" && (d.Port < 1 || d.Port > 65535):
+	case k.Selector != "" && !validPort(d.Port):
 		p.bad("discovery.port", "a selector needs the pods' port")
-	case d.Scheme != "http" && d.Scheme != "https":
+	case !httpScheme(d.Scheme):
 		p.bad("discovery.scheme", "must be http or https")
 	case k.PoolAPI != "v1" && k.PoolAPI != "v1alpha2":
 		p.bad("discovery.kubernetes.pool_api", "%q: v1 or v1alpha2", k.PoolAPI)
@@ -344,6 +384,10 @@ func (d DiscoveryConfig) validate(p *problems) {
 		p.bad("discovery.interval", "must be positive")
 	}
 }
+
+func validPort(port int) bool { return port >= 1 && port <= 65535 }
+
+func httpScheme(s string) bool { return s == "http" || s == "https" }
 
 func (r RuntimeConfig) validate(p *problems) {
 	if f := r.GCFloorMB; f < 0 || f > 1<<20 {
@@ -374,48 +418,72 @@ func (c *Config) validateReplicas(p *problems) {
 // check returns what is wrong with one replica, field by field, checked
 // as the pool will check it (an empty name is left to the caller).
 func (r Replica) check() []FieldError {
-	var errs []FieldError
+	var errs fieldErrors
+	r.checkPool(&errs)
+	r.KVEvents.check(&errs)
+	r.checkEngine(&errs)
+	return errs
+}
+
+// fieldErrors collects the FieldErrors of one replica, its fields named
+// relative to it.
+type fieldErrors []FieldError
+
+func (e *fieldErrors) add(field, msg string) { *e = append(*e, FieldError{field, msg}) }
+
+// checkPool checks what the pool keeps of the replica: its name, URL,
+// budget and weight.
+func (r Replica) checkPool(errs *fieldErrors) {
 	if r.Name != "" {
 		if err := replica.ValidateName(r.Name); err != nil {
-			errs = append(errs, FieldError{"name", err.Error()})
+			errs.add("name", err.Error())
 		}
 	}
 	if _, err := replica.ParseURL(r.URL); err != nil {
-		errs = append(errs, FieldError{"url", err.Error()})
+		errs.add("url", err.Error())
 	}
 	if r.BudgetTokens < 0 || r.BudgetTokens > replica.MaxBudgetTokens {
-		errs = append(errs, FieldError{"budget_tokens", fmt.Sprintf("%d is not in [0, %d]", r.BudgetTokens, int64(replica.MaxBudgetTokens))})
+		errs.add("budget_tokens", fmt.Sprintf("%d is not in [0, %d]", r.BudgetTokens, int64(replica.MaxBudgetTokens)))
 	}
 	if err := replica.ValidateWeight(r.Weight); err != nil {
-		errs = append(errs, FieldError{"weight", err.Error()})
+		errs.add("weight", err.Error())
 	}
-	for _, f := range []struct{ name, v string }{{"kv_events.endpoint", r.KVEvents.Endpoint}, {"kv_events.replay_endpoint", r.KVEvents.ReplayEndpoint}, {"kv_events.listen", r.KVEvents.Listen}} {
+}
+
+// check checks the ZeroMQ addresses of a replica's KV events and how
+// they go together.
+func (k KVEventsConfig) check(errs *fieldErrors) {
+	for _, f := range []struct{ name, v string }{{"kv_events.endpoint", k.Endpoint}, {"kv_events.replay_endpoint", k.ReplayEndpoint}, {"kv_events.listen", k.Listen}} {
 		if f.v != "" && !strings.HasPrefix(f.v, "tcp://") && !strings.HasPrefix(f.v, "ipc://") {
-			errs = append(errs, FieldError{f.name, fmt.Sprintf("%q is not a tcp:// or ipc:// ZeroMQ address", f.v)})
+			errs.add(f.name, fmt.Sprintf("%q is not a tcp:// or ipc:// ZeroMQ address", f.v))
 		}
 	}
-	if r.KVEvents.Endpoint == "" && r.KVEvents.Listen == "" && r.KVEvents.ReplayEndpoint != "" {
-		errs = append(errs, FieldError{"kv_events.endpoint", "or kv_events.listen is required with kv_events.replay_endpoint"})
+	if k.Endpoint == "" && k.Listen == "" && k.ReplayEndpoint != "" {
+		errs.add("kv_events.endpoint", "or kv_events.listen is required with kv_events.replay_endpoint")
 	}
-	if r.KVEvents.Endpoint != "" && r.KVEvents.Listen != "" {
-		errs = append(errs, FieldError{"kv_events.listen", "and kv_events.endpoint exclude each other: the router either dials the engine's PUB or binds one the engine dials"})
+	if k.Endpoint != "" && k.Listen != "" {
+		errs.add("kv_events.listen", "and kv_events.endpoint exclude each other: the router either dials the engine's PUB or binds one the engine dials")
 	}
-	if r.KVEvents.Listen != "" && !strings.HasPrefix(r.KVEvents.Listen, "tcp://") {
-		errs = append(errs, FieldError{"kv_events.listen", "must be a tcp:// address"})
+	if k.Listen != "" && !strings.HasPrefix(k.Listen, "tcp://") {
+		errs.add("kv_events.listen", "must be a tcp:// address")
 	}
-	if r.KVEvents.DataParallelRank < -1 {
-		errs = append(errs, FieldError{"kv_events.data_parallel_rank", "must be -1 (every rank) or a rank"})
+	if k.DataParallelRank < -1 {
+		errs.add("kv_events.data_parallel_rank", "must be -1 (every rank) or a rank")
 	}
+}
+
+// checkEngine checks what the replica says of its engine: its reuse past
+// the prefix, its role and how many requests it runs at once.
+func (r Replica) checkEngine(errs *fieldErrors) {
 	if err := r.Spec().Reuse.Check(); err != nil {
-		errs = append(errs, FieldError{"reuse", err.Error()})
+		errs.add("reuse", err.Error())
 	}
 	if err := replica.Role(r.Role).Check(); err != nil {
-		errs = append(errs, FieldError{"role", fmt.Sprintf("%q is not prefill, decode or both", r.Role)})
+		errs.add("role", fmt.Sprintf("%q is not prefill, decode or both", r.Role))
 	}
 	if r.MaxRunning < 0 || r.MaxRunning > 1<<20 {
-		errs = append(errs, FieldError{"max_running", fmt.Sprintf("%d is not in [0, 1048576] (0: learned from what the replica reports)", r.MaxRunning)})
+		errs.add("max_running", fmt.Sprintf("%d is not in [0, 1048576] (0: learned from what the replica reports)", r.MaxRunning))
 	}
-	return errs
 }
 
 // Validate checks one replica as the config's validation does; the admin

@@ -453,36 +453,20 @@ func (w *Writer) openFailed(now time.Time, err error) {
 // written or failed.
 func (w *Writer) write(b []byte, ends []int) {
 	now := w.o.now()
-	if !w.ready(now) {
+	if !w.fileFor(now, len(b)) {
 		w.fail(len(ends), w.cause)
 		return
 	}
-	if w.size > 0 && w.size+int64(len(b)) > w.o.MaxBytes && !now.Before(w.rotateAt) {
-		if !w.rotate(now) {
-			w.fail(len(ends), w.cause)
-			return
-		}
-	}
-	if w.torn {
-		if _, err := w.f.Write([]byte{'\n'}); err != nil {
-			w.writeFailed(now, len(ends), err)
-			return
-		}
-		w.size++
-		w.torn = false
+	if w.torn && !w.endTorn(now, len(ends)) {
+		return
 	}
 	n, err := w.f.Write(b)
 	if err == nil && n < len(b) {
 		err = io.ErrShortWrite
 	}
-	if n < 0 {
-		n = 0
-	}
+	n = max(n, 0)
 	w.size += int64(n)
-	whole := 0
-	for whole < len(ends) && ends[whole] <= n {
-		whole++
-	}
+	whole := wholeRecords(ends, n)
 	w.written.Add(int64(whole))
 	if err != nil {
 		if n > 0 && (whole == 0 || ends[whole-1] != n) {
@@ -490,6 +474,42 @@ func (w *Writer) write(b []byte, ends []int) {
 		}
 		w.writeFailed(now, len(ends)-whole, err)
 	}
+}
+
+// fileFor makes sure there is a file to write n bytes to (ready), rotated
+// first if they would take it past MaxBytes and rotating is due. It
+// reports whether there is one.
+func (w *Writer) fileFor(now time.Time, n int) bool {
+	if !w.ready(now) {
+		return false
+	}
+	if w.size > 0 && w.size+int64(n) > w.o.MaxBytes && !now.Before(w.rotateAt) {
+		return w.rotate(now)
+	}
+	return true
+}
+
+// endTorn ends the torn last line of the file, the part of a record an
+// earlier write left, so that the next record starts a line. When that
+// fails it counts the batch's records failed and reports false.
+func (w *Writer) endTorn(now time.Time, records int) bool {
+	if _, err := w.f.Write([]byte{'\n'}); err != nil {
+		w.writeFailed(now, records, err)
+		return false
+	}
+	w.size++
+	w.torn = false
+	return true
+}
+
+// wholeRecords returns how many of the records ending at ends the first n
+// bytes hold whole.
+func wholeRecords(ends []int, n int) int {
+	whole := 0
+	for whole < len(ends) && ends[whole] <= n {
+		whole++
+	}
+	return whole
 }
 
 // writeFailed counts n records failed after a write error on the file, and

@@ -1,6 +1,7 @@
 package flow
 
 import (
+	"container/heap"
 	"math"
 	"sync"
 	"time"
@@ -26,9 +27,11 @@ import (
 // BENCHMARKS.md). Safe for concurrent use.
 type Demand struct {
 	half time.Duration
+	max  int // MaxDemandKeys; less in tests
 
 	mu     sync.Mutex
 	counts map[demandKey]*demandRate
+	idle   dueHeap // by due: every count with nothing in flight, and those begun since forget last saw them
 }
 
 // MaxDemandKeys bounds the priority and replica pairs Demand counts; past
@@ -52,6 +55,15 @@ type demandRate struct {
 	requests  float64
 	at, since time.Time
 	inFlight  int64
+
+	key demandKey
+	// due is a time before which the count has not decayed away: never
+	// later than the first time it has, so that forget, looking at the
+	// idle counts due, misses none. Arrive only puts that time off, so
+	// it leaves due early, and Begin and End do not change it; forget
+	// sets it anew when it finds an idle count due that it cannot forget.
+	due   time.Time
+	index int // its place in Demand.idle; -1 when forget found something in flight, until End ends it
 }
 
 // NewDemand returns an empty Demand whose counts halve every half (zero:
@@ -60,7 +72,7 @@ func NewDemand(half time.Duration) *Demand {
 	if half <= 0 {
 		half = DefaultDemandHalfLife
 	}
-	return &Demand{half: half, counts: map[demandKey]*demandRate{}}
+	return &Demand{half: half, max: MaxDemandKeys, counts: map[demandKey]*demandRate{}}
 }
 
 // get returns k's count, made if absent and there is room; nil if not.
@@ -68,14 +80,15 @@ func NewDemand(half time.Duration) *Demand {
 func (d *Demand) get(k demandKey, now time.Time) *demandRate {
 	r := d.counts[k]
 	if r == nil {
-		if len(d.counts) >= MaxDemandKeys {
+		if len(d.counts) >= d.max {
 			d.forget(now)
 		}
-		if len(d.counts) >= MaxDemandKeys {
+		if len(d.counts) >= d.max {
 			return nil
 		}
-		r = &demandRate{at: now, since: now}
+		r = &demandRate{at: now, since: now, key: k} // due at once: looked at by the next forget
 		d.counts[k] = r
+		heap.Push(&d.idle, r)
 	}
 	return r
 }
@@ -111,6 +124,9 @@ func (d *Demand) End(priority, home int) {
 	defer d.mu.Unlock()
 	if r := d.counts[demandKey{priority, home}]; r != nil && r.inFlight > 0 {
 		r.inFlight--
+		if r.inFlight == 0 && r.index < 0 { // forget found it busy: it may be forgotten again
+			heap.Push(&d.idle, r)
+		}
 	}
 }
 
@@ -119,13 +135,64 @@ func (d *Demand) End(priority, home int) {
 const forgetBelow = 0.01
 
 // forget drops the keys whose counts have decayed away and that have
-// nothing in flight. d.mu is held.
+// nothing in flight. It looks only at the idle counts due (demandRate.due):
+// each one it keeps is due again no sooner than its count can decay away,
+// or leaves the heap while something is in flight, so that a count costs
+// it O(log n) at most once per Arrive or Begin, and a Demand at its bound
+// with no count due refuses a new key in O(1). d.mu is held.
 func (d *Demand) forget(now time.Time) {
-	for k, r := range d.counts {
-		if r.decayed(now, d.half) < forgetBelow && r.inFlight == 0 {
-			delete(d.counts, k)
+	for len(d.idle) > 0 && !d.idle[0].due.After(now) {
+		r := d.idle[0]
+		switch {
+		case r.inFlight > 0: // End puts it back
+			heap.Pop(&d.idle)
+		case r.decayed(now, d.half) < forgetBelow:
+			heap.Pop(&d.idle)
+			delete(d.counts, r.key)
+		default:
+			r.due = r.forgettableFrom(d.half)
+			if !r.due.After(now) { // rounding: not forgettable yet, but nearly
+				r.due = now.Add(time.Nanosecond)
+			}
+			heap.Fix(&d.idle, 0)
 		}
 	}
+}
+
+// forgettableFrom returns a time before which r's count has not decayed
+// below forgetBelow: the time it does, a billionth and a microsecond early
+// against rounding; the zero time if it has already.
+func (r *demandRate) forgettableFrom(half time.Duration) time.Time {
+	if !(r.requests >= forgetBelow) {
+		return time.Time{}
+	}
+	after := float64(half)*math.Log2(r.requests/forgetBelow)*(1-1e-9) - float64(time.Microsecond)
+	return r.at.Add(time.Duration(min(max(after, 0), 1<<62)))
+}
+
+// dueHeap is a heap of counts, the earliest due first.
+type dueHeap []*demandRate
+
+func (h dueHeap) Len() int           { return len(h) }
+func (h dueHeap) Less(i, j int) bool { return h[i].due.Before(h[j].due) }
+func (h dueHeap) Swap(i, j int) {
+	h[i], h[j] = h[j], h[i]
+	h[i].index, h[j].index = i, j
+}
+
+func (h *dueHeap) Push(x any) {
+	r := x.(*demandRate)
+	r.index = len(*h)
+	*h = append(*h, r)
+}
+
+func (h *dueHeap) Pop() any {
+	old := *h
+	r := old[len(old)-1]
+	old[len(old)-1] = nil
+	*h = old[:len(old)-1]
+	r.index = -1
+	return r
 }
 
 // decayed returns r's count at now.

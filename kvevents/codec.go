@@ -377,51 +377,48 @@ func readInt(p []byte, what string) (uint64, []byte, error) {
 	if c >= 0xe0 { // negative fixint
 		return uint64(int64(int8(c))), p[1:], nil
 	}
+	if len(p) < 9 {
+		return readIntNearEnd(p, what)
+	}
+	// The longest int's bytes are there: no type needs its own check.
 	switch c {
 	case 0xcc:
-		if len(p) < 2 {
-			break
-		}
 		return uint64(p[1]), p[2:], nil
 	case 0xcd:
-		if len(p) < 3 {
-			break
-		}
 		return uint64(binary.BigEndian.Uint16(p[1:])), p[3:], nil
 	case 0xce:
-		if len(p) < 5 {
-			break
-		}
 		return uint64(binary.BigEndian.Uint32(p[1:])), p[5:], nil
 	case 0xcf:
-		if len(p) < 9 {
-			break
-		}
 		return binary.BigEndian.Uint64(p[1:]), p[9:], nil
 	case 0xd0:
-		if len(p) < 2 {
-			break
-		}
 		return uint64(int64(int8(p[1]))), p[2:], nil
 	case 0xd1:
-		if len(p) < 3 {
-			break
-		}
 		return uint64(int64(int16(binary.BigEndian.Uint16(p[1:])))), p[3:], nil
 	case 0xd2:
-		if len(p) < 5 {
-			break
-		}
 		return uint64(int64(int32(binary.BigEndian.Uint32(p[1:])))), p[5:], nil
 	case 0xd3:
-		if len(p) < 9 {
-			break
-		}
 		return binary.BigEndian.Uint64(p[1:]), p[9:], nil
-	default:
+	}
+	return 0, p, malformed("%s: msgpack type %v, not an int", what, msgp.NextType(p))
+}
+
+// readIntNearEnd is readInt for the sized ints (types 0xcc-0xd3) when p is
+// shorter than the longest: it checks that the type's bytes are all there
+// and reads the int from a copy of p padded to the longest's length.
+func readIntNearEnd(p []byte, what string) (uint64, []byte, error) {
+	c := p[0]
+	if c < 0xcc || c > 0xd3 {
 		return 0, p, malformed("%s: msgpack type %v, not an int", what, msgp.NextType(p))
 	}
-	return 0, p, malformed("%s: %v", what, msgp.ErrShortBytes)
+	// uint8 to uint64, then int8 to int64: the low two bits give the width.
+	n := 1 + 1<<(c&3)
+	if len(p) < n {
+		return 0, p, malformed("%s: %v", what, msgp.ErrShortBytes)
+	}
+	var padded [9]byte
+	copy(padded[:], p)
+	v, _, err := readInt(padded[:], what)
+	return v, p[n:], err
 }
 
 // signedNeg reports whether an int whose first byte is c is encoded as a
@@ -928,12 +925,7 @@ func (d *Decoder) field(p []byte, e *Event, f field) ([]byte, error) {
 	case fHashes:
 		e.BlockHashes, p, err = d.hashes(p, e.BlockHashes, "block_hashes")
 	case fParent:
-		if len(p) > 0 && p[0] == 0xc0 {
-			e.HasParent, p = false, p[1:]
-		} else {
-			e.ParentHash, p, err = readHash(p, "parent_block_hash")
-			e.HasParent = err == nil
-		}
+		e.ParentHash, e.HasParent, p, err = optHash(p, "parent_block_hash")
 	case fTokens:
 		e.TokenIDs, p, err = d.tokens(p, e.TokenIDs)
 	case fBlockSize:
@@ -945,17 +937,7 @@ func (d *Decoder) field(p []byte, e *Event, f field) ([]byte, error) {
 	case fLoraName:
 		e.LoraName, p, err = optStr(p, "lora_name")
 	case fExtraKeys:
-		if len(p) > 0 && p[0] == 0xc0 {
-			e.ExtraKeys, p = nil, p[1:]
-			break
-		}
-		var rest []byte
-		if rest, err = skipValue(p); err == nil {
-			start := len(d.raw)
-			d.raw = append(d.raw, p[:len(p)-len(rest)]...)
-			e.ExtraKeys = d.raw[start:len(d.raw):len(d.raw)]
-			p = rest
-		}
+		e.ExtraKeys, p, err = d.extraKeys(p)
 	case fGroupIdx:
 		e.GroupIdx, e.HasGroupIdx, p, err = optSigned(p, "group_idx")
 	case fSpecKind:
@@ -966,6 +948,29 @@ func (d *Decoder) field(p []byte, e *Event, f field) ([]byte, error) {
 		p, err = skipValue(p)
 	}
 	return p, err
+}
+
+// optHash reads nil or a hash (readHash); ok says it was a hash.
+func optHash(p []byte, what string) (h uint64, ok bool, _ []byte, err error) {
+	if len(p) > 0 && p[0] == 0xc0 {
+		return 0, false, p[1:], nil
+	}
+	h, p, err = readHash(p, what)
+	return h, err == nil, p, err
+}
+
+// extraKeys reads nil, or any value kept as its raw msgpack in d's buffer.
+func (d *Decoder) extraKeys(p []byte) ([]byte, []byte, error) {
+	if len(p) > 0 && p[0] == 0xc0 {
+		return nil, p[1:], nil
+	}
+	rest, err := skipValue(p)
+	if err != nil {
+		return nil, p, err
+	}
+	start := len(d.raw)
+	d.raw = append(d.raw, p[:len(p)-len(rest)]...)
+	return d.raw[start:len(d.raw):len(d.raw)], rest, nil
 }
 
 // Encode writes b as msgspec would with the array_like structs (arrayLike,

@@ -311,6 +311,35 @@ func TestMalformed(t *testing.T) {
 	}
 }
 
+// Every sized int reads the same at the end of the bytes (readIntNearEnd)
+// as before more of them (readInt alone), and is short without all of its
+// own bytes.
+func TestReadIntNearEnd(t *testing.T) {
+	for c := byte(0xcc); c <= 0xd3; c++ {
+		w := 1 << (c & 3)
+		p := append([]byte{c, 0xfe}, bytes.Repeat([]byte{0xdc}, w-1)...)
+		var want uint64 // big-endian, sign-extended for int8 to int64
+		for _, b := range p[1:] {
+			want = want<<8 | uint64(b)
+		}
+		if c >= 0xd0 {
+			s := 64 - 8*w
+			want = uint64(int64(want<<s) >> s)
+		}
+		for k := range p {
+			if _, _, err := readInt(p[:k], "x"); !errors.Is(err, ErrMalformed) {
+				t.Errorf("%x: err = %v, want short", p[:k], err)
+			}
+		}
+		for _, extra := range [][]byte{nil, {1}, bytes.Repeat([]byte{1}, 9)} {
+			v, rest, err := readInt(append(p, extra...), "x")
+			if err != nil || v != want || len(rest) != len(extra) {
+				t.Errorf("%x + %d bytes: %#x, %d left, %v; want %#x, %d left", p, len(extra), v, len(rest), err, want, len(extra))
+			}
+		}
+	}
+}
+
 func TestDecoderDoesNotAllocate(t *testing.T) {
 	p := benchPayload(ShapeArray)
 	var d Decoder

@@ -211,6 +211,8 @@ func isCPU(medium string) bool {
 	return medium != "" && !strings.EqualFold(medium, "GPU")
 }
 
+// store applies a BlockStored event: keys its blocks after their parent
+// and stores them in the picture.
 func (a *Applier) store(e *kvevents.Event, now int64) {
 	n := len(e.BlockHashes)
 	if n == 0 {
@@ -220,21 +222,10 @@ func (a *Applier) store(e *kvevents.Event, now int64) {
 		a.skipped.Add(1)
 		return
 	}
-	var parent place
-	if e.HasParent {
-		p, ok := a.keys.Get(e.ParentHash)
-		switch {
-		case ok:
-			parent = place{p, true}
-		case e.ParentHash == 0:
-			// No parent: llm-d's simulator sends 0 (its EmptyBlockHash)
-			// where vLLM sends None, in its positional format
-			// (pkg/kv-cache/kv_cache_sender.go). An engine block hash of 0
-			// the picture does not know is read as that.
-		default:
-			a.orphans.Add(uint64(n))
-			return
-		}
+	parent, ok := a.parent(e)
+	if !ok {
+		a.orphans.Add(uint64(n))
+		return
 	}
 	extra, ok := e.BlockExtraKeys(a.extra[:0])
 	a.extra = extra
@@ -242,36 +233,51 @@ func (a *Applier) store(e *kvevents.Event, now int64) {
 		a.skipped.Add(1)
 		return
 	}
-	lora := e.LoraName
+	a.noteLoRA(e.LoraName)
+	a.keyBlocks(e, parent, extra)
+	a.storeRuns(e.BlockHashes, isCPU(e.Medium), now)
+	if a.keys.Len() > a.maxBlocks {
+		a.Reset()
+	}
+}
+
+// parent returns the place of the event's parent block: none when it has
+// none, false when the picture does not know it.
+func (a *Applier) parent(e *kvevents.Event) (place, bool) {
+	if !e.HasParent {
+		return place{}, true
+	}
+	if p, ok := a.keys.Get(e.ParentHash); ok {
+		return place{p, true}, true
+	}
+	// No parent: llm-d's simulator sends 0 (its EmptyBlockHash) where
+	// vLLM sends None, in its positional format
+	// (pkg/kv-cache/kv_cache_sender.go). An engine block hash of 0 the
+	// picture does not know is read as that.
+	return place{}, e.ParentHash == 0
+}
+
+// noteLoRA tells onLoRA of the adapter a stored block names, when it is
+// another than the last one told.
+func (a *Applier) noteLoRA(lora string) {
 	if lora != "" && lora != a.lastLoRA {
 		a.lastLoRA = lora
 		if a.onLoRA != nil {
 			a.onLoRA(lora)
 		}
 	}
-	// Key each block after the one before it, from the event's parent on;
-	// a block stored before in another place of the chain keeps that place
-	// (see seen).
+}
+
+// keyBlocks keys each of the event's blocks after the one before it, from
+// parent on, into a.buf, and puts each one's parent in a.at; a block
+// stored before in another place of the chain keeps that place (see seen).
+func (a *Applier) keyBlocks(e *kvevents.Event, parent place, extra [][]byte) {
 	bl, at := a.buf[:0], a.at[:0]
 	cursor := parent
-	for j := 0; j < n; j++ {
-		h := cursor.key
-		if !cursor.ok {
-			h = blockhash.TokenSeed(lora)
-		}
-		h = blockhash.TokenBlockHash(h, e.TokenIDs[j*a.blockSize:(j+1)*a.blockSize])
-		if extra[j] != nil {
-			// What vLLM hashed besides the tokens (images, cache_salt):
-			// such a block is another block than the same tokens without
-			// it, and requests, keyed by their tokens alone, never match it.
-			var d xxhash.Digest
-			d.Reset()
-			_, _ = d.Write(extra[j])
-			_, _ = d.Write(binary.LittleEndian.AppendUint64(a.hbuf[:0], h))
-			h = d.Sum64()
-		}
+	for j, hash := range e.BlockHashes {
+		h := a.blockKey(cursor, e.LoraName, e.TokenIDs[j*a.blockSize:(j+1)*a.blockSize], extra[j])
 		from := cursor
-		if was, ok := a.seen.Peek(e.BlockHashes[j]); ok && was.parent != cursor {
+		if was, ok := a.seen.Peek(hash); ok && was.parent != cursor {
 			h, from = was.key, was.parent // a hole refilled: its own place; the chain goes on from the cursor
 		} else {
 			cursor = place{h, true}
@@ -280,25 +286,49 @@ func (a *Applier) store(e *kvevents.Event, now int64) {
 		at = append(at, from)
 	}
 	a.buf, a.at = bl, at
-	cpu := isCPU(e.Medium)
-	// Store each run of blocks that follow one another.
-	for i := 0; i < n; {
+}
+
+// blockKey returns the router key of a block of tokens after parent (the
+// LoRA adapter's seed for the first block), with extra, what vLLM hashed
+// besides the tokens, if any.
+func (a *Applier) blockKey(parent place, lora string, tokens []uint32, extra []byte) uint64 {
+	h := parent.key
+	if !parent.ok {
+		h = blockhash.TokenSeed(lora)
+	}
+	h = blockhash.TokenBlockHash(h, tokens)
+	if extra != nil {
+		// What vLLM hashed besides the tokens (images, cache_salt):
+		// such a block is another block than the same tokens without
+		// it, and requests, keyed by their tokens alone, never match it.
+		var d xxhash.Digest
+		d.Reset()
+		_, _ = d.Write(extra)
+		_, _ = d.Write(binary.LittleEndian.AppendUint64(a.hbuf[:0], h))
+		h = d.Sum64()
+	}
+	return h
+}
+
+// storeRuns stores the keyed blocks (a.buf, their parents a.at, their
+// engine hashes hashes) in the picture, each run of blocks that follow one
+// another at once, and remembers the keys of those stored.
+func (a *Applier) storeRuns(hashes []uint64, cpu bool, now int64) {
+	bl, at := a.buf, a.at
+	for i := 0; i < len(bl); {
 		j := i + 1
-		for j < n && at[j] == (place{bl[j-1].Hash, true}) {
+		for j < len(bl) && at[j] == (place{bl[j-1].Hash, true}) {
 			j++
 		}
 		if ok, _ := a.model.Store(a.id, at[i].key, at[i].ok, bl[i:j], cpu, now); !ok {
 			a.orphans.Add(uint64(j - i)) // the parent left the picture (evicted there)
 		} else {
 			for k := i; k < j; k++ {
-				a.keys.Put(e.BlockHashes[k], bl[k].Hash)
-				a.seen.Add(e.BlockHashes[k], stored{bl[k].Hash, at[k]})
+				a.keys.Put(hashes[k], bl[k].Hash)
+				a.seen.Add(hashes[k], stored{bl[k].Hash, at[k]})
 			}
 			a.stored.Add(uint64(j - i))
 		}
 		i = j
-	}
-	if a.keys.Len() > a.maxBlocks {
-		a.Reset()
 	}
 }

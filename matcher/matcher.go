@@ -114,24 +114,9 @@ func (m *MinHash) Sketch(model string, text [][]byte) []uint64 {
 	seen := make(map[uint64]struct{}, m.o.K*2)
 	total := 0
 	for _, t := range text {
-		words = words[:0]
-		for i := 0; i < len(t) && total < m.o.MaxWords; {
-			for i < len(t) && isSpace(t[i]) {
-				i++
-			}
-			start := i
-			for i < len(t) && !isSpace(t[i]) {
-				i++
-			}
-			if i > start {
-				words = append(words, [2]int{start, i})
-				total++
-			}
-		}
-		n := m.o.Shingle
-		if len(words) < n {
-			n = len(words)
-		}
+		words = appendWords(words[:0], t, m.o.MaxWords-total)
+		total += len(words)
+		n := min(m.o.Shingle, len(words))
 		for w := 0; w+n <= len(words) && n > 0; w++ {
 			v := xxhash.Sum64(t[words[w][0]:words[w+n-1][1]])
 			if salt != 0 {
@@ -154,6 +139,25 @@ func (m *MinHash) Sketch(model string, text [][]byte) []uint64 {
 	out := []uint64(h)
 	sort.Slice(out, func(i, j int) bool { return out[i] < out[j] })
 	return out
+}
+
+// appendWords appends the start and end offsets of t's first limit words
+// (runs of bytes other than spaces) to words.
+func appendWords(words [][2]int, t []byte, limit int) [][2]int {
+	for i, n := 0, 0; i < len(t) && n < limit; {
+		for i < len(t) && isSpace(t[i]) {
+			i++
+		}
+		start := i
+		for i < len(t) && !isSpace(t[i]) {
+			i++
+		}
+		if i > start {
+			words = append(words, [2]int{start, i})
+			n++
+		}
+	}
+	return words
 }
 
 // mix64 is SplitMix64's finaliser (Steele, Lea and Flood, 2014): a
@@ -202,14 +206,9 @@ func (m *MinHash) Donors(sk []uint64, each func(replica int, key uint64, tokens 
 	if len(sk) == 0 {
 		return
 	}
-	type best struct {
-		d      donorKey
-		tokens int
-		sim    float64
-	}
-	var found []best // one per replica, few
+	var found []match // the best per replica, few
 	m.mu.Lock()
-	votes := make(map[donorKey]int, PerValue)
+	votes := make(map[donorKey]int, PerValue) // donor → how many of sk's values list it
 	for _, v := range sk {
 		for _, d := range m.index[v] {
 			votes[d]++
@@ -228,17 +227,14 @@ func (m *MinHash) Donors(sk []uint64, each func(replica int, key uint64, tokens 
 		if sim < m.o.MinSimilarity {
 			continue
 		}
-		i := slices.IndexFunc(found, func(b best) bool { return b.d.replica == d.replica })
-		if i < 0 {
-			found = append(found, best{d, dn.tokens, sim})
-			continue
-		}
-		b := &found[i]
-		if sim > b.sim || (sim == b.sim && (dn.tokens > b.tokens || (dn.tokens == b.tokens && d.key < b.d.key))) {
-			*b = best{d, dn.tokens, sim}
+		c := match{d, dn.tokens, sim}
+		if i := slices.IndexFunc(found, func(b match) bool { return b.d.replica == d.replica }); i < 0 {
+			found = append(found, c)
+		} else if c.beats(found[i]) {
+			found[i] = c
 		}
 	}
-	slices.SortFunc(found, func(a, b best) int { return cmp.Compare(a.d.replica, b.d.replica) })
+	slices.SortFunc(found, func(a, b match) int { return cmp.Compare(a.d.replica, b.d.replica) })
 	for _, b := range found { // in replica order: the LRU's order is the same from run to run
 		m.donors.Get(b.d) // a donor that helped is kept longer
 	}
@@ -246,6 +242,25 @@ func (m *MinHash) Donors(sk []uint64, each func(replica int, key uint64, tokens 
 	for _, b := range found {
 		each(b.d.replica, b.d.key, b.tokens, b.sim)
 	}
+}
+
+// match is a donor found for Donors: its key, tokens and similarity.
+type match struct {
+	d      donorKey
+	tokens int
+	sim    float64
+}
+
+// beats reports whether donor a is preferred to b: more similar, then
+// more tokens, then the lower key.
+func (a match) beats(b match) bool {
+	if a.sim != b.sim {
+		return a.sim > b.sim
+	}
+	if a.tokens != b.tokens {
+		return a.tokens > b.tokens
+	}
+	return a.d.key < b.d.key
 }
 
 // Register implements routing.Matcher: it records the text sk sketches

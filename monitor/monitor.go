@@ -808,41 +808,50 @@ func ParseModels(rd io.Reader) (served, adapters []string, err error) {
 		if err != nil {
 			return bad(err.Error())
 		}
-		if key != "data" {
-			var skip json.RawMessage
-			if err := dec.Decode(&skip); err != nil {
+		if key == "data" {
+			served, adapters, err := readModelList(dec)
+			if err != nil {
 				return bad(err.Error())
 			}
-			continue
+			return served, adapters, nil
 		}
-		if t, err := dec.Token(); err != nil || t != json.Delim('[') {
-			return bad(`"data" is not a list`)
+		var skip json.RawMessage
+		if err := dec.Decode(&skip); err != nil {
+			return bad(err.Error())
 		}
-		served = []string{}
-		for n := 0; dec.More() && n < maxAdapters; n++ {
-			var d struct {
-				ID     string  `json:"id"`
-				Parent *string `json:"parent"`
-			}
-			if err := dec.Decode(&d); err != nil {
-				return bad(err.Error())
-			}
-			if d.ID == "" {
-				continue
-			}
-			served = append(served, d.ID)
-			if d.Parent != nil && *d.Parent != "" {
-				adapters = append(adapters, d.ID)
-			}
-		}
-		if dec.More() {
-			// Past the cap the list is not known whole: a model beyond it
-			// would look unserved. The models stay unknown instead.
-			return bad(fmt.Sprintf("more than %d models", maxAdapters))
-		}
-		return served, adapters, nil
 	}
 	return bad(`no "data" list`)
+}
+
+// readModelList reads the list of "data" (ParseModels): the ids, and the
+// ids of the entries with a parent.
+func readModelList(dec *json.Decoder) (served, adapters []string, err error) {
+	if t, err := dec.Token(); err != nil || t != json.Delim('[') {
+		return nil, nil, errors.New(`"data" is not a list`)
+	}
+	served = []string{}
+	for n := 0; dec.More() && n < maxAdapters; n++ {
+		var d struct {
+			ID     string  `json:"id"`
+			Parent *string `json:"parent"`
+		}
+		if err := dec.Decode(&d); err != nil {
+			return nil, nil, err
+		}
+		if d.ID == "" {
+			continue
+		}
+		served = append(served, d.ID)
+		if d.Parent != nil && *d.Parent != "" {
+			adapters = append(adapters, d.ID)
+		}
+	}
+	if dec.More() {
+		// Past the cap the list is not known whole: a model beyond it
+		// would look unserved. The models stay unknown instead.
+		return nil, nil, fmt.Errorf("more than %d models", maxAdapters)
+	}
+	return served, adapters, nil
 }
 
 // Forget drops what the monitor remembers of r (after it left the pool).

@@ -57,6 +57,28 @@ func parseBlocks(bl []decisionlog.Block) ([]blockhash.Block, error) {
 // Replaying it under the policy that made the decisions, with the same model
 // parameters, makes the same decisions.
 func ReadDecisions(r io.Reader) (*DecisionTrace, error) {
+	recs, err := finishedDecisions(r)
+	if err != nil {
+		return nil, err
+	}
+	t := &DecisionTrace{Replicas: recs[0].Replicas, Budgets: recs[0].Budgets}
+	base := recs[0].TimeNs
+	var arms armTally
+	for _, rec := range recs {
+		req, err := decisionRequest(rec, base)
+		if err != nil {
+			return nil, err
+		}
+		t.Requests = append(t.Requests, req)
+		arms.add(rec)
+	}
+	t.Arms = arms.stats()
+	return t, nil
+}
+
+// finishedDecisions reads the finished decisions of a log in time order:
+// at least one, each naming its pool.
+func finishedDecisions(r io.Reader) ([]*decisionlog.Record, error) {
 	var recs []*decisionlog.Record
 	err := decisionlog.Read(r, func(rec *decisionlog.Record) error {
 		if rec.Outcome == nil || rec.Stage == "prefill" {
@@ -75,68 +97,88 @@ func ReadDecisions(r io.Reader) (*DecisionTrace, error) {
 		return nil, errors.New("decision log: no finished decisions")
 	}
 	sort.SliceStable(recs, func(i, j int) bool { return recs[i].TimeNs < recs[j].TimeNs })
-	t := &DecisionTrace{Replicas: recs[0].Replicas, Budgets: recs[0].Budgets}
-	base := recs[0].TimeNs
-	type agg struct {
-		stats          ArmStats
-		ttft           []float64
-		prompt, cached int64
+	return recs, nil
+}
+
+// decisionRequest returns the request a finished decision replays,
+// arriving base nanoseconds after the trace's start.
+func decisionRequest(rec *decisionlog.Record, base int64) (Request, error) {
+	blocks, err := parseBlocks(rec.Blocks)
+	if err != nil {
+		return Request{}, fmt.Errorf("decision %s: %w", rec.ID, err)
 	}
-	arms := map[string]*agg{}
-	var order []string
-	for i, rec := range recs {
-		blocks, err := parseBlocks(rec.Blocks)
-		if err != nil {
-			return nil, fmt.Errorf("decision %s: %w", rec.ID, err)
-		}
-		reply, err := parseBlocks(rec.Outcome.ReplyBlocks)
-		if err != nil {
-			return nil, fmt.Errorf("decision %s reply: %w", rec.ID, err)
-		}
-		key, err := strconv.ParseUint(rec.Key, 16, 64)
-		if err != nil {
-			return nil, fmt.Errorf("decision %s key %q: %w", rec.ID, rec.Key, err)
-		}
-		o := rec.Outcome
-		req := Request{Arrival: rec.TimeNs - base, Session: rec.Session, Tenant: rec.Tenant, Key: key, Blocks: blocks,
-			Output: int(o.OutputTokens), Logged: &Logged{Arm: rec.Arm, Policy: rec.Policy, Chosen: rec.Chosen, Status: o.Status,
-				TTFTNs: o.TTFTNs, DurationNs: o.DurationNs, PromptTokens: o.PromptTokens, CachedTokens: o.CachedTokens}}
-		for _, b := range blocks {
-			req.Tokens += int(b.Tokens)
-		}
-		if len(blocks) == 0 {
-			// A prompt shorter than one of the engine's blocks (precise
-			// mode keys whole blocks only): nothing to match, routed on
-			// load, its prefill the tokens the replica reported.
-			req.Tokens = max(int(o.PromptTokens), rec.Tokens)
-		}
-		if len(reply) > 0 {
-			req.Reply = reply
-		}
-		t.Requests = append(t.Requests, req)
-		a := arms[rec.Arm]
-		if a == nil {
-			a = &agg{stats: ArmStats{Name: rec.Arm, Policy: rec.Policy}}
-			arms[rec.Arm] = a
-			order = append(order, rec.Arm)
-		}
-		a.stats.Requests++
-		if o.TTFTNs > 0 {
-			a.ttft = append(a.ttft, float64(o.TTFTNs)/1e6)
-		}
-		a.prompt += o.PromptTokens
-		a.cached += o.CachedTokens
-		_ = i
+	reply, err := parseBlocks(rec.Outcome.ReplyBlocks)
+	if err != nil {
+		return Request{}, fmt.Errorf("decision %s reply: %w", rec.ID, err)
 	}
-	sort.Strings(order)
-	for _, name := range order {
-		a := arms[name]
+	key, err := strconv.ParseUint(rec.Key, 16, 64)
+	if err != nil {
+		return Request{}, fmt.Errorf("decision %s key %q: %w", rec.ID, rec.Key, err)
+	}
+	o := rec.Outcome
+	req := Request{Arrival: rec.TimeNs - base, Session: rec.Session, Tenant: rec.Tenant, Key: key, Blocks: blocks,
+		Output: int(o.OutputTokens), Logged: &Logged{Arm: rec.Arm, Policy: rec.Policy, Chosen: rec.Chosen, Status: o.Status,
+			TTFTNs: o.TTFTNs, DurationNs: o.DurationNs, PromptTokens: o.PromptTokens, CachedTokens: o.CachedTokens}}
+	for _, b := range blocks {
+		req.Tokens += int(b.Tokens)
+	}
+	if len(blocks) == 0 {
+		// A prompt shorter than one of the engine's blocks (precise
+		// mode keys whole blocks only): nothing to match, routed on
+		// load, its prefill the tokens the replica reported.
+		req.Tokens = max(int(o.PromptTokens), rec.Tokens)
+	}
+	if len(reply) > 0 {
+		req.Reply = reply
+	}
+	return req, nil
+}
+
+// armTally adds up what each arm of a decision log observed.
+type armTally struct {
+	arms  map[string]*armObserved
+	order []string // the arms' names, as first seen
+}
+
+// armObserved is one arm's decisions so far.
+type armObserved struct {
+	stats          ArmStats
+	ttft           []float64 // ms
+	prompt, cached int64
+}
+
+// add counts a finished decision in its arm.
+func (t *armTally) add(rec *decisionlog.Record) {
+	a := t.arms[rec.Arm]
+	if a == nil {
+		if t.arms == nil {
+			t.arms = map[string]*armObserved{}
+		}
+		a = &armObserved{stats: ArmStats{Name: rec.Arm, Policy: rec.Policy}}
+		t.arms[rec.Arm] = a
+		t.order = append(t.order, rec.Arm)
+	}
+	o := rec.Outcome
+	a.stats.Requests++
+	if o.TTFTNs > 0 {
+		a.ttft = append(a.ttft, float64(o.TTFTNs)/1e6)
+	}
+	a.prompt += o.PromptTokens
+	a.cached += o.CachedTokens
+}
+
+// stats returns each arm's results, by name.
+func (t *armTally) stats() []ArmStats {
+	sort.Strings(t.order)
+	var out []ArmStats
+	for _, name := range t.order {
+		a := t.arms[name]
 		s := sortedCopy(a.ttft)
 		a.stats.TTFTP50MS, a.stats.TTFTP99MS = percentile(s, 0.5), percentile(s, 0.99)
 		if a.prompt > 0 {
 			a.stats.CachedRate = float64(a.cached) / float64(a.prompt)
 		}
-		t.Arms = append(t.Arms, a.stats)
+		out = append(out, a.stats)
 	}
-	return t, nil
+	return out
 }
