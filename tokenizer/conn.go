@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"net/url"
 	"os"
 	"strconv"
@@ -25,8 +26,8 @@ import (
 // answer's 16 KiB read buffer, was most of what precise mode added to the
 // router's CPU per request (BenchmarkPreciseCPU in router).
 //
-// Answers' headers are read for their status and framing alone
-// (readHead: Content-Length, chunked, to the connection's end). The call's deadline is the
+// Answers come from http.ReadResponse, so framing (Content-Length,
+// chunked, close-delimited) is net/http's. The call's deadline is the
 // connection's; a cancelled context moves it to the past, which ends a
 // blocked write or read, and the connection is closed rather than pooled.
 // Nothing reads an idle connection, so a connection is pooled only when
@@ -110,8 +111,6 @@ type conn struct {
 	lim    capReader
 	br     *bufio.Reader
 	bw     *bufio.Writer
-	lr     io.LimitedReader // the body of an answer of known length
-	ans    io.LimitedReader // the answer's bytes read at most
 	addr   string
 	reused bool      // it served a call before
 	since  time.Time // when it last went idle
@@ -199,25 +198,29 @@ func (p *conns) exchange(ctx context.Context, deadline time.Time, pc *conn, t *t
 	if err := writeQuery(pc, t, q); err != nil {
 		return nil, false, fmt.Errorf("tokenizer: %w", err)
 	}
-	h, err := readHead(pc.br)
+	resp, err := readHeaders(pc.br)
 	if err != nil {
 		return nil, false, fmt.Errorf("tokenizer: %w", err)
 	}
 	pc.lim.n = -1
-	if h.status != 200 {
-		return nil, false, &errAnswered{h.status}
+	keep = !resp.Close
+	if resp.StatusCode != http.StatusOK {
+		return nil, false, &errAnswered{resp.StatusCode}
 	}
-	body, done := pc.body(h)
 	// Token ids are at most 11 bytes each in JSON.
-	pc.ans = io.LimitedReader{R: body, N: int64(limit)*12 + 4096}
-	ids, count, err := readAnswer(&pc.ans, limit)
+	ids, count, err := readAnswer(io.LimitReader(resp.Body, int64(limit)*12+4096), limit)
 	if err != nil {
 		return nil, false, fmt.Errorf("tokenizer: /tokenize answer: %w", err)
 	}
 	if count >= 0 && count != len(ids) {
 		return nil, false, fmt.Errorf("tokenizer: /tokenize answered %d tokens (count %d)", len(ids), count)
 	}
-	if keep = !h.close && done(); keep {
+	// The rest of the answer (a new line, a chunked answer's last chunk),
+	// a few KiB at most, so that the connection can serve the next call.
+	if n, _ := io.Copy(io.Discard, io.LimitReader(resp.Body, maxAnswerTail+1)); n > maxAnswerTail {
+		keep = false
+	}
+	if keep {
 		_ = pc.c.SetDeadline(time.Time{})
 	}
 	return ids, keep, nil
@@ -247,6 +250,22 @@ func writeQuery(pc *conn, t *target, q *query) error {
 	bufs = append(bufs, q.parts...)
 	_, err := bufs.WriteTo(pc.c)
 	return err
+}
+
+// readHeaders reads the answer's headers, past interim answers (100
+// Continue, 103 Early Hints).
+func readHeaders(br *bufio.Reader) (*http.Response, error) {
+	for {
+		resp, err := http.ReadResponse(br, nil)
+		switch {
+		case err != nil:
+			return nil, err
+		case resp.StatusCode == http.StatusSwitchingProtocols:
+			return nil, errors.New("tokenizer: /tokenize switched protocols unasked")
+		case resp.StatusCode >= 200 || resp.StatusCode < 100:
+			return resp, nil
+		}
+	}
 }
 
 // get returns a pooled connection to addr that is still open, or dials
