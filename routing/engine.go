@@ -535,7 +535,8 @@ func (e *Engine) rank(d *Decision, pol Policy, ri *Request, sketch []uint64) (*V
 	}
 	defer scratchPool.Put(sc)
 	e.pic.lookup(d.Blocks, e.o.Weights, sc)
-	g := gathering{e: e, d: d, sc: sc, reps: e.pool.Replicas(), now: e.o.Now(), allow: ri.Allow, home: ri.Home, onlyRoom: ri.Room, slot: ri.Slot, keep: ri.Keep, model: model,
+	now := e.o.Now()
+	g := gathering{e: e, d: d, sc: sc, reps: e.pool.Replicas(), now: now, nowNs: now.UnixNano(), allow: ri.Allow, home: ri.Home, onlyRoom: ri.Room, slot: ri.Slot, keep: ri.Keep, model: model,
 		adapter: model != "" && e.isAdapter(model), reuses: e.reuses.load()}
 	d.Candidates = newCandidates(len(g.reps))
 	g.all()
@@ -567,6 +568,7 @@ type gathering struct {
 	sc              *scratch
 	reps            []*replica.Replica
 	now             time.Time
+	nowNs           int64 // now, in Unix nanoseconds
 	allow           func(*replica.Replica) bool
 	model           string
 	adapter         bool // the model is a LoRA adapter somewhere: its replicas are ranked
@@ -616,7 +618,8 @@ func (g *gathering) gather(panicking bool) (ejected bool) {
 		}
 		c := &g.d.Candidates[g.n] // filled in place: a candidate is ~120 bytes
 		g.n++
-		c.Replica, c.Load, c.adapter = r, r.Load(g.now), rank
+		c.Replica, c.adapter = r, rank
+		r.LoadInto(&c.Load, g.nowNs)
 		g.room = g.room || !full
 		g.e.credit(c, g.sc, g.reuses)
 	}
