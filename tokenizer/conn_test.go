@@ -261,7 +261,7 @@ func TestIdleBytesAreNotAnAnswer(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c.conns.peekAfter = 0 // every reuse peeks
+	c.conns.pool.PeekAfter = 0 // every reuse peeks
 	for i := range 5 {
 		ids, err := c.Prompt(context.Background(), "m", []byte(fmt.Sprintf(`"prompt %d"`, i)))
 		if err != nil || len(ids) != 3 {
