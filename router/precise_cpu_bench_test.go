@@ -6,7 +6,6 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"log/slog"
@@ -26,6 +25,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/semroute/semroute/internal/numbered"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 	"github.com/semroute/semroute/simreplica"
@@ -77,8 +77,9 @@ func BenchmarkPreciseCPU(b *testing.B) {
 		}
 		defer children[i].stop()
 	}
-	tmpl, at := preciseBenchBody(1024)
-	gen := &numberedBodies{tmpl: tmpl, at: at}
+	// Every prompt new, as benchproxy's: every request is tokenized and
+	// records its blocks.
+	gen := numbered.New(1024, false)
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 1024}}
 	defer client.CloseIdleConnections()
 	// A warm-up phase each: connections made, heaps grown.
@@ -143,39 +144,6 @@ var preciseCPUPhase = func() time.Duration {
 	}
 	return time.Second
 }()
-
-// preciseBenchBody returns a chat body of at most size bytes whose first
-// message starts with 12 zeros at the returned offset, numbered there by
-// numberedBodies (as benchproxy's bodies are).
-func preciseBenchBody(size int) (body []byte, at int) {
-	pad := strings.Repeat("lorem ipsum dolor sit amet ", size/27+1)
-	for {
-		b, _ := json.Marshal(map[string]any{"model": "sim-model", "stream": false, "max_tokens": 8,
-			"messages": []map[string]string{{"role": "user", "content": strings.Repeat("0", 12) + " " + pad}}})
-		if len(b) <= size {
-			return b, bytes.Index(b, []byte(`"content":"`)) + len(`"content":"`)
-		}
-		pad = pad[:len(pad)-(len(b)-size)]
-	}
-}
-
-// numberedBodies hands out copies of a body, each numbered: every prompt
-// is new, so every request is tokenized and records its blocks.
-type numberedBodies struct {
-	tmpl []byte
-	at   int
-	n    atomic.Uint64
-}
-
-func (g *numberedBodies) next() []byte {
-	b := bytes.Clone(g.tmpl)
-	v := g.n.Add(1)
-	for i := g.at + 11; i >= g.at; i-- {
-		b[i] = byte('0' + v%10)
-		v /= 10
-	}
-	return b
-}
 
 // cpuChild is a router serving in a child process.
 type cpuChild struct {
@@ -254,7 +222,7 @@ func (c *cpuChild) stop() {
 
 // load sends new chat bodies to the child from clients clients for d and
 // returns the requests answered 200.
-func (c *cpuChild) load(client *http.Client, gen *numberedBodies, clients int, d time.Duration) (int64, error) {
+func (c *cpuChild) load(client *http.Client, gen *numbered.Bodies, clients int, d time.Duration) (int64, error) {
 	var (
 		done     atomic.Int64
 		firstErr atomic.Value
@@ -266,7 +234,7 @@ func (c *cpuChild) load(client *http.Client, gen *numberedBodies, clients int, d
 		go func() {
 			defer wg.Done()
 			for time.Now().Before(end) {
-				req, _ := http.NewRequestWithContext(context.Background(), http.MethodPost, c.url+"/v1/chat/completions", bytes.NewReader(gen.next()))
+				req, _ := http.NewRequestWithContext(context.Background(), http.MethodPost, c.url+"/v1/chat/completions", bytes.NewReader(gen.Next()))
 				req.Header.Set("Content-Type", "application/json")
 				resp, err := client.Do(req)
 				if err != nil {

@@ -10,9 +10,10 @@ import (
 	"net/http"
 	"os"
 	"strconv"
-	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/semroute/semroute/internal/connpool"
 )
 
 // upstream is the router's transport to plain-HTTP replicas: HTTP/1.1 over
@@ -30,12 +31,12 @@ import (
 // at any point: its connection's deadline is moved to the past, which ends
 // a blocked write or read, and the connection is closed rather than
 // pooled. Without a reader goroutine nothing watches an idle connection,
-// so a connection is pooled only when nothing is left to read on it, is
-// checked with a non-blocking peek before each reuse (bytes the replica
-// sent unasked are never read as the next answer), and idle ones are
-// swept every sweepEvery. A request is sent again only when it did not go
-// out whole; a body over concurrentWrite is written beside the read of the
-// answer, so that an early answer (413) is not lost.
+// so connections are pooled in a connpool.Pool: only when nothing is left
+// to read on one, checked with a non-blocking peek before each reuse
+// (bytes the replica sent unasked are never read as the next answer), and
+// idle ones swept every sweepEvery. A request is sent again only when it
+// did not go out whole; a body over concurrentWrite is written beside the
+// read of the answer, so that an early answer (413) is not lost.
 //
 // Safe for concurrent use.
 type upstream struct {
@@ -43,15 +44,12 @@ type upstream struct {
 	fallback  http.RoundTripper
 	firstByte time.Duration // bounds the wait for response headers after the request is written; 0: none
 	maxHeader int           // bytes of response headers read at most
-	maxIdle   int           // idle connections kept per replica
-	maxTotal  int           // idle connections kept over all replicas
 	proxied   bool          // HTTP_PROXY is set: everything goes to fallback
 
-	mu         sync.Mutex
-	idle       map[string][]*upConn // by host:port, most recently used last
-	nIdle      int                  // idle connections over all replicas
-	sweeping   bool                 // a sweep is scheduled
-	sweepEvery time.Duration        // sweepEvery, but in tests
+	// pool keeps the idle connections by host:port: MaxPerKey per replica,
+	// MaxTotal (maxIdleTotal) over all, for upIdleTimeout each, swept
+	// every sweepEvery; each is peeked at before reuse (PeekAfter 0).
+	pool connpool.Pool[*upConn]
 }
 
 // upIdleTimeout is how long a pooled connection may idle before it is
@@ -87,12 +85,13 @@ func newUpstream(t *http.Transport, firstByte time.Duration, maxHeader, maxIdle 
 		fallback:  t,
 		firstByte: firstByte,
 		maxHeader: maxHeader,
-		maxIdle:   maxIdle,
-		maxTotal:  maxIdleTotal,
 		proxied:   os.Getenv("HTTP_PROXY") != "" || os.Getenv("http_proxy") != "",
-		idle:      make(map[string][]*upConn),
-
-		sweepEvery: sweepEvery,
+		pool: connpool.Pool[*upConn]{
+			MaxPerKey:   maxIdle,
+			MaxTotal:    maxIdleTotal,
+			IdleTimeout: upIdleTimeout,
+			SweepEvery:  sweepEvery,
+		},
 	}
 }
 
@@ -104,9 +103,12 @@ type upConn struct {
 	br     *bufio.Reader
 	bw     *bufio.Writer
 	host   string
-	reused bool      // it served a request before
-	since  time.Time // when it last went idle
+	reused bool // it served a request before (it came from the pool)
 }
+
+// NetConn and Buffered make an upConn a connpool.Conn.
+func (pc *upConn) NetConn() net.Conn { return pc.c }
+func (pc *upConn) Buffered() int     { return pc.br.Buffered() }
 
 // capReader reads from c, at most n bytes while n >= 0.
 type capReader struct {
@@ -364,25 +366,12 @@ func writeRequest(bw *bufio.Writer, req *http.Request) error {
 // get returns a pooled connection to host that is still open, or dials
 // one.
 func (t *upstream) get(ctx context.Context, host string) (*upConn, error) {
-	for {
-		t.mu.Lock()
-		l := t.idle[host]
-		if len(l) == 0 {
-			t.mu.Unlock()
-			break
-		}
-		pc := l[len(l)-1]
-		l[len(l)-1] = nil
-		t.idle[host] = l[:len(l)-1]
-		t.nIdle--
-		t.mu.Unlock()
-		// Every time: bytes from the replica on an idle connection (a
-		// close, or an answer nobody asked for) must never be read as
-		// this request's answer.
-		if pc.alive() {
-			return pc, nil
-		}
-		pc.c.Close()
+	// The pool peeks at every connection it hands out: bytes from the
+	// replica on an idle connection (a close, or an answer nobody asked
+	// for) must never be read as this request's answer.
+	if pc, ok := t.pool.Get(host); ok {
+		pc.reused = true
+		return pc, nil
 	}
 	c, err := t.dial(ctx, "tcp", host)
 	if err != nil {
@@ -394,83 +383,9 @@ func (t *upstream) get(ctx context.Context, host string) (*upConn, error) {
 	return pc, nil
 }
 
-// alive reports whether an idle connection is still open: nothing to
-// read means it is; EOF, an error, or bytes nobody asked for mean it is
-// not.
-func (pc *upConn) alive() bool {
-	return pc.br.Buffered() == 0 && peekIdle(pc.c)
-}
-
-// put pools pc for reuse, or closes it when it holds bytes past the answer
-// or the pool for its host, or the whole pool, is full.
-func (t *upstream) put(pc *upConn) {
-	if pc.br.Buffered() != 0 {
-		pc.c.Close()
-		return
-	}
-	pc.reused, pc.since = true, time.Now()
-	t.mu.Lock()
-	l := t.idle[pc.host]
-	full := len(l) >= t.maxIdle || t.nIdle >= t.maxTotal
-	if !full {
-		t.idle[pc.host] = append(l, pc)
-		t.nIdle++
-		if !t.sweeping {
-			t.sweeping = true
-			time.AfterFunc(t.sweepEvery, t.sweep)
-		}
-	}
-	t.mu.Unlock()
-	if full {
-		pc.c.Close()
-	}
-}
-
-// sweep closes the idle connections the replica closed or that idled past
-// upIdleTimeout, forgets hosts left without any, and comes back in
-// sweepEvery while any are left.
-func (t *upstream) sweep() {
-	now := time.Now()
-	var dead []*upConn
-	t.mu.Lock()
-	for host, l := range t.idle {
-		keep := l[:0]
-		for _, pc := range l {
-			if now.Sub(pc.since) < upIdleTimeout && pc.alive() {
-				keep = append(keep, pc)
-			} else {
-				dead = append(dead, pc)
-			}
-		}
-		clear(l[len(keep):])
-		t.nIdle -= len(l) - len(keep)
-		if len(keep) == 0 {
-			delete(t.idle, host)
-		} else {
-			t.idle[host] = keep
-		}
-	}
-	if t.sweeping = len(t.idle) > 0; t.sweeping {
-		time.AfterFunc(t.sweepEvery, t.sweep)
-	}
-	t.mu.Unlock()
-	for _, pc := range dead {
-		pc.c.Close()
-	}
-}
-
 // CloseIdleConnections closes every pooled connection, and the fallback's.
 func (t *upstream) CloseIdleConnections() {
-	t.mu.Lock()
-	idle := t.idle
-	t.idle = make(map[string][]*upConn)
-	t.nIdle = 0
-	t.mu.Unlock()
-	for _, l := range idle {
-		for _, pc := range l {
-			pc.c.Close()
-		}
-	}
+	t.pool.CloseIdle()
 	if f, ok := t.fallback.(interface{ CloseIdleConnections() }); ok {
 		f.CloseIdleConnections()
 	}
@@ -513,7 +428,7 @@ func (b *upBody) finish(eof bool) {
 		return
 	}
 	if b.stop() && eof && b.keep {
-		b.t.put(b.pc)
+		b.t.pool.Put(b.pc.host, b.pc)
 		return
 	}
 	b.pc.c.Close()

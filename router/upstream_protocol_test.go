@@ -411,7 +411,7 @@ func TestUpstreamHostileLateUnsolicitedBytes(t *testing.T) {
 func TestUpstreamHostileClosedIdleConnsStayPooled256(t *testing.T) {
 	both(t, func(t *testing.T, rt http.RoundTripper) {
 		if u, ok := rt.(*upstream); ok {
-			u.maxIdle = maxIdlePerReplica
+			u.pool.MaxPerKey = maxIdlePerReplica
 		} else {
 			rt.(*http.Transport).MaxIdleConnsPerHost = maxIdlePerReplica
 		}
@@ -427,7 +427,7 @@ func TestUpstreamHostileClosedIdleConnsStayPooled256(t *testing.T) {
 		if u, ok := rt.(*upstream); ok {
 			// upstream's sweep looks every sweepEvery (http.Transport's
 			// reader sees each close at once): not 5 s here.
-			u.sweepEvery = 200 * time.Millisecond
+			u.pool.SweepEvery = 200 * time.Millisecond
 		}
 		before := fds(t)
 		burst(t, rt, s.url+"/x", n)

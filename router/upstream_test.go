@@ -172,16 +172,7 @@ func TestUpstreamChecksPooledConnectionsBeforeUse(t *testing.T) {
 		t.Fatal(err)
 	}
 	testwait.Until(t, "the replica's close to reach the pooled connection", func() bool {
-		u.mu.Lock()
-		defer u.mu.Unlock()
-		for _, l := range u.idle {
-			for _, pc := range l {
-				if pc.alive() {
-					return false
-				}
-			}
-		}
-		return true
+		return u.pool.Live() == 0
 	})
 	// The closed connection is seen before use, so the request does not
 	// need its body again.
@@ -544,7 +535,7 @@ func TestUpstreamIdleTotalUnbounded(t *testing.T) {
 			var rt http.RoundTripper
 			if which == "upstream" {
 				u := testUpstream(t)
-				u.maxIdle, u.maxTotal = maxIdlePerReplica, total
+				u.pool.MaxPerKey, u.pool.MaxTotal = maxIdlePerReplica, total
 				rt = u
 			} else {
 				tr := http.DefaultTransport.(*http.Transport).Clone()
@@ -575,11 +566,7 @@ func TestUpstreamIdleTotalUnbounded(t *testing.T) {
 			open := 0
 			switch x := rt.(type) {
 			case *upstream:
-				x.mu.Lock()
-				for _, l := range x.idle {
-					open += len(l)
-				}
-				x.mu.Unlock()
+				open = x.pool.Len()
 			case *http.Transport:
 				open = fds(t) // rough; logged only
 			}
@@ -777,7 +764,7 @@ func TestUpstreamChurn(t *testing.T) {
 		}
 	})
 	u := testUpstream(t)
-	u.sweepEvery = time.Millisecond
+	u.pool.SweepEvery = time.Millisecond
 	small := strings.Repeat("s", 1000)
 	large := strings.Repeat("L", 200<<10)
 	var wg sync.WaitGroup
@@ -819,13 +806,7 @@ func TestUpstreamChurn(t *testing.T) {
 	// is left if they do not.
 	testwait.Within(testwait.Deadline, func() bool { return runtime.NumGoroutine() <= g0+4 && fds(t) <= f0+4 })
 	t.Logf("goroutines %d -> %d, fds %d -> %d, conns %d", g0, runtime.NumGoroutine(), f0, fds(t), s.conns.Load())
-	u.mu.Lock()
-	idle := 0
-	for _, l := range u.idle {
-		idle += len(l)
-	}
-	u.mu.Unlock()
-	if idle != 0 {
+	if idle := u.pool.Len(); idle != 0 {
 		t.Errorf("%d idle connections still pooled after CloseIdleConnections", idle)
 	}
 	if n := runtime.NumGoroutine(); n > g0+4 {

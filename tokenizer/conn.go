@@ -14,6 +14,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/semroute/semroute/internal/connpool"
 )
 
 // conns is the Client's own way to a replica's /tokenize over plain HTTP:
@@ -30,25 +32,25 @@ import (
 // chunked, close-delimited) is net/http's. The call's deadline is the
 // connection's; a cancelled context moves it to the past, which ends a
 // blocked write or read, and the connection is closed rather than pooled.
-// Nothing reads an idle connection, so a connection is pooled only when
-// nothing is left to read on it, is checked with a non-blocking peek
-// before its reuse once it idled peekAfter (bytes the replica sent unasked
-// are not read as the next answer; servers send them, a 408, after
-// seconds of idling), and idle ones are swept every sweepEvery. /tokenize has no
+// Nothing reads an idle connection, so connections are pooled in a
+// connpool.Pool: only when nothing is left to read on one, checked with a
+// non-blocking peek before its reuse once it idled peekAfter (bytes the
+// replica sent unasked are not read as the next answer; servers send
+// them, a 408, after seconds of idling), and idle ones swept every
+// sweepEvery. /tokenize has no
 // effect but its answer: a call on a reused connection that got no byte of
 // answer (the replica closed it as the call went out) is sent again, once,
 // on a new one.
 //
 // Safe for concurrent use.
 type conns struct {
-	mu         sync.Mutex
-	idle       map[string][]*conn // by host:port, most recently used last
-	nIdle      int
-	sweeping   bool
-	sweepEvery time.Duration
-	peekAfter  time.Duration
-	targets    sync.Map // base URL → *target
-	nTargets   int      // entries in targets, under mu
+	// pool keeps the idle connections by host:port: maxIdlePerHost per
+	// replica, maxIdleTotal over all, for idleTimeout each, swept every
+	// sweepEvery, peeked at before reuse after peekAfter.
+	pool     connpool.Pool[*conn]
+	mu       sync.Mutex
+	targets  sync.Map // base URL → *target
+	nTargets int      // entries in targets, under mu
 }
 
 // The bounds of conns: idle connections kept over all replicas, how long
@@ -66,7 +68,13 @@ const (
 )
 
 func newConns() *conns {
-	return &conns{idle: map[string][]*conn{}, sweepEvery: sweepEvery, peekAfter: peekAfter}
+	return &conns{pool: connpool.Pool[*conn]{
+		MaxPerKey:   maxIdlePerHost,
+		MaxTotal:    maxIdleTotal,
+		IdleTimeout: idleTimeout,
+		SweepEvery:  sweepEvery,
+		PeekAfter:   peekAfter,
+	}}
 }
 
 // proxied reports whether the environment names an HTTP proxy: calls then
@@ -112,9 +120,12 @@ type conn struct {
 	br     *bufio.Reader
 	bw     *bufio.Writer
 	addr   string
-	reused bool      // it served a call before
-	since  time.Time // when it last went idle
+	reused bool // it served a call before (it came from the pool)
 }
+
+// NetConn and Buffered make a conn a connpool.Conn.
+func (pc *conn) NetConn() net.Conn { return pc.c }
+func (pc *conn) Buffered() int     { return pc.br.Buffered() }
 
 // capReader reads from c, at most n bytes while n >= 0.
 type capReader struct {
@@ -156,7 +167,7 @@ func (p *conns) post(ctx context.Context, deadline time.Time, t *target, q *quer
 		ids, keep, err := p.exchange(ctx, deadline, pc, t, q, limit)
 		if err == nil {
 			if keep {
-				p.put(pc)
+				p.pool.Put(pc.addr, pc)
 			} else {
 				pc.c.Close()
 			}
@@ -271,28 +282,14 @@ func readHeaders(br *bufio.Reader) (*http.Response, error) {
 // get returns a pooled connection to addr that is still open, or dials
 // one by deadline.
 func (p *conns) get(ctx context.Context, deadline time.Time, addr string) (*conn, error) {
-	for {
-		p.mu.Lock()
-		l := p.idle[addr]
-		if len(l) == 0 {
-			p.mu.Unlock()
-			break
-		}
-		pc := l[len(l)-1]
-		l[len(l)-1] = nil
-		p.idle[addr] = l[:len(l)-1]
-		p.nIdle--
-		p.mu.Unlock()
-		// A connection that idled a while is looked at: the replica may
-		// have closed it, or sent bytes nobody asked for, which must
-		// never be read as this call's answer. One just back from a call
-		// is trusted (a peek is a system call a call): if the replica
-		// closed it meanwhile, the call, sent again, goes on a new one
-		// (post).
-		if time.Since(pc.since) < p.peekAfter || pc.alive() {
-			return pc, nil
-		}
-		pc.c.Close()
+	// A connection that idled a while is looked at: the replica may have
+	// closed it, or sent bytes nobody asked for, which must never be read
+	// as this call's answer. One just back from a call is trusted (a peek
+	// is a system call a call): if the replica closed it meanwhile, the
+	// call, sent again, goes on a new one (post).
+	if pc, ok := p.pool.Get(addr); ok {
+		pc.reused = true
+		return pc, nil
 	}
 	d := net.Dialer{Deadline: deadline}
 	c, err := d.DialContext(ctx, "tcp", addr)
@@ -305,80 +302,5 @@ func (p *conns) get(ctx context.Context, deadline time.Time, addr string) (*conn
 	return pc, nil
 }
 
-// alive reports whether an idle connection is still open: nothing to read
-// means it is; the end of the stream, an error, or bytes nobody asked for
-// mean it is not.
-func (pc *conn) alive() bool {
-	return pc.br.Buffered() == 0 && peekIdle(pc.c)
-}
-
-// put pools pc for reuse, or closes it when it holds bytes past the answer
-// or the pool for its replica, or the whole pool, is full.
-func (p *conns) put(pc *conn) {
-	if pc.br.Buffered() != 0 {
-		pc.c.Close()
-		return
-	}
-	pc.reused, pc.since = true, time.Now()
-	p.mu.Lock()
-	l := p.idle[pc.addr]
-	full := len(l) >= maxIdlePerHost || p.nIdle >= maxIdleTotal
-	if !full {
-		p.idle[pc.addr] = append(l, pc)
-		p.nIdle++
-		if !p.sweeping {
-			p.sweeping = true
-			time.AfterFunc(p.sweepEvery, p.sweep)
-		}
-	}
-	p.mu.Unlock()
-	if full {
-		pc.c.Close()
-	}
-}
-
-// sweep closes the idle connections the replica closed or that idled past
-// idleTimeout, forgets replicas left without any, and comes back in
-// sweepEvery while any are left.
-func (p *conns) sweep() {
-	now := time.Now()
-	var dead []*conn
-	p.mu.Lock()
-	for addr, l := range p.idle {
-		keep := l[:0]
-		for _, pc := range l {
-			if now.Sub(pc.since) < idleTimeout && pc.alive() {
-				keep = append(keep, pc)
-			} else {
-				dead = append(dead, pc)
-			}
-		}
-		clear(l[len(keep):])
-		p.nIdle -= len(l) - len(keep)
-		if len(keep) == 0 {
-			delete(p.idle, addr)
-		} else {
-			p.idle[addr] = keep
-		}
-	}
-	if p.sweeping = len(p.idle) > 0; p.sweeping {
-		time.AfterFunc(p.sweepEvery, p.sweep)
-	}
-	p.mu.Unlock()
-	for _, pc := range dead {
-		pc.c.Close()
-	}
-}
-
 // closeIdle closes every pooled connection.
-func (p *conns) closeIdle() {
-	p.mu.Lock()
-	idle := p.idle
-	p.idle, p.nIdle = map[string][]*conn{}, 0
-	p.mu.Unlock()
-	for _, l := range idle {
-		for _, pc := range l {
-			pc.c.Close()
-		}
-	}
-}
+func (p *conns) closeIdle() { p.pool.CloseIdle() }

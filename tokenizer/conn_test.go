@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/semroute/semroute/internal/testnet"
 	"github.com/semroute/semroute/simreplica"
 )
 
@@ -162,49 +163,22 @@ func TestCallsReuseConnections(t *testing.T) {
 }
 
 // scripted is a raw TCP server: each connection is handed to serve, which
-// reads the call's request from br and writes what it likes.
+// reads the call's request from br and writes what it likes; n is the
+// connection's number, from 1, in the order accepted. The connection is
+// closed when serve returns. conns counts the connections accepted up to
+// the latest whose serve began (the highest n), so that once a
+// connection's serve has answered, every connection accepted before it is
+// counted, however late its own serve starts.
 func scripted(t *testing.T, serve func(c net.Conn, br *bufio.Reader, n int)) (url string, conns *atomic.Int64) {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
 	conns = &atomic.Int64{}
-	var (
-		wg   sync.WaitGroup
-		mu   sync.Mutex
-		open []net.Conn
-	)
-	t.Cleanup(func() {
-		ln.Close()
-		mu.Lock()
-		for _, c := range open {
-			c.Close()
+	addr, _ := testnet.ServeNumbered(t, func(c net.Conn, n int) {
+		for old := conns.Load(); old < int64(n) && !conns.CompareAndSwap(old, int64(n)); old = conns.Load() {
 		}
-		mu.Unlock()
-		wg.Wait()
+		defer c.Close()
+		serve(c, bufio.NewReader(c), n)
 	})
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			open = append(open, c)
-			mu.Unlock()
-			n := int(conns.Add(1))
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer c.Close()
-				serve(c, bufio.NewReader(c), n)
-			}()
-		}
-	}()
-	return "http://" + ln.Addr().String(), conns
+	return "http://" + addr, conns
 }
 
 // readCall reads one request and its body.
@@ -261,7 +235,7 @@ func TestIdleBytesAreNotAnAnswer(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c.conns.peekAfter = 0 // every reuse peeks
+	c.conns.pool.PeekAfter = 0 // every reuse peeks
 	for i := range 5 {
 		ids, err := c.Prompt(context.Background(), "m", []byte(fmt.Sprintf(`"prompt %d"`, i)))
 		if err != nil || len(ids) != 3 {

@@ -2,7 +2,6 @@ package main
 
 import (
 	"bytes"
-	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -13,6 +12,8 @@ import (
 	"sync/atomic"
 	"text/tabwriter"
 	"time"
+
+	"github.com/semroute/semroute/internal/numbered"
 )
 
 // latencyResult is one target's latency figures in one case.
@@ -55,8 +56,7 @@ func run(out io.Writer, o options) error {
 // not: latency, then throughput at each client count, each a row per
 // target in tw. It returns the lines of the router's ratios.
 func measureCase(tw io.Writer, client *http.Client, targets []target, size int, stream bool, o options) []string {
-	tmpl, at := newBody(size, stream)
-	gen := &bodyGen{tmpl: tmpl, at: at}
+	gen := numbered.New(size, stream)
 	mode := "whole"
 	if stream {
 		mode = "stream"
@@ -70,9 +70,9 @@ func measureCase(tw io.Writer, client *http.Client, targets []target, size int, 
 	for _, clients := range o.concurrency {
 		tp := measureThroughput(client, targets, gen, clients, o)
 		for i, t := range targets {
-			writeRow(tw, len(tmpl), mode, t.name, clients, i == 0, res[i], tp[i])
+			writeRow(tw, gen.Len(), mode, t.name, clients, i == 0, res[i], tp[i])
 		}
-		lines = append(lines, ratios(targets, res, tp, len(tmpl), mode, clients, clients == o.concurrency[0])...)
+		lines = append(lines, ratios(targets, res, tp, gen.Len(), mode, clients, clients == o.concurrency[0])...)
 	}
 	return lines
 }
@@ -121,43 +121,6 @@ func ratios(targets []target, res []latencyResult, tp []throughputResult, size i
 	return out
 }
 
-// newBody returns a chat request body of at most size bytes whose first
-// message starts with uniqueDigits zeros at the returned offset: bodyGen
-// numbers each copy there, so that every prompt is new to a cache.
-func newBody(size int, stream bool) (body []byte, at int) {
-	pad := strings.Repeat("lorem ipsum dolor sit amet ", size/27+1)
-	for {
-		b, _ := json.Marshal(map[string]any{"model": "sim-model", "stream": stream, "max_tokens": 8,
-			"messages": []map[string]string{{"role": "user", "content": strings.Repeat("0", uniqueDigits) + " " + pad}}})
-		if len(b) <= size {
-			return b, bytes.Index(b, []byte(`"content":"`)) + len(`"content":"`)
-		}
-		pad = pad[:len(pad)-(len(b)-size)]
-	}
-}
-
-const uniqueDigits = 12
-
-// bodyGen hands out copies of a body, each numbered at its offset: every
-// request of a benchmark is a new prompt, as the router meets them in the
-// worst case (nothing cached, every block recorded). Safe for concurrent
-// use.
-type bodyGen struct {
-	tmpl []byte
-	at   int
-	n    atomic.Uint64
-}
-
-func (g *bodyGen) next() []byte {
-	b := bytes.Clone(g.tmpl)
-	v := g.n.Add(1)
-	for i := g.at + uniqueDigits - 1; i >= g.at; i-- {
-		b[i] = byte('0' + v%10)
-		v /= 10
-	}
-	return b
-}
-
 func post(client *http.Client, u string, body []byte) error {
 	_, err := firstByte(client, u, body)
 	return err
@@ -190,11 +153,11 @@ func firstByte(client *http.Client, u string, body []byte) (time.Duration, error
 // added latency: its own minus the replica's (the first URL's) in that
 // round. The result is the median over rounds of each, so that one noisy
 // stretch of a shared machine does not decide a tail.
-func measureLatency(client *http.Client, urls []string, gen *bodyGen, n, rounds int) []latencyResult {
+func measureLatency(client *http.Client, urls []string, gen *numbered.Bodies, n, rounds int) []latencyResult {
 	res := make([]latencyResult, len(urls))
 	for i := 0; i < 50; i++ { // warm up connections
 		for _, u := range urls {
-			_ = post(client, u, gen.next())
+			_ = post(client, u, gen.Next())
 		}
 	}
 	var p50, p99, add50, add99 = make([][]time.Duration, len(urls)), make([][]time.Duration, len(urls)),
@@ -203,7 +166,7 @@ func measureLatency(client *http.Client, urls []string, gen *bodyGen, n, rounds 
 		lat := make([][]time.Duration, len(urls))
 		for i := 0; i < n; i++ {
 			for t, u := range urls {
-				body := gen.next()
+				body := gen.Next()
 				t0 := time.Now()
 				if err := post(client, u, body); err != nil {
 					res[t].errors++
@@ -266,7 +229,7 @@ type throughputResult struct {
 // each round (each round starting at the next target, so that none always
 // runs first) so that they meet the same background noise, and reads each
 // target's CPU time from /proc before and after its phase.
-func measureThroughput(client *http.Client, targets []target, gen *bodyGen, clients int, o options) []throughputResult {
+func measureThroughput(client *http.Client, targets []target, gen *numbered.Bodies, clients int, o options) []throughputResult {
 	out := make([]throughputResult, len(targets))
 	tps, cpus := make([][]float64, len(targets)), make([][]time.Duration, len(targets))
 	t50s, t99s := make([][]time.Duration, len(targets)), make([][]time.Duration, len(targets))
@@ -285,7 +248,7 @@ func measureThroughput(client *http.Client, targets []target, gen *bodyGen, clie
 				go func() {
 					defer wg.Done()
 					for time.Now().Before(deadline) {
-						d, err := firstByte(client, t.url, gen.next())
+						d, err := firstByte(client, t.url, gen.Next())
 						if err != nil {
 							errs.Add(1)
 							continue

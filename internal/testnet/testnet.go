@@ -16,6 +16,17 @@ import (
 // func that closes every connection accepted so far.
 func Serve(t testing.TB, handle func(net.Conn)) (addr string, closeAll func()) {
 	t.Helper()
+	if handle == nil {
+		return ServeNumbered(t, nil)
+	}
+	return ServeNumbered(t, func(c net.Conn, _ int) { handle(c) })
+}
+
+// ServeNumbered is Serve, with each connection's number, from 1, in the
+// order accepted: a script can tell the first connection from the next
+// whatever order their handlers run in.
+func ServeNumbered(t testing.TB, handle func(c net.Conn, n int)) (addr string, closeAll func()) {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -40,7 +51,7 @@ func Serve(t testing.TB, handle func(net.Conn)) (addr string, closeAll func()) {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		for {
+		for n := 1; ; n++ {
 			c, err := ln.Accept()
 			if err != nil {
 				return
@@ -54,7 +65,7 @@ func Serve(t testing.TB, handle func(net.Conn)) (addr string, closeAll func()) {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				handle(c)
+				handle(c, n)
 			}()
 		}
 	}()
