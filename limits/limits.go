@@ -137,11 +137,11 @@ func (t Timeouts) Prefill(uncached float64) time.Duration {
 // has not reported their end (the gRPC API's Route and Release). Zero
 // fields take the defaults.
 type Unreleased struct {
-	// Max caps the held decisions and MaxBlocks the blocks they keep
+	// Max caps the unreleased decisions and MaxBlocks the blocks they keep
 	// (about 24 bytes each, for the decision log); past either the oldest
 	// is finished as expired.
 	Max, MaxBlocks int
-	// ReleaseAfter finishes a held decision never released.
+	// ReleaseAfter finishes an unreleased decision never released.
 	ReleaseAfter time.Duration
 }
 

@@ -80,7 +80,7 @@ type Config struct {
 	// Roles, when set, is each replica's part in prefill/decode
 	// disaggregation (replica.Role; one per replica). With a prefill
 	// replica, each request is routed as the live router routes it
-	// (router.Core.routePD): a decode replica first, among the replicas
+	// (router.Core.Place): a decode replica first, among the replicas
 	// that decode; then, when that replica would compute at least
 	// MinPrefillTokens of the prompt, a prefill replica among the
 	// prefill replicas. That replica computes the prompt and keeps its

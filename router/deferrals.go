@@ -153,17 +153,17 @@ func (w *Deferrals) offer(r *replica.Replica) (taken, keptFor bool) {
 	var kept map[int]bool   // keep's verdicts by priority: a few per offer
 	r.Reserve()
 	t, ok := w.q.Dispatch(r.ID, func(t *flow.Ticket[*Deferral, *replica.Replica]) float64 {
-		held, ok := kept[t.Priority]
+		forOthers, ok := kept[t.Priority]
 		if !ok {
 			if keep := w.keep(w.demand.YieldsTo(t.Priority, now)); keep != nil {
-				held = known && free <= keep(r)
+				forOthers = known && free <= keep(r)
 			}
 			if kept == nil {
 				kept = map[int]bool{}
 			}
-			kept[t.Priority] = held
+			kept[t.Priority] = forOthers
 		}
-		if held {
+		if forOthers {
 			keptFor = true
 			return math.Inf(1) // the slot is kept for the traffic it gives way to
 		}

@@ -71,7 +71,7 @@ const (
 // request. It reads the request's headers and body (in the
 // FULL_DUPLEX_STREAMED body mode the protocol asks for, or BUFFERED),
 // parses and routes it exactly as the HTTP front end does (Core.Prepare and
-// Core.Route: the same arms, policies, picture and decision log), and
+// Core.Admit and Core.Place: the same arms, policies, picture and decision log), and
 // answers with the chosen endpoint and its fallbacks in the
 // x-gateway-destination-endpoint header and in the envoy.lb dynamic
 // metadata. On the response path it reads the endpoint the proxy reports

@@ -6,13 +6,13 @@ import (
 	"github.com/semroute/semroute/replica"
 )
 
-// A decision held in the router's queue (Request.Hold) waits for the
+// A decision deferred in the router's queue (Request.Defer) waits for the
 // replica it ranked first, as it would have waited in that engine's queue:
 // its prefill counts there as pending work while it waits (Wait), and a
 // slot that frees elsewhere takes it only when moving costs less than the
 // wait (DispatchCost).
 
-// Wait counts held decision d's uncached prefill on the replica it ranked
+// Wait counts deferred decision d's uncached prefill on the replica it ranked
 // first as that replica's pending work (replica.Replica.Wait), so that the
 // requests decided meanwhile see the queue build there, as they would see
 // the engine's. Its blocks are not recorded there: a slot elsewhere may
@@ -32,10 +32,10 @@ func (e *Engine) Unwait(d *Decision) {
 	d.Chosen().Replica.Unwait(d.waiting, d.priority)
 }
 
-// DispatchCost is what sending held decision d to replica r, whose slot
+// DispatchCost is what sending deferred decision d to replica r, whose slot
 // is free, costs beyond sending it to the replica it waits for: its
 // uncached prefill tokens there minus there (routing's unit), both read
-// from the picture as it is now (a held decision's matches are as old as
+// from the picture as it is now (a deferred decision's matches are as old as
 // its wait, and the requests sent meanwhile may have brought its prefix to
 // r). It is +Inf when computing them on r would take longer than moving
 // saves: the request's expected wait for its own replica less the wait of

@@ -247,7 +247,7 @@ type Request struct {
 	// replica it ranks first is saturated (its engine would queue the
 	// request): it comes back Held, unrecorded, for the caller to queue the
 	// request in the router (package flow; see Wait and DispatchCost) and
-	// decide it again once a slot is free for it. Drop the held decision;
+	// decide it again once a slot is free for it. Drop the deferred decision;
 	// the request's blocks stay with the request.
 	Defer bool
 	// Keep, if set with Hold, returns how many free slots of a replica
@@ -814,7 +814,7 @@ func (d *Decision) candidate(id int) *Candidate {
 	return nil
 }
 
-// Drop gives back a held decision's candidate list (Request.Hold): its
+// Drop gives back a deferred decision's candidate list (Request.Defer): its
 // blocks stay with the request, which is decided again.
 func (e *Engine) Drop(d *Decision) {
 	if d == nil {
