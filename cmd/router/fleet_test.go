@@ -39,7 +39,7 @@ func freeAddr(t testing.TB) string {
 
 // metric returns the sum of the samples of name (with labels containing
 // match) in the router's /metrics.
-func metric(t *testing.T, url, name, match string) float64 {
+func metric(t testing.TB, url, name, match string) float64 {
 	t.Helper()
 	resp, err := http.Get(url + "/metrics")
 	if err != nil {

@@ -50,7 +50,7 @@ func arrivals(phases []phase, seed uint64) []time.Duration {
 // olRequest is one request of an open-loop run and what it got.
 type olRequest struct {
 	at      time.Duration // its arrival, from the start
-	tenant  string
+	tenant  string        // set by runTenants
 	status  int           // 0: no answer
 	ttft    time.Duration // to the first streamed chunk, from its arrival
 	done    time.Duration // its arrival to the end of its answer
@@ -91,7 +91,6 @@ func sendOpenLoop(url string, work [][]byte, at []time.Duration, header func(i i
 				for k, v := range header(i) {
 					req.Header[k] = v
 				}
-				q.tenant = req.Header.Get("x-gateway-inference-fairness-id")
 			}
 			sent := time.Now()
 			resp, err := client.Do(req)
@@ -173,19 +172,24 @@ func (s *olStats) pct(q float64) float64 {
 	return 1e3 * s.ttfts[min(int(q*float64(len(s.ttfts))), len(s.ttfts)-1)]
 }
 
-func (s *olStats) String() string {
-	q99 := 0.0
-	if len(s.queued) > 0 {
-		q99 = 1e3 * s.queued[min(int(0.99*float64(len(s.queued))), len(s.queued)-1)]
+// queuedPct returns the q-quantile of the wait in the router's queue in
+// milliseconds (0 without answers).
+func (s *olStats) queuedPct(q float64) float64 {
+	if len(s.queued) == 0 {
+		return 0
 	}
+	return 1e3 * s.queued[min(int(q*float64(len(s.queued))), len(s.queued)-1)]
+}
+
+func (s *olStats) String() string {
 	return fmt.Sprintf("%d requests: %d answered, %d shed (429), %d failed; hit ratio %.3f; TTFT p50 %.0f p99 %.0f ms; router queue p99 %.0f ms",
-		s.n, s.ok, s.shed, s.failed, s.hitRatio(), s.pct(0.5), s.pct(0.99), q99)
+		s.n, s.ok, s.shed, s.failed, s.hitRatio(), s.pct(0.5), s.pct(0.99), s.queuedPct(0.99))
 }
 
 // sustainedRate measures the requests per second 4 fresh third-party
 // replicas sustain behind the default router: a closed loop of as many
 // clients as the engines have sequences, over n requests of work.
-func sustainedRate(t *testing.T, work [][]byte) float64 {
+func sustainedRate(t testing.TB, work [][]byte) float64 {
 	blocks := tpBlocks()
 	reps := startThirdParty(t, tpOptions{n: 4, blocks: blocks})
 	defer func() {
@@ -204,19 +208,23 @@ func sustainedRate(t *testing.T, work [][]byte) float64 {
 	return float64(len(work)) / time.Since(start).Seconds()
 }
 
-// TestThirdPartyFlowControl measures, through 4 third-party replicas of 4
-// sequences each on the mixed chat workload, an open-loop load at 0.9× the
-// rate they sustain with a burst to 2× for 30 s, and the same at 0.5×, for
-// the SGLang and Dynamo ports and the default with and without flow
-// control (one run each). It takes about 15 minutes:
+// BenchmarkThirdPartyFlowControl measures, through 4 third-party replicas
+// of 4 sequences each on the mixed chat workload, an open-loop load at
+// 0.9× the rate they sustain with a burst to 2× for 30 s, and the same at
+// 0.5×, for the SGLang and Dynamo ports and the default with and without
+// flow control (one run each): a sub-benchmark a schedule and
+// configuration reporting the engines' hit ratio, TTFT p50, p90 and p99
+// at the client and the requests answered, shed (429) and failed, and
+// "sustained rate" the rate when it measures it. It logs the tables. It
+// takes about 15 minutes:
 //
 //	SEMROUTE_THIRDPARTY_SIM=/path/to/llm-d-inference-sim SEMROUTE_THIRDPARTY_FLOW=1 \
-//	  go test -run TestThirdPartyFlowControl -v -timeout 60m ./cmd/router
+//	  go test -run '^$' -bench BenchmarkThirdPartyFlowControl -benchtime 1x -v -timeout 60m ./cmd/router
 //
 // SEMROUTE_THIRDPARTY_RATE=<requests/s> skips measuring the sustained rate;
 // SEMROUTE_THIRDPARTY_ROWS keeps some rows, as for BenchmarkThirdPartyTable.
-func TestThirdPartyFlowControl(t *testing.T) {
-	rate := flowRate(t)
+func BenchmarkThirdPartyFlowControl(b *testing.B) {
+	rate := flowRate(b)
 	fc := "flow_control:\n  enabled: true\n"
 	rows := []tpRow{
 		{"SGLang port", "sglang", "", false},
@@ -224,34 +232,52 @@ func TestThirdPartyFlowControl(t *testing.T) {
 		{"default", "", "", false},
 		{"default with flow control", "", fc, false},
 	}
-	burst := []phase{{60 * time.Second, 0.9 * rate}, {30 * time.Second, 2 * rate}, {60 * time.Second, 0.9 * rate}}
-	t.Log(olTable(t, fmt.Sprintf("0.9× of %.2f requests/s, 2× for 30 s", rate), burst, rows))
-	calm := []phase{{90 * time.Second, 0.5 * rate}}
-	t.Log(olTable(t, fmt.Sprintf("0.5× of %.2f requests/s", rate), calm, rows[2:]))
+	b.Run("0.9× with a burst to 2×", func(b *testing.B) {
+		burst := []phase{{60 * time.Second, 0.9 * rate}, {30 * time.Second, 2 * rate}, {60 * time.Second, 0.9 * rate}}
+		b.Log(olTable(b, fmt.Sprintf("0.9× of %.2f requests/s, 2× for 30 s", rate), burst, rows))
+	})
+	b.Run("0.5×", func(b *testing.B) {
+		calm := []phase{{90 * time.Second, 0.5 * rate}}
+		b.Log(olTable(b, fmt.Sprintf("0.5× of %.2f requests/s", rate), calm, rows[2:]))
+	})
 }
 
 // olTable runs the schedule through each row's router in front of 4 fresh
-// third-party replicas and returns the table.
-func olTable(t *testing.T, title string, phases []phase, rows []tpRow) string {
+// third-party replicas, a sub-benchmark of b each, and returns the table.
+func olTable(b *testing.B, title string, phases []phase, rows []tpRow) string {
 	at := arrivals(phases, 5)
 	work := truthSessions(len(at), 29, 40)
-	var b strings.Builder
-	fmt.Fprintf(&b, "\n%s: %d requests\n\n| configuration | engine hit ratio | TTFT p50 / p90 / p99 ms | answered | shed (429) | failed |\n|---|---:|---|---:|---:|---:|\n", title, len(at))
+	var t strings.Builder
+	fmt.Fprintf(&t, "\n%s: %d requests\n\n| configuration | engine hit ratio | TTFT p50 / p90 / p99 ms | answered | shed (429) | failed |\n|---|---:|---|---:|---:|---:|\n", title, len(at))
 	for _, row := range rows {
 		if !tpWanted(row.name) {
 			continue
 		}
-		reps := startThirdParty(t, tpOptions{n: 4})
-		r := startRouterYAML(t, row.yaml+tpConfig(reps, row.events, row.policy))
-		waitBudgets(t, r, 4, 768*16)
-		s := sendOpenLoop(r.url, work, at, nil, 5*time.Minute).stats(nil)
-		fmt.Fprintf(&b, "| %s | %.3f | %.0f / %.0f / %.0f | %d | %d | %d |\n", row.name, s.hitRatio(),
-			s.pct(0.5), s.pct(0.9), s.pct(0.99), s.ok, s.shed, s.failed)
-		t.Logf("%s, %s: %s; first error: %s", title, row.name, s, s.firstErr)
-		_ = r.run.stop(time.Second)
-		for _, rep := range reps {
-			rep.stop()
+		var s *olStats
+		b.Run(row.name, func(b *testing.B) {
+			for range b.N {
+				reps := startThirdParty(b, tpOptions{n: 4})
+				r := startRouterYAML(b, row.yaml+tpConfig(reps, row.events, row.policy))
+				waitBudgets(b, r, 4, 768*16)
+				s = sendOpenLoop(r.url, work, at, nil, 5*time.Minute).stats(nil)
+				b.Logf("%s, %s: %s; first error: %s", title, row.name, s, s.firstErr)
+				_ = r.run.stop(time.Second)
+				for _, rep := range reps {
+					rep.stop()
+				}
+			}
+			b.ReportMetric(s.hitRatio(), "hit-ratio")
+			b.ReportMetric(s.pct(0.5), "ttft-p50-ms")
+			b.ReportMetric(s.pct(0.9), "ttft-p90-ms")
+			b.ReportMetric(s.pct(0.99), "ttft-p99-ms")
+			b.ReportMetric(float64(s.ok), "answered")
+			b.ReportMetric(float64(s.shed), "shed")
+			b.ReportMetric(float64(s.failed), "failed")
+		})
+		if s != nil {
+			fmt.Fprintf(&t, "| %s | %.3f | %.0f / %.0f / %.0f | %d | %d | %d |\n", row.name, s.hitRatio(),
+				s.pct(0.5), s.pct(0.9), s.pct(0.99), s.ok, s.shed, s.failed)
 		}
 	}
-	return b.String()
+	return t.String()
 }

@@ -26,7 +26,7 @@ var pdFallbackReasons = []string{"no_prefill_replica", "prefill_failed", "prefil
 // killed before request n/4 is sent, with "hang" its proxy takes every
 // prefill from then on and never answers. extra is more of the router's
 // YAML.
-func runPrefillLoss(t *testing.T, fault string, n int, extra string, simArgs ...string) *lossRun {
+func runPrefillLoss(t testing.TB, fault string, n int, extra string, simArgs ...string) *lossRun {
 	t.Helper()
 	f := startPDFleet(t, simArgs...)
 	r := startRouterYAML(t, f.config("", -1)+extra)
@@ -61,8 +61,8 @@ func runPrefillLoss(t *testing.T, fault string, n int, extra string, simArgs ...
 // up after 60), each prefill left hanging is cancelled at its own bound
 // and its request served by its decode replica, counted as
 // prefill_timeout. The TTFT p99 of each run is logged beside the run's
-// without a fault (TestThirdPartyPrefillLossMeasured measures them on
-// more requests, at the measured simulators' speed).
+// without a fault (BenchmarkThirdPartyPrefillLoss measures them on more
+// requests, at the measured simulators' speed).
 func TestThirdPartyPrefillLoss(t *testing.T) {
 	thirdPartyBin(t)
 	fast := []string{"--prefill-time-per-token", "200us"}
@@ -87,31 +87,58 @@ func TestThirdPartyPrefillLoss(t *testing.T) {
 	}
 }
 
-// TestThirdPartyPrefillLossMeasured: TTFT p50 / p99 of the prefill-heavy
-// workload through 2 prefill and 2 decode simulators (the measured
-// simulators' speeds), with no fault, with prefill replica tp-0 killed a
-// quarter of the way in, and with it hung (accepting prefills, never
-// answering) from then on; the p99 ratios to the run without a fault,
-// the failed requests and the fallbacks by reason. Run with
+// BenchmarkThirdPartyPrefillLoss measures the prefill-heavy workload
+// through 2 prefill and 2 decode simulators (the measured simulators'
+// speeds), with no fault, with prefill replica tp-0 killed a quarter of
+// the way in, and with it hung (accepting prefills, never answering) from
+// then on: a sub-benchmark each reporting TTFT p50 and p99, the p99's
+// ratio to the run without a fault, the failed requests, the fallbacks by
+// reason, tp-0's timeouts, the prefills it hung on and the engines' hit
+// ratio. It logs the table. (TestThirdPartyPrefillLoss checks, at a tenth
+// of the prefill time, that none of it fails a request.) Run with
 //
-//	SEMROUTE_THIRDPARTY_SIM=$(bash /work/shared/tools/thirdparty-sim) SEMROUTE_THIRDPARTY_PD=1 \
-//	  go test -run TestThirdPartyPrefillLossMeasured -v -timeout 30m ./cmd/router
+//	SEMROUTE_THIRDPARTY_SIM=/path/to/llm-d-inference-sim SEMROUTE_THIRDPARTY_PD=1 \
+//	  go test -run '^$' -bench BenchmarkThirdPartyPrefillLoss -benchtime 1x -v -timeout 30m ./cmd/router
 //
 // SEMROUTE_PD_LOSS_N sets the requests of each run (default 120);
 // SEMROUTE_PD_LOSS_YAML adds to the router's YAML (e.g. "timeouts:\n  first_byte: 10s\n").
-func TestThirdPartyPrefillLossMeasured(t *testing.T) {
+func BenchmarkThirdPartyPrefillLoss(b *testing.B) {
 	if os.Getenv("SEMROUTE_THIRDPARTY_PD") == "" {
-		t.Skip("set SEMROUTE_THIRDPARTY_PD=1 to measure")
+		b.Skip("set SEMROUTE_THIRDPARTY_PD=1 to measure")
 	}
-	thirdPartyBin(t)
+	thirdPartyBin(b)
 	n := 120
 	fmt.Sscan(os.Getenv("SEMROUTE_PD_LOSS_N"), &n)
 	extra := strings.ReplaceAll(os.Getenv("SEMROUTE_PD_LOSS_YAML"), `\n`, "\n")
-	var b strings.Builder
-	b.WriteString("\n| prefill replica tp-0 | TTFT p50 / p99 ms | p99 / no fault | failed | fallbacks | tp-0 timeouts | prefills tp-0 hung on | engine hit ratio |\n|---|---|---:|---:|---|---:|---:|---:|\n")
+	var t strings.Builder
+	t.WriteString("\n| prefill replica tp-0 | TTFT p50 / p99 ms | p99 / no fault | failed | fallbacks | tp-0 timeouts | prefills tp-0 hung on | engine hit ratio |\n|---|---|---:|---:|---|---:|---:|---:|\n")
 	var base float64
 	for _, fault := range []string{"none", "kill", "hang"} {
-		lr := runPrefillLoss(t, fault, n, extra)
+		var lr *lossRun
+		b.Run(fault, func(b *testing.B) {
+			for range b.N {
+				lr = runPrefillLoss(b, fault, n, extra)
+			}
+			b.ReportMetric(1000*lr.pct(0.5), "ttft-p50-ms")
+			b.ReportMetric(1000*lr.pct(0.99), "ttft-p99-ms")
+			if base != 0 {
+				b.ReportMetric(lr.pct(0.99)/base, "p99/no-fault")
+			}
+			b.ReportMetric(float64(lr.errors), "failed")
+			for _, reason := range pdFallbackReasons {
+				b.ReportMetric(lr.fallbacks[reason], reason+"-fallbacks")
+			}
+			b.ReportMetric(lr.timeouts, "tp-0-timeouts")
+			b.ReportMetric(float64(lr.hung), "tp-0-hung")
+			b.ReportMetric(lr.hitRatio(), "hit-ratio")
+			b.Logf("%s: TTFT deciles (ms) %.0f", fault, deciles(lr.ttfts))
+			if lr.errors != 0 {
+				b.Logf("%s: first error: %s", fault, lr.firstErr)
+			}
+		})
+		if lr == nil {
+			continue
+		}
 		p99 := lr.pct(0.99)
 		if fault == "none" {
 			base = p99
@@ -122,14 +149,10 @@ func TestThirdPartyPrefillLossMeasured(t *testing.T) {
 				fb = append(fb, fmt.Sprintf("%s %.0f", reason, v))
 			}
 		}
-		fmt.Fprintf(&b, "| %s | %.0f / %.0f | %.2f | %d | %s | %.0f | %d | %.3f |\n", fault, 1000*lr.pct(0.5), 1000*p99, p99/base, lr.errors,
+		fmt.Fprintf(&t, "| %s | %.0f / %.0f | %.2f | %d | %s | %.0f | %d | %.3f |\n", fault, 1000*lr.pct(0.5), 1000*p99, p99/base, lr.errors,
 			strings.Join(fb, ", "), lr.timeouts, lr.hung, lr.hitRatio())
-		t.Logf("%s: TTFT deciles (ms) %.0f", fault, deciles(lr.ttfts))
-		if lr.errors != 0 {
-			t.Logf("%s: first error: %s", fault, lr.firstErr)
-		}
 	}
-	t.Log(b.String())
+	b.Log(t.String())
 }
 
 // deciles returns the 10th to the 100th percentiles of seconds s, in ms.

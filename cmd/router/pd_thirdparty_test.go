@@ -111,7 +111,7 @@ type pdFleet struct {
 	prefill, decode []*pdProxy
 }
 
-func startPDFleet(t *testing.T, args ...string) *pdFleet {
+func startPDFleet(t testing.TB, args ...string) *pdFleet {
 	t.Helper()
 	f := &pdFleet{reps: startThirdParty(t, tpOptions{n: 4, args: append([]string{"--kv-cache-transfer-latency", "5ms", "--kv-cache-transfer-time-per-token", "50us"}, args...)})}
 	for i, rep := range f.reps {
@@ -329,24 +329,31 @@ func statusOfResp(r *http.Response) string {
 	return r.Status
 }
 
-// TestThirdPartyDisaggregationMeasured: on the prefill-heavy workload
-// (400 requests, 8 clients), through 4 simulators: 2 prefill and 2 decode
-// with the default policy (cache-aware) and with round robin, every
-// request disaggregated; then disaggregated with the default threshold;
-// then aggregated on the same 4 (every replica whole). It reports the
-// prefill pool's hit ratio from the simulators' own prefix-cache counters,
-// and TTFT and inter-token latency p50 / p99. Run with
+// BenchmarkThirdPartyDisaggregation measures, on the prefill-heavy
+// workload (400 requests, 8 clients), through 4 simulators: 2 prefill and
+// 2 decode with the default policy (cache-aware) and with round robin,
+// every request disaggregated; then disaggregated with the default
+// threshold; then aggregated on the same 4 (every replica whole). A
+// sub-benchmark a configuration reports the prefill pool's hit ratio from
+// the simulators' own prefix-cache counters (disaggregated only), TTFT
+// and inter-token latency p50 / p99, the failed requests and the
+// prefills sent; a disaggregated configuration whose prefill replicas
+// were sent no prefill fails, as it measured nothing of disaggregation
+// (TestThirdPartyDisaggregation checks the protocol itself). It logs the
+// table. Run with
 //
 //	SEMROUTE_THIRDPARTY_SIM=/path/to/llm-d-inference-sim SEMROUTE_THIRDPARTY_PD=1 \
-//	  go test -run TestThirdPartyDisaggregationMeasured -v -timeout 30m ./cmd/router
-func TestThirdPartyDisaggregationMeasured(t *testing.T) {
+//	  go test -run '^$' -bench BenchmarkThirdPartyDisaggregation -benchtime 1x -v -timeout 30m ./cmd/router
+//
+// SEMROUTE_THIRDPARTY_ROWS keeps some rows, as for BenchmarkThirdPartyTable.
+func BenchmarkThirdPartyDisaggregation(b *testing.B) {
 	if os.Getenv("SEMROUTE_THIRDPARTY_PD") == "" {
-		t.Skip("set SEMROUTE_THIRDPARTY_PD=1 to measure")
+		b.Skip("set SEMROUTE_THIRDPARTY_PD=1 to measure")
 	}
-	thirdPartyBin(t)
+	thirdPartyBin(b)
 	work := pdWork(400, 7)
-	var b strings.Builder
-	b.WriteString("\n| configuration | prefill pool hit ratio | TTFT p50 / p99 ms | ITL p50 / p99 ms | failed |\n|---|---:|---|---|---:|\n")
+	var t strings.Builder
+	t.WriteString("\n| configuration | prefill pool hit ratio | TTFT p50 / p99 ms | ITL p50 / p99 ms | failed |\n|---|---:|---|---|---:|\n")
 	for _, row := range []struct {
 		name, policy string
 		minPrefill   int
@@ -360,33 +367,57 @@ func TestThirdPartyDisaggregationMeasured(t *testing.T) {
 		if !tpWanted(row.name) {
 			continue
 		}
-		f := startPDFleet(t)
-		cfg := f.config(row.policy, row.minPrefill)
-		if row.aggregated {
-			cfg = strings.NewReplacer("role: prefill", "role: both", "role: decode", "role: both").Replace(cfg)
-		}
-		r := startRouterYAML(t, cfg)
-		hits := func() (h, q float64) {
-			for _, rep := range f.reps[:2] {
-				h += metric(t, rep.url, "vllm:prefix_cache_hits_total", "")
-				q += metric(t, rep.url, "vllm:prefix_cache_queries_total", "")
+		var st *pdStats
+		var hit float64
+		var prefills int64
+		b.Run(row.name, func(b *testing.B) {
+			for range b.N {
+				f := startPDFleet(b)
+				cfg := f.config(row.policy, row.minPrefill)
+				if row.aggregated {
+					cfg = strings.NewReplacer("role: prefill", "role: both", "role: decode", "role: both").Replace(cfg)
+				}
+				r := startRouterYAML(b, cfg)
+				hits := func() (h, q float64) {
+					for _, rep := range f.reps[:2] {
+						h += metric(b, rep.url, "vllm:prefix_cache_hits_total", "")
+						q += metric(b, rep.url, "vllm:prefix_cache_queries_total", "")
+					}
+					return h, q
+				}
+				h0, q0 := hits()
+				st = sendTimed(r.url, work, 8)
+				h1, q1 := hits()
+				hit = (h1 - h0) / max(q1-q0, 1)
+				prefills = f.prefill[0].prefills.Load() + f.prefill[1].prefills.Load()
+				b.Logf("%s: prefills %d; first error: %s", row.name, prefills, st.firstErr)
+				_ = r.run.stop(time.Second)
+				for _, rep := range f.reps {
+					rep.stop()
+				}
 			}
-			return h, q
+			if !row.aggregated {
+				b.ReportMetric(hit, "prefill-hit-ratio")
+			}
+			b.ReportMetric(1000*pctOf(st.ttft, 0.5), "ttft-p50-ms")
+			b.ReportMetric(1000*pctOf(st.ttft, 0.99), "ttft-p99-ms")
+			b.ReportMetric(1000*pctOf(st.itl, 0.5), "itl-p50-ms")
+			b.ReportMetric(1000*pctOf(st.itl, 0.99), "itl-p99-ms")
+			b.ReportMetric(float64(st.errors), "failed")
+			b.ReportMetric(float64(prefills), "prefills")
+			if !row.aggregated && prefills == 0 {
+				b.Fatalf("%s: the prefill replicas were sent no prefill: nothing was disaggregated", row.name)
+			}
+		})
+		if st == nil {
+			continue
 		}
-		h0, q0 := hits()
-		st := sendTimed(r.url, work, 8)
-		h1, q1 := hits()
-		hit := "–"
+		hitCell := "–"
 		if !row.aggregated {
-			hit = fmt.Sprintf("%.3f", (h1-h0)/max(q1-q0, 1))
+			hitCell = fmt.Sprintf("%.3f", hit)
 		}
-		fmt.Fprintf(&b, "| %s | %s | %.0f / %.0f | %.1f / %.1f | %d |\n", row.name, hit,
+		fmt.Fprintf(&t, "| %s | %s | %.0f / %.0f | %.1f / %.1f | %d |\n", row.name, hitCell,
 			1000*pctOf(st.ttft, 0.5), 1000*pctOf(st.ttft, 0.99), 1000*pctOf(st.itl, 0.5), 1000*pctOf(st.itl, 0.99), st.errors)
-		t.Logf("%s: prefills %d; first error: %s", row.name, f.prefill[0].prefills.Load()+f.prefill[1].prefills.Load(), st.firstErr)
-		_ = r.run.stop(time.Second)
-		for _, rep := range f.reps {
-			rep.stop()
-		}
 	}
-	t.Log(b.String())
+	b.Log(t.String())
 }
