@@ -233,6 +233,9 @@ func TestDecisionLogReplaysToSameDecisions(t *testing.T) {
 func decisionLogReplays(t *testing.T, picture string) {
 	logPath := filepath.Join(t.TempDir(), "decisions.jsonl")
 	d := startTestDemo(t, demoOptions{sim: fastSim, decisionLog: logPath, picture: picture})
+	if picture == "events" {
+		waitSubscribed(t, d)
+	}
 	// Multi-turn sessions over a few shared system prompts, sequential.
 	history := map[int][][2]string{}
 	for i := 0; i < 60; i++ {
@@ -243,6 +246,12 @@ func decisionLogReplays(t *testing.T, picture string) {
 		msgs := append(history[s], [2]string{"user", text(fmt.Sprint("turn ", i), 40)})
 		r := post(t, d, "/v1/chat/completions", chat(msgs...), map[string]string{"X-Session-ID": fmt.Sprint("conv-", s)})
 		mustOK(t, r)
+		if picture == "events" {
+			// The replay applies an engine's events as it stores; live, they
+			// arrive a moment later: the next decision waits for them, or
+			// a loaded machine decides it on a picture the replay never has.
+			waitEventsApplied(t, d)
+		}
 		var out struct {
 			Choices []struct {
 				Message struct{ Content string } `json:"message"`
