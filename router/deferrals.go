@@ -95,9 +95,7 @@ func (w *Deferrals) Defer(cr CoreRequest, arm *Arm, d *routing.Decision, keep fu
 // queue shed or expired it (a *QueueError). A nil ctx ends only with the
 // queue's TTL.
 func (def *Deferral) Wait(ctx context.Context) error {
-	if ctx == nil {
-		ctx = context.Background()
-	}
+	ctx = cmpCtx(ctx)
 	err := def.t.Wait(ctx)
 	if err != nil && ctx.Err() == nil {
 		err = &QueueError{Err: err, RetryAfter: time.Second}

@@ -109,7 +109,6 @@ func FuzzGRPCRequest(f *testing.F) {
 	f.Add("m", []byte(`{"model":"m","prompt":"x"}`), "user", "hello", "system", uint8(0))
 	f.Add("", []byte("{"), "", "", "weird", uint8(3))
 	lim := limits.Request{Parse: blockhash.Limits{MaxMessages: 8}}.WithDefaults()
-	g := &GRPCService{limits: func() limits.Request { return lim }}
 	f.Fuzz(func(t *testing.T, model string, body []byte, role, content, kind string, form uint8) {
 		in := &pb.RouteRequest{Model: model}
 		switch form % 5 {
@@ -128,7 +127,7 @@ func FuzzGRPCRequest(f *testing.F) {
 			}
 			in.Input = &pb.RouteRequest_TokenIds{TokenIds: &pb.TokenIds{Ids: ids}}
 		}
-		a, err := g.arrival(in)
+		a, err := arrival(in, &lim)
 		if err != nil {
 			return
 		}

@@ -168,10 +168,9 @@ func invalid(err error) error { return status.Error(codes.InvalidArgument, err.E
 
 // arrival translates a RouteRequest into the request it describes: an
 // OpenAI body (openai_body, or the body messages and prompt make), or a
-// request of token ids or pre-split blocks.
-func (g *GRPCService) arrival(in *pb.RouteRequest) (Arrival, error) {
+// request of token ids or pre-split blocks, within lim.
+func arrival(in *pb.RouteRequest, lim *limits.Request) (Arrival, error) {
 	model := in.GetModel()
-	lim := g.limits()
 	switch x := in.GetInput().(type) {
 	case *pb.RouteRequest_OpenaiBody:
 		if int64(len(x.OpenaiBody)) > lim.MaxBodyBytes {
@@ -182,7 +181,7 @@ func (g *GRPCService) arrival(in *pb.RouteRequest) (Arrival, error) {
 		}
 		return Arrival{API: blockhash.Chat, Body: x.OpenaiBody}, nil
 	case *pb.RouteRequest_Messages:
-		b, err := messagesBody(model, x.Messages.GetMessages(), &lim)
+		b, err := messagesBody(model, x.Messages.GetMessages(), lim)
 		return Arrival{API: blockhash.Chat, Body: b}, err
 	case *pb.RouteRequest_Prompt:
 		b, _ := json.Marshal(map[string]any{"model": model, "prompt": x.Prompt}) // strings marshal
@@ -193,7 +192,7 @@ func (g *GRPCService) arrival(in *pb.RouteRequest) (Arrival, error) {
 		}
 		return Arrival{Parsed: &blockhash.Request{Model: model, Parts: []blockhash.Part{blockhash.TokenPart(x.TokenIds.GetIds())}}}, nil
 	case *pb.RouteRequest_Blocks:
-		req, err := blocksRequest(model, x.Blocks.GetBlocks(), &lim)
+		req, err := blocksRequest(model, x.Blocks.GetBlocks(), lim)
 		return Arrival{Parsed: req, PreSplit: true}, err
 	}
 	return Arrival{}, errors.New("one of openai_body, messages, prompt, blocks or token_ids is required")
@@ -241,12 +240,12 @@ func blocksRequest(model string, blocks []*pb.Block, lim *limits.Request) (*bloc
 
 // Route implements pb.RouterServer.
 func (g *GRPCService) Route(ctx context.Context, in *pb.RouteRequest) (*pb.RouteResponse, error) {
-	a, err := g.arrival(in)
+	lim := g.limits()
+	a, err := arrival(in, &lim)
 	if err != nil {
 		return nil, invalid(err)
 	}
 	a.Session, a.Tenant, a.Route, a.Ctx, a.Bytes, a.DryRun = in.GetSessionId(), in.GetTenantId(), "grpc", ctx, int64(proto.Size(in)), in.GetDryRun()
-	lim := g.limits()
 	ad, err := g.core.Admit(a, &lim)
 	switch {
 	case errors.Is(err, blockhash.ErrBusy):
