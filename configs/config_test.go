@@ -105,7 +105,7 @@ func TestDefaultsAndEmbeddedConfigsValidate(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.Routing.Policy.Type != "semantic" || c.Blocks.BlockTokens != 64 || !c.Routing.RecordReplies || c.Routing.RecentWeight != 1 || c.Routing.LoadWeight != 0.1 || c.Runtime.GCFloorMB != 64 {
+	if c.Routing.Policy.Type != "semantic" || c.Blocks.BlockTokens != 64 || !c.Routing.RecordReplies || c.Routing.RecentWeight != 1 || c.Routing.LoadWeight != 0 || c.Runtime.GCFloorMB != 64 {
 		t.Fatalf("defaults %+v", c)
 	}
 	for name, b := range map[string][]byte{"demo.yaml": DemoYAML, "router.yaml": ExampleYAML} {

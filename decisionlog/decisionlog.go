@@ -78,6 +78,9 @@ type Outcome struct {
 	// CachedReported says the replica reported CachedTokens (vLLM does
 	// only with --enable-prompt-tokens-details); not logged.
 	CachedReported bool `json:"-"`
+	// Streamed says the answer was streamed: its first byte was its first
+	// token, apart from its end; not logged.
+	Streamed bool `json:"-"`
 	// Replica is the replica that served the request (it differs from the
 	// decision's choice after a failover).
 	Replica string `json:"replica"`

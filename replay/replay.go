@@ -522,7 +522,7 @@ func newEngineDecider(reqs []Request, m *Config, run Run, clock *int64) (*engine
 		return nil, err
 	}
 	d := &engineDecider{m: m, reqs: reqs, eng: eng, pic: eng.Picture(), pool: eng.Pool(), clock: clock,
-		ps: make([]*router.Placement, len(reqs)), picture: cmp.Or(run.Picture, PictureFeedback),
+		ps: make([]*router.Placement, len(reqs)), cached: make([]int, len(reqs)), picture: cmp.Or(run.Picture, PictureFeedback),
 		deferred: map[*router.Deferral]int{}, deferral: map[int]*router.Deferral{}}
 	co := router.CoreOptions{Engine: eng, Arms: []router.Arm{{Name: "replay", Policy: pol, Weight: 1}},
 		PD: router.PDOptions{MinPrefillTokens: m.MinPrefillTokens}}

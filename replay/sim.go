@@ -732,6 +732,9 @@ type engineDecider struct {
 	// the engines' caches).
 	picture string
 	orphans int64 // events: stored blocks whose parent the picture had lost
+	// cached is each request's cached prompt tokens, from its prefill's
+	// end to its end.
+	cached []int
 	// deferred holds the requests the router's queue holds, by their
 	// deferral; onTurn hears of each whose turn came
 	// (router.CoreOptions.OnGrant), which the simulation resumes at once
@@ -793,13 +796,26 @@ func (e *engineDecider) prefillDone(i int, now int64, cached int) {
 		if e.picture == PictureFeedback {
 			e.eng.Feedback(pre.Decision, pre.Chosen(), cached)
 		}
-		e.core.Finish(pre, router.Outcome{Status: 200}, nil)
+		e.core.Finish(pre, e.outcome(i, cached, 1), nil)
 		return
 	}
+	e.cached[i] = cached
 	e.core.FirstByte(p.Routed)
 	if e.picture == PictureFeedback {
 		e.eng.Feedback(p.Decision, p.Served, cached)
 	}
+}
+
+// outcome is request i's answer as a streamed vLLM answer reports it,
+// cached of its prompt tokens found cached and output tokens generated:
+// what the router's service-time model learns from (replica.LearnService).
+func (e *engineDecider) outcome(i, cached, output int) router.Outcome {
+	var prompt int64
+	for _, b := range e.reqs[i].Blocks {
+		prompt += int64(b.Tokens)
+	}
+	return router.Outcome{Status: 200, PromptTokens: prompt, CachedTokens: int64(cached), CachedReported: true,
+		OutputTokens: int64(output), Streamed: true}
 }
 
 func (e *engineDecider) transferred(i int, now int64) {
@@ -822,7 +838,7 @@ func (e *engineDecider) done(i int, now int64) {
 	p := e.ps[i]
 	e.ps[i] = nil
 	served := p.Served.Replica.ID
-	e.core.Finish(p.Routed, router.Outcome{Status: 200}, nil)
+	e.core.Finish(p.Routed, e.outcome(i, e.cached[i], e.reqs[i].Output), nil)
 	if e.m.RecordReplies && e.reqs[i].Reply != nil {
 		all := append(append([]blockhash.Block(nil), e.reqs[i].Blocks...), e.reqs[i].Reply...)
 		e.pic.Replied(served, all, len(e.reqs[i].Blocks), time.Unix(0, now))

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/semroute/semroute/plugin"
+	"github.com/semroute/semroute/servicetime"
 )
 
 // Spec is one replica's static configuration.
@@ -229,6 +230,18 @@ type Work struct {
 	drained bool  // the engine finished it (Drained or End)
 	start   int64 // when it was sent (Begin), unix nanoseconds
 	remote  bool  // its prefill is another replica's (Remote): its first token teaches no timing
+	// first and end are when its prefill and the engine finished it
+	// (PrefillDone, Drained), unix nanoseconds; 0 until then.
+	first, end int64
+	// at is the replica's state when it was sent (Begin), for the
+	// service-time model (LearnService).
+	at servicetime.State
+	// batch is the sequences the engine ran when it was sent, itself
+	// included.
+	batch int64
+	// Predicted is its time to first token as predicted when it was
+	// committed, in seconds (0: none): the model's error (LearnService).
+	Predicted float64
 }
 
 // Remote counts w, begun on r, as a request whose prompt another replica
@@ -306,22 +319,12 @@ type Replica struct {
 	omu     sync.Mutex
 	outcome outcomes // answers and soft failures, for Strike's volume and share
 
-	tmu    sync.Mutex
-	timing timing // what its engine's requests took (Timing)
+	// service is its engine's service time, learned from the requests it
+	// served (LearnService); params its parameters as last learned, read
+	// without a lock (Service).
+	service servicetime.Model
+	params  atomic.Pointer[servicetime.Params]
 }
-
-// timing is a replica's engine speed, learned from the requests it
-// served: decayed sums of prefill seconds and of the uncached tokens they
-// computed, and an average of the seconds from a request's sending to its
-// engine finishing it.
-type timing struct {
-	prefillSec, prefillTokens float64
-	service                   float64 // seconds; 0: none seen
-}
-
-// timingShare is the weight of one request in the learned timing: about
-// the last 20 requests count.
-const timingShare = 0.05
 
 // outcomes counts a replica's answers and soft failures in the current
 // interval (from at, unix nanoseconds) and the one before it, and the
@@ -396,7 +399,8 @@ type recentWork struct {
 
 // Begin counts w as sent to the replica at now.
 func (r *Replica) Begin(w *Work, now time.Time) {
-	w.done, w.drained, w.start = false, false, now.UnixNano()
+	w.done, w.drained, w.start, w.first, w.end = false, false, now.UnixNano(), 0, 0
+	w.at, w.batch = r.State(w.Tokens, 0), r.engaged.Load()+1
 	r.inFlight.Add(1)
 	r.engaged.Add(1)
 	r.pending.Add(w.Prefill)
@@ -409,14 +413,8 @@ func (r *Replica) PrefillDone(w *Work, now time.Time) {
 	if w.done {
 		return
 	}
-	w.done = true
+	w.done, w.first = true, now.UnixNano()
 	r.pending.Add(-w.Prefill)
-	if sec, ok := w.since(now); ok && !w.remote {
-		r.tmu.Lock()
-		r.timing.prefillSec = r.timing.prefillSec*(1-timingShare) + sec
-		r.timing.prefillTokens = r.timing.prefillTokens*(1-timingShare) + float64(max(w.Prefill, 1))
-		r.tmu.Unlock()
-	}
 	r.mu.Lock()
 	r.recent.Store(&recentWork{tokens: r.decayed(now.UnixNano()) + float64(w.Prefill), at: now.UnixNano()})
 	r.mu.Unlock()
@@ -429,41 +427,9 @@ func (r *Replica) Drained(w *Work, now time.Time) {
 	if w.drained {
 		return
 	}
-	w.drained = true
+	w.drained, w.end = true, now.UnixNano()
 	r.engaged.Add(-1)
 	r.drains.Add(1)
-	if sec, ok := w.since(now); ok {
-		r.tmu.Lock()
-		if r.timing.service == 0 {
-			r.timing.service = sec
-		} else {
-			r.timing.service += timingShare * (sec - r.timing.service)
-		}
-		r.tmu.Unlock()
-	}
-}
-
-// since returns the seconds from w's Begin to now, and false when Begin
-// gave no time or now is not after it.
-func (w *Work) since(now time.Time) (float64, bool) {
-	if w.start == 0 || now.UnixNano() <= w.start {
-		return 0, false
-	}
-	return float64(now.UnixNano()-w.start) / 1e9, true
-}
-
-// Timing returns what the replica's engine took, learned from the
-// requests it served (about the last 20): seconds of prefill per uncached
-// prompt token (time to first token over the tokens the router predicted
-// it would compute, fixed costs included), and seconds from a request's
-// sending to its engine finishing it. Each is 0 until a request showed it.
-func (r *Replica) Timing() (perToken, perRequest float64) {
-	r.tmu.Lock()
-	defer r.tmu.Unlock()
-	if r.timing.prefillTokens > 0 {
-		perToken = r.timing.prefillSec / r.timing.prefillTokens
-	}
-	return perToken, r.timing.service
 }
 
 // End counts the end of w at now, finishing its prefill if that was not

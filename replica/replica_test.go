@@ -190,28 +190,40 @@ func TestReserveAndWait(t *testing.T) {
 	}
 }
 
-// TestTiming: a replica learns its engine's seconds per uncached prefill
-// token (time to first token over the predicted tokens, summed) and per
-// request (sending to the engine's end), from the requests it served.
-func TestTiming(t *testing.T) {
-	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a"}}, Options{}, ids())
+// TestLearnService: a replica's service-time model learns from the
+// requests it served, timed by Begin, PrefillDone and Drained, with the
+// state each met when sent; a request whose prompt another replica
+// computed, or that was never drained, teaches nothing.
+func TestLearnService(t *testing.T) {
+	p, _ := NewPool([]Spec{{Name: "a", URL: "http://a", MaxRunning: 1}}, Options{}, ids())
 	r := p.Replicas()[0]
-	if tok, req := r.Timing(); tok != 0 || req != 0 {
-		t.Fatalf("timing before any request: %v, %v", tok, req)
+	if _, ok := r.Service(); ok {
+		t.Fatal("learned before any request")
 	}
 	t0 := time.Unix(100, 0)
-	a, b := &Work{Prefill: 1000}, &Work{Prefill: 3000}
+	a, b := &Work{Prefill: 1000, Tokens: 1000}, &Work{Prefill: 3000, Tokens: 3000}
 	r.Begin(a, t0)
-	r.Begin(b, t0)
-	r.PrefillDone(a, t0.Add(time.Second))
-	r.PrefillDone(b, t0.Add(3*time.Second))
-	r.Drained(a, t0.Add(2*time.Second))
-	tok, req := r.Timing()
-	if math.Abs(tok-0.001) > 1e-9 || req != 2 {
-		t.Fatalf("timing: %v s per token, %v s per request; want 0.001 and 2", tok, req)
+	r.Begin(b, t0) // behind a: one slot
+	if a.at.Queued != 0 || b.at.Queued != 1 || b.at.Ahead != 1000 || b.batch != 2 {
+		t.Fatalf("states at sending: %+v, %+v (batch %d)", a.at, b.at, b.batch)
 	}
-	r.End(b, t0.Add(4*time.Second)) // drained at its end: 4 s, one request's share
-	if _, req := r.Timing(); math.Abs(req-(2+timingShare*2)) > 1e-9 {
-		t.Fatalf("per request after a 4 s one: %v", req)
+	r.PrefillDone(a, t0.Add(time.Second))
+	r.Drained(a, t0.Add(2*time.Second))
+	r.LearnService(b, 3000, 10, true) // not drained yet: nothing
+	if _, ok := r.Service(); ok {
+		t.Fatal("learned from a request not drained")
+	}
+	r.LearnService(a, 1000, 10, true)
+	got, ok := r.Service()
+	if !ok || got.Samples != 1 {
+		t.Fatalf("after one answer: %+v, %v", got, ok)
+	}
+	c := &Work{Prefill: 10, Tokens: 10}
+	r.Begin(c, t0)
+	r.Remote(c)
+	r.End(c, t0.Add(time.Second))
+	r.LearnService(c, 10, 1, true)
+	if got, _ := r.Service(); got.Samples != 1 {
+		t.Fatalf("a remote prefill taught the model: %d samples", got.Samples)
 	}
 }

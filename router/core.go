@@ -466,7 +466,8 @@ func (c *Core) Finish(rt *Routed, o Outcome, reply []byte) {
 // cache.
 func (c *Core) learn(rt *Routed, o *Outcome, reply []byte) []blockhash.Block {
 	learned, trimmed := c.e.Finish(rt.Decision, routing.Usage{OK: o.Status == 200, PromptTokens: o.PromptTokens,
-		CachedTokens: o.CachedTokens, CachedReported: o.CachedReported, Feedback: c.o.Feedback, Reply: reply})
+		CachedTokens: o.CachedTokens, CachedReported: o.CachedReported, OutputTokens: o.OutputTokens, Streamed: o.Streamed,
+		Feedback: c.o.Feedback, Reply: reply})
 	if trimmed > 0 {
 		c.o.Metrics.trimmed(rt, trimmed)
 	}

@@ -205,6 +205,7 @@ func TestCoreHoldsForThePrefixReplica(t *testing.T) {
 	f := newFixture(t, 2, "semantic")
 	c, _ := NewCore(CoreOptions{Engine: f.e, Arms: f.arms(), Flow: &flow.Options[*replica.Replica]{}})
 	rs := f.e.Pool().Replicas()
+	teachFast(rs, f.now) // a request ahead takes less than the document elsewhere
 	doc := strings.Repeat("the shared document goes on ", 200)
 	route := func(ctx context.Context, user string) (*Routed, error) {
 		in := f.e.Prepare(parseChat(t, "system", doc, "user", user), "", false)

@@ -263,6 +263,7 @@ func endRouted(ctx context.Context, core *Core, log *slog.Logger, recordReplies 
 	var reply []byte
 	if c != nil {
 		o.PromptTokens, o.OutputTokens, o.CachedTokens, o.CachedReported = c.tokens()
+		o.Streamed = c.sse
 		if rep, ok := c.reply(); ok && recordReplies && o.Status == http.StatusOK {
 			reply = rep
 		}

@@ -2,8 +2,10 @@ package routing
 
 import (
 	"math"
+	"time"
 
 	"github.com/semroute/semroute/replica"
+	"github.com/semroute/semroute/servicetime"
 )
 
 // A decision deferred in the router's queue (Request.Defer) waits for the
@@ -37,15 +39,12 @@ func (e *Engine) Unwait(d *Decision) {
 // uncached prefill tokens there minus there (routing's unit), both read
 // from the picture as it is now (a deferred decision's matches are as old as
 // its wait, and the requests sent meanwhile may have brought its prefix to
-// r). It is +Inf when computing them on r would take longer than moving
-// saves: the request's expected wait for its own replica less the wait of
-// those held for r, whose turn it would take (each counting the requests
-// of its priority or higher held there: those it waits behind). A
-// replica's wait is the requests held for it, each a slot's turn of its
-// engine's time per request (replica.Replica.Timing; the pool's average
-// where it has not learned its own). Before any engine's timing is known,
-// waits are counted in prefill tokens queued per slot. A replica that
-// cannot take requests saves an unbounded wait.
+// r). It is +Inf when its first token would come later on r than on the
+// replica it waits for, each predicted by that replica's service-time model
+// (Service) with the requests of its priority or higher held there ahead
+// of it, the tokens computed again on r counted once more at the fleet's
+// speed as the semantic policy counts a prefix's copy (PrefixCost). A
+// replica that cannot take requests saves an unbounded wait.
 func (e *Engine) DispatchCost(d *Decision, r *replica.Replica) float64 {
 	want := d.Chosen().Replica
 	if r == want {
@@ -59,74 +58,85 @@ func (e *Engine) DispatchCost(d *Decision, r *replica.Replica) float64 {
 		}
 		return d.uncached(d.candidate(id), matched)
 	}
-	regret := uncached(r.ID) - uncached(want.ID)
-	now := e.o.Now()
-	if regret <= 0 || !want.Available(now) {
+	ur, uw := uncached(r.ID), uncached(want.ID)
+	regret := ur - uw
+	if regret <= 0 || !want.Available(e.o.Now()) {
 		return regret
 	}
-	perToken, perHere := e.timing(r)
-	_, perWant := e.timing(want)
-	if perToken <= 0 || perWant <= 0 {
-		pending := func(x *replica.Replica) float64 {
-			return x.Load(now).PendingTokens * x.Weight / float64(max(x.Capacity(), 1))
-		}
-		if regret > pending(want)-pending(r) {
-			return math.Inf(1)
-		}
-		return regret
-	}
-	wait := func(x *replica.Replica, per float64) float64 {
-		return float64(x.Deferred(d.priority)) * per / float64(max(x.Capacity(), 1))
-	}
-	if regret*perToken > wait(want, perWant)-wait(r, perHere) {
+	tokens := int64(d.Tokens)
+	pr, pw := e.Service(r), e.Service(want)
+	// d counts among those held for want (Wait): it waits behind the rest.
+	sw := want.State(tokens, d.priority)
+	sw.Queued--
+	fleet := e.fleetService()
+	if pr.TTFT(r.State(tokens, d.priority), ur)+regret*fleet.PerToken > pw.TTFT(sw, uw) {
 		return math.Inf(1)
 	}
 	return regret
 }
 
-// PerRequest returns the seconds a request holds a slot, on the pool's
-// average (replica.Replica.Timing), 0 until one engine's is learned.
+// PerRequest returns the seconds a request holds a slot, on the fleet's
+// service-time model (servicetime.Params.Run).
 func (e *Engine) PerRequest() float64 {
-	_, perRequest := e.poolTiming()
-	return perRequest
+	p := e.fleetService()
+	return p.Run
 }
 
-// timing returns r's learned timing (replica.Replica.Timing), each part
-// the pool's average where r has not learned it.
-func (e *Engine) timing(r *replica.Replica) (perToken, perRequest float64) {
-	perToken, perRequest = r.Timing()
-	if perToken > 0 && perRequest > 0 {
-		return perToken, perRequest
+// Service returns r's service-time parameters (replica.Replica.Service),
+// or the fleet's (fleetService) while r has learned them from fewer than
+// OwnSamples answers: a replica's first answers say little apart from its
+// prior, and one that looked slow on them would get no more answers to
+// learn from.
+func (e *Engine) Service(r *replica.Replica) servicetime.Params {
+	if p, _ := r.Service(); p.Samples >= OwnSamples {
+		return p
 	}
-	tok, req := e.poolTiming()
-	if perToken <= 0 {
-		perToken = tok
-	}
-	if perRequest <= 0 {
-		perRequest = req
-	}
-	return perToken, perRequest
+	return e.fleetService()
 }
 
-// poolTiming returns the average of each part of the replicas' learned
-// timing over those that learned it (0: none did).
-func (e *Engine) poolTiming() (perToken, perRequest float64) {
-	var tok, req float64
-	var nt, nr int
-	for _, o := range e.pool.Replicas() {
-		t, q := o.Timing()
-		if t > 0 {
-			tok, nt = tok+t, nt+1
+// OwnSamples is the answers a replica's service time is learned from
+// before it is used instead of the fleet's.
+const OwnSamples = 16
+
+// fleetService returns the median of the learned service-time parameters
+// of the pool's replicas that learned from OwnSamples answers, or of those
+// that learned from any while none did (servicetime.Median: the prior when
+// none learned),
+// recomputed when a replica learned since, but over its first answers at
+// most every fleetEvery.
+func (e *Engine) fleetService() servicetime.Params {
+	now, gen := e.o.Now().UnixNano(), e.learned.Load()
+	if f := e.fleet.Load(); f != nil && (f.gen == gen || gen > fleetWarm && now-f.at < int64(fleetEvery) && now >= f.at) {
+		return f.p
+	}
+	var ps []servicetime.Params
+	own := false // some replica learned OwnSamples: only those count
+	for _, r := range e.pool.Replicas() {
+		p, ok := r.Service()
+		switch {
+		case !ok || own && p.Samples < OwnSamples:
+		case !own && p.Samples >= OwnSamples:
+			own, ps = true, append(ps[:0], p)
+		default:
+			ps = append(ps, p)
 		}
-		if q > 0 {
-			req, nr = req+q, nr+1
-		}
 	}
-	if nt > 0 {
-		perToken = tok / float64(nt)
-	}
-	if nr > 0 {
-		perRequest = req / float64(nr)
-	}
-	return perToken, perRequest
+	f := &fleetParams{at: now, gen: gen, p: servicetime.Median(ps)}
+	e.fleet.Store(f)
+	return f.p
 }
+
+// fleetParams is a fleet's service-time parameters as of at (unix
+// nanoseconds).
+type fleetParams struct {
+	at  int64
+	gen int64 // Engine.learned's count
+	p   servicetime.Params
+}
+
+// A fleet's parameters are recomputed at every answer learned until
+// fleetWarm were, then at most every fleetEvery.
+const (
+	fleetWarm  = 256
+	fleetEvery = 100 * time.Millisecond
+)

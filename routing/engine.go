@@ -103,7 +103,9 @@ type Engine struct {
 
 	mu sync.Mutex // NoteAdapter's copy-on-write of adapters
 
-	avgPrefill atomic.Uint64 // float64 bits: EWMA of committed requests' uncached tokens
+	avgPrefill atomic.Uint64               // float64 bits: EWMA of committed requests' uncached tokens
+	fleet      atomic.Pointer[fleetParams] // the fleet's service time (fleetService)
+	learned    atomic.Int64                // answers the replicas' service times learned from (Finish)
 
 	join func(replica.Spec) (int, error) // New's: gives a joining replica its cache picture
 
@@ -515,6 +517,13 @@ func (e *Engine) view(d *Decision) *View {
 	in.AvgPrefill = math.Float64frombits(e.avgPrefill.Load())
 	if e.o.HotUses > 0 && len(d.Candidates) > 0 {
 		in.Hot = e.pic.hot(d.Blocks, e.o.Weights, e.o.HotUses, e.o.HotShare/float64(len(d.Candidates)), e.o.Now().UnixNano())
+		// A key taken from a hot first block is every request's that shares
+		// it: the first block past the hot prefix tells them apart (a
+		// conversation's turns still share it), so that ties spread them.
+		if h := in.Hot.Blocks; h > 0 && h < len(d.Blocks) && d.Key == d.Blocks[0].Hash {
+			d.Key = d.Blocks[h].Hash
+			in.Key = d.Key
+		}
 	}
 	return in
 }
@@ -552,9 +561,9 @@ func (e *Engine) rank(d *Decision, pol Policy, ri *Request, sketch []uint64) (*V
 		return nil, ErrNoReplica
 	}
 	in := e.view(d)
-	in.budgets = sc.budgets
+	in.budgets, in.e = sc.budgets, e
 	pol.Score(in, d.Candidates)
-	in.budgets = nil // sc's: it goes back to the pool when rank returns (an Observer's Chosen sees no budgets)
+	in.budgets, in.e = nil, nil // sc's: it goes back to the pool when rank returns (an Observer's Chosen sees no budgets)
 	d.Ranked = rank(d.Candidates, d.Key, e.o.Attempts)
 	return in, nil
 }
@@ -620,6 +629,10 @@ func (g *gathering) gather(panicking bool) (ejected bool) {
 		g.n++
 		c.Replica, c.adapter = r, rank
 		r.LoadInto(&c.Load, g.nowNs)
+		c.State = r.State(int64(g.d.Tokens), 0)
+		if r == g.slot && c.State.Queued > 0 { // the slot kept for it is its own
+			c.State.Queued--
+		}
 		g.room = g.room || !full
 		g.e.credit(c, g.sc, g.reuses)
 	}

@@ -235,7 +235,10 @@ func (e *Engine) Commit(d *Decision, c *Candidate) {
 	for _, b := range d.Blocks {
 		tokens += int64(b.Tokens)
 	}
-	d.lease.begin(e, c.Replica, d, c, d.Blocks, replica.Work{Prefill: prefill, Tokens: tokens}, true, true, now)
+	w := replica.Work{Prefill: prefill, Tokens: tokens}
+	sp := e.Service(c.Replica)
+	w.Predicted = sp.TTFT(c.Replica.State(tokens, d.priority), float64(prefill))
+	d.lease.begin(e, c.Replica, d, c, d.Blocks, w, true, true, now)
 	if e.sync != nil {
 		e.sync.Committed(d, c)
 	}
@@ -264,6 +267,12 @@ type Usage struct {
 	// (usage.prompt_tokens_details.cached_tokens), read when CachedReported.
 	CachedTokens   int64
 	CachedReported bool
+	// OutputTokens is the tokens the engine generated
+	// (usage.completion_tokens; 0: not reported), and Streamed says the
+	// answer was streamed: its first byte was its first token, apart from
+	// its end. Both teach the replica's service time.
+	OutputTokens int64
+	Streamed     bool
 	// Feedback corrects the picture of the serving replica from
 	// CachedTokens (Engine.Feedback): the router's feedback setting.
 	Feedback bool
@@ -279,8 +288,9 @@ type Usage struct {
 //     serving it and, if EngineDone did not, its blocks are freed and
 //     Request.OnDrain offered the slot;
 //  2. with an OK answer reporting prompt tokens, unless the replica only
-//     decoded a prompt computed elsewhere (Lease.Remote), the engine's
-//     token unit is learned (ObserveUsage) and, when u.Feedback and
+//     decoded a prompt computed elsewhere (Lease.Remote), the replica's
+//     service time (replica.Replica.LearnService) and the engine's
+//     token unit are learned (ObserveUsage) and, when u.Feedback and
 //     CachedReported, the serving replica's picture is corrected
 //     (Feedback), trimmed being the tokens that evicted;
 //  3. a reply given is learned on the replica that wrote it (LearnReply),
@@ -297,6 +307,12 @@ func (e *Engine) Finish(d *Decision, u Usage) (learned []blockhash.Block, trimme
 		return nil, 0
 	}
 	if u.OK && u.PromptTokens > 0 && !l.remote {
+		uncached := float64(l.work.Prefill)
+		if u.CachedReported {
+			uncached = float64(max(u.PromptTokens-u.CachedTokens, 0))
+		}
+		l.rep.LearnService(&l.work, uncached, u.OutputTokens, u.Streamed)
+		e.learned.Add(1)
 		e.ObserveUsage(d.model, d, int(u.PromptTokens))
 		if u.CachedReported && u.Feedback {
 			trimmed = e.Feedback(d, c, int(u.CachedTokens))

@@ -20,10 +20,36 @@ func cands(n int) []Candidate {
 }
 
 // TestSemanticNoRoom: a replica whose engine has no free KV for the
-// request's blocks is ranked after the others however long its prefix,
-// with reason "kv".
+// request's blocks is predicted to wait for room (reason "kv"): on the
+// prior's times, longer than computing its prefix elsewhere.
 func TestSemanticNoRoom(t *testing.T) {
 	p, _ := NewPolicy(PolicySpec{Type: "semantic"})
+	in := &View{Tokens: 1000, Weighted: 1000, budgets: []int64{10_000, 10_000}}
+	for _, tc := range []struct {
+		usage float64
+		want  string
+	}{
+		{0.95, "kv"},   // 500 free, 1000 to allocate
+		{0.91, "kv"},   // 900 free
+		{0.5, "match"}, // 5000 free
+		{0, "match"},   // no usage reported: no verdict
+	} {
+		cs := cands(2)
+		cs[0].Match = cachemodel.Match{Blocks: 10, Tokens: 900, Weighted: 900}
+		cs[0].Load.KVUsage = tc.usage
+		cs[1].Replica.ID = 1
+		p.Score(in, cs)
+		if cs[0].Reason != tc.want || (cs[0].Score > cs[1].Score) != (tc.want == "kv") {
+			t.Errorf("usage %v: reason %s, cost %.1f ms against %.1f; want %s", tc.usage, cs[0].Reason, cs[0].Score, cs[1].Score, tc.want)
+		}
+	}
+}
+
+// TestSemanticNoRoomTokens: under the token formula (load_weight above 0), a
+// replica whose engine has no free KV for the request's blocks is ranked
+// after the others however long its prefix, with reason "kv".
+func TestSemanticNoRoomTokens(t *testing.T) {
+	p, _ := NewPolicy(PolicySpec{Type: "semantic", Params: Params{"load_weight": 0.1}})
 	in := &View{Tokens: 1000, Weighted: 1000, budgets: []int64{10_000, 10_000}}
 	for _, tc := range []struct {
 		usage float64

@@ -170,12 +170,14 @@ func TestE2EGlobalSystemPromptDoesNotPile(t *testing.T) {
 			[2]string{"user", text(fmt.Sprintf("unique request %d", i), 200)},
 		), nil)
 		mustOK(t, r)
-		counts[r.replica]++
+		if i >= 8 { // hot from its 8th use (routing.EngineOptions.HotUses): before, its replica answers first
+			counts[r.replica]++
+		}
 	}
-	t.Logf("placement: %v", counts)
+	t.Logf("placement once hot: %v", counts)
 	for rep, n := range counts {
-		if n > 16 {
-			t.Errorf("%s got %d of 40 (> 40%%): %v", rep, n, counts)
+		if n > 13 {
+			t.Errorf("%s got %d of 32 (> 40%%): %v", rep, n, counts)
 		}
 	}
 }
@@ -493,8 +495,10 @@ func TestE2ESemanticMatcherPrefersDonor(t *testing.T) {
 		if b.matched != 0 {
 			t.Fatalf("the second prompt differs from its first block: matched %d", b.matched)
 		}
-		if same := a.replica == b.replica; same != enabled {
-			t.Errorf("matcher %v: first on %s, second on %s", enabled, a.replica, b.replica)
+		// Without the matcher the second goes where its cost says, which
+		// may be anywhere; with it, to its donor.
+		if enabled && a.replica != b.replica {
+			t.Errorf("matcher on: first on %s, second on %s", a.replica, b.replica)
 		}
 	}
 }
