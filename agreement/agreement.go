@@ -13,6 +13,8 @@
 package agreement
 
 import (
+	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"sync"
@@ -44,10 +46,15 @@ const (
 	// a block size other than tokenizer.block_tokens (vLLM's --block-size),
 	// or token ids that do not fill their blocks.
 	EventsUnusable Cause = "events_unusable"
+	// TimeOff: the times to first token the router predicted for its
+	// recent streamed requests (its service-time model) are off from those
+	// it took by more than a factor of TimeTolerance, on the mean of their
+	// logs: routing in seconds misjudges it.
+	TimeOff Cause = "time_off"
 )
 
 // Causes lists every cause, in a fixed order.
-var Causes = []Cause{TokenizeFailing, TokensDisagree, PredictionsOff, EventOrphans, EventsSilent, EventsUnusable}
+var Causes = []Cause{TokenizeFailing, TokensDisagree, PredictionsOff, EventOrphans, EventsSilent, EventsUnusable, TimeOff}
 
 // Options configure a Tracker. The zero value uses the defaults.
 type Options struct {
@@ -58,6 +65,10 @@ type Options struct {
 	MinRequests int
 	// Tolerance is the predicted ÷ reported cached tokens band, ±. Default 0.10.
 	Tolerance float64
+	// TimeTolerance is the factor by which predicted and observed times to
+	// first token may differ, on the mean of |log(observed ÷ predicted)|
+	// over the window, before TimeOff. Default 2.
+	TimeTolerance float64
 	// MinCalls is how many /tokenize calls in a row must fail. Default 8.
 	MinCalls int
 	// Retry is how long a failing tokenizer rests before one call tries it
@@ -82,6 +93,11 @@ type Status struct {
 	Requests int `json:"requests"`
 	// Finished counts every request it served since the Tracker knew it.
 	Finished uint64 `json:"finished"`
+	// TTFTRatio is predicted ÷ observed time to first token over the
+	// window's streamed requests (0 before any), and TTFTError the mean of
+	// |log(observed ÷ predicted)| over them: 0.1 is about 10% off.
+	TTFTRatio float64 `json:"ttft_predicted_ratio"`
+	TTFTError float64 `json:"ttft_log_error"`
 	// TokenAgreement is the share of its tokenized requests whose
 	// prompt_tokens matched the /tokenize count (1 before any).
 	TokenAgreement float64 `json:"token_agreement"`
@@ -100,13 +116,20 @@ type replica struct {
 	finished uint64
 	reqs     []request // ring of the last Window
 	next     int
-	sums     sums   // over reqs
+	sums     sums    // over reqs
+	times    []timed // ring of the last Window streamed requests' times
+	timeNext int
+	timeSums timed  // over times
 	calls    []bool // ring of the last MinCalls /tokenize results, true ok
 	callNext int
 	callN    int
 	on       map[Cause]bool
 	retryAt  time.Time
 }
+
+// timed is one request's predicted and observed time to first token,
+// seconds, and the |log| of their ratio; as a sum, the window's.
+type timed struct{ pred, obs, logErr float64 }
 
 // sums are the window's totals, kept as requests enter and leave it.
 type sums struct {
@@ -154,6 +177,9 @@ func New(o Options) *Tracker {
 	}
 	if o.Tolerance <= 0 {
 		o.Tolerance = 0.10
+	}
+	if o.TimeTolerance <= 1 {
+		o.TimeTolerance = 2
 	}
 	if o.MinCalls <= 0 {
 		o.MinCalls = 8
@@ -270,6 +296,35 @@ func (t *Tracker) Finished(name string, precise bool, tokens, prompt, predicted,
 	t.tell(name, notes)
 }
 
+// Timed records the time to first token the router predicted for a
+// streamed request the replica served, and the one it took, in seconds.
+// Either not above 0 records nothing.
+func (t *Tracker) Timed(name string, predicted, observed float64) {
+	if !(predicted > 0) || !(observed > 0) {
+		return
+	}
+	q := timed{predicted, observed, math.Abs(math.Log(observed / predicted))}
+	t.mu.Lock()
+	r := t.get(name)
+	if len(r.times) < t.o.Window {
+		r.times = append(r.times, q)
+	} else {
+		old := r.times[r.timeNext]
+		r.timeSums = timed{r.timeSums.pred - old.pred, r.timeSums.obs - old.obs, r.timeSums.logErr - old.logErr}
+		r.times[r.timeNext] = q
+		r.timeNext = (r.timeNext + 1) % t.o.Window
+	}
+	r.timeSums = timed{r.timeSums.pred + q.pred, r.timeSums.obs + q.obs, r.timeSums.logErr + q.logErr}
+	st := r.status(name)
+	var buf [1]note
+	off := len(r.times) >= t.o.MinRequests && st.TTFTError > math.Log(t.o.TimeTolerance)
+	notes := set(buf[:0], r, TimeOff, off, func() string {
+		return fmt.Sprintf("predicted time to first token is off by a factor of %.2f on average (predicted ÷ observed %.2f over %d requests): its service-time model misjudges it", math.Exp(st.TTFTError), st.TTFTRatio, len(r.times))
+	})
+	t.mu.Unlock()
+	t.tell(name, notes)
+}
+
 // Events records the state of the replica's KV events since the last
 // call: blocks stored and orphaned, stored-block events skipped as
 // unusable, whether batches came (live) and whether requests were routed
@@ -307,6 +362,10 @@ func (r *replica) status(name string) Status {
 	}
 	if r.sums.tok > 0 {
 		s.TokenAgreement = float64(r.sums.agree) / float64(r.sums.tok)
+	}
+	if n := len(r.times); n > 0 && r.timeSums.obs > 0 {
+		s.TTFTRatio = r.timeSums.pred / r.timeSums.obs
+		s.TTFTError = max(r.timeSums.logErr, 0) / float64(n)
 	}
 	return s
 }

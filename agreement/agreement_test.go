@@ -2,6 +2,9 @@ package agreement
 
 import (
 	"errors"
+	"fmt"
+	"math"
+	"slices"
 	"testing"
 	"time"
 )
@@ -94,5 +97,36 @@ func TestEvents(t *testing.T) {
 	tr.Events("d", 640, 0, 0, true, true) // fixed
 	if st := tr.Status(); len(st[3].Causes) != 0 {
 		t.Fatalf("%+v", st[3])
+	}
+}
+
+// TestTimeOff: a replica whose times to first token are twice and more
+// what the router predicted is told as time_off, with the figures, and
+// is cleared once the predictions agree again.
+func TestTimeOff(t *testing.T) {
+	var told []string
+	tr := New(Options{Window: 16, MinRequests: 8, OnChange: func(r string, c Cause, on bool, d string) {
+		told = append(told, fmt.Sprint(r, " ", c, " ", on))
+	}})
+	for range 8 {
+		tr.Timed("a", 0.1, 0.25) // 2.5× slower than predicted
+		tr.Timed("b", 0.1, 0.11)
+	}
+	tr.Timed("a", 0, 1) // no prediction: nothing
+	st := map[string]Status{}
+	for _, s := range tr.Status() {
+		st[s.Replica] = s
+	}
+	if !slices.Contains(st["a"].Causes, TimeOff) || slices.Contains(st["b"].Causes, TimeOff) {
+		t.Fatalf("causes: a %v, b %v", st["a"].Causes, st["b"].Causes)
+	}
+	if r := st["a"].TTFTRatio; math.Abs(r-0.4) > 1e-9 {
+		t.Fatalf("a's predicted ÷ observed: %v", r)
+	}
+	for range 16 {
+		tr.Timed("a", 0.1, 0.1)
+	}
+	if want := []string{"a time_off true", "a time_off false"}; !slices.Equal(told, want) {
+		t.Fatalf("told %v, want %v", told, want)
 	}
 }

@@ -77,8 +77,11 @@ type Config struct {
 // engine's queue, and is decided again when a slot is free for it. Read at
 // start only.
 type FlowControlConfig struct {
-	// Enabled turns the queue on. Off: every request goes to a replica at
-	// once, and engines queue.
+	// Enabled turns the queue on (the default): a request that could not
+	// start within its deadline is refused at once (429, Retry-After), one
+	// that waits does so in the router, by priority and fair between
+	// tenants. Off: every request goes to a replica at once, and engines
+	// queue.
 	Enabled bool `mapstructure:"enabled" json:"enabled"`
 	// MaxRequests, MaxBytes and TTL bound the queue; past them a request
 	// is answered 429 with Retry-After. Defaults 5,000, 1 GiB and 60 s.
@@ -642,7 +645,7 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("discovery.kubernetes.max_replicas", 0)
 	v.SetDefault("discovery.kubernetes.trusted_managers", []string{})
 	v.SetDefault("runtime.gc_floor_mb", 64)
-	v.SetDefault("flow_control.enabled", false)
+	v.SetDefault("flow_control.enabled", true)
 	v.SetDefault("flow_control.max_requests", flow.DefaultMaxRequests)
 	v.SetDefault("flow_control.max_bytes", flow.DefaultMaxBytes)
 	v.SetDefault("flow_control.ttl", flow.DefaultTTL)

@@ -259,6 +259,9 @@ type CoreRequest struct {
 	Priority int
 	Flow     string
 	Bytes    int64
+	// Deadline is how long after its arrival the request may wait for a
+	// slot (its objective's TTFT target); 0: the queue's TTL.
+	Deadline time.Duration
 	// Prefill routes the request among the replicas of role prefill
 	// (disaggregation's first step); otherwise a prefill replica is never
 	// a candidate.
@@ -474,6 +477,9 @@ func (c *Core) learn(rt *Routed, o *Outcome, reply []byte) []blockhash.Block {
 	if c.o.Agreement != nil && o.PromptTokens > 0 && o.Status == 200 && !rt.req.PassThrough && !rt.remote {
 		c.o.Agreement.Finished(rt.Served.Replica.Name, rt.Decision.Precise(), rt.Tokens, int(o.PromptTokens),
 			rt.Served.Predicted(), int(o.CachedTokens), o.CachedReported)
+		if o.Streamed {
+			c.o.Agreement.Timed(rt.Served.Replica.Name, rt.Lease().Work().Predicted, rt.ttft().Seconds())
+		}
 	}
 	return learned
 }

@@ -3,6 +3,7 @@ package router
 import (
 	"cmp"
 	"context"
+	"errors"
 	"math"
 	"slices"
 	"sync"
@@ -36,7 +37,14 @@ type Deferrals struct {
 	// offered there by Tick went untaken: offering it again before the
 	// queue changes would only compute the same costs again.
 	untaken sync.Map
+	// ttl is the queue's TTL: the longest a request waits.
+	ttl time.Duration
 }
+
+// ErrTooLate: the router's queue predicts that the request could not start
+// within its deadline (its TTFT target, or the queue's TTL): it is refused
+// at once rather than after waiting that long.
+var ErrTooLate = errors.New("router: the queue predicts no slot frees for the request within its deadline")
 
 // Deferral is a request deferred in the router's queue: the request, its
 // decision when it was deferred, and its place in the queue.
@@ -55,7 +63,7 @@ type Deferral struct {
 
 // newDeferrals returns the router's queue of bounds o, its clock e's.
 func newDeferrals(e *routing.Engine, o flow.Options[*replica.Replica], reserve int, m *Metrics) *Deferrals {
-	w := &Deferrals{e: e, demand: flow.NewDemand(0), reserve: reserve, metrics: m}
+	w := &Deferrals{e: e, demand: flow.NewDemand(0), reserve: reserve, metrics: m, ttl: cmp.Or(o.TTL, flow.DefaultTTL)}
 	o.OnLost = w.unreserve // a request that left as it was dispatched: its slot is free again
 	o.Now = e.Now
 	w.q = flow.New[*Deferral](o)
@@ -75,8 +83,20 @@ func (w *Deferrals) view(priority int, now time.Time) (keep func(*replica.Replic
 
 // Defer queues cr, whose decision d (made at start, with keep) by arm's
 // policy found its best replica would queue it, and counts its uncached
-// prefill there as pending work (routing.Engine.Wait).
+// prefill there as pending work (routing.Engine.Wait). A request the queue
+// predicts could not start within its deadline (Wait: past cr.Deadline,
+// or the queue's TTL) is refused at once (ErrTooLate), its Retry-After the
+// seconds until it would.
 func (w *Deferrals) Defer(cr CoreRequest, arm *Arm, d *routing.Decision, keep func(*replica.Replica) int64, start time.Time) (*Deferral, error) {
+	limit := w.ttl
+	if cr.Deadline > 0 {
+		limit = min(limit, cr.Deadline-w.e.Now().Sub(start))
+	}
+	if wait, ok := w.Wait(cr.Priority); ok && wait > limit {
+		w.e.Drop(d)
+		w.metrics.shed(ErrTooLate)
+		return nil, &QueueError{Err: ErrTooLate, RetryAfter: max((wait - limit).Round(time.Second), time.Second)}
+	}
 	def := &Deferral{cr: cr, arm: arm, d: d, keep: keep, start: start}
 	t, err := w.q.Enqueue(flow.Item[*Deferral]{Priority: cr.Priority, Flow: cr.Flow, Home: d.Chosen().Replica.ID,
 		Bytes: cr.Bytes, Tokens: int64(d.Tokens), Value: def})
@@ -88,6 +108,34 @@ func (w *Deferrals) Defer(cr CoreRequest, arm *Arm, d *routing.Decision, keep fu
 	def.t = t
 	w.e.Wait(d, cr.Priority)
 	return def, nil
+}
+
+// Wait predicts how long a request of priority queued now would wait for
+// a slot: the requests queued at its priority or higher, and itself, each
+// a turn of the pool's slots, which free at the rate every available
+// replica of known capacity finishes requests (its slots over a mean
+// request's run there, servicetime.Params.Rate). It reports false while
+// no replica's capacity is known.
+func (w *Deferrals) Wait(priority int) (time.Duration, bool) {
+	now := w.e.Now()
+	var rate float64
+	for _, r := range w.e.Pool().Replicas() {
+		if c := r.Capacity(); c > 0 && r.Available(now) {
+			p := w.e.Service(r)
+			rate += p.Rate(float64(c))
+		}
+	}
+	if rate <= 0 {
+		return 0, false
+	}
+	bands, _ := w.q.Bands()
+	ahead := 1
+	for p, n := range bands {
+		if p >= priority {
+			ahead += n
+		}
+	}
+	return time.Duration(float64(ahead) / rate * float64(time.Second)), true
 }
 
 // Wait blocks until def's turn comes (a slot is kept for it: resume it

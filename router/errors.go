@@ -136,6 +136,8 @@ func queueReason(err error) string {
 		return "shed"
 	case errors.Is(err, flow.ErrExpired):
 		return "expired"
+	case errors.Is(err, ErrTooLate):
+		return "late"
 	}
 	return "full"
 }
@@ -145,6 +147,7 @@ var queueVerdicts = map[string]string{
 	"sheddable": "does not hold a sheddable request",
 	"shed":      "gave its place to a request of a higher priority",
 	"expired":   "held it as long as it holds any",
+	"late":      "predicts no slot frees for it within its deadline",
 	"full":      "is full",
 }
 

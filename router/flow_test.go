@@ -6,9 +6,11 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -309,4 +311,61 @@ func TestCoreReservesForHigherPriority(t *testing.T) {
 	if y := c.q.demand.YieldsTo(0, f.now); y[r.ID].Rate <= 0 || y[r.ID].InFlight != 0 {
 		t.Fatalf("after the end the batch tenant gives way to %+v, want a rate and none in flight", y)
 	}
+}
+
+// TestQueueRefusesAtOnceWhatWouldWaitPastItsDeadline: the router's queue
+// predicts each request's wait from the replicas' service times (a slot
+// frees every run ÷ capacity seconds); a request that would wait past the
+// queue's TTL, or past its own deadline, is answered at once with
+// ErrTooLate and a Retry-After of the seconds until it would not, while
+// those that fit wait.
+func TestQueueRefusesAtOnceWhatWouldWaitPastItsDeadline(t *testing.T) {
+	f := newFixture(t, 1, "semantic")
+	c, _ := NewCore(CoreOptions{Engine: f.e, Arms: f.arms(), Flow: &flow.Options[*replica.Replica]{TTL: 2 * time.Second}})
+	r := f.e.Pool().Replicas()[0]
+	teachFast(f.e.Pool().Replicas(), f.now)
+	r.Observe(replica.Observed{Running: 1, Waiting: 1}) // it runs one at a time
+	p := f.e.Service(r)
+	rate := p.Rate(1) // requests a second
+	if rate < 2 || rate > 8 {
+		t.Fatalf("a replica of quarter-second answers finishes %.2f a second", rate)
+	}
+	place := func(ctx context.Context, user string, deadline time.Duration) (*Routed, error) {
+		in := f.e.Prepare(parseChat(t, "user", user), "", false)
+		return route(c, CoreRequest{Input: in, Route: "chat", Ctx: ctx, Deadline: deadline})
+	}
+	first, err := place(context.Background(), "first", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The k-th request queued waits (k+1) ÷ rate: those within 2 s wait.
+	fit := int(math.Ceil(2*rate)) - 1
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	for i := range fit {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := place(ctx, fmt.Sprint("waits ", i), 0); !errors.Is(err, context.Canceled) {
+				t.Errorf("a request that fits its TTL: %v", err)
+			}
+		}()
+		waitQueued(t, c, i+1)
+	}
+	_, err = place(context.Background(), "too late", 0)
+	var qe *QueueError
+	if !errors.As(err, &qe) || !errors.Is(err, ErrTooLate) || qe.RetryAfter < time.Second {
+		t.Fatalf("past the TTL: %v", err)
+	}
+	// With a deadline of its own below its wait, one is refused at once
+	// though it fits the TTL.
+	if _, err := place(context.Background(), "in a hurry", time.Duration(float64(fit-1)/rate*float64(time.Second))); !errors.Is(err, ErrTooLate) {
+		t.Fatalf("past its own deadline: %v", err)
+	}
+	if n, _ := c.q.Len(); n != fit {
+		t.Fatalf("%d queued, want %d", n, fit)
+	}
+	cancel()
+	wg.Wait()
+	c.Finish(first, Outcome{Status: 200}, nil)
 }

@@ -91,7 +91,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help:    "Time requests waited in the router's queue (flow control) before they were sent, by priority.",
 			Buckets: []float64{0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}}, []string{"priority"}),
 		queueShed: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_queue_shed_total",
-			Help: "Requests the router's queue refused or let go, answered 429 (503 from the endpoint picker), by reason: full, shed (for a higher priority), expired (its TTL), sheddable (a negative priority is never queued)."},
+			Help: "Requests the router's queue refused or let go, answered 429 (503 from the endpoint picker), by reason: full, shed (for a higher priority), expired (its TTL), late (predicted to wait past its deadline: refused at once), sheddable (a negative priority is never queued)."},
 			[]string{"reason"}),
 		saturated: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_decisions_saturated_total",
 			Help: "Requests routed while every replica they could use was saturated (replica.Replica.Saturated): the engine they go to queues them."}, []string{"arm", "policy"}),

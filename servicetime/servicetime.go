@@ -98,8 +98,9 @@ type Params struct {
 	PerOutputBatch float64 `json:"decode_seconds_per_token_per_sequence"`
 	// Run is a mean request's seconds on a slot, from its start to its
 	// end: its prefill and decode at the mean uncached and output tokens
-	// of the recent answers, alone.
-	Run float64 `json:"run_seconds"`
+	// of the recent answers (Uncached, Output), alone.
+	Run              float64 `json:"run_seconds"`
+	Uncached, Output float64 `json:"-"`
 	// WaitPer is the learned seconds a request waits for each request
 	// queued ahead of it, 0 until one waited: Run ÷ the slots until then.
 	WaitPer float64 `json:"wait_seconds_per_queued_request"`
@@ -119,7 +120,8 @@ type Params struct {
 func Prior() Params {
 	p := Params{Overhead: priorTheta[0], PerToken: priorTheta[1], PerAhead: priorTheta[2],
 		PerOutput: priorTheta[3], PerOutputBatch: priorTheta[4]}
-	p.Run = p.run(priorUncached, priorOutput, 1)
+	p.Uncached, p.Output = priorUncached, priorOutput
+	p.Run = p.run(p.Uncached, p.Output, 1)
 	p.KVWait = p.Run / 2
 	return p
 }
@@ -149,6 +151,21 @@ func (p *Params) TTFT(s State, uncached float64) float64 {
 // sequences running.
 func (p *Params) Decode(output, batch float64) float64 {
 	return max(output-1, 0) * (p.PerOutput + p.PerOutputBatch*batch)
+}
+
+// RunAt is a mean request's seconds on a slot with slots sequences
+// running: Run, its decode slowed by the batch.
+func (p *Params) RunAt(slots float64) float64 {
+	return p.Run + p.Decode(p.Output, max(slots, 1)) - p.Decode(p.Output, 1)
+}
+
+// Rate is the requests a second an engine of slots sequences finishes
+// when every slot is busy: slots ÷ RunAt(slots); 0 when Run is not above 0.
+func (p *Params) Rate(slots float64) float64 {
+	if run := p.RunAt(slots); run > 0 {
+		return max(slots, 1) / run
+	}
+	return 0
 }
 
 // waitPer is WaitPer, or Run over slots before any wait was learned.
@@ -188,6 +205,8 @@ func Median(ps []Params) Params {
 		PerOutput:      med(func(p *Params) float64 { return p.PerOutput }),
 		PerOutputBatch: med(func(p *Params) float64 { return p.PerOutputBatch }),
 		Run:            med(func(p *Params) float64 { return p.Run }),
+		Uncached:       med(func(p *Params) float64 { return p.Uncached }),
+		Output:         med(func(p *Params) float64 { return p.Output }),
 		WaitPer:        med(func(p *Params) float64 { return p.WaitPer }),
 		KVWait:         med(func(p *Params) float64 { return p.KVWait }),
 	}
@@ -362,7 +381,8 @@ func (m *Model) solve() {
 	p := &m.p
 	p.Overhead, p.PerToken, p.PerAhead = max(theta[0], 0), max(theta[1], 0), max(theta[2], 0)
 	p.PerOutput, p.PerOutputBatch = max(theta[3], 0), max(theta[4], 0)
-	p.Run = p.run(m.avgUncached, m.avgOutput, 1)
+	p.Uncached, p.Output = m.avgUncached, m.avgOutput
+	p.Run = p.run(p.Uncached, p.Output, 1)
 	if m.kvWaits == 0 {
 		p.KVWait = p.Run / 2
 	}

@@ -95,8 +95,10 @@ func (a *app) judgeEvents(ctx context.Context, interval time.Duration) {
 }
 
 var (
-	descDisagree = prometheus.NewDesc("semroute_replica_disagreement", "1 while the replica disagrees with its engine for the cause (tokenize_failing, tokens_disagree, predictions_off, events_orphans, events_silent, events_unusable); the router then falls back for it to the best mode that works.", []string{"replica", "cause"}, nil)
+	descDisagree = prometheus.NewDesc("semroute_replica_disagreement", "1 while the replica disagrees with its engine for the cause (tokenize_failing, tokens_disagree, predictions_off, events_orphans, events_silent, events_unusable, time_off); for the first six the router then falls back for it to the best mode that works.", []string{"replica", "cause"}, nil)
 	descPredRate = prometheus.NewDesc("semroute_replica_predicted_ratio", "Predicted ÷ reported cached tokens over the replica's last 64 requests (0 before any reported hit).", []string{"replica"}, nil)
+	descTTFTRate = prometheus.NewDesc("semroute_replica_ttft_predicted_ratio", "Predicted ÷ observed time to first token over the replica's last 64 streamed requests (0 before any).", []string{"replica"}, nil)
+	descTTFTErr  = prometheus.NewDesc("semroute_replica_ttft_log_error", "Mean |log(observed ÷ predicted)| time to first token over the replica's last 64 streamed requests: 0.1 is about 10% off; time_off from ln 2.", []string{"replica"}, nil)
 )
 
 // agreementMetrics exports the tracker's verdicts, and 0 for the pool's
@@ -110,6 +112,8 @@ type agreementMetrics struct {
 func (m agreementMetrics) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descDisagree
 	ch <- descPredRate
+	ch <- descTTFTRate
+	ch <- descTTFTErr
 }
 
 func (m agreementMetrics) Collect(ch chan<- prometheus.Metric) {
@@ -138,6 +142,8 @@ func (m agreementMetrics) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(descDisagree, prometheus.GaugeValue, v, s.Replica, string(c))
 		}
 		ch <- prometheus.MustNewConstMetric(descPredRate, prometheus.GaugeValue, s.PredictedRatio, s.Replica)
+		ch <- prometheus.MustNewConstMetric(descTTFTRate, prometheus.GaugeValue, s.TTFTRatio, s.Replica)
+		ch <- prometheus.MustNewConstMetric(descTTFTErr, prometheus.GaugeValue, s.TTFTError, s.Replica)
 	}
 }
 

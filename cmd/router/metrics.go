@@ -35,11 +35,13 @@ var (
 	descBudget    = prometheus.NewDesc("semroute_replica_budget_tokens", "The replica's KV cache budget in tokens: configured, reported by the replica, or else cache.default_budget_tokens.", []string{"replica"}, nil)
 	descEvictions = prometheus.NewDesc("semroute_replica_evictions_total", "Blocks evicted from the router's picture of the replica's cache.", []string{"replica"}, nil)
 	descCapacity  = prometheus.NewDesc("semroute_replica_capacity_requests", "Requests the replica runs before its engine queues the next: replicas[].max_running, else learned from what it reports running while requests wait; 0 while unknown.", []string{"replica"}, nil)
+	descService   = prometheus.NewDesc("semroute_replica_service_seconds", "The replica's service-time model, learned from its answers (package servicetime), by parameter: overhead, prefill_per_token, ahead_per_token, decode_per_token, decode_per_token_per_sequence (seconds an output token costs for each sequence running), run (a mean request's seconds on a slot), wait_per_queued (seconds a request waits for each one queued ahead; 0 until one waited) and kv_wait (seconds a request waits for KV room). The fleet's median serves a replica until it learned from 16 answers.", []string{"replica", "param"}, nil)
+	descSamples   = prometheus.NewDesc("semroute_replica_service_samples", "Answers the replica's service-time model learned from.", []string{"replica"}, nil)
 	descSaturated = prometheus.NewDesc("semroute_replica_saturated", "1 while the replica's engine would queue the next request: its requests in flight reach its capacity, it reports requests waiting, or its KV cache is 98% full.", []string{"replica"}, nil)
 )
 
 func (c replicaCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descHealthy, descDraining, descInFlight, descPending, descRunning, descWaiting, descKVUsage, descBlocks, descTokens, descBudget, descEvictions, descCapacity, descSaturated} {
+	for _, d := range []*prometheus.Desc{descHealthy, descDraining, descInFlight, descPending, descRunning, descWaiting, descKVUsage, descBlocks, descTokens, descBudget, descEvictions, descCapacity, descSaturated, descService, descSamples} {
 		ch <- d
 	}
 }
@@ -72,6 +74,16 @@ func (c replicaCollector) Collect(ch chan<- prometheus.Metric) {
 		g(descCapacity, float64(r.Capacity()))
 		g(descSaturated, b2f(r.Saturated()))
 		ch <- prometheus.MustNewConstMetric(descEvictions, prometheus.CounterValue, float64(st.Evictions), r.Name)
+		p, _ := r.Service()
+		for _, kv := range []struct {
+			name string
+			v    float64
+		}{{"overhead", p.Overhead}, {"prefill_per_token", p.PerToken}, {"ahead_per_token", p.PerAhead},
+			{"decode_per_token", p.PerOutput}, {"decode_per_token_per_sequence", p.PerOutputBatch}, {"run", p.Run},
+			{"wait_per_queued", p.WaitPer}, {"kv_wait", p.KVWait}} {
+			ch <- prometheus.MustNewConstMetric(descService, prometheus.GaugeValue, kv.v, r.Name, kv.name)
+		}
+		g(descSamples, float64(p.Samples))
 	}
 }
 

@@ -54,6 +54,18 @@ type tpOptions struct {
 	sharedPort bool     // every engine dials one router port (told apart by topic); else a port each
 	args       []string // more flags
 	blocks     int      // --kv-cache-size; default 768
+	// argsFor, when set, gives replica i more flags after args (a fleet
+	// whose replicas differ); blocksFor its --kv-cache-size.
+	argsFor   func(i int) []string
+	blocksFor func(i int) int
+}
+
+// kvBlocks returns replica i's --kv-cache-size.
+func (o *tpOptions) kvBlocks(i int) int {
+	if o.blocksFor != nil {
+		return o.blocksFor(i)
+	}
+	return cmp.Or(o.blocks, 768)
 }
 
 // tpReplica is one simulator process.
@@ -111,7 +123,7 @@ func startThirdParty(t testing.TB, o tpOptions) []*tpReplica {
 		r := &tpReplica{port: freePort(t), log: &syncBuffer{}}
 		r.url = fmt.Sprintf("http://127.0.0.1:%d", r.port)
 		args := []string{"--model", tpModel, "--force-dummy-tokenizer", "--port", fmt.Sprint(r.port),
-			"--enable-kvcache", "--kv-cache-size", fmt.Sprint(cmp.Or(o.blocks, 768)),
+			"--enable-kvcache", "--kv-cache-size", fmt.Sprint(o.kvBlocks(i)),
 			"--block-size", "16", "--max-num-seqs", "4", "--max-model-len", "16384",
 			"--latency-calculator", "per-token", "--prefill-overhead", "20ms", "--prefill-time-per-token", "2ms",
 			"--inter-token-latency", "10ms", "--seed", fmt.Sprint(42 + i),
@@ -130,6 +142,9 @@ func startThirdParty(t testing.TB, o tpOptions) []*tpReplica {
 			args = append(args, "--zmq-endpoint", "")
 		}
 		args = append(args, o.args...)
+		if o.argsFor != nil {
+			args = append(args, o.argsFor(i)...)
+		}
 		r.cmd = exec.Command(bin, args...)
 		r.cmd.Env = append(os.Environ(), "POD_IP=127.0.0.1")
 		r.cmd.Stdout, r.cmd.Stderr = r.log, r.log
@@ -248,6 +263,15 @@ func tpConfig(reps []*tpReplica, events bool, policy string) string {
 
 // waitBudgets waits until the router learned every replica's KV cache size
 // from its metrics (vllm:cache_config_info).
+// waitBudget waits until the router learned replica id's budget, tokens.
+func waitBudget(t testing.TB, r *tpRouter, id int, tokens int64) {
+	t.Helper()
+	testwait.Value(t, fmt.Sprint("the router to learn replica ", id, "'s budget"), func() (int64, bool) {
+		st, _ := r.app.pic.Stats(id)
+		return st.Budget, st.Budget == tokens
+	})
+}
+
 func waitBudgets(t testing.TB, r *tpRouter, n int, tokens int64) {
 	t.Helper()
 	testwait.Value(t, fmt.Sprint("the router to learn ", n, " replicas' budgets"), func() (int, bool) {
@@ -568,9 +592,11 @@ func BenchmarkThirdPartyTable(b *testing.B) {
 // tpWanted reports whether SEMROUTE_THIRDPARTY_ROWS keeps the row named name.
 func tpWanted(name string) bool {
 	words := os.Getenv("SEMROUTE_THIRDPARTY_ROWS")
-	if words == "" {
-		return true
-	}
+	return words == "" || wordIn(words, name)
+}
+
+// wordIn reports whether name contains one of the comma-separated words.
+func wordIn(words, name string) bool {
 	for w := range strings.SplitSeq(words, ",") {
 		if w != "" && strings.Contains(name, w) {
 			return true
@@ -589,7 +615,17 @@ type tpRow struct {
 // third-party replicas, then reports the three references of tpCeiling
 // (sub-benchmark "ceiling"), and returns the table.
 func tpTable(b *testing.B, title string, work [][]byte, rows []tpRow, workers int) string {
+	return tpFleetTable(b, title, work, rows, workers, tpOptions{n: 4})
+}
+
+// tpFleetTable is tpTable through the replicas fleet describes (its n,
+// flags and blocks; events are each row's).
+func tpFleetTable(b *testing.B, title string, work [][]byte, rows []tpRow, workers int, fleet tpOptions) string {
 	var t strings.Builder
+	blocks := 0
+	for i := range fleet.n {
+		blocks += fleet.kvBlocks(i)
+	}
 	fmt.Fprintf(&t, "\n%s\n\n| configuration | engine hit ratio | TTFT p50 / p90 / p99 ms | predicted ÷ reported | errors |\n|---|---:|---|---:|---:|\n", title)
 	var ceiling, pooled, opt float64
 	for _, row := range rows {
@@ -599,12 +635,16 @@ func tpTable(b *testing.B, title string, work [][]byte, rows []tpRow, workers in
 		var run *truthRun
 		b.Run(row.name, func(b *testing.B) {
 			for range b.N {
-				reps := startThirdParty(b, tpOptions{n: 4, events: row.events})
+				o := fleet
+				o.events = row.events
+				reps := startThirdParty(b, o)
 				if ceiling == 0 {
-					ceiling, pooled, opt = tpCeiling(b, reps[0].url, work, 4*768)
+					ceiling, pooled, opt = tpCeiling(b, reps[0].url, work, blocks)
 				}
 				r := startRouterYAML(b, row.yaml+tpConfig(reps, row.events, row.policy))
-				waitBudgets(b, r, 4, 768*16)
+				for i := range fleet.n {
+					waitBudget(b, r, i, int64(fleet.kvBlocks(i))*16)
+				}
 				run = sendTruth(r.url, work, workers, nil)
 				b.Logf("%s, %s done: hit ratio %.3f; first error: %s", title, row.name, run.hitRatio(), run.firstErr)
 				_ = r.run.stop(time.Second)
@@ -632,8 +672,8 @@ func tpTable(b *testing.B, title string, work [][]byte, rows []tpRow, workers in
 		})
 	}
 	fmt.Fprintf(&t, "| ceiling: an infinite cache on the engine's tokens | %.3f | | | |\n", ceiling)
-	fmt.Fprintf(&t, "| reference: one pooled LRU cache of the fleet's 4 × 768 blocks | %.3f | | | |\n", pooled)
-	fmt.Fprintf(&t, "| bound: one pooled cache of 4 × 768 blocks with Belady's optimal eviction | %.3f | | | |\n", opt)
+	fmt.Fprintf(&t, "| reference: one pooled LRU cache of the fleet's %d blocks | %.3f | | | |\n", blocks, pooled)
+	fmt.Fprintf(&t, "| bound: one pooled cache of %d blocks with Belady's optimal eviction | %.3f | | | |\n", blocks, opt)
 	return t.String()
 }
 
