@@ -95,6 +95,15 @@ type Prediction struct {
 	Under int `json:"requests_under"`
 	// EngineEvictions counts the blocks the engines evicted.
 	EngineEvictions int64 `json:"engine_evicted_blocks"`
+	// LostWaitingTokens and NotHeldTokens split the tokens of the prompt
+	// blocks the picture predicted and the engine did not have when it
+	// scheduled the prefill: those its engine held when the request was
+	// routed and evicted while the request waited (for its turn, for KV
+	// room), and those it did not hold then (the picture kept blocks the
+	// engine had evicted, or counted blocks of a request routed before it
+	// and not yet computed).
+	LostWaitingTokens int64 `json:"lost_while_waiting_tokens"`
+	NotHeldTokens     int64 `json:"not_held_when_routed_tokens"`
 	// Orphans counts, in the events mode, the blocks an engine stored that
 	// the picture could not chain: it had dropped their parent already.
 	Orphans int64 `json:"event_orphan_blocks"`

@@ -200,6 +200,29 @@ func TestAdmissionAsVLLM(t *testing.T) {
 	}
 }
 
+// TestPredictionLostWhileWaiting: a request routed to a replica whose
+// engine holds its prefix, idle, waits there for KV room; the running
+// request ends, its output's blocks take the room, and the prefix is gone
+// when the waiting request is admitted. The picture predicted the prefix;
+// the report counts its tokens as lost while the request waited.
+func TestPredictionLostWhileWaiting(t *testing.T) {
+	reqs := mooncake(t, 2,
+		`{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [1, 2]}`,        // ends at once: 1, 2 idle
+		`{"timestamp": 100, "input_length": 6, "output_length": 100, "hash_ids": [3, 4, 5]}`, // runs 2 s holding 6 tokens
+		`{"timestamp": 200, "input_length": 6, "output_length": 1, "hash_ids": [1, 2, 6]}`)   // 6 + 6 > 10: waits
+	m := Config{Replicas: 1, BudgetTokens: 10, BlockTokens: 2, Eviction: "lru"}
+	sum, err := Replay(reqs, m, []Run{{Policy: "round_robin", Picture: PictureApproximate}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rr := sum.Policies[0]
+	p := rr.Prediction
+	if x := rr.rows[2]; x.predicted != 4 || x.cachedTokens != 0 || p.LostWaitingTokens != 4 || p.NotHeldTokens != 0 || rr.KVWaits != 1 {
+		t.Fatalf("request 2: predicted %d cached tokens, found %d (want 4, 0); lost while waiting %d, not held when routed %d (want 4, 0); %d waited for room (want 1)",
+			x.predicted, x.cachedTokens, p.LostWaitingTokens, p.NotHeldTokens, rr.KVWaits)
+	}
+}
+
 func TestRoundRobinIsPlainLRUByHand(t *testing.T) {
 	// Two replicas of 3 blocks (6 tokens), blocks of 2 tokens. Worked by
 	// hand (replica: cache after the request, cached tokens):

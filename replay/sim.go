@@ -326,7 +326,12 @@ type sim struct {
 	// cache then holds what they found, pred what the picture predicted.
 	engines *engineCaches
 	pred    []int
-	ttft    []float64 // request → time to first token: -arrival until its first token, then ns, then ms
+	// predBlocks and heldBlocks are, by request, the prompt blocks the
+	// picture predicted cached on the replica computing its prompt, and
+	// those its engine held when the request was routed (a picture mode).
+	predBlocks, heldBlocks []int
+	lostWaiting, notHeld   int64     // tokens: Prediction.LostWaitingTokens, NotHeldTokens
+	ttft                   []float64 // request → time to first token: -arrival until its first token, then ns, then ms
 	// kvWaited: request → whether it waited, first in its replica's
 	// queue, for room in the KV cache (Result.KVWaits).
 	kvWaited []bool
@@ -337,9 +342,24 @@ type sim struct {
 // the tokens and blocks it found cached.
 func (s *sim) serve(i, r int, now int64) {
 	tokens, blocks := s.engines.serve(s.pin(i, r), r, &s.reqs[i], now)
+	s.missed(i, blocks)
 	s.cache[i] = tokens
 	s.res.CachedTokens += int64(tokens)
 	s.res.HitBlocks += int64(blocks)
+}
+
+// missed sorts the prompt blocks the picture predicted for request i and
+// its engine did not have, from found on, by whether the engine held them
+// when the request was routed (Prediction.LostWaitingTokens,
+// NotHeldTokens).
+func (s *sim) missed(i, found int) {
+	for j := found; j < s.predBlocks[i]; j++ {
+		if j < s.heldBlocks[i] {
+			s.lostWaiting += int64(s.reqs[i].Blocks[j].Tokens)
+		} else {
+			s.notHeld += int64(s.reqs[i].Blocks[j].Tokens)
+		}
+	}
 }
 
 // pin is the key of request i's blocks pinned in replica r's engine: i,
@@ -572,6 +592,7 @@ func (s *sim) setUp(pools []*replica.Pool) {
 	s.cache = make([]int, len(s.reqs))
 	if s.engines != nil {
 		s.pred = make([]int, len(s.reqs))
+		s.predBlocks, s.heldBlocks = make([]int, len(s.reqs)), make([]int, len(s.reqs))
 	}
 	s.ttft = make([]float64, len(s.reqs))
 	s.kvWaited = make([]bool, len(s.reqs))
@@ -619,6 +640,8 @@ func (s *sim) placed(i int, pl place) {
 	s.rep[i], s.pre[i] = pl.rep, pl.pre
 	if s.engines != nil {
 		s.pred[i] = pl.cached // the engine's own lookup comes when it schedules the prefill
+		s.predBlocks[i] = pl.blocks
+		s.heldBlocks[i] = s.engines.held(pl.computes(), s.reqs[i].Blocks).Blocks
 	} else {
 		s.cache[i] = pl.cached
 		s.res.CachedTokens += int64(pl.cached)
@@ -732,6 +755,7 @@ func (s *sim) results() {
 	if s.engines != nil {
 		s.res.predicted(s.pred, s.cache)
 		s.res.Prediction.EngineEvictions = s.engines.evict
+		s.res.Prediction.LostWaitingTokens, s.res.Prediction.NotHeldTokens = s.lostWaiting, s.notHeld
 	}
 }
 
