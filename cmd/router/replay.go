@@ -48,7 +48,7 @@ func newReplay() *cobra.Command {
 		Use:   "replay",
 		Short: "Replay a trace through simulated replicas under several routing policies",
 		Long: `Replay a trace through simulated replicas, in virtual time, under every listed
-routing policy side by side, with the pooled (one cache of replicas × budget) and
+routing policy side by side, with the pooled (one cache of the fleet's whole budget) and
 infinite-cache references, and write summary.json, summary.md, a CSV per run and
 report.html to --out.`,
 		RunE: func(cmd *cobra.Command, _ []string) error { return o.run(cmd) },
