@@ -160,11 +160,11 @@ func (m *Config) resolveFleet() error {
 			if err := m.Classes[k].check(); err != nil {
 				return fmt.Errorf("class %d: %w", k, err)
 			}
-			if name := m.className(k); names[name] {
+			name := m.className(k)
+			if names[name] {
 				return fmt.Errorf("class name %q given twice", name)
-			} else {
-				names[name] = true
 			}
+			names[name] = true
 			n += m.Classes[k].Count
 		}
 		if m.Replicas != 0 && m.Replicas != n {
