@@ -231,9 +231,18 @@ body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:co
 td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child,th:first-child{text-align:left}
 .grid{display:flex;flex-wrap:wrap;gap:8px}</style></head><body>`)
 	fmt.Fprintf(&b, "<h1>Replay of %s</h1>", html.EscapeString(s.Trace))
-	fmt.Fprintf(&b, "<p>%d requests (%s), %d replicas of %d tokens, eviction %s; prefill %.1f ms + %.0f µs per uncached token; %.0f ms per output token; %d running sequences at most; speed-up %g; seed %d.</p>",
-		s.Requests, html.EscapeString(s.Format), s.Replicas, s.BudgetTokens, html.EscapeString(s.Model.Eviction),
-		s.Model.PrefillOverheadMS, s.Model.PrefillPerTokenUS, s.Model.InterTokenMS, s.Model.MaxRunning, s.Model.Speedup, s.Model.Seed)
+	if len(s.Model.Fleet) == 0 {
+		fmt.Fprintf(&b, "<p>%d requests (%s), %d replicas of %d tokens, eviction %s; prefill %.1f ms + %.0f µs per uncached token; %.0f ms per output token; %d running sequences at most; speed-up %g; seed %d.</p>",
+			s.Requests, html.EscapeString(s.Format), s.Replicas, s.BudgetTokens, html.EscapeString(s.Model.Eviction),
+			s.Model.PrefillOverheadMS, s.Model.PrefillPerTokenUS, s.Model.InterTokenMS, s.Model.MaxRunning, s.Model.Speedup, s.Model.Seed)
+	} else {
+		fmt.Fprintf(&b, "<p>%d requests (%s), %d replicas in %d classes, eviction %s; speed-up %g; seed %d.</p><ul>",
+			s.Requests, html.EscapeString(s.Format), s.Replicas, len(s.Model.Fleet), html.EscapeString(s.Model.Eviction), s.Model.Speedup, s.Model.Seed)
+		for _, c := range s.Model.Fleet {
+			b.WriteString("<li>" + html.EscapeString(c.String()) + "</li>")
+		}
+		b.WriteString("</ul>")
+	}
 	pred := s.predictions()
 	b.WriteString("<table><tr><th>policy</th><th>token hit rate</th><th>÷ pooled</th><th>block hit rate</th><th>prefill tokens saved</th><th>TTFT mean ms</th><th>p50</th><th>p99</th><th>load imbalance</th>")
 	if pred {
@@ -261,6 +270,9 @@ td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child,th:f
 	for _, n := range s.notes() {
 		b.WriteString("<p>" + html.EscapeString(n) + "</p>")
 	}
+	if len(s.Model.Fleet) > 0 {
+		b.WriteString(s.classTable())
+	}
 	b.WriteString("<h2>Token hit rate</h2>")
 	b.WriteString(hitRateChart(s))
 	b.WriteString("<h2>Time to first token</h2>")
@@ -274,4 +286,19 @@ td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child,th:f
 	b.WriteString("</div></body></html>\n")
 	_, err := io.WriteString(w, b.String())
 	return err
+}
+
+// classTable is a mixed fleet's per-class results: a row per run and
+// class.
+func (s *Summary) classTable() string {
+	var b strings.Builder
+	b.WriteString("<h2>By replica class</h2><p>Where each request's prompt was computed.</p><table><tr><th>policy</th><th>class</th><th>requests</th><th>token hit rate</th><th>prefill tokens computed</th><th>TTFT p50 ms</th><th>p99</th><th>waited for KV room</th></tr>")
+	for _, r := range s.all() {
+		for _, c := range r.Classes {
+			fmt.Fprintf(&b, "<tr><td>%s</td><td>%s</td><td>%d</td><td>%.4f</td><td>%d</td><td>%.0f</td><td>%.0f</td><td>%d</td></tr>",
+				html.EscapeString(r.Name), html.EscapeString(c.Name), c.Requests, c.TokenHitRate, c.PrefillComputed, c.TTFTP50MS, c.TTFTP99MS, c.KVWaits)
+		}
+	}
+	b.WriteString("</table>")
+	return b.String()
 }

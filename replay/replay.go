@@ -44,7 +44,10 @@ type Result struct {
 	// PeakKV is each replica's most KV tokens held at once by the requests
 	// it admitted (a replica admits a request only while they fit its
 	// budget, unless it runs alone).
-	PeakKV      []int64 `json:"peak_kv_tokens_per_replica"`
+	PeakKV []int64 `json:"peak_kv_tokens_per_replica"`
+	// KVWaits counts the requests that waited, first in their replica's
+	// queue, for room in its KV cache: the engines were KV-bound.
+	KVWaits     int     `json:"kv_waits,omitempty"`
 	WallSeconds float64 `json:"wall_seconds"`
 	// Changed counts, for a decision log, the requests this policy would
 	// send to another replica than the live router did; ChangedShare is
@@ -65,7 +68,10 @@ type Result struct {
 	// Prediction is set for a run with a picture mode (Run.Picture): the
 	// cached tokens, above, are then the engines' own.
 	Prediction *Prediction `json:"prediction,omitempty"`
-	rows       []row
+	// Classes is what the run did on each replica class of a mixed fleet
+	// (Config.Classes), in their order.
+	Classes []ClassResult `json:"classes,omitempty"`
+	rows    []row
 }
 
 // Prediction compares, request by request, the cached tokens the router's
@@ -89,6 +95,15 @@ type Prediction struct {
 	Under int `json:"requests_under"`
 	// EngineEvictions counts the blocks the engines evicted.
 	EngineEvictions int64 `json:"engine_evicted_blocks"`
+	// LostWaitingTokens and NotHeldTokens split the tokens of the prompt
+	// blocks the picture predicted and the engine did not have when it
+	// scheduled the prefill: those its engine held when the request was
+	// routed and evicted while the request waited (for its turn, for KV
+	// room), and those it did not hold then (the picture kept blocks the
+	// engine had evicted, or counted blocks of a request routed before it
+	// and not yet computed).
+	LostWaitingTokens int64 `json:"lost_while_waiting_tokens"`
+	NotHeldTokens     int64 `json:"not_held_when_routed_tokens"`
 	// Orphans counts, in the events mode, the blocks an engine stored that
 	// the picture could not chain: it had dropped their parent already.
 	Orphans int64 `json:"event_orphan_blocks"`
@@ -132,6 +147,7 @@ type row struct {
 	cachedTokens int
 	ttftMS       float64
 	predicted    int
+	kvWaited     bool
 }
 
 // pool, when not nil, says which replicas the load imbalance is measured
@@ -225,6 +241,10 @@ type ModelSummary struct {
 	Reuse string `json:"reuse,omitempty"`
 	// Disaggregation, when some replica prefills (Config.Roles).
 	Disaggregation *PDSummary `json:"disaggregation,omitempty"`
+	// Fleet is the replica classes of a mixed fleet (Config.Classes),
+	// in replica order; the fields above are then what a class that
+	// sets none of its own takes.
+	Fleet []ClassSummary `json:"fleet,omitempty"`
 }
 
 // PDSummary records a disaggregated model's parameters.
@@ -293,7 +313,7 @@ func Replay(reqs []Request, m Config, runs []Run) (*Summary, error) {
 		jobs = append(jobs, job{i, func() (*Result, error) { return runPolicy(reqs, &m, r) }})
 	}
 	jobs = append(jobs,
-		job{len(runs), func() (*Result, error) { return runReference(reqs, &m, "pooled", int64(m.Replicas)*m.BudgetTokens) }},
+		job{len(runs), func() (*Result, error) { return runReference(reqs, &m, "pooled", m.totalBudget()) }},
 		job{len(runs) + 1, func() (*Result, error) { return runReference(reqs, &m, "infinite", 0) }})
 	var (
 		wg    sync.WaitGroup
@@ -347,6 +367,7 @@ func (m *Config) summary(n, ties int, start time.Time) *Summary {
 			PrefillOverheadMS: float64(m.PrefillOverhead) / 1e6, PrefillPerTokenUS: float64(m.PrefillPerToken) / 1e3,
 			InterTokenMS: float64(m.InterToken) / 1e6, Eviction: m.Eviction, EvictionParams: m.EvictionParams, Speedup: m.Speedup, SpreadTiesMS: float64(m.SpreadTies) / 1e6,
 			RecordReplies: m.RecordReplies, SharedActive: m.SharedActive, Seed: m.Seed, Matcher: m.Matcher != nil,
+			Fleet: m.fleetSummary(),
 		},
 	}
 	if m.Reuse.Blend() || m.Reuse.Donor() {
@@ -468,17 +489,24 @@ func newFleet(rs []*engineDecider, n int, seed uint64, run Run, clock *int64) *f
 	return fleet
 }
 
-// budgets returns each replica's KV cache in tokens: its own
-// (Config.Budgets) or the config's for all.
+// budgets returns each replica's KV cache in tokens: its class's, its
+// own (Config.Budgets) or the config's for all.
 func (m *Config) budgets() []int64 {
 	budgets := make([]int64, m.Replicas)
 	for i := range budgets {
-		budgets[i] = m.BudgetTokens
-		if len(m.Budgets) > 0 {
-			budgets[i] = m.Budgets[i]
-		}
+		budgets[i] = m.fleet[i].budget
 	}
 	return budgets
+}
+
+// totalBudget is the fleet's KV cache in tokens: the pooled reference's
+// one cache.
+func (m *Config) totalBudget() int64 {
+	var total int64
+	for _, e := range m.fleet {
+		total += e.budget
+	}
+	return total
 }
 
 // predicted adds to p what router e's picture counted: the stored blocks
@@ -550,14 +578,14 @@ func (m *Config) routerMatcher(run Run) (routing.Matcher, error) {
 }
 
 // specs returns the replicas a router of the run is told of. Each
-// engine's running limit is told, as an operator sets
-// replicas[].max_running to vLLM's --max-num-seqs.
+// engine's running limit and budget are told, as an operator sets
+// replicas[].max_running to vLLM's --max-num-seqs; its speed is not.
 func (m *Config) specs() []replica.Spec {
 	specs := make([]replica.Spec, m.Replicas)
 	budgets := m.budgets()
 	for i := range specs {
 		specs[i] = replica.Spec{Name: fmt.Sprintf("replica-%d", i), URL: fmt.Sprintf("http://replica-%d.sim", i), BudgetTokens: budgets[i], Reuse: m.Reuse,
-			MaxRunning: int64(m.MaxRunning)}
+			MaxRunning: int64(m.fleet[i].maxRunning)}
 		if i < len(m.Roles) {
 			specs[i].Role = m.Roles[i]
 		}

@@ -166,6 +166,63 @@ func TestAdmissionWaitsForRoom(t *testing.T) {
 	}
 }
 
+// TestAdmissionAsVLLM: an engine admits as vLLM's scheduler does. A
+// request fits if its blocks fit in the room the running requests leave,
+// idle cached blocks counting as room (they are evicted for it); the
+// queue is first come first served, so a request that would fit waits
+// behind one that does not; and the wait is counted (Result.KVWaits).
+func TestAdmissionAsVLLM(t *testing.T) {
+	reqs := mooncake(t, 2,
+		`{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [1, 2]}`,           // ends at once: 1, 2 idle
+		`{"timestamp": 500, "input_length": 2, "output_length": 100, "hash_ids": [3]}`,          // runs 2 s holding 2 tokens
+		`{"timestamp": 1000, "input_length": 6, "output_length": 1, "hash_ids": [4, 5, 6]}`,     // 2 + 6 = 8: fits, 1 and 2 evicted
+		`{"timestamp": 1100, "input_length": 8, "output_length": 1, "hash_ids": [7, 8, 9, 10]}`, // 2 + 8 > 8: waits for 3
+		`{"timestamp": 1200, "input_length": 2, "output_length": 1, "hash_ids": [11]}`)          // would fit, waits behind it
+	m := Config{Replicas: 1, BudgetTokens: 8, BlockTokens: 2, Eviction: "lru"}
+	sum, err := Replay(reqs, m, []Run{{Policy: "round_robin"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rr := sum.Policies[0]
+	rows := rr.rows
+	running := float64(500) + float64(DefaultPrefillOverhead+2*DefaultPrefillPerToken)/1e6 + float64(100*DefaultInterToken)/1e6 // ms: when request 1 ends
+	if rows[2].ttftMS > 50 {
+		t.Errorf("request 2 (fits beside the running one once the idle blocks go) waited: TTFT %.0f ms", rows[2].ttftMS)
+	}
+	if end := 1100 + rows[3].ttftMS; end < running {
+		t.Errorf("request 3 (does not fit beside the running one) had its first token at %.0f ms, before the running request ended at %.0f ms", end, running)
+	}
+	if end := 1200 + rows[4].ttftMS; end < running {
+		t.Errorf("request 4 overtook request 3 (first come first served): first token at %.0f ms, before %.0f ms", end, running)
+	}
+	if rr.KVWaits != 2 || rr.Prediction.EngineEvictions < 2 {
+		t.Errorf("%d requests waited for KV room (want 2: request 3, then 4 beside 3), %d blocks evicted (want 1 and 2 at least)", rr.KVWaits, rr.Prediction.EngineEvictions)
+	}
+}
+
+// TestPredictionLostWhileWaiting: a request routed to a replica whose
+// engine holds its prefix, idle, waits there for KV room; the running
+// request ends, its output's blocks take the room, and the prefix is gone
+// when the waiting request is admitted. The picture predicted the prefix;
+// the report counts its tokens as lost while the request waited.
+func TestPredictionLostWhileWaiting(t *testing.T) {
+	reqs := mooncake(t, 2,
+		`{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [1, 2]}`,        // ends at once: 1, 2 idle
+		`{"timestamp": 100, "input_length": 6, "output_length": 100, "hash_ids": [3, 4, 5]}`, // runs 2 s holding 6 tokens
+		`{"timestamp": 200, "input_length": 6, "output_length": 1, "hash_ids": [1, 2, 6]}`)   // 6 + 6 > 10: waits
+	m := Config{Replicas: 1, BudgetTokens: 10, BlockTokens: 2, Eviction: "lru"}
+	sum, err := Replay(reqs, m, []Run{{Policy: "round_robin", Picture: PictureApproximate}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rr := sum.Policies[0]
+	p := rr.Prediction
+	if x := rr.rows[2]; x.predicted != 4 || x.cachedTokens != 0 || p.LostWaitingTokens != 4 || p.NotHeldTokens != 0 || rr.KVWaits != 1 {
+		t.Fatalf("request 2: predicted %d cached tokens, found %d (want 4, 0); lost while waiting %d, not held when routed %d (want 4, 0); %d waited for room (want 1)",
+			x.predicted, x.cachedTokens, p.LostWaitingTokens, p.NotHeldTokens, rr.KVWaits)
+	}
+}
+
 func TestRoundRobinIsPlainLRUByHand(t *testing.T) {
 	// Two replicas of 3 blocks (6 tokens), blocks of 2 tokens. Worked by
 	// hand (replica: cache after the request, cached tokens):

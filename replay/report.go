@@ -144,9 +144,7 @@ const TableHeader = "| policy | token hit rate | ÷ pooled | block hit rate | pr
 func (s *Summary) Markdown(w io.Writer) error {
 	var b strings.Builder
 	fmt.Fprintf(&b, "# Replay of %s\n\n", s.Trace)
-	fmt.Fprintf(&b, "%d requests (%s format), %d replicas of %d tokens, eviction %s; prefill %.1f ms + %.0f µs/token, %.0f ms/output token, %d running max; speed-up %g; seed %d; replay took %.1f s.\n\n",
-		s.Requests, s.Format, s.Replicas, s.BudgetTokens, s.Model.Eviction, s.Model.PrefillOverheadMS, s.Model.PrefillPerTokenUS,
-		s.Model.InterTokenMS, s.Model.MaxRunning, s.Model.Speedup, s.Model.Seed, s.WallSeconds)
+	b.WriteString(s.modelLine() + "\n\n")
 	pred := s.predictions()
 	if pred {
 		head, align, _ := strings.Cut(TableHeader, "\n")
@@ -169,6 +167,12 @@ func (s *Summary) Markdown(w io.Writer) error {
 	for _, n := range s.notes() {
 		b.WriteString("\n" + n + "\n")
 	}
+	if len(s.Model.Fleet) > 0 {
+		b.WriteString("\n" + byClassNote + "\n\n")
+		for _, r := range s.all() {
+			b.WriteString("- " + r.Name + ": " + r.classCells() + "\n")
+		}
+	}
 	if len(s.Arms) > 0 {
 		b.WriteString("\n## Arms observed in the decision log\n\n| arm | policy | requests | TTFT p50 ms | TTFT p99 ms | cached token rate |\n|---|---|---:|---:|---:|---:|\n")
 		for _, a := range s.Arms {
@@ -182,6 +186,48 @@ func (s *Summary) Markdown(w io.Writer) error {
 	}
 	_, err := io.WriteString(w, b.String())
 	return err
+}
+
+// modelLine describes the replay's trace and replicas in one sentence:
+// the replicas' one model, or each class of a mixed fleet.
+func (s *Summary) modelLine() string {
+	fleet := fmt.Sprintf("%d replicas of %d tokens, eviction %s; prefill %.1f ms + %.0f µs/token, %.0f ms/output token, %d running max",
+		s.Replicas, s.BudgetTokens, s.Model.Eviction, s.Model.PrefillOverheadMS, s.Model.PrefillPerTokenUS, s.Model.InterTokenMS, s.Model.MaxRunning)
+	if len(s.Model.Fleet) > 0 {
+		classes := make([]string, len(s.Model.Fleet))
+		for k, c := range s.Model.Fleet {
+			classes[k] = c.String()
+		}
+		fleet = fmt.Sprintf("%d replicas in %d classes, eviction %s: %s", s.Replicas, len(s.Model.Fleet), s.Model.Eviction, strings.Join(classes, "; "))
+	}
+	return fmt.Sprintf("%d requests (%s format), %s; speed-up %g; seed %d; replay took %.1f s.",
+		s.Requests, s.Format, fleet, s.Model.Speedup, s.Model.Seed, s.WallSeconds)
+}
+
+// kvWaitsNote says how many requests of each run waited for room in
+// their engine's KV cache, when some did; "" otherwise.
+func (s *Summary) kvWaitsNote() string {
+	n, some := "KV-bound engines: requests that waited, first in their replica's queue, for room in its KV cache (the engines admit first come first served, as vLLM's scheduler does):", false
+	for _, r := range s.all() {
+		n += fmt.Sprintf(" %s %d;", r.Name, r.KVWaits)
+		some = some || r.KVWaits > 0
+	}
+	if !some {
+		return ""
+	}
+	return strings.TrimSuffix(n, ";") + "."
+}
+
+// byClassNote heads the per-class results of a mixed fleet.
+const byClassNote = "By replica class, where each request's prompt was computed: requests, token hit rate, prefill tokens computed, TTFT p50 / p99 ms, requests that waited for KV room."
+
+// classCells formats r's per-class results, as byClassNote says.
+func (r *Result) classCells() string {
+	cells := make([]string, len(r.Classes))
+	for k, c := range r.Classes {
+		cells[k] = fmt.Sprintf("%s %d, %.4f, %d, %.0f / %.0f, %d", c.Name, c.Requests, c.TokenHitRate, c.PrefillComputed, c.TTFTP50MS, c.TTFTP99MS, c.KVWaits)
+	}
+	return strings.Join(cells, "; ")
 }
 
 // changedNote says why a policy replayed on its own decision log may still
@@ -213,6 +259,9 @@ func (s *Summary) notes() []string {
 	}
 	if s.Model.Reuse != "" {
 		out = append(out, fmt.Sprintf("The engines reuse beyond the exact prefix (%s). The pooled and infinite references reuse the exact prefix alone: they are not these engines' ceiling.", s.Model.Reuse))
+	}
+	if n := s.kvWaitsNote(); n != "" {
+		out = append(out, n)
 	}
 	if pd := s.Model.Disaggregation; pd != nil {
 		n := fmt.Sprintf("Disaggregated: %d prefill and %d decode replicas, a KV transfer %.1f ms + %.1f µs/token, prompts of %d uncached tokens or more through a prefill replica. "+

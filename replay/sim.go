@@ -22,6 +22,13 @@ import (
 type Config struct {
 	Replicas     int   // default 8
 	BudgetTokens int64 // KV cache per replica in tokens; default 1,000,000
+	// Classes, when set, make the fleet mixed: the first class's Count
+	// replicas come first, then the next class's, and so on; Replicas,
+	// if set, must be their total. A class's zero fields take this
+	// Config's MaxRunning, PrefillOverhead, PrefillPerToken, InterToken
+	// and BudgetTokens. Routers are told each replica's budget and
+	// running limit, not its speed: they learn that from its load.
+	Classes []ReplicaClass
 	// BlockTokens is the block size policies are told (Dynamo counts
 	// blocks) and, for openai traces, the splitter's block size. Default 64;
 	// the mooncake reader's blocks are 512 tokens.
@@ -101,6 +108,8 @@ type Config struct {
 	// disaggregation, as router.PDOptions). 0: DefaultMinPrefillTokens;
 	// negative: every request is disaggregated.
 	MinPrefillTokens int
+
+	fleet []engineModel // each replica's engine, set by defaults
 }
 
 // Defaults of Config.
@@ -145,7 +154,6 @@ func (m *Config) defaults() error {
 			return errors.New("replica budgets and names differ in number")
 		}
 	}
-	m.Replicas = cmp.Or(m.Replicas, DefaultReplicas)
 	m.BlockTokens = cmp.Or(m.BlockTokens, DefaultBlockTokens)
 	m.MaxRunning = cmp.Or(m.MaxRunning, DefaultMaxRunning)
 	m.BudgetTokens = cmp.Or(m.BudgetTokens, DefaultBudgetTokens)
@@ -155,6 +163,9 @@ func (m *Config) defaults() error {
 	m.Eviction = cmp.Or(m.Eviction, eviction.Default)
 	m.Speedup = cmp.Or(m.Speedup, 1)
 	m.LoadHalfLife = cmp.Or(m.LoadHalfLife, replica.DefaultHalfLife)
+	if err := m.resolveFleet(); err != nil {
+		return err
+	}
 	if err := m.checkRanges(); err != nil {
 		return err
 	}
@@ -315,17 +326,40 @@ type sim struct {
 	// cache then holds what they found, pred what the picture predicted.
 	engines *engineCaches
 	pred    []int
-	ttft    []float64       // request → time to first token: -arrival until its first token, then ns, then ms
-	pools   []*replica.Pool // the routers' replica pools (none for a reference), which observe the replicas' gauges
+	// predBlocks and heldBlocks are, by request, the prompt blocks the
+	// picture predicted cached on the replica computing its prompt, and
+	// those its engine held when the request was routed (a picture mode).
+	predBlocks, heldBlocks []int
+	lostWaiting, notHeld   int64     // tokens: Prediction.LostWaitingTokens, NotHeldTokens
+	ttft                   []float64 // request → time to first token: -arrival until its first token, then ns, then ms
+	// kvWaited: request → whether it waited, first in its replica's
+	// queue, for room in the KV cache (Result.KVWaits).
+	kvWaited []bool
+	pools    []*replica.Pool // the routers' replica pools (none for a reference), which observe the replicas' gauges
 }
 
 // serve has the engine of replica r schedule request i at now and counts
 // the tokens and blocks it found cached.
 func (s *sim) serve(i, r int, now int64) {
 	tokens, blocks := s.engines.serve(s.pin(i, r), r, &s.reqs[i], now)
+	s.missed(i, blocks)
 	s.cache[i] = tokens
 	s.res.CachedTokens += int64(tokens)
 	s.res.HitBlocks += int64(blocks)
+}
+
+// missed sorts the prompt blocks the picture predicted for request i and
+// its engine did not have, from found on, by whether the engine held them
+// when the request was routed (Prediction.LostWaitingTokens,
+// NotHeldTokens).
+func (s *sim) missed(i, found int) {
+	for j := found; j < s.predBlocks[i]; j++ {
+		if j < s.heldBlocks[i] {
+			s.lostWaiting += int64(s.reqs[i].Blocks[j].Tokens)
+		} else {
+			s.notHeld += int64(s.reqs[i].Blocks[j].Tokens)
+		}
+	}
 }
 
 // pin is the key of request i's blocks pinned in replica r's engine: i,
@@ -381,8 +415,7 @@ func (s *sim) startPrefill(r int, now int64) {
 		b = min(int(now*buckets/(s.span+1)), buckets-1)
 	}
 	s.res.LoadOverTime[b][r] += float64(uncached)
-	dur := int64(s.m.PrefillOverhead) + uncached*int64(s.m.PrefillPerToken)
-	s.push(now+dur, evPrefillDone, i)
+	s.push(now+s.m.fleet[r].prefill(uncached), evPrefillDone, i)
 }
 
 // admit queues request i on replica r at now, and runs what fits.
@@ -402,14 +435,9 @@ func (s *sim) dispatchFree(now int64) {
 	}
 }
 
-// budget returns replica r's KV cache in tokens: its own (Config.Budgets,
-// a decision log's) or the config's for all.
-func (s *sim) budget(r int) int64 {
-	if r < len(s.m.Budgets) {
-		return s.m.Budgets[r]
-	}
-	return s.m.BudgetTokens
-}
+// budget returns replica r's KV cache in tokens: its class's, its own
+// (Config.Budgets, a decision log's) or the config's for all.
+func (s *sim) budget(r int) int64 { return s.m.fleet[r].budget }
 
 // kvNeed is the KV tokens request i adds to replica r's running
 // requests: its prompt blocks none of them holds. Output tokens are not
@@ -466,9 +494,13 @@ func (s *sim) hold(r, i int, delta int32) {
 // they do. A request larger than the whole cache runs alone.
 func (s *sim) admitWaiting(r int, now int64) {
 	st := &s.reps[r]
-	for len(st.admitQ) > 0 && st.running < s.m.MaxRunning {
+	for len(st.admitQ) > 0 && st.running < s.m.fleet[r].maxRunning {
 		i := st.admitQ[0]
 		if b := s.budget(r); st.running+st.lent > 0 && b > 0 && st.kv+s.kvNeed(r, i) > b {
+			if !s.kvWaited[i] {
+				s.kvWaited[i] = true
+				s.res.KVWaits++
+			}
 			return
 		}
 		st.admitQ = st.admitQ[1:]
@@ -560,8 +592,10 @@ func (s *sim) setUp(pools []*replica.Pool) {
 	s.cache = make([]int, len(s.reqs))
 	if s.engines != nil {
 		s.pred = make([]int, len(s.reqs))
+		s.predBlocks, s.heldBlocks = make([]int, len(s.reqs)), make([]int, len(s.reqs))
 	}
 	s.ttft = make([]float64, len(s.reqs))
+	s.kvWaited = make([]bool, len(s.reqs))
 	s.res.LoadOverTime = make([][]float64, buckets)
 	for b := range s.res.LoadOverTime {
 		s.res.LoadOverTime[b] = make([]float64, s.m.Replicas)
@@ -606,6 +640,8 @@ func (s *sim) placed(i int, pl place) {
 	s.rep[i], s.pre[i] = pl.rep, pl.pre
 	if s.engines != nil {
 		s.pred[i] = pl.cached // the engine's own lookup comes when it schedules the prefill
+		s.predBlocks[i] = pl.blocks
+		s.heldBlocks[i] = s.engines.held(pl.computes(), s.reqs[i].Blocks).Blocks
 	} else {
 		s.cache[i] = pl.cached
 		s.res.CachedTokens += int64(pl.cached)
@@ -652,7 +688,7 @@ func (s *sim) prefillDone(i int, now int64) {
 	st := &s.reps[r]
 	st.prefilling = -1
 	st.decoding++
-	s.push(now+int64(s.reqs[i].Output)*int64(s.m.InterToken), evFinish, i)
+	s.push(now+s.decode(r, i), evFinish, i)
 	s.startPrefill(r, now)
 	s.observe(r, now)
 }
@@ -671,9 +707,15 @@ func (s *sim) transferDone(i int, now int64) {
 	s.admitWaiting(p, now)
 	s.reps[r].decoding++
 	s.d.transferred(i, now)
-	s.push(now+int64(s.reqs[i].Output)*int64(s.m.InterToken), evFinish, i)
+	s.push(now+s.decode(r, i), evFinish, i)
 	s.observe(p, now)
 	s.observe(r, now)
+}
+
+// decode returns the time replica r takes to decode request i's output
+// after its first token.
+func (s *sim) decode(r, i int) int64 {
+	return int64(s.reqs[i].Output) * int64(s.m.fleet[r].interToken)
 }
 
 // finish ends request i at now: its engine first, then the router hears.
@@ -706,9 +748,14 @@ func (s *sim) results() {
 		pool = s.m.prefills
 	}
 	s.res.finish(s.ttft, s.reps, pool, s.rep, s.pre, s.cache, s.reqs)
+	for i, w := range s.kvWaited {
+		s.res.rows[i].kvWaited = w
+	}
+	s.res.byClass(s.m)
 	if s.engines != nil {
 		s.res.predicted(s.pred, s.cache)
 		s.res.Prediction.EngineEvictions = s.engines.evict
+		s.res.Prediction.LostWaitingTokens, s.res.Prediction.NotHeldTokens = s.lostWaiting, s.notHeld
 	}
 }
 

@@ -38,7 +38,8 @@ type replayOptions struct {
 	policyFile                   string
 	evictionParams               string // JSON; "": none
 	flowControl                  bool
-	pd                           string // "P:D"; "": not disaggregated
+	pd                           string   // "P:D"; "": not disaggregated
+	classes                      []string // --class, one replica class each
 }
 
 func newReplay() *cobra.Command {
@@ -47,7 +48,7 @@ func newReplay() *cobra.Command {
 		Use:   "replay",
 		Short: "Replay a trace through simulated replicas under several routing policies",
 		Long: `Replay a trace through simulated replicas, in virtual time, under every listed
-routing policy side by side, with the pooled (one cache of replicas × budget) and
+routing policy side by side, with the pooled (one cache of the fleet's whole budget) and
 infinite-cache references, and write summary.json, summary.md, a CSV per run and
 report.html to --out.`,
 		RunE: func(cmd *cobra.Command, _ []string) error { return o.run(cmd) },
@@ -66,6 +67,9 @@ func (o *replayOptions) run(cmd *cobra.Command) error {
 		if err := json.Unmarshal([]byte(o.evictionParams), &o.m.EvictionParams); err != nil {
 			return fmt.Errorf("--eviction-params: %w", err)
 		}
+	}
+	if err := o.fleet(cmd.Flags().Changed); err != nil {
+		return err
 	}
 	reqs, arms, err := o.readTrace(cmd.Flags().Changed)
 	if err != nil {
@@ -121,7 +125,7 @@ func (o *replayOptions) readTrace(changed func(flag string) bool) ([]replay.Requ
 			return nil, nil, err
 		}
 		o.m.ReplicaNames = t.Replicas
-		if !changed("budget-tokens") {
+		if !changed("budget-tokens") && len(o.m.Classes) == 0 {
 			o.m.Budgets = t.Budgets
 		}
 		return t.Requests, t.Arms, nil
@@ -139,6 +143,23 @@ func (o *replayOptions) readTrace(changed func(flag string) bool) ([]replay.Requ
 		return reqs, nil, err
 	}
 	return nil, nil, nil // replay.ParseFormat has refused any other
+}
+
+// fleet makes the replicas the --class flags' classes, if any: their
+// counts then make the fleet, unless --replicas is given too, which must
+// then be their total (changed tells which flags were).
+func (o *replayOptions) fleet(changed func(flag string) bool) error {
+	for _, c := range o.classes {
+		rc, err := replay.ParseClass(c)
+		if err != nil {
+			return fmt.Errorf("--class: %w", err)
+		}
+		o.m.Classes = append(o.m.Classes, rc)
+	}
+	if len(o.m.Classes) > 0 && !changed("replicas") {
+		o.m.Replicas = 0 // the classes' total
+	}
+	return nil
 }
 
 // disaggregate makes the replicas --pd's P prefill and D decode replicas;
@@ -211,6 +232,7 @@ func (o *replayOptions) register(cmd *cobra.Command) {
 	f.IntVar(&o.blockTokens, "block-tokens", 0, "tokens per block (default 512 for mooncake, 64 for openai)")
 	f.IntVar(&m.Replicas, "replicas", replay.DefaultReplicas, "replicas")
 	f.Int64Var(&m.BudgetTokens, "budget-tokens", replay.DefaultBudgetTokens, "KV cache per replica, tokens")
+	f.StringArrayVar(&o.classes, "class", nil, "a class of replicas in a mixed fleet, repeated for each class: count=N and any of name, prefill_overhead, prefill_per_token, inter_token, max_running, budget_tokens, comma-separated (count=4,prefill_per_token=300us,budget_tokens=200000); a field left out takes its flag's value; the classes' counts make the replicas")
 	f.IntVar(&m.MaxRunning, "max-running", replay.DefaultMaxRunning, "running sequences per replica; more wait")
 	f.DurationVar(&m.PrefillOverhead, "prefill-overhead", replay.DefaultPrefillOverhead, "fixed prefill time per request")
 	f.DurationVar(&m.PrefillPerToken, "prefill-per-token", replay.DefaultPrefillPerToken, "prefill time per uncached token")

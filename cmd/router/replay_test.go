@@ -120,3 +120,60 @@ func TestCLIReplayPictures(t *testing.T) {
 		t.Errorf("--picture approximate,exact: %v", err)
 	}
 }
+
+// TestCLIReplayClasses: --class, repeated, makes a mixed fleet whose
+// counts make the replicas (or must match --replicas and --pd), and the
+// report names the classes.
+func TestCLIReplayClasses(t *testing.T) {
+	dir := t.TempDir()
+	trace := filepath.Join(dir, "m.jsonl")
+	os.WriteFile(trace, []byte(`{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0, 1]}
+{"timestamp": 10, "input_length": 700, "output_length": 5, "hash_ids": [0, 1]}
+{"timestamp": 20, "input_length": 700, "output_length": 5, "hash_ids": [2, 3]}
+`), 0o600)
+	out := runCLI(t, "replay", "--trace", trace, "--policies", "round_robin", "--max-running", "32", "--out", filepath.Join(dir, "r"),
+		"--class", "name=fast,count=2", "--class", "name=slow,count=1,prefill_per_token=300us,budget_tokens=50000")
+	for _, want := range []string{"3 replicas in 2 classes", "fast ×2 (replicas 0–1): prefill 5.0 ms + 100 µs/token, 20 ms/output token, 32 running max, 1000000 tokens",
+		"slow ×1 (replicas 2–2): prefill 5.0 ms + 300 µs/token, 20 ms/output token, 32 running max, 50000 tokens", "- round_robin: fast 2,"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output lacks %q:\n%s", want, out)
+		}
+	}
+	var sum struct {
+		Replicas int `json:"replicas"`
+		Model    struct {
+			Fleet []struct {
+				Name  string `json:"name"`
+				Count int    `json:"count"`
+			} `json:"fleet"`
+		} `json:"model"`
+		Policies []struct {
+			Classes []struct {
+				Name     string `json:"name"`
+				Requests int    `json:"requests"`
+			} `json:"classes"`
+		} `json:"policies"`
+	}
+	b, err := os.ReadFile(filepath.Join(dir, "r", "summary.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(b, &sum); err != nil || sum.Replicas != 3 || len(sum.Model.Fleet) != 2 || sum.Model.Fleet[1].Name != "slow" ||
+		len(sum.Policies[0].Classes) != 2 || sum.Policies[0].Classes[0].Requests+sum.Policies[0].Classes[1].Requests != 3 {
+		t.Fatalf("summary %+v, %v", sum, err)
+	}
+	for _, tc := range []struct {
+		args []string
+		err  string
+	}{
+		{[]string{"--class", "count=2", "--replicas", "3"}, "classes count 2 replicas, the fleet has 3"},
+		{[]string{"--class", "count=2", "--pd", "1:2"}, "classes count 2 replicas, the fleet has 3"},
+		{[]string{"--class", "count=2,speed=3"}, `--class: class "count=2,speed=3": unknown key "speed"`},
+	} {
+		_, err := runCLIErr(t, append([]string{"replay", "--trace", trace, "--policies", "round_robin", "--out", filepath.Join(dir, "e")}, tc.args...)...)
+		if err == nil || !strings.Contains(err.Error(), tc.err) {
+			t.Errorf("%v: error %v, want one saying %q", tc.args, err, tc.err)
+		}
+	}
+	runCLI(t, "replay", "--trace", trace, "--policies", "round_robin", "--out", filepath.Join(dir, "pd"), "--class", "count=1", "--class", "count=2,prefill_per_token=50us", "--pd", "1:2")
+}
