@@ -56,6 +56,9 @@ type Lease struct {
 	hasLast bool
 	shared  bool // counted in its Picture's active blocks (SharedActive)
 	remote  bool // Remote was reported: the replica decodes a prompt computed elsewhere
+	// later: the blocks were recorded, not pinned, at the commit (the
+	// request waits for its engine to admit it); FirstToken pins them.
+	later bool
 	// onDrain is the decision's Request.OnDrain, called at the drain; set
 	// by Decide and kept by every begin (a failover's too).
 	onDrain func(*replica.Replica)
@@ -104,13 +107,17 @@ func (l *Lease) Pinned() (blocks int, tokens int64) {
 	return n, tokens
 }
 
-// begin records blocks on r and, when pin, pins them; counts w (its
-// Tokens recomputed under SharedActive when shared) on r. l is idle or
-// ended (Commit ends a live one first).
-func (l *Lease) begin(e *Engine, r *replica.Replica, d *Decision, c *Candidate, blocks []blockhash.Block, w replica.Work, pin, shared bool, now time.Time) {
+// begin records blocks on r and, when pin, pins them, or with later pins
+// them only at the first token; counts w (its Tokens recomputed under
+// SharedActive when shared) on r. l is idle or ended (Commit ends a live
+// one first).
+func (l *Lease) begin(e *Engine, r *replica.Replica, d *Decision, c *Candidate, blocks []blockhash.Block, w replica.Work, pin, later, shared bool, now time.Time) {
 	*l = Lease{e: e, rep: r, d: d, c: c, work: w, blocks: blocks, shared: shared && e.pic.sharesActive(), state: LeasePrefill, onDrain: l.onDrain}
 	switch {
 	case len(blocks) == 0:
+	case pin && later:
+		e.pic.record(r.ID, blocks, now.UnixNano())
+		l.later = true
 	case pin:
 		l.pins = e.pic.pin(r.ID, blocks, now.UnixNano())
 	default:
@@ -144,6 +151,9 @@ func (l *Lease) FirstToken(now time.Time) {
 		return
 	}
 	l.state = LeaseDecode
+	if l.later { // its engine admitted it and computed its prompt: held until it ends
+		l.pins, l.later = l.e.pic.pin(l.rep.ID, l.blocks, now.UnixNano()), false
+	}
 	l.rep.PrefillDone(&l.work, now)
 	if l.d != nil && l.e.sync != nil {
 		l.e.sync.PrefillDone(l.d, l.c)
@@ -214,7 +224,7 @@ func (e *Engine) PeerLease(r *replica.Replica, blocks []blockhash.Block, w repli
 	if pin {
 		blocks = append([]blockhash.Block(nil), blocks...)
 	}
-	l.begin(e, r, nil, nil, blocks, w, pin, false, now)
+	l.begin(e, r, nil, nil, blocks, w, pin, false, false, now)
 	return l
 }
 
@@ -237,8 +247,14 @@ func (e *Engine) Commit(d *Decision, c *Candidate) {
 	}
 	w := replica.Work{Prefill: prefill, Tokens: tokens}
 	sp := e.Service(c.Replica)
-	w.Predicted = sp.TTFT(c.Replica.State(tokens, d.priority), float64(prefill))
-	d.lease.begin(e, c.Replica, d, c, d.Blocks, w, true, true, now)
+	st := c.Replica.State(tokens, d.priority)
+	w.Predicted = sp.TTFT(st, float64(prefill))
+	// A request its engine will not admit at once holds no blocks there
+	// until it is: vLLM allocates a waiting request's blocks only when it
+	// schedules it, and may evict the cached ones it would have used to
+	// admit the requests ahead. Its blocks are recorded, evictable, and
+	// pinned at its first token.
+	d.lease.begin(e, c.Replica, d, c, d.Blocks, w, true, st.Queued > 0 || st.KVShort, true, now)
 	if e.sync != nil {
 		e.sync.Committed(d, c)
 	}

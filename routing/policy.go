@@ -207,7 +207,8 @@ func nonNegative(names []string, vals ...float64) error {
 //	cost(r)     = TTFT(r) + copy(r)
 //	TTFT(r)     = wait(r) + Overhead(r) + PerToken(r) × uncached(r) + PerAhead(r) × ahead(r)
 //	uncached(r) = Tokens − max(Match(r).Tokens + Reuse(r), Hot.Tokens)
-//	copy(r)     = CopyWeight × (max over replicas of matched − matched(r)) × the fleet's PerToken
+//	copy(r)     = min(CopyWeight × dup(r), dup(r) + the fleet's Run)
+//	dup(r)      = (max over replicas of matched − matched(r)) × the fleet's PerToken
 //
 // where wait(r) is the requests r must finish before a slot frees for this
 // one (its engine's max-num-seqs, its queue, the router's queue for it)
@@ -224,7 +225,12 @@ func nonNegative(names []string, vals ...float64) error {
 // the workload, not of an engine: the replay of both public traces (see
 // BENCHMARKS.md) put the hit rate within 1% of the best port's from 8 on,
 // with TTFT p50 and p99 the lowest, where 1 lost 8% of the hit rate. A hot
-// prefix (View.Hot), held soon everywhere, costs no copy. A miss everywhere goes to the replica that
+// prefix (View.Hot), held soon everywhere, costs no copy. Past computing
+// it once, staying with a prefix is worth at most a mean request's run
+// (servicetime.Params.Run): a long prefix does not hold a request behind a
+// queue of minutes. A replica whose engine has no KV room for the request
+// now (it would not admit it: State.KVShort) is ranked after those that
+// have (Tier 1, reason "kv"). A miss everywhere goes to the replica that
 // starts it first. Scores are in units of Resolution × the cheapest
 // candidate's cost (rank rounds them): closer costs are ties, left to the
 // session's rendezvous; Candidate.TTFT keeps the prediction in seconds.
@@ -280,11 +286,12 @@ func (p *PrefixCost) Score(in *View, cands []Candidate) {
 		st := c.State
 		st.KVShort = st.KVShort || c.Load.KVUsage >= KVSpill || !fits(in, c)
 		c.TTFT = sp.TTFT(st, max(float64(in.Tokens)-m.Tokens, 0))
-		c.Score = c.TTFT + p.cfg.CopyWeight*(best-m.Weighted)*fleet.PerToken
+		dup := (best - m.Weighted) * fleet.PerToken // seconds to compute the copy once
+		c.Score = c.TTFT + min(p.cfg.CopyWeight*dup, dup+fleet.Run)
 		least = min(least, c.Score)
 		switch {
 		case st.KVShort:
-			c.Reason = reasonNoRoom
+			c.Tier, c.Reason = 1, reasonNoRoom
 		case st.Queued > 0:
 			c.Reason = "queue"
 		default:
