@@ -128,6 +128,8 @@ type Core struct {
 	// requests that continue or fetch them, through either front end.
 	ids *responseIDs
 	log decisionRecorder
+	// transfer is transferPerToken's float64 bits; 0 until learned.
+	transfer atomic.Uint64
 }
 
 // armSet is an immutable set of arms with their total weight.
@@ -406,6 +408,7 @@ func (c *Core) FirstByte(rt *Routed) {
 		rt.Lease().FirstToken(rt.first)
 		if !rt.remoteAt.IsZero() {
 			c.o.Metrics.decodeFirst(rt.first.Sub(rt.remoteAt))
+			c.learnTransfer(rt.first.Sub(rt.remoteAt).Seconds(), rt.Uncached(rt.Served.Replica.ID))
 		}
 	})
 }

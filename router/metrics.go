@@ -104,7 +104,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		extProcRefused: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_ext_proc_refused_total",
 			Help: "Endpoint-picker streams refused by reason: buffer_full (429: the bodies buffered across streams are at grpc.ext_proc_max_buffered_bytes), body_too_large (413), silent (no message within timeouts.idle), out_of_order (a message the ext_proc protocol's order does not allow)."}, []string{"reason"}),
 		pdRequests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_pd_requests_total",
-			Help: "Requests of models a prefill replica serves, by path: disaggregated (prefill replica, then decode replica with its kv_transfer_params), short (the decode replica would compute less than the threshold: aggregated there), batch (several prompts or answers, which one set of kv_transfer_params cannot carry: aggregated)."}, []string{"path"}),
+			Help: "Requests of models a prefill replica serves, by path: disaggregated (prefill replica, then decode replica with its kv_transfer_params), short (the decode replica would compute less than the threshold: aggregated there), batch (several prompts or answers, which one set of kv_transfer_params cannot carry: aggregated), local (its decode replica is predicted to give the first token sooner computing the prompt itself than any prefill replica and the KV's transfer: aggregated there)."}, []string{"path"}),
 		pdFallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_pd_fallbacks_total",
 			Help: "Requests that would have been disaggregated whose decode replica computed the prompt itself, by reason: no_prefill_replica (no prefill replica available: every one ejected, down or draining), prefill_failed (every prefill replica tried failed before answering), prefill_timeout (the prefill replica did not answer within the prefill's bound: timeouts.prefill_floor plus the uncached prompt at timeouts.prefill_tokens_per_second, at most timeouts.first_byte), prefill_refused (a prefill replica answered 4xx), no_transfer_params (a prefill answer without kv_transfer_params)."}, []string{"reason"}),
 		pdPrefill: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "semroute_pd_prefill_seconds",
@@ -117,7 +117,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Time from sending a disaggregated request, with its kv_transfer_params, to its decode replica to the first byte of its answer: the KV transfer and the first decode step (vLLM's own vllm:nixl_xfer_time_seconds on the decode replica has the transfer alone).", Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)}),
 	}
 	m.models = map[string]bool{}
-	for _, p := range []string{"disaggregated", "short", "batch"} {
+	for _, p := range []string{"disaggregated", "short", "batch", "local"} {
 		m.pdRequests.WithLabelValues(p)
 	}
 	for _, r := range []string{"missing", "invalid"} {

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"errors"
+	"math"
 	"math/rand/v2"
 	"strconv"
 	"time"
@@ -180,6 +181,10 @@ func (c *Core) placed(rt *Routed, cr CoreRequest) (*Placement, *Deferral, error)
 		c.o.Metrics.disaggregated("batch")
 		return &Placement{Routed: rt}, nil, nil
 	}
+	if c.localSooner(rt, cr.Priority) {
+		c.o.Metrics.disaggregated("local")
+		return &Placement{Routed: rt}, nil, nil
+	}
 	now := c.e.Now()
 	cr.Input = cr.Input.Copy() // the decode decision owns the blocks
 	cr.Input.Allow = allowBoth(cr.Input.Allow, func(r *replica.Replica) bool { return r.Available(now) })
@@ -207,6 +212,76 @@ func needsPrefill(pd PDOptions, m *Metrics, rt *Routed) bool {
 	}
 	return true
 }
+
+// localSooner reports whether decode decision rt's replica is predicted to
+// give the request's first token sooner computing its prompt itself than
+// any available prefill replica would, its KV then moved: each replica's
+// time to first token from its service-time model
+// (routing.Engine.Service) with what it holds of the prompt, plus the
+// transfer of what the decode replica does not hold at the seconds per
+// token transfers took (Core.transfer). Disaggregation is for throughput
+// too: a decode replica's decode stalls while it prefills, which its
+// model's decode times show as they grow.
+func (c *Core) localSooner(rt *Routed, priority int) bool {
+	dec := rt.Served.Replica
+	tokens := int64(rt.Tokens)
+	ttft := func(r *replica.Replica, uncached float64) float64 {
+		p := c.e.Service(r)
+		return p.TTFT(r.State(tokens, priority), uncached)
+	}
+	moved := rt.Uncached(dec.ID)
+	local := ttft(dec, moved)
+	m := c.e.Picture().Match(rt.Blocks)
+	now := c.e.Now()
+	remote := math.Inf(1)
+	for _, r := range c.e.Pool().Replicas() {
+		if r.Role != replica.RolePrefill || !r.Available(now) {
+			continue
+		}
+		held := 0
+		if r.ID < len(m) {
+			held = m[r.ID].Tokens
+		}
+		remote = min(remote, ttft(r, max(float64(tokens-int64(held)), 0)))
+	}
+	if math.IsInf(remote, 1) {
+		return false // none available: the prefill decision's fallback counts it
+	}
+	return local <= remote+moved*c.transferPerToken()
+}
+
+// transferPerToken is the seconds a token of KV took to reach a decode
+// replica from its prefill replica, learned from the first tokens of the
+// disaggregated requests (learnTransfer); transferPrior until one came.
+func (c *Core) transferPerToken() float64 {
+	if v := c.transfer.Load(); v != 0 {
+		return math.Float64frombits(v)
+	}
+	return transferPrior
+}
+
+// learnTransfer moves transferPerToken an eighth of the way to sec
+// seconds for moved tokens.
+func (c *Core) learnTransfer(sec, moved float64) {
+	if !(sec > 0) || !(moved >= 1) {
+		return
+	}
+	for {
+		old := c.transfer.Load()
+		cur := transferPrior
+		if old != 0 {
+			cur = math.Float64frombits(old)
+		}
+		if c.transfer.CompareAndSwap(old, math.Float64bits(cur+(sec/moved-cur)/8)) {
+			return
+		}
+	}
+}
+
+// transferPrior is the seconds a token's KV is taken to move before any
+// transfer was seen: 10 µs, an 8B model's 128 KiB a token over about
+// 13 GB/s (RDMA, NIXL), the decode's first step included.
+const transferPrior = 10e-6
 
 // paired returns the placement of a disaggregated request: decode
 // decision rt and prefill decision prt, linked for the decision log.

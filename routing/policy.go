@@ -230,7 +230,8 @@ func nonNegative(names []string, vals ...float64) error {
 // (servicetime.Params.Run): a long prefix does not hold a request behind a
 // queue of minutes. A replica whose engine has no KV room for the request
 // now (it would not admit it: State.KVShort) is ranked after those that
-// have (Tier 1, reason "kv"). A miss everywhere goes to the replica that
+// have (Tier 1, reason "kv"), and one whose whole KV cache is smaller
+// than the request after every other (Tier 2, "too_long"). A miss everywhere goes to the replica that
 // starts it first. Scores are in units of Resolution × the cheapest
 // candidate's cost (rank rounds them): closer costs are ties, left to the
 // session's rendezvous; Candidate.TTFT keeps the prediction in seconds.
@@ -290,6 +291,8 @@ func (p *PrefixCost) Score(in *View, cands []Candidate) {
 		c.Score = c.TTFT + min(p.cfg.CopyWeight*dup, dup+fleet.Run)
 		least = min(least, c.Score)
 		switch {
+		case tooLong(in, c):
+			c.Tier, c.Reason = 2, reasonTooLong
 		case st.KVShort:
 			c.Tier, c.Reason = 1, reasonNoRoom
 		case st.Queued > 0:
@@ -362,6 +365,8 @@ func (p *PrefixCost) scoreTokens(in *View, cands []Candidate) {
 		matched := max(c.Match.Weighted+reuse, in.Hot.Weighted)
 		c.Score = in.Weighted - matched + p.cfg.LoadWeight*load
 		switch {
+		case tooLong(in, c):
+			c.Tier, c.Reason = 2, reasonTooLong
 		case load > limit || c.Load.KVUsage >= KVSpill:
 			c.Tier, c.Reason = 1, reasonSpill // after every replica that is not spilled
 		case !fits(in, c):
@@ -389,14 +394,23 @@ func fits(in *View, c *Candidate) bool {
 	return float64(in.Tokens) <= (1-c.Load.KVUsage)*float64(budget)
 }
 
+// tooLong reports whether the request's tokens are more than c's engine's
+// whole KV cache (its budget, when known): it would refuse it (vLLM, "the
+// kv cache does not have sufficient capacity"), however empty.
+func tooLong(in *View, c *Candidate) bool {
+	budget := in.Budget(c)
+	return budget > 0 && int64(in.Tokens) > budget
+}
+
 func (p *PrefixCost) queued(l replica.Load, avgPrefill float64) float64 {
 	return max(l.PendingTokens, float64(l.Waiting)*avgPrefill) + p.cfg.RecentWeight*l.RecentTokens
 }
 
 // The semantic policy's reasons for ranking a replica after the others.
 const (
-	reasonSpill  = "spill"
-	reasonNoRoom = "kv"
+	reasonSpill   = "spill"
+	reasonNoRoom  = "kv"
+	reasonTooLong = "too_long"
 )
 
 // KVSpill is the KV cache usage from which the semantic policy skips a

@@ -297,3 +297,20 @@ func TestRankByTierThenScore(t *testing.T) {
 	}
 	t.Fatal("a 0.4 score difference was not a tie")
 }
+
+// TestSemanticTooLong: a replica whose whole KV cache is smaller than the
+// request is ranked after every other, however long its prefix, under
+// either formula.
+func TestSemanticTooLong(t *testing.T) {
+	for _, params := range []Params{nil, {"load_weight": 0.1}} {
+		p, _ := NewPolicy(PolicySpec{Type: "semantic", Params: params})
+		in := &View{Tokens: 9000, Weighted: 9000, budgets: []int64{8192, 65536, 65536}}
+		cs := cands(3)
+		cs[0].Match = cachemodel.Match{Blocks: 100, Tokens: 8000, Weighted: 8000}
+		cs[1].Load.InFlight, cs[1].State.Queued = 50, 10 // busy, but it fits
+		p.Score(in, cs)
+		if cs[0].Reason != "too_long" || cs[0].Tier <= cs[1].Tier || cs[0].Tier <= cs[2].Tier {
+			t.Errorf("%v: %s tier %d, others %d and %d", params, cs[0].Reason, cs[0].Tier, cs[1].Tier, cs[2].Tier)
+		}
+	}
+}
