@@ -97,6 +97,11 @@ type FlowControlConfig struct {
 	// objective or x-llm-d-inference-objective header) to its priority:
 	// higher first; negative: sheddable, never queued. Others: 0.
 	Priorities map[string]int `mapstructure:"priorities" json:"priorities"`
+	// TTFTTargets maps an inference objective to its time-to-first-token
+	// target: a request of it that the queue predicts could not start
+	// within the target is refused at once (429, Retry-After), as one past
+	// the TTL is. Others: the TTL.
+	TTFTTargets map[string]time.Duration `mapstructure:"ttft_targets" json:"ttft_targets"`
 	// Reserve is how many slots of the pool a request keeps free for the
 	// higher priorities while they arrive, on as few replicas as they go
 	// to: 0 (the default) sizes it by their expected concurrency m (their
@@ -652,6 +657,7 @@ func SetDefaults(v *viper.Viper) {
 	v.SetDefault("flow_control.look_ahead", flow.DefaultLookAhead)
 	v.SetDefault("flow_control.age_bound", flow.DefaultAgeBound)
 	v.SetDefault("flow_control.priorities", map[string]int{})
+	v.SetDefault("flow_control.ttft_targets", map[string]time.Duration{})
 	v.SetDefault("flow_control.reserve", 0)
 	v.SetDefault("disaggregation.min_prefill_tokens", 256)
 	// The fleet's secrets, so that SEMROUTE_CLUSTER_PASSWORD and the like

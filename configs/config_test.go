@@ -242,3 +242,14 @@ replicas:
 		}
 	}
 }
+
+// TestTTFTTargets: flow_control.ttft_targets reads durations by objective.
+func TestTTFTTargets(t *testing.T) {
+	c, err := LoadBytes(NewViper(), []byte("flow_control:\n  priorities: {chat: 10}\n  ttft_targets: {chat: 1500ms, batch: 2m}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := c.FlowControl.TTFTTargets; got["chat"] != 1500*time.Millisecond || got["batch"] != 2*time.Minute || !c.FlowControl.Enabled {
+		t.Fatalf("targets %v, enabled %v", got, c.FlowControl.Enabled)
+	}
+}

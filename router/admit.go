@@ -97,6 +97,7 @@ func (c *Core) Admit(a Arrival, lim *limits.Request) (*Admission, error) {
 		get = func(string) string { return "" }
 	}
 	ad.Priority, ad.Flow = placement(a.Priorities, get, a.Tenant, req.User)
+	ad.Deadline = objectiveTarget(c.o.TTFTTargets, get)
 	if ad.Bytes == 0 {
 		ad.Bytes = int64(len(a.Body))
 	}

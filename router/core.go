@@ -39,6 +39,11 @@ type DecisionLogger interface {
 // CoreOptions configure a Core. Engine is required.
 type CoreOptions struct {
 	Engine *routing.Engine
+	// TTFTTargets maps an inference objective's name (the request's
+	// objective header, as Arrival.Priorities) to its time-to-first-token
+	// target: a request of that objective the router's queue predicts
+	// could not start within it is refused at once (CoreRequest.Deadline).
+	TTFTTargets map[string]time.Duration
 	// Arms split traffic between routing policies; at least one. The arms
 	// own the routing policy: the engine has none of its own.
 	Arms []Arm

@@ -16,6 +16,7 @@ import (
 
 	"github.com/semroute/semroute/flow"
 	"github.com/semroute/semroute/internal/testwait"
+	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
@@ -368,4 +369,27 @@ func TestQueueRefusesAtOnceWhatWouldWaitPastItsDeadline(t *testing.T) {
 	cancel()
 	wg.Wait()
 	c.Finish(first, Outcome{Status: 200}, nil)
+}
+
+// TestObjectiveTTFTTarget: a request's objective header names its TTFT
+// target (CoreOptions.TTFTTargets), its deadline in the router's queue.
+func TestObjectiveTTFTTarget(t *testing.T) {
+	f := newFixture(t, 1, "semantic")
+	c, _ := NewCore(CoreOptions{Engine: f.e, Arms: f.arms(), TTFTTargets: map[string]time.Duration{"chat": 1500 * time.Millisecond}})
+	body := []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)
+	for objective, want := range map[string]time.Duration{"chat": 1500 * time.Millisecond, "batch": 0, "": 0} {
+		h := http.Header{}
+		if objective != "" {
+			h.Set("X-Gateway-Inference-Objective", objective)
+		}
+		lim := limits.Request{}.WithDefaults()
+		ad, err := c.Admit(Arrival{Body: body, ContentType: "application/json", Header: h.Get, Route: "chat"}, &lim)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ad.Deadline != want {
+			t.Errorf("objective %q: deadline %v, want %v", objective, ad.Deadline, want)
+		}
+		ad.Recycle()
+	}
 }

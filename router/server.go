@@ -88,6 +88,18 @@ func objectivePriority(priorities map[string]int, get func(string) string) int {
 	return 0
 }
 
+// objectiveTarget returns the TTFT target the request's objective header
+// (the first spelling present, read by get) names in targets: 0 without
+// one, or for a name not listed.
+func objectiveTarget(targets map[string]time.Duration, get func(string) string) time.Duration {
+	for _, h := range objectiveHeaders {
+		if v := get(h); v != "" {
+			return targets[v]
+		}
+	}
+	return 0
+}
+
 // capPriority makes ceiling the highest priority of the request whose
 // headers are h, whatever it asks for: its objective's (objectivePriority,
 // the default 0 included), at most ceiling, goes in headerPriority, and an
