@@ -8,6 +8,8 @@ import (
 	"math"
 	"math/rand/v2"
 	"net/http"
+	"os"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -129,7 +131,8 @@ type olStats struct {
 	ttfts               []float64 // seconds, of the answered
 	queued              []float64 // seconds in the router's queue, of the answered
 	firstErr            string
-	badRetry            int // 429s without a Retry-After of whole seconds
+	badRetry            int       // 429s without a Retry-After of whole seconds
+	refusals            []float64 // seconds from arrival to the 429, of the shed
 }
 
 func (r *olRun) stats(keep func(q *olRequest) bool) *olStats {
@@ -152,6 +155,7 @@ func (r *olRun) stats(keep func(q *olRequest) bool) *olStats {
 			if n, err := strconv.Atoi(q.retry); err != nil || n < 1 {
 				s.badRetry++
 			}
+			s.refusals = append(s.refusals, q.done.Seconds())
 		default:
 			s.failed++
 			s.firstErr = cmp.Or(s.firstErr, q.err)
@@ -159,7 +163,17 @@ func (r *olRun) stats(keep func(q *olRequest) bool) *olStats {
 	}
 	slices.Sort(s.ttfts)
 	slices.Sort(s.queued)
+	slices.Sort(s.refusals)
 	return s
+}
+
+// refusedPct returns the q-quantile of the time to a 429 in milliseconds
+// (0 without refusals).
+func (s *olStats) refusedPct(q float64) float64 {
+	if len(s.refusals) == 0 {
+		return 0
+	}
+	return 1e3 * s.refusals[min(int(q*float64(len(s.refusals))), len(s.refusals)-1)]
 }
 
 func (s *olStats) hitRatio() float64 { return float64(s.cached) / float64(max(s.prompt, 1)) }
@@ -209,57 +223,86 @@ func sustainedRate(t testing.TB, work [][]byte) float64 {
 }
 
 // BenchmarkThirdPartyFlowControl measures, through 4 third-party replicas
-// of 4 sequences each on the mixed chat workload, an open-loop load at
-// 0.9× the rate they sustain with a burst to 2× for 30 s, and the same at
-// 0.5×, for the SGLang and Dynamo ports and the default with and without
-// flow control (one run each): a sub-benchmark a schedule and
-// configuration reporting the engines' hit ratio, TTFT p50, p90 and p99
-// at the client and the requests answered, shed (429) and failed, and
-// "sustained rate" the rate when it measures it. It logs the tables. It
-// takes about 15 minutes:
+// of 4 sequences each on the mixed chat workload, open-loop loads against
+// the rate they sustain: 0.9× with a burst to 2× for 30 s, for every port
+// (as they ship: no queue of the router's; engines queue) and the default
+// with and without its queue (flow_control.enabled: false); 0.5×, for the
+// default with and without; and 5× for a minute between two minutes at
+// 0.5×, for the default with and without (one run each). A sub-benchmark a
+// schedule and configuration reports the engines' hit ratio, TTFT p50, p90
+// and p99 at the client, the requests answered, shed (429) and failed,
+// the time to a 429 (p99 and max) and, for the overload, the TTFT p99 of
+// the requests that arrive in its last minute (recovered) and the router's
+// heap at its largest; "sustained rate" the rate when it measures it. It
+// logs the tables. It takes about 30 minutes:
 //
 //	SEMROUTE_THIRDPARTY_SIM=/path/to/llm-d-inference-sim SEMROUTE_THIRDPARTY_FLOW=1 \
-//	  go test -run '^$' -bench BenchmarkThirdPartyFlowControl -benchtime 1x -v -timeout 60m ./cmd/router
+//	  go test -run '^$' -bench BenchmarkThirdPartyFlowControl -benchtime 1x -v -timeout 90m ./cmd/router
 //
 // SEMROUTE_THIRDPARTY_RATE=<requests/s> skips measuring the sustained rate;
-// SEMROUTE_THIRDPARTY_ROWS keeps some rows, as for BenchmarkThirdPartyTable.
+// SEMROUTE_THIRDPARTY_ROWS keeps some rows, as for BenchmarkThirdPartyTable;
+// SEMROUTE_THIRDPARTY_SCHEDULES the schedules whose names contain one of
+// its comma-separated words (burst, 0.5×, overload).
 func BenchmarkThirdPartyFlowControl(b *testing.B) {
 	rate := flowRate(b)
-	fc := "flow_control:\n  enabled: true\n"
+	off := "flow_control:\n  enabled: false\n"
 	rows := []tpRow{
-		{"SGLang port", "sglang", "", false},
-		{"Dynamo port", "dynamo", "", false},
+		{"llm-d port", "llmd", off, false},
+		{"SGLang port", "sglang", off, false},
+		{"Dynamo port", "dynamo", off, false},
+		{"AIBrix port", "aibrix", off, false},
+		{"default without the queue (flow_control.enabled: false)", "", off, false},
 		{"default", "", "", false},
-		{"default with flow control", "", fc, false},
 	}
-	b.Run("0.9× with a burst to 2×", func(b *testing.B) {
-		burst := []phase{{60 * time.Second, 0.9 * rate}, {30 * time.Second, 2 * rate}, {60 * time.Second, 0.9 * rate}}
-		b.Log(olTable(b, fmt.Sprintf("0.9× of %.2f requests/s, 2× for 30 s", rate), burst, rows))
-	})
-	b.Run("0.5×", func(b *testing.B) {
-		calm := []phase{{90 * time.Second, 0.5 * rate}}
-		b.Log(olTable(b, fmt.Sprintf("0.5× of %.2f requests/s", rate), calm, rows[2:]))
-	})
+	schedules := []struct {
+		name   string
+		phases []phase
+		rows   []tpRow
+		after  time.Duration // the recovered requests arrive from here
+	}{
+		{"burst: 0.9× with a burst to 2×", []phase{{60 * time.Second, 0.9 * rate}, {30 * time.Second, 2 * rate}, {60 * time.Second, 0.9 * rate}}, rows, 0},
+		{"0.5×", []phase{{90 * time.Second, 0.5 * rate}}, rows[4:], 0},
+		{"overload: 5× for a minute", []phase{{60 * time.Second, 0.5 * rate}, {60 * time.Second, 5 * rate}, {60 * time.Second, 0.5 * rate}}, rows[4:], 120 * time.Second},
+	}
+	want := os.Getenv("SEMROUTE_THIRDPARTY_SCHEDULES")
+	for _, sc := range schedules {
+		if want != "" && !wordIn(want, sc.name) {
+			continue
+		}
+		b.Run(sc.name, func(b *testing.B) {
+			b.Log(olTable(b, fmt.Sprintf("%s of %.2f requests/s", sc.name, rate), sc.phases, sc.rows, sc.after))
+		})
+	}
 }
 
 // olTable runs the schedule through each row's router in front of 4 fresh
 // third-party replicas, a sub-benchmark of b each, and returns the table.
-func olTable(b *testing.B, title string, phases []phase, rows []tpRow) string {
+// With after, it also reports the TTFT p99 of the requests that arrive
+// from after on (recovered) and the router's heap at its largest.
+func olTable(b *testing.B, title string, phases []phase, rows []tpRow, after time.Duration) string {
 	at := arrivals(phases, 5)
 	work := truthSessions(len(at), 29, 40)
 	var t strings.Builder
-	fmt.Fprintf(&t, "\n%s: %d requests\n\n| configuration | engine hit ratio | TTFT p50 / p90 / p99 ms | answered | shed (429) | failed |\n|---|---:|---|---:|---:|---:|\n", title, len(at))
+	fmt.Fprintf(&t, "\n%s: %d requests\n\n| configuration | engine hit ratio | TTFT p50 / p90 / p99 ms | answered | shed (429) | failed | 429 within p99 / max ms | recovered p99 ms | heap max MiB |\n|---|---:|---|---:|---:|---:|---|---:|---:|\n", title, len(at))
 	for _, row := range rows {
 		if !tpWanted(row.name) {
 			continue
 		}
-		var s *olStats
+		var s, late *olStats
+		var heap float64
 		b.Run(row.name, func(b *testing.B) {
 			for range b.N {
 				reps := startThirdParty(b, tpOptions{n: 4})
 				r := startRouterYAML(b, row.yaml+tpConfig(reps, row.events, row.policy))
 				waitBudgets(b, r, 4, 768*16)
-				s = sendOpenLoop(r.url, work, at, nil, 5*time.Minute).stats(nil)
+				stop := make(chan struct{})
+				peak := make(chan float64)
+				go func() { peak <- heapPeak(stop) }()
+				run := sendOpenLoop(r.url, work, at, nil, 5*time.Minute)
+				close(stop)
+				heap = <-peak
+				s = run.stats(nil)
+				late = run.stats(func(q *olRequest) bool { return after > 0 && q.at >= after })
 				b.Logf("%s, %s: %s; first error: %s", title, row.name, s, s.firstErr)
 				_ = r.run.stop(time.Second)
 				for _, rep := range reps {
@@ -273,11 +316,40 @@ func olTable(b *testing.B, title string, phases []phase, rows []tpRow) string {
 			b.ReportMetric(float64(s.ok), "answered")
 			b.ReportMetric(float64(s.shed), "shed")
 			b.ReportMetric(float64(s.failed), "failed")
+			b.ReportMetric(s.refusedPct(0.99), "refused-p99-ms")
+			b.ReportMetric(s.refusedPct(1), "refused-max-ms")
+			b.ReportMetric(heap, "heap-max-MiB")
+			if after > 0 {
+				b.ReportMetric(late.pct(0.99), "recovered-ttft-p99-ms")
+			}
 		})
 		if s != nil {
-			fmt.Fprintf(&t, "| %s | %.3f | %.0f / %.0f / %.0f | %d | %d | %d |\n", row.name, s.hitRatio(),
-				s.pct(0.5), s.pct(0.9), s.pct(0.99), s.ok, s.shed, s.failed)
+			recovered := "–"
+			if after > 0 {
+				recovered = fmt.Sprintf("%.0f", late.pct(0.99))
+			}
+			fmt.Fprintf(&t, "| %s | %.3f | %.0f / %.0f / %.0f | %d | %d | %d | %.0f / %.0f | %s | %.0f |\n", row.name, s.hitRatio(),
+				s.pct(0.5), s.pct(0.9), s.pct(0.99), s.ok, s.shed, s.failed, s.refusedPct(0.99), s.refusedPct(1), recovered, heap)
 		}
 	}
 	return t.String()
+}
+
+// heapPeak samples the process's heap in use every second until stop
+// closes and returns the largest, in MiB: the router runs in the test's
+// process.
+func heapPeak(stop <-chan struct{}) float64 {
+	var most uint64
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	for {
+		var m runtime.MemStats
+		runtime.ReadMemStats(&m)
+		most = max(most, m.HeapInuse)
+		select {
+		case <-stop:
+			return float64(most) / (1 << 20)
+		case <-tick.C:
+		}
+	}
 }

@@ -571,7 +571,7 @@ func BenchmarkThirdPartyTable(b *testing.B) {
 		{"approximate + feedback (tokenizer.mode: estimate)", "", estimate, false},
 		{"default: auto, /tokenize only", "", "", false},
 		{"default: auto + KV events", "", "", true},
-		{"default with flow control: auto, /tokenize only", "", "flow_control:\n  enabled: true\n", false},
+		{"default without the queue (flow_control.enabled: false)", "", "flow_control:\n  enabled: false\n", false},
 	}
 	// 40 sessions open: a working set the fleet's memory holds, as the
 	// issue's held-out workload's (its llm-d port reached 0.93 of its
