@@ -69,14 +69,20 @@ func route(c *Core, cr CoreRequest) (*Routed, error) {
 // a quarter of a second, not the prior's seconds.
 func teachFast(rs []*replica.Replica, now time.Time) {
 	for _, r := range rs {
-		for i := range 16 {
-			uncached := int64(500 + 1000*(i%2))
-			ttft := time.Duration(uncached) * 200 * time.Microsecond
-			w := replica.Work{Prefill: uncached, Tokens: uncached}
-			r.Begin(&w, now)
-			r.PrefillDone(&w, now.Add(ttft))
-			r.End(&w, now.Add(ttft+50*time.Millisecond))
-			r.LearnService(&w, float64(uncached), 10, true)
-		}
+		teach(r, now, 200*time.Microsecond)
+	}
+}
+
+// teach has r serve 16 requests alone, 500 and 1,500 uncached tokens at
+// perToken each and 10 output tokens in 50 ms, and learn them.
+func teach(r *replica.Replica, now time.Time, perToken time.Duration) {
+	for i := range 16 {
+		uncached := int64(500 + 1000*(i%2))
+		ttft := time.Duration(uncached) * perToken
+		w := replica.Work{Prefill: uncached, Tokens: uncached}
+		r.Begin(&w, now)
+		r.PrefillDone(&w, now.Add(ttft))
+		r.End(&w, now.Add(ttft+50*time.Millisecond))
+		r.LearnService(&w, float64(uncached), 10, true)
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
@@ -16,6 +17,7 @@ import (
 	"github.com/semroute/semroute/decisionlog"
 	"github.com/semroute/semroute/internal/testwait"
 	"github.com/semroute/semroute/replica"
+	"github.com/semroute/semroute/routing"
 )
 
 // pdEngine is a vLLM with a NIXL connector as the router sees it: a
@@ -333,5 +335,49 @@ func TestPrefillBodyKeepsText(t *testing.T) {
 	if !strings.Contains(string(out), `"<a> & <b>"`) || strings.Contains(string(out), "echo") || strings.Contains(string(out), "prompt_logprobs") ||
 		!strings.Contains(string(out), `"max_completion_tokens":1`) {
 		t.Fatalf("prefill body: %s", out)
+	}
+}
+
+// TestDisaggregatesOnlyWhenSooner: a request goes through a prefill
+// replica when that replica and the KV's transfer are predicted to bring
+// its first token sooner than its decode replica computing the prompt
+// (each replica's learned service time), and stays aggregated, counted
+// local, when its decode replica is the faster.
+func TestDisaggregatesOnlyWhenSooner(t *testing.T) {
+	for _, tc := range []struct {
+		name              string
+		prefill, decode   time.Duration // seconds a prompt token on each
+		wantDisaggregated bool
+	}{
+		{"prefill replica 10x faster", 100 * time.Microsecond, time.Millisecond, true},
+		{"decode replica 10x faster", time.Millisecond, 100 * time.Microsecond, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			now := time.Unix(1000, 0)
+			e, err := routing.New(routing.Options{Replicas: []replica.Spec{
+				{Name: "p0", URL: "http://127.0.0.1:9000", Role: replica.RolePrefill},
+				{Name: "d0", URL: "http://127.0.0.1:9001", Role: replica.RoleDecode}},
+				Engine: routing.EngineOptions{Now: func() time.Time { return now }}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			pol, _ := routing.NewPolicy(routing.PolicySpec{Type: "semantic"})
+			c, _ := NewCore(CoreOptions{Engine: e, Arms: []Arm{{Name: "default", Policy: pol, Weight: 1}}})
+			rs := e.Pool().Replicas()
+			teach(rs[0], now, tc.prefill)
+			teach(rs[1], now, tc.decode)
+			in := e.Prepare(parseChat(t, "user", strings.Repeat("a long document to prefill ", 300)), "", false)
+			p, err := c.Place(CoreRequest{Input: in, Route: "chat", Disaggregate: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := p.Prefill != nil; got != tc.wantDisaggregated {
+				t.Fatalf("disaggregated %v, want %v", got, tc.wantDisaggregated)
+			}
+			if p.Prefill != nil {
+				c.Finish(p.Prefill, Outcome{Status: 200}, nil)
+			}
+			c.Finish(p.Routed, Outcome{Status: 200}, nil)
+		})
 	}
 }

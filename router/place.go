@@ -181,7 +181,7 @@ func (c *Core) placed(rt *Routed, cr CoreRequest) (*Placement, *Deferral, error)
 		c.o.Metrics.disaggregated("batch")
 		return &Placement{Routed: rt}, nil, nil
 	}
-	if c.localSooner(rt, cr.Priority) {
+	if c.o.PD.MinPrefillTokens >= 0 && c.localSooner(rt, cr.Priority) { // negative: every request is disaggregated
 		c.o.Metrics.disaggregated("local")
 		return &Placement{Routed: rt}, nil, nil
 	}

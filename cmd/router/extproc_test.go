@@ -261,10 +261,17 @@ func endpoints(d *demo) map[string]string {
 // identical routers in front of identical replicas, one fed over HTTP and
 // one through Envoy's ext_proc protocol, make the same choices with the
 // same matched tokens over a workload of shared prompts and multi-turn
-// chats whose replies must be learned, streamed and not.
+// chats whose replies must be learned, streamed and not. Both route on
+// the token formula (routing.load_weight above 0): the seconds cost reads
+// each router's own timing of its replicas' answers, which two routers
+// never see alike.
 func TestExtProcRoutesAsTheHTTPPathDoes(t *testing.T) {
-	httpd := startTestDemo(t, demoOptions{sim: fastSim})
-	epd := startTestDemo(t, demoOptions{sim: fastSim, grpcListen: "127.0.0.1:0"})
+	cfg := filepath.Join(t.TempDir(), "tokens.yaml")
+	if err := os.WriteFile(cfg, []byte("routing:\n  load_weight: 0.1\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	httpd := startTestDemo(t, demoOptions{sim: fastSim, config: cfg})
+	epd := startTestDemo(t, demoOptions{sim: fastSim, grpcListen: "127.0.0.1:0", config: cfg})
 	env := newEnvoy(t, epd)
 	names := endpoints(epd)
 
