@@ -24,7 +24,7 @@ func TestReportChartsAreLegible(t *testing.T) {
 		s.Policies = append(s.Policies, res(fmt.Sprintf("policy-%d", i)))
 	}
 	s.Policies[3].Name = "semantic"
-	s.Extra = []*Result{res("semantic-no-load")}
+	s.Extra = []*Result{res("semantic-no-copy")}
 	chart := ttftChart(s)
 	lines := regexp.MustCompile(`<polyline fill="none" stroke="([^"]+)" stroke-width="([^"]+)"(?: stroke-dasharray="([^"]+)")?`).FindAllStringSubmatch(chart, -1)
 	if len(lines) != 16 {

@@ -18,8 +18,9 @@ type Matrix struct {
 	// file), after them.
 	Policies []string
 	Extra    []Run
-	// Ablations adds the semantic policy with unit kind weights and with
-	// load ignored (Ablations); PrefixCredit the semantic policy crediting
+	// Ablations adds the semantic policy with unit kind weights, without
+	// a copy's cost and on the token formula (Ablations); PrefixCredit the
+	// semantic policy crediting
 	// the exact prefix alone (the baseline of engines that reuse past it);
 	// Matcher the semantic policy with the semantic matcher.
 	Ablations, PrefixCredit, Matcher bool

@@ -37,7 +37,7 @@ func TestMatrixRuns(t *testing.T) {
 		}
 	}
 	runs := Matrix{Ablations: true, PrefixCredit: true}.Runs(c)
-	if len(runs) != 3 || runs[1].Params["load_weight"] != 0 || runs[2].Params["load_weight"] != 0.2 || runs[2].Params["prefix_only"] != true || c.Params["semantic"]["prefix_only"] != nil {
+	if len(runs) != 4 || runs[1].Params["copy_weight"] != 0 || runs[2].Params["load_weight"] != 0.1 || runs[3].Params["load_weight"] != 0.2 || runs[3].Params["prefix_only"] != true || c.Params["semantic"]["prefix_only"] != nil {
 		t.Errorf("ablations and prefix credit: %+v; the config's params %+v", runs, c.Params)
 	}
 }

@@ -613,17 +613,22 @@ func runReference(reqs []Request, m *Config, name string, budget int64) (*Result
 	return s.res, nil
 }
 
-// Ablations are the semantic policy with every kind weight 1, and with
-// load ignored (load and recent weights zero, no spill), to show what each
-// part contributes; base is its parameters otherwise.
+// Ablations are the semantic policy with every kind weight 1, without the
+// cost of a prefix's second copy (copy_weight 0: time to first token
+// alone), and on the token formula of earlier releases (load_weight 0.1),
+// to show what each part contributes; base is its parameters otherwise.
 func Ablations(base routing.Params) []Run {
-	noLoad := maps.Clone(base)
-	if noLoad == nil {
-		noLoad = routing.Params{}
+	with := func(p routing.Params) routing.Params {
+		out := maps.Clone(base)
+		if out == nil {
+			out = routing.Params{}
+		}
+		maps.Copy(out, p)
+		return out
 	}
-	maps.Copy(noLoad, routing.Params{"load_weight": 0, "recent_weight": 0, "spill_factor": 1e12, "spill_margin_tokens": 1e18})
 	return []Run{
 		{Label: "semantic-unit-weights", Policy: "semantic", Params: base, Weights: cachemodel.UnitWeights()},
-		{Label: "semantic-no-load", Policy: "semantic", Params: noLoad},
+		{Label: "semantic-no-copy", Policy: "semantic", Params: with(routing.Params{"copy_weight": 0})},
+		{Label: "semantic-tokens", Policy: "semantic", Params: with(routing.Params{"load_weight": 0.1})},
 	}
 }

@@ -37,7 +37,7 @@ func TestCLIGentraceAndReplay(t *testing.T) {
 	runCLI(t, "gentrace", "--out", trace, "--sessions", "40", "--docs", "20")
 	out := runCLI(t, "replay", "--format", "openai", "--trace", trace, "--replicas", "4", "--budget-tokens", "50000",
 		"--policies", "semantic,round_robin,sglang", "--ablations", "--matcher", "--out", filepath.Join(dir, "rep"))
-	for _, name := range []string{"| semantic |", "| round_robin |", "| sglang |", "| semantic-unit-weights |", "| semantic-no-load |", "| semantic+matcher |", "| pooled |", "| infinite |"} {
+	for _, name := range []string{"| semantic |", "| round_robin |", "| sglang |", "| semantic-unit-weights |", "| semantic-no-copy |", "| semantic-tokens |", "| semantic+matcher |", "| pooled |", "| infinite |"} {
 		if !strings.Contains(out, name) {
 			t.Errorf("output lacks %s:\n%s", name, out)
 		}
