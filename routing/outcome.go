@@ -1,5 +1,7 @@
 package routing
 
+import "cmp"
+
 // PrefixOutcome is what became of a prompt token's prefix caching: found
 // cached where the request ran, or why not. Every prompt token of a
 // finished request is given exactly one (PrefixOutcomes), so that an
@@ -60,7 +62,10 @@ func (p *PrefixTokens) Sum() int64 {
 // PrefixOutcomes classifies the prompt tokens of decision d's request,
 // served by candidate served (one of d's, or the one a failover moved it
 // to) and answered with usage u, by outcome; queued says it waited in the
-// router's queue (flow control) before it was placed. The outcomes sum to
+// router's queue (flow control) before it was placed, and block is the
+// block size in the decision's tokens (Engine.Splitter's BlockTokens: a
+// precise decision's own engine block is used instead; 0 counts every
+// difference). The outcomes sum to
 // the prompt's tokens: u.PromptTokens when the engine reported them, else
 // d.Tokens (the estimate, in the engine's unit as learned). A request not
 // answered OK, or without a prompt (no blocks: a pass-through), is not
@@ -73,12 +78,19 @@ func (p *PrefixTokens) Sum() int64 {
 // has room for it:
 //
 //	hit         = the cached tokens the engine reported (at most P), else S
-//	shortfall   = S − hit when the engine reported, and positive: waited if
-//	              the request waited for KV room (served.State.KVShort, the
-//	              policy's reason "kv" on it, queued, or d.Deferred), else
-//	              evicted
-//	routed away = B − (hit + shortfall), when positive
+//	shortfall   = S − hit when the engine reported, if at least a block:
+//	              waited if the request waited for KV room
+//	              (served.State.KVShort, the policy's reason "kv" on it,
+//	              queued, or d.Deferred), else evicted
+//	routed away = B − (hit + shortfall), if at least a block
 //	cold        = the rest: P − max(hit + shortfall, B)
+//
+// A difference under a block is cold, not lost: an engine caches whole
+// blocks only, and computes at least the prompt's last token (vLLM caps a
+// hit at the prompt's tokens less one, in whole blocks), so the tail of a
+// prefix that ends inside a block is computed wherever the request goes,
+// while the router's hold counts it (Engine.Feedback ignores such a
+// difference too).
 //
 // A request that waited for KV room sat while its engine freed blocks: the
 // prefix it was predicted to find was evicted to make that room, or its
@@ -105,7 +117,7 @@ func (p *PrefixTokens) Sum() int64 {
 // or a failover off the holder.
 //
 // It allocates nothing; O(candidates).
-func PrefixOutcomes(d *Decision, served *Candidate, u Usage, queued bool) PrefixTokens {
+func PrefixOutcomes(d *Decision, served *Candidate, u Usage, queued bool, block int) PrefixTokens {
 	var out PrefixTokens
 	if d == nil || served == nil || !u.OK || len(d.Blocks) == 0 {
 		return out
@@ -117,6 +129,7 @@ func PrefixOutcomes(d *Decision, served *Candidate, u Usage, queued bool) Prefix
 	if prompt <= 0 {
 		return out
 	}
+	blk := max(int64(cmp.Or(d.blockTokens, block)), 1)
 	hold := func(c *Candidate) int64 { return min(max(int64(c.Predicted()), 0), prompt) }
 	s := hold(served)
 	hit := s
@@ -124,8 +137,9 @@ func PrefixOutcomes(d *Decision, served *Candidate, u Usage, queued bool) Prefix
 		hit = min(max(u.CachedTokens, 0), prompt)
 	}
 	out[PrefixHit] = hit
-	covered := max(hit, s)
-	if short := covered - hit; short > 0 {
+	covered := hit
+	if short := s - hit; short >= blk {
+		covered = s
 		if queued || d.Deferred || served.State.KVShort || served.Reason == reasonNoRoom {
 			out[PrefixWaited] = short
 		} else {
@@ -148,7 +162,7 @@ func PrefixOutcomes(d *Decision, served *Candidate, u Usage, queued bool) Prefix
 			holder, best = c, h
 		}
 	}
-	if away := best - covered; away > 0 {
+	if away := best - covered; away >= blk {
 		if lostOnLoad(holder, served) {
 			out[PrefixRoutedAwayLoad] = away
 		} else {

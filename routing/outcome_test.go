@@ -3,6 +3,7 @@ package routing
 import (
 	"math/rand/v2"
 	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/semroute/semroute/blockhash"
@@ -32,6 +33,7 @@ func TestPrefixOutcomes(t *testing.T) {
 		u      Usage
 		tokens int // the decision's estimate
 		queued bool
+		block  int
 		want   want
 	}{
 		{name: "cold", cands: []Candidate{held(a, 0), held(b, 0)}, u: reported(100, 0),
@@ -80,12 +82,23 @@ func TestPrefixOutcomes(t *testing.T) {
 			u: reported(100, 0), want: want{PrefixRoutedAwayLoad: 70, PrefixCold: 30}},
 		{name: "the estimate without a prompt report", cands: []Candidate{held(a, 0), held(b, 30)}, u: Usage{OK: true}, tokens: 50,
 			want: want{PrefixRoutedAway: 30, PrefixCold: 20}},
+		{name: "a shortfall under a block is cold", cands: []Candidate{held(a, 270)}, u: reported(270, 256), block: 16,
+			want: want{PrefixHit: 256, PrefixCold: 14}},
+		{name: "a shortfall of a block is lost", cands: []Candidate{held(a, 272)}, u: reported(300, 256), block: 16,
+			want: want{PrefixHit: 256, PrefixEvicted: 16, PrefixCold: 28}},
+		{name: "routed away under a block is cold", cands: []Candidate{held(a, 256), held(b, 270)}, u: reported(300, 256), block: 16,
+			want: want{PrefixHit: 256, PrefixCold: 44}},
+		{name: "a precise decision's own block", cands: []Candidate{held(a, 256), held(b, 270)}, u: reported(300, 256), block: 1,
+			want: want{PrefixHit: 256, PrefixCold: 44}},
 		{name: "not OK: not classified", cands: []Candidate{held(a, 80)}, u: Usage{PromptTokens: 100, CachedReported: true}, want: want{}},
 		{name: "no prompt: not classified", cands: []Candidate{held(a, 0)}, u: Usage{OK: true}, want: want{}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			d := &Decision{Blocks: []blockhash.Block{{Tokens: 16}}, Tokens: tc.tokens, Candidates: tc.cands}
-			got := PrefixOutcomes(d, &d.Candidates[tc.served], tc.u, tc.queued)
+			if strings.HasPrefix(tc.name, "a precise") {
+				d.blockTokens = 16
+			}
+			got := PrefixOutcomes(d, &d.Candidates[tc.served], tc.u, tc.queued, tc.block)
 			var exp PrefixTokens
 			for o, n := range tc.want {
 				exp[o] = n
@@ -131,7 +144,7 @@ func TestPrefixOutcomesSumToThePrompt(t *testing.T) {
 		}
 		d := &Decision{Blocks: []blockhash.Block{{Tokens: 16}}, Tokens: rng.IntN(250), Candidates: cands, Deferred: rng.IntN(8) == 0}
 		u := Usage{OK: rng.IntN(10) > 0, PromptTokens: int64(rng.IntN(250)), CachedTokens: int64(rng.IntN(300) - 20), CachedReported: rng.IntN(3) > 0}
-		got := PrefixOutcomes(d, &d.Candidates[rng.IntN(len(cands))], u, rng.IntN(8) == 0)
+		got := PrefixOutcomes(d, &d.Candidates[rng.IntN(len(cands))], u, rng.IntN(8) == 0, rng.IntN(65))
 		prompt := u.PromptTokens
 		if prompt == 0 {
 			prompt = int64(d.Tokens)
@@ -175,7 +188,7 @@ func BenchmarkPrefixOutcomes(b *testing.B) {
 			u := Usage{OK: true, PromptTokens: 4096, CachedTokens: 32, CachedReported: true}
 			b.ReportAllocs()
 			for b.Loop() {
-				_ = PrefixOutcomes(d, &d.Candidates[0], u, false)
+				_ = PrefixOutcomes(d, &d.Candidates[0], u, false, 16)
 			}
 		})
 	}
