@@ -464,10 +464,10 @@ func (c *Core) Finish(rt *Routed, o Outcome, reply []byte) {
 
 // prefix classifies rt's prompt tokens by what became of their prefix
 // caching (routing.PrefixOutcomes), as its outcome o reports them, to
-// within a block of the splitter's; a request that waited in the
-// router's queue waited for room. A
-// disaggregated request's decode part, whose prompt its prefill replica
-// computed, is not classified: its prefill decision is.
+// within a block of the splitter's; a request that waited in the router's
+// queue waited for room. A disaggregated request's decode part, whose
+// prompt its prefill replica computed, is not classified: its prefill
+// decision is.
 func (c *Core) prefix(rt *Routed, o *Outcome) routing.PrefixTokens {
 	if rt.remote || rt.req.PassThrough {
 		return routing.PrefixTokens{}

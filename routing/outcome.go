@@ -65,11 +65,10 @@ func (p *PrefixTokens) Sum() int64 {
 // router's queue (flow control) before it was placed, and block is the
 // block size in the decision's tokens (Engine.Splitter's BlockTokens: a
 // precise decision's own engine block is used instead; 0 counts every
-// difference). The outcomes sum to
-// the prompt's tokens: u.PromptTokens when the engine reported them, else
-// d.Tokens (the estimate, in the engine's unit as learned). A request not
-// answered OK, or without a prompt (no blocks: a pass-through), is not
-// classified: the zero value.
+// difference). The outcomes sum to the prompt's tokens: u.PromptTokens
+// when the engine reported them, else d.Tokens (the estimate, in the
+// engine's unit as learned). A request not answered OK, or without a
+// prompt (no blocks: a pass-through), is not classified: the zero value.
 //
 // A candidate's hold is the cached tokens its engine was expected to
 // report (Candidate.Predicted), at most the prompt. With P the prompt's
