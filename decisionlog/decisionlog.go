@@ -124,6 +124,30 @@ type Record struct {
 	Stage   string `json:"stage,omitempty"`
 	Pair    string `json:"pair,omitempty"`
 	Prefill string `json:"prefill_replica,omitempty"`
+	// Prefix is the request's prompt tokens by what became of their
+	// prefix caching; nil when not classified (no OK answer, no prompt, a
+	// disaggregated request's decode part, or a log written before it).
+	Prefix *Prefix `json:"prefix,omitempty"`
+}
+
+// Prefix is a request's prompt tokens by outcome (routing.PrefixOutcomes,
+// which has the rule of each): each prompt token is in one field, so they
+// sum to the prompt's tokens. A field at 0 is left out.
+type Prefix struct {
+	// Hit: found cached on the replica that served (as its engine
+	// reported, else as the router predicted).
+	Hit int64 `json:"hit,omitempty"`
+	// Cold: no candidate replica held them.
+	Cold int64 `json:"cold,omitempty"`
+	// RoutedAway and RoutedAwayLoad: another candidate held them and the
+	// request went elsewhere; Load when the decision says the holder was
+	// the more loaded or slower.
+	RoutedAway     int64 `json:"routed_away,omitempty"`
+	RoutedAwayLoad int64 `json:"routed_away_load,omitempty"`
+	// Evicted: predicted cached on the replica that served, not found by
+	// its engine. Waited: the same, the request having waited for KV room.
+	Evicted int64 `json:"evicted,omitempty"`
+	Waited  int64 `json:"waited,omitempty"`
 }
 
 // Options configure a Writer. Path is required.

@@ -454,6 +454,7 @@ func (c *Core) Finish(rt *Routed, o Outcome, reply []byte) {
 	now := c.e.Now()
 	c.q.ended(rt) // before the lease's end offers its slot
 	learned := c.learn(rt, &o, reply)
+	prefix := c.prefix(rt, &o)
 	if o.DurationNs == 0 {
 		o.DurationNs = now.Sub(rt.start).Nanoseconds()
 	}
@@ -461,12 +462,38 @@ func (c *Core) Finish(rt *Routed, o Outcome, reply []byte) {
 		o.TTFTNs = rt.first.Sub(rt.start).Nanoseconds()
 	}
 	c.o.Metrics.finished(rt, &o)
+	c.o.Metrics.prefixed(rt, &prefix)
 	if c.o.Log == nil || rt.req.PassThrough {
 		return
 	}
 	o.Replica = rt.Served.Replica.Name
 	o.ReplyBlocks = logBlocks(learned)
-	c.o.Log.Log(c.log.record(rt, &o))
+	rec := c.log.record(rt, &o)
+	rec.Prefix = logPrefix(&prefix)
+	c.o.Log.Log(rec)
+}
+
+// prefix classifies rt's prompt tokens by what became of their prefix
+// caching (routing.PrefixOutcomes), as its outcome o reports them, to
+// within a block of the splitter's; a request that waited in the router's
+// queue waited for room. A disaggregated request's decode part, whose
+// prompt its prefill replica computed, is not classified: its prefill
+// decision is.
+func (c *Core) prefix(rt *Routed, o *Outcome) routing.PrefixTokens {
+	if rt.remote || rt.req.PassThrough {
+		return routing.PrefixTokens{}
+	}
+	return routing.PrefixOutcomes(rt.Decision, rt.Served, routing.Usage{OK: o.Status == 200, PromptTokens: o.PromptTokens,
+		CachedTokens: o.CachedTokens, CachedReported: o.CachedReported}, rt.Queued > 0, c.e.Splitter().BlockTokens())
+}
+
+// logPrefix is p as the decision log writes it; nil when not classified.
+func logPrefix(p *routing.PrefixTokens) *decisionlog.Prefix {
+	if p.Sum() == 0 {
+		return nil
+	}
+	return &decisionlog.Prefix{Hit: p[routing.PrefixHit], Cold: p[routing.PrefixCold], RoutedAway: p[routing.PrefixRoutedAway],
+		RoutedAwayLoad: p[routing.PrefixRoutedAwayLoad], Evicted: p[routing.PrefixEvicted], Waited: p[routing.PrefixWaited]}
 }
 
 // learn ends rt's lease and teaches the engine what the request's outcome

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/semroute/semroute/routing"
 )
 
 // Metrics are the router's per-request Prometheus metrics. Every series
@@ -20,6 +22,7 @@ type Metrics struct {
 	decision           *prometheus.HistogramVec
 	matchRatio         *prometheus.HistogramVec
 	predicted          *prometheus.CounterVec
+	prefixTokens       *prometheus.CounterVec
 	reported           *prometheus.CounterVec
 	trimmedTokens      *prometheus.CounterVec
 	tokenizeN          *prometheus.CounterVec
@@ -72,6 +75,9 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Predicted matched tokens on the chosen replica ÷ prompt tokens.", Buckets: prometheus.LinearBuckets(0, 0.1, 11)}, ap),
 		predicted: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_predicted_cached_tokens_total",
 			Help: "Prompt tokens the router predicted cached, for requests whose replica reported usage."}, apr),
+		prefixTokens: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_prefix_tokens_total",
+			Help: "Prompt tokens of requests answered OK by prefix outcome, each token in one: hit (cached where served, as its engine reported, else as predicted), cold (no candidate held them), routed_away and routed_away_load (another candidate held them; load: it was the more loaded or slower), evicted (predicted where served, not found by its engine), waited (the same, the request having waited for KV room)."},
+			[]string{"arm", "policy", "outcome"}),
 		reported: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_reported_cached_tokens_total",
 			Help: "Cached prompt tokens replicas reported (usage.prompt_tokens_details.cached_tokens)."}, apr),
 		predictionDiff: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "semroute_cached_tokens_prediction_error_tokens",
@@ -130,7 +136,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		m.queueShed.WithLabelValues(r) // 0 from the first scrape
 	}
 	m.queueWait.WithLabelValues("0")
-	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.reported, m.trimmedTokens, m.tokenizeN, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors, m.unreleasedExpiredN, m.modelTTFT, m.extProcRefused, m.saturated, m.queueWait, m.queueShed, m.pdRequests, m.pdFallbacks, m.pdPrefill, m.pdDecodeFirst, m.authRefusedN, m.tenantN} {
+	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.prefixTokens, m.reported, m.trimmedTokens, m.tokenizeN, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors, m.unreleasedExpiredN, m.modelTTFT, m.extProcRefused, m.saturated, m.queueWait, m.queueShed, m.pdRequests, m.pdFallbacks, m.pdPrefill, m.pdDecodeFirst, m.authRefusedN, m.tenantN} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -282,6 +288,9 @@ func (m *Metrics) arm(a Arm) {
 	for _, v := range []*prometheus.HistogramVec{m.decision, m.matchRatio, m.predictionDiff} {
 		v.WithLabelValues(ap[0], ap[1])
 	}
+	for o := range routing.NumPrefixOutcomes {
+		m.prefixTokens.WithLabelValues(ap[0], ap[1], o.String())
+	}
 	m.seenMu.Lock()
 	defer m.seenMu.Unlock()
 	if m.arms == nil {
@@ -357,6 +366,19 @@ func (m *Metrics) finished(rt *Routed, o *Outcome) {
 		m.predicted.WithLabelValues(arm, pol, rep).Add(predicted)
 		m.reported.WithLabelValues(arm, pol, rep).Add(float64(o.CachedTokens))
 		m.predictionDiff.WithLabelValues(arm, pol).Observe(predicted - float64(o.CachedTokens))
+	}
+}
+
+// prefixed counts a finished request's prompt tokens by prefix outcome
+// (semroute_prefix_tokens_total).
+func (m *Metrics) prefixed(rt *Routed, p *routing.PrefixTokens) {
+	if m == nil {
+		return
+	}
+	for o, n := range p {
+		if n > 0 {
+			m.prefixTokens.WithLabelValues(rt.Arm.Name, rt.Policy, routing.PrefixOutcome(o).String()).Add(float64(n))
+		}
 	}
 }
 
