@@ -98,15 +98,16 @@ func (w *Deferrals) Defer(cr CoreRequest, arm *Arm, d *routing.Decision, keep fu
 		return nil, &QueueError{Err: ErrTooLate, RetryAfter: max((wait - limit).Round(time.Second), time.Second)}
 	}
 	def := &Deferral{cr: cr, arm: arm, d: d, keep: keep, start: start}
+	w.e.Wait(d, cr.Priority) // before the queue shows it: a dispatch may read it at once
 	t, err := w.q.Enqueue(flow.Item[*Deferral]{Priority: cr.Priority, Flow: cr.Flow, Home: d.Chosen().Replica.ID,
 		Bytes: cr.Bytes, Tokens: int64(d.Tokens), Value: def})
 	if err != nil {
+		w.e.Unwait(d)
 		w.e.Drop(d)
 		w.metrics.shed(err)
 		return nil, &QueueError{Err: err, RetryAfter: time.Second}
 	}
 	def.t = t
-	w.e.Wait(d, cr.Priority)
 	return def, nil
 }
 
