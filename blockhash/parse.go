@@ -97,7 +97,7 @@ type Request struct {
 	// request's priority, never a client's), under any spelling, as
 	// KVTransferParams.
 	PriorityKey bool
-	Parts                       []Part
+	Parts       []Part
 
 	p *fastjson.Parser // holds the memory Parts alias; see Recycle
 
