@@ -34,8 +34,9 @@ func checkScheduling(p string) error {
 
 // priorityScheduler is the engine's scheduler under vLLM's
 // --scheduling-policy priority, as vllm/v1/core/sched/scheduler.py
-// (Scheduler.schedule, _preempt_request) and request_queue.py
-// (PriorityRequestQueue) do it, read at vllm-project/vllm@00024d31:
+// (Scheduler.schedule, _preempt_request; read at vllm-project/vllm@00024d31)
+// and request_queue.py (PriorityRequestQueue, a heap of (priority,
+// arrival_time)) do it:
 //
 //   - Waiting requests are ordered by (priority, arrival): the lower
 //     priority value first (the body's "priority", default 0), then the
