@@ -92,7 +92,12 @@ type Request struct {
 	// in vLLM: the router's to issue), under any spelling the engine's
 	// JSON parser reads as that key (escapes unescaped).
 	KVTransferParams, RequestID bool
-	Parts                       []Part
+	// PriorityKey says the body's object has a top-level priority key
+	// (vLLM's scheduling priority: the router's to set, from the
+	// request's priority, never a client's), under any spelling, as
+	// KVTransferParams.
+	PriorityKey bool
+	Parts       []Part
 
 	p *fastjson.Parser // holds the memory Parts alias; see Recycle
 
@@ -347,6 +352,8 @@ func (r *Request) routerKeys(o *fastjson.Value) {
 			r.KVTransferParams = true
 		case "request_id":
 			r.RequestID = true
+		case "priority":
+			r.PriorityKey = true
 		}
 	})
 }

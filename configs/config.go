@@ -529,6 +529,12 @@ type Replica struct {
 	// prefill replica, the requests of the models it serves are
 	// disaggregated (see the README).
 	Role string `mapstructure:"role" json:"role,omitempty"`
+	// Scheduling is the replica's engine's scheduling policy, vLLM's
+	// --scheduling-policy: fcfs (the default) or priority. The router
+	// sends a priority engine each request's priority (the negation of
+	// its flow-control priority: vLLM serves lower first); it never
+	// forwards a client's own.
+	Scheduling string `mapstructure:"scheduling" json:"scheduling,omitempty"`
 }
 
 // ReuseConfig is an engine's reuse of KV beyond the exact prefix

@@ -37,7 +37,8 @@ func TestGoodConfigs(t *testing.T) {
 		len(c.Routing.Arms) != 2 || *c.Routing.Arms[0].LoadWeight != 0.5 || c.Routing.Arms[1].LoadWeight != nil ||
 		c.GRPCListen != "127.0.0.1:9001" || !c.DecisionLog.RawIDs || c.Replicas[0].Weight != 2 || c.Blocks.BytesPerToken != 3 ||
 		c.Replicas[0].Spec().Reuse != (replica.Reuse{Mode: replica.ReuseBlend, Recompute: 0.2}) ||
-		c.Replicas[1].Spec().Reuse != (replica.Reuse{Mode: replica.ReuseDonor, MinSimilarity: 0.6}) {
+		c.Replicas[1].Spec().Reuse != (replica.Reuse{Mode: replica.ReuseDonor, MinSimilarity: 0.6}) ||
+		c.Replicas[0].Spec().Scheduling != replica.SchedulingFCFS || c.Replicas[1].Spec().Scheduling != replica.SchedulingPriority {
 		t.Fatalf("decoded %+v", c)
 	}
 }
@@ -70,7 +71,7 @@ func TestBadConfigs(t *testing.T) {
 			"listen:", "log.level:", "log.format:", "routing.policy:", "routing.load_weight:", "routing.spill_factor:",
 			"routing.attempts:", "routing.kind_weights.sytem:", "blocks:", "cache.eviction:", "limits.max_body_bytes:",
 			"limits.max_body_bytes_in_flight:", "limits.max_messages:", "replicas[0].url:", "replicas[1].name:", "replicas[1].weight:", "replicas[1].reuse:",
-			"routing.arms[0].policy:", "routing.arms[0].weight:", "routing.arms[1].name:", "runtime.gc_floor_mb:",
+			`replicas[1].scheduling: "lifo" is not fcfs or priority`, "routing.arms[0].policy:", "routing.arms[0].weight:", "routing.arms[1].name:", "runtime.gc_floor_mb:",
 		},
 		"hostile.bad.yaml": {"grpc.token:", "grpc.tls_cert_file:", "grpc.max_unreleased_decisions:", "grpc.ext_proc_max_buffered_bytes:", "limits.max_json_depth:",
 			"cache.default_budget_tokens:", "replicas[0].name:", "replicas[0].url:", "replicas[1].weight:", "replicas[2].reuse:"},

@@ -473,13 +473,17 @@ func (k KVEventsConfig) check(errs *fieldErrors) {
 }
 
 // checkEngine checks what the replica says of its engine: its reuse past
-// the prefix, its role and how many requests it runs at once.
+// the prefix, its role, how many requests it runs at once and its
+// scheduling policy.
 func (r Replica) checkEngine(errs *fieldErrors) {
 	if err := r.Spec().Reuse.Check(); err != nil {
 		errs.add("reuse", err.Error())
 	}
 	if err := replica.Role(r.Role).Check(); err != nil {
 		errs.add("role", fmt.Sprintf("%q is not prefill, decode or both", r.Role))
+	}
+	if err := replica.Scheduling(r.Scheduling).Check(); err != nil {
+		errs.add("scheduling", fmt.Sprintf("%q is not fcfs or priority", r.Scheduling))
 	}
 	if r.MaxRunning < 0 || r.MaxRunning > 1<<20 {
 		errs.add("max_running", fmt.Sprintf("%d is not in [0, 1048576] (0: learned from what the replica reports)", r.MaxRunning))
@@ -502,7 +506,8 @@ func (r Replica) Validate() error {
 // Spec is the replica's pool spec.
 func (r Replica) Spec() replica.Spec {
 	return replica.Spec{Name: r.Name, URL: r.URL, BudgetTokens: r.BudgetTokens, Weight: r.Weight,
-		KVEvents: replica.KVEvents(r.KVEvents), Reuse: replica.Reuse(r.Reuse), MaxRunning: r.MaxRunning, Role: replica.Role(r.Role)}
+		KVEvents: replica.KVEvents(r.KVEvents), Reuse: replica.Reuse(r.Reuse), MaxRunning: r.MaxRunning, Role: replica.Role(r.Role),
+		Scheduling: replica.Scheduling(r.Scheduling)}
 }
 
 func (f FlowControlConfig) validate(p *problems) {

@@ -45,7 +45,40 @@ type Spec struct {
 	// (RolePrefill, RoleDecode); the zero value, RoleBoth, is a whole
 	// engine that computes prompts and answers alike.
 	Role Role
+	// Scheduling is the replica's engine's scheduling policy (vLLM's
+	// --scheduling-policy); the zero value, SchedulingFCFS, serves in
+	// arrival order. The router gives a SchedulingPriority engine each
+	// request's priority.
+	Scheduling Scheduling
 }
+
+// Scheduling is an engine's scheduling policy.
+type Scheduling string
+
+// Scheduling policies (Spec.Scheduling).
+const (
+	// SchedulingFCFS: first come, first served, vLLM's default. The zero
+	// value.
+	SchedulingFCFS Scheduling = ""
+	// SchedulingPriority: waiting requests by their body's priority,
+	// lower first, then by arrival; the least important running request
+	// preempted when the KV cache runs out.
+	SchedulingPriority Scheduling = "priority"
+)
+
+// Check reports a policy that is not one of the Scheduling policies
+// ("fcfs" is SchedulingFCFS).
+func (s Scheduling) Check() error {
+	switch s {
+	case SchedulingFCFS, "fcfs", SchedulingPriority:
+		return nil
+	}
+	return fmt.Errorf("scheduling %q is not fcfs or priority", string(s))
+}
+
+// Prioritized reports whether an engine of policy s schedules by the
+// body's priority.
+func (s Scheduling) Prioritized() bool { return s == SchedulingPriority }
 
 // Role is a replica's part in prefill/decode disaggregation.
 type Role string
@@ -264,6 +297,8 @@ type Replica struct {
 	Reuse Reuse
 	// Role is its part in disaggregated serving (Spec.Role).
 	Role Role
+	// Scheduling is its engine's scheduling policy (Spec.Scheduling).
+	Scheduling Scheduling
 	// ID is the replica's id in the cache model, set once when it joins a
 	// pool and never changed.
 	ID int
@@ -1010,7 +1045,14 @@ func (p *Pool) build(s Spec) (*Replica, error) {
 	if role == "both" {
 		role = RoleBoth
 	}
-	r := &Replica{Name: s.Name, URL: u, Weight: s.Weight, Reuse: s.Reuse, Role: role, halfLife: p.opts.HalfLife, maxRunning: s.MaxRunning}
+	if err := s.Scheduling.Check(); err != nil {
+		return nil, fmt.Errorf("replica %s: %w", s.Name, err)
+	}
+	sched := s.Scheduling
+	if sched == "fcfs" {
+		sched = SchedulingFCFS
+	}
+	r := &Replica{Name: s.Name, URL: u, Weight: s.Weight, Reuse: s.Reuse, Role: role, Scheduling: sched, halfLife: p.opts.HalfLife, maxRunning: s.MaxRunning}
 	r.budget.Store(s.BudgetTokens)
 	return r, nil
 }

@@ -24,6 +24,7 @@ func TestNewPoolValidates(t *testing.T) {
 		{"duplicate", []Spec{{Name: "a", URL: "http://a"}, {Name: "a", URL: "http://b"}}, "replicas[1]: duplicate name"},
 		{"negative budget", []Spec{{Name: "a", URL: "http://a", BudgetTokens: -1}}, "budget_tokens"},
 		{"nan weight", []Spec{{Name: "a", URL: "http://a", Weight: math.NaN()}}, "weight"},
+		{"unknown scheduling", []Spec{{Name: "a", URL: "http://a", Scheduling: "lifo"}}, `scheduling "lifo" is not fcfs or priority`},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -33,9 +34,15 @@ func TestNewPoolValidates(t *testing.T) {
 			}
 		})
 	}
-	p, err := NewPool([]Spec{{Name: "a", URL: "http://a:1"}, {Name: "b", URL: "https://b", Weight: 2}}, Options{}, ids())
+	p, err := NewPool([]Spec{{Name: "a", URL: "http://a:1", Scheduling: "fcfs"}, {Name: "b", URL: "https://b", Weight: 2, Scheduling: SchedulingPriority}}, Options{}, ids())
 	if err != nil {
 		t.Fatal(err)
+	}
+	if a, _ := p.Get("a"); a.Scheduling != SchedulingFCFS {
+		t.Fatalf("scheduling fcfs is %q, want SchedulingFCFS", a.Scheduling)
+	}
+	if b, _ := p.Get("b"); !b.Scheduling.Prioritized() {
+		t.Fatalf("scheduling priority is %q", b.Scheduling)
 	}
 	if b, ok := p.Get("b"); !ok || b.ID != 1 || b.Weight != 2 {
 		t.Fatalf("Get(b) = %+v, %v", b, ok)

@@ -625,9 +625,22 @@ func (st *epStream) destine(rt *Routed, fwd []byte, noBody bool, extra ...*corev
 		n = 1
 		fwd = withRequestID(fwd, st.s.core.ids.issue(rt.Ranked[0].Replica.Name, rt.req.Tenant)).b
 	}
+	// One body goes to every destination: with the request's priority
+	// when the first schedules by priority (engineprio.go), and then only
+	// to fallbacks that do too; without it, to those that do not.
+	same := func(*replica.Replica) bool { return true }
+	if len(rt.Ranked) > 0 && prioritizes(rt.req.API, rt.req.Priority) {
+		first := rt.Ranked[0].Replica.Scheduling.Prioritized()
+		same = func(r *replica.Replica) bool { return r.Scheduling.Prioritized() == first }
+		if p := enginePriority(rt.Ranked[0].Replica, rt.req.API, rt.req.Priority); p != 0 {
+			fwd = withPriority(fwd, p).b
+		}
+	}
 	dest := make([]string, 0, n)
 	for i := range rt.Ranked[:n] {
-		dest = append(dest, Endpoint(rt.Ranked[i].Replica))
+		if same(rt.Ranked[i].Replica) {
+			dest = append(dest, Endpoint(rt.Ranked[i].Replica))
+		}
 	}
 	value := strings.Join(dest, ",")
 	mut := &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{

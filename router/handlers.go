@@ -85,10 +85,7 @@ func (s *Server) routed(w http.ResponseWriter, r *http.Request, ep blockhash.End
 		w.Header().Set(HeaderQueueMs, strconv.FormatInt(rt.Queued.Milliseconds(), 10))
 	}
 	w.Header().Set(HeaderArm, rt.Arm.Name)
-	f := &flight{body: fwd, stripUsage: strip}
-	if ep == blockhash.Responses {
-		f.retag = s.issueID(fwd, cr.Tenant)
-	}
+	f := &flight{body: fwd, stripUsage: strip, retag: s.perReplica(fwd, cr)}
 	s.forwardRouted(w, r, tctx, rt, f)
 }
 
@@ -104,7 +101,8 @@ func (s *Server) admit(w http.ResponseWriter, r *http.Request, tctx context.Cont
 	if err != nil {
 		return CoreRequest{}, nil, false, err
 	}
-	fwd, strip, err := s.upstreamBody(b, ad.Parsed, lim.MaxBodyBytesInFlight)
+	prio := prioritizes(ep, ad.Priority) && anyPrioritized(s.e.Pool().Replicas())
+	fwd, strip, err := s.upstreamBody(b, ad.Parsed, prio, lim.MaxBodyBytesInFlight)
 	ad.Recycle() // the parse is done with: its tree is not held while the response streams
 	if err != nil {
 		if errors.As(err, new(*bodiesInFlightError)) {
@@ -138,25 +136,22 @@ func (s *Server) routedSpan(span trace.Span, rt *Routed) {
 	span.End()
 }
 
-// issueID returns flight.retag for a Responses request of body b from
-// tenant: b with a response id the router issues, naming the replica the
-// attempt goes to. The copy's bytes were counted with b's (upstreamBody).
-func (s *Server) issueID(b *body, tenant string) func(*replica.Replica) *body {
-	return func(rep *replica.Replica) *body { return withRequestID(b.b, s.core.ids.issue(rep.Name, tenant)) }
-}
-
 // upstreamBody returns the body to send the replicas for a client's body
 // b, parsed as req, and whether the router asked for the stream's usage
 // chunk, which the client must then not see: b itself, or a copy counted
 // against limit (bytes of bodies in flight) that the caller releases.
+// prio says a replica may be sent a copy with the request's priority
+// (perReplica), whose bytes are counted here too.
 //   - A client's kv_transfer_params never reach a replica: they are the
 //     router's to set (disaggregation), and a client's would make an
 //     engine pull KV from wherever they say. A Responses body's request_id
 //     is taken out too: the router issues the response's id (respid.go).
+//     So is a client's priority: the router sets a priority engine's
+//     (engineprio.go).
 //   - A streamed request the client did not ask usage for asks for it
 //     upstream (the engine's prompt and cached tokens teach the router).
 //     The Responses and Messages APIs end every stream with the usage.
-func (s *Server) upstreamBody(b *body, req *blockhash.Request, limit int64) (fwd *body, strip bool, err error) {
+func (s *Server) upstreamBody(b *body, req *blockhash.Request, prio bool, limit int64) (fwd *body, strip bool, err error) {
 	fwd = b
 	if routerKeys(req) {
 		clean, err := scrubbed(b.b, req.Endpoint)
@@ -173,9 +168,14 @@ func (s *Server) upstreamBody(b *body, req *blockhash.Request, limit int64) (fwd
 		fwd, strip = withUsage, true
 	}
 	held := len(fwd.b)
+	copies := 0 // the bytes of the copies made for each replica (perReplica)
 	if req.Endpoint == blockhash.Responses {
-		held = 2*held + 128 // and the copy that carries the response's id (issueID)
+		copies += held + 128 // the copy that carries the response's id
 	}
+	if prio {
+		copies += held + 128 + priorityBytes // the copy that carries the priority
+	}
+	held += copies
 	if fwd != b {
 		fwd.count(&s.bodies, limit) // the copy is body bytes held too
 	}
@@ -189,14 +189,16 @@ func (s *Server) upstreamBody(b *body, req *blockhash.Request, limit int64) (fwd
 }
 
 // routerKeys reports whether the body req was parsed from gives keys only
-// the router sets: kv_transfer_params, or a Responses body's request_id.
+// the router sets: kv_transfer_params, priority, or a Responses body's
+// request_id.
 func routerKeys(req *blockhash.Request) bool {
-	return req.KVTransferParams || req.RequestID && req.Endpoint == blockhash.Responses
+	return req.KVTransferParams || req.PriorityKey || req.RequestID && req.Endpoint == blockhash.Responses
 }
 
 // scrubbed returns body b, a JSON object of API ep, without the keys only
-// the router sets: kv_transfer_params, and a Responses body's request_id
-// (another API's request_id is the client's, vLLM's chatcmpl-<id>).
+// the router sets: kv_transfer_params, priority, and a Responses body's
+// request_id (another API's request_id is the client's, vLLM's
+// chatcmpl-<id>).
 func scrubbed(b []byte, ep blockhash.Endpoint) ([]byte, error) {
 	m, err := fieldsOf(b)
 	if err != nil {
@@ -204,6 +206,7 @@ func scrubbed(b []byte, ep blockhash.Endpoint) ([]byte, error) {
 	}
 	return m.rewrite(len(b), func(m fields) {
 		delete(m, "kv_transfer_params")
+		delete(m, "priority")
 		if ep == blockhash.Responses {
 			delete(m, "request_id")
 		}

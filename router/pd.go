@@ -266,12 +266,17 @@ func (t *prefillTry) refused() bool {
 // be the request's own, as the proxy takes it, and ends the tries. It
 // returns the answer's kv_transfer_params (nil when it had none, or could
 // not be read), errPrefillRefused on another 4xx, errPrefillTimeout past
-// the bound, or the last failure.
-func (s *Server) prefill(ctx context.Context, r *http.Request, rt *Routed, body []byte, requestID string) (json.RawMessage, error) {
+// the bound, or the last failure. A priority engine is sent prio, the body
+// with the request's engine priority, when not nil (enginePriority).
+func (s *Server) prefill(ctx context.Context, r *http.Request, rt *Routed, body, prio []byte, requestID string) (json.RawMessage, error) {
 	start := time.Now()
 	for next := 1; ; next++ {
 		rep := rt.Served.Replica
-		t := s.prefillOnce(ctx, r, rep, body, requestID, s.o.Timeouts.Prefill(rt.Uncached(rep.ID)))
+		send := body
+		if prio != nil && rep.Scheduling.Prioritized() {
+			send = prio
+		}
+		t := s.prefillOnce(ctx, r, rep, send, requestID, s.o.Timeouts.Prefill(rt.Uncached(rep.ID)))
 		if ctx.Err() != nil || t.answered() || t.refused() {
 			return s.prefillEnded(ctx, rt, t, start)
 		}
@@ -526,24 +531,44 @@ func (d *decodeSide) aggregated(reason string, err error) (*body, error) {
 	return d.whole()
 }
 
-// prefill makes the prefill's body and sends it to prt's replica
-// (Server.prefill), which ends prt.
+// prefill makes the prefill's body, and its copy with the request's
+// priority when a prefill replica of its ranking schedules by priority,
+// and sends it to prt's replica (Server.prefill), which ends prt.
 func (d *decodeSide) prefill(r *http.Request, prt *Routed) (json.RawMessage, error) {
 	err := d.ferr
 	var pb []byte
 	if err == nil {
 		pb, err = prefillBody(d.m, len(d.fwd.b))
 	}
-	var held *body
+	var held, heldPrio *body
 	if err == nil {
 		held, err = d.s.heldBody(pb)
+	}
+	if p := prt.req.Priority; err == nil && prioritizes(prt.req.API, p) && anyPrioritized(rankedReplicas(prt)) {
+		if heldPrio, err = d.s.heldBody(appendPriority(make([]byte, 0, len(pb)+priorityBytes), pb, vllmPriority(p))); err != nil {
+			held.release()
+		}
 	}
 	if err != nil {
 		d.s.core.Finish(prt, Outcome{Status: 503, Error: err.Error()}, nil)
 		return nil, err
 	}
 	defer held.release()
-	return d.s.prefill(r.Context(), r, prt, held.b, d.rt.ID)
+	var prio []byte
+	if heldPrio != nil {
+		defer heldPrio.release()
+		prio = heldPrio.b
+	}
+	return d.s.prefill(r.Context(), r, prt, held.b, prio, d.rt.ID)
+}
+
+// rankedReplicas returns the replicas of rt's ranking.
+func rankedReplicas(rt *Routed) []*replica.Replica {
+	reps := make([]*replica.Replica, len(rt.Ranked))
+	for i := range rt.Ranked {
+		reps[i] = rt.Ranked[i].Replica
+	}
+	return reps
 }
 
 // remote sends the decode replica the client's request with the

@@ -159,7 +159,7 @@ func (g *generation) agentic(ctx context.Context, w http.ResponseWriter, stream 
 	if stream {
 		return g.agenticStream(ctx, w, text)
 	}
-	if !sleep(ctx, time.Duration(g.out-1)*g.s.o.InterToken) {
+	if !g.decodeAll(ctx) {
 		return false
 	}
 	if g.ep == blockhash.Responses {
@@ -265,7 +265,7 @@ func (g *generation) agenticStream(ctx context.Context, w http.ResponseWriter, t
 		return false
 	}
 	for i := range g.out {
-		if i > 0 && !sleep(ctx, g.s.o.InterToken) {
+		if i > 0 && !g.decodeNext(ctx, i) {
 			return false
 		}
 		if !send(events.delta(g, g.word(i))) {

@@ -21,7 +21,11 @@
 // when its turn comes, so it waits behind the prefills queued before it: a
 // simplification of vLLM's scheduler, which shares each step's token budget
 // among several prefills and lets decoding slow them. At most MaxRunning
-// requests run; the rest wait. POST /tokenize and /detokenize answer as vLLM's do.
+// requests run; the rest wait, in arrival order, or with Options.Scheduling
+// priority in the order of their body's priority, the least important
+// running request preempted when the KV cache runs out, as vLLM's
+// --scheduling-policy priority (see priorityScheduler). POST /tokenize and
+// /detokenize answer as vLLM's do.
 //
 // A Server is safe for concurrent use.
 package simreplica
@@ -124,6 +128,16 @@ type Options struct {
 	// router asks for one token).
 	TransferLatency  time.Duration
 	TransferPerToken time.Duration
+	// Scheduling is vLLM's --scheduling-policy: SchedulingFCFS (the
+	// default, "") serves requests in arrival order whatever their
+	// priority; SchedulingPriority orders the waiting requests by their
+	// body's priority (lower sooner, default 0), then arrival, and
+	// preempts the least important running request when the KV cache of
+	// NumBlocks blocks runs out (see priorityScheduler). A priority
+	// replica's context length is at most NumBlocks × BlockSize tokens,
+	// as vLLM will not start with a max_model_len its KV cache cannot
+	// hold.
+	Scheduling string
 }
 
 func (o *Options) defaults() {
@@ -163,6 +177,9 @@ func (o *Options) defaults() {
 	def(&o.MaxLoRAs, 1)
 	if o.Tokenizer == "" {
 		o.Tokenizer = TokenizerWords
+	}
+	if o.Scheduling == "" {
+		o.Scheduling = SchedulingFCFS
 	}
 }
 
@@ -204,6 +221,9 @@ type Server struct {
 	prefill prefillQueue
 	lora    *loraUse // nil without LoRAs
 	tok     *Tokenizer
+	// prio schedules the requests under SchedulingPriority, in place of
+	// sem and prefill; nil under SchedulingFCFS.
+	prio *priorityScheduler
 
 	modelsMu sync.RWMutex
 	models   map[string]model // guarded by modelsMu: adapters come and go
@@ -243,6 +263,9 @@ type Server struct {
 func New(o Options) (*Server, error) {
 	o.defaults()
 	o.LoRAs = slices.Clone(o.LoRAs)
+	if err := checkScheduling(o.Scheduling); err != nil {
+		return nil, err
+	}
 	tok, err := NewTokenizer(o.Tokenizer, o.BytesPerToken)
 	if err != nil {
 		return nil, err
@@ -260,6 +283,15 @@ func New(o Options) (*Server, error) {
 		return nil, err
 	}
 	s.routes(s.registerMetrics())
+	if o.Scheduling == SchedulingPriority {
+		s.prio = newPriorityScheduler(o.MaxRunning, o.NumBlocks, o.BlockSize)
+		s.prio.onMove = func(q *seq, wait, run int) {
+			s.waiting.Add(float64(wait))
+			s.running.Add(float64(run))
+			s.loraAdd(q.lora, wait, run)
+		}
+		s.prio.onHold = s.hold
+	}
 	if o.KVEvents != nil {
 		if s.kv, err = newKVPublisher(*o.KVEvents); err != nil {
 			return nil, err
@@ -665,7 +697,10 @@ type completion struct {
 	m       model
 	fl      flags
 	out     int // output tokens: max_tokens, or Options.OutputTokens
-	sc      *scratch
+	// priority is the body's priority (SchedulingPriority only; 0
+	// otherwise).
+	priority int
+	sc       *scratch
 	// sample is the prompt's Donor sample; donorKey and donorKeys the
 	// most similar earlier prompt's key and blocks' keys (nil: none).
 	// Found before the prefill turn: similarity does not change with the
@@ -705,6 +740,10 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	}
 	s.requests.Add(1)
 	ctx := r.Context()
+	if s.prio != nil {
+		s.completePrioritized(ctx, w, r, &c)
+		return
+	}
 	done, ok := s.schedule(ctx, c.m.lora)
 	if !ok {
 		s.cancelled.Add(1)
@@ -760,6 +799,12 @@ func (s *Server) prepare(w http.ResponseWriter, ep blockhash.Endpoint, req *bloc
 		writeError(w, http.StatusBadRequest, "BadRequestError", err.Error())
 		return c, false
 	}
+	if s.prio != nil {
+		if c.priority, err = readPriority(sc.body, ep); err != nil {
+			writeError(w, http.StatusBadRequest, "BadRequestError", err.Error())
+			return c, false
+		}
+	}
 	if req.MaxTokens > 0 {
 		c.out = req.MaxTokens
 	}
@@ -773,10 +818,14 @@ func (s *Server) prepare(w http.ResponseWriter, ep blockhash.Endpoint, req *bloc
 		tokEP = blockhash.Chat
 	}
 	sc.ids, sc.prompt = s.tok.promptIDs(sc.ids, sc.prompt, req, tokEP, c.fl.chat)
-	if n := max(len(sc.ids), 1); n+c.out > s.o.MaxModelLen {
+	maxLen := s.o.MaxModelLen
+	if s.prio != nil { // what its KV cache holds
+		maxLen = min(maxLen, s.o.NumBlocks*s.o.BlockSize)
+	}
+	if n := max(len(sc.ids), 1); n+c.out > maxLen {
 		writeError(w, http.StatusBadRequest, "BadRequestError", fmt.Sprintf(
 			"This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the messages, %d in the completion). Please reduce the length of the messages or completion.",
-			s.o.MaxModelLen, n+c.out, n, c.out))
+			maxLen, n+c.out, n, c.out))
 		return c, false
 	}
 	if s.blend != nil { // found before the prefill turn, which is one at a time
@@ -960,6 +1009,9 @@ type generation struct {
 	seed           uint64
 	usage          bool
 	kv             map[string]any // kv_transfer_params of a prefill's answer (do_remote_decode); nil: none
+	// run paces the output tokens under the priority scheduler; nil
+	// under fcfs (InterToken each).
+	run *prioritized
 }
 
 // word returns output token i: deterministic in the prompt, so a replayed
@@ -999,7 +1051,7 @@ func (g *generation) choice(text string, finish any, stream bool) map[string]any
 }
 
 func (g *generation) whole(ctx context.Context, w http.ResponseWriter) bool {
-	if !sleep(ctx, time.Duration(g.out-1)*g.s.o.InterToken) {
+	if !g.decodeAll(ctx) {
 		return false
 	}
 	var sb strings.Builder
@@ -1033,7 +1085,7 @@ func (g *generation) stream(ctx context.Context, w http.ResponseWriter) bool {
 		return map[string]any{"id": g.id, "object": g.object(true), "created": time.Now().Unix(), "model": g.model, "choices": choices}
 	}
 	for i := 0; i < g.out; i++ {
-		if i > 0 && !sleep(ctx, g.s.o.InterToken) {
+		if i > 0 && !g.decodeNext(ctx, i) {
 			return false
 		}
 		var finish any

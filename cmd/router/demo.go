@@ -199,11 +199,15 @@ func (d *demo) startSims(o demoOptions, prefills int) ([]configs.Replica, error)
 
 // simReplica returns the config entry of the demo's simulated replica s,
 // the i-th: its name and budget, its role when the first prefills prefill,
-// the reuse it is told of (only --reuse's: a replica that blends while the
-// router is told nothing is --reuse prefix's baseline), and its KV events.
+// its scheduling policy, the reuse it is told of (only --reuse's: a
+// replica that blends while the router is told nothing is --reuse
+// prefix's baseline), and its KV events.
 func simReplica(s *simreplica.Running, i, prefills int, reuse string) configs.Replica {
 	so := s.Options()
 	rep := configs.Replica{Name: fmt.Sprintf("sim-%d", i), URL: s.URL, BudgetTokens: int64(so.NumBlocks * so.BlockSize)}
+	if so.Scheduling == simreplica.SchedulingPriority {
+		rep.Scheduling = string(replica.SchedulingPriority)
+	}
 	switch {
 	case i < prefills:
 		rep.Role, rep.Name = string(replica.RolePrefill), fmt.Sprintf("sim-prefill-%d", i)

@@ -167,6 +167,7 @@ func newDemo() *cobra.Command {
 	cmd.Flags().StringVar(&o.pd, "pd", "", "prefill/decode disaggregation, P:D: the first P simulated replicas prefill, the next D decode (e.g. 2:2; overrides --replicas)")
 	cmd.Flags().DurationVar(&o.sim.InterToken, "sim-inter-token", 0, "simulated replicas: time per output token (default 2ms)")
 	cmd.Flags().IntVar(&o.sim.OutputTokens, "sim-output-tokens", 0, "simulated replicas: output length when max_tokens is absent (default 16)")
+	cmd.Flags().StringVar(&o.sim.Scheduling, "sim-scheduling", "", "simulated replicas: scheduling policy, fcfs (default) or priority (vLLM's --scheduling-policy), told to the router (replicas[].scheduling)")
 	return cmd
 }
 
@@ -212,6 +213,7 @@ func newSim() *cobra.Command {
 	f.IntVar(&o.OutputTokens, "output-tokens", 16, "output length when max_tokens is absent")
 	f.IntVar(&o.MaxOutputTokens, "max-output-tokens", 4096, "largest max_tokens accepted")
 	f.StringVar(&o.Tokenizer, "tokenizer", "words", "words (word pieces with a chat template, about 5-6 bytes a token) or bytes (--bytes-per-token bytes a token)")
+	f.StringVar(&o.Scheduling, "scheduling", "fcfs", "scheduling policy, as vLLM's --scheduling-policy: fcfs, or priority (the body's priority, lower first; the least important preempted when the KV cache runs out)")
 	f.StringVar(&kvEvents, "kv-events", "", "publish vLLM KV events over ZMQ at this endpoint (e.g. tcp://127.0.0.1:5557); empty: off")
 	f.StringVar(&kvReplay, "kv-events-replay", "", "the KV events replay endpoint (e.g. tcp://127.0.0.1:5558)")
 	f.StringVar(&top, "kv-events-topic", "kv-events", "the KV events topic")
