@@ -17,6 +17,10 @@ import (
 //     kept, past the capacity, plus one; else, while its engine reports
 //     requests waiting, those plus one; and the requests of priority or
 //     higher the router's queue holds for it;
+//   - on an engine that schedules by priority (Spec.Scheduling), a request
+//     of priority above 0 waits only for the next slot, before the
+//     requests waiting there, and not for the prefill the router's queue
+//     holds for it;
 //   - KVShort: its KV cache is full as Saturated reads it, or the tokens do
 //     not fit what its engine reports free (1 − vllm:kv_cache_usage_perc
 //     of its budget).
@@ -28,6 +32,12 @@ func (r *Replica) State(tokens int64, priority int) servicetime.State {
 		s.Queued = float64(max(r.engaged.Load()+r.reserved.Load()-c+1, 0))
 	} else if o != nil && o.Waiting > 0 {
 		s.Queued, s.Slots = float64(o.Waiting+1), float64(o.Running)
+	}
+	if r.Scheduling.Prioritized() && priority > 0 && s.Queued > 0 {
+		// Its engine serves it before the waiting requests of lower
+		// priority, the default's (router priority 0) included: it waits
+		// for the next slot only, and their prefill does not hold it up.
+		s.Queued, s.Ahead = 1, float64(r.pending.Load())
 	}
 	if r.waiting.Load() > 0 {
 		s.Queued += float64(r.Deferred(priority))

@@ -92,7 +92,7 @@ func (c *Core) Resume(def *Deferral, err error) (*Placement, *Deferral, error) {
 // decided again from it, and a disaggregated one's prefill decision too.
 func (c *Core) decide(cr CoreRequest, arm *Arm, def *Deferral) (*Routed, *Deferral, error) {
 	in := cr.Input
-	in.Policy = arm.Policy
+	in.Policy, in.Priority = arm.Policy, cr.Priority
 	if cr.Prefill || c.e.Pool().HasPrefill() {
 		in.Allow = allowBoth(in.Allow, roleOf(cr.Prefill))
 	}

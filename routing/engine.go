@@ -258,6 +258,9 @@ type Request struct {
 	// (replica.Replica.Free), and with Room such a replica counts as
 	// saturated for it.
 	Keep func(*replica.Replica) int64
+	// Priority is the request's (higher first), what it waits behind on a
+	// replica whose engine schedules by priority (replica.Replica.State).
+	Priority int
 	// Room makes candidates of only the replicas that are not saturated,
 	// or of all as usual if none has room: a request the router's queue
 	// held, whose turn came with a free slot.
@@ -545,7 +548,7 @@ func (e *Engine) rank(d *Decision, pol Policy, ri *Request, sketch []uint64) (*V
 	defer scratchPool.Put(sc)
 	e.pic.lookup(d.Blocks, e.o.Weights, sc)
 	now := e.o.Now()
-	g := gathering{e: e, d: d, sc: sc, reps: e.pool.Replicas(), now: now, nowNs: now.UnixNano(), allow: ri.Allow, home: ri.Home, onlyRoom: ri.Room, slot: ri.Slot, keep: ri.Keep, model: model,
+	g := gathering{e: e, d: d, sc: sc, reps: e.pool.Replicas(), now: now, nowNs: now.UnixNano(), allow: ri.Allow, home: ri.Home, onlyRoom: ri.Room, slot: ri.Slot, keep: ri.Keep, model: model, priority: ri.Priority,
 		adapter: model != "" && e.isAdapter(model), reuses: e.reuses.load()}
 	d.Candidates = newCandidates(len(g.reps))
 	g.all()
@@ -589,6 +592,7 @@ type gathering struct {
 	keep            func(*replica.Replica) int64 // Request.Keep
 	room            bool                         // some candidate's replica is not saturated
 	reuses          *reuseSet                    // the replicas' Reuse, one snapshot for the decision
+	priority        int                          // Request.Priority
 }
 
 // all fills d.Candidates. Passive ejection is a guess from failures that
@@ -629,7 +633,7 @@ func (g *gathering) gather(panicking bool) (ejected bool) {
 		g.n++
 		c.Replica, c.adapter = r, rank
 		r.LoadInto(&c.Load, g.nowNs)
-		c.State = r.State(int64(g.d.Tokens), 0)
+		c.State = r.State(int64(g.d.Tokens), g.priority)
 		if r == g.slot && c.State.Queued > 0 { // the slot kept for it is its own
 			c.State.Queued--
 		}

@@ -102,7 +102,7 @@ type Params struct {
 	Run              float64 `json:"run_seconds"`
 	Uncached, Output float64 `json:"-"`
 	// WaitPer is the learned seconds a request waits for each request
-	// queued ahead of it, 0 until one waited: Run ÷ the slots until then.
+	// queued ahead of it, 0 until one waited: 1 ÷ Rate until then.
 	WaitPer float64 `json:"wait_seconds_per_queued_request"`
 	KVWait  float64 `json:"kv_wait_seconds"`
 	// Samples is the answers learned from (0: the parameters are the
@@ -160,18 +160,31 @@ func (p *Params) RunAt(slots float64) float64 {
 }
 
 // Rate is the requests a second an engine of slots sequences finishes
-// when every slot is busy: slots ÷ RunAt(slots); 0 when Run is not above 0.
+// when every slot is busy: slots ÷ RunAt(slots), and at most what its
+// prefill lets through where prompts wait for the ones ahead (PerAhead: a
+// mean request's prefill at PerAhead a token, its overhead included, one
+// after the other); 0 when Run is not above 0.
 func (p *Params) Rate(slots float64) float64 {
-	if run := p.RunAt(slots); run > 0 {
-		return max(slots, 1) / run
+	run := p.RunAt(slots)
+	if !(run > 0) {
+		return 0
 	}
-	return 0
+	rate := max(slots, 1) / run
+	if one := p.Overhead + p.PerAhead*p.Uncached; one > 0 {
+		rate = min(rate, 1/one)
+	}
+	return rate
 }
 
-// waitPer is WaitPer, or Run over slots before any wait was learned.
+// waitPer is WaitPer, or before any wait was learned the seconds between
+// two requests' ends when every slot is busy (1 ÷ Rate: Run over the
+// slots, or one prefill where prompts wait for the ones ahead).
 func (p *Params) waitPer(slots float64) float64 {
 	if p.WaitPer > 0 {
 		return p.WaitPer
+	}
+	if r := p.Rate(slots); r > 0 {
+		return 1 / r
 	}
 	return p.Run / max(slots, 1)
 }

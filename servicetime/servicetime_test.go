@@ -140,3 +140,17 @@ func TestMedianOfReplicas(t *testing.T) {
 		t.Fatalf("median %v", got)
 	}
 }
+
+// TestRateIsBoundByPrefillInTurn: an engine whose prompts wait for the
+// ones ahead finishes no more requests a second than one prefill's time
+// allows, however many sequences it runs.
+func TestRateIsBoundByPrefillInTurn(t *testing.T) {
+	p := Params{Overhead: 0.01, PerToken: 1e-4, PerAhead: 1e-4, PerOutput: 0.01, Run: 1, Uncached: 1000, Output: 50}
+	if got := p.Rate(256); math.Abs(got-1/0.11) > 1e-9 {
+		t.Fatalf("rate %v, want the prefill's 1/0.11 s", got)
+	}
+	p.PerAhead, p.Overhead = 0, 0 // prompts computed apart: the slots bound it
+	if got := p.Rate(4); math.Abs(got-4/p.RunAt(4)) > 1e-9 {
+		t.Fatalf("rate %v, want 4 slots over a run", got)
+	}
+}

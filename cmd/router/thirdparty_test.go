@@ -647,6 +647,10 @@ func tpFleetTable(b *testing.B, title string, work [][]byte, rows []tpRow, worke
 				}
 				run = sendTruth(r.url, work, workers, nil)
 				b.Logf("%s, %s done: hit ratio %.3f; first error: %s", title, row.name, run.hitRatio(), run.firstErr)
+				for _, st := range r.app.agreement.Status() { // the service-time model against the engines
+					b.Logf("%s, %s: %s TTFT predicted ÷ observed %.2f, mean |log| error %.2f, causes %v",
+						title, row.name, st.Replica, st.TTFTRatio, st.TTFTError, st.Causes)
+				}
 				_ = r.run.stop(time.Second)
 				for _, rep := range reps {
 					rep.stop()
