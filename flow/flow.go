@@ -358,13 +358,15 @@ func (t *Ticket[V, G]) Wait(ctx context.Context) error {
 // the flow served least (of equals, the one whose oldest request waiting
 // arrived first), and within that flow its oldest request waiting
 // for home, as in that engine's own queue, unless one of its LookAhead
-// oldest queued within AgeBound of its oldest costs less there (the
-// picture now has more of its prefix on home than where it waits); a flow
-// with none waiting for home gives the slot to the cheapest of those
-// (taking it from the home it waits for). cost reads a waiting request
-// (its Item's Value, how long it has waited) and returns what sending it
-// to home costs, in routing's unit: the prefill tokens it would compute
-// there beyond what it would on its own home; an infinite cost means the
+// oldest queued within AgeBound of its oldest costs less there (it gains
+// more time there: the picture now has more of its prefix on home than
+// where it waits, or its own home's queue is longer); a flow with none
+// waiting for home gives the slot to the cheapest of those (taking it
+// from the home it waits for). cost reads a waiting request (its Item's
+// Value, how long it has waited) and returns what sending it to home
+// costs against waiting for its own home, in the caller's unit (the
+// router's: its time to first token there over at home, below 1 a gain;
+// 0 for a request whose home this is); an infinite cost means the
 // request may not take this slot (it is better off waiting for its own
 // home, or the slot is kept for traffic it gives way to), and the next
 // flow, then the next priority, is looked at; nil takes the oldest. The request's

@@ -35,16 +35,18 @@ func (e *Engine) Unwait(d *Decision) {
 }
 
 // DispatchCost is what sending deferred decision d to replica r, whose slot
-// is free, costs beyond sending it to the replica it waits for: its
-// uncached prefill tokens there minus there (routing's unit), both read
-// from the picture as it is now (a deferred decision's matches are as old as
-// its wait, and the requests sent meanwhile may have brought its prefix to
-// r). It is +Inf when its first token would come later on r than on the
-// replica it waits for, each predicted by that replica's service-time model
-// (Service) with the requests of its priority or higher held there ahead
-// of it, the tokens computed again on r counted once more at the fleet's
-// speed as the semantic policy counts a prefix's copy (PrefixCost). A
-// replica that cannot take requests saves an unbounded wait.
+// is free, costs against waiting for the replica it waits for: its
+// predicted time to first token on r, plus the tokens it would compute
+// again there at the fleet's speed (a copy's cost, as the semantic policy
+// counts it once), over its predicted time to first token on the replica
+// it waits for, behind the requests of its priority or higher held there;
+// each from that replica's service-time model (Service) and the picture as
+// it is now (a deferred decision's matches are as old as its wait, and the
+// requests sent meanwhile may have brought its prefix to r). Below 1 is a
+// gain, the smaller the larger: the router's queue gives a slot to the
+// request that gains most, after those that wait for that replica (0). It
+// is +Inf when the request would start no sooner on r (it waits for its
+// own replica), and near 0 when its replica cannot take requests.
 func (e *Engine) DispatchCost(d *Decision, r *replica.Replica) float64 {
 	want := d.Chosen().Replica
 	if r == want {
@@ -59,20 +61,21 @@ func (e *Engine) DispatchCost(d *Decision, r *replica.Replica) float64 {
 		return d.uncached(d.candidate(id), matched)
 	}
 	ur, uw := uncached(r.ID), uncached(want.ID)
-	regret := ur - uw
-	if regret <= 0 || !want.Available(e.o.Now()) {
-		return regret
-	}
 	tokens := int64(d.Tokens)
-	pr, pw := e.Service(r), e.Service(want)
+	pr, fleet := e.Service(r), e.fleetService()
+	there := pr.TTFT(r.State(tokens, d.priority), ur) + max(ur-uw, 0)*fleet.PerToken
+	if !want.Available(e.o.Now()) {
+		return there * 1e-9 // its own replica never comes: before any other gain
+	}
+	pw := e.Service(want)
 	// d counts among those held for want (Wait): it waits behind the rest.
 	sw := want.State(tokens, d.priority)
 	sw.Queued--
-	fleet := e.fleetService()
-	if pr.TTFT(r.State(tokens, d.priority), ur)+regret*fleet.PerToken > pw.TTFT(sw, uw) {
+	home := pw.TTFT(sw, uw)
+	if there >= home {
 		return math.Inf(1)
 	}
-	return regret
+	return there / home
 }
 
 // PerRequest returns the seconds a request holds a slot, on the fleet's

@@ -26,7 +26,8 @@ func teach(r *replica.Replica, now time.Time, n int, uncached, output int64, ttf
 // saturated is held even though another has room, when waiting there is
 // predicted sooner than computing its prefix again elsewhere; its prefill
 // counts as that replica's pending work while it waits; and a slot
-// elsewhere takes it only when its first token would come sooner there.
+// elsewhere takes it only when its first token would come sooner there,
+// its cost then its time there over its wait at home.
 func TestHeldWaitsForItsReplica(t *testing.T) {
 	f := newFixture(t, 2, "semantic")
 	rs := f.pool.Replicas()
@@ -75,8 +76,8 @@ func TestHeldWaitsForItsReplica(t *testing.T) {
 	// worth it, at the cost of the prefix.
 	big := replica.Work{Prefill: 50000}
 	home.Begin(&big, f.e.Now())
-	if c, want := f.e.DispatchCost(d, other), d.Uncached(other.ID)-d.Uncached(home.ID); c != want || c <= 0 {
-		t.Fatalf("cost of moving behind a long queue: %v, want %v", c, want)
+	if c := f.e.DispatchCost(d, other); !(c > 0 && c < 0.2) { // 50,000 tokens ahead at home: seconds saved
+		t.Fatalf("cost of moving behind a long queue: %v, want a fifth of the wait at most", c)
 	}
 	home.End(&big, f.e.Now())
 	if c := f.e.DispatchCost(d, other); !math.IsInf(c, 1) {
