@@ -7,6 +7,7 @@ import (
 	"math"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/semroute/semroute/flow"
@@ -39,6 +40,11 @@ type Deferrals struct {
 	untaken sync.Map
 	// ttl is the queue's TTL: the longest a request waits.
 	ttl time.Duration
+	// correction is the float64 bits of the factor the waits Wait
+	// predicts are multiplied by: the recent mean, in log space, of the
+	// waits the requests met over those predicted when they were queued
+	// (learnWait); 0 means 1.
+	correction atomic.Uint64
 }
 
 // ErrTooLate: the router's queue predicts that the request could not start
@@ -59,6 +65,9 @@ type Deferral struct {
 	// decode, when set, is the decode decision of a disaggregated request
 	// whose prefill decision was deferred.
 	decode *Routed
+	// predicted is the wait Deferrals.Wait predicted when it was queued
+	// (0: none could be).
+	predicted time.Duration
 }
 
 // newDeferrals returns the router's queue of bounds o, its clock e's.
@@ -92,12 +101,16 @@ func (w *Deferrals) Defer(cr CoreRequest, arm *Arm, d *routing.Decision, keep fu
 	if cr.Deadline > 0 {
 		limit = min(limit, cr.Deadline-w.e.Now().Sub(start))
 	}
-	if wait, ok := w.Wait(cr.Priority); ok && wait > limit {
+	wait, known := w.Wait(cr.Priority)
+	if known && wait > limit {
 		w.e.Drop(d)
 		w.metrics.shed(ErrTooLate)
 		return nil, &QueueError{Err: ErrTooLate, RetryAfter: max((wait - limit).Round(time.Second), time.Second)}
 	}
 	def := &Deferral{cr: cr, arm: arm, d: d, keep: keep, start: start}
+	if known {
+		def.predicted = wait
+	}
 	w.e.Wait(d, cr.Priority) // before the queue shows it: a dispatch may read it at once
 	t, err := w.q.Enqueue(flow.Item[*Deferral]{Priority: cr.Priority, Flow: cr.Flow, Home: d.Chosen().Replica.ID,
 		Bytes: cr.Bytes, Tokens: int64(d.Tokens), Value: def})
@@ -115,8 +128,9 @@ func (w *Deferrals) Defer(cr CoreRequest, arm *Arm, d *routing.Decision, keep fu
 // a slot: the requests queued at its priority or higher, and itself, each
 // a turn of the pool's slots, which free at the rate every available
 // replica of known capacity finishes requests (its slots over a mean
-// request's run there, servicetime.Params.Rate). It reports false while
-// no replica's capacity is known.
+// request's run there, servicetime.Params.Rate), times the factor by
+// which the waits met lately exceeded those predicted (learnWait). It
+// reports false while no replica's capacity is known.
 func (w *Deferrals) Wait(priority int) (time.Duration, bool) {
 	now := w.e.Now()
 	var rate float64
@@ -128,6 +142,9 @@ func (w *Deferrals) Wait(priority int) (time.Duration, bool) {
 	}
 	if rate <= 0 {
 		return 0, false
+	}
+	if c := w.correction.Load(); c != 0 {
+		rate /= math.Float64frombits(c)
 	}
 	bands, _ := w.q.Bands()
 	ahead := 1
@@ -159,6 +176,9 @@ func (def *Deferral) Wait(ctx context.Context) error {
 func (w *Deferrals) taken(def *Deferral, err error) *replica.Replica {
 	w.e.Unwait(def.d)
 	w.e.Drop(def.d)
+	if err == nil || errors.Is(err, flow.ErrExpired) { // it waited its whole wait
+		w.learnWait(def.predicted, def.waited())
+	}
 	if err != nil {
 		if qe, ok := err.(*QueueError); ok {
 			w.metrics.shed(qe.Err)
@@ -167,6 +187,30 @@ func (w *Deferrals) taken(def *Deferral, err error) *replica.Replica {
 	}
 	w.metrics.queued(def.cr.Priority, def.waited())
 	return def.t.Grant()
+}
+
+// learnWait moves the correction of the predicted waits an eighth of the
+// way, in log space, to waited over predicted (a wait the TTL cut short
+// counts as it was: at least that much), held within [1/4, 64]. Waits of
+// under 10 ms on either side say nothing of the queue's pace.
+func (w *Deferrals) learnWait(predicted, waited time.Duration) {
+	if predicted < 10*time.Millisecond || waited < 10*time.Millisecond {
+		return
+	}
+	for {
+		old := w.correction.Load()
+		cur := 1.0
+		if old != 0 {
+			cur = math.Float64frombits(old)
+		}
+		// predicted was made with cur applied: the uncorrected wait is predicted ÷ cur.
+		ratio := float64(waited) / (float64(predicted) / cur)
+		next := math.Exp(math.Log(cur) + (math.Log(ratio)-math.Log(cur))/8)
+		next = min(max(next, 0.25), 64)
+		if w.correction.CompareAndSwap(old, math.Float64bits(next)) {
+			return
+		}
+	}
 }
 
 // waited returns how long def waited in the queue, until now.
