@@ -40,11 +40,22 @@ type Deferrals struct {
 	untaken sync.Map
 	// ttl is the queue's TTL: the longest a request waits.
 	ttl time.Duration
-	// correction is the float64 bits of the factor the waits Wait
-	// predicts are multiplied by: the recent mean, in log space, of the
-	// waits the requests met over those predicted when they were queued
-	// (learnWait); 0 means 1.
-	correction atomic.Uint64
+	// corrections maps a priority to the float64 bits (*atomic.Uint64) of
+	// the factor the waits Wait predicts for it are multiplied by: the
+	// recent mean, in log space, of the waits its requests met over those
+	// predicted when they were queued (learnWait); none, or 0, means 1. A
+	// priority's own: a low one waits also for the higher ones arriving
+	// after it, which the count ahead of it does not show.
+	corrections sync.Map
+}
+
+// correction returns priority's wait correction's bits (0 means 1).
+func (w *Deferrals) correction(priority int) *atomic.Uint64 {
+	if c, ok := w.corrections.Load(priority); ok {
+		return c.(*atomic.Uint64)
+	}
+	c, _ := w.corrections.LoadOrStore(priority, new(atomic.Uint64))
+	return c.(*atomic.Uint64)
 }
 
 // ErrTooLate: the router's queue predicts that the request could not start
@@ -143,7 +154,7 @@ func (w *Deferrals) Wait(priority int) (time.Duration, bool) {
 	if rate <= 0 {
 		return 0, false
 	}
-	if c := w.correction.Load(); c != 0 {
+	if c := w.correction(priority).Load(); c != 0 {
 		rate /= math.Float64frombits(c)
 	}
 	bands, _ := w.q.Bands()
@@ -177,7 +188,7 @@ func (w *Deferrals) taken(def *Deferral, err error) *replica.Replica {
 	w.e.Unwait(def.d)
 	w.e.Drop(def.d)
 	if err == nil || errors.Is(err, flow.ErrExpired) { // it waited its whole wait
-		w.learnWait(def.predicted, def.waited())
+		w.learnWait(def.cr.Priority, def.predicted, def.waited())
 	}
 	if err != nil {
 		if qe, ok := err.(*QueueError); ok {
@@ -189,16 +200,17 @@ func (w *Deferrals) taken(def *Deferral, err error) *replica.Replica {
 	return def.t.Grant()
 }
 
-// learnWait moves the correction of the predicted waits an eighth of the
+// learnWait moves the correction of priority's predicted waits an eighth of the
 // way, in log space, to waited over predicted (a wait the TTL cut short
 // counts as it was: at least that much), held within [1/4, 64]. Waits of
 // under 10 ms on either side say nothing of the queue's pace.
-func (w *Deferrals) learnWait(predicted, waited time.Duration) {
+func (w *Deferrals) learnWait(priority int, predicted, waited time.Duration) {
 	if predicted < 10*time.Millisecond || waited < 10*time.Millisecond {
 		return
 	}
+	c := w.correction(priority)
 	for {
-		old := w.correction.Load()
+		old := c.Load()
 		cur := 1.0
 		if old != 0 {
 			cur = math.Float64frombits(old)
@@ -207,7 +219,7 @@ func (w *Deferrals) learnWait(predicted, waited time.Duration) {
 		ratio := float64(waited) / (float64(predicted) / cur)
 		next := math.Exp(math.Log(cur) + (math.Log(ratio)-math.Log(cur))/8)
 		next = min(max(next, 0.25), 64)
-		if w.correction.CompareAndSwap(old, math.Float64bits(next)) {
+		if c.CompareAndSwap(old, math.Float64bits(next)) {
 			return
 		}
 	}

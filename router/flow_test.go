@@ -400,25 +400,28 @@ func TestQueueLearnsItsPace(t *testing.T) {
 	f := newFixture(t, 1, "semantic")
 	w := newDeferrals(f.e, flow.Options[*replica.Replica]{}, 0, nil)
 	factor := func() float64 {
-		if c := w.correction.Load(); c != 0 {
+		if c := w.correction(0).Load(); c != 0 {
 			return math.Float64frombits(c)
 		}
 		return 1
 	}
 	for range 100 {
-		w.learnWait(time.Duration(float64(time.Second)*factor()), 4*time.Second) // a prediction made with the factor
+		w.learnWait(0, time.Duration(float64(time.Second)*factor()), 4*time.Second) // a prediction made with the factor
 	}
 	if got := factor(); math.Abs(got-4) > 0.05 {
 		t.Fatalf("after waits 4× the prediction: %.3f", got)
 	}
 	for range 200 {
-		w.learnWait(time.Duration(float64(time.Second)*factor()), time.Second/100)
+		w.learnWait(0, time.Duration(float64(time.Second)*factor()), time.Second/100)
 	}
 	if got := factor(); got != 0.25 {
 		t.Fatalf("after waits a hundredth of it: %.3f, want the floor 0.25", got)
 	}
-	w.learnWait(time.Millisecond, time.Hour) // too short to say anything
+	w.learnWait(0, time.Millisecond, time.Hour) // too short to say anything
 	if got := factor(); got != 0.25 {
 		t.Fatalf("a 1 ms prediction moved it: %.3f", got)
+	}
+	if w.correction(10).Load() != 0 {
+		t.Fatal("another priority's waits moved priority 10's")
 	}
 }
