@@ -247,7 +247,9 @@ type Request struct {
 	Home bool
 	// Hold asks Decide, recording, not to record the decision when the
 	// replica it ranks first is saturated (its engine would queue the
-	// request): it comes back Held, unrecorded, for the caller to queue the
+	// request) and would not serve it before the requests it queues (an
+	// engine scheduling by priority serves a request above the default
+	// priority first: it goes there): it comes back Held, unrecorded, for the caller to queue the
 	// request in the router (package flow; see Wait and DispatchCost) and
 	// decide it again once a slot is free for it. Drop the deferred decision;
 	// the request's blocks stay with the request.
@@ -456,7 +458,7 @@ func (e *Engine) Decide(ri Request, record bool) (*Decision, error) {
 	if e.o.PreferDonor {
 		e.preferDonor(d, sketch)
 	}
-	if record && ri.Defer && full(d.Chosen().Replica, ri.Keep) {
+	if record && ri.Defer && full(d.Chosen().Replica, ri.Keep) && !jumps(d.Chosen().Replica, ri.Priority) {
 		d.Deferred = true
 		return d, nil
 	}
@@ -641,6 +643,14 @@ func (g *gathering) gather(panicking bool) (ejected bool) {
 		g.e.credit(c, g.sc, g.reuses)
 	}
 	return ejected
+}
+
+// jumps reports whether a request of priority goes before the requests
+// waiting in r's engine: r schedules by priority (replica.Scheduling) and
+// the request's is above the default's. It is sent there rather than held
+// in the router's queue: the engine serves it at its next slot.
+func jumps(r *replica.Replica, priority int) bool {
+	return r.Scheduling.Prioritized() && priority > 0
 }
 
 // full reports whether replica r is saturated, or has no more free
