@@ -111,12 +111,15 @@ func (c *ReplicaClass) check() error {
 	case c.MaxRunning < 0 || c.BudgetTokens < 0:
 		return errors.New("class max_running and budget_tokens must not be negative")
 	}
-	for _, r := range c.Name {
-		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '_' || r == '.') {
-			return fmt.Errorf("name %q: letters, digits, '-', '_' and '.' only", c.Name)
-		}
+	if strings.IndexFunc(c.Name, notNameRune) >= 0 {
+		return fmt.Errorf("name %q: letters, digits, '-', '_' and '.' only", c.Name)
 	}
 	return nil
+}
+
+// notNameRune reports whether r may not be in a class's name.
+func notNameRune(r rune) bool {
+	return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '_' || r == '.')
 }
 
 // String writes the class as ParseClass reads it, its zero fields left out.

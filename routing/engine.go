@@ -631,18 +631,24 @@ func (g *gathering) gather(panicking bool) (ejected bool) {
 				continue
 			}
 		}
-		c := &g.d.Candidates[g.n] // filled in place: a candidate is ~120 bytes
-		g.n++
-		c.Replica, c.adapter = r, rank
-		r.LoadInto(&c.Load, g.nowNs)
-		c.State = r.State(int64(g.d.Tokens), g.priority)
-		if r == g.slot && c.State.Queued > 0 { // the slot kept for it is its own
-			c.State.Queued--
-		}
+		g.add(r, rank)
 		g.room = g.room || !full
-		g.e.credit(c, g.sc, g.reuses)
 	}
 	return ejected
+}
+
+// add fills the next candidate with replica r, of adapter rank rank: its
+// load, the state the request would meet there, and its credit.
+func (g *gathering) add(r *replica.Replica, rank int8) {
+	c := &g.d.Candidates[g.n] // filled in place: a candidate is ~120 bytes
+	g.n++
+	c.Replica, c.adapter = r, rank
+	r.LoadInto(&c.Load, g.nowNs)
+	c.State = r.State(int64(g.d.Tokens), g.priority)
+	if r == g.slot && c.State.Queued > 0 { // the slot kept for it is its own
+		c.State.Queued--
+	}
+	g.e.credit(c, g.sc, g.reuses)
 }
 
 // jumps reports whether a request of priority goes before the requests

@@ -139,12 +139,35 @@ func PrefixOutcomes(d *Decision, served *Candidate, u Usage, queued bool, block 
 	covered := hit
 	if short := s - hit; short >= blk {
 		covered = s
-		if queued || d.Deferred || served.State.KVShort || served.Reason == reasonNoRoom {
-			out[PrefixWaited] = short
-		} else {
-			out[PrefixEvicted] = short
-		}
+		out[lostWhere(d, served, queued)] = short
 	}
+	holder, best := holderOf(d, served, hold)
+	if away := best - covered; away >= blk {
+		if lostOnLoad(holder, served) {
+			out[PrefixRoutedAwayLoad] = away
+		} else {
+			out[PrefixRoutedAway] = away
+		}
+		covered = best
+	}
+	out[PrefixCold] = prompt - covered
+	return out
+}
+
+// lostWhere says where tokens predicted on served and not found went:
+// PrefixWaited when the request waited for room (the router's queue, a
+// deferred decision, no KV room on served), else PrefixEvicted.
+func lostWhere(d *Decision, served *Candidate, queued bool) PrefixOutcome {
+	if queued || d.Deferred || served.State.KVShort || served.Reason == reasonNoRoom {
+		return PrefixWaited
+	}
+	return PrefixEvicted
+}
+
+// holderOf returns the candidate of d other than served with the longest
+// hold, the best ranked of those that tie, and its hold; nil and 0 when no
+// other candidate holds any.
+func holderOf(d *Decision, served *Candidate, hold func(*Candidate) int64) (*Candidate, int64) {
 	cands := d.Candidates
 	if len(cands) == 0 {
 		cands = d.Ranked
@@ -161,16 +184,7 @@ func PrefixOutcomes(d *Decision, served *Candidate, u Usage, queued bool, block 
 			holder, best = c, h
 		}
 	}
-	if away := best - covered; away >= blk {
-		if lostOnLoad(holder, served) {
-			out[PrefixRoutedAwayLoad] = away
-		} else {
-			out[PrefixRoutedAway] = away
-		}
-		covered = best
-	}
-	out[PrefixCold] = prompt - covered
-	return out
+	return holder, best
 }
 
 // rankedBefore reports whether a ranks before b on the decision's numbers
