@@ -171,24 +171,7 @@ func (p *prioritized) next(ctx context.Context, i int) bool {
 // sleep waits d, or until ctx ends or the request's admission is
 // preempted; it reports whether d passed.
 func (p *prioritized) sleep(ctx context.Context, d time.Duration) bool {
-	stop := p.a.stop
-	if d <= 0 {
-		select {
-		case <-stop:
-			return false
-		default:
-			return ctx.Err() == nil
-		}
-	}
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-	case <-stop:
-	}
-	return false
+	return sleepUnless(ctx, d, p.a.stop)
 }
 
 // decodeAll waits for output tokens 1 to out-1, as a whole answer does:

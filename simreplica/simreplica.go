@@ -984,9 +984,18 @@ func (s *Server) loraAdd(adapter string, wait, run int) {
 }
 
 // sleep waits d or until ctx ends; it reports whether d passed.
-func sleep(ctx context.Context, d time.Duration) bool {
+func sleep(ctx context.Context, d time.Duration) bool { return sleepUnless(ctx, d, nil) }
+
+// sleepUnless waits d, or until ctx ends or stop closes (nil: never); it
+// reports whether d passed.
+func sleepUnless(ctx context.Context, d time.Duration, stop <-chan struct{}) bool {
 	if d <= 0 {
-		return ctx.Err() == nil
+		select {
+		case <-stop:
+			return false
+		default:
+			return ctx.Err() == nil
+		}
 	}
 	t := time.NewTimer(d)
 	defer t.Stop()
@@ -994,8 +1003,9 @@ func sleep(ctx context.Context, d time.Duration) bool {
 	case <-t.C:
 		return true
 	case <-ctx.Done():
-		return false
+	case <-stop:
 	}
+	return false
 }
 
 type generation struct {
