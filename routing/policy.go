@@ -224,7 +224,8 @@ func nonNegative(names []string, vals ...float64) error {
 // between two homes. CopyWeight is in those computations, a property of
 // the workload, not of an engine: the replay of both public traces (see
 // BENCHMARKS.md) put the hit rate within 1% of the best port's from 8 on,
-// with TTFT p50 and p99 the lowest, where 1 lost 8% of the hit rate. A hot
+// with the lowest TTFT p50 and a p99 within 1% of the lowest, where 1 lost
+// 8% of the hit rate. A hot
 // prefix (View.Hot), held soon everywhere, costs no copy. Past computing
 // it once, staying with a prefix is worth at most a mean request's run
 // (servicetime.Params.Run): a long prefix does not hold a request behind a
