@@ -77,11 +77,12 @@ type Config struct {
 // engine's queue, and is decided again when a slot is free for it. Read at
 // start only.
 type FlowControlConfig struct {
-	// Enabled turns the queue on (the default): a request that could not
-	// start within its deadline is refused at once (429, Retry-After), one
-	// that waits does so in the router, by priority and fair between
-	// tenants. Off: every request goes to a replica at once, and engines
-	// queue.
+	// Enabled turns the queue on (the default for a lone router; off by
+	// default in a fleet, cluster.urls, whose queues do not share their
+	// reservations yet): a request that could not start within its
+	// deadline is refused at once (429, Retry-After), one that waits does
+	// so in the router, by priority and fair between tenants. Off: every
+	// request goes to a replica at once, and engines queue.
 	Enabled bool `mapstructure:"enabled" json:"enabled"`
 	// MaxRequests, MaxBytes and TTL bound the queue; past them a request
 	// is answered 429 with Retry-After. Defaults 5,000, 1 GiB and 60 s.
@@ -744,6 +745,7 @@ func Decode(v *viper.Viper) (*Config, error) {
 		return nil, errors.Join(fmt.Errorf("config: unknown keys: %s", strings.Join(keys, ", ")), known.Validate())
 	}
 	c.renamed(v)
+	c.fleetDefaults(v)
 	if err := c.Validate(); err != nil {
 		return nil, err
 	}
@@ -803,6 +805,16 @@ func (c *Config) renamed(v *viper.Viper) {
 	}
 	if g.HeldBlocks != nil && !given(v, "grpc.max_unreleased_blocks") {
 		g.MaxUnreleasedBlocks = *g.HeldBlocks
+	}
+}
+
+// fleetDefaults turns flow control off by default for a router of a fleet
+// (cluster.urls): its queue does not share its reservations with its
+// peers' yet, and two routers with their queues did worse than one
+// (BENCHMARKS.md, "A fleet of routers over NATS"). Set, it is as set.
+func (c *Config) fleetDefaults(v *viper.Viper) {
+	if len(c.Cluster.URLs) > 0 && !given(v, "flow_control.enabled") {
+		c.FlowControl.Enabled = false
 	}
 }
 

@@ -254,3 +254,25 @@ func TestTTFTTargets(t *testing.T) {
 		t.Fatalf("targets %v, enabled %v", got, c.FlowControl.Enabled)
 	}
 }
+
+// TestFlowControlOffByDefaultInAFleet: flow control is on by default, off
+// by default for a router of a fleet, and as set when set.
+func TestFlowControlOffByDefaultInAFleet(t *testing.T) {
+	for _, tc := range []struct {
+		yaml string
+		want bool
+	}{
+		{"", true},
+		{"cluster:\n  urls: [nats://127.0.0.1:4222]\n  insecure: true\n", false},
+		{"cluster:\n  urls: [nats://127.0.0.1:4222]\n  insecure: true\nflow_control:\n  enabled: true\n", true},
+		{"flow_control:\n  enabled: false\n", false},
+	} {
+		c, err := LoadBytes(NewViper(), []byte(tc.yaml))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c.FlowControl.Enabled != tc.want {
+			t.Errorf("%q: flow control %v, want %v", tc.yaml, c.FlowControl.Enabled, tc.want)
+		}
+	}
+}
