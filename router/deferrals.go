@@ -112,7 +112,7 @@ func (w *Deferrals) Defer(cr CoreRequest, arm *Arm, d *routing.Decision, keep fu
 	if cr.Deadline > 0 {
 		limit = min(limit, cr.Deadline-w.e.Now().Sub(start))
 	}
-	wait, known := w.Wait(cr.Priority)
+	wait, known := w.Wait(cr.Priority, d.Chosen().Replica)
 	if known && wait > limit {
 		w.e.Drop(d)
 		w.metrics.shed(ErrTooLate)
@@ -135,27 +135,32 @@ func (w *Deferrals) Defer(cr CoreRequest, arm *Arm, d *routing.Decision, keep fu
 	return def, nil
 }
 
-// Wait predicts how long a request of priority queued now would wait for
-// a slot: the requests queued at its priority or higher, and itself, each
-// a turn of the pool's slots, which free at the rate every available
-// replica of known capacity finishes requests (its slots over a mean
-// request's run there, servicetime.Params.Rate), times the factor by
-// which the waits met lately exceeded those predicted (learnWait). It
-// reports false while no replica's capacity is known.
-func (w *Deferrals) Wait(priority int) (time.Duration, bool) {
+// Wait predicts how long a request of priority queued now for replica
+// home (nil: any) would wait for a slot: the longer of its turn among the
+// requests queued at its priority or higher, each a turn of the pool's
+// slots, which free at the rate every available replica of known
+// capacity finishes requests (its slots over a mean request's run there,
+// servicetime.Params.Rate), and its turn among those of its priority or
+// higher held for home, at home's rate (a request waits for its prefix's
+// replica while that is sooner than computing it elsewhere: a hot home's
+// line is longer than the pool's); times the factor by which the waits met
+// lately exceeded those predicted (learnWait). It reports false while no
+// replica's capacity is known.
+func (w *Deferrals) Wait(priority int, home *replica.Replica) (time.Duration, bool) {
 	now := w.e.Now()
-	var rate float64
+	var rate, homeRate float64
 	for _, r := range w.e.Pool().Replicas() {
 		if c := r.Capacity(); c > 0 && r.Available(now) {
 			p := w.e.Service(r)
-			rate += p.Rate(float64(c))
+			rr := p.Rate(float64(c))
+			rate += rr
+			if r == home {
+				homeRate = rr
+			}
 		}
 	}
 	if rate <= 0 {
 		return 0, false
-	}
-	if c := w.correction(priority).Load(); c != 0 {
-		rate /= math.Float64frombits(c)
 	}
 	bands, _ := w.q.Bands()
 	ahead := 1
@@ -164,7 +169,14 @@ func (w *Deferrals) Wait(priority int) (time.Duration, bool) {
 			ahead += n
 		}
 	}
-	return time.Duration(float64(ahead) / rate * float64(time.Second)), true
+	wait := float64(ahead) / rate
+	if homeRate > 0 {
+		wait = max(wait, float64(home.Deferred(priority)+1)/homeRate)
+	}
+	if c := w.correction(priority).Load(); c != 0 {
+		wait *= math.Float64frombits(c)
+	}
+	return time.Duration(wait * float64(time.Second)), true
 }
 
 // Wait blocks until def's turn comes (a slot is kept for it: resume it
