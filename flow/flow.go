@@ -206,6 +206,33 @@ func (q *Queue[V, G]) Bands() (requests map[int]int, flows int) {
 	return requests, flows
 }
 
+// Ahead returns how many waiting requests a request of priority and flow
+// queued now would wait behind, as the queue serves them: every one of a
+// higher priority, and in its own priority, flows taking turns, from each
+// flow at most one more than its own flow has waiting (fair queueing's
+// order: a flow that sends little waits behind few, however much another
+// floods).
+func (q *Queue[V, G]) Ahead(priority int, flow string) int {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	n := 0
+	for p, b := range q.bands {
+		switch {
+		case p > priority:
+			n += b.n
+		case p == priority:
+			mine := 0
+			if f := b.flows[flow]; f != nil {
+				mine = f.waiting.Len()
+			}
+			for _, f := range b.flows {
+				n += min(f.waiting.Len(), mine+1)
+			}
+		}
+	}
+	return n
+}
+
 // Enqueue queues it, shedding queued requests of a lower priority (the
 // newest of the lowest first) when the queue is at its bounds, or refuses
 // it: ErrSheddable for a negative priority, ErrFull when nothing lower can

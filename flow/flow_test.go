@@ -321,3 +321,36 @@ func (g *grants) get() int {
 	defer g.mu.Unlock()
 	return len(g.got)
 }
+
+// TestAheadByFairTurns: a request waits behind every request of a higher
+// priority and, in its own, behind at most one more than its own flow has
+// waiting from each flow: a light flow's request is near the front however
+// much another flow has queued.
+func TestAheadByFairTurns(t *testing.T) {
+	q := New[int, int](Options[int]{MaxRequests: 1000, MaxBytes: 1 << 30, TTL: time.Hour})
+	add := func(p int, flow string, n int) {
+		for range n {
+			if _, err := q.Enqueue(Item[int]{Priority: p, Flow: flow, Bytes: 1, Tokens: 1}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	add(0, "flood", 100)
+	add(0, "quiet", 2)
+	add(10, "vip", 3)
+	for _, tc := range []struct {
+		p    int
+		flow string
+		want int
+	}{
+		{0, "quiet", 3 + 3 + 2},   // the vip's 3; 3 of the flood's; its own 2
+		{0, "new", 3 + 1 + 1},     // a flow not waiting: one of each
+		{0, "flood", 3 + 100 + 2}, // the flood waits behind all of it
+		{10, "vip", 3},
+		{20, "any", 0},
+	} {
+		if got := q.Ahead(tc.p, tc.flow); got != tc.want {
+			t.Errorf("priority %d, flow %s: %d ahead, want %d", tc.p, tc.flow, got, tc.want)
+		}
+	}
+}

@@ -112,7 +112,7 @@ func (w *Deferrals) Defer(cr CoreRequest, arm *Arm, d *routing.Decision, keep fu
 	if cr.Deadline > 0 {
 		limit = min(limit, cr.Deadline-w.e.Now().Sub(start))
 	}
-	wait, known := w.Wait(cr.Priority, d.Chosen().Replica)
+	wait, known := w.Wait(cr.Priority, cr.Flow, d.Chosen().Replica)
 	if known && wait > limit {
 		w.e.Drop(d)
 		w.metrics.shed(ErrTooLate)
@@ -135,9 +135,10 @@ func (w *Deferrals) Defer(cr CoreRequest, arm *Arm, d *routing.Decision, keep fu
 	return def, nil
 }
 
-// Wait predicts how long a request of priority queued now for replica
-// home (nil: any) would wait for a slot: the longer of its turn among the
-// requests queued at its priority or higher, each a turn of the pool's
+// Wait predicts how long a request of priority and flow queued now for
+// replica home (nil: any) would wait for a slot: the longer of its turn
+// among the requests queued ahead of it (flow.Queue.Ahead: a higher
+// priority's, and its own priority's as flows take turns), each a turn of the pool's
 // slots, which free at the rate every available replica of known
 // capacity finishes requests (its slots over a mean request's run there,
 // servicetime.Params.Rate), and its turn among those of its priority or
@@ -146,7 +147,7 @@ func (w *Deferrals) Defer(cr CoreRequest, arm *Arm, d *routing.Decision, keep fu
 // line is longer than the pool's); times the factor by which the waits met
 // lately exceeded those predicted (learnWait). It reports false while no
 // replica's capacity is known.
-func (w *Deferrals) Wait(priority int, home *replica.Replica) (time.Duration, bool) {
+func (w *Deferrals) Wait(priority int, flow string, home *replica.Replica) (time.Duration, bool) {
 	now := w.e.Now()
 	var rate, homeRate float64
 	for _, r := range w.e.Pool().Replicas() {
@@ -162,16 +163,10 @@ func (w *Deferrals) Wait(priority int, home *replica.Replica) (time.Duration, bo
 	if rate <= 0 {
 		return 0, false
 	}
-	bands, _ := w.q.Bands()
-	ahead := 1
-	for p, n := range bands {
-		if p >= priority {
-			ahead += n
-		}
-	}
-	wait := float64(ahead) / rate
-	if homeRate > 0 {
-		wait = max(wait, float64(home.Deferred(priority)+1)/homeRate)
+	ahead := w.q.Ahead(priority, flow)
+	wait := float64(ahead+1) / rate
+	if homeRate > 0 { // those held for home, no more than are ahead of it anywhere
+		wait = max(wait, float64(min(home.Deferred(priority), int64(ahead))+1)/homeRate)
 	}
 	if c := w.correction(priority).Load(); c != 0 {
 		wait *= math.Float64frombits(c)
