@@ -55,7 +55,7 @@ func TestCLIGentraceAndReplay(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := json.Unmarshal(b, &sum); err != nil || sum.Replicas != 4 || sum.BudgetTokens != 50000 || len(sum.Policies) != 6 || sum.Policies[0].Requests == 0 {
+	if err := json.Unmarshal(b, &sum); err != nil || sum.Replicas != 4 || sum.BudgetTokens != 50000 || len(sum.Policies) != 7 || sum.Policies[0].Requests == 0 {
 		t.Fatalf("summary %+v, %v", sum, err)
 	}
 }
