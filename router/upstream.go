@@ -99,7 +99,7 @@ func newUpstream(t *http.Transport, firstByte time.Duration, maxHeader, maxIdle 
 // bounds the response headers.
 type upConn struct {
 	c      net.Conn
-	lim    connpool.CapReader
+	lim    capReader
 	br     *bufio.Reader
 	bw     *bufio.Writer
 	host   string
@@ -110,7 +110,28 @@ type upConn struct {
 func (pc *upConn) NetConn() net.Conn { return pc.c }
 func (pc *upConn) Buffered() int     { return pc.br.Buffered() }
 
+// capReader reads from c, at most n bytes while n >= 0.
+type capReader struct {
+	c net.Conn
+	n int
+}
+
 var errUpstreamHeaders = errors.New("router: replica's response headers too large")
+
+func (r *capReader) Read(p []byte) (int, error) {
+	if r.n < 0 {
+		return r.c.Read(p)
+	}
+	if r.n == 0 {
+		return 0, errUpstreamHeaders
+	}
+	if len(p) > r.n {
+		p = p[:r.n]
+	}
+	n, err := r.c.Read(p)
+	r.n -= n
+	return n, err
+}
 
 // unsentError is the error of a request that did not go out whole: the
 // replica cannot have acted on it, so it may be sent again.
@@ -188,7 +209,7 @@ func (t *upstream) exchange(ctx context.Context, pc *upConn, req *http.Request) 
 		}
 		return nil, err
 	}
-	pc.lim.Left = t.maxHeader
+	pc.lim.n = t.maxHeader
 	var wrote chan error // the write of a large body, beside the read
 	if req.ContentLength > concurrentWrite {
 		wrote = make(chan error, 1)
@@ -267,7 +288,7 @@ func (t *upstream) readResponse(pc *upConn, req *http.Request) (*http.Response, 
 // body's reads, and a body that pools pc at its end when keep, neither
 // side asked to close, and the context did not fire.
 func (t *upstream) answer(ctx context.Context, pc *upConn, req *http.Request, resp *http.Response, stop func() bool, keep bool) (*http.Response, error) {
-	pc.lim.Left = -1
+	pc.lim.n = -1
 	pc.readDeadline(ctx, time.Time{})
 	resp.Body = &upBody{rc: resp.Body, ctx: ctx, pc: pc, t: t, stop: stop, keep: keep && !resp.Close && !req.Close}
 	return resp, nil
@@ -356,7 +377,7 @@ func (t *upstream) get(ctx context.Context, host string) (*upConn, error) {
 	if err != nil {
 		return nil, err
 	}
-	pc := &upConn{c: c, host: host, lim: connpool.CapReader{Conn: c, Left: -1, Over: errUpstreamHeaders}}
+	pc := &upConn{c: c, host: host, lim: capReader{c: c, n: -1}}
 	pc.br = bufio.NewReader(&pc.lim)
 	pc.bw = bufio.NewWriter(c)
 	return pc, nil

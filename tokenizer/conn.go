@@ -116,7 +116,7 @@ func (p *conns) target(base string) *target {
 // bounds the answer's headers.
 type conn struct {
 	c      net.Conn
-	lim    connpool.CapReader
+	lim    capReader
 	br     *bufio.Reader
 	bw     *bufio.Writer
 	addr   string
@@ -127,7 +127,31 @@ type conn struct {
 func (pc *conn) NetConn() net.Conn { return pc.c }
 func (pc *conn) Buffered() int     { return pc.br.Buffered() }
 
+// capReader reads from c, at most n bytes while n >= 0.
+type capReader struct {
+	c net.Conn
+	n int
+	// read counts the bytes read since the call began: none means the
+	// replica answered nothing.
+	read int
+}
+
 var errHeaders = errors.New("tokenizer: /tokenize answer's headers too large")
+
+func (r *capReader) Read(p []byte) (int, error) {
+	if r.n == 0 {
+		return 0, errHeaders
+	}
+	if r.n > 0 && len(p) > r.n {
+		p = p[:r.n]
+	}
+	n, err := r.c.Read(p)
+	if r.n > 0 {
+		r.n -= n
+	}
+	r.read += n
+	return n, err
+}
 
 // pastDeadline ends any blocked read or write on a connection at once.
 var pastDeadline = time.Unix(1, 0)
@@ -150,7 +174,7 @@ func (p *conns) post(ctx context.Context, deadline time.Time, t *target, q *quer
 			return ids, nil
 		}
 		pc.c.Close()
-		if retried || !pc.reused || pc.lim.Got > 0 || ctx.Err() != nil || errors.Is(err, os.ErrDeadlineExceeded) {
+		if retried || !pc.reused || pc.lim.read > 0 || ctx.Err() != nil || errors.Is(err, os.ErrDeadlineExceeded) {
 			return nil, err
 		}
 		// A pooled connection the replica closed as the call went out
@@ -181,7 +205,7 @@ func (p *conns) exchange(ctx context.Context, deadline time.Time, pc *conn, t *t
 			}
 		}()
 	}
-	pc.lim.Left, pc.lim.Got = maxHeaderBytes, 0
+	pc.lim.n, pc.lim.read = maxHeaderBytes, 0
 	if err := writeQuery(pc, t, q); err != nil {
 		return nil, false, fmt.Errorf("tokenizer: %w", err)
 	}
@@ -189,7 +213,7 @@ func (p *conns) exchange(ctx context.Context, deadline time.Time, pc *conn, t *t
 	if err != nil {
 		return nil, false, fmt.Errorf("tokenizer: %w", err)
 	}
-	pc.lim.Left = -1
+	pc.lim.n = -1
 	keep = !resp.Close
 	if resp.StatusCode != http.StatusOK {
 		return nil, false, &errAnswered{resp.StatusCode}
@@ -272,7 +296,7 @@ func (p *conns) get(ctx context.Context, deadline time.Time, addr string) (*conn
 	if err != nil {
 		return nil, err
 	}
-	pc := &conn{c: c, addr: addr, lim: connpool.CapReader{Conn: c, Left: -1, Over: errHeaders}}
+	pc := &conn{c: c, addr: addr, lim: capReader{c: c, n: -1}}
 	pc.br = bufio.NewReader(&pc.lim)
 	pc.bw = bufio.NewWriter(c)
 	return pc, nil

@@ -204,30 +204,3 @@ func (p *Pool[T]) Live() int {
 	}
 	return live
 }
-
-// CapReader reads from Conn, at most Left bytes while Left >= 0 (an
-// answer's headers: past them Read returns Over), any number while Left
-// is negative. Got counts the bytes read since the caller last zeroed it:
-// none means the peer answered nothing. Not safe for concurrent use.
-type CapReader struct {
-	Conn net.Conn
-	Left int
-	Over error
-	Got  int
-}
-
-// Read implements io.Reader.
-func (r *CapReader) Read(p []byte) (int, error) {
-	if r.Left == 0 {
-		return 0, r.Over
-	}
-	if r.Left > 0 && len(p) > r.Left {
-		p = p[:r.Left]
-	}
-	n, err := r.Conn.Read(p)
-	if r.Left > 0 {
-		r.Left -= n
-	}
-	r.Got += n
-	return n, err
-}
