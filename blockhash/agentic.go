@@ -18,7 +18,7 @@ import (
 
 // Keys read from the bodies and items of the two APIs.
 var (
-	responsesKeys    = []string{"model", "input", "instructions", "tools", "user", "stream", "max_output_tokens", "previous_response_id"}
+	responsesKeys    = []string{"model", "input", "instructions", "tools", "user", "stream", "max_output_tokens", "previous_response_id", "store"}
 	responseItemKeys = []string{"type", "role", "content", "name", "arguments", "output"}
 	messagesKeys     = []string{"model", "system", "messages", "tools", "stream", "max_tokens"}
 	anthropicMsgKeys = []string{"role", "content"}
@@ -48,6 +48,12 @@ func (r *Request) responses(b *body, lim Limits) error {
 		return err
 	}
 	r.PreviousResponseID = string(prev)
+	if !isNull(b.store) {
+		if t := b.store.Type(); t != fastjson.TypeTrue && t != fastjson.TypeFalse {
+			return inputErr("store", "must be a boolean")
+		}
+		r.NoStore = b.store.Type() == fastjson.TypeFalse
+	}
 	if err := r.toolsPart(b); err != nil {
 		return err
 	}
@@ -228,7 +234,7 @@ func (r *Request) systemPart(b *body) error {
 	return nil
 }
 
-// toolsPart appends the body's tool schemas, as compact JSON, as chat's.
+// toolsPart appends the body's tool schemas, in chat's form (tools.go).
 func (r *Request) toolsPart(b *body) error {
 	if isNull(b.tools) {
 		return nil
@@ -236,7 +242,7 @@ func (r *Request) toolsPart(b *body) error {
 	if b.tools.Type() != fastjson.TypeArray {
 		return inputErr("tools", "must be an array")
 	}
-	r.Parts = append(r.Parts, Part{Role: RoleTools, Base: KindTools, Text: b.tools.MarshalTo(nil)})
+	r.Parts = append(r.Parts, Part{Role: RoleTools, Base: KindTools, Text: canonicalTools(nil, b.tools)})
 	return nil
 }
 

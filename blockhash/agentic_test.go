@@ -67,7 +67,7 @@ func TestAgenticToolTurns(t *testing.T) {
 		base Kind
 		text string
 	}{
-		{RoleTools, KindTools, `[{"type":"function","name":"f","parameters":{}}]`},
+		{RoleTools, KindTools, `[{"type":"function","function":{"name":"f","parameters":{}}}]`},
 		{RoleUser, KindUserQuery, "Weather?"},
 		{RoleAssistant, KindAssistantHistory, "\x00weather\x00{\"city\":\"Oslo\"}"},
 		{RoleTool, KindToolOutput, "rain"},

@@ -86,6 +86,9 @@ type Request struct {
 	// PreviousResponseID is a /v1/responses body's previous_response_id:
 	// the stored response the input continues.
 	PreviousResponseID string
+	// NoStore says a /v1/responses body has store: false: the engine
+	// keeps no response for a later request to continue.
+	NoStore bool
 	// KVTransferParams and RequestID say the body's object has a
 	// top-level kv_transfer_params (vLLM's disaggregation: the router's to
 	// set, never a client's) or request_id key (a Responses response's id
@@ -249,6 +252,7 @@ type body struct {
 	streamOptions                                 *fastjson.Value
 	messages, tools, prompt                       *fastjson.Value
 	system, prevID                                *fastjson.Value // /v1/responses' instructions (and previous_response_id), /v1/messages' system
+	store                                         *fastjson.Value // /v1/responses' store
 }
 
 // decode checks data's JSON (nesting, escapes, numbers: see prescan; then
@@ -328,7 +332,7 @@ func (r *Request) top(data []byte, ep Endpoint) (*body, error) {
 		case Completion:
 			dup = fields(root, completionKeys, &b.model, &b.prompt, &b.user, &b.stream, &b.maxTokens, &b.maxCompletion, &b.streamOptions)
 		case Responses: // input as messages, instructions as system, max_output_tokens as max_tokens
-			dup = fields(root, responsesKeys, &b.model, &b.messages, &b.system, &b.tools, &b.user, &b.stream, &b.maxTokens, &b.prevID)
+			dup = fields(root, responsesKeys, &b.model, &b.messages, &b.system, &b.tools, &b.user, &b.stream, &b.maxTokens, &b.prevID, &b.store)
 		case Messages:
 			dup = fields(root, messagesKeys, &b.model, &b.system, &b.messages, &b.tools, &b.stream, &b.maxTokens)
 		default:
@@ -502,9 +506,10 @@ func (r *Request) chat(b *body, lim Limits) error {
 		if b.tools.Type() != fastjson.TypeArray {
 			return inputErr("tools", "must be an array")
 		}
-		// Compact JSON with the body's own escapes: the same schemas are the
-		// same bytes however the client spaced them.
-		r.Parts = append(r.Parts, Part{Role: RoleTools, Base: KindTools, Text: b.tools.MarshalTo(nil)})
+		// Compact JSON with the body's own escapes, in the form every API's
+		// tools take (tools.go): the same schemas are the same bytes however
+		// the client spaced them, and in whichever API.
+		r.Parts = append(r.Parts, Part{Role: RoleTools, Base: KindTools, Text: canonicalTools(nil, b.tools)})
 	}
 	parsed := make([]message, len(msgs))
 	lastUser := -1
