@@ -436,6 +436,12 @@ type CacheConfig struct {
 	// Feedback corrects the picture of a replica without KV events from
 	// the cached tokens its engine reports (default true).
 	Feedback bool `mapstructure:"feedback" json:"feedback"`
+	// ResponseChainsBytes bounds the memory, in bytes, kept of the
+	// conversations stored Responses API responses hold, to route a
+	// request continuing one (previous_response_id) on its whole prompt.
+	// 0: 64 MiB; -1: none kept (continuations are routed on their new
+	// input).
+	ResponseChainsBytes int64 `mapstructure:"response_chains_bytes" json:"response_chains_bytes"`
 }
 
 // TokenizerConfig chooses how prompts are counted. Read at start only.

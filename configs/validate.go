@@ -235,6 +235,9 @@ func (c CacheConfig) validate(p *problems) {
 	if c.DefaultBudgetTokens < 0 {
 		p.bad("cache.default_budget_tokens", "must not be negative (0 means the built-in %d)", DefaultBudgetTokens)
 	}
+	if c.ResponseChainsBytes < -1 {
+		p.bad("cache.response_chains_bytes", "%d is below -1 (0 means 64 MiB, -1 none)", c.ResponseChainsBytes)
+	}
 }
 
 func (t TokenizerConfig) validate(p *problems) {

@@ -5,6 +5,7 @@ import (
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/limits"
+	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
 
@@ -77,21 +78,25 @@ func (c *Core) Admit(a Arrival, lim *limits.Request) (*Admission, error) {
 	}
 	ad := &Admission{Parsed: req, CoreRequest: CoreRequest{Model: req.Model, Session: a.Session, Tenant: a.Tenant,
 		Route: a.Route, API: a.API, Ctx: a.Ctx, Bytes: a.Bytes, DryRun: a.DryRun}}
+	var allow func(*replica.Replica) bool
+	if id := req.PreviousResponseID; id != "" {
+		var refused bool
+		allow, refused = c.ids.home(id, a.Tenant) // the replica that stored the response it continues
+		if refused {
+			req.Recycle()
+			return nil, &errNotYours
+		}
+	}
+	if a.API == blockhash.Responses && a.Parsed == nil {
+		c.continueChain(req, &ad.CoreRequest)
+	}
 	if a.PreSplit {
 		ad.Input = preSplit(c.e, c.o.LogPrompts, req, a.Session)
 	} else {
 		ad.Input = c.prepare(cmpCtx(a.Ctx), req, a.Body, a.Session)
 	}
 	ad.Input.DetachText() // the decision may outlive the parsed body (the gRPC API's, a log of prompts)
-	if id := req.PreviousResponseID; id != "" {
-		var refused bool
-		ad.Input.Allow, refused = c.ids.home(id, a.Tenant) // the replica that stored the response it continues
-		if refused {
-			req.Recycle()
-			return nil, &errNotYours
-		}
-		ad.Input.Home = ad.Input.Allow != nil
-	}
+	ad.Input.Allow, ad.Input.Home = allow, allow != nil
 	get := a.Header
 	if get == nil {
 		get = func(string) string { return "" }
@@ -137,6 +142,31 @@ func preSplit(e *routing.Engine, logPrompts bool, req *blockhash.Request, sessio
 	ri.Key = routing.SessionKey(session, "", ri.Blocks)
 	ri.Model = req.Model
 	return ri
+}
+
+// continueChain makes req, a Responses request, the whole prompt the
+// engine renders for it (chains.go): the conversation of the response it
+// continues before its own input, when that is known, and sets cr's
+// Stored (what the engine will store for its answer) and Unknown.
+func (c *Core) continueChain(req *blockhash.Request, cr *CoreRequest) {
+	var prev *responseChain
+	if id := req.PreviousResponseID; id != "" {
+		var known bool
+		if prev, known = c.chains.get(id); !known {
+			cr.Unknown = true
+			c.o.Metrics.chain("unknown")
+			return // neither the prompt nor what the engine stores is known
+		}
+		c.o.Metrics.chain("known")
+	}
+	if prev == nil && req.NoStore {
+		return // nothing before it, nothing kept after
+	}
+	parts, stored := continued(req, prev)
+	req.Parts = parts
+	if !req.NoStore {
+		cr.Stored = stored
+	}
 }
 
 // cmpCtx returns ctx, or the background context for nil.

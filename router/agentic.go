@@ -122,11 +122,15 @@ func chatLike(api blockhash.Endpoint) bool {
 // readyCapture readies cp, the capture of rt's answer from replica, for
 // the API rt's request was made in: a Responses or Messages answer's usage
 // is read where that API puts it, and a Responses answer's id is
-// remembered (ids) as stored on replica for rt's tenant.
-func readyCapture(ids *responseIDs, cp *replyCapture, rt *Routed, replica string) {
+// remembered (ids) as stored on replica for rt's tenant, and its
+// conversation (chains) once it has ended.
+func (c *Core) readyCapture(cp *replyCapture, rt *Routed, replica string) {
 	switch rt.req.API {
 	case blockhash.Responses:
-		cp.agentic, cp.onID = true, func(id string) { ids.remember(id, replica, rt.req.Tenant) }
+		cp.agentic, cp.onID = true, func(id string) { c.ids.remember(id, replica, rt.req.Tenant) }
+		if rt.req.Stored != nil {
+			cp.onStored = func(id string, out [][]byte) { c.chains.put(id, rt.req.Stored, out) }
+		}
 	case blockhash.Messages:
 		cp.agentic = true
 	}

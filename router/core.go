@@ -105,6 +105,10 @@ type CoreOptions struct {
 	// decide the tenant); else such a request is routed as any other and
 	// the replica answers for itself.
 	StrictResponses bool
+	// ChainBytes bounds the memory kept of stored responses'
+	// conversations, to route their continuations (chains.go): 0,
+	// DefaultChainBytes; negative, none kept.
+	ChainBytes int64
 }
 
 // Tokenizer gives the engine's token ids of an OpenAI request body of
@@ -132,6 +136,8 @@ type Core struct {
 	// ids issues and checks the ids of stored responses, for the
 	// requests that continue or fetch them, through either front end.
 	ids *responseIDs
+	// chains keeps the conversations stored responses hold (chains.go).
+	chains *chains
 	log decisionRecorder
 	// transfer is transferPerToken's float64 bits; 0 until learned.
 	transfer atomic.Uint64
@@ -148,7 +154,7 @@ func NewCore(o CoreOptions) (*Core, error) {
 	if o.Engine == nil {
 		return nil, errors.New("router: CoreOptions.Engine is required")
 	}
-	c := &Core{o: o, e: o.Engine, ids: newResponseIDs(o.StrictResponses),
+	c := &Core{o: o, e: o.Engine, ids: newResponseIDs(o.StrictResponses), chains: newChains(o.ChainBytes),
 		log: decisionRecorder{e: o.Engine, raw: o.RawIDs, prompts: o.LogPrompts}}
 	c.unreleased = newUnreleased(o.Unreleased, func(rt *Routed, o Outcome) { c.Finish(rt, o, nil) }, o.Metrics)
 	if o.Flow != nil {
@@ -284,6 +290,15 @@ type CoreRequest struct {
 	// router's queue (the replay's requests of a decision log, which keep
 	// their live timing).
 	Immediate bool
+	// Stored, for a Responses request the engine keeps, is the
+	// conversation it stores for the answer (chains.go): kept under the
+	// answer's id once it has come back whole.
+	Stored []blockhash.Part
+	// Unknown says the request continues a stored response whose
+	// conversation the router does not know: it was routed on its new
+	// input alone, and the engine's count of its tokens is left out of the
+	// agreement check.
+	Unknown bool
 }
 
 // QueueError is a request the router's queue would not hold or hold any
@@ -509,7 +524,7 @@ func (c *Core) learn(rt *Routed, o *Outcome, reply []byte) []blockhash.Block {
 	if trimmed > 0 {
 		c.o.Metrics.trimmed(rt, trimmed)
 	}
-	if c.o.Agreement != nil && o.PromptTokens > 0 && o.Status == 200 && !rt.req.PassThrough && !rt.remote {
+	if c.o.Agreement != nil && o.PromptTokens > 0 && o.Status == 200 && !rt.req.PassThrough && !rt.remote && !rt.req.Unknown {
 		c.o.Agreement.Finished(rt.Served.Replica.Name, rt.Decision.Precise(), rt.Tokens, int(o.PromptTokens),
 			rt.Served.Predicted(), int(o.CachedTokens), o.CachedReported)
 		if o.Streamed {

@@ -30,11 +30,68 @@ func (e *apiError) Error() string { return e.msg }
 const maxErrorMessage = 512
 
 // writeError is the one place that turns errors into HTTP statuses and
-// OpenAI-style bodies. The message is cut to maxErrorMessage bytes.
+// bodies: OpenAI's shape, or Anthropic's on the Messages API's path
+// (anthropicWriter). The message is cut to maxErrorMessage bytes.
 func writeError(w http.ResponseWriter, e apiError) {
+	body := errorJSON(e)
+	if anthropicShape(w) {
+		e.status, body = anthropicError(e)
+	}
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(e.status)
-	_, _ = w.Write(errorJSON(e))
+	_, _ = w.Write(body)
+}
+
+// anthropicWriter is the ResponseWriter of a request on the Messages API's
+// path: the router's own errors are answered in Anthropic's shape.
+type anthropicWriter struct{ http.ResponseWriter }
+
+// anthropicShape reports whether w, or a writer it wraps, is an
+// anthropicWriter.
+func anthropicShape(w http.ResponseWriter) bool {
+	for {
+		switch x := w.(type) {
+		case anthropicWriter:
+			return true
+		case interface{ Unwrap() http.ResponseWriter }:
+			w = x.Unwrap()
+		default:
+			return false
+		}
+	}
+}
+
+// Unwrap gives http.ResponseController the writer underneath (Flush).
+func (a anthropicWriter) Unwrap() http.ResponseWriter { return a.ResponseWriter }
+
+// Flush flushes the writer underneath, for the stream's proxy.
+func (a anthropicWriter) Flush() { _ = http.NewResponseController(a.ResponseWriter).Flush() }
+
+// anthropicError returns e's status and body in Anthropic's error shape,
+// {"type":"error","error":{"type":…,"message":…}}, with the error type
+// Anthropic gives each status. The router's shedding and saturation (429
+// from its queue, 503 when no replica or memory is free) is Anthropic's
+// 529 overloaded_error, which its SDKs retry.
+func anthropicError(e apiError) (int, []byte) {
+	status, typ := e.status, "api_error"
+	switch {
+	case e.code == "saturated" || e.status == http.StatusServiceUnavailable:
+		status, typ = 529, "overloaded_error"
+	case e.status == http.StatusBadRequest || e.status == http.StatusMethodNotAllowed || e.status == http.StatusRequestHeaderFieldsTooLarge:
+		typ = "invalid_request_error"
+	case e.status == http.StatusUnauthorized:
+		typ = "authentication_error"
+	case e.status == http.StatusForbidden:
+		typ = "permission_error"
+	case e.status == http.StatusNotFound:
+		typ = "not_found_error"
+	case e.status == http.StatusRequestEntityTooLarge:
+		typ = "request_too_large"
+	case e.status == http.StatusTooManyRequests:
+		typ = "rate_limit_error"
+	}
+	b, _ := json.Marshal(map[string]any{"type": "error", "error": map[string]any{"type": typ, "message": truncate(e.msg, maxErrorMessage)}})
+	return status, append(b, '\n')
 }
 
 // errorJSON is e's body in OpenAI's error shape, its message truncated to

@@ -730,7 +730,7 @@ func (st *epStream) responseHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadat
 			set = append(set, setHeader(HeaderMatchedTokens, strconv.Itoa(rt.Served.Predicted())))
 			st.capture = &replyCapture{limit: st.s.o.MaxReplyBytes, sse: sse, lim: st.s.o.Limits().Parse, first: func() { st.s.core.FirstByte(rt) },
 				end: func() { st.s.core.EngineDone(rt) }}
-			readyCapture(st.s.core.ids, st.capture, rt, rt.Served.Replica.Name)
+			st.s.core.readyCapture(st.capture, rt, rt.Served.Replica.Name)
 		} else {
 			st.s.core.FirstByte(rt)
 		}
@@ -792,6 +792,9 @@ func (st *epStream) responseBody(b *extprocv3.HttpBody) error {
 // ends the stream.
 func (st *epStream) reject(e apiError) (bool, error) {
 	body := errorJSON(e)
+	if st.path == "/v1/messages" {
+		e.status, body = anthropicError(e)
+	}
 	err := st.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ImmediateResponse{
 		ImmediateResponse: &extprocv3.ImmediateResponse{
 			Status:  &typev3.HttpStatus{Code: typev3.StatusCode(e.status)},

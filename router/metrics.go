@@ -26,6 +26,7 @@ type Metrics struct {
 	reported           *prometheus.CounterVec
 	trimmedTokens      *prometheus.CounterVec
 	tokenizeN          *prometheus.CounterVec
+	chainN             *prometheus.CounterVec
 	predictionDiff     *prometheus.HistogramVec
 	ttft               *prometheus.HistogramVec
 	duration           *prometheus.HistogramVec
@@ -93,6 +94,8 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Tokens evicted from a replica's cache picture because its engine reported fewer cached tokens than predicted (replicas without KV events)."}, []string{"replica"}),
 		tokenizeN: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_tokenize_total",
 			Help: "Requests in precise mode by how their engine tokens were got: ok (from /tokenize or its cache), or estimated because the tokenizer was slow, failed or had no replica."}, []string{"result"}),
+		chainN: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "semroute_response_chains_total",
+			Help: "Responses API requests continuing a stored response (previous_response_id), by whether the router knew the conversation it continues (known) or routed it on its new input alone (unknown)."}, []string{"result"}),
 		queueWait: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "semroute_queue_wait_seconds",
 			Help:    "Time requests waited in the router's queue (flow control) before they were sent, by priority.",
 			Buckets: []float64{0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}}, []string{"priority"}),
@@ -136,7 +139,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		m.queueShed.WithLabelValues(r) // 0 from the first scrape
 	}
 	m.queueWait.WithLabelValues("0")
-	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.prefixTokens, m.reported, m.trimmedTokens, m.tokenizeN, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors, m.unreleasedExpiredN, m.modelTTFT, m.extProcRefused, m.saturated, m.queueWait, m.queueShed, m.pdRequests, m.pdFallbacks, m.pdPrefill, m.pdDecodeFirst, m.authRefusedN, m.tenantN} {
+	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.prefixTokens, m.reported, m.trimmedTokens, m.tokenizeN, m.chainN, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors, m.unreleasedExpiredN, m.modelTTFT, m.extProcRefused, m.saturated, m.queueWait, m.queueShed, m.pdRequests, m.pdFallbacks, m.pdPrefill, m.pdDecodeFirst, m.authRefusedN, m.tenantN} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -422,6 +425,14 @@ func (m *Metrics) trimmed(rt *Routed, tokens int64) {
 func (m *Metrics) Tokenized(result string) {
 	if m != nil {
 		m.tokenizeN.WithLabelValues(result).Inc()
+	}
+}
+
+// chain counts a continuation of a stored response by whether its
+// conversation was known ("known", "unknown").
+func (m *Metrics) chain(result string) {
+	if m != nil {
+		m.chainN.WithLabelValues(result).Inc()
 	}
 }
 

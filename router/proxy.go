@@ -192,7 +192,7 @@ func (s *Server) modifyResponse(resp *http.Response) error {
 		sse := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
 		f.capture = &replyCapture{rc: body, limit: s.o.MaxReplyBytes, sse: sse, lim: s.limits.Load().Parse,
 			first: func() { s.core.FirstByte(rt) }, end: func() { s.core.EngineDone(rt) }}
-		readyCapture(s.core.ids, f.capture, rt, c.Replica.Name)
+		s.core.readyCapture(f.capture, rt, c.Replica.Name)
 		body = f.capture
 		if sse && f.stripUsage {
 			body = newUsageStripper(body, s.limits.Load().Parse)

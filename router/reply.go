@@ -36,6 +36,11 @@ type replyCapture struct {
 	// response's id.
 	agentic bool
 	onID    func(id string)
+	// onStored, if set, is given a Responses API response's id and the
+	// texts of its output messages once it has ended (completed or
+	// incomplete): at the top of a whole answer, or in a stream's
+	// response.completed or response.incomplete.
+	onStored func(id string, out [][]byte)
 
 	buf     bytes.Buffer // JSON body, or the current partial SSE line (at most limit bytes)
 	skip    bool         // discarding the rest of an SSE line longer than limit
@@ -300,16 +305,49 @@ func (c *replyCapture) agenticUsage(v *fastjson.Value) *fastjson.Value {
 			inner = o
 		}
 	}
-	if c.onID != nil && string(inner.GetStringBytes("object")) == "response" {
-		if id := inner.GetStringBytes("id"); len(id) > 0 {
+	if string(inner.GetStringBytes("object")) == "response" {
+		id := inner.GetStringBytes("id")
+		if c.onID != nil && len(id) > 0 {
 			c.onID(string(id))
 			c.onID = nil
+		}
+		if st := string(inner.GetStringBytes("status")); c.onStored != nil && len(id) > 0 && (st == "completed" || st == "incomplete") {
+			c.onStored(string(id), outputTexts(inner.GetArray("output")))
+			c.onStored = nil
 		}
 	}
 	if u := inner.Get("usage"); u != nil {
 		return u
 	}
 	return v.Get("usage")
+}
+
+// outputTexts returns copies of the texts of a response's output
+// messages, each message's output_text contents joined by newlines (as
+// vLLM carries them into a continuation); other items (tool calls,
+// reasoning) are left out.
+func outputTexts(items []*fastjson.Value) [][]byte {
+	var out [][]byte
+	for _, it := range items {
+		if string(it.GetStringBytes("type")) != "message" {
+			continue
+		}
+		var text []byte
+		n := 0
+		for _, c := range it.GetArray("content") {
+			if string(c.GetStringBytes("type")) == "output_text" {
+				if n > 0 {
+					text = append(text, '\n')
+				}
+				text = append(text, c.GetStringBytes("text")...)
+				n++
+			}
+		}
+		if n > 0 {
+			out = append(out, text)
+		}
+	}
+	return out
 }
 
 // parseUsage reads a usage object (null or absent: none): chat's

@@ -334,6 +334,9 @@ func (s *Server) CloseIdleConnections() {
 // ServeHTTP implements http.Handler. Requests whose headers exceed
 // MaxHeaderBytes get 431 before anything else.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if r.URL.Path == "/v1/messages" || strings.HasPrefix(r.URL.Path, "/v1/messages/") {
+		w = anthropicWriter{w} // Anthropic's clients read its error shape
+	}
 	n := len(r.Method) + len(r.RequestURI) + 12
 	for k, vs := range r.Header {
 		for _, v := range vs {

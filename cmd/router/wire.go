@@ -233,7 +233,7 @@ func coreOptions(cfg *configs.Config, eng *routing.Engine, arms []router.Arm, re
 		PD:         router.PDOptions{MinPrefillTokens: cfg.Disaggregation.MinPrefillTokens},
 		// With API keys the tenant is proven: a stored response's id the
 		// router cannot prove is the caller's is refused.
-		StrictResponses: cfg.Auth.APIKeysFile != "", Agreement: ag, TTFTTargets: cfg.FlowControl.TTFTTargets}
+		StrictResponses: cfg.Auth.APIKeysFile != "", ChainBytes: cfg.Cache.ResponseChainsBytes, Agreement: ag, TTFTTargets: cfg.FlowControl.TTFTTargets}
 	var dl *decisionlog.Writer
 	if d := cfg.DecisionLog; d.Path != "" {
 		var err error

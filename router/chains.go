@@ -1,0 +1,166 @@
+package router
+
+import (
+	"bytes"
+	"slices"
+	"sync"
+
+	"github.com/hashicorp/golang-lru/v2/simplelru"
+
+	"github.com/semroute/semroute/blockhash"
+)
+
+// A Responses API request that continues a stored response
+// (previous_response_id) carries only its new input: the engine prepends
+// the conversation it stored. vLLM (serving_responses.py,
+// _construct_input_messages and create_responses) builds a request's chat
+// messages as
+//
+//	[this request's instructions, as a system message]
+//	+ the messages stored for the previous response
+//	+ the text of each of that response's output messages, as assistant messages
+//	+ this request's input
+//
+// renders them with this request's tools, and, store on (the default),
+// stores exactly those messages under this request's id. Tool calls and
+// reasoning of the previous response are not carried; a chain that gives
+// its instructions on every turn gathers one system message per turn at
+// its front (so its prefix is shared only up to the first of them).
+//
+// The router does the same with what it saw: for each response answered
+// through it, the messages the engine stored and the texts of its output
+// (chains), so that a continuation's parts are the whole prompt the engine
+// renders, matched, predicted and recorded as a chat turn is. A
+// continuation of a response the router does not know (answered before it
+// started, through another router that did not share it, or forgotten)
+// is routed on its new input and marked Unknown: the engine's count of
+// its tokens says nothing of the picture's accuracy.
+
+// DefaultChainBytes is the memory chains keep by default: 64 MiB.
+const DefaultChainBytes = 64 << 20
+
+// partOverhead is what a stored part costs beside its text, in bytes.
+const partOverhead = 64
+
+// responseChain is the conversation the engine stored for one response.
+// Immutable once stored: its parts' texts are shared by the chains that
+// continue it.
+type responseChain struct {
+	// msgs are the messages the engine stored for the response: its
+	// request's parts but the tools, the previous response's chain first.
+	msgs []blockhash.Part
+	// out are the texts of the response's output messages.
+	out [][]byte
+	// size counts every byte of the chain, texts shared with earlier
+	// chains included: a bound on the memory it keeps alive.
+	size int64
+}
+
+// chains remembers responses' chains, the most recently used first, within
+// a budget of bytes. Safe for concurrent use; the zero value is not
+// usable (newChains).
+type chains struct {
+	mu    sync.Mutex
+	lru   *simplelru.LRU[string, *responseChain]
+	bytes int64 // the sizes of the chains held
+	max   int64
+}
+
+// maxChains bounds the chains held, whatever their size.
+const maxChains = 1 << 18
+
+// newChains returns chains that keep at most max bytes (0: DefaultChainBytes;
+// negative: none).
+func newChains(max int64) *chains {
+	if max == 0 {
+		max = DefaultChainBytes
+	}
+	c := &chains{max: max}
+	c.lru, _ = simplelru.NewLRU(maxChains, func(_ string, ch *responseChain) { c.bytes -= ch.size }) // a positive size never fails
+	return c
+}
+
+// get returns the chain of response id.
+func (c *chains) get(id string) (*responseChain, bool) {
+	if c.max < 0 {
+		return nil, false
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.lru.Get(id)
+}
+
+// put stores the chain of response id: msgs, the messages its request
+// made, and out, its output texts (both kept as given: the caller gives
+// them up).
+func (c *chains) put(id string, msgs []blockhash.Part, out [][]byte) {
+	if c.max < 0 || id == "" {
+		return
+	}
+	ch := &responseChain{msgs: msgs, out: out, size: int64(partOverhead * (len(msgs) + len(out)))}
+	for _, p := range msgs {
+		ch.size += int64(len(p.Text) + 4*len(p.Segs))
+	}
+	for _, o := range out {
+		ch.size += int64(len(o))
+	}
+	if ch.size > c.max {
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if old, ok := c.lru.Peek(id); ok {
+		c.bytes -= old.size
+	}
+	c.lru.Add(id, ch)
+	c.bytes += ch.size
+	for c.bytes > c.max {
+		c.lru.RemoveOldest()
+	}
+}
+
+// held reports the chains held and their bytes.
+func (c *chains) held() (n int, size int64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.lru.Len(), c.bytes
+}
+
+// continued returns req's parts as the engine renders them, continuing
+// prev (nil: req starts its conversation), and the messages the engine
+// stores for req's response: the parts but the tools. The parts' texts
+// are prev's, shared, and copies of req's own (which alias its parse).
+func continued(req *blockhash.Request, prev *responseChain) (parts, stored []blockhash.Part) {
+	var own []blockhash.Part
+	for _, p := range req.Parts {
+		p.Text, p.Segs = bytes.Clone(p.Text), slices.Clone(p.Segs)
+		own = append(own, p)
+	}
+	tools := 0
+	if len(own) > 0 && own[0].Role == blockhash.RoleTools {
+		tools = 1
+	}
+	instr := tools
+	if instr < len(own) && own[instr].Role == blockhash.RoleSystem {
+		instr++ // the instructions: before the stored conversation
+	}
+	n := len(own)
+	if prev != nil {
+		n += len(prev.msgs) + len(prev.out)
+	}
+	parts = make([]blockhash.Part, 0, n)
+	parts = append(parts, own[:instr]...)
+	if prev != nil {
+		for _, p := range prev.msgs {
+			if p.Base == blockhash.KindUserQuery {
+				p.Base = blockhash.KindUserHistory // the question it was is history now
+			}
+			parts = append(parts, p)
+		}
+		for _, o := range prev.out {
+			parts = append(parts, blockhash.Part{Role: blockhash.RoleAssistant, Base: blockhash.KindAssistantHistory, Text: o})
+		}
+	}
+	parts = append(parts, own[instr:]...)
+	return parts, slices.Clone(parts[tools:])
+}

@@ -1,0 +1,101 @@
+package router
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/semroute/semroute/blockhash"
+)
+
+// parts renders parts as role:text, one each.
+func partsString(ps []blockhash.Part) string {
+	var sb strings.Builder
+	for _, p := range ps {
+		fmt.Fprintf(&sb, "%c:%s|", p.Role, p.Text)
+	}
+	return sb.String()
+}
+
+func parseResponses(t *testing.T, body string) *blockhash.Request {
+	t.Helper()
+	r, err := blockhash.ParseResponses([]byte(body), blockhash.Limits{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(r.Recycle)
+	return r
+}
+
+// A continuation's parts are vLLM's: its instructions, the stored
+// conversation (the earlier instructions in it), the earlier output, its
+// input; its tools first, the earlier tools not at all. What is stored
+// for its answer is all of that but the tools, and the earlier question
+// is history.
+func TestContinuedAsVLLMRendersIt(t *testing.T) {
+	first := parseResponses(t, `{"model":"m","instructions":"Be terse.","tools":[{"type":"function","name":"f","parameters":{}}],"input":"Hi"}`)
+	parts, stored := continued(first, nil)
+	if got, want := partsString(parts), `T:[{"type":"function","function":{"name":"f","parameters":{}}}]|s:Be terse.|u:Hi|`; got != want {
+		t.Fatalf("first: %s, want %s", got, want)
+	}
+	if got, want := partsString(stored), "s:Be terse.|u:Hi|"; got != want {
+		t.Fatalf("first stored: %s, want %s", got, want)
+	}
+	c := newChains(0)
+	c.put("resp_1", stored, [][]byte{[]byte("Hello.")})
+	prev, ok := c.get("resp_1")
+	if !ok {
+		t.Fatal("the chain stored is not found")
+	}
+	second := parseResponses(t, `{"model":"m","instructions":"Be terse.","tools":[{"type":"function","name":"g","parameters":{}}],"previous_response_id":"resp_1","input":[{"role":"user","content":"Weather?"}]}`)
+	parts, stored = continued(second, prev)
+	want := `T:[{"type":"function","function":{"name":"g","parameters":{}}}]|s:Be terse.|s:Be terse.|u:Hi|a:Hello.|u:Weather?|`
+	if got := partsString(parts); got != want {
+		t.Fatalf("second: %s\nwant %s", got, want)
+	}
+	if got, want := partsString(stored), "s:Be terse.|s:Be terse.|u:Hi|a:Hello.|u:Weather?|"; got != want {
+		t.Fatalf("second stored: %s, want %s", got, want)
+	}
+	if parts[3].Base != blockhash.KindUserHistory || parts[5].Base != blockhash.KindUserQuery {
+		t.Fatalf("kinds: earlier question %v, new %v", parts[3].Base, parts[5].Base)
+	}
+	if prev.msgs[1].Base != blockhash.KindUserQuery {
+		t.Fatal("continuing a chain changed the chain stored")
+	}
+}
+
+// Chains are kept within their budget of bytes, the least recently used
+// dropped first; one over the budget alone is not kept; none are kept
+// with a negative budget.
+func TestChainsBudget(t *testing.T) {
+	msg := func(n int) []blockhash.Part {
+		return []blockhash.Part{{Role: blockhash.RoleUser, Text: []byte(strings.Repeat("x", n))}}
+	}
+	c := newChains(3 * (1000 + 2*partOverhead))
+	for i := range 4 {
+		c.put(fmt.Sprint(i), msg(1000), [][]byte{nil})
+		if i == 1 {
+			c.get("0") // used: the older one goes first
+		}
+	}
+	if _, ok := c.get("1"); ok {
+		t.Error("the least recently used chain was kept past the budget")
+	}
+	for _, id := range []string{"0", "2", "3"} {
+		if _, ok := c.get(id); !ok {
+			t.Errorf("chain %s was dropped", id)
+		}
+	}
+	if n, size := c.held(); n != 3 || size > c.max {
+		t.Errorf("held %d chains of %d bytes, budget %d", n, size, c.max)
+	}
+	c.put("big", msg(10000), nil)
+	if _, ok := c.get("big"); ok {
+		t.Error("a chain over the whole budget was kept")
+	}
+	off := newChains(-1)
+	off.put("a", msg(1), nil)
+	if _, ok := off.get("a"); ok {
+		t.Error("a chain was kept with chains off")
+	}
+}
