@@ -138,7 +138,7 @@ type Core struct {
 	ids *responseIDs
 	// chains keeps the conversations stored responses hold (chains.go).
 	chains *chains
-	log decisionRecorder
+	log    decisionRecorder
 	// transfer is transferPerToken's float64 bits; 0 until learned.
 	transfer atomic.Uint64
 }
