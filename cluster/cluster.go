@@ -171,6 +171,9 @@ type Stats struct {
 	// IgnoredHomes are older routers' records of where a Responses API
 	// response is stored: not taken (a response's id proves its home).
 	IgnoredHomes int64
+	// ChainsShared, ChainsReceived and ChainsDropped count records of
+	// stored responses' conversations (chains.go).
+	ChainsShared, ChainsReceived, ChainsDropped int64
 	// Snapshots served and loaded; SnapshotBlocks applied from them.
 	SnapshotsServed, SnapshotsLoaded, SnapshotBlocks int64
 	Peers                                            int   // seen within PeerTimeout
@@ -187,6 +190,9 @@ type Fleet struct {
 	epoch   uint64
 	records string // subjects
 	snap    string
+	chains  string
+
+	onChain func(rec []byte) // chains.go; nil: none kept
 
 	nc *nats.Conn
 
@@ -218,6 +224,7 @@ type Fleet struct {
 	published, applied, droppedFull, droppedDown, batches, bytes atomic.Int64
 	malformed, gaps, unresolved, refused, clamped, stale         atomic.Int64
 	ignoredHomes                                                 atomic.Int64
+	chainsShared, chainsReceived, chainsDropped                  atomic.Int64
 	served, loaded, snapBlocks, lag                              atomic.Int64
 	reqs                                                         atomic.Uint64 // request ids, unique within the epoch
 }
@@ -270,7 +277,7 @@ func New(o Options, eng *routing.Engine) (*Fleet, error) {
 		return nil, err
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	return &Fleet{o: o, eng: eng, loadCtx: ctx, stopLoad: cancel, epoch: rand.Uint64(), records: o.Prefix + ".records", snap: o.Prefix + ".snapshot",
+	return &Fleet{o: o, eng: eng, loadCtx: ctx, stopLoad: cancel, epoch: rand.Uint64(), records: o.Prefix + ".records", snap: o.Prefix + ".snapshot", chains: o.Prefix + ".chains",
 		flushCh: make(chan struct{}, 1), peers: map[peerKey]*peer{}, pinned: map[int]int64{}, resync: make(chan string, 8), stop: make(chan struct{})}, nil
 }
 
@@ -334,6 +341,12 @@ func (f *Fleet) Start(ctx context.Context) error {
 	if _, err := nc.Subscribe(f.records, f.onBatch); err != nil {
 		nc.Close()
 		return fmt.Errorf("cluster: subscribe %s: %w", f.records, err)
+	}
+	if f.onChain != nil {
+		if _, err := nc.Subscribe(f.chains, f.onChainMsg); err != nil {
+			nc.Close()
+			return fmt.Errorf("cluster: subscribe %s: %w", f.chains, err)
+		}
 	}
 	f.eng.SetSync(f)
 	f.remindInsecure()
@@ -403,6 +416,7 @@ func (f *Fleet) Stats() Stats {
 		Batches: f.batches.Load(), Bytes: f.bytes.Load(),
 		Malformed: f.malformed.Load(), Gaps: f.gaps.Load(), Unresolved: f.unresolved.Load(),
 		Refused: f.refused.Load(), Clamped: f.clamped.Load(), Stale: f.stale.Load(), IgnoredHomes: f.ignoredHomes.Load(),
+		ChainsShared: f.chainsShared.Load(), ChainsReceived: f.chainsReceived.Load(), ChainsDropped: f.chainsDropped.Load(),
 		SnapshotsServed: f.served.Load(), SnapshotsLoaded: f.loaded.Load(), SnapshotBlocks: f.snapBlocks.Load(),
 		Peers: peers, Connected: f.connected.Load(), LagNanos: f.lag.Load(),
 	}

@@ -147,7 +147,7 @@ func preSplit(e *routing.Engine, logPrompts bool, req *blockhash.Request, sessio
 // continueChain makes req, a Responses request, the whole prompt the
 // engine renders for it (chains.go): the conversation of the response it
 // continues before its own input, when that is known, and sets cr's
-// Stored (what the engine will store for its answer) and Unknown.
+// chain (what the engine will store for its answer) and Unknown.
 func (c *Core) continueChain(req *blockhash.Request, cr *CoreRequest) {
 	var prev *responseChain
 	if id := req.PreviousResponseID; id != "" {
@@ -162,10 +162,10 @@ func (c *Core) continueChain(req *blockhash.Request, cr *CoreRequest) {
 	if prev == nil && req.NoStore {
 		return // nothing before it, nothing kept after
 	}
-	parts, stored := continued(req, prev)
+	parts, d := continued(req, prev)
 	req.Parts = parts
 	if !req.NoStore {
-		cr.Stored = stored
+		cr.chain = d
 	}
 }
 

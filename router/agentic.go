@@ -128,8 +128,13 @@ func (c *Core) readyCapture(cp *replyCapture, rt *Routed, replica string) {
 	switch rt.req.API {
 	case blockhash.Responses:
 		cp.agentic, cp.onID = true, func(id string) { c.ids.remember(id, replica, rt.req.Tenant) }
-		if rt.req.Stored != nil {
-			cp.onStored = func(id string, out [][]byte) { c.chains.put(id, rt.req.Stored, out) }
+		if d := rt.req.chain; d != nil {
+			cp.onStored = func(id string, out [][]byte) {
+				c.chains.put(id, d.stored, out)
+				if c.o.ShareChain != nil {
+					c.o.ShareChain(d.record(id, out))
+				}
+			}
 		}
 	case blockhash.Messages:
 		cp.agentic = true

@@ -2,6 +2,7 @@ package router
 
 import (
 	"bytes"
+	"encoding/json"
 	"slices"
 	"sync"
 
@@ -126,41 +127,120 @@ func (c *chains) held() (n int, size int64) {
 	return c.lru.Len(), c.bytes
 }
 
+// chainDraft is what a Responses request makes of its conversation
+// before its answer: the messages the engine stores for it, and what a
+// peer needs to make them (chains.go's record).
+type chainDraft struct {
+	prev   string           // the response it continues; "" for none
+	instr  int              // own's leading instructions (0 or 1)
+	own    []blockhash.Part // its parts but the tools, copied
+	stored []blockhash.Part // the messages the engine stores
+}
+
 // continued returns req's parts as the engine renders them, continuing
-// prev (nil: req starts its conversation), and the messages the engine
-// stores for req's response: the parts but the tools. The parts' texts
-// are prev's, shared, and copies of req's own (which alias its parse).
-func continued(req *blockhash.Request, prev *responseChain) (parts, stored []blockhash.Part) {
-	var own []blockhash.Part
-	for _, p := range req.Parts {
+// prev (nil: req starts its conversation), and its draft. The parts'
+// texts are prev's, shared, and copies of req's own (which alias its
+// parse).
+func continued(req *blockhash.Request, prev *responseChain) ([]blockhash.Part, *chainDraft) {
+	d := &chainDraft{prev: req.PreviousResponseID}
+	var tools []blockhash.Part
+	for i, p := range req.Parts {
 		p.Text, p.Segs = bytes.Clone(p.Text), slices.Clone(p.Segs)
-		own = append(own, p)
+		if i == 0 && p.Role == blockhash.RoleTools {
+			tools = append(tools, p)
+			continue
+		}
+		d.own = append(d.own, p)
 	}
-	tools := 0
-	if len(own) > 0 && own[0].Role == blockhash.RoleTools {
-		tools = 1
+	if len(d.own) > 0 && d.own[0].Role == blockhash.RoleSystem {
+		d.instr = 1 // the instructions: before the stored conversation
 	}
-	instr := tools
-	if instr < len(own) && own[instr].Role == blockhash.RoleSystem {
-		instr++ // the instructions: before the stored conversation
-	}
+	d.stored = chainOf(d.own, d.instr, prev)
+	return append(tools, d.stored...), d
+}
+
+// chainOf returns the messages the engine stores for a request whose
+// parts but the tools are own, the first instr of them its instructions,
+// continuing prev (nil: none).
+func chainOf(own []blockhash.Part, instr int, prev *responseChain) []blockhash.Part {
 	n := len(own)
 	if prev != nil {
 		n += len(prev.msgs) + len(prev.out)
 	}
-	parts = make([]blockhash.Part, 0, n)
-	parts = append(parts, own[:instr]...)
+	msgs := make([]blockhash.Part, 0, n)
+	msgs = append(msgs, own[:instr]...)
 	if prev != nil {
 		for _, p := range prev.msgs {
 			if p.Base == blockhash.KindUserQuery {
 				p.Base = blockhash.KindUserHistory // the question it was is history now
 			}
-			parts = append(parts, p)
+			msgs = append(msgs, p)
 		}
 		for _, o := range prev.out {
-			parts = append(parts, blockhash.Part{Role: blockhash.RoleAssistant, Base: blockhash.KindAssistantHistory, Text: o})
+			msgs = append(msgs, blockhash.Part{Role: blockhash.RoleAssistant, Base: blockhash.KindAssistantHistory, Text: o})
 		}
 	}
-	parts = append(parts, own[instr:]...)
-	return parts, slices.Clone(parts[tools:])
+	return append(msgs, own[instr:]...)
+}
+
+// chainRecord is a stored response's conversation as the fleet shares it
+// (cluster.Fleet.ShareChain): the response's id, the one it continued,
+// its own parts but the tools (the first Instr its instructions) and its
+// output texts. A peer makes the stored messages from its own chain of
+// Prev, as the router that saw the answer did.
+type chainRecord struct {
+	ID    string      `json:"id"`
+	Prev  string      `json:"prev,omitempty"`
+	Instr int         `json:"instr,omitempty"`
+	Parts []chainPart `json:"parts"`
+	Out   []string    `json:"out,omitempty"`
+}
+
+// chainPart is one part of a chainRecord.
+type chainPart struct {
+	Role byte           `json:"r"`
+	Kind blockhash.Kind `json:"k"`
+	Text string         `json:"t"`
+	Segs []int32        `json:"s,omitempty"`
+}
+
+// record encodes the chain of response id, drafted as d, with its output
+// texts out.
+func (d *chainDraft) record(id string, out [][]byte) []byte {
+	rec := chainRecord{ID: id, Prev: d.prev, Instr: d.instr, Parts: make([]chainPart, len(d.own))}
+	for i, p := range d.own {
+		rec.Parts[i] = chainPart{Role: p.Role, Kind: p.Base, Text: string(p.Text), Segs: p.Segs}
+	}
+	for _, o := range out {
+		rec.Out = append(rec.Out, string(o))
+	}
+	b, _ := json.Marshal(rec) // strings, numbers and slices of them: never fails
+	return b
+}
+
+// AddChain keeps a peer's record of a stored response's conversation
+// (cluster.Fleet.OnChain), so that a continuation of it that reaches this
+// router is routed on its whole prompt. A record that does not decode,
+// or continues a response this router does not know, is dropped.
+func (c *Core) AddChain(rec []byte) {
+	var r chainRecord
+	if err := json.Unmarshal(rec, &r); err != nil || r.ID == "" || r.Instr < 0 || r.Instr > len(r.Parts) {
+		return
+	}
+	var prev *responseChain
+	if r.Prev != "" {
+		var ok bool
+		if prev, ok = c.chains.get(r.Prev); !ok {
+			return
+		}
+	}
+	own := make([]blockhash.Part, len(r.Parts))
+	for i, p := range r.Parts {
+		own[i] = blockhash.Part{Role: p.Role, Base: p.Kind, Text: []byte(p.Text), Segs: p.Segs}
+	}
+	out := make([][]byte, len(r.Out))
+	for i, o := range r.Out {
+		out[i] = []byte(o)
+	}
+	c.chains.put(r.ID, chainOf(own, r.Instr, prev), out)
 }

@@ -34,7 +34,8 @@ func parseResponses(t *testing.T, body string) *blockhash.Request {
 // is history.
 func TestContinuedAsVLLMRendersIt(t *testing.T) {
 	first := parseResponses(t, `{"model":"m","instructions":"Be terse.","tools":[{"type":"function","name":"f","parameters":{}}],"input":"Hi"}`)
-	parts, stored := continued(first, nil)
+	parts, d := continued(first, nil)
+	stored := d.stored
 	if got, want := partsString(parts), `T:[{"type":"function","function":{"name":"f","parameters":{}}}]|s:Be terse.|u:Hi|`; got != want {
 		t.Fatalf("first: %s, want %s", got, want)
 	}
@@ -48,7 +49,8 @@ func TestContinuedAsVLLMRendersIt(t *testing.T) {
 		t.Fatal("the chain stored is not found")
 	}
 	second := parseResponses(t, `{"model":"m","instructions":"Be terse.","tools":[{"type":"function","name":"g","parameters":{}}],"previous_response_id":"resp_1","input":[{"role":"user","content":"Weather?"}]}`)
-	parts, stored = continued(second, prev)
+	parts, d = continued(second, prev)
+	stored = d.stored
 	want := `T:[{"type":"function","function":{"name":"g","parameters":{}}}]|s:Be terse.|s:Be terse.|u:Hi|a:Hello.|u:Weather?|`
 	if got := partsString(parts); got != want {
 		t.Fatalf("second: %s\nwant %s", got, want)
@@ -97,5 +99,39 @@ func TestChainsBudget(t *testing.T) {
 	off.put("a", msg(1), nil)
 	if _, ok := off.get("a"); ok {
 		t.Error("a chain was kept with chains off")
+	}
+}
+
+// A peer's record makes the same chain the router that saw the answer
+// keeps: the first turn's, then the second's from it; a record continuing
+// an unknown response, or malformed, is dropped.
+func TestChainRecordsMakeTheSameChain(t *testing.T) {
+	here, peer := &Core{chains: newChains(0)}, &Core{chains: newChains(0)}
+	var prev *responseChain
+	for i, body := range []string{
+		`{"model":"m","instructions":"Be terse.","input":"Hi"}`,
+		`{"model":"m","instructions":"Be terse.","previous_response_id":"resp_0","tools":[{"type":"function","name":"f","parameters":{}}],"input":[{"role":"user","content":"More?"}]}`,
+	} {
+		_, d := continued(parseResponses(t, body), prev)
+		id, out := fmt.Sprint("resp_", i), [][]byte{[]byte(fmt.Sprint("answer ", i))}
+		here.chains.put(id, d.stored, out)
+		peer.AddChain(d.record(id, out))
+		prev, _ = here.chains.get(id)
+		got, ok := peer.chains.get(id)
+		if !ok {
+			t.Fatalf("turn %d: the peer kept no chain", i)
+		}
+		if a, b := partsString(prev.msgs), partsString(got.msgs); a != b || string(got.out[0]) != string(out[0]) {
+			t.Fatalf("turn %d: peer's chain %s, want %s", i, b, a)
+		}
+	}
+	_, d := continued(parseResponses(t, `{"model":"m","previous_response_id":"resp_unknown","input":"x"}`), nil)
+	peer.AddChain(d.record("resp_x", nil))
+	peer.AddChain([]byte(`{"id":"resp_y","instr":5,"parts":[]}`))
+	peer.AddChain([]byte(`not json`))
+	for _, id := range []string{"resp_x", "resp_y"} {
+		if _, ok := peer.chains.get(id); ok {
+			t.Errorf("%s was kept", id)
+		}
 	}
 }

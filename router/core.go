@@ -109,6 +109,10 @@ type CoreOptions struct {
 	// conversations, to route their continuations (chains.go): 0,
 	// DefaultChainBytes; negative, none kept.
 	ChainBytes int64
+	// ShareChain, if set, is given the record of each stored response's
+	// conversation kept (cluster.Fleet.ShareChain); peers' records come
+	// back through AddChain.
+	ShareChain func(rec []byte)
 }
 
 // Tokenizer gives the engine's token ids of an OpenAI request body of
@@ -290,10 +294,10 @@ type CoreRequest struct {
 	// router's queue (the replay's requests of a decision log, which keep
 	// their live timing).
 	Immediate bool
-	// Stored, for a Responses request the engine keeps, is the
+	// chain, for a Responses request the engine keeps, drafts the
 	// conversation it stores for the answer (chains.go): kept under the
-	// answer's id once it has come back whole.
-	Stored []blockhash.Part
+	// answer's id once it has come back whole, and shared with the fleet.
+	chain *chainDraft
 	// Unknown says the request continues a stored response whose
 	// conversation the router does not know: it was routed on its new
 	// input alone, and the engine's count of its tokens is left out of the

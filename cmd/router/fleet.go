@@ -75,13 +75,14 @@ var (
 	descFleetPeers     = prometheus.NewDesc("semroute_fleet_peers", "Peers heard from within cluster.peer_timeout.", nil, nil)
 	descFleetConnected = prometheus.NewDesc("semroute_fleet_connected", "1 while connected to NATS; 0 while routing on this router's picture alone.", nil, nil)
 	descFleetReady     = prometheus.NewDesc("semroute_fleet_ready", "1 once the warm start is over.", nil, nil)
+	descFleetChains    = prometheus.NewDesc("semroute_fleet_chains_total", "Records of stored Responses API conversations, by direction: shared with peers, received from them, dropped (NATS down, or over 1 MiB).", []string{"direction"}, nil)
 	descFleetLag       = prometheus.NewDesc("semroute_fleet_sync_lag_seconds", "Time from a record's making to its batch's delivery back through NATS, for the last batch this router published (its own clock only).", nil, nil)
 )
 
 // Describe implements prometheus.Collector.
 func (m fleetMetrics) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descFleetRecords, descFleetDropped, descFleetBatches, descFleetBytes, descFleetErrors,
-		descFleetSnapshots, descFleetSnapBlock, descFleetPeers, descFleetConnected, descFleetReady, descFleetLag} {
+		descFleetSnapshots, descFleetSnapBlock, descFleetPeers, descFleetConnected, descFleetReady, descFleetLag, descFleetChains} {
 		ch <- d
 	}
 }
@@ -108,6 +109,9 @@ func (m fleetMetrics) Collect(ch chan<- prometheus.Metric) {
 	counter(descFleetSnapshots, st.SnapshotsServed, "served")
 	counter(descFleetSnapshots, st.SnapshotsLoaded, "loaded")
 	counter(descFleetSnapBlock, st.SnapshotBlocks)
+	counter(descFleetChains, st.ChainsShared, "shared")
+	counter(descFleetChains, st.ChainsReceived, "received")
+	counter(descFleetChains, st.ChainsDropped, "dropped")
 	gauge(descFleetPeers, float64(st.Peers))
 	gauge(descFleetConnected, b2f(st.Connected))
 	gauge(descFleetReady, b2f(m.f.Ready()))

@@ -124,9 +124,15 @@ func build(cfg *configs.Config, log *slog.Logger) (*app, error) {
 			mon.RefreshAllModels(ctx)
 		}
 	}
+	if fleet != nil && cfg.Cache.ResponseChainsBytes >= 0 {
+		copts.ShareChain = fleet.ShareChain
+	}
 	core, err := router.NewCore(copts)
 	if err != nil {
 		return nil, err
+	}
+	if copts.ShareChain != nil {
+		fleet.OnChain(core.AddChain)
 	}
 	srv, keys, stopTracing, err := newServer(cfg, core, copts.Metrics, reg, fleet, log)
 	if err != nil {
