@@ -139,6 +139,9 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		m.queueShed.WithLabelValues(r) // 0 from the first scrape
 	}
 	m.queueWait.WithLabelValues("0")
+	for _, r := range []string{"known", "unknown"} {
+		m.chainN.WithLabelValues(r) // exported from the start, at 0
+	}
 	for _, c := range []prometheus.Collector{m.requests, m.decision, m.matchRatio, m.predicted, m.prefixTokens, m.reported, m.trimmedTokens, m.tokenizeN, m.chainN, m.predictionDiff, m.ttft, m.duration, m.retries, m.upstreamErrors, m.unreleasedExpiredN, m.modelTTFT, m.extProcRefused, m.saturated, m.queueWait, m.queueShed, m.pdRequests, m.pdFallbacks, m.pdPrefill, m.pdDecodeFirst, m.authRefusedN, m.tenantN} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
