@@ -88,7 +88,7 @@ func (c *Core) Admit(a Arrival, lim *limits.Request) (*Admission, error) {
 		}
 	}
 	if a.API == blockhash.Responses && a.Parsed == nil {
-		c.continueChain(req, &ad.CoreRequest)
+		c.continueChain(cmpCtx(a.Ctx), req, &ad.CoreRequest)
 	}
 	if a.PreSplit {
 		ad.Input = preSplit(c.e, c.o.LogPrompts, req, a.Session)
@@ -148,11 +148,14 @@ func preSplit(e *routing.Engine, logPrompts bool, req *blockhash.Request, sessio
 // engine renders for it (chains.go): the conversation of the response it
 // continues before its own input, when that is known, and sets cr's
 // chain (what the engine will store for its answer) and Unknown.
-func (c *Core) continueChain(req *blockhash.Request, cr *CoreRequest) {
+func (c *Core) continueChain(ctx context.Context, req *blockhash.Request, cr *CoreRequest) {
 	var prev *responseChain
 	if id := req.PreviousResponseID; id != "" {
 		var known bool
-		if prev, known = c.chains.get(id); !known {
+		if prev, known = c.chains.get(id); !known && c.o.ShareChain != nil {
+			prev, known = c.chains.wait(ctx, id, ChainWait) // a peer's record may be on its way
+		}
+		if !known {
 			cr.Unknown = true
 			c.o.Metrics.chain("unknown")
 			return // neither the prompt nor what the engine stores is known

@@ -2,9 +2,11 @@ package router
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/hashicorp/golang-lru/v2/simplelru"
 
@@ -35,7 +37,9 @@ import (
 // continuation of a response the router does not know (answered before it
 // started, through another router that did not share it, or forgotten)
 // is routed on its new input and marked Unknown: the engine's count of
-// its tokens says nothing of the picture's accuracy.
+// its tokens says nothing of the picture's accuracy. In a fleet, a
+// continuation of a chain not known yet waits up to ChainWait for the
+// peer's record.
 
 // DefaultChainBytes is the memory chains keep by default: 64 MiB.
 const DefaultChainBytes = 64 << 20
@@ -65,7 +69,22 @@ type chains struct {
 	lru   *simplelru.LRU[string, *responseChain]
 	bytes int64 // the sizes of the chains held
 	max   int64
+	// waiting are the continuations waiting for a chain (wait), by id.
+	waiting map[string]*chainWaiters
 }
+
+// chainWaiters are the continuations waiting for one chain: ch is closed
+// when it comes; n counts them, and the last to give up removes the entry.
+type chainWaiters struct {
+	ch chan struct{}
+	n  int
+}
+
+// ChainWait bounds how long a continuation, in a fleet, waits for a peer's
+// record of the chain it continues when this router does not know it yet:
+// the peer that saw the answer shares it as the answer ends, so a client
+// that continues at once may arrive first.
+const ChainWait = 250 * time.Millisecond
 
 // maxChains bounds the chains held, whatever their size.
 const maxChains = 1 << 18
@@ -118,6 +137,47 @@ func (c *chains) put(id string, msgs []blockhash.Part, out [][]byte) {
 	for c.bytes > c.max {
 		c.lru.RemoveOldest()
 	}
+	if w := c.waiting[id]; w != nil {
+		close(w.ch)
+		delete(c.waiting, id)
+	}
+}
+
+// wait returns the chain of response id, waiting for it at most d (or
+// until ctx ends) when it is not held yet.
+func (c *chains) wait(ctx context.Context, id string, d time.Duration) (*responseChain, bool) {
+	if c.max < 0 {
+		return nil, false
+	}
+	c.mu.Lock()
+	if ch, ok := c.lru.Get(id); ok {
+		c.mu.Unlock()
+		return ch, true
+	}
+	if c.waiting == nil {
+		c.waiting = map[string]*chainWaiters{}
+	}
+	w := c.waiting[id]
+	if w == nil {
+		w = &chainWaiters{ch: make(chan struct{})}
+		c.waiting[id] = w
+	}
+	w.n++
+	c.mu.Unlock()
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-w.ch:
+		return c.get(id)
+	case <-t.C:
+	case <-ctx.Done():
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if w.n--; w.n == 0 && c.waiting[id] == w {
+		delete(c.waiting, id)
+	}
+	return c.lru.Get(id)
 }
 
 // held reports the chains held and their bytes.

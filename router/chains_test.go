@@ -1,11 +1,14 @@
 package router
 
 import (
+	"context"
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/internal/testwait"
 )
 
 // parts renders parts as role:text, one each.
@@ -133,5 +136,31 @@ func TestChainRecordsMakeTheSameChain(t *testing.T) {
 		if _, ok := peer.chains.get(id); ok {
 			t.Errorf("%s was kept", id)
 		}
+	}
+}
+
+// A continuation waiting for its chain gets it as soon as it is put, and
+// gives up after its wait otherwise, leaving nothing behind.
+func TestChainWait(t *testing.T) {
+	c := newChains(0)
+	got := make(chan bool)
+	go func() {
+		_, ok := c.wait(context.Background(), "resp_1", time.Hour)
+		got <- ok
+	}()
+	testwait.Until(t, "the waiter registered", func() bool {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		return c.waiting["resp_1"] != nil
+	})
+	c.put("resp_1", []blockhash.Part{{Role: blockhash.RoleUser, Text: []byte("x")}}, nil)
+	if !<-got {
+		t.Fatal("the waiter did not get the chain put")
+	}
+	if _, ok := c.wait(context.Background(), "resp_2", time.Millisecond); ok {
+		t.Fatal("a chain never put was found")
+	}
+	if len(c.waiting) != 0 {
+		t.Fatalf("waiters left behind: %v", c.waiting)
 	}
 }
