@@ -789,28 +789,10 @@ func (s *Server) prepare(w http.ResponseWriter, ep blockhash.Endpoint, req *bloc
 		modelNotFound(w, req.Model)
 		return c, false
 	}
-	if c.agentic && !s.agenticPrompt(w, req) {
+	if !s.readSwitches(w, &c) {
 		return c, false
 	}
-	// The body already parsed as JSON; the few switches read here are read
-	// from it with fastjson rather than decoding it all again.
-	var err error
-	if c.fl, err = readFlags(sc.body, ep); err != nil {
-		writeError(w, http.StatusBadRequest, "BadRequestError", err.Error())
-		return c, false
-	}
-	if s.prio != nil {
-		if c.priority, err = readPriority(sc.body, ep); err != nil {
-			writeError(w, http.StatusBadRequest, "BadRequestError", err.Error())
-			return c, false
-		}
-	}
-	if req.MaxTokens > 0 {
-		c.out = req.MaxTokens
-	}
-	if c.out > s.o.MaxOutputTokens {
-		writeError(w, http.StatusBadRequest, "BadRequestError",
-			fmt.Sprintf("max_tokens %d is more than this model allows (%d)", c.out, s.o.MaxOutputTokens))
+	if c.agentic && !s.agenticPrompt(w, req, c.fl) {
 		return c, false
 	}
 	tokEP := ep
@@ -835,6 +817,35 @@ func (s *Server) prepare(w http.ResponseWriter, ep blockhash.Endpoint, req *bloc
 		c.sample, c.donorKey, c.donorKeys = s.donor.find(sc.prompt, c.m.loraID)
 	}
 	return c, true
+}
+
+// readSwitches reads into c the switches of its body that blockhash does
+// not read (flags; the priority under SchedulingPriority) and its output
+// length; a body whose switches are refused is answered here, and ok is
+// false.
+func (s *Server) readSwitches(w http.ResponseWriter, c *completion) (ok bool) {
+	// The body already parsed as JSON; the few switches read here are read
+	// from it with fastjson rather than decoding it all again.
+	var err error
+	if c.fl, err = readFlags(c.sc.body, c.ep); err != nil {
+		writeError(w, http.StatusBadRequest, "BadRequestError", err.Error())
+		return false
+	}
+	if s.prio != nil {
+		if c.priority, err = readPriority(c.sc.body, c.ep); err != nil {
+			writeError(w, http.StatusBadRequest, "BadRequestError", err.Error())
+			return false
+		}
+	}
+	if c.req.MaxTokens > 0 {
+		c.out = c.req.MaxTokens
+	}
+	if c.out > s.o.MaxOutputTokens {
+		writeError(w, http.StatusBadRequest, "BadRequestError",
+			fmt.Sprintf("max_tokens %d is more than this model allows (%d)", c.out, s.o.MaxOutputTokens))
+		return false
+	}
+	return true
 }
 
 // schedule waits for a running slot, then for the prefill turn: until it

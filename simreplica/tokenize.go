@@ -24,6 +24,10 @@ type flags struct {
 	// that, when set, is the response's id (and the key it is stored
 	// under); "" when absent, and a random id is made.
 	requestID string
+	// instructions says a Responses body has instructions (a string, not
+	// null); emptyInstructions that they are "", which vLLM renders as no
+	// system message at all.
+	instructions, emptyInstructions bool
 }
 
 var flagParsers fastjson.ParserPool
@@ -47,13 +51,22 @@ func readFlags(body []byte, ep blockhash.Endpoint) (flags, error) {
 	f.remoteDecode = v.GetBool("kv_transfer_params", "do_remote_decode")
 	f.remotePrefill = v.GetBool("kv_transfer_params", "do_remote_prefill")
 	if ep == blockhash.Responses {
-		f.requestID = string(v.GetStringBytes("request_id"))
+		readResponsesFlags(v, &f)
 	}
 	if ep == blockhash.Completion { // the chat template's switches are not a completion's fields
 		f.chat.addSpecialTokens, err = boolField(v, "add_special_tokens", true)
 		return f, err
 	}
 	return f, readChatOptions(v, &f.chat)
+}
+
+// readResponsesFlags reads a Responses body's request_id and whether it
+// has instructions.
+func readResponsesFlags(v *fastjson.Value, f *flags) {
+	f.requestID = string(v.GetStringBytes("request_id"))
+	if in := v.Get("instructions"); in != nil && in.Type() == fastjson.TypeString {
+		f.instructions, f.emptyInstructions = true, len(in.GetStringBytes()) == 0
+	}
 }
 
 // readChatOptions reads o's fields from the body object v, leaving absent
