@@ -186,3 +186,60 @@ func TestResponsesToolsAndStore(t *testing.T) {
 		t.Fatalf("GET an unstored response: %d", resp.StatusCode)
 	}
 }
+
+// Every error /v1/messages answers is in Anthropic's shape, {"type":
+// "error", "error": {"type", "message"}}, with vLLM's error type as its
+// Anthropic router gives it; chat's and the Responses API's stay OpenAI's.
+func TestMessagesErrorsInAnthropicShape(t *testing.T) {
+	o := agentic
+	o.MaxModelLen, o.MaxBodyBytes = 64, 1<<10
+	r := start(t, o)
+	msg := func(extra string) string {
+		return `{"model":"sim-model","max_tokens":2,"messages":[{"role":"user","content":"hi"}]` + extra + `}`
+	}
+	cases := []struct {
+		name, path, body string
+		status           int
+		typ              string
+	}{
+		{"bad JSON", "/v1/messages", `{"model":`, 400, "BadRequestError"},
+		{"bad role", "/v1/messages", `{"model":"sim-model","max_tokens":2,"messages":[{"role":"wizard","content":"x"}]}`, 400, "BadRequestError"},
+		{"unknown model", "/v1/messages", `{"model":"nope","max_tokens":2,"messages":[{"role":"user","content":"hi"}]}`, 404, "NotFoundError"},
+		{"max_tokens over the model's", "/v1/messages", `{"model":"sim-model","max_tokens":99999,"messages":[{"role":"user","content":"hi"}]}`, 400, "BadRequestError"},
+		{"maximum context length", "/v1/messages", `{"model":"sim-model","max_tokens":60,"messages":[{"role":"user","content":"` + strings.Repeat("word ", 20) + `"}]}`, 400, "BadRequestError"},
+		{"body too large", "/v1/messages", msg(`,"pad":"` + strings.Repeat("x", 2<<10) + `"`), 413, "BadRequestError"},
+		{"chat stays OpenAI's", "/v1/chat/completions", `{"model":"nope","messages":[{"role":"user","content":"hi"}]}`, 404, ""},
+		{"Responses stay OpenAI's", "/v1/responses", `{"model":"nope","input":"hi"}`, 404, ""},
+	}
+	check := func(name, path string, code int, raw []byte, status int, typ string) {
+		t.Helper()
+		var e struct {
+			Type  string `json:"type"`
+			Error struct {
+				Type    string `json:"type"`
+				Message string `json:"message"`
+				Code    *int   `json:"code"`
+			} `json:"error"`
+		}
+		if err := json.Unmarshal(raw, &e); err != nil || code != status || e.Error.Message == "" ||
+			name == "maximum context length" && !strings.Contains(e.Error.Message, name) {
+			t.Fatalf("%s: %d %s", name, code, raw)
+		}
+		anthropic := path == "/v1/messages"
+		if anthropic && (e.Type != "error" || e.Error.Type != typ || e.Error.Code != nil) {
+			t.Fatalf("%s: %s, want Anthropic's shape with type %q", name, raw, typ)
+		}
+		if !anthropic && (e.Type != "" || e.Error.Code == nil || *e.Error.Code != status) {
+			t.Fatalf("%s: %s, want OpenAI's shape", name, raw)
+		}
+	}
+	for _, tc := range cases {
+		code, _, raw := call(t, r, tc.path, tc.body)
+		check(tc.name, tc.path, code, raw, tc.status, tc.typ)
+	}
+	r.Fault(529)
+	code, _, raw := call(t, r, "/v1/messages", msg(""))
+	check("a fault", "/v1/messages", code, raw, 529, "InternalServerError")
+	code, _, raw = call(t, r, "/v1/chat/completions", `{"model":"sim-model","messages":[{"role":"user","content":"hi"}]}`)
+	check("a fault on chat", "/v1/chat/completions", code, raw, 529, "")
+}

@@ -413,7 +413,11 @@ func (s *Server) routes(reg *prometheus.Registry) {
 // ServeHTTP implements http.Handler.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if st := s.fault.Load(); st != 0 {
-		writeError(w, int(st), "InternalServerError", "simulated fault")
+		ep := blockhash.Chat // OpenAI's shape
+		if r.URL.Path == "/v1/messages" {
+			ep = blockhash.Messages
+		}
+		apiError(w, ep, int(st), "InternalServerError", "simulated fault")
 		return
 	}
 	if k := s.o.APIKey; k != "" && strings.HasPrefix(r.URL.Path, "/v1") && r.Header.Get("Authorization") != "Bearer "+k {
@@ -550,8 +554,9 @@ func (s *Server) unloadLoRA(w http.ResponseWriter, r *http.Request) {
 	fmt.Fprintf(w, "Success: LoRA adapter '%s' removed successfully.", req.Name)
 }
 
-func modelNotFound(w http.ResponseWriter, name string) {
-	writeError(w, http.StatusNotFound, "NotFoundError", fmt.Sprintf("The model `%s` does not exist.", name))
+// modelNotFound answers a request of endpoint ep for a model not served.
+func modelNotFound(w http.ResponseWriter, ep blockhash.Endpoint, name string) {
+	apiError(w, ep, http.StatusNotFound, "NotFoundError", fmt.Sprintf("The model `%s` does not exist.", name))
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {
@@ -560,8 +565,25 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 	_ = json.NewEncoder(w).Encode(v)
 }
 
+// writeError answers an error in OpenAI's shape, as vLLM's ErrorResponse:
+// {"error": {"message", "type", "code"}}, typ vLLM's error type
+// ("BadRequestError", "NotFoundError", ...).
 func writeError(w http.ResponseWriter, status int, typ, msg string) {
 	writeJSON(w, status, map[string]any{"error": map[string]any{"message": msg, "type": typ, "code": status}})
+}
+
+// apiError answers an error of a request of endpoint ep in its API's
+// shape: on /v1/messages Anthropic's, {"type": "error", "error": {"type",
+// "message"}}, as vLLM's Anthropic router translates its ErrorResponse
+// (vllm/entrypoints/anthropic/api_router.py, translate_error_response:
+// the type is vLLM's own, "BadRequestError" and the like, not Anthropic's
+// "invalid_request_error"); OpenAI's (writeError) on the others.
+func apiError(w http.ResponseWriter, ep blockhash.Endpoint, status int, typ, msg string) {
+	if ep != blockhash.Messages {
+		writeError(w, status, typ, msg)
+		return
+	}
+	writeJSON(w, status, map[string]any{"type": "error", "error": map[string]any{"type": typ, "message": msg}})
 }
 
 // scratch is one request's working memory, reused by later requests so
@@ -723,14 +745,14 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	s.traceparent.Store(r.Header.Get("traceparent"))
 	sc := scratchPool.Get().(*scratch)
 	defer scratchPool.Put(sc)
-	body, ok := s.readRequest(w, r, sc.body)
+	body, ok := s.readRequest(w, r, sc.body, ep)
 	sc.body = body
 	if !ok {
 		return
 	}
 	req, err := blockhash.Parse(ep, body, blockhash.Limits{})
 	if err != nil {
-		writeError(w, http.StatusBadRequest, "BadRequestError", err.Error())
+		apiError(w, ep, http.StatusBadRequest, "BadRequestError", err.Error())
 		return
 	}
 	defer req.Recycle()
@@ -786,7 +808,7 @@ func (s *Server) prepare(w http.ResponseWriter, ep blockhash.Endpoint, req *bloc
 	c = completion{ep: ep, req: req, sc: sc, out: s.o.OutputTokens,
 		agentic: ep == blockhash.Responses || ep == blockhash.Messages}
 	if c.m, ok = s.model(req.Model); !ok {
-		modelNotFound(w, req.Model)
+		modelNotFound(w, ep, req.Model)
 		return c, false
 	}
 	if !s.readSwitches(w, &c) {
@@ -805,7 +827,7 @@ func (s *Server) prepare(w http.ResponseWriter, ep blockhash.Endpoint, req *bloc
 		maxLen = min(maxLen, s.o.NumBlocks*s.o.BlockSize)
 	}
 	if n := max(len(sc.ids), 1); n+c.out > maxLen {
-		writeError(w, http.StatusBadRequest, "BadRequestError", fmt.Sprintf(
+		apiError(w, ep, http.StatusBadRequest, "BadRequestError", fmt.Sprintf(
 			"This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the messages, %d in the completion). Please reduce the length of the messages or completion.",
 			maxLen, n+c.out, n, c.out))
 		return c, false
@@ -828,12 +850,12 @@ func (s *Server) readSwitches(w http.ResponseWriter, c *completion) (ok bool) {
 	// from it with fastjson rather than decoding it all again.
 	var err error
 	if c.fl, err = readFlags(c.sc.body, c.ep); err != nil {
-		writeError(w, http.StatusBadRequest, "BadRequestError", err.Error())
+		apiError(w, c.ep, http.StatusBadRequest, "BadRequestError", err.Error())
 		return false
 	}
 	if s.prio != nil {
 		if c.priority, err = readPriority(c.sc.body, c.ep); err != nil {
-			writeError(w, http.StatusBadRequest, "BadRequestError", err.Error())
+			apiError(w, c.ep, http.StatusBadRequest, "BadRequestError", err.Error())
 			return false
 		}
 	}
@@ -841,7 +863,7 @@ func (s *Server) readSwitches(w http.ResponseWriter, c *completion) (ok bool) {
 		c.out = c.req.MaxTokens
 	}
 	if c.out > s.o.MaxOutputTokens {
-		writeError(w, http.StatusBadRequest, "BadRequestError",
+		apiError(w, c.ep, http.StatusBadRequest, "BadRequestError",
 			fmt.Sprintf("max_tokens %d is more than this model allows (%d)", c.out, s.o.MaxOutputTokens))
 		return false
 	}

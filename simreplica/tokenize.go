@@ -102,15 +102,15 @@ func boolField(v *fastjson.Value, key string, def bool) (bool, error) {
 	return false, fmt.Errorf("%s: must be a boolean", key)
 }
 
-// readRequest reads r's body into buf's memory, answering 413 or 400 and
-// returning false when it cannot.
-func (s *Server) readRequest(w http.ResponseWriter, r *http.Request, buf []byte) ([]byte, bool) {
+// readRequest reads r's body into buf's memory, answering 413 or 400 in
+// the shape of endpoint ep's errors and returning false when it cannot.
+func (s *Server) readRequest(w http.ResponseWriter, r *http.Request, buf []byte, ep blockhash.Endpoint) ([]byte, bool) {
 	body, err := readBody(w, r, s.o.MaxBodyBytes, buf)
 	if err != nil {
 		if mbe := (*http.MaxBytesError)(nil); errors.As(err, &mbe) {
-			writeError(w, http.StatusRequestEntityTooLarge, "BadRequestError", "request body too large")
+			apiError(w, ep, http.StatusRequestEntityTooLarge, "BadRequestError", "request body too large")
 		} else {
-			writeError(w, http.StatusBadRequest, "BadRequestError", "cannot read the request body: "+err.Error())
+			apiError(w, ep, http.StatusBadRequest, "BadRequestError", "cannot read the request body: "+err.Error())
 		}
 		return body, false
 	}
@@ -121,7 +121,7 @@ func (s *Server) readRequest(w http.ResponseWriter, r *http.Request, buf []byte)
 // optional "model" names a served model (absent or null: the base model).
 // It answers the error itself and returns ok false when it cannot.
 func (s *Server) tokenBody(w http.ResponseWriter, r *http.Request, p *fastjson.Parser) (v *fastjson.Value, m model, ok bool) {
-	body, ok := s.readRequest(w, r, nil)
+	body, ok := s.readRequest(w, r, nil, blockhash.Chat) // OpenAI's error shape
 	if !ok {
 		return nil, m, false
 	}
@@ -142,7 +142,7 @@ func (s *Server) tokenBody(w http.ResponseWriter, r *http.Request, p *fastjson.P
 			return nil, m, false
 		}
 		if m, ok = s.model(string(name)); !ok {
-			modelNotFound(w, string(name))
+			modelNotFound(w, blockhash.Chat, string(name))
 			return nil, m, false
 		}
 	}
