@@ -123,59 +123,32 @@ func (g *generation) text() string {
 	return sb.String()
 }
 
-// responseObject is the Responses API's response, completed or not.
-func (g *generation) responseObject(text string, done bool) map[string]any {
-	obj := map[string]any{"id": g.id, "object": "response", "created_at": time.Now().Unix(), "model": g.model, "status": "in_progress", "output": []any{}}
-	if done {
-		obj["status"] = "completed"
-		obj["output"] = []any{map[string]any{"type": "message", "id": "msg_" + g.id, "status": "completed", "role": "assistant",
-			"content": []any{map[string]any{"type": "output_text", "text": text, "annotations": []any{}}}}}
-		obj["usage"] = map[string]any{"input_tokens": g.tokens, "input_tokens_details": map[string]any{"cached_tokens": g.cached},
-			"output_tokens": g.out, "output_tokens_details": map[string]any{"reasoning_tokens": 0}, "total_tokens": g.tokens + g.out}
-	}
-	return obj
-}
-
-// messageObject is the Messages API's message; Anthropic's input_tokens
-// leave out the cached ones (cache_read_input_tokens).
-func (g *generation) messageObject(text string, done bool) map[string]any {
-	obj := map[string]any{"id": g.id, "type": "message", "role": "assistant", "model": g.model, "content": []any{},
-		"stop_reason": nil, "stop_sequence": nil,
-		"usage": map[string]any{"input_tokens": g.tokens - g.cached, "cache_read_input_tokens": g.cached, "cache_creation_input_tokens": 0, "output_tokens": 0}}
-	if done {
-		obj["content"] = []any{map[string]any{"type": "text", "text": text}}
-		obj["stop_reason"] = "max_tokens"
-		obj["usage"].(map[string]any)["output_tokens"] = g.out
-	}
-	return obj
-}
-
 // agentic answers a Responses or Messages request, whole or as its API's
 // events, and stores a response.
 func (g *generation) agentic(ctx context.Context, w http.ResponseWriter, stream bool) bool {
-	text := g.text()
+	g.created = time.Now().Unix()
 	if g.ep == blockhash.Responses {
-		g.storeResponse(text)
+		g.storeResponse()
 	}
 	if stream {
-		return g.agenticStream(ctx, w, text)
+		return g.agenticStream(ctx, w)
 	}
 	if !g.decodeAll(ctx) {
 		return false
 	}
 	if g.ep == blockhash.Responses {
-		writeJSON(w, http.StatusOK, g.responseObject(text, true))
+		writeJSON(w, http.StatusOK, g.responseObject(true))
 	} else {
-		writeJSON(w, http.StatusOK, g.messageObject(text, true))
+		writeJSON(w, http.StatusOK, g.messageObject(true))
 	}
 	return true
 }
 
-// storeResponse stores the Responses answer text, for a later request's
+// storeResponse stores the Responses answer, for a later request's
 // previous_response_id and for GET /v1/responses/{id}: the messages the
-// request was rendered from (its parts but the tools) and the answer's,
-// unless the body says store: false.
-func (g *generation) storeResponse(text string) {
+// request was rendered from (its parts but the tools) and the answer's
+// text, unless the body says store: false.
+func (g *generation) storeResponse() {
 	if g.req.NoStore {
 		return
 	}
@@ -187,8 +160,8 @@ func (g *generation) storeResponse(text string) {
 		p.Text, p.Segs = bytes.Clone(p.Text), slices.Clone(p.Segs) // the request's parse is recycled when it ends
 		msgs = append(msgs, p)
 	}
-	out := []blockhash.Part{{Role: blockhash.RoleAssistant, Base: blockhash.KindAssistantHistory, Text: []byte(text)}}
-	g.s.responses.put(g.id, &storedResponse{msgs: msgs, out: out, obj: g.responseObject(text, true)})
+	out := []blockhash.Part{{Role: blockhash.RoleAssistant, Base: blockhash.KindAssistantHistory, Text: []byte(g.text())}}
+	g.s.responses.put(g.id, &storedResponse{msgs: msgs, out: out, obj: g.responseObject(true)})
 }
 
 // sse is one server-sent event of an agentic answer: its type (the event
@@ -199,53 +172,20 @@ type sse struct {
 }
 
 // agenticEvents are the events an agentic API streams an answer in: open
-// before its first word, delta for each word, and close after the last
-// (made then: a response's created_at is the time it completed).
+// before its first output token, token for output token i (none, one or
+// more events), and close after the last (made then: a response's usage is
+// known then).
 type agenticEvents struct {
 	open  func(g *generation) []sse
-	delta func(g *generation, word string) sse
-	close func(g *generation, text string) []sse
+	token func(g *generation, i int) []sse
+	close func(g *generation) []sse
 	// sequenced events carry a sequence_number from 0.
 	sequenced bool
 }
 
-// responsesEvents are the Responses API's events.
-var responsesEvents = agenticEvents{
-	open: func(g *generation) []sse {
-		return []sse{{"response.created", map[string]any{"response": g.responseObject("", false)}}}
-	},
-	delta: func(g *generation, word string) sse {
-		return sse{"response.output_text.delta", map[string]any{"item_id": "msg_" + g.id, "output_index": 0, "content_index": 0, "delta": word}}
-	},
-	close: func(g *generation, text string) []sse {
-		return []sse{{"response.completed", map[string]any{"response": g.responseObject(text, true)}}}
-	},
-	sequenced: true,
-}
-
-// messagesEvents are the Messages API's events.
-var messagesEvents = agenticEvents{
-	open: func(g *generation) []sse {
-		return []sse{
-			{"message_start", map[string]any{"message": g.messageObject("", false)}},
-			{"content_block_start", map[string]any{"index": 0, "content_block": map[string]any{"type": "text", "text": ""}}},
-		}
-	},
-	delta: func(_ *generation, word string) sse {
-		return sse{"content_block_delta", map[string]any{"index": 0, "delta": map[string]any{"type": "text_delta", "text": word}}}
-	},
-	close: func(g *generation, _ string) []sse {
-		return []sse{
-			{"content_block_stop", map[string]any{"index": 0}},
-			{"message_delta", map[string]any{"delta": map[string]any{"stop_reason": "max_tokens", "stop_sequence": nil}, "usage": map[string]any{"output_tokens": g.out}}},
-			{"message_stop", map[string]any{}},
-		}
-	},
-}
-
-// agenticStream streams the answer text as its API's events, a word every
+// agenticStream streams the answer as its API's events, a token every
 // InterToken; it reports whether every event reached the client.
-func (g *generation) agenticStream(ctx context.Context, w http.ResponseWriter, text string) bool {
+func (g *generation) agenticStream(ctx context.Context, w http.ResponseWriter) bool {
 	events := messagesEvents
 	if g.ep == blockhash.Responses {
 		events = responsesEvents
@@ -276,11 +216,11 @@ func (g *generation) agenticStream(ctx context.Context, w http.ResponseWriter, t
 		if i > 0 && !g.decodeNext(ctx, i) {
 			return false
 		}
-		if !send(events.delta(g, g.word(i))) {
+		if !send(events.token(g, i)...) {
 			return false
 		}
 	}
-	return send(events.close(g, text)...)
+	return send(events.close(g)...)
 }
 
 // getResponse answers GET /v1/responses/{id} with a stored response.

@@ -994,7 +994,7 @@ func (s *Server) transferParams(hostport string, blocks int) map[string]any {
 func (g *generation) answer(ctx context.Context, w http.ResponseWriter, c *completion) bool {
 	switch {
 	case c.agentic:
-		g.id = agenticID(c.ep, c.fl.requestID)
+		g.id, g.echo = agenticID(c.ep, c.fl.requestID), c.fl.echo
 		return g.agentic(ctx, w, c.req.Stream)
 	case c.req.Stream:
 		return g.stream(ctx, w)
@@ -1051,7 +1051,13 @@ type generation struct {
 	id             string
 	seed           uint64
 	usage          bool
-	kv             map[string]any // kv_transfer_params of a prefill's answer (do_remote_decode); nil: none
+	// created is when an agentic answer began, in Unix seconds: the
+	// created_at of its response.
+	created int64
+	// echo are the request's fields a Responses answer repeats (see
+	// responseEcho); nil for the other APIs.
+	echo map[string]any
+	kv   map[string]any // kv_transfer_params of a prefill's answer (do_remote_decode); nil: none
 	// run paces the output tokens under the priority scheduler; nil
 	// under fcfs (InterToken each).
 	run *prioritized

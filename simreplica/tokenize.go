@@ -28,6 +28,9 @@ type flags struct {
 	// null); emptyInstructions that they are "", which vLLM renders as no
 	// system message at all.
 	instructions, emptyInstructions bool
+	// echo are a Responses body's fields its response repeats (see
+	// responseEcho); nil for the other APIs.
+	echo map[string]any
 }
 
 var flagParsers fastjson.ParserPool
@@ -67,6 +70,7 @@ func readResponsesFlags(v *fastjson.Value, f *flags) {
 	if in := v.Get("instructions"); in != nil && in.Type() == fastjson.TypeString {
 		f.instructions, f.emptyInstructions = true, len(in.GetStringBytes()) == 0
 	}
+	f.echo = responseEcho(v)
 }
 
 // readChatOptions reads o's fields from the body object v, leaving absent
