@@ -8,7 +8,6 @@ import (
 	"io"
 	"net/http"
 	"slices"
-	"strings"
 	"sync"
 	"time"
 
@@ -114,15 +113,6 @@ func (s *Server) agenticPrompt(w http.ResponseWriter, req *blockhash.Request, fl
 	return true
 }
 
-// text returns the generation's output text.
-func (g *generation) text() string {
-	var sb strings.Builder
-	for i := 0; i < g.out; i++ {
-		sb.WriteString(g.word(i))
-	}
-	return sb.String()
-}
-
 // agentic answers a Responses or Messages request, whole or as its API's
 // events, and stores a response.
 func (g *generation) agentic(ctx context.Context, w http.ResponseWriter, stream bool) bool {
@@ -160,7 +150,10 @@ func (g *generation) storeResponse() {
 		p.Text, p.Segs = bytes.Clone(p.Text), slices.Clone(p.Segs) // the request's parse is recycled when it ends
 		msgs = append(msgs, p)
 	}
-	out := []blockhash.Part{{Role: blockhash.RoleAssistant, Base: blockhash.KindAssistantHistory, Text: []byte(g.text())}}
+	var out []blockhash.Part // a function call is not carried, as in vLLM
+	if g.call == nil {
+		out = []blockhash.Part{{Role: blockhash.RoleAssistant, Base: blockhash.KindAssistantHistory, Text: []byte(g.text())}}
+	}
 	g.s.responses.put(g.id, &storedResponse{msgs: msgs, out: out, obj: g.responseObject(true)})
 }
 

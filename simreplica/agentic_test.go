@@ -28,9 +28,10 @@ func postJSON(t *testing.T, r *Running, path string, body, out any) int {
 	return code
 }
 
-// chatTokens returns the token ids /tokenize gives the chat of messages
-// and tools: the prompt the same conversation makes on /v1/chat/completions.
-func chatTokens(t *testing.T, r *Running, msgs []map[string]any, tools []any) []int32 {
+// chatTokens returns the token ids /tokenize gives the chat of msgs (a
+// list of messages) and tools: the prompt the same conversation makes on
+// /v1/chat/completions.
+func chatTokens(t *testing.T, r *Running, msgs any, tools []any) []int32 {
 	t.Helper()
 	body := map[string]any{"messages": msgs}
 	if tools != nil {

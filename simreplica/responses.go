@@ -20,6 +20,14 @@ import (
 //	response.output_item.done                    the item, completed
 //	response.completed                           the response, its output and usage
 //
+// and, for a tool call (toolcall.go), in place of the content part's and
+// text's events:
+//
+//	response.output_item.added                   {type: function_call, id, call_id, name, arguments: "", status: in_progress}
+//	response.function_call_arguments.delta × fragments   item_id, output_index, delta
+//	response.function_call_arguments.done        arguments
+//	response.output_item.done                    the call, completed
+//
 // every event with its type and a sequence_number from 0. The item's id
 // is the same in every event, the response completed and the one GET
 // /v1/responses/{id} gives.
@@ -70,17 +78,33 @@ func (g *generation) responseObject(done bool) map[string]any {
 }
 
 // itemID is the id of the response's output item.
-func (g *generation) itemID() string { return "msg_" + g.id }
-
-// responseItem is the response's output item: its message, completed
-// with its text when done, else in progress and empty (as
-// response.output_item.added gives it).
-func (g *generation) responseItem(done bool) map[string]any {
-	item := map[string]any{"type": "message", "id": g.itemID(), "status": "in_progress", "role": "assistant", "content": []any{}}
-	if done {
-		item["status"], item["content"] = "completed", []any{outputText(g.text())}
+func (g *generation) itemID() string {
+	if g.call != nil {
+		return g.call.id("fc_")
 	}
-	return item
+	return "msg_" + g.id
+}
+
+// responseItem is the response's output item, its message or its
+// function call: completed, with its text or arguments, when done, else
+// in progress and empty (as response.output_item.added gives it).
+func (g *generation) responseItem(done bool) map[string]any {
+	status := "in_progress"
+	if done {
+		status = "completed"
+	}
+	if c := g.call; c != nil {
+		args := ""
+		if done {
+			args = c.arguments()
+		}
+		return map[string]any{"type": "function_call", "id": g.itemID(), "call_id": c.id("call_"), "name": c.name, "arguments": args, "status": status}
+	}
+	content := []any{}
+	if done {
+		content = []any{outputText(g.text())}
+	}
+	return map[string]any{"type": "message", "id": g.itemID(), "status": status, "role": "assistant", "content": content}
 }
 
 // outputText is an output_text content part of text.
@@ -92,36 +116,50 @@ func outputText(text string) map[string]any {
 var responsesEvents = agenticEvents{open: responsesOpen, token: responsesToken, close: responsesClose, sequenced: true}
 
 // responsesOpen are the events before the first output token: the
-// response created and in progress, its item added, its content part
-// added.
+// response created and in progress, its item added, and a message's
+// content part added.
 func responsesOpen(g *generation) []sse {
-	return []sse{
+	evs := []sse{
 		{"response.created", map[string]any{"response": g.responseObject(false)}},
 		{"response.in_progress", map[string]any{"response": g.responseObject(false)}},
 		{"response.output_item.added", map[string]any{"output_index": 0, "item": g.responseItem(false)}},
-		{"response.content_part.added", g.partEvent(outputText(""))},
 	}
+	if g.call != nil {
+		return evs
+	}
+	return append(evs, sse{"response.content_part.added", g.partEvent(outputText(""))})
 }
 
-// responsesToken is output token i's text delta.
+// responsesToken is output token i's text delta, or the call's arguments'
+// fragment (none for its first token, its name, in the item added).
 func responsesToken(g *generation, i int) []sse {
-	ev := g.partEvent(nil)
-	ev["delta"], ev["logprobs"] = g.word(i), []any{}
-	return []sse{{"response.output_text.delta", ev}}
+	switch {
+	case g.call == nil:
+		ev := g.partEvent(nil)
+		ev["delta"], ev["logprobs"] = g.word(i), []any{}
+		return []sse{{"response.output_text.delta", ev}}
+	case i == 0:
+		return nil
+	}
+	return []sse{{"response.function_call_arguments.delta", map[string]any{"item_id": g.itemID(), "output_index": 0, "delta": g.call.frags[i-1]}}}
 }
 
-// responsesClose are the events after the last output token: the text,
-// the part and the item done, and the response completed.
+// responsesClose are the events after the last output token: the text
+// and the part done (or the arguments), the item done, and the response
+// completed.
 func responsesClose(g *generation) []sse {
-	text := g.text()
-	done := g.partEvent(nil)
-	done["text"], done["logprobs"] = text, []any{}
-	return []sse{
-		{"response.output_text.done", done},
-		{"response.content_part.done", g.partEvent(outputText(text))},
-		{"response.output_item.done", map[string]any{"output_index": 0, "item": g.responseItem(true)}},
-		{"response.completed", map[string]any{"response": g.responseObject(true)}},
+	var evs []sse
+	if g.call != nil {
+		evs = []sse{{"response.function_call_arguments.done", map[string]any{"item_id": g.itemID(), "output_index": 0, "arguments": g.call.arguments()}}}
+	} else {
+		text := g.text()
+		done := g.partEvent(nil)
+		done["text"], done["logprobs"] = text, []any{}
+		evs = []sse{{"response.output_text.done", done}, {"response.content_part.done", g.partEvent(outputText(text))}}
 	}
+	return append(evs,
+		sse{"response.output_item.done", map[string]any{"output_index": 0, "item": g.responseItem(true)}},
+		sse{"response.completed", map[string]any{"response": g.responseObject(true)}})
 }
 
 // partEvent is the body of an event about the item's content part:

@@ -25,7 +25,10 @@
 // priority in the order of their body's priority, the least important
 // running request preempted when the KV cache runs out, as vLLM's
 // --scheduling-policy priority (see priorityScheduler). POST /tokenize and
-// /detokenize answer as vLLM's do.
+// /detokenize answer as vLLM's do. The Responses and Messages APIs are
+// served as vLLM serves them (agentic.go); a chat, Responses or Messages
+// request with tools may be answered with a tool call, deterministic in
+// its prompt (toolcall.go).
 //
 // A Server is safe for concurrent use.
 package simreplica
@@ -718,7 +721,9 @@ type completion struct {
 	req     *blockhash.Request
 	m       model
 	fl      flags
-	out     int // output tokens: max_tokens, or Options.OutputTokens
+	out     int // output tokens: max_tokens, or Options.OutputTokens, or the tool call's
+	// plan is the tool call its answer makes (see planCall); nil: text.
+	plan *toolPlan
 	// priority is the body's priority (SchedulingPriority only; 0
 	// otherwise).
 	priority int
@@ -817,19 +822,7 @@ func (s *Server) prepare(w http.ResponseWriter, ep blockhash.Endpoint, req *bloc
 	if c.agentic && !s.agenticPrompt(w, req, c.fl) {
 		return c, false
 	}
-	tokEP := ep
-	if c.agentic { // rendered into the chat template, as vLLM renders them
-		tokEP = blockhash.Chat
-	}
-	sc.ids, sc.prompt = s.tok.promptIDs(sc.ids, sc.prompt, req, tokEP, c.fl.chat)
-	maxLen := s.o.MaxModelLen
-	if s.prio != nil { // what its KV cache holds
-		maxLen = min(maxLen, s.o.NumBlocks*s.o.BlockSize)
-	}
-	if n := max(len(sc.ids), 1); n+c.out > maxLen {
-		apiError(w, ep, http.StatusBadRequest, "BadRequestError", fmt.Sprintf(
-			"This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the messages, %d in the completion). Please reduce the length of the messages or completion.",
-			maxLen, n+c.out, n, c.out))
+	if !s.tokenizePrompt(w, &c) {
 		return c, false
 	}
 	if s.blend != nil { // found before the prefill turn, which is one at a time
@@ -839,6 +832,36 @@ func (s *Server) prepare(w http.ResponseWriter, ep blockhash.Endpoint, req *bloc
 		c.sample, c.donorKey, c.donorKeys = s.donor.find(sc.prompt, c.m.loraID)
 	}
 	return c, true
+}
+
+// tokenizePrompt tokenizes c's prompt into c.sc, plans its tool call if
+// its answer makes one (which sets its output length), and checks its
+// context length; a request refused is answered here, and ok is false.
+func (s *Server) tokenizePrompt(w http.ResponseWriter, c *completion) (ok bool) {
+	tokEP, sc := c.ep, c.sc
+	if c.agentic { // rendered into the chat template, as vLLM renders them
+		tokEP = blockhash.Chat
+	}
+	sc.ids, sc.prompt = s.tok.promptIDs(sc.ids, sc.prompt, c.req, tokEP, c.fl.chat)
+	var err error
+	if c.plan, err = planCall(c.req.Parts, c.fl.choice, sc.ids, c.req.MaxTokens); err != nil {
+		apiError(w, c.ep, http.StatusBadRequest, "BadRequestError", err.Error())
+		return false
+	}
+	if c.plan != nil {
+		c.out = c.plan.tokens()
+	}
+	maxLen := s.o.MaxModelLen
+	if s.prio != nil { // what its KV cache holds
+		maxLen = min(maxLen, s.o.NumBlocks*s.o.BlockSize)
+	}
+	if n := max(len(sc.ids), 1); n+c.out > maxLen {
+		apiError(w, c.ep, http.StatusBadRequest, "BadRequestError", fmt.Sprintf(
+			"This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the messages, %d in the completion). Please reduce the length of the messages or completion.",
+			maxLen, n+c.out, n, c.out))
+		return false
+	}
+	return true
 }
 
 // readSwitches reads into c the switches of its body that blockhash does
@@ -961,6 +984,9 @@ func (s *Server) newGeneration(r *http.Request, c *completion) *generation {
 		id: fmt.Sprintf("cmpl-%016x", keys0(c.keys)^uint64(time.Now().UnixNano())), seed: keys0(c.keys),
 		usage: c.fl.includeUsage,
 	}
+	if c.plan != nil {
+		g.call = c.plan.call(g.word)
+	}
 	if c.fl.remotePrefill {
 		// vLLM counts the tokens its connector brought (all the prompt
 		// but its last token, which the decode computes) with its own
@@ -1057,6 +1083,8 @@ type generation struct {
 	// echo are the request's fields a Responses answer repeats (see
 	// responseEcho); nil for the other APIs.
 	echo map[string]any
+	// call is the tool call the answer makes, in place of text; nil: text.
+	call *toolCall
 	kv   map[string]any // kv_transfer_params of a prefill's answer (do_remote_decode); nil: none
 	// run paces the output tokens under the priority scheduler; nil
 	// under fcfs (InterToken each).
@@ -1067,6 +1095,15 @@ type generation struct {
 // conversation gets the same replies.
 func (g *generation) word(i int) string {
 	return fmt.Sprintf(" w%d", (g.seed+uint64(i)*2654435761)%997)
+}
+
+// text returns the generation's output text.
+func (g *generation) text() string {
+	var sb strings.Builder
+	for i := 0; i < g.out; i++ {
+		sb.WriteString(g.word(i))
+	}
+	return sb.String()
 }
 
 func (g *generation) usageJSON() map[string]any {
@@ -1103,19 +1140,42 @@ func (g *generation) whole(ctx context.Context, w http.ResponseWriter) bool {
 	if !g.decodeAll(ctx) {
 		return false
 	}
-	var sb strings.Builder
-	for i := 0; i < g.out; i++ {
-		sb.WriteString(g.word(i))
-	}
 	ans := map[string]any{
 		"id": g.id, "object": g.object(false), "created": time.Now().Unix(), "model": g.model,
-		"choices": []any{g.choice(sb.String(), "length", false)}, "usage": g.usageJSON(),
+		"choices": []any{g.wholeChoice()}, "usage": g.usageJSON(),
 	}
 	if g.kv != nil {
 		ans["kv_transfer_params"] = g.kv
 	}
 	writeJSON(w, http.StatusOK, ans)
 	return true
+}
+
+// wholeChoice is the whole answer's choice: its text, or its tool call
+// (a message with no content).
+func (g *generation) wholeChoice() map[string]any {
+	if g.call == nil {
+		return g.choice(g.text(), "length", false)
+	}
+	return map[string]any{"index": 0, "finish_reason": "tool_calls",
+		"message": map[string]any{"role": "assistant", "content": nil, "tool_calls": []any{g.call.chatCall()}}}
+}
+
+// streamChoice is the streamed choice of output token i, with the finish
+// reason on the last.
+func (g *generation) streamChoice(i int) map[string]any {
+	var finish any
+	switch {
+	case i < g.out-1:
+	case g.call != nil:
+		finish = "tool_calls"
+	default:
+		finish = "length"
+	}
+	if g.call == nil {
+		return g.choice(g.word(i), finish, true)
+	}
+	return map[string]any{"index": 0, "finish_reason": finish, "delta": g.call.chatDelta(i)}
 }
 
 func (g *generation) stream(ctx context.Context, w http.ResponseWriter) bool {
@@ -1137,11 +1197,7 @@ func (g *generation) stream(ctx context.Context, w http.ResponseWriter) bool {
 		if i > 0 && !g.decodeNext(ctx, i) {
 			return false
 		}
-		var finish any
-		if i == g.out-1 {
-			finish = "length"
-		}
-		if !send(chunk([]any{g.choice(g.word(i), finish, true)})) {
+		if !send(chunk([]any{g.streamChoice(i)})) {
 			return false
 		}
 	}

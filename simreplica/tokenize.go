@@ -31,6 +31,9 @@ type flags struct {
 	// echo are a Responses body's fields its response repeats (see
 	// responseEcho); nil for the other APIs.
 	echo map[string]any
+	// choice is a chat, Responses or Messages body's tool_choice (see
+	// readToolChoice); auto when absent.
+	choice toolChoice
 }
 
 var flagParsers fastjson.ParserPool
@@ -55,6 +58,9 @@ func readFlags(body []byte, ep blockhash.Endpoint) (flags, error) {
 	f.remotePrefill = v.GetBool("kv_transfer_params", "do_remote_prefill")
 	if ep == blockhash.Responses {
 		readResponsesFlags(v, &f)
+	}
+	if f.choice, err = readToolChoice(v.Get("tool_choice"), ep); err != nil {
+		return f, err
 	}
 	if ep == blockhash.Completion { // the chat template's switches are not a completion's fields
 		f.chat.addSpecialTokens, err = boolField(v, "add_special_tokens", true)
