@@ -191,9 +191,13 @@ func responsesAnswer(t *testing.T, r *Running, body map[string]any, stream bool)
 	body["stream"] = true
 	var types []string
 	var args strings.Builder
+	var raw []map[string]any
 	for _, d := range events(t, r, "/v1/responses", body) {
 		var ev responses.ResponseStreamEventUnion
 		unmarshal(t, d, &ev)
+		var m map[string]any
+		unmarshal(t, d, &m)
+		raw = append(raw, m)
 		types = append(types, ev.Type)
 		switch ev.Type {
 		case "response.function_call_arguments.delta":
@@ -201,6 +205,9 @@ func responsesAnswer(t *testing.T, r *Running, body map[string]any, stream bool)
 		case "response.completed":
 			resp = ev.Response
 		}
+	}
+	if snap, final := accumulate(t, raw); !sameItems(snap, final) {
+		t.Fatalf("the JS SDK's snapshot %v, the completed output %v", snap, final)
 	}
 	if it := resp.Output[0]; it.Type == "function_call" {
 		frags := strings.Count(strings.Join(types, " "), "arguments.delta")
