@@ -8,7 +8,6 @@ import (
 	"io"
 	"net/http"
 	"slices"
-	"strings"
 	"sync"
 	"time"
 
@@ -17,24 +16,38 @@ import (
 
 // The Responses API (/v1/responses) and Anthropic's Messages API
 // (/v1/messages), as vLLM serves them: the request is rendered into the
-// chat template as the chat of the same conversation (tools turned into
-// chat function tools first), and answered in the API's own shape, whole
-// or as its events. A response is stored, as vLLM does with its response
-// store on: previous_response_id continues a stored response (its input
-// and output come before the new input), on the replica that made it
-// only; another answers 404.
+// chat template as the chat of the same conversation (its tools, which
+// blockhash gives in chat's form, first), and answered in the API's own
+// shape, whole or as its events.
+//
+// A Responses request is rendered from the messages vLLM builds for it
+// (vllm/entrypoints/openai/serving_responses.py, _construct_input_messages):
+// its instructions as a system message, if it has them; then, continuing
+// a stored response (previous_response_id), the messages that response
+// was made from and its output messages' text as assistant messages (its
+// function calls and reasoning are not carried); then its input. Those
+// messages, tools apart, are what is stored for a later request to
+// continue (msg_store), unless its body says store: false; so a chain
+// that gives its instructions on every turn gathers one system message
+// more each turn, at the front, as vLLM's does. A response is continued
+// on the replica that made it only; another answers 404.
 
 // maxStored bounds the responses a replica keeps.
 const maxStored = 4096
 
 // storedResponse is what a later request continuing it needs.
 type storedResponse struct {
-	parts []blockhash.Part // the conversation so far: its input, then its output
-	obj   map[string]any   // the response object, for GET
+	// msgs are the messages the request was rendered from, its tools
+	// apart: its instructions, the conversation it continued, its input.
+	msgs []blockhash.Part
+	// out is its output messages' text, as assistant messages: what a
+	// request continuing it gets after msgs.
+	out []blockhash.Part
+	obj map[string]any // the response object, for GET
 }
 
 // responseStore keeps the replica's responses, the oldest dropped past
-// maxStored.
+// maxStored. It is safe for concurrent use.
 type responseStore struct {
 	mu    sync.Mutex
 	by    map[string]*storedResponse
@@ -54,133 +67,94 @@ func (st *responseStore) put(id string, r *storedResponse) {
 	if st.by == nil {
 		st.by = map[string]*storedResponse{}
 	}
+	if _, again := st.by[id]; !again {
+		st.order = append(st.order, id)
+	}
 	st.by[id] = r
-	st.order = append(st.order, id)
 	if len(st.order) > maxStored {
 		delete(st.by, st.order[0])
 		st.order = st.order[1:]
 	}
 }
 
-// agenticPrompt prepares a Responses or Messages request for the chat
-// template: its tools as chat function tools, and, continuing a stored
-// response, that conversation before its own parts. It answers 404 and
+// agenticPrompt prepares a Responses request's parts as vLLM builds its
+// messages (see above): its tools, its instructions (none when they are
+// ""), the stored response it continues, its input. It answers 404 and
 // reports false for a previous_response_id this replica did not store.
-func (s *Server) agenticPrompt(w http.ResponseWriter, req *blockhash.Request) bool {
-	for i, p := range req.Parts {
-		if p.Role == blockhash.RoleTools {
-			if t, err := chatToolsJSON(p.Text); err == nil {
-				req.Parts[i].Text = t
-			}
-		}
+// A Messages request's parts are its prompt as they are.
+func (s *Server) agenticPrompt(w http.ResponseWriter, req *blockhash.Request, fl flags) bool {
+	if req.Endpoint != blockhash.Responses {
+		return true
 	}
-	if id := req.PreviousResponseID; id != "" {
-		prev, ok := s.responses.get(id)
-		if !ok {
-			writeError(w, http.StatusNotFound, "invalid_request_error", fmt.Sprintf("Response with id '%s' not found.", id))
-			return false
-		}
-		req.Parts = append(append([]blockhash.Part(nil), prev.parts...), req.Parts...)
+	head := 0 // the tools part, then the instructions
+	for head < len(req.Parts) && req.Parts[head].Role == blockhash.RoleTools {
+		head++
 	}
+	switch {
+	case fl.emptyInstructions:
+		req.Parts = slices.Delete(req.Parts, head, head+1)
+	case fl.instructions:
+		head++
+	}
+	id := req.PreviousResponseID
+	if id == "" {
+		return true
+	}
+	prev, ok := s.responses.get(id)
+	if !ok {
+		writeError(w, http.StatusNotFound, "invalid_request_error", fmt.Sprintf("Response with id '%s' not found.", id))
+		return false
+	}
+	parts := make([]blockhash.Part, 0, len(req.Parts)+len(prev.msgs)+len(prev.out))
+	parts = append(parts, req.Parts[:head]...)
+	parts = append(parts, prev.msgs...)
+	parts = append(parts, prev.out...)
+	req.Parts = append(parts, req.Parts[head:]...)
 	return true
-}
-
-// chatToolsJSON turns Responses ({type, name, description, parameters})
-// or Messages ({name, description, input_schema}) tool schemas into chat
-// function tools, as vLLM does before rendering them.
-func chatToolsJSON(raw []byte) ([]byte, error) {
-	var tools []map[string]any
-	if err := json.Unmarshal(raw, &tools); err != nil {
-		return nil, err
-	}
-	out := make([]any, 0, len(tools))
-	for _, t := range tools {
-		if _, ok := t["function"]; ok {
-			out = append(out, t)
-			continue
-		}
-		fn := map[string]any{"name": t["name"]}
-		if d, ok := t["description"]; ok {
-			fn["description"] = d
-		}
-		if p := t["parameters"]; p != nil {
-			fn["parameters"] = p
-		} else if p := t["input_schema"]; p != nil {
-			fn["parameters"] = p
-		}
-		out = append(out, map[string]any{"type": "function", "function": fn})
-	}
-	return json.Marshal(out)
-}
-
-// text returns the generation's output text.
-func (g *generation) text() string {
-	var sb strings.Builder
-	for i := 0; i < g.out; i++ {
-		sb.WriteString(g.word(i))
-	}
-	return sb.String()
-}
-
-// responseObject is the Responses API's response, completed or not.
-func (g *generation) responseObject(text string, done bool) map[string]any {
-	obj := map[string]any{"id": g.id, "object": "response", "created_at": time.Now().Unix(), "model": g.model, "status": "in_progress", "output": []any{}}
-	if done {
-		obj["status"] = "completed"
-		obj["output"] = []any{map[string]any{"type": "message", "id": "msg_" + g.id, "status": "completed", "role": "assistant",
-			"content": []any{map[string]any{"type": "output_text", "text": text, "annotations": []any{}}}}}
-		obj["usage"] = map[string]any{"input_tokens": g.tokens, "input_tokens_details": map[string]any{"cached_tokens": g.cached},
-			"output_tokens": g.out, "output_tokens_details": map[string]any{"reasoning_tokens": 0}, "total_tokens": g.tokens + g.out}
-	}
-	return obj
-}
-
-// messageObject is the Messages API's message; Anthropic's input_tokens
-// leave out the cached ones (cache_read_input_tokens).
-func (g *generation) messageObject(text string, done bool) map[string]any {
-	obj := map[string]any{"id": g.id, "type": "message", "role": "assistant", "model": g.model, "content": []any{},
-		"stop_reason": nil, "stop_sequence": nil,
-		"usage": map[string]any{"input_tokens": g.tokens - g.cached, "cache_read_input_tokens": g.cached, "cache_creation_input_tokens": 0, "output_tokens": 0}}
-	if done {
-		obj["content"] = []any{map[string]any{"type": "text", "text": text}}
-		obj["stop_reason"] = "max_tokens"
-		obj["usage"].(map[string]any)["output_tokens"] = g.out
-	}
-	return obj
 }
 
 // agentic answers a Responses or Messages request, whole or as its API's
 // events, and stores a response.
 func (g *generation) agentic(ctx context.Context, w http.ResponseWriter, stream bool) bool {
-	text := g.text()
+	g.created = time.Now().Unix()
 	if g.ep == blockhash.Responses {
-		g.storeResponse(text)
+		g.storeResponse()
 	}
 	if stream {
-		return g.agenticStream(ctx, w, text)
+		return g.agenticStream(ctx, w)
 	}
 	if !g.decodeAll(ctx) {
 		return false
 	}
 	if g.ep == blockhash.Responses {
-		writeJSON(w, http.StatusOK, g.responseObject(text, true))
+		writeJSON(w, http.StatusOK, g.responseObject(true))
 	} else {
-		writeJSON(w, http.StatusOK, g.messageObject(text, true))
+		writeJSON(w, http.StatusOK, g.messageObject(true))
 	}
 	return true
 }
 
-// storeResponse stores the Responses answer text, for a later request's
-// previous_response_id and for GET /v1/responses/{id}: the request's parts
-// and the answer after them.
-func (g *generation) storeResponse(text string) {
-	parts := make([]blockhash.Part, 0, len(g.req.Parts)+1)
-	for _, p := range g.req.Parts { // copied: the request's parse is recycled when it ends
-		p.Text, p.Segs = bytes.Clone(p.Text), slices.Clone(p.Segs)
-		parts = append(parts, p)
+// storeResponse stores the Responses answer, for a later request's
+// previous_response_id and for GET /v1/responses/{id}: the messages the
+// request was rendered from (its parts but the tools) and the answer's
+// text, unless the body says store: false.
+func (g *generation) storeResponse() {
+	if g.req.NoStore {
+		return
 	}
-	parts = append(parts, blockhash.Part{Role: blockhash.RoleAssistant, Base: blockhash.KindAssistantHistory, Text: []byte(text)})
-	g.s.responses.put(g.id, &storedResponse{parts: parts, obj: g.responseObject(text, true)})
+	msgs := make([]blockhash.Part, 0, len(g.req.Parts))
+	for _, p := range g.req.Parts {
+		if p.Role == blockhash.RoleTools {
+			continue // the tools are the request's own, not messages
+		}
+		p.Text, p.Segs = bytes.Clone(p.Text), slices.Clone(p.Segs) // the request's parse is recycled when it ends
+		msgs = append(msgs, p)
+	}
+	var out []blockhash.Part // a function call is not carried, as in vLLM
+	if g.call == nil {
+		out = []blockhash.Part{{Role: blockhash.RoleAssistant, Base: blockhash.KindAssistantHistory, Text: []byte(g.text())}}
+	}
+	g.s.responses.put(g.id, &storedResponse{msgs: msgs, out: out, obj: g.responseObject(true)})
 }
 
 // sse is one server-sent event of an agentic answer: its type (the event
@@ -191,53 +165,20 @@ type sse struct {
 }
 
 // agenticEvents are the events an agentic API streams an answer in: open
-// before its first word, delta for each word, and close after the last
-// (made then: a response's created_at is the time it completed).
+// before its first output token, token for output token i (none, one or
+// more events), and close after the last (made then: a response's usage is
+// known then).
 type agenticEvents struct {
 	open  func(g *generation) []sse
-	delta func(g *generation, word string) sse
-	close func(g *generation, text string) []sse
+	token func(g *generation, i int) []sse
+	close func(g *generation) []sse
 	// sequenced events carry a sequence_number from 0.
 	sequenced bool
 }
 
-// responsesEvents are the Responses API's events.
-var responsesEvents = agenticEvents{
-	open: func(g *generation) []sse {
-		return []sse{{"response.created", map[string]any{"response": g.responseObject("", false)}}}
-	},
-	delta: func(g *generation, word string) sse {
-		return sse{"response.output_text.delta", map[string]any{"item_id": "msg_" + g.id, "output_index": 0, "content_index": 0, "delta": word}}
-	},
-	close: func(g *generation, text string) []sse {
-		return []sse{{"response.completed", map[string]any{"response": g.responseObject(text, true)}}}
-	},
-	sequenced: true,
-}
-
-// messagesEvents are the Messages API's events.
-var messagesEvents = agenticEvents{
-	open: func(g *generation) []sse {
-		return []sse{
-			{"message_start", map[string]any{"message": g.messageObject("", false)}},
-			{"content_block_start", map[string]any{"index": 0, "content_block": map[string]any{"type": "text", "text": ""}}},
-		}
-	},
-	delta: func(_ *generation, word string) sse {
-		return sse{"content_block_delta", map[string]any{"index": 0, "delta": map[string]any{"type": "text_delta", "text": word}}}
-	},
-	close: func(g *generation, _ string) []sse {
-		return []sse{
-			{"content_block_stop", map[string]any{"index": 0}},
-			{"message_delta", map[string]any{"delta": map[string]any{"stop_reason": "max_tokens", "stop_sequence": nil}, "usage": map[string]any{"output_tokens": g.out}}},
-			{"message_stop", map[string]any{}},
-		}
-	},
-}
-
-// agenticStream streams the answer text as its API's events, a word every
+// agenticStream streams the answer as its API's events, a token every
 // InterToken; it reports whether every event reached the client.
-func (g *generation) agenticStream(ctx context.Context, w http.ResponseWriter, text string) bool {
+func (g *generation) agenticStream(ctx context.Context, w http.ResponseWriter) bool {
 	events := messagesEvents
 	if g.ep == blockhash.Responses {
 		events = responsesEvents
@@ -268,11 +209,11 @@ func (g *generation) agenticStream(ctx context.Context, w http.ResponseWriter, t
 		if i > 0 && !g.decodeNext(ctx, i) {
 			return false
 		}
-		if !send(events.delta(g, g.word(i))) {
+		if !send(events.token(g, i)...) {
 			return false
 		}
 	}
-	return send(events.close(g, text)...)
+	return send(events.close(g)...)
 }
 
 // getResponse answers GET /v1/responses/{id} with a stored response.

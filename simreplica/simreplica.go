@@ -25,7 +25,10 @@
 // priority in the order of their body's priority, the least important
 // running request preempted when the KV cache runs out, as vLLM's
 // --scheduling-policy priority (see priorityScheduler). POST /tokenize and
-// /detokenize answer as vLLM's do.
+// /detokenize answer as vLLM's do. The Responses and Messages APIs are
+// served as vLLM serves them (agentic.go); a chat, Responses or Messages
+// request with tools may be answered with a tool call, deterministic in
+// its prompt (toolcall.go).
 //
 // A Server is safe for concurrent use.
 package simreplica
@@ -413,7 +416,11 @@ func (s *Server) routes(reg *prometheus.Registry) {
 // ServeHTTP implements http.Handler.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if st := s.fault.Load(); st != 0 {
-		writeError(w, int(st), "InternalServerError", "simulated fault")
+		ep := blockhash.Chat // OpenAI's shape
+		if r.URL.Path == "/v1/messages" {
+			ep = blockhash.Messages
+		}
+		apiError(w, ep, int(st), "InternalServerError", "simulated fault")
 		return
 	}
 	if k := s.o.APIKey; k != "" && strings.HasPrefix(r.URL.Path, "/v1") && r.Header.Get("Authorization") != "Bearer "+k {
@@ -550,8 +557,9 @@ func (s *Server) unloadLoRA(w http.ResponseWriter, r *http.Request) {
 	fmt.Fprintf(w, "Success: LoRA adapter '%s' removed successfully.", req.Name)
 }
 
-func modelNotFound(w http.ResponseWriter, name string) {
-	writeError(w, http.StatusNotFound, "NotFoundError", fmt.Sprintf("The model `%s` does not exist.", name))
+// modelNotFound answers a request of endpoint ep for a model not served.
+func modelNotFound(w http.ResponseWriter, ep blockhash.Endpoint, name string) {
+	apiError(w, ep, http.StatusNotFound, "NotFoundError", fmt.Sprintf("The model `%s` does not exist.", name))
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {
@@ -560,8 +568,25 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 	_ = json.NewEncoder(w).Encode(v)
 }
 
+// writeError answers an error in OpenAI's shape, as vLLM's ErrorResponse:
+// {"error": {"message", "type", "code"}}, typ vLLM's error type
+// ("BadRequestError", "NotFoundError", ...).
 func writeError(w http.ResponseWriter, status int, typ, msg string) {
 	writeJSON(w, status, map[string]any{"error": map[string]any{"message": msg, "type": typ, "code": status}})
+}
+
+// apiError answers an error of a request of endpoint ep in its API's
+// shape: on /v1/messages Anthropic's, {"type": "error", "error": {"type",
+// "message"}}, as vLLM's Anthropic router translates its ErrorResponse
+// (vllm/entrypoints/anthropic/api_router.py, translate_error_response:
+// the type is vLLM's own, "BadRequestError" and the like, not Anthropic's
+// "invalid_request_error"); OpenAI's (writeError) on the others.
+func apiError(w http.ResponseWriter, ep blockhash.Endpoint, status int, typ, msg string) {
+	if ep != blockhash.Messages {
+		writeError(w, status, typ, msg)
+		return
+	}
+	writeJSON(w, status, map[string]any{"type": "error", "error": map[string]any{"type": typ, "message": msg}})
 }
 
 // scratch is one request's working memory, reused by later requests so
@@ -696,7 +721,9 @@ type completion struct {
 	req     *blockhash.Request
 	m       model
 	fl      flags
-	out     int // output tokens: max_tokens, or Options.OutputTokens
+	out     int // output tokens: max_tokens, or Options.OutputTokens, or the tool call's
+	// plan is the tool call its answer makes (see planCall); nil: text.
+	plan *toolPlan
 	// priority is the body's priority (SchedulingPriority only; 0
 	// otherwise).
 	priority int
@@ -723,14 +750,14 @@ func (s *Server) complete(w http.ResponseWriter, r *http.Request, ep blockhash.E
 	s.traceparent.Store(r.Header.Get("traceparent"))
 	sc := scratchPool.Get().(*scratch)
 	defer scratchPool.Put(sc)
-	body, ok := s.readRequest(w, r, sc.body)
+	body, ok := s.readRequest(w, r, sc.body, ep)
 	sc.body = body
 	if !ok {
 		return
 	}
 	req, err := blockhash.Parse(ep, body, blockhash.Limits{})
 	if err != nil {
-		writeError(w, http.StatusBadRequest, "BadRequestError", err.Error())
+		apiError(w, ep, http.StatusBadRequest, "BadRequestError", err.Error())
 		return
 	}
 	defer req.Recycle()
@@ -786,46 +813,16 @@ func (s *Server) prepare(w http.ResponseWriter, ep blockhash.Endpoint, req *bloc
 	c = completion{ep: ep, req: req, sc: sc, out: s.o.OutputTokens,
 		agentic: ep == blockhash.Responses || ep == blockhash.Messages}
 	if c.m, ok = s.model(req.Model); !ok {
-		modelNotFound(w, req.Model)
+		modelNotFound(w, ep, req.Model)
 		return c, false
 	}
-	if c.agentic && !s.agenticPrompt(w, req) {
+	if !s.readSwitches(w, &c) {
 		return c, false
 	}
-	// The body already parsed as JSON; the few switches read here are read
-	// from it with fastjson rather than decoding it all again.
-	var err error
-	if c.fl, err = readFlags(sc.body, ep); err != nil {
-		writeError(w, http.StatusBadRequest, "BadRequestError", err.Error())
+	if c.agentic && !s.agenticPrompt(w, req, c.fl) {
 		return c, false
 	}
-	if s.prio != nil {
-		if c.priority, err = readPriority(sc.body, ep); err != nil {
-			writeError(w, http.StatusBadRequest, "BadRequestError", err.Error())
-			return c, false
-		}
-	}
-	if req.MaxTokens > 0 {
-		c.out = req.MaxTokens
-	}
-	if c.out > s.o.MaxOutputTokens {
-		writeError(w, http.StatusBadRequest, "BadRequestError",
-			fmt.Sprintf("max_tokens %d is more than this model allows (%d)", c.out, s.o.MaxOutputTokens))
-		return c, false
-	}
-	tokEP := ep
-	if c.agentic { // rendered into the chat template, as vLLM renders them
-		tokEP = blockhash.Chat
-	}
-	sc.ids, sc.prompt = s.tok.promptIDs(sc.ids, sc.prompt, req, tokEP, c.fl.chat)
-	maxLen := s.o.MaxModelLen
-	if s.prio != nil { // what its KV cache holds
-		maxLen = min(maxLen, s.o.NumBlocks*s.o.BlockSize)
-	}
-	if n := max(len(sc.ids), 1); n+c.out > maxLen {
-		writeError(w, http.StatusBadRequest, "BadRequestError", fmt.Sprintf(
-			"This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the messages, %d in the completion). Please reduce the length of the messages or completion.",
-			maxLen, n+c.out, n, c.out))
+	if !s.tokenizePrompt(w, &c) {
 		return c, false
 	}
 	if s.blend != nil { // found before the prefill turn, which is one at a time
@@ -835,6 +832,65 @@ func (s *Server) prepare(w http.ResponseWriter, ep blockhash.Endpoint, req *bloc
 		c.sample, c.donorKey, c.donorKeys = s.donor.find(sc.prompt, c.m.loraID)
 	}
 	return c, true
+}
+
+// tokenizePrompt tokenizes c's prompt into c.sc, plans its tool call if
+// its answer makes one (which sets its output length), and checks its
+// context length; a request refused is answered here, and ok is false.
+func (s *Server) tokenizePrompt(w http.ResponseWriter, c *completion) (ok bool) {
+	tokEP, sc := c.ep, c.sc
+	if c.agentic { // rendered into the chat template, as vLLM renders them
+		tokEP = blockhash.Chat
+	}
+	sc.ids, sc.prompt = s.tok.promptIDs(sc.ids, sc.prompt, c.req, tokEP, c.fl.chat)
+	var err error
+	if c.plan, err = planCall(c.req.Parts, c.fl.choice, sc.ids, c.req.MaxTokens); err != nil {
+		apiError(w, c.ep, http.StatusBadRequest, "BadRequestError", err.Error())
+		return false
+	}
+	if c.plan != nil {
+		c.out = c.plan.tokens()
+	}
+	maxLen := s.o.MaxModelLen
+	if s.prio != nil { // what its KV cache holds
+		maxLen = min(maxLen, s.o.NumBlocks*s.o.BlockSize)
+	}
+	if n := max(len(sc.ids), 1); n+c.out > maxLen {
+		apiError(w, c.ep, http.StatusBadRequest, "BadRequestError", fmt.Sprintf(
+			"This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the messages, %d in the completion). Please reduce the length of the messages or completion.",
+			maxLen, n+c.out, n, c.out))
+		return false
+	}
+	return true
+}
+
+// readSwitches reads into c the switches of its body that blockhash does
+// not read (flags; the priority under SchedulingPriority) and its output
+// length; a body whose switches are refused is answered here, and ok is
+// false.
+func (s *Server) readSwitches(w http.ResponseWriter, c *completion) (ok bool) {
+	// The body already parsed as JSON; the few switches read here are read
+	// from it with fastjson rather than decoding it all again.
+	var err error
+	if c.fl, err = readFlags(c.sc.body, c.ep); err != nil {
+		apiError(w, c.ep, http.StatusBadRequest, "BadRequestError", err.Error())
+		return false
+	}
+	if s.prio != nil {
+		if c.priority, err = readPriority(c.sc.body, c.ep); err != nil {
+			apiError(w, c.ep, http.StatusBadRequest, "BadRequestError", err.Error())
+			return false
+		}
+	}
+	if c.req.MaxTokens > 0 {
+		c.out = c.req.MaxTokens
+	}
+	if c.out > s.o.MaxOutputTokens {
+		apiError(w, c.ep, http.StatusBadRequest, "BadRequestError",
+			fmt.Sprintf("max_tokens %d is more than this model allows (%d)", c.out, s.o.MaxOutputTokens))
+		return false
+	}
+	return true
 }
 
 // schedule waits for a running slot, then for the prefill turn: until it
@@ -928,6 +984,9 @@ func (s *Server) newGeneration(r *http.Request, c *completion) *generation {
 		id: fmt.Sprintf("cmpl-%016x", keys0(c.keys)^uint64(time.Now().UnixNano())), seed: keys0(c.keys),
 		usage: c.fl.includeUsage,
 	}
+	if c.plan != nil {
+		g.call = c.plan.call(g.word)
+	}
 	if c.fl.remotePrefill {
 		// vLLM counts the tokens its connector brought (all the prompt
 		// but its last token, which the decode computes) with its own
@@ -961,7 +1020,7 @@ func (s *Server) transferParams(hostport string, blocks int) map[string]any {
 func (g *generation) answer(ctx context.Context, w http.ResponseWriter, c *completion) bool {
 	switch {
 	case c.agentic:
-		g.id = agenticID(c.ep, c.fl.requestID)
+		g.id, g.echo = agenticID(c.ep, c.fl.requestID), c.fl.echo
 		return g.agentic(ctx, w, c.req.Stream)
 	case c.req.Stream:
 		return g.stream(ctx, w)
@@ -1018,7 +1077,15 @@ type generation struct {
 	id             string
 	seed           uint64
 	usage          bool
-	kv             map[string]any // kv_transfer_params of a prefill's answer (do_remote_decode); nil: none
+	// created is when an agentic answer began, in Unix seconds: the
+	// created_at of its response.
+	created int64
+	// echo are the request's fields a Responses answer repeats (see
+	// responseEcho); nil for the other APIs.
+	echo map[string]any
+	// call is the tool call the answer makes, in place of text; nil: text.
+	call *toolCall
+	kv   map[string]any // kv_transfer_params of a prefill's answer (do_remote_decode); nil: none
 	// run paces the output tokens under the priority scheduler; nil
 	// under fcfs (InterToken each).
 	run *prioritized
@@ -1028,6 +1095,15 @@ type generation struct {
 // conversation gets the same replies.
 func (g *generation) word(i int) string {
 	return fmt.Sprintf(" w%d", (g.seed+uint64(i)*2654435761)%997)
+}
+
+// text returns the generation's output text.
+func (g *generation) text() string {
+	var sb strings.Builder
+	for i := 0; i < g.out; i++ {
+		sb.WriteString(g.word(i))
+	}
+	return sb.String()
 }
 
 func (g *generation) usageJSON() map[string]any {
@@ -1064,19 +1140,42 @@ func (g *generation) whole(ctx context.Context, w http.ResponseWriter) bool {
 	if !g.decodeAll(ctx) {
 		return false
 	}
-	var sb strings.Builder
-	for i := 0; i < g.out; i++ {
-		sb.WriteString(g.word(i))
-	}
 	ans := map[string]any{
 		"id": g.id, "object": g.object(false), "created": time.Now().Unix(), "model": g.model,
-		"choices": []any{g.choice(sb.String(), "length", false)}, "usage": g.usageJSON(),
+		"choices": []any{g.wholeChoice()}, "usage": g.usageJSON(),
 	}
 	if g.kv != nil {
 		ans["kv_transfer_params"] = g.kv
 	}
 	writeJSON(w, http.StatusOK, ans)
 	return true
+}
+
+// wholeChoice is the whole answer's choice: its text, or its tool call
+// (a message with no content).
+func (g *generation) wholeChoice() map[string]any {
+	if g.call == nil {
+		return g.choice(g.text(), "length", false)
+	}
+	return map[string]any{"index": 0, "finish_reason": "tool_calls",
+		"message": map[string]any{"role": "assistant", "content": nil, "tool_calls": []any{g.call.chatCall()}}}
+}
+
+// streamChoice is the streamed choice of output token i, with the finish
+// reason on the last.
+func (g *generation) streamChoice(i int) map[string]any {
+	var finish any
+	switch {
+	case i < g.out-1:
+	case g.call != nil:
+		finish = "tool_calls"
+	default:
+		finish = "length"
+	}
+	if g.call == nil {
+		return g.choice(g.word(i), finish, true)
+	}
+	return map[string]any{"index": 0, "finish_reason": finish, "delta": g.call.chatDelta(i)}
 }
 
 func (g *generation) stream(ctx context.Context, w http.ResponseWriter) bool {
@@ -1098,11 +1197,7 @@ func (g *generation) stream(ctx context.Context, w http.ResponseWriter) bool {
 		if i > 0 && !g.decodeNext(ctx, i) {
 			return false
 		}
-		var finish any
-		if i == g.out-1 {
-			finish = "length"
-		}
-		if !send(chunk([]any{g.choice(g.word(i), finish, true)})) {
+		if !send(chunk([]any{g.streamChoice(i)})) {
 			return false
 		}
 	}

@@ -24,6 +24,16 @@ type flags struct {
 	// that, when set, is the response's id (and the key it is stored
 	// under); "" when absent, and a random id is made.
 	requestID string
+	// instructions says a Responses body has instructions (a string, not
+	// null); emptyInstructions that they are "", which vLLM renders as no
+	// system message at all.
+	instructions, emptyInstructions bool
+	// echo are a Responses body's fields its response repeats (see
+	// responseEcho); nil for the other APIs.
+	echo map[string]any
+	// choice is a chat, Responses or Messages body's tool_choice (see
+	// readToolChoice); auto when absent.
+	choice toolChoice
 }
 
 var flagParsers fastjson.ParserPool
@@ -47,13 +57,26 @@ func readFlags(body []byte, ep blockhash.Endpoint) (flags, error) {
 	f.remoteDecode = v.GetBool("kv_transfer_params", "do_remote_decode")
 	f.remotePrefill = v.GetBool("kv_transfer_params", "do_remote_prefill")
 	if ep == blockhash.Responses {
-		f.requestID = string(v.GetStringBytes("request_id"))
+		readResponsesFlags(v, &f)
+	}
+	if f.choice, err = readToolChoice(v.Get("tool_choice"), ep); err != nil {
+		return f, err
 	}
 	if ep == blockhash.Completion { // the chat template's switches are not a completion's fields
 		f.chat.addSpecialTokens, err = boolField(v, "add_special_tokens", true)
 		return f, err
 	}
 	return f, readChatOptions(v, &f.chat)
+}
+
+// readResponsesFlags reads a Responses body's request_id and whether it
+// has instructions.
+func readResponsesFlags(v *fastjson.Value, f *flags) {
+	f.requestID = string(v.GetStringBytes("request_id"))
+	if in := v.Get("instructions"); in != nil && in.Type() == fastjson.TypeString {
+		f.instructions, f.emptyInstructions = true, len(in.GetStringBytes()) == 0
+	}
+	f.echo = responseEcho(v)
 }
 
 // readChatOptions reads o's fields from the body object v, leaving absent
@@ -89,15 +112,15 @@ func boolField(v *fastjson.Value, key string, def bool) (bool, error) {
 	return false, fmt.Errorf("%s: must be a boolean", key)
 }
 
-// readRequest reads r's body into buf's memory, answering 413 or 400 and
-// returning false when it cannot.
-func (s *Server) readRequest(w http.ResponseWriter, r *http.Request, buf []byte) ([]byte, bool) {
+// readRequest reads r's body into buf's memory, answering 413 or 400 in
+// the shape of endpoint ep's errors and returning false when it cannot.
+func (s *Server) readRequest(w http.ResponseWriter, r *http.Request, buf []byte, ep blockhash.Endpoint) ([]byte, bool) {
 	body, err := readBody(w, r, s.o.MaxBodyBytes, buf)
 	if err != nil {
 		if mbe := (*http.MaxBytesError)(nil); errors.As(err, &mbe) {
-			writeError(w, http.StatusRequestEntityTooLarge, "BadRequestError", "request body too large")
+			apiError(w, ep, http.StatusRequestEntityTooLarge, "BadRequestError", "request body too large")
 		} else {
-			writeError(w, http.StatusBadRequest, "BadRequestError", "cannot read the request body: "+err.Error())
+			apiError(w, ep, http.StatusBadRequest, "BadRequestError", "cannot read the request body: "+err.Error())
 		}
 		return body, false
 	}
@@ -108,7 +131,7 @@ func (s *Server) readRequest(w http.ResponseWriter, r *http.Request, buf []byte)
 // optional "model" names a served model (absent or null: the base model).
 // It answers the error itself and returns ok false when it cannot.
 func (s *Server) tokenBody(w http.ResponseWriter, r *http.Request, p *fastjson.Parser) (v *fastjson.Value, m model, ok bool) {
-	body, ok := s.readRequest(w, r, nil)
+	body, ok := s.readRequest(w, r, nil, blockhash.Chat) // OpenAI's error shape
 	if !ok {
 		return nil, m, false
 	}
@@ -129,7 +152,7 @@ func (s *Server) tokenBody(w http.ResponseWriter, r *http.Request, p *fastjson.P
 			return nil, m, false
 		}
 		if m, ok = s.model(string(name)); !ok {
-			modelNotFound(w, string(name))
+			modelNotFound(w, blockhash.Chat, string(name))
 			return nil, m, false
 		}
 	}
