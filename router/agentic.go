@@ -42,20 +42,16 @@ func chatForTokenize(req *blockhash.Request) ([]byte, error) {
 		ToolCallID string  `json:"tool_call_id,omitempty"`
 	}
 	var body struct {
-		Messages []message `json:"messages"`
-		Tools    []any     `json:"tools,omitempty"`
+		Messages []message      `json:"messages"`
+		Tools    json.RawMessage `json:"tools,omitempty"`
 	}
 	calls := 0
 	for _, p := range req.Parts {
 		text := string(p.Text)
 		m := message{Content: &text}
 		switch p.Role {
-		case blockhash.RoleTools:
-			tools, err := chatTools(p.Text)
-			if err != nil {
-				return nil, err
-			}
-			body.Tools = tools
+		case blockhash.RoleTools: // chat's form already (blockhash/tools.go)
+			body.Tools = json.RawMessage(p.Text)
 			continue
 		case blockhash.RoleSystem:
 			m.Role = "system"
@@ -80,36 +76,6 @@ func chatForTokenize(req *blockhash.Request) ([]byte, error) {
 		body.Messages = append(body.Messages, m)
 	}
 	return json.Marshal(body)
-}
-
-// chatTools turns the tool schemas of a Responses body ({type: function,
-// name, description, parameters}) or a Messages body ({name,
-// description, input_schema}) into chat's ({type: function, function:
-// {name, description, parameters}}), as vLLM does before rendering them.
-func chatTools(raw []byte) ([]any, error) {
-	var tools []map[string]any
-	if err := json.Unmarshal(raw, &tools); err != nil {
-		return nil, err
-	}
-	out := make([]any, 0, len(tools))
-	for _, t := range tools {
-		if _, ok := t["function"]; ok { // chat's own shape already
-			out = append(out, t)
-			continue
-		}
-		fn := map[string]any{"name": t["name"]}
-		if d, ok := t["description"]; ok {
-			fn["description"] = d
-		}
-		switch {
-		case t["parameters"] != nil:
-			fn["parameters"] = t["parameters"]
-		case t["input_schema"] != nil:
-			fn["parameters"] = t["input_schema"]
-		}
-		out = append(out, map[string]any{"type": "function", "function": fn})
-	}
-	return out, nil
 }
 
 // chatLike reports whether api is chat's or completions': the APIs whose
