@@ -102,25 +102,19 @@ func (e *Engine) Service(r *replica.Replica) servicetime.Params {
 const OwnSamples = 16
 
 // fleetService returns the median of the learned service-time parameters
-// of the pool's replicas that learned from OwnSamples answers, or of those
-// that learned from any while none did (servicetime.Median: the prior when
-// none learned),
-// recomputed when a replica learned since, but over its first answers at
-// most every fleetEvery.
+// of the pool's replicas that learned from OwnSamples answers, or the
+// prior while none did (servicetime.Prior: a fit of a few answers, whose
+// requests differ little, can put a whole cost in one term and none in
+// another, and ties every candidate), recomputed when a replica learned
+// since, but over its first answers at most every fleetEvery.
 func (e *Engine) fleetService() servicetime.Params {
 	now, gen := e.o.Now().UnixNano(), e.learned.Load()
 	if f := e.fleet.Load(); f != nil && (f.gen == gen || gen > fleetWarm && now-f.at < int64(fleetEvery) && now >= f.at) {
 		return f.p
 	}
 	var ps []servicetime.Params
-	own := false // some replica learned OwnSamples: only those count
 	for _, r := range e.pool.Replicas() {
-		p, ok := r.Service()
-		switch {
-		case !ok || own && p.Samples < OwnSamples:
-		case !own && p.Samples >= OwnSamples:
-			own, ps = true, append(ps[:0], p)
-		default:
+		if p, ok := r.Service(); ok && p.Samples >= OwnSamples {
 			ps = append(ps, p)
 		}
 	}
