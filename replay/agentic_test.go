@@ -61,38 +61,22 @@ func TestGenerateAgenticShape(t *testing.T) {
 	if !bytes.Equal(text, again) {
 		t.Fatal("the same seed gave two traces")
 	}
-	type session struct {
-		api, tenant string
-		steps       []agenticLine
-	}
-	sessions := map[string]*session{}
+	sessions := map[string][]agenticLine{}
 	apisOf := map[string]map[string]bool{}  // tenant → the APIs its sessions speak
 	outputs := map[string]map[string]bool{} // tool output → the sessions it came in
 	for _, l := range lines {
-		s := sessions[l.SessionID]
-		if s == nil {
-			s = &session{api: l.API, tenant: l.TenantID}
-			sessions[l.SessionID] = s
+		if s := sessions[l.SessionID]; len(s) > 0 && (s[0].API != l.API || s[0].TenantID != l.TenantID) {
+			t.Fatalf("session %s speaks %s and %s, or is of tenants %s and %s", l.SessionID, s[0].API, l.API, s[0].TenantID, l.TenantID)
+		}
+		sessions[l.SessionID] = append(sessions[l.SessionID], l)
+		if apisOf[l.TenantID] == nil {
 			apisOf[l.TenantID] = map[string]bool{}
 		}
-		if l.API != s.api || l.TenantID != s.tenant {
-			t.Fatalf("session %s speaks %s and %s, or is of tenants %s and %s", l.SessionID, s.api, l.API, s.tenant, l.TenantID)
-		}
-		s.steps = append(s.steps, l)
 		apisOf[l.TenantID][l.API] = true
 		checkAgenticBody(t, l, outputs)
 	}
-	for id, s := range sessions {
-		if n := len(s.steps); n < 3 || n > 12 {
-			t.Errorf("session %s has %d steps", id, n)
-		}
-		for k := 1; k < len(s.steps); k++ {
-			gap := float64(s.steps[k].TimestampMS-s.steps[k-1].TimestampMS) / 1000
-			decode := float64(s.steps[k-1].OutputTokens) * 0.02
-			if gap < decode-0.002 || gap > decode+10.002 {
-				t.Errorf("session %s: step %d follows %.3f s after a reply of %d tokens", id, k, gap, s.steps[k-1].OutputTokens)
-			}
-		}
+	for _, steps := range sessions {
+		checkAgenticSteps(t, steps)
 	}
 	for tenant, apis := range apisOf {
 		if len(apis) != 3 {
@@ -110,6 +94,23 @@ func TestGenerateAgenticShape(t *testing.T) {
 	}
 }
 
+// checkAgenticSteps checks a session's steps: 3–12, each following the
+// one before by its reply's decode time (20 ms a token) and at most 10 s
+// of the tool's.
+func checkAgenticSteps(t *testing.T, steps []agenticLine) {
+	t.Helper()
+	if n := len(steps); n < 3 || n > 12 {
+		t.Errorf("session %s has %d steps", steps[0].SessionID, n)
+	}
+	for k := 1; k < len(steps); k++ {
+		gap := float64(steps[k].TimestampMS-steps[k-1].TimestampMS) / 1000
+		decode := float64(steps[k-1].OutputTokens) * 0.02
+		if gap < decode-0.002 || gap > decode+10.002 {
+			t.Errorf("session %s: step %d follows %.3f s after a reply of %d tokens", steps[0].SessionID, k, gap, steps[k-1].OutputTokens)
+		}
+	}
+}
+
 // checkAgenticBody parses l's body as its API's and checks its tools and
 // tool outputs, noting each output's session in outputs.
 func checkAgenticBody(t *testing.T, l agenticLine, outputs map[string]map[string]bool) {
@@ -123,30 +124,32 @@ func checkAgenticBody(t *testing.T, l agenticLine, outputs map[string]map[string
 		t.Fatalf("session %s: %s body: %v", l.SessionID, l.API, err)
 	}
 	defer req.Recycle()
-	var tools []json.RawMessage
-	for _, p := range req.Parts {
-		switch p.Role {
-		case blockhash.RoleTools:
-			if err := json.Unmarshal(p.Text, &tools); err != nil {
-				t.Fatal(err)
-			}
-			if n, tokens := len(tools), len(p.Text)/blockhash.DefaultBytesPerToken; n < 12 || n > 30 || tokens < 2000 || tokens > 5000 {
-				t.Errorf("tenant %s: %d tools of %d tokens", l.TenantID, n, tokens)
-			}
-		case blockhash.RoleTool:
-			if tokens := len(p.Text) / blockhash.DefaultBytesPerToken; tokens < 15 || tokens > 3100 {
-				t.Errorf("session %s: a tool output of %d tokens", l.SessionID, tokens)
-			}
-			if outputs[string(p.Text)] == nil {
-				outputs[string(p.Text)] = map[string]bool{}
-			}
-			outputs[string(p.Text)][l.SessionID] = true
-		}
+	if req.Parts[0].Role != blockhash.RoleTools {
+		t.Fatalf("session %s: the prompt does not start with tools", l.SessionID)
 	}
-	if tools == nil {
-		t.Errorf("session %s: no tools", l.SessionID)
+	var tools []json.RawMessage
+	if err := json.Unmarshal(req.Parts[0].Text, &tools); err != nil {
+		t.Fatal(err)
+	}
+	if n, tokens := len(tools), estTokens(req.Parts[0].Text); n < 12 || n > 30 || tokens < 2000 || tokens > 5000 {
+		t.Errorf("tenant %s: %d tools of %d tokens", l.TenantID, n, tokens)
+	}
+	for _, p := range req.Parts {
+		if p.Role != blockhash.RoleTool {
+			continue
+		}
+		if tokens := estTokens(p.Text); tokens < 15 || tokens > 3100 {
+			t.Errorf("session %s: a tool output of %d tokens", l.SessionID, tokens)
+		}
+		if outputs[string(p.Text)] == nil {
+			outputs[string(p.Text)] = map[string]bool{}
+		}
+		outputs[string(p.Text)][l.SessionID] = true
 	}
 }
+
+// estTokens is the router's estimate of text's tokens.
+func estTokens(text []byte) int { return len(text) / blockhash.DefaultBytesPerToken }
 
 // TestAgenticAPIsRenderOnePrompt: the same sessions spoken in chat
 // completions, the Responses API or the Messages API are read into the
@@ -161,15 +164,7 @@ func TestAgenticAPIsRenderOnePrompt(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s: %v", api, err)
 		}
-		last := map[string]int{}
-		for i, r := range reqs {
-			last[r.Session] = i
-		}
-		for i, r := range reqs {
-			if final := last[r.Session] == i; (r.Reply == nil) != final {
-				t.Errorf("%s: request %d of session %s (its last: %v) has a reply of %d blocks", api, i, r.Session, final, len(r.Reply))
-			}
-		}
+		checkRepliesLinked(t, api, reqs)
 		read = append(read, reqs)
 	}
 	same := func(a, b []blockhash.Block) bool {
@@ -184,6 +179,21 @@ func TestAgenticAPIsRenderOnePrompt(t *testing.T) {
 			if a.Session != b.Session || a.Tokens != b.Tokens || !same(a.Blocks, b.Blocks) || !same(a.Reply, b.Reply) {
 				t.Fatalf("request %d (session %s): %d tokens in %d blocks in chat, %d in %d in another API", i, a.Session, a.Tokens, len(a.Blocks), b.Tokens, len(b.Blocks))
 			}
+		}
+	}
+}
+
+// checkRepliesLinked checks that every request of reqs (read from a
+// trace in api) but its session's last has a reply.
+func checkRepliesLinked(t *testing.T, api string, reqs []Request) {
+	t.Helper()
+	last := map[string]int{}
+	for i, r := range reqs {
+		last[r.Session] = i
+	}
+	for i, r := range reqs {
+		if final := last[r.Session] == i; (r.Reply == nil) != final {
+			t.Errorf("%s: request %d of session %s (its last: %v) has a reply of %d blocks", api, i, r.Session, final, len(r.Reply))
 		}
 	}
 }
@@ -239,12 +249,7 @@ func TestAgenticReplayEveryPolicy(t *testing.T) {
 	byName := map[string]*Result{}
 	for _, r := range append(slices.Clone(sum.Policies), sum.Infinite) {
 		byName[r.Name] = r
-		hits := 0
-		for _, i := range firsts {
-			if r.rows[i].cachedTokens >= prefixTokens(reqs[i]) {
-				hits++
-			}
-		}
+		hits := prefixHits(r, reqs, firsts)
 		t.Logf("%-16s hit ratio %.3f, TTFT p50 %6.0f ms p99 %6.0f ms, tenant prefix cached for %d of %d sessions in a new API",
 			r.Name, r.TokenHitRate, r.TTFTP50MS, r.TTFTP99MS, hits, len(firsts))
 		if r.Requests != len(reqs) {
@@ -288,6 +293,18 @@ func crossAPIFirsts(reqs []Request, lines []agenticLine) []int {
 		apis[api[r.Session]] = true
 	}
 	return out
+}
+
+// prefixHits counts the requests of reqs at indices that found at least
+// their tenant's prefix cached in run r.
+func prefixHits(r *Result, reqs []Request, indices []int) int {
+	hits := 0
+	for _, i := range indices {
+		if r.rows[i].cachedTokens >= prefixTokens(reqs[i]) {
+			hits++
+		}
+	}
+	return hits
 }
 
 // prefixTokens returns the tokens of r's leading tool and system blocks:
