@@ -21,10 +21,12 @@ type GenOptions struct {
 	Docs     int     // documents in the retrieval corpus; default 300
 	// ThinkSeconds is the mean time between a session's turns. Default 20.
 	ThinkSeconds float64
-	// Workload is "mixed" (the default: GenerateOpenAI's mix) or "blend",
-	// where reuse past the exact prefix matters (see generateBlend).
+	// Workload is "mixed" (the default: GenerateOpenAI's mix), "blend",
+	// where reuse past the exact prefix matters (see generateBlend), or
+	// "agentic", multi-step tool loops over three APIs (see
+	// generateAgentic).
 	Workload string
-	// Blend workload only. Documents and tool outputs are drawn with
+	// Blend and agentic workloads. Documents and tool outputs are drawn with
 	// Zipf popularity, P(k) ∝ (ZipfV + k)^−ZipfS over k = 0 … Docs−1:
 	// ZipfS > 1 (default 1.1), ZipfV ≥ 1 (default 2); a larger ZipfV
 	// flattens the head, so that fewer documents are popular enough for
@@ -38,6 +40,12 @@ type GenOptions struct {
 	// of the pool, of which one is swapped for another document a quarter
 	// of the time. Zero: every turn draws its documents on its own.
 	Topics int
+	// APIs, agentic workload only, are the APIs its sessions speak, each
+	// session one of them drawn uniformly: "chat" (/v1/chat/completions),
+	// "responses" (/v1/responses) or "messages" (Anthropic's /v1/messages).
+	// Nil or empty: all three. The draw is a stream of its own, so the
+	// same seed makes the same sessions whatever the list.
+	APIs []string
 }
 
 // GenerateOpenAI writes a synthetic trace in the openai format: a mix of
@@ -65,8 +73,10 @@ func GenerateOpenAI(w io.Writer, o GenOptions) error {
 		return generateMixed(w, o)
 	case "blend":
 		return generateBlend(w, o)
+	case "agentic":
+		return generateAgentic(w, o)
 	}
-	return fmt.Errorf("gen: unknown workload %q (have mixed, blend)", o.Workload)
+	return fmt.Errorf("gen: unknown workload %q (have mixed, blend, agentic)", o.Workload)
 }
 
 // withDefaults returns o with its zero fields at their defaults, or an
@@ -154,7 +164,7 @@ func (g *mixedGen) session(s int, t float64) {
 			body["tools"] = g.tools[tenant]
 		}
 		outTokens := 30 + rng.IntN(300)
-		g.out = append(g.out, genLine{int64(at * 1000), fmt.Sprintf("s%d", s), fmt.Sprintf("t%d", tenant), body, outTokens})
+		g.out = append(g.out, newLine(at, s, tenant, body, outTokens))
 		msgs = g.reply(msgs, s, turn, tenant, agent, outTokens)
 		at += rng.ExpFloat64()*g.o.ThinkSeconds + float64(outTokens)*0.02
 	}
@@ -210,6 +220,15 @@ type genLine struct {
 	TenantID     string         `json:"tenant_id"`
 	Request      map[string]any `json:"request"`
 	OutputTokens int            `json:"output_tokens"`
+	// API is the API the request is for (ReadOpenAI's "api"); "": told
+	// by its body, chat or completions.
+	API string `json:"api,omitempty"`
+}
+
+// newLine returns the line of a request of session s of tenant,
+// arriving at seconds, with outTokens output tokens.
+func newLine(at float64, s, tenant int, body map[string]any, outTokens int) genLine {
+	return genLine{int64(at * 1000), fmt.Sprintf("s%d", s), fmt.Sprintf("t%d", tenant), body, outTokens, ""}
 }
 
 // generateBlend writes the "blend" workload: requests whose reusable
@@ -232,9 +251,9 @@ type genLine struct {
 // Arrivals are Poisson at o.Rate sessions per second, turns o.ThinkSeconds
 // apart on average. The output depends only on o.
 func generateBlend(w io.Writer, o GenOptions) error {
-	zs, zv := cmp.Or(o.ZipfS, 1.1), cmp.Or(o.ZipfV, 2)
-	if zs <= 1 || zv < 1 {
-		return fmt.Errorf("gentrace: Zipf exponent %v must be > 1 and offset %v ≥ 1", zs, zv)
+	zs, zv, err := zipfParams(o)
+	if err != nil {
+		return err
 	}
 	if o.Topics < 0 {
 		return fmt.Errorf("gentrace: topics %d is negative", o.Topics)
@@ -327,7 +346,7 @@ func (g *blendGen) ragSession(s, tenant int, at float64) {
 		msgs = append(msgs, map[string]any{"role": "user", "content": parts})
 		outTokens := 30 + rng.IntN(200)
 		body := map[string]any{"model": "sim-model", "messages": append([]map[string]any(nil), msgs...), "stream": true}
-		g.out = append(g.out, genLine{int64(at * 1000), fmt.Sprintf("s%d", s), fmt.Sprintf("t%d", tenant), body, outTokens})
+		g.out = append(g.out, newLine(at, s, tenant, body, outTokens))
 		msgs = append(msgs, map[string]any{"role": "assistant", "content": words("a", outTokens*2/3, g.fixed(uint64(s*100+turn)))})
 		at += rng.ExpFloat64()*g.o.ThinkSeconds + float64(outTokens)*0.02
 	}
@@ -373,7 +392,7 @@ func (g *blendGen) agentSession(s, tenant int, at float64) {
 	for turn := 0; turn < 2+rng.IntN(3); turn++ {
 		outTokens := 20 + rng.IntN(60)
 		body := map[string]any{"model": "sim-model", "messages": append([]map[string]any(nil), msgs...), "stream": true, "tools": g.tools[tenant]}
-		g.out = append(g.out, genLine{int64(at * 1000), fmt.Sprintf("s%d", s), fmt.Sprintf("t%d", tenant), body, outTokens})
+		g.out = append(g.out, newLine(at, s, tenant, body, outTokens))
 		call := fmt.Sprintf("call_%d_%d", s, turn)
 		msgs = append(msgs, map[string]any{"role": "assistant", "content": nil, "tool_calls": []map[string]any{{"id": call, "type": "function",
 			"function": map[string]any{"name": fmt.Sprintf("lookup_%d", turn%4), "arguments": `{"q":"x"}`}}}},
@@ -382,18 +401,48 @@ func (g *blendGen) agentSession(s, tenant int, at float64) {
 	}
 }
 
-// toolSchemas returns the JSON of n function tools, tool k named and
-// described by def(k), each taking one string argument q.
+// toolSchemas returns the JSON of n function tools in chat's shape, tool
+// k named and described by def(k), each taking one string argument q.
 func toolSchemas(n int, def func(k int) (name, description string)) json.RawMessage {
-	var schema []map[string]any
-	for k := range n {
-		name, desc := def(k)
-		schema = append(schema, map[string]any{"type": "function", "function": map[string]any{
-			"name": name, "description": desc,
-			"parameters": map[string]any{"type": "object", "properties": map[string]any{"q": map[string]string{"type": "string"}}},
-		}})
+	tools := make([]toolDef, n)
+	for k := range tools {
+		tools[k].name, tools[k].description = def(k)
+		tools[k].parameters = map[string]any{"type": "object", "properties": map[string]any{"q": map[string]string{"type": "string"}}}
 	}
-	b, _ := json.Marshal(schema)
+	return toolsJSON(apiChat, tools)
+}
+
+// toolDef is a function tool: its name, its description and the JSON
+// schema of its arguments.
+type toolDef struct {
+	name, description string
+	parameters        map[string]any
+}
+
+// The APIs a generated request may be for (genLine.API, GenOptions.APIs).
+const (
+	apiChat      = "chat"
+	apiResponses = "responses"
+	apiMessages  = "messages"
+)
+
+// toolsJSON returns the JSON of tools in api's shape: chat's {type:
+// function, function: {name, description, parameters}}, the Responses
+// API's {type: function, name, description, parameters}, or Anthropic's
+// {name, description, input_schema}. Keys come in sorted order.
+func toolsJSON(api string, tools []toolDef) json.RawMessage {
+	out := make([]map[string]any, len(tools))
+	for i, t := range tools {
+		switch api {
+		case apiResponses:
+			out[i] = map[string]any{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters}
+		case apiMessages:
+			out[i] = map[string]any{"name": t.name, "description": t.description, "input_schema": t.parameters}
+		default:
+			out[i] = map[string]any{"type": "function", "function": map[string]any{"name": t.name, "description": t.description, "parameters": t.parameters}}
+		}
+	}
+	b, _ := json.Marshal(out)
 	return b
 }
 

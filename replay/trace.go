@@ -146,14 +146,46 @@ type openaiLine struct {
 	TenantID     string          `json:"tenant_id"`
 	Request      json.RawMessage `json:"request"`
 	OutputTokens int             `json:"output_tokens"`
+	API          string          `json:"api"`
+}
+
+// endpoint returns the API l's body is for: its "api", or without one a
+// chat body if it has messages, else a completions body.
+func (l *openaiLine) endpoint() (blockhash.Endpoint, error) {
+	switch l.API {
+	case "":
+		var probe struct {
+			Messages json.RawMessage `json:"messages"`
+		}
+		_ = json.Unmarshal(l.Request, &probe)
+		if probe.Messages != nil {
+			return blockhash.Chat, nil
+		}
+		return blockhash.Completion, nil
+	case "chat":
+		return blockhash.Chat, nil
+	case "completions":
+		return blockhash.Completion, nil
+	case "responses":
+		return blockhash.Responses, nil
+	case "messages":
+		return blockhash.Messages, nil
+	}
+	return 0, fmt.Errorf("unknown api %q (have chat, completions, responses, messages)", l.API)
 }
 
 // ReadOpenAI reads the openai trace format: one JSON object a line,
-// {"timestamp_ms", "session_id", "tenant_id", "request": an OpenAI chat or
-// completions body, "output_tokens"}. Bodies go through the same parser and
-// splitter as live requests. When a session's next request repeats a
-// request's messages and adds an assistant message, that message's blocks
-// become the request's Reply.
+// {"timestamp_ms", "session_id", "tenant_id", "request": a request body,
+// "output_tokens", "api"}. The optional "api" says what API the body is
+// for: "chat" (/v1/chat/completions), "completions" (/v1/completions),
+// "responses" (/v1/responses) or "messages" (Anthropic's /v1/messages);
+// without it, a body with messages is a chat's, any other a completions'.
+// Bodies go through the same parser and splitter as live requests. When a
+// session's next request repeats a request's parts and adds an assistant
+// part (a chat's assistant message, a Responses function_call item, a
+// Messages assistant message), that part's blocks become the request's
+// Reply: every API is read into the parts of the chat the engine renders,
+// so a Responses or Messages session's history links as a chat's does.
 func ReadOpenAI(r io.Reader, s *blockhash.Splitter) ([]Request, error) {
 	var out []Request
 	var partStarts [][]int // per request: block index where each part starts
@@ -169,13 +201,9 @@ func ReadOpenAI(r io.Reader, s *blockhash.Splitter) ([]Request, error) {
 		if l.OutputTokens < 0 {
 			return errors.New("output_tokens is negative")
 		}
-		var probe struct {
-			Messages json.RawMessage `json:"messages"`
-		}
-		_ = json.Unmarshal(l.Request, &probe)
-		ep := blockhash.Completion
-		if probe.Messages != nil {
-			ep = blockhash.Chat
+		ep, err := l.endpoint()
+		if err != nil {
+			return err
 		}
 		body, err := blockhash.Parse(ep, l.Request, blockhash.Limits{})
 		if err != nil {

@@ -20,24 +20,43 @@ import (
 // blend` for sessions sessions, in arrival order, each asking for usage.
 func blendWorkload(t testing.TB, o replay.GenOptions) [][]byte {
 	t.Helper()
-	var buf bytes.Buffer
 	o.Workload = "blend"
+	var out [][]byte
+	for _, l := range genWorkload(t, o) {
+		l.Body["stream_options"] = map[string]any{"include_usage": true}
+		b, _ := json.Marshal(l.Body)
+		out = append(out, b)
+	}
+	return out
+}
+
+// traceLine is a line of a generated trace (replay.GenerateOpenAI).
+type traceLine struct {
+	Session string         `json:"session_id"`
+	API     string         `json:"api"`
+	Body    map[string]any `json:"request"`
+}
+
+// genWorkload returns the lines of the trace replay.GenerateOpenAI makes
+// with o, in arrival order.
+func genWorkload(t testing.TB, o replay.GenOptions) []traceLine {
+	t.Helper()
+	var buf bytes.Buffer
 	if err := replay.GenerateOpenAI(&buf, o); err != nil {
 		t.Fatal(err)
 	}
-	var out [][]byte
+	var out []traceLine
 	sc := bufio.NewScanner(&buf)
-	sc.Buffer(make([]byte, 1<<20), 16<<20)
+	sc.Buffer(make([]byte, 1<<20), 64<<20)
 	for sc.Scan() {
-		var line struct {
-			Body map[string]any `json:"request"`
-		}
+		var line traceLine
 		if err := json.Unmarshal(sc.Bytes(), &line); err != nil {
 			t.Fatal(err)
 		}
-		line.Body["stream_options"] = map[string]any{"include_usage": true}
-		b, _ := json.Marshal(line.Body)
-		out = append(out, b)
+		out = append(out, line)
+	}
+	if err := sc.Err(); err != nil {
+		t.Fatal(err)
 	}
 	return out
 }
@@ -92,11 +111,22 @@ func runReuseN(t testing.TB, workers int, engine, picture, name, policy, reuse s
 	default:
 		t.Fatalf("engine %q", engine)
 	}
-	d := startTestDemo(t, demoOptions{sim: sim, policy: policy, replicas: 4, picture: picture, reuse: reuse})
-	if picture == "events" {
+	o := demoOptions{sim: sim, policy: policy, replicas: 4, picture: picture, reuse: reuse}
+	return runLive(t, o, name, func(url string) *truthRun { return sendTruth(url, work, workers, nil) })
+}
+
+// runLive starts the demo o, its replicas simulated, sends a workload
+// through its router with send, and measures what the engines reported:
+// send's figures, the tokens they reused past the prefix and the
+// imbalance of the prefill work they computed. It fails t if a request
+// failed.
+func runLive(t testing.TB, o demoOptions, name string, send func(url string) *truthRun) *blendRun {
+	t.Helper()
+	d := startTestDemo(t, o)
+	if o.picture == "events" {
 		waitSubscribed(t, d)
 	}
-	run := &blendRun{name: name, truthRun: sendTruth(d.router.URL(), work, workers, nil)}
+	run := &blendRun{name: name, truthRun: send(d.router.URL())}
 	var most, sum float64
 	for _, s := range d.sims {
 		st := s.Stats()
@@ -108,7 +138,7 @@ func runReuseN(t testing.TB, workers int, engine, picture, name, policy, reuse s
 	t.Logf("%s: prompt %d, engines reported %d cached (%d past the prefix), ttft p50 %.1fms p99 %.1fms, imbalance %.3f, errors %d",
 		name, run.prompt, run.cached, run.reused, 1e3*run.pct(0.5), 1e3*run.pct(0.99), run.imbalance, run.errors)
 	if run.errors > 0 {
-		t.Fatalf("%s: %d requests failed", name, run.errors)
+		t.Fatalf("%s: %d requests failed (the first: %s)", name, run.errors, run.firstErr)
 	}
 	return run
 }

@@ -277,7 +277,7 @@ func newGenTrace() *cobra.Command {
 	)
 	cmd := &cobra.Command{
 		Use:   "gentrace",
-		Short: "Write a synthetic openai-format trace (RAG, chat and agent sessions)",
+		Short: "Write a synthetic openai-format trace (RAG, chat and agent sessions, or agentic tool loops)",
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if o.ZipfS <= 1 || o.ZipfV < 1 { // before the file is emptied
 				return fmt.Errorf("--zipf-s %v must be > 1 and --zipf-v %v ≥ 1", o.ZipfS, o.ZipfV)
@@ -306,13 +306,14 @@ func newGenTrace() *cobra.Command {
 	f.IntVar(&o.Sessions, "sessions", 2000, "sessions")
 	f.Float64Var(&o.Rate, "rate", 2, "new sessions per second")
 	f.IntVar(&o.Tenants, "tenants", 8, "tenants, each with its own system prompt and tools")
-	f.IntVar(&o.Docs, "docs", 300, "documents in the retrieval corpus (blend: also the pool of tool outputs)")
-	f.Float64Var(&o.ZipfS, "zipf-s", 1.1, "blend: Zipf exponent of the documents' and tool outputs' popularity (> 1)")
-	f.Float64Var(&o.ZipfV, "zipf-v", 2, "blend: Zipf offset (≥ 1): P(k) ∝ (v + k)^−s; larger flattens the head")
+	f.IntVar(&o.Docs, "docs", 300, "documents in the retrieval corpus (blend: also the pool of tool outputs; agentic: the pool of recurring tool outputs)")
+	f.Float64Var(&o.ZipfS, "zipf-s", 1.1, "blend, agentic: Zipf exponent of the documents' and tool outputs' popularity (> 1)")
+	f.Float64Var(&o.ZipfV, "zipf-v", 2, "blend, agentic: Zipf offset (≥ 1): P(k) ∝ (v + k)^−s; larger flattens the head")
 	f.Float64Var(&o.AgentShare, "agent-share", 0.3, "blend: share of sessions that are agents rather than RAG (0: none)")
 	f.IntVar(&o.Topics, "topics", 0, "blend: RAG turns retrieve the 2–4 documents of a topic drawn Zipf from this many (one swapped a quarter of the time), as similar questions retrieve the same documents; 0: each turn draws its own")
-	f.StringVar(&o.Workload, "workload", "mixed", "mixed (RAG, chats and agents), or blend (documents and tool outputs that recur after other prefixes and in other orders; see replay.GenOptions)")
-	f.Float64Var(&o.ThinkSeconds, "think-seconds", 20, "mean time between a session's turns")
+	f.StringVar(&o.Workload, "workload", "mixed", "mixed (RAG, chats and agents), blend (documents and tool outputs that recur after other prefixes and in other orders), or agentic (multi-step tool loops of 3–12 steps over chat completions, the Responses API and the Messages API, each line's api naming its API; --docs recurring tool outputs drawn with --zipf-s and --zipf-v); see replay.GenOptions")
+	f.StringSliceVar(&o.APIs, "apis", nil, "agentic: the APIs sessions speak, comma-separated, each session one at random: chat, responses, messages (default all three)")
+	f.Float64Var(&o.ThinkSeconds, "think-seconds", 20, "mean time between a session's turns (not agentic: its steps follow their replies' decode and tools' times)")
 	return cmd
 }
 

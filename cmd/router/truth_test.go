@@ -148,65 +148,94 @@ func runTruth(t testing.TB, mode, policy string, work [][]byte) *truthRun {
 	return run
 }
 
-// sendTruth sends work to url, workers requests at a time, and measures
-// what the engines reported; before sending request i it calls before(i)
-// when set.
+// sendTruth sends work, chat completions bodies, to url, workers requests
+// at a time, and measures what the engines reported; before sending
+// request i it calls before(i) when set.
 func sendTruth(url string, work [][]byte, workers int, before func(i int)) *truthRun {
+	sessions := make([][]liveRequest, len(work))
+	for i, b := range work {
+		sessions[i] = []liveRequest{{chatPath, b}}
+	}
+	return sendSessions(url, sessions, workers, before)
+}
+
+// liveRequest is a request of a live run: the path it is posted to (its
+// API's) and its body.
+type liveRequest struct {
+	path string
+	body []byte
+}
+
+const chatPath = "/v1/chat/completions"
+
+// sendSessions sends sessions to url, workers sessions at a time, each
+// session's requests one after the other, each once the one before it has
+// been answered, and measures what the engines reported; before sending
+// session i it calls before(i) when set.
+func sendSessions(url string, sessions [][]liveRequest, workers int, before func(i int)) *truthRun {
 	run := &truthRun{}
 	var mu sync.Mutex
-	next := make(chan []byte)
+	next := make(chan []liveRequest)
 	var wg sync.WaitGroup
 	client := &http.Client{Timeout: 60 * time.Second}
 	for w := 0; w < workers; w++ {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			for body := range next {
-				start := time.Now()
-				resp, err := client.Post(url+"/v1/chat/completions", "application/json", bytes.NewReader(body))
-				if err != nil {
-					mu.Lock()
-					run.errors++
-					run.firstErr = cmp.Or(run.firstErr, err.Error())
-					mu.Unlock()
-					continue
+			for s := range next {
+				for _, req := range s {
+					run.send(client, url, req, &mu)
 				}
-				if resp.StatusCode != 200 {
-					b, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
-					resp.Body.Close()
-					mu.Lock()
-					run.errors++
-					run.firstErr = cmp.Or(run.firstErr, fmt.Sprintf("%d from %s: %s", resp.StatusCode, resp.Header.Get("X-Semroute-Replica"), b))
-					mu.Unlock()
-					continue
-				}
-				predicted, _ := strconv.Atoi(resp.Header.Get("X-Semroute-Matched-Tokens"))
-				ttft, prompt, cached, _ := readStream(resp.Body, start)
-				resp.Body.Close()
-				mu.Lock()
-				if prompt == 0 {
-					run.errors++
-					run.broken++
-					run.firstErr = cmp.Or(run.firstErr, "a stream without usage")
-				} else {
-					run.prompt += prompt
-					run.cached += cached
-					run.predicted += int64(predicted)
-					run.ttfts = append(run.ttfts, ttft.Seconds())
-				}
-				mu.Unlock()
 			}
 		}()
 	}
-	for i, b := range work {
+	for i, s := range sessions {
 		if before != nil {
 			before(i)
 		}
-		next <- b
+		next <- s
 	}
 	close(next)
 	wg.Wait()
 	return run
+}
+
+// send posts req to url, reads its streamed answer and adds what the
+// engine reported to run, under mu.
+func (run *truthRun) send(client *http.Client, url string, req liveRequest, mu *sync.Mutex) {
+	fail := func(broken bool, msg string) {
+		mu.Lock()
+		defer mu.Unlock()
+		run.errors++
+		if broken {
+			run.broken++
+		}
+		run.firstErr = cmp.Or(run.firstErr, msg)
+	}
+	start := time.Now()
+	resp, err := client.Post(url+req.path, "application/json", bytes.NewReader(req.body))
+	if err != nil {
+		fail(false, err.Error())
+		return
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != 200 {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+		fail(false, fmt.Sprintf("%d from %s: %s", resp.StatusCode, resp.Header.Get("X-Semroute-Replica"), b))
+		return
+	}
+	predicted, _ := strconv.Atoi(resp.Header.Get("X-Semroute-Matched-Tokens"))
+	ttft, prompt, cached, _ := readStream(resp.Body, start)
+	if prompt == 0 {
+		fail(true, "a stream without usage")
+		return
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	run.prompt += prompt
+	run.cached += cached
+	run.predicted += int64(predicted)
+	run.ttfts = append(run.ttfts, ttft.Seconds())
 }
 
 // TestEnginesTruthPredicts: over sockets, 4 simulated replicas, a mixed
@@ -310,9 +339,14 @@ func (r *truthRun) report(b *testing.B) {
 // over four runs (SEMROUTE_TRUTH_WORKERS=8).
 var truthWorkers = 4
 
-// readStream reads a streamed chat answer to its end and returns the time
-// from start to its first chunk (0 without one) and the prompt and cached
-// tokens of its usage chunk (0 without one).
+// readStream reads a streamed answer of chat completions, the Responses
+// API or the Messages API to its end and returns the time from start to
+// its first event (0 without one) and the prompt and cached tokens of its
+// usage (0 without one): chat's last chunk's prompt_tokens and
+// prompt_tokens_details.cached_tokens; the response.completed event's
+// input_tokens and input_tokens_details.cached_tokens; or message_start's
+// input_tokens and cache_read_input_tokens, Anthropic's input_tokens
+// leaving out the cached ones.
 func readStream(body io.Reader, start time.Time) (ttft time.Duration, prompt, cached int64, err error) {
 	sc := bufio.NewScanner(body)
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
@@ -324,17 +358,36 @@ func readStream(body io.Reader, start time.Time) (ttft time.Duration, prompt, ca
 		if ttft == 0 {
 			ttft = time.Since(start)
 		}
-		var ch struct {
-			Usage *struct {
-				Prompt  int64 `json:"prompt_tokens"`
-				Details struct {
-					Cached int64 `json:"cached_tokens"`
-				} `json:"prompt_tokens_details"`
-			} `json:"usage"`
+		var ev struct {
+			Usage    *streamUsage                  `json:"usage"`
+			Response *struct{ Usage *streamUsage } `json:"response"`
+			Message  *struct{ Usage *streamUsage } `json:"message"`
 		}
-		if json.Unmarshal(line[6:], &ch) == nil && ch.Usage != nil {
-			prompt, cached = ch.Usage.Prompt, ch.Usage.Details.Cached
+		if json.Unmarshal(line[6:], &ev) != nil {
+			continue
+		}
+		switch {
+		case ev.Usage != nil && ev.Usage.Prompt > 0: // not a message_delta's output_tokens
+			prompt, cached = ev.Usage.Prompt, ev.Usage.Details.Cached
+		case ev.Response != nil && ev.Response.Usage != nil:
+			prompt, cached = ev.Response.Usage.Input, ev.Response.Usage.InputDetails.Cached
+		case ev.Message != nil && ev.Message.Usage != nil:
+			u := ev.Message.Usage
+			prompt, cached = u.Input+u.CacheRead, u.CacheRead
 		}
 	}
 	return ttft, prompt, cached, sc.Err()
+}
+
+// streamUsage is the usage of an answer in any of the three APIs.
+type streamUsage struct {
+	Prompt  int64 `json:"prompt_tokens"`
+	Details struct {
+		Cached int64 `json:"cached_tokens"`
+	} `json:"prompt_tokens_details"`
+	Input        int64 `json:"input_tokens"`
+	InputDetails struct {
+		Cached int64 `json:"cached_tokens"`
+	} `json:"input_tokens_details"`
+	CacheRead int64 `json:"cache_read_input_tokens"`
 }
