@@ -1115,3 +1115,26 @@ func (m *Model) Shrink(id int, tokens int64) int64 {
 	m.evicted(id, evicted)
 	return freed
 }
+
+// Active returns the tokens of the leading blocks of blocks that replica
+// id holds pinned: used by requests running there (Commit to Done). Its
+// engine needs no free KV room for those: they are in use already, where
+// vLLM's usage counts them, and a request sharing them takes no more. It
+// stops at the first block not held pinned. O(len(blocks)) lookups.
+func (m *Model) Active(id int, blocks []blockhash.Block) int {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	tokens := 0
+	for _, b := range blocks {
+		n := m.nodes.get(b.Hash)
+		if n == nil {
+			break
+		}
+		i, ok := m.find(n, int32(id))
+		if !ok || m.at(n, i).pins == 0 {
+			break
+		}
+		tokens += int(b.Tokens)
+	}
+	return tokens
+}

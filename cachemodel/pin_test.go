@@ -347,3 +347,26 @@ func TestDoneAfterClearUnpinsNothing(t *testing.T) {
 	}
 	m.Done(0, p, n2, 5)
 }
+
+// Active counts the tokens of the leading blocks a replica holds pinned
+// by running requests, stopping at the first it holds unpinned or not at
+// all.
+func TestActiveCountsPinnedPrefix(t *testing.T) {
+	m := New(Options{Policy: eviction.NewVLLM})
+	m.AddReplica("r", 100)
+	m.AddReplica("s", 100)
+	blocks := chain("a", 4, 0)
+	_, pins := m.Commit(0, blocks[:2], 1)
+	m.Record(0, blocks, 2)
+	want := int(blocks[0].Tokens + blocks[1].Tokens)
+	if got := m.Active(0, blocks); got != want {
+		t.Fatalf("pinned 2 of 4 blocks: Active %d, want %d", got, want)
+	}
+	if got := m.Active(1, blocks); got != 0 {
+		t.Fatalf("another replica: Active %d", got)
+	}
+	m.Done(0, blocks[:2], pins, 3)
+	if got := m.Active(0, blocks); got != 0 {
+		t.Fatalf("after Done: Active %d", got)
+	}
+}

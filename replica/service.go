@@ -42,12 +42,22 @@ func (r *Replica) State(tokens int64, priority int) servicetime.State {
 	if r.waiting.Load() > 0 {
 		s.Queued += float64(r.Deferred(priority))
 	}
-	if r.kvFull() {
-		s.KVShort = true
-	} else if b := r.budget.Load(); b > 0 && o != nil && o.KVUsage > 0 {
-		s.KVShort = float64(tokens) > (1-o.KVUsage)*float64(b)
-	}
+	s.KVShort = r.ShortOfRoom(tokens)
 	return s
+}
+
+// ShortOfRoom reports whether tokens do not fit in the KV cache the
+// replica's engine has free now (1 − vllm:kv_cache_usage_perc of its
+// budget), or the cache is full as Saturated reads it: its engine would
+// not admit a request needing that much room at once. False while the
+// budget or the usage is unknown.
+func (r *Replica) ShortOfRoom(tokens int64) bool {
+	if r.kvFull() {
+		return true
+	}
+	o := r.observed.Load()
+	b := r.budget.Load()
+	return b > 0 && o != nil && o.KVUsage > 0 && float64(tokens) > (1-o.KVUsage)*float64(b)
 }
 
 // Service returns the replica's service-time parameters as last learned

@@ -248,6 +248,9 @@ func (e *Engine) Commit(d *Decision, c *Candidate) {
 	w := replica.Work{Prefill: prefill, Tokens: tokens}
 	sp := e.Service(c.Replica)
 	st := c.Replica.State(tokens, d.priority)
+	if st.KVShort && c.Match.Blocks > 0 { // what its running requests hold needs no room (fits)
+		st.KVShort = c.Replica.ShortOfRoom(tokens - int64(e.pic.model.Active(c.Replica.ID, d.Blocks[:min(c.Match.Blocks, len(d.Blocks))])))
+	}
 	w.Predicted = sp.TTFT(st, float64(prefill))
 	// A request its engine will not admit at once holds no blocks there
 	// until it is: vLLM allocates a waiting request's blocks only when it

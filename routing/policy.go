@@ -50,6 +50,16 @@ func (v *View) Service(c *Candidate) servicetime.Params {
 	return v.e.Service(c.Replica)
 }
 
+// Active returns the tokens of the request's matched prefix on c's
+// replica that requests running there hold (cachemodel.Model.Active): its
+// engine needs no new room for them. 0 outside a policy's Score.
+func (v *View) Active(c *Candidate) int {
+	if v.e == nil || c.Match.Blocks == 0 {
+		return 0
+	}
+	return v.e.pic.model.Active(c.Replica.ID, v.Blocks[:min(c.Match.Blocks, len(v.Blocks))])
+}
+
 // FleetService returns the fleet's service-time parameters (the median of
 // its replicas' learned ones; the prior outside a policy's Score).
 func (v *View) FleetService() servicetime.Params {
@@ -286,7 +296,9 @@ func (p *PrefixCost) Score(in *View, cands []Candidate) {
 		m := p.matched(in, c)
 		sp := in.Service(c)
 		st := c.State
-		st.KVShort = st.KVShort || c.Load.KVUsage >= KVSpill || !fits(in, c)
+		// c.State counted the whole prompt against its free room; fits
+		// leaves out what its running requests hold already.
+		st.KVShort = c.Load.KVUsage >= KVSpill || !fits(in, c)
 		c.TTFT = sp.TTFT(st, max(float64(in.Tokens)-m.Tokens, 0))
 		dup := (best - m.Weighted) * fleet.PerToken // seconds to compute the copy once
 		c.Score = c.TTFT + min(p.cfg.CopyWeight*dup, dup+fleet.Run)
@@ -384,15 +396,17 @@ func (p *PrefixCost) scoreTokens(in *View, cands []Candidate) {
 // (vLLM's scheduler takes them off the free queue, and keeps the request
 // waiting otherwise, first come first served), so one that does not fit
 // waits for running requests to end, however long its prefix. Blocks that
-// a running request holds already need no room, but the picture does not
-// say cheaply which those are: the whole prompt is counted. True when the
-// engine reports no usage or the budget is unknown.
+// requests running there hold already need no room (View.Active): a
+// session's home, whose other requests hold its tenant's prefix, is not
+// short of room for the prefix it shares. True when the engine reports no
+// usage or the budget is unknown.
 func fits(in *View, c *Candidate) bool {
 	budget := in.Budget(c)
 	if budget <= 0 || c.Load.KVUsage <= 0 {
 		return true
 	}
-	return float64(in.Tokens) <= (1-c.Load.KVUsage)*float64(budget)
+	free := (1 - c.Load.KVUsage) * float64(budget)
+	return float64(in.Tokens) <= free || float64(in.Tokens-in.Active(c)) <= free
 }
 
 // tooLong reports whether the request's tokens are more than c's engine's

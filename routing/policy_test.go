@@ -7,6 +7,7 @@ import (
 	"sort"
 	"testing"
 
+	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
 	"github.com/semroute/semroute/replica"
 )
@@ -312,5 +313,38 @@ func TestSemanticTooLong(t *testing.T) {
 		if cs[0].Reason != "too_long" || cs[0].Tier <= cs[1].Tier || cs[0].Tier <= cs[2].Tier {
 			t.Errorf("%v: %s tier %d, others %d and %d", params, cs[0].Reason, cs[0].Tier, cs[1].Tier, cs[2].Tier)
 		}
+	}
+}
+
+// TestSemanticRoomForWhatRunsThere: the blocks of a replica's matched
+// prefix that requests running there hold need no free room: a request
+// whose whole prompt is over the engine's free KV, but whose new blocks
+// fit, is not ranked as waiting for room; once those requests end, it is.
+func TestSemanticRoomForWhatRunsThere(t *testing.T) {
+	e, err := New(Options{Replicas: []replica.Spec{{Name: "r0", URL: "http://127.0.0.1:9000", BudgetTokens: 10_000},
+		{Name: "r1", URL: "http://127.0.0.1:9001", BudgetTokens: 10_000}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var blocks []blockhash.Block
+	for i := range 10 {
+		blocks = append(blocks, blockhash.Block{Hash: uint64(1000 + i), Tokens: 100})
+	}
+	_, pins := e.pic.model.Commit(0, blocks[:9], 1) // a running request holds 900 tokens of it
+	p, _ := NewPolicy(PolicySpec{Type: "semantic"})
+	in := &View{Blocks: blocks, Tokens: 1000, Weighted: 1000, budgets: []int64{10_000, 10_000}, e: e}
+	score := func() string {
+		cs := []Candidate{{Replica: e.Pool().Replicas()[0]}, {Replica: e.Pool().Replicas()[1]}}
+		cs[0].Match = cachemodel.Match{Blocks: 9, Tokens: 900, Weighted: 900}
+		cs[0].Load.KVUsage = 0.95 // 500 free: the whole prompt does not fit, its 100 new tokens do
+		p.Score(in, cs)
+		return cs[0].Reason
+	}
+	if got := score(); got != "match" {
+		t.Fatalf("with its prefix held by a running request: reason %s, want match", got)
+	}
+	e.pic.model.Done(0, blocks[:9], pins, 2)
+	if got := score(); got != "kv" {
+		t.Fatalf("with nothing running there: reason %s, want kv", got)
 	}
 }
