@@ -42,7 +42,7 @@ func chatForTokenize(req *blockhash.Request) ([]byte, error) {
 		ToolCallID string  `json:"tool_call_id,omitempty"`
 	}
 	var body struct {
-		Messages []message      `json:"messages"`
+		Messages []message       `json:"messages"`
 		Tools    json.RawMessage `json:"tools,omitempty"`
 	}
 	calls := 0
