@@ -84,6 +84,9 @@ type Candidate struct {
 	Replica *replica.Replica
 	Match   cachemodel.Match
 	Load    replica.Load
+	// tie breaks a tie of rounded scores before the rendezvous hash, lower
+	// first: 0 for every candidate unless the policy sets it.
+	tie float64
 	// CacheTokens is the tokens the replica holds in the cache picture.
 	CacheTokens int64
 	// Reuse is the prompt tokens past Match that the replica's engine is
@@ -317,7 +320,22 @@ func (p *PrefixCost) Score(in *View, cands []Candidate) {
 	unit := max(Resolution*least, minResolution)
 	for i := range cands {
 		cands[i].Score /= unit
+		cands[i].tie = tieOf(in, &cands[i])
 	}
+}
+
+// tieOf is the semantic policy's tie-break before the session's
+// rendezvous: the share of its KV budget the replica's picture holds, in
+// tenths. Among replicas alike in time, a new session goes where its
+// blocks evict least, as SGLang's router sends a miss to the smallest tree:
+// sessions of tenants whose prefixes are long spread by memory, not by
+// count, and no replica ends up holding more tenants than its cache.
+func tieOf(in *View, c *Candidate) float64 {
+	b := in.Budget(c)
+	if b <= 0 {
+		return 0
+	}
+	return math.Floor(10 * float64(c.CacheTokens) / float64(b))
 }
 
 // Resolution is the share of the cheapest candidate's cost within which
@@ -526,6 +544,7 @@ func rank(cands []Candidate, key uint64, k int) []Candidate {
 		adapter int8
 		tier    int64
 		score   float64
+		tie     float64
 		rv      uint64
 		rvDone  bool
 	}
@@ -542,7 +561,13 @@ func rank(cands []Candidate, key uint64, k int) []Candidate {
 		if a.tier != b.tier {
 			return a.tier < b.tier
 		}
-		return a.score < b.score || (a.score == b.score && weight(a) > weight(b))
+		if a.score != b.score {
+			return a.score < b.score
+		}
+		if a.tie != b.tie {
+			return a.tie < b.tie
+		}
+		return weight(a) > weight(b)
 	}
 	var buf [17]entry // routing.attempts is at most 16: no allocation
 	top := buf[:0]    // best first
@@ -550,7 +575,7 @@ func rank(cands []Candidate, key uint64, k int) []Candidate {
 		top = make([]entry, 0, k+1)
 	}
 	for j := range cands {
-		e := entry{j: j, adapter: cands[j].adapter, tier: cands[j].Tier, score: math.Round(cands[j].Score)}
+		e := entry{j: j, adapter: cands[j].adapter, tier: cands[j].Tier, score: math.Round(cands[j].Score), tie: cands[j].tie}
 		if len(top) == k && !better(&e, &top[k-1]) {
 			continue
 		}
