@@ -309,8 +309,10 @@ func (p *PrefixCost) Score(in *View, cands []Candidate) {
 		switch {
 		case tooLong(in, c):
 			c.Tier, c.Reason = 2, reasonTooLong
+		case st.KVShort && float64(c.Match.Tokens) < HomeShare*float64(in.Tokens):
+			c.Tier, c.Reason = 1, reasonNoRoom // little of it there: not worth a wait for room
 		case st.KVShort:
-			c.Tier, c.Reason = 1, reasonNoRoom
+			c.Reason = reasonNoRoom // its home: the wait for room against the recompute, in seconds
 		case st.Queued > 0:
 			c.Reason = "queue"
 		default:
@@ -337,6 +339,16 @@ func tieOf(in *View, c *Candidate) float64 {
 	}
 	return math.Floor(10 * float64(c.CacheTokens) / float64(b))
 }
+
+// HomeShare is the share of a request's prompt a replica must hold, as its
+// exact prefix (not what a blending engine reuses past it, which is less
+// sure), for a wait for KV room there to be weighed in seconds against
+// computing the prompt elsewhere: a replica short of room that holds less is ranked
+// after those that have room (Tier 1), however its time compares, as a
+// request of a session that holds little there is better started where it
+// fits than queued behind its engine's admission. SGLang's router keeps a
+// request where more than half of it matches (cache_threshold 0.5).
+const HomeShare = 0.5
 
 // Resolution is the share of the cheapest candidate's cost within which
 // the semantic policy's costs tie (rank rounds scores to whole units):
