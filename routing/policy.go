@@ -242,11 +242,15 @@ func nonNegative(names []string, vals ...float64) error {
 // prefix (View.Hot), held soon everywhere, costs no copy. Past computing
 // it once, staying with a prefix is worth at most a mean request's run
 // (servicetime.Params.Run): a long prefix does not hold a request behind a
-// queue of minutes. A replica whose engine has no KV room for the request
-// now (it would not admit it: State.KVShort) is ranked after those that
-// have (Tier 1, reason "kv"), and one whose whole KV cache is smaller
-// than the request after every other (Tier 2, "too_long"). A miss everywhere goes to the replica that
-// starts it first. Scores are in units of Resolution × the cheapest
+// queue of minutes. A replica whose engine has no KV room for the
+// request's blocks now, beyond those its running requests hold (it would
+// not admit it: State.KVShort), and holds less than HomeShare of the
+// prompt is ranked after those that have (Tier 1, reason "kv"); one that
+// holds more is weighed in seconds, its learned wait for room against the
+// recompute elsewhere; one whose whole KV cache is smaller than the
+// request goes after every other (Tier 2, "too_long"). A miss everywhere
+// goes to the replica that starts it first, ties in time to the one whose
+// picture holds the least of its budget (tieOf). Scores are in units of Resolution × the cheapest
 // candidate's cost (rank rounds them): closer costs are ties, left to the
 // session's rendezvous; Candidate.TTFT keeps the prediction in seconds.
 //
