@@ -43,26 +43,8 @@ func ParseResponses(data []byte, lim Limits) (*Request, error) {
 }
 
 func (r *Request) responses(b *body, lim Limits) error {
-	prev, err := str(b.prevID, "previous_response_id")
-	if err != nil {
+	if err := r.responsesHead(b); err != nil {
 		return err
-	}
-	r.PreviousResponseID = string(prev)
-	if !isNull(b.store) {
-		if t := b.store.Type(); t != fastjson.TypeTrue && t != fastjson.TypeFalse {
-			return inputErr("store", "must be a boolean")
-		}
-		r.NoStore = b.store.Type() == fastjson.TypeFalse
-	}
-	if err := r.toolsPart(b); err != nil {
-		return err
-	}
-	if !isNull(b.system) {
-		s, ok := stringOf(b.system)
-		if !ok {
-			return inputErr("instructions", "must be a string")
-		}
-		r.Parts = append(r.Parts, Part{Role: RoleSystem, Base: KindSystem, Text: s})
 	}
 	in := b.messages
 	switch {
@@ -96,6 +78,33 @@ func (r *Request) responses(b *body, lim Limits) error {
 	}
 	if lastUser >= first {
 		r.Parts[lastUser].Base = KindUserQuery
+	}
+	return nil
+}
+
+// responsesHead reads a Responses body's previous_response_id and store,
+// and appends its tools and instructions.
+func (r *Request) responsesHead(b *body) error {
+	prev, err := str(b.prevID, "previous_response_id")
+	if err != nil {
+		return err
+	}
+	r.PreviousResponseID = string(prev)
+	if !isNull(b.store) {
+		if t := b.store.Type(); t != fastjson.TypeTrue && t != fastjson.TypeFalse {
+			return inputErr("store", "must be a boolean")
+		}
+		r.NoStore = b.store.Type() == fastjson.TypeFalse
+	}
+	if err := r.toolsPart(b); err != nil {
+		return err
+	}
+	if !isNull(b.system) {
+		s, ok := stringOf(b.system)
+		if !ok {
+			return inputErr("instructions", "must be a string")
+		}
+		r.Parts = append(r.Parts, Part{Role: RoleSystem, Base: KindSystem, Text: s})
 	}
 	return nil
 }

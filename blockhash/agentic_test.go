@@ -110,6 +110,7 @@ func TestAgenticBadInput(t *testing.T) {
 		{Responses, `{"model":"m"}`, "input: is required"},
 		{Responses, `{"model":"m","input":[]}`, "input: must not be empty"},
 		{Responses, `{"model":"m","input":5}`, "input: must be a string or an array"},
+		{Responses, `{"model":"m","input":"x","store":"no"}`, "store: must be a boolean"},
 		{Responses, `{"model":"m","input":[1]}`, "input[0]: must be an object"},
 		{Responses, `{"model":"m","input":"x","instructions":3}`, "instructions: must be a string"},
 		{Responses, `{"model":"m","input":"x","previous_response_id":3}`, "previous_response_id"},

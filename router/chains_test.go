@@ -164,3 +164,21 @@ func TestChainWait(t *testing.T) {
 		t.Fatalf("waiters left behind: %v", c.waiting)
 	}
 }
+
+// A request with store: false drafts no chain (its engine keeps nothing);
+// a continuation of an unknown response is marked Unknown and routed on
+// its own parts.
+func TestContinueChainStoreAndUnknown(t *testing.T) {
+	c := &Core{chains: newChains(0)}
+	var cr CoreRequest
+	c.continueChain(context.Background(), parseResponses(t, `{"model":"m","input":"x","store":false}`), &cr)
+	if cr.chain != nil || cr.Unknown {
+		t.Fatalf("store false: chain %v, unknown %v", cr.chain, cr.Unknown)
+	}
+	req := parseResponses(t, `{"model":"m","input":"x","previous_response_id":"resp_gone"}`)
+	cr = CoreRequest{}
+	c.continueChain(context.Background(), req, &cr)
+	if cr.chain != nil || !cr.Unknown || len(req.Parts) != 1 {
+		t.Fatalf("unknown chain: chain %v, unknown %v, %d parts", cr.chain, cr.Unknown, len(req.Parts))
+	}
+}

@@ -167,13 +167,7 @@ func TestResponsesToolsAndStore(t *testing.T) {
 
 	var unstored responseJSON
 	postJSON(t, r, "/v1/responses", map[string]any{"model": "sim-model", "input": "forget me", "store": false}, &unstored)
-	var e struct {
-		Error struct {
-			Message string `json:"message"`
-			Type    string `json:"type"`
-			Code    int    `json:"code"`
-		} `json:"error"`
-	}
+	var e openAIError
 	code := postJSON(t, r, "/v1/responses", map[string]any{"model": "sim-model", "input": "x", "previous_response_id": unstored.ID}, &e)
 	if code != http.StatusNotFound || e.Error.Message != "Response with id '"+unstored.ID+"' not found." || e.Error.Type != "invalid_request_error" || e.Error.Code != 404 {
 		t.Fatalf("continuing an unstored response: %d %+v", code, e)

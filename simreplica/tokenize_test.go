@@ -109,13 +109,7 @@ func TestTokenizeErrors(t *testing.T) {
 		{`nope`, 400},
 	} {
 		code, _, b := tokenizeCall(t, r, tc.body)
-		var e struct {
-			Error struct {
-				Message string `json:"message"`
-				Type    string `json:"type"`
-				Code    int    `json:"code"`
-			} `json:"error"`
-		}
+		var e openAIError
 		if code != tc.status || json.Unmarshal(b, &e) != nil || e.Error.Code != tc.status || e.Error.Message == "" {
 			t.Errorf("%s: %d %s, want %d with an error body", tc.body, code, b, tc.status)
 		}
@@ -288,4 +282,13 @@ func TestWordsRequestSwitches(t *testing.T) {
 	if _, u, b := call(t, r, "/v1/completions", body); u.Prompt != 40 || u.Details.Cached != 32 {
 		t.Errorf("token ids: %+v %s", u, b)
 	}
+}
+
+// openAIError is an error body in OpenAI's shape, as vLLM answers it.
+type openAIError struct {
+	Error struct {
+		Message string `json:"message"`
+		Type    string `json:"type"`
+		Code    int    `json:"code"`
+	} `json:"error"`
 }

@@ -70,51 +70,41 @@ type jsAgentRun struct {
 // of 5 steps over the Responses API and chat.
 func TestOfficialJSSDK(t *testing.T) {
 	dir := jsSDK(t)
-	for _, c := range []struct {
-		name string
-		o    demoOptions
-	}{
-		{"demo", demoOptions{sim: fastSim, picture: "events"}},
-		{"two routers", demoOptions{sim: fastSim, picture: "events", routers: 2}},
-	} {
-		t.Run(c.name, func(t *testing.T) {
-			d := startTestDemo(t, c.o)
-			waitSubscribed(t, d)
-			cmd := exec.Command("node", "agent.mjs", d.router.URL()+"/v1", d.sims[0].Options().Model)
-			cmd.Dir = dir
-			out, err := cmd.Output()
-			if err != nil {
-				var stderr []byte
-				if ee, ok := err.(*exec.ExitError); ok {
-					stderr = ee.Stderr
-				}
-				t.Fatalf("node agent.mjs: %v\n%s", err, stderr)
+	forAgentSetups(t, func(t *testing.T, d *demo) {
+		cmd := exec.Command("node", "agent.mjs", d.router.URL()+"/v1", d.sims[0].Options().Model)
+		cmd.Dir = dir
+		out, err := cmd.Output()
+		if err != nil {
+			var stderr []byte
+			if ee, ok := err.(*exec.ExitError); ok {
+				stderr = ee.Stderr
 			}
-			var run jsAgentRun
-			if err := json.Unmarshal(out, &run); err != nil {
-				t.Fatalf("%v: %s", err, out)
+			t.Fatalf("node agent.mjs: %v\n%s", err, stderr)
+		}
+		var run jsAgentRun
+		if err := json.Unmarshal(out, &run); err != nil {
+			t.Fatalf("%v: %s", err, out)
+		}
+		for name, turns := range map[string][]chainTurn{"chain": jsTurns(run.Chain), "streamed": jsTurns(run.Streamed)} {
+			if len(turns) != 20 {
+				t.Fatalf("%s: %d turns", name, len(turns))
 			}
-			for name, turns := range map[string][]chainTurn{"chain": jsTurns(run.Chain), "streamed": jsTurns(run.Streamed)} {
-				if len(turns) != 20 {
-					t.Fatalf("%s: %d turns", name, len(turns))
-				}
-				checkPredicted(t, name, 0.1, turns)
+			checkPredicted(t, name, 0.1, turns)
+		}
+		for i, f := range run.Final {
+			if f.Text == "" || f.Status != "completed" || f.Output != 1 {
+				t.Errorf("finalResponse %d: %+v", i, f)
 			}
-			for i, f := range run.Final {
-				if f.Text == "" || f.Status != "completed" || f.Output != 1 {
-					t.Errorf("finalResponse %d: %+v", i, f)
-				}
+		}
+		if len(run.Final) != 3 || len(run.ResponsesTools) != 5 || len(run.ChatTools) != 5 {
+			t.Fatalf("final %d, Responses tool steps %d, chat tool steps %d", len(run.Final), len(run.ResponsesTools), len(run.ChatTools))
+		}
+		for _, s := range append(run.ResponsesTools, run.ChatTools...) {
+			if s.Name != "read_file" || s.Args["path"] == nil {
+				t.Errorf("a tool step called %s with %v", s.Name, s.Args)
 			}
-			if len(run.Final) != 3 || len(run.ResponsesTools) != 5 || len(run.ChatTools) != 5 {
-				t.Fatalf("final %d, Responses tool steps %d, chat tool steps %d", len(run.Final), len(run.ResponsesTools), len(run.ChatTools))
-			}
-			for _, s := range append(run.ResponsesTools, run.ChatTools...) {
-				if s.Name != "read_file" || s.Args["path"] == nil {
-					t.Errorf("a tool step called %s with %v", s.Name, s.Args)
-				}
-			}
-		})
-	}
+		}
+	})
 }
 
 // jsTurns turns agent.mjs's turns into chainTurns.

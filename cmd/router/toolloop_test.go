@@ -171,12 +171,10 @@ func idle(t *testing.T, d *demo) {
 	})
 }
 
-// Tool loops of five steps over each API, through the official Go SDKs
-// unchanged, against the demo in precise mode and two routers behind a
-// round-robin front: every step is a tool call the next step answers,
-// each loop stays on one replica, and from the third step the tokens the
-// router predicts cached are within 10% of the engine's.
-func TestToolLoopsThroughTheGoSDKs(t *testing.T) {
+// forAgentSetups runs fn against the demo in precise mode (agentSim's
+// replicas publishing KV events) and against two such routers behind a
+// round-robin front, each a subtest.
+func forAgentSetups(t *testing.T, fn func(t *testing.T, d *demo)) {
 	for _, c := range []struct {
 		name string
 		o    demoOptions
@@ -187,28 +185,39 @@ func TestToolLoopsThroughTheGoSDKs(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			d := startTestDemo(t, c.o)
 			waitSubscribed(t, d)
-			model := d.sims[0].Options().Model
-			// Each loop its own agent's system prompt: one shared by every
-			// request would be hot (routing.EngineOptions.HotUses), credited to
-			// every replica, and a loop's short history would not hold it home.
-			system := func(api string) string {
-				return text("You are a "+api+" coding agent in a monorepo; use the tools.", 300)
-			}
-			oa := openai.NewClient(option.WithBaseURL(d.router.URL()+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
-			an := anthropic.NewClient(aoption.WithBaseURL(d.router.URL()), aoption.WithAPIKey("unused"), aoption.WithMaxRetries(0))
-			tool := func() { idle(t, d) }
-			for name, turns := range map[string][]chainTurn{
-				"chat":      chatToolLoop(t, oa, model, system("chat"), tool),
-				"responses": responsesToolLoop(t, oa, model, tool),
-				"messages":  messagesToolLoop(t, an, model, system("messages"), tool),
-			} {
-				for i, s := range turns[1:] {
-					if s.replica != turns[0].replica {
-						t.Errorf("%s step %d went to %s, the loop began on %s", name, i+1, s.replica, turns[0].replica)
-					}
-				}
-				checkPredicted(t, name, 0.1, turns)
-			}
+			fn(t, d)
 		})
 	}
+}
+
+// Tool loops of five steps over each API, through the official Go SDKs
+// unchanged, against the demo in precise mode and two routers behind a
+// round-robin front: every step is a tool call the next step answers,
+// each loop stays on one replica, and from the third step the tokens the
+// router predicts cached are within 10% of the engine's.
+func TestToolLoopsThroughTheGoSDKs(t *testing.T) {
+	forAgentSetups(t, func(t *testing.T, d *demo) {
+		model := d.sims[0].Options().Model
+		// Each loop its own agent's system prompt: one shared by every
+		// request would be hot (routing.EngineOptions.HotUses), credited to
+		// every replica, and a loop's short history would not hold it home.
+		system := func(api string) string {
+			return text("You are a "+api+" coding agent in a monorepo; use the tools.", 300)
+		}
+		oa := openai.NewClient(option.WithBaseURL(d.router.URL()+"/v1/"), option.WithAPIKey("unused"), option.WithMaxRetries(0))
+		an := anthropic.NewClient(aoption.WithBaseURL(d.router.URL()), aoption.WithAPIKey("unused"), aoption.WithMaxRetries(0))
+		tool := func() { idle(t, d) }
+		for name, turns := range map[string][]chainTurn{
+			"chat":      chatToolLoop(t, oa, model, system("chat"), tool),
+			"responses": responsesToolLoop(t, oa, model, tool),
+			"messages":  messagesToolLoop(t, an, model, system("messages"), tool),
+		} {
+			for i, s := range turns[1:] {
+				if s.replica != turns[0].replica {
+					t.Errorf("%s step %d went to %s, the loop began on %s", name, i+1, s.replica, turns[0].replica)
+				}
+			}
+			checkPredicted(t, name, 0.1, turns)
+		}
+	})
 }
