@@ -332,7 +332,7 @@ func (p *PrefixCost) Score(in *View, cands []Candidate) {
 
 // tieOf is the semantic policy's tie-break before the session's
 // rendezvous: the share of its KV budget the replica's picture holds, in
-// tenths. Among replicas alike in time, a new session goes where its
+// hundredths. Among replicas alike in time, a new session goes where its
 // blocks evict least, as SGLang's router sends a miss to the smallest tree:
 // sessions of tenants whose prefixes are long spread by memory, not by
 // count, and no replica ends up holding more tenants than its cache.
@@ -341,7 +341,7 @@ func tieOf(in *View, c *Candidate) float64 {
 	if b <= 0 {
 		return 0
 	}
-	return math.Floor(10 * float64(c.CacheTokens) / float64(b))
+	return math.Floor(100 * float64(c.CacheTokens) / float64(b))
 }
 
 // HomeShare is the share of a request's prompt a replica must hold, as its
