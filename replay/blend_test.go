@@ -64,7 +64,7 @@ func TestBlendCreditOnTopicRAG(t *testing.T) {
 // they reuse saves at least least× the tokens of exact-prefix routing
 // (itself crediting the prefix alone, and the llmd and sglang ports), with
 // a lower TTFT p50 (or within 2%, with level), a p99 at most 15% above
-// theirs, and imbalance ≤ 1.10. Since issue 31 the engines admit a request
+// theirs, and imbalance ≤ 1.12. Since issue 31 the engines admit a request
 // only when its blocks fit beside the running ones, and blend and reuse
 // donors by their own code (package enginereuse), not the router's: the
 // gains are smaller than when the engines reused what the router credited
@@ -72,6 +72,8 @@ func TestBlendCreditOnTopicRAG(t *testing.T) {
 // routing's. Since issue 45 both credits route in seconds, which keeps a
 // session with its prefix: donor credit's gain over the prefix's fell
 // from 1.38× to 1.19× (least 1.15 for it; 1.35 for blending engines).
+// Since issue 46 ties in time go by the pictures' fill, not by count: the
+// topic RAG's imbalance rose from 1.051 to 1.102 (the bound from 1.10).
 func checkEngineAwareCredit(t *testing.T, reqs []Request, mode string, least float64, level bool) {
 	t.Helper()
 	prefixOnly := routing.Params{"prefix_only": true}
@@ -83,7 +85,7 @@ func checkEngineAwareCredit(t *testing.T, reqs []Request, mode string, least flo
 	}
 	aware := sum.Policies[0]
 	t.Logf("%s: %d saved, TTFT p50 %.0f p99 %.0f ms, imbalance %.3f", aware.Name, aware.CachedTokens, aware.TTFTP50MS, aware.TTFTP99MS, aware.LoadImbalance)
-	if aware.LoadImbalance > 1.10 {
+	if aware.LoadImbalance > 1.12 {
 		t.Errorf("imbalance %.3f", aware.LoadImbalance)
 	}
 	worse := func(a, b float64) bool { return a > b*1.02 || (a >= b && !level) }

@@ -108,8 +108,10 @@ func TestGenerateOpenAIIsDeterministicAndMixed(t *testing.T) {
 
 // TestRecordRepliesRaisesHits: a reply recorded as the conversation's next
 // prefix brings a session's next turn back to its replica where its prompt
-// alone would not (the token formula, whose load moves sessions), and never
-// costs the default policy, whose sessions stay anyway, a hit.
+// alone would not (the token formula, whose load moves sessions), and
+// costs the default policy, whose sessions stay anyway, at most 0.1% of
+// its hit rate: since issue 46 its ties in time go by the pictures' fill,
+// which the recorded replies change (0.6934 without, 0.6932 with).
 func TestRecordRepliesRaisesHits(t *testing.T) {
 	reqs := generated(t, 80)
 	for _, params := range []routing.Params{{"load_weight": 0.1}, nil} {
@@ -122,7 +124,7 @@ func TestRecordRepliesRaisesHits(t *testing.T) {
 			}
 			rates = append(rates, sum.Policies[0].TokenHitRate)
 		}
-		if rates[1] < rates[0] || params != nil && rates[1] == rates[0] {
+		if rates[1] < rates[0]-0.001 || params != nil && rates[1] <= rates[0] {
 			t.Fatalf("%v: hit rate without replies %.4f, with %.4f: recording replies must help multi-turn sessions", params, rates[0], rates[1])
 		}
 	}
