@@ -6,6 +6,7 @@ import (
 	"container/heap"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -455,6 +456,7 @@ func TestThirdPartyBrokenTokenizeAndRestart(t *testing.T) {
 	yaml = strings.Replace(yaml, "      listen: "+reps[0].listen+"\n", "      listen: "+reps[0].listen+fmt.Sprintf("\n      topic: kv@127.0.0.1:%d@\n", reps[0].port), 1)
 	r := startRouterYAML(t, yaml)
 	waitBudgets(t, r, 4, 768*16)
+	waitEventsConnected(t, r, reps)
 	work := tpWork(200)
 	run := sendTruth(r.url, work[:100], 8, nil)
 	resets := func() float64 { return metric(t, r.url, "semroute_kv_events_resets_total", `replica="tp-1"`) }
@@ -488,11 +490,38 @@ func TestThirdPartyBrokenTokenizeAndRestart(t *testing.T) {
 	orphans := metric(t, r.url, "semroute_kv_events_blocks_total", `event="orphan",replica="tp-1"`)
 	ratio := metric(t, r.url, "semroute_replica_predicted_ratio", `replica="tp-1"`)
 	t.Logf("tp-1: %.0f blocks stored, %.0f orphans; predicted ÷ reported %.3f", stored, orphans, ratio)
-	if orphans > stored/100 || ratio < 0.85 || ratio > 1.15 {
+	// Over the few requests tp-1 takes after its restart the ratio spread
+	// from 0.996 to 1.193 in seven runs; a picture not its new engine's
+	// read 1.88.
+	if orphans > stored/100 || ratio < 0.8 || ratio > 1.25 {
 		t.Fatalf("tp-1 after its restart: %.0f blocks stored, %.0f orphans, predicted ÷ reported %.2f: its picture is not its new engine's", stored, orphans, ratio)
 	}
 	if run2.hitRatio() < 0.5 {
 		t.Fatalf("hit ratio %.3f after the restart", run2.hitRatio())
+	}
+}
+
+// waitEventsConnected waits until the router has applied a KV event batch
+// from every replica of reps (tp-0, tp-1, … in order), a request sent to
+// each engine directly (not through the router), a few blocks long, making
+// it publish one.
+// An engine dials the router's events listener when it starts, before the
+// router listens, and dials again later: a replica whose first events go
+// nowhere sees its routed blocks go unconfirmed, and its sessions leave
+// it, so a run that begins before every engine is heard from is not the
+// run the test means.
+func waitEventsConnected(t *testing.T, r *tpRouter, reps []*tpReplica) {
+	t.Helper()
+	for i, rep := range reps {
+		name := fmt.Sprint("tp-", i)
+		testwait.Until(t, name+"'s KV events heard", func() bool {
+			body := fmt.Sprintf(`{"model":%q,"max_tokens":1,"messages":[{"role":"user","content":"warm-up %d %d: %s"}]}`, tpModel, i, time.Now().UnixNano(), text("warm", 64))
+			if resp, err := http.Post(rep.url+"/v1/chat/completions", "application/json", strings.NewReader(body)); err == nil {
+				_, _ = io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+			}
+			return metric(t, r.url, "semroute_kv_events_batches_total", `replica="`+name+`"`) > 0
+		})
 	}
 }
 
