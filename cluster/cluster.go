@@ -306,9 +306,14 @@ func (f *Fleet) Start(ctx context.Context) error {
 		nats.ConnectHandler(func(nc *nats.Conn) { f.up(nc, "connected") }),
 		nats.ReconnectHandler(func(nc *nats.Conn) { f.up(nc, "reconnected") }),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
-			if f.connected.Swap(false) {
-				f.o.Logger.Warn("fleet: lost NATS; routing on this router's picture alone", "err", err)
+			if !f.connected.Swap(false) {
+				return
 			}
+			if err == nil { // Close: this router left, nothing was lost
+				f.o.Logger.Info("fleet: disconnected from NATS")
+				return
+			}
+			f.o.Logger.Warn("fleet: lost NATS; routing on this router's picture alone", "err", err)
 		}),
 		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
 			f.o.Logger.Warn("fleet: NATS error", "err", err)

@@ -7,6 +7,8 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"os"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -364,4 +366,45 @@ func testLogger() *slog.Logger {
 		return slog.New(slog.NewTextHandler(os.Stderr, nil))
 	}
 	return nil
+}
+
+// A router that leaves its fleet (Close) logs no warning that it lost
+// NATS: nothing was lost. A server that goes away still warns.
+func TestCleanCloseIsNotALoss(t *testing.T) {
+	s := serve(t, 0)
+	var buf syncLog
+	o := testOptions(s.ClientURL(), "quiet")
+	o.Logger = slog.New(slog.NewTextHandler(&buf, nil))
+	f, _ := startFleetWith(t, o)
+	testwait.Until(t, "connected", f.Connected)
+	f.Close()
+	testwait.Until(t, "the disconnect heard", func() bool { return !f.Connected() }) // the client tells it after Close returns
+	if strings.Contains(buf.String(), "lost NATS") {
+		t.Fatalf("a clean close warned:\n%s", buf.String())
+	}
+	o2 := testOptions(s.ClientURL(), "loud")
+	var buf2 syncLog
+	o2.Logger = slog.New(slog.NewTextHandler(&buf2, nil))
+	g, _ := startFleetWith(t, o2)
+	testwait.Until(t, "connected", g.Connected)
+	s.Shutdown()
+	testwait.Until(t, "the loss warned", func() bool { return strings.Contains(buf2.String(), "lost NATS") })
+}
+
+// syncLog is a log sink safe for the NATS client's goroutines.
+type syncLog struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (l *syncLog) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *syncLog) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }

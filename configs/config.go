@@ -14,6 +14,7 @@ import (
 	"os"
 	"reflect"
 	"regexp"
+	"slices"
 	"strings"
 	"time"
 
@@ -736,7 +737,7 @@ func Decode(v *viper.Viper) (*Config, error) {
 		var known Config
 		m := invalidKeys.FindAllStringSubmatch(err.Error(), -1)
 		if m == nil || v.Unmarshal(&known, hook) != nil {
-			return nil, fmt.Errorf("config: %w", err)
+			return nil, fmt.Errorf("config: %w%s", err, fromEnv(err))
 		}
 		var keys []string
 		for _, k := range m {
@@ -757,6 +758,27 @@ func Decode(v *viper.Viper) (*Config, error) {
 	}
 	return &c, nil
 }
+
+// fromEnv names the SEMROUTE_* variables that set the keys a decoding
+// error quotes ('routing.attempts' cannot parse …), when they are set: a
+// bad value from the environment is otherwise reported under its key
+// alone, which no file holds. "" when none is.
+func fromEnv(err error) string {
+	var names []string
+	for _, m := range quotedKey.FindAllStringSubmatch(err.Error(), -1) {
+		name := "SEMROUTE_" + strings.ToUpper(strings.ReplaceAll(m[1], ".", "_"))
+		if _, ok := os.LookupEnv(name); ok && !slices.Contains(names, name) {
+			names = append(names, name)
+		}
+	}
+	if len(names) == 0 {
+		return ""
+	}
+	return "\n(set by the environment: " + strings.Join(names, ", ") + ")"
+}
+
+// quotedKey finds a key a decoding error quotes: 'routing.attempts'.
+var quotedKey = regexp.MustCompile(`'([a-z0-9_.]+)'`)
 
 // invalidKeys finds the keys mapstructure's exact decoding did not know,
 // and where: "'configs.Config.routing' has invalid keys: a, b".

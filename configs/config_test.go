@@ -276,3 +276,13 @@ func TestFlowControlOffByDefaultInAFleet(t *testing.T) {
 		}
 	}
 }
+
+// A bad value from a SEMROUTE_* variable is reported with the variable's
+// name, which no file holds.
+func TestBadEnvValueNamesItsVariable(t *testing.T) {
+	t.Setenv("SEMROUTE_ROUTING_ATTEMPTS", "abc")
+	_, err := LoadBytes(NewViper(), []byte("listen: 127.0.0.1:0\n"))
+	if err == nil || !strings.Contains(err.Error(), "SEMROUTE_ROUTING_ATTEMPTS") || !strings.Contains(err.Error(), "routing.attempts") {
+		t.Fatalf("got %v", err)
+	}
+}

@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"math"
 	"net/url"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -991,6 +992,11 @@ func ValidateWeight(w float64) error {
 // ParseURL parses a replica's base URL: http or https with a host, and no
 // query or fragment. Errors never quote user information.
 func ParseURL(raw string) (*url.URL, error) {
+	if raw != "" && !strings.Contains(raw, "://") {
+		// host:port alone: url.Parse would say "first path segment in URL
+		// cannot contain colon". Not echoed: it may hold credentials.
+		return nil, errors.New("no scheme: write it as http://host:port (or https://)")
+	}
 	u, err := url.Parse(raw)
 	if err != nil {
 		var ue *url.Error
