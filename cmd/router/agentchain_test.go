@@ -154,6 +154,9 @@ func TestResponsesChainPredictedOnItsWholePrompt(t *testing.T) {
 		{"two routers", demoOptions{sim: fastSim, picture: "events", routers: 2}, 0.1, 0.1},
 	} {
 		t.Run(c.name, func(t *testing.T) {
+			if c.o.picture == "events" {
+				c.o.config = patientTokenizer(t)
+			}
 			d := startTestDemo(t, c.o)
 			if c.o.picture == "events" {
 				waitSubscribed(t, d)

@@ -68,7 +68,7 @@ func usageOf(t *testing.T, api string, resp *http.Response) (prompt, cached int6
 // Messages tools as chat function tools, instructions and system as the
 // system message.
 func TestOnePrefixAcrossTheThreeAPIs(t *testing.T) {
-	d := startTestDemo(t, demoOptions{sim: fastSim, picture: "events", replicas: 1})
+	d := startTestDemo(t, demoOptions{sim: fastSim, picture: "events", replicas: 1, config: patientTokenizer(t)})
 	waitSubscribed(t, d)
 	model := d.sims[0].Options().Model
 	apis := []string{"chat", "responses", "messages"}

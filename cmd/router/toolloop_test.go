@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"net/http"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -171,6 +172,17 @@ func idle(t *testing.T, d *demo) {
 	})
 }
 
+// patientTokenizer returns a config giving /tokenize 10 s, not 50 ms: a
+// request whose tokens come late is routed on the estimate, whose blocks
+// are not the engine's, and the tests that compare predictions with the
+// engine's cached tokens run beside the race detector on two cores.
+func patientTokenizer(t *testing.T) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "tokenizer.yaml")
+	writeConfig(t, path, "tokenizer:\n  timeout: 10s\n")
+	return path
+}
+
 // forAgentSetups runs fn against the demo in precise mode (agentSim's
 // replicas publishing KV events) and against two such routers behind a
 // round-robin front, each a subtest.
@@ -183,6 +195,7 @@ func forAgentSetups(t *testing.T, fn func(t *testing.T, d *demo)) {
 		{"two routers", demoOptions{sim: agentSim, picture: "events", routers: 2}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
+			c.o.config = patientTokenizer(t)
 			d := startTestDemo(t, c.o)
 			waitSubscribed(t, d)
 			fn(t, d)
