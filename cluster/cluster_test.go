@@ -8,13 +8,13 @@ import (
 	"math/rand/v2"
 	"os"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
 
 	"github.com/semroute/semroute/blockhash"
+	"github.com/semroute/semroute/internal/testlog"
 	"github.com/semroute/semroute/internal/testwait"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
@@ -372,7 +372,7 @@ func testLogger() *slog.Logger {
 // NATS: nothing was lost. A server that goes away still warns.
 func TestCleanCloseIsNotALoss(t *testing.T) {
 	s := serve(t, 0)
-	var buf syncLog
+	var buf testlog.Buffer
 	o := testOptions(s.ClientURL(), "quiet")
 	o.Logger = slog.New(slog.NewTextHandler(&buf, nil))
 	f, _ := startFleetWith(t, o)
@@ -383,28 +383,10 @@ func TestCleanCloseIsNotALoss(t *testing.T) {
 		t.Fatalf("a clean close warned:\n%s", buf.String())
 	}
 	o2 := testOptions(s.ClientURL(), "loud")
-	var buf2 syncLog
+	var buf2 testlog.Buffer
 	o2.Logger = slog.New(slog.NewTextHandler(&buf2, nil))
 	g, _ := startFleetWith(t, o2)
 	testwait.Until(t, "connected", g.Connected)
 	s.Shutdown()
 	testwait.Until(t, "the loss warned", func() bool { return strings.Contains(buf2.String(), "lost NATS") })
-}
-
-// syncLog is a log sink safe for the NATS client's goroutines.
-type syncLog struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (l *syncLog) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *syncLog) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }
