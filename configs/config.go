@@ -766,7 +766,7 @@ func Decode(v *viper.Viper) (*Config, error) {
 func fromEnv(err error) string {
 	var names []string
 	for _, m := range quotedKey.FindAllStringSubmatch(err.Error(), -1) {
-		name := "SEMROUTE_" + strings.ToUpper(strings.ReplaceAll(m[1], ".", "_"))
+		name := envName(m[1])
 		if _, ok := os.LookupEnv(name); ok && !slices.Contains(names, name) {
 			names = append(names, name)
 		}
@@ -834,6 +834,9 @@ func (c *Config) renamed(v *viper.Viper) {
 	if g.HeldBlocks != nil && !given(v, "grpc.max_unreleased_blocks") {
 		g.MaxUnreleasedBlocks = *g.HeldBlocks
 	}
+	if c.Tokenizer.Mode == "replica" { // auto's old name: the mode that runs is named as the docs name it
+		c.Tokenizer.Mode = "auto"
+	}
 }
 
 // fleetDefaults turns flow control off by default for a router of a fleet
@@ -849,6 +852,11 @@ func (c *Config) fleetDefaults(v *viper.Viper) {
 // given reports whether key is set in v's config file or by its SEMROUTE_*
 // variable, not only by its default.
 func given(v *viper.Viper, key string) bool {
-	_, env := os.LookupEnv("SEMROUTE_" + strings.ToUpper(strings.ReplaceAll(key, ".", "_")))
+	_, env := os.LookupEnv(envName(key))
 	return env || v.InConfig(key)
+}
+
+// envName is the SEMROUTE_* variable that sets key (NewViper).
+func envName(key string) string {
+	return "SEMROUTE_" + strings.ToUpper(strings.ReplaceAll(key, ".", "_"))
 }

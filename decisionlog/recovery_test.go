@@ -17,6 +17,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/semroute/semroute/internal/testlog"
+
 	"github.com/semroute/semroute/internal/testwait"
 )
 
@@ -103,27 +105,10 @@ func (f *faultyFile) Write(p []byte) (int, error) {
 }
 
 // logBuffer is a slog destination safe for the writer's goroutine.
-type logBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *logBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *logBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
+type logBuffer struct{ testlog.Buffer }
 
 func (l *logBuffer) lines() []string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return strings.Split(strings.TrimSpace(l.b.String()), "\n")
+	return strings.Split(strings.TrimSpace(l.String()), "\n")
 }
 
 // settle waits until the writer has counted n records.

@@ -1,13 +1,13 @@
 package kubedisc
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
+
+	"github.com/semroute/semroute/internal/testlog"
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -130,23 +130,10 @@ func TestOnePodOneIdentity(t *testing.T) {
 }
 
 // logBuf is an io.Writer for a test's logger, safe for concurrent use.
-type logBuf struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *logBuf) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
+type logBuf struct{ testlog.Buffer }
 
 // count is how many lines of the log hold s.
-func (l *logBuf) count(s string) int {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return strings.Count(l.b.String(), s)
-}
+func (l *logBuf) count(s string) int { return strings.Count(l.String(), s) }
 
 // 20 slices of 1,000 endpoints are at most DefaultMaxReplicas replicas
 // (MaxReplicas zero), the same ones on every call, and one warning
@@ -189,7 +176,7 @@ func TestReplicaBoundDefault(t *testing.T) {
 		}
 	}
 	if n := logs.count("level=WARN"); n != 1 {
-		t.Errorf("%d warnings, want 1:\n%s", n, logs.b.String())
+		t.Errorf("%d warnings, want 1:\n%s", n, logs.String())
 	}
 }
 
@@ -222,17 +209,17 @@ func TestReplicaBoundCrossings(t *testing.T) {
 	update(ep(0), ep(1), ep(2), endpoint("p3", "10.0.0.33", true), ep(4))
 	waitSpecs(t, s, "p1=http://10.0.0.1:8000", "p2=http://10.0.0.2:8000", "p3=http://10.0.0.33:8000")
 	if n := logs.count("level=WARN"); n != 1 {
-		t.Errorf("%d warnings over the bound, want 1:\n%s", n, logs.b.String())
+		t.Errorf("%d warnings over the bound, want 1:\n%s", n, logs.String())
 	}
 	update(ep(1))
 	waitSpecs(t, s, "p1=http://10.0.0.1:8000")
 	update(ep(1), ep(2), ep(4), ep(5))
 	waitSpecs(t, s, "p1=http://10.0.0.1:8000", "p2=http://10.0.0.2:8000", "p4=http://10.0.0.4:8000")
 	if n := logs.count("level=WARN"); n != 2 {
-		t.Errorf("%d warnings after crossing twice, want 2:\n%s", n, logs.b.String())
+		t.Errorf("%d warnings after crossing twice, want 2:\n%s", n, logs.String())
 	}
 	if n := logs.count("level=INFO"); n != 1 {
-		t.Errorf("%d notes of the way back, want 1:\n%s", n, logs.b.String())
+		t.Errorf("%d notes of the way back, want 1:\n%s", n, logs.String())
 	}
 }
 

@@ -140,15 +140,6 @@ func (o *demoOptions) load() (*viper.Viper, error) {
 	return v, nil
 }
 
-// tokenizerMode names the tokenizer mode that runs as the README does:
-// "auto" for its old name "replica" too.
-func tokenizerMode(mode string) string {
-	if mode == "replica" {
-		return "auto"
-	}
-	return mode
-}
-
 // choosePicture sets how the router knows the replicas' caches (--picture):
 // approximate (estimated tokens) by default, or events, the replicas then
 // publishing KV events and the router tokenizing through them.
@@ -157,7 +148,7 @@ func (o *demoOptions) choosePicture(v *viper.Viper) error {
 	case "", "approximate":
 		v.Set("tokenizer.mode", "estimate")
 	case "events":
-		v.Set("tokenizer.mode", "auto") // precise: the engines' tokens ("replica" is its old name)
+		v.Set("tokenizer.mode", "auto") // precise: the engines' tokens
 		o.sim.KVEvents = &kvevents.PublisherOptions{Endpoint: "tcp://127.0.0.1:0", ReplayEndpoint: "tcp://127.0.0.1:0", Topic: "kv-events"}
 	default:
 		return fmt.Errorf("--picture %q is not events or approximate", o.picture)
@@ -305,7 +296,7 @@ func (d *demo) startRouter(v *viper.Viper, logw io.Writer, picture string) error
 		d.app, d.run = a, run
 	}
 	log.Info("semroute demo listening", "addr", run.http.Addr, "grpc", run.grpcAddr(), "replicas", len(cfg.Replicas), "policy", cfg.Routing.Policy.Type,
-		"tokenizer", tokenizerMode(cfg.Tokenizer.Mode), "picture", cmp.Or(picture, "approximate"))
+		"tokenizer", cfg.Tokenizer.Mode, "picture", cmp.Or(picture, "approximate"))
 	return nil
 }
 
