@@ -199,17 +199,18 @@ type chainDraft struct {
 
 // continued returns req's parts as the engine renders them, continuing
 // prev (nil: req starts its conversation), and its draft. The parts'
-// texts are prev's, shared, and copies of req's own (which alias its
-// parse).
+// texts are prev's, shared, copies of req's own messages (which alias its
+// parse, and are kept with the chain), and req's tools part as parsed
+// (routed on while the parse lives, and never kept).
 func continued(req *blockhash.Request, prev *responseChain) ([]blockhash.Part, *chainDraft) {
 	d := &chainDraft{prev: req.PreviousResponseID}
 	var tools []blockhash.Part
 	for i, p := range req.Parts {
-		p.Text, p.Segs = bytes.Clone(p.Text), slices.Clone(p.Segs)
 		if i == 0 && p.Role == blockhash.RoleTools {
-			tools = append(tools, p)
+			tools = append(tools, p) // routed on while the parse lives, never stored: not copied
 			continue
 		}
+		p.Text, p.Segs = bytes.Clone(p.Text), slices.Clone(p.Segs) // kept with the chain
 		d.own = append(d.own, p)
 	}
 	if len(d.own) > 0 && d.own[0].Role == blockhash.RoleSystem {
