@@ -201,6 +201,18 @@ type DiscoveryConfig struct {
 	// Scheme and BudgetTokens apply; Port is the pods' port (Selector; an
 	// InferencePool without a target port).
 	Kubernetes KubernetesDiscovery `mapstructure:"kubernetes" json:"kubernetes"`
+	// KVEvents, if set, keeps every discovered replica's cache picture
+	// from its engine's KV events, as replicas[].kv_events does one's:
+	// with listen, the router binds one address every engine dials, and
+	// tells them apart by llm-d's topic "kv@<host>:<port>@" of each
+	// replica's address (topic must then be empty); with endpoint (and
+	// replay_endpoint), it dials each replica's engine at the address
+	// with "{host}" replaced by the replica's host, e.g.
+	// "tcp://{host}:5557". Zero: no events, the picture is approximate.
+	KVEvents KVEventsConfig `mapstructure:"kv_events" json:"kv_events"`
+	// DataParallelSize is the data-parallel ranks of every discovered
+	// engine, as replicas[].data_parallel_size. 0 or 1: one.
+	DataParallelSize int `mapstructure:"data_parallel_size" json:"data_parallel_size"`
 }
 
 // KubernetesDiscovery: see DiscoveryConfig.Kubernetes.
@@ -475,7 +487,8 @@ type TokenizerConfig struct {
 type KVEventsConfig struct {
 	// Endpoint is the engine's bound PUB socket, which the router dials,
 	// e.g. tcp://10.0.0.5:5557 (vLLM binds when its own endpoint has a
-	// wildcard: "endpoint": "tcp://*:5557"). Empty: none.
+	// wildcard: "endpoint": "tcp://*:5557"). "{host}" in it (and in
+	// ReplayEndpoint) is the host of the replica's URL. Empty: none.
 	Endpoint string `mapstructure:"endpoint" json:"endpoint"`
 	// Listen, instead of Endpoint, is an address the router binds and the
 	// engine dials, e.g. tcp://0.0.0.0:5557 (vLLM dials when its endpoint
@@ -537,6 +550,14 @@ type Replica struct {
 	// prefill replica, the requests of the models it serves are
 	// disaggregated (see the README).
 	Role string `mapstructure:"role" json:"role,omitempty"`
+	// DataParallelSize is how many data-parallel ranks the replica's
+	// engine runs behind its URL (vLLM's --data-parallel-size, SGLang's
+	// --dp-size): each rank is routed to as a replica of its own, named
+	// "<name>-dp<rank>", with its own cache picture (budget_tokens is one
+	// rank's), and its requests carry the X-data-parallel-rank header.
+	// Its kv_events addresses are rank 0's; rank k's ports are k higher,
+	// as vLLM binds them. 0 or 1: one rank.
+	DataParallelSize int `mapstructure:"data_parallel_size" json:"data_parallel_size,omitempty"`
 	// Scheduling is the replica's engine's scheduling policy, vLLM's
 	// --scheduling-policy: fcfs (the default) or priority. The router
 	// sends a priority engine each request's priority (the negation of

@@ -355,6 +355,17 @@ func (d DiscoveryConfig) validate(p *problems) {
 	if d.Kubernetes.On() {
 		d.validateKubernetes(p)
 	}
+	var errs fieldErrors
+	d.KVEvents.check(&errs)
+	if d.KVEvents.Listen != "" && d.KVEvents.Topic != "" {
+		errs.add("kv_events.topic", "must be empty with kv_events.listen: each discovered engine is told apart by llm-d's topic kv@<host>:<port>@ of its address")
+	}
+	if err := replica.CheckDataParallelSize(d.DataParallelSize); err != nil {
+		errs.add("data_parallel_size", err.Error())
+	}
+	for _, e := range errs {
+		p.bad("discovery."+e.Field, "%s", e.Msg)
+	}
 }
 
 // dnsValid reports whether the settings DNS discovery uses are valid.
@@ -488,6 +499,9 @@ func (r Replica) checkEngine(errs *fieldErrors) {
 	if err := replica.Scheduling(r.Scheduling).Check(); err != nil {
 		errs.add("scheduling", fmt.Sprintf("%q is not fcfs or priority", r.Scheduling))
 	}
+	if err := replica.CheckDataParallelSize(r.DataParallelSize); err != nil {
+		errs.add("data_parallel_size", err.Error())
+	}
 	if r.MaxRunning < 0 || r.MaxRunning > 1<<20 {
 		errs.add("max_running", fmt.Sprintf("%d is not in [0, 1048576] (0: learned from what the replica reports)", r.MaxRunning))
 	}
@@ -510,7 +524,7 @@ func (r Replica) Validate() error {
 func (r Replica) Spec() replica.Spec {
 	return replica.Spec{Name: r.Name, URL: r.URL, BudgetTokens: r.BudgetTokens, Weight: r.Weight,
 		KVEvents: replica.KVEvents(r.KVEvents), Reuse: replica.Reuse(r.Reuse), MaxRunning: r.MaxRunning, Role: replica.Role(r.Role),
-		Scheduling: replica.Scheduling(r.Scheduling)}
+		Scheduling: replica.Scheduling(r.Scheduling), DataParallel: replica.DataParallel{Size: r.DataParallelSize}}
 }
 
 func (f FlowControlConfig) validate(p *problems) {

@@ -276,7 +276,11 @@ func (m *Monitor) Scrape(ctx context.Context, r *replica.Replica) {
 	}
 	defer body.Close()
 	counted := &countingReader{r: body}
-	fams, err := ParseMetrics(counted)
+	engine := ""
+	if dp := r.DataParallel; dp.On() {
+		engine = strconv.Itoa(dp.Rank)
+	}
+	fams, err := ParseEngineMetrics(counted, engine)
 	if err != nil {
 		m.o.Logger.Warn("replica metrics unreadable", "replica", r.Name, "err", err)
 		return
@@ -419,7 +423,12 @@ func metricName(line []byte) string {
 // ParseMetrics parses a Prometheus text exposition into what the router
 // reads from a vLLM replica. Only the families it reads are parsed; values
 // that cannot be a replica's (negative, NaN, infinite) are left out.
-func ParseMetrics(rd io.Reader) (Scraped, error) {
+func ParseMetrics(rd io.Reader) (Scraped, error) { return ParseEngineMetrics(rd, "") }
+
+// ParseEngineMetrics is ParseMetrics of one data-parallel rank's engine:
+// of the samples labelled engine (vLLM labels each rank's with its index),
+// only those of engine are read; "" reads them all.
+func ParseEngineMetrics(rd io.Reader, engine string) (Scraped, error) {
 	var out Scraped
 	kept, err := filterMetrics(rd)
 	if err != nil {
@@ -431,6 +440,9 @@ func ParseMetrics(rd io.Reader) (Scraped, error) {
 		return out, fmt.Errorf("parse metrics: %w", err)
 	}
 	fs := families(fams)
+	if engine != "" {
+		fs.onlyEngine(engine)
+	}
 	fs.load(&out)
 	fs.cacheConfig(&out)
 	fs.lora(&out)
@@ -440,6 +452,20 @@ func ParseMetrics(rd io.Reader) (Scraped, error) {
 
 // families are the parsed families of one exposition, by name.
 type families map[string]*dto.MetricFamily
+
+// onlyEngine drops the samples labelled with an engine other than engine.
+func (fs families) onlyEngine(engine string) {
+	for _, f := range fs {
+		f.Metric = slices.DeleteFunc(f.Metric, func(m *dto.Metric) bool {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "engine" {
+					return l.GetValue() != engine
+				}
+			}
+			return false
+		})
+	}
+}
 
 // sum adds up the samples of family name (or name_total), if they can be a
 // replica's.

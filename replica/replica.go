@@ -51,6 +51,11 @@ type Spec struct {
 	// arrival order. The router gives a SchedulingPriority engine each
 	// request's priority.
 	Scheduling Scheduling
+	// DataParallel is the engine's data-parallel ranks behind URL (vLLM's
+	// --data-parallel-size with its own load balancing): a spec of Size
+	// over 1 is one routing target a rank (see Ranks), each request sent
+	// with HeaderDataParallelRank. The zero value: one rank.
+	DataParallel DataParallel
 }
 
 // Scheduling is an engine's scheduling policy.
@@ -300,6 +305,8 @@ type Replica struct {
 	Role Role
 	// Scheduling is its engine's scheduling policy (Spec.Scheduling).
 	Scheduling Scheduling
+	// DataParallel is its rank of its engine's (Spec.DataParallel).
+	DataParallel DataParallel
 	// ID is the replica's id in the cache model, set once when it joins a
 	// pool and never changed.
 	ID int
@@ -1027,6 +1034,12 @@ func (s Spec) Validate() (*url.URL, error) {
 	if err := ValidateWeight(s.Weight); err != nil {
 		return nil, fmt.Errorf("weight %w", err)
 	}
+	if err := CheckDataParallelSize(s.DataParallel.Size); err != nil {
+		return nil, fmt.Errorf("data_parallel_size %w", err)
+	}
+	if d := s.DataParallel; d.Rank < 0 || (d.On() && d.Rank >= d.Size) {
+		return nil, fmt.Errorf("data-parallel rank %d is not in [0, %d)", d.Rank, max(d.Size, 1))
+	}
 	return u, nil
 }
 
@@ -1058,7 +1071,7 @@ func (p *Pool) build(s Spec) (*Replica, error) {
 	if sched == "fcfs" {
 		sched = SchedulingFCFS
 	}
-	r := &Replica{Name: s.Name, URL: u, Weight: s.Weight, Reuse: s.Reuse, Role: role, Scheduling: sched, halfLife: p.opts.HalfLife, maxRunning: s.MaxRunning}
+	r := &Replica{Name: s.Name, URL: u, Weight: s.Weight, Reuse: s.Reuse, Role: role, Scheduling: sched, DataParallel: s.DataParallel, halfLife: p.opts.HalfLife, maxRunning: s.MaxRunning}
 	r.budget.Store(s.BudgetTokens)
 	return r, nil
 }

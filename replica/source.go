@@ -131,7 +131,8 @@ func (m *Membership) rank(source string) int {
 
 // Reconcile brings the pool in step with src: it adds the replicas src
 // names, replaces those whose spec changed, and drains and retires those
-// src owned and no longer names. A replica another source owns is left
+// src owned and no longer names. A replica of data-parallel ranks joins
+// as one replica a rank (see Ranks). A replica another source owns is left
 // alone unless src is stronger (see Precedence). It returns the first
 // error; the other changes are still made.
 func (m *Membership) Reconcile(ctx context.Context, src Source) error {
@@ -139,6 +140,7 @@ func (m *Membership) Reconcile(ctx context.Context, src Source) error {
 	if err != nil {
 		return fmt.Errorf("%s: %w", src.Name(), err)
 	}
+	specs = Ranks(specs)
 	name := src.Name()
 	m.mu.Lock()
 	defer m.mu.Unlock()

@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -636,15 +637,27 @@ func (st *epStream) destine(rt *Routed, fwd []byte, noBody bool, extra ...*corev
 			fwd = withPriority(fwd, p).b
 		}
 	}
+	// A data-parallel rank is named in a header the proxy sends to every
+	// destination: the fallbacks are then other engines' same rank.
+	var dp replica.DataParallel
+	if len(rt.Ranked) > 0 {
+		dp = rt.Ranked[0].Replica.DataParallel
+	}
 	dest := make([]string, 0, n)
 	for i := range rt.Ranked[:n] {
-		if same(rt.Ranked[i].Replica) {
-			dest = append(dest, Endpoint(rt.Ranked[i].Replica))
+		r := rt.Ranked[i].Replica
+		if ep := Endpoint(r); same(r) && r.DataParallel.On() == dp.On() && r.DataParallel.Rank == dp.Rank && !slices.Contains(dest, ep) {
+			dest = append(dest, ep)
 		}
 	}
 	value := strings.Join(dest, ",")
 	mut := &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
-		setHeader(HeaderDestination, value), setHeader(HeaderArm, rt.Arm.Name)}}
+		setHeader(HeaderDestination, value), setHeader(HeaderArm, rt.Arm.Name)},
+		RemoveHeaders: []string{strings.ToLower(replica.HeaderDataParallelRank)}}
+	if dp.On() {
+		mut.SetHeaders = append(mut.SetHeaders, setHeader(strings.ToLower(replica.HeaderDataParallelRank), strconv.Itoa(dp.Rank)))
+		mut.RemoveHeaders = nil
+	}
 	mut.SetHeaders = append(mut.SetHeaders, extra...)
 	changed := !sameBytes(fwd, st.body)
 	if changed {

@@ -374,7 +374,7 @@ func (s *Server) prefillOnce(ctx context.Context, in *http.Request, rep *replica
 		t.err = err
 		return t
 	}
-	aim(out, in.URL, in.Header.Values("Authorization"), rep.URL)
+	aim(out, in.URL, in.Header.Values("Authorization"), rep)
 	out.Header.Set("Content-Type", "application/json")
 	out.Header.Set("X-Request-Id", requestID)
 	if tp := in.Header.Get("traceparent"); tp != "" {

@@ -136,7 +136,7 @@ func (f *flight) setBody(out *http.Request) {
 func (s *Server) rewrite(pr *httputil.ProxyRequest) {
 	f := flightOf(pr.In.Context())
 	f.setBody(pr.Out)
-	aim(pr.Out, pr.In.URL, f.auth, f.current().Replica.URL)
+	aim(pr.Out, pr.In.URL, f.auth, f.current().Replica)
 	pr.Out.Header.Del(headerPriority) // the router's own, between authorize and placement
 	pr.SetXForwarded()
 	if sc := trace.SpanContextFromContext(pr.In.Context()); sc.IsValid() {
@@ -144,14 +144,21 @@ func (s *Server) rewrite(pr *httputil.ProxyRequest) {
 	}
 }
 
-// aim points out, a request to forward, at the replica whose base URL is
-// u: its scheme, host and base path joined with the client's path and
-// query in, as httputil.ProxyRequest.SetURL joins them. A replica URL with
-// user information (http://user:pass@host) sends it as basic
-// authentication, in place of the client's Authorization (auth, the
-// client's values); a replica without gets the client's, so that a
-// failover never carries one replica's credentials to another.
-func aim(out *http.Request, in *url.URL, auth []string, u *url.URL) {
+// aim points out, a request to forward, at replica rep: its base URL's
+// scheme, host and base path joined with the client's path and query in,
+// as httputil.ProxyRequest.SetURL joins them. A replica URL with user
+// information (http://user:pass@host) sends it as basic authentication,
+// in place of the client's Authorization (auth, the client's values); a
+// replica without gets the client's, so that a failover never carries one
+// replica's credentials to another. A data-parallel rank is named in
+// replica.HeaderDataParallelRank; a client's own is never passed on (it
+// would steer the engine past the router's choice).
+func aim(out *http.Request, in *url.URL, auth []string, rep *replica.Replica) {
+	u := rep.URL
+	out.Header.Del(replica.HeaderDataParallelRank)
+	if rep.DataParallel.On() {
+		out.Header.Set(replica.HeaderDataParallelRank, strconv.Itoa(rep.DataParallel.Rank))
+	}
 	out.URL = new(url.URL)
 	*out.URL = *in
 	out.URL.User = nil
@@ -258,7 +265,7 @@ func (t *failover) RoundTrip(req *http.Request) (*http.Response, error) {
 		t.s.o.Logger.Warn("replica failed before answering; failing over", "replica", cur.Replica.Name, "err", err, "status", statusOf(resp))
 		req = req.Clone(req.Context())
 		f.setBody(req)
-		aim(req, f.in, f.auth, f.current().Replica.URL)
+		aim(req, f.in, f.auth, f.current().Replica)
 	}
 }
 

@@ -17,6 +17,7 @@ type kvPublisher struct {
 	ch   chan kvevents.Batch
 	done sync.WaitGroup
 	sent atomic.Uint64 // batches published
+	rank *int          // the batches' data_parallel_rank; nil: none. Set before the first send.
 }
 
 // kvQueue is how many batches may wait to be sent; past it the cache waits
@@ -42,7 +43,7 @@ func newKVPublisher(o kvevents.PublisherOptions) (*kvPublisher, error) {
 
 // send queues ev as a batch of its own.
 func (p *kvPublisher) send(ev KVEvent) {
-	p.ch <- kvevents.Batch{TS: float64(time.Now().UnixNano()) / 1e9, Events: []kvevents.Event{wireEvent(ev)}}
+	p.ch <- kvevents.Batch{TS: float64(time.Now().UnixNano()) / 1e9, Events: []kvevents.Event{wireEvent(ev)}, DPRank: p.rank}
 }
 
 // close sends what is queued and closes the sockets.

@@ -25,9 +25,10 @@ type loraUse struct {
 	info             *prometheus.GaugeVec
 }
 
-func newLoRAUse(reg *prometheus.Registry, maxLoRA int) *loraUse {
+func newLoRAUse(reg *prometheus.Registry, maxLoRA int, engine string) *loraUse {
 	u := &loraUse{running: map[string]int{}, waiting: map[string]int{}, max: maxLoRA,
-		info: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "vllm:lora_requests_info", Help: "Running stats on lora requests."},
+		info: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "vllm:lora_requests_info", Help: "Running stats on lora requests.",
+			ConstLabels: prometheus.Labels{"engine": engine}},
 			[]string{"max_lora", "waiting_lora_adapters", "running_lora_adapters"})}
 	reg.MustRegister(u.info)
 	u.record()

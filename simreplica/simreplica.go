@@ -141,6 +141,14 @@ type Options struct {
 	// as vLLM will not start with a max_model_len its KV cache cannot
 	// hold.
 	Scheduling string
+	// DataParallelRank is the engine's data-parallel rank: its metrics
+	// carry it as their engine label (vLLM labels one engine's "0"), and,
+	// when over 0 or DataParallelSize is over 1, its KV event batches
+	// carry it as data_parallel_rank. NewDataParallel sets both.
+	DataParallelRank int
+	// DataParallelSize is the ranks of the engine the replica is one of
+	// (see NewDataParallel); 0 or 1: one.
+	DataParallelSize int
 }
 
 func (o *Options) defaults() {
@@ -214,7 +222,8 @@ type model struct {
 // Server is one simulated replica.
 type Server struct {
 	o      Options
-	kv     *kvPublisher // nil unless Options.KVEvents
+	reg    *prometheus.Registry // the engine's metrics
+	kv     *kvPublisher         // nil unless Options.KVEvents
 	kvOnce sync.Once
 	blend  *blendStore // nil unless Options.Blend
 	donor  *donorStore // nil unless Options.Donor
@@ -246,9 +255,9 @@ type Server struct {
 	// remoteDecodes and transfers count the prefills done for a decode
 	// replica and the decodes that pulled a prefill's KV.
 	remoteDecodes, transfers atomic.Int64
-	engineID                 string        // kv_transfer_params' remote_engine_id
-	responses                responseStore // the Responses API's stored responses
-	unauthorized             atomic.Int64  // requests refused for their key (Options.APIKey)
+	engineID                 string         // kv_transfer_params' remote_engine_id
+	responses                *responseStore // the Responses API's stored responses: the API server's, shared by its ranks
+	unauthorized             atomic.Int64   // requests refused for their key (Options.APIKey)
 	// Counters exported to /metrics; Restart zeroes them, as a restarted
 	// engine would.
 	queries, hits, promptTotal, genTotal, extQueries, extHits atomic.Int64
@@ -278,14 +287,15 @@ func New(o Options) (*Server, error) {
 		return nil, err
 	}
 	s := &Server{o: o, cache: c, pins: map[uint64]int32{}, sem: make(chan struct{}, o.MaxRunning), mux: http.NewServeMux(), tok: tok,
-		models: map[string]model{o.Model: {name: o.Model, root: RootHash(o.Model)}}, engineID: rand.Text()}
+		models: map[string]model{o.Model: {name: o.Model, root: RootHash(o.Model)}}, engineID: rand.Text(), responses: &responseStore{}}
 	if err := s.serveLoRAs(o.LoRAs); err != nil {
 		return nil, err
 	}
 	if err := s.reusePastPrefix(); err != nil {
 		return nil, err
 	}
-	s.routes(s.registerMetrics())
+	s.reg = s.registerMetrics()
+	s.routes(s.reg)
 	if o.Scheduling == SchedulingPriority {
 		s.prio = newPriorityScheduler(o.MaxRunning, o.NumBlocks, o.BlockSize)
 		s.prio.onMove = func(q *seq, wait, run int) {
@@ -298,6 +308,9 @@ func New(o Options) (*Server, error) {
 	if o.KVEvents != nil {
 		if s.kv, err = newKVPublisher(*o.KVEvents); err != nil {
 			return nil, err
+		}
+		if o.DataParallelRank > 0 || o.DataParallelSize > 1 {
+			s.kv.rank = &s.o.DataParallelRank
 		}
 		user := o.OnKVEvent
 		s.o.OnKVEvent = func(ev KVEvent) {
@@ -362,7 +375,8 @@ func (s *Server) reusePastPrefix() (err error) {
 func (s *Server) registerMetrics() *prometheus.Registry {
 	o := s.o
 	reg := prometheus.NewRegistry()
-	lbl := prometheus.Labels{"model_name": o.Model}
+	engine := fmt.Sprint(o.DataParallelRank)
+	lbl := prometheus.Labels{"model_name": o.Model, "engine": engine}
 	g := func(name, help string) prometheus.Gauge {
 		m := prometheus.NewGauge(prometheus.GaugeOpts{Name: name, Help: help, ConstLabels: lbl})
 		reg.MustRegister(m)
@@ -384,11 +398,11 @@ func (s *Server) registerMetrics() *prometheus.Registry {
 		ctr("vllm:external_prefix_cache_hits_total", "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.", &s.extHits)
 	}
 	info := prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "vllm:cache_config_info", Help: "Information of the LLMEngine CacheConfig."},
-		[]string{"block_size", "num_gpu_blocks"})
-	info.WithLabelValues(fmt.Sprint(o.BlockSize), fmt.Sprint(o.NumBlocks)).Set(1)
+		[]string{"block_size", "num_gpu_blocks", "engine"})
+	info.WithLabelValues(fmt.Sprint(o.BlockSize), fmt.Sprint(o.NumBlocks), engine).Set(1)
 	reg.MustRegister(info)
 	if len(o.LoRAs) > 0 || o.EnableLoRA {
-		s.lora = newLoRAUse(reg, o.MaxLoRAs)
+		s.lora = newLoRAUse(reg, o.MaxLoRAs, engine)
 	}
 	return reg
 }

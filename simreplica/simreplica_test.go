@@ -239,7 +239,7 @@ func TestMetricsAndModels(t *testing.T) {
 	for _, name := range []string{
 		"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
 		"vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-		`vllm:cache_config_info{block_size="16",num_gpu_blocks="16384"} 1`,
+		`vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="16384"} 1`, `vllm:num_requests_running{engine="0",model_name="sim-model"}`,
 	} {
 		if !bytes.Contains(b, []byte(name)) {
 			t.Errorf("/metrics lacks %s", name)

@@ -176,6 +176,7 @@ func newSim() *cobra.Command {
 		o                       simreplica.Options
 		listen                  string
 		kvEvents, kvReplay, top string
+		dpSize                  int
 	)
 	cmd := &cobra.Command{
 		Use:   "sim",
@@ -183,6 +184,9 @@ func newSim() *cobra.Command {
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if kvEvents != "" {
 				o.KVEvents = &kvevents.PublisherOptions{Endpoint: kvEvents, ReplayEndpoint: kvReplay, Topic: top}
+			}
+			if dpSize > 1 {
+				return runSimRanks(cmd, o, dpSize, listen)
 			}
 			r, err := simreplica.Start(o, listen)
 			if err != nil {
@@ -217,7 +221,29 @@ func newSim() *cobra.Command {
 	f.StringVar(&kvEvents, "kv-events", "", "publish vLLM KV events over ZMQ at this endpoint (e.g. tcp://127.0.0.1:5557); empty: off")
 	f.StringVar(&kvReplay, "kv-events-replay", "", "the KV events replay endpoint (e.g. tcp://127.0.0.1:5558)")
 	f.StringVar(&top, "kv-events-topic", "kv-events", "the KV events topic")
+	f.IntVar(&dpSize, "data-parallel-size", 1, "data-parallel ranks behind the address, as vLLM's --data-parallel-size: each its own cache, a request's rank read from X-data-parallel-rank, rank k's KV events ports k higher")
 	return cmd
+}
+
+// runSimRanks serves a simulated engine of size data-parallel ranks
+// until a signal.
+func runSimRanks(cmd *cobra.Command, o simreplica.Options, size int, listen string) error {
+	r, err := simreplica.StartDataParallel(o, size, listen)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(cmd.OutOrStdout(), "simulated replica serving %s at %s with %d data-parallel ranks\n", o.Model, r.URL, size)
+	for k := range size {
+		if pub, rep := r.Rank(k).KVEventsEndpoints(); pub != "" {
+			fmt.Fprintf(cmd.OutOrStdout(), "rank %d: KV events published at %s (replay %s)\n", k, pub, rep)
+		}
+	}
+	ctx, stop := signalContext()
+	defer stop()
+	<-ctx.Done()
+	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	return errors.Join(r.Shutdown(sctx), r.Close())
 }
 
 func newVersion() *cobra.Command {

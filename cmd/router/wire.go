@@ -497,7 +497,7 @@ func (a *app) start() (*running, error) {
 			Name: d.DNSName, SRV: d.SRV, Port: d.Port, Scheme: d.Scheme, BudgetTokens: d.BudgetTokens, Resolver: a.resolver,
 		})
 		wg.Add(1)
-		go func() { defer wg.Done(); a.members.Watch(ctx, dns, d.Interval) }()
+		go func() { defer wg.Done(); a.members.Watch(ctx, discoveredOf(dns, d), d.Interval) }()
 	}
 	if d := a.cfg.Discovery; d.Kubernetes.On() {
 		src, err := a.kubernetes(ctx, d)
@@ -507,7 +507,7 @@ func (a *app) start() (*running, error) {
 			return nil, err
 		}
 		wg.Add(1)
-		go func() { defer wg.Done(); a.members.Watch(ctx, src, kubeInterval) }()
+		go func() { defer wg.Done(); a.members.Watch(ctx, discoveredOf(src, d), kubeInterval) }()
 	}
 	if a.path != "" {
 		w, err := a.watch(ctx)
