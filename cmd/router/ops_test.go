@@ -110,6 +110,18 @@ func (r *srvResolver) set(ports ...int) {
 	}
 }
 
+// setHosts makes the SRV records targets, host:port each.
+func (r *srvResolver) setHosts(targets ...string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.srv = nil
+	for _, hp := range targets {
+		h, p, _ := net.SplitHostPort(hp)
+		n, _ := strconv.Atoi(p)
+		r.srv = append(r.srv, &net.SRV{Target: h + ".", Port: uint16(n)})
+	}
+}
+
 func (r *srvResolver) LookupHost(context.Context, string) ([]string, error) {
 	return nil, errors.New("A lookups unused")
 }

@@ -59,6 +59,18 @@ type tpOptions struct {
 	// whose replicas differ); blocksFor its --kv-cache-size.
 	argsFor   func(i int) []string
 	blocksFor func(i int) int
+	// ownHosts gives replica i an address of its own, 127.0.0.<10+i>, as
+	// pods have theirs: its URL and llm-d topic name it, and every
+	// replica binds its replay socket on the same port of its own host.
+	ownHosts bool
+}
+
+// host is replica i's address.
+func (o *tpOptions) host(i int) string {
+	if o.ownHosts {
+		return fmt.Sprintf("127.0.0.%d", 10+i)
+	}
+	return "127.0.0.1"
 }
 
 // kvBlocks returns replica i's --kv-cache-size.
@@ -119,10 +131,11 @@ func startThirdParty(t testing.TB, o tpOptions) []*tpReplica {
 	if o.sharedPort {
 		shared = fmt.Sprintf("tcp://127.0.0.1:%d", freePort(t))
 	}
+	replayPort := freePort(t) // with ownHosts, every host's
 	var out []*tpReplica
 	start := func(i int) *tpReplica {
 		r := &tpReplica{port: freePort(t), log: &syncBuffer{}}
-		r.url = fmt.Sprintf("http://127.0.0.1:%d", r.port)
+		r.url = fmt.Sprintf("http://%s:%d", o.host(i), r.port)
 		args := []string{"--model", tpModel, "--force-dummy-tokenizer", "--port", fmt.Sprint(r.port),
 			"--enable-kvcache", "--kv-cache-size", fmt.Sprint(o.kvBlocks(i)),
 			"--block-size", "16", "--max-num-seqs", "4", "--max-model-len", "16384",
@@ -135,6 +148,9 @@ func startThirdParty(t testing.TB, o tpOptions) []*tpReplica {
 				r.listen = fmt.Sprintf("tcp://127.0.0.1:%d", freePort(t))
 			}
 			r.replay = fmt.Sprintf("tcp://127.0.0.1:%d", freePort(t))
+			if o.ownHosts {
+				r.replay = fmt.Sprintf("tcp://%s:%d", o.host(i), replayPort)
+			}
 			args = append(args, "--zmq-endpoint", r.listen, "--kv-events-replay-endpoint", r.replay)
 			if o.mapFormat {
 				args = append(args, "--use-vllm-map-event-format")
@@ -147,7 +163,7 @@ func startThirdParty(t testing.TB, o tpOptions) []*tpReplica {
 			args = append(args, o.argsFor(i)...)
 		}
 		r.cmd = exec.Command(bin, args...)
-		r.cmd.Env = append(os.Environ(), "POD_IP=127.0.0.1")
+		r.cmd.Env = append(os.Environ(), "POD_IP="+o.host(i))
 		r.cmd.Stdout, r.cmd.Stderr = r.log, r.log
 		if err := r.cmd.Start(); err != nil {
 			t.Fatal(err)
