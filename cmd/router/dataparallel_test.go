@@ -147,3 +147,87 @@ replicas:
 		t.Errorf("a client's rank header %s moved its request: it went to %s (cached %d), its conversation's rank is %s", other, a.rank, a.cached, first)
 	}
 }
+
+// Engines found in DNS take discovery.kv_events and
+// discovery.data_parallel_size: two engines of two ranks, each engine on
+// an address of its own as pods are, publishing its rank k's KV events on
+// port P+k of its address, are four replicas, each following its own
+// rank's events from the one "{host}" template, and hit where routed.
+func TestDiscoveredDataParallelEngines(t *testing.T) {
+	sim := simreplica.Options{Overhead: time.Millisecond, PrefillPerToken: 50 * time.Microsecond, InterToken: 100 * time.Microsecond, OutputTokens: 4}
+	var (
+		engines []*simreplica.RunningDataParallel
+		targets []string
+		port    int
+	)
+	for attempt := 0; len(engines) < 2 && attempt < 10; attempt++ {
+		if len(engines) == 0 {
+			port = freePort(t)
+		}
+		host := fmt.Sprintf("127.0.0.%d", 20+len(engines))
+		o := sim
+		o.KVEvents = &kvevents.PublisherOptions{Endpoint: fmt.Sprintf("tcp://%s:%d", host, port)}
+		e, err := simreplica.StartDataParallel(o, 2, host+":0")
+		if err != nil { // a port taken: all engines start again on another
+			for _, e := range engines {
+				e.Close()
+			}
+			engines, targets = nil, nil
+			continue
+		}
+		t.Cleanup(func() { e.Close() })
+		engines, targets = append(engines, e), append(targets, strings.TrimPrefix(e.URL, "http://"))
+	}
+	if len(engines) < 2 {
+		t.Fatal("no free ports for the engines' events")
+	}
+	res := &srvResolver{}
+	res.setHosts(targets...)
+	r := startRouterResolving(t, fmt.Sprintf(`log: {level: warn}
+discovery:
+  dns_name: _http._tcp.vllm.test
+  srv: true
+  interval: 50ms
+  data_parallel_size: 2
+  kv_events: {endpoint: "tcp://{host}:%d"}
+`, port), res)
+	for i, e := range engines {
+		for k := range 2 {
+			testwait.Until(t, fmt.Sprint("engine ", i, " rank ", k, "'s events followed"), e.Rank(k).KVEventsSubscribed)
+		}
+	}
+	waitBudgets(t, r, 4, 16384*16)
+	for c := range 8 {
+		msgs := []map[string]any{{"role": "system", "content": fmt.Sprintf("You are agent %d. ", c) + text(fmt.Sprint("conv", c), 300)},
+			{"role": "user", "content": "hello " + text(fmt.Sprint("q", c), 10)}}
+		for range 2 {
+			body, _ := json.Marshal(map[string]any{"model": "sim-model", "max_tokens": 4, "messages": msgs})
+			resp, err := http.Post(r.url+chatPath, "application/json", strings.NewReader(string(body)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, _ = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != 200 {
+				t.Fatalf("%d from %s", resp.StatusCode, resp.Header.Get("X-Semroute-Replica"))
+			}
+		}
+	}
+	for _, target := range targets {
+		for k := range 2 {
+			name := fmt.Sprintf("%s-dp%d", target, k)
+			if m := metric(t, r.url, "semroute_kv_events_blocks_total", `event="stored",replica="`+name+`"`); m <= 0 {
+				t.Errorf("%s: %v blocks stored from its events", name, m)
+			}
+		}
+	}
+	var cached int64
+	for _, e := range engines {
+		for k := range 2 {
+			cached += e.Rank(k).Stats().CachedTokens
+		}
+	}
+	if cached == 0 {
+		t.Error("no rank reported a hit")
+	}
+}
