@@ -15,7 +15,9 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -25,8 +27,11 @@ import (
 	"helm.sh/helm/v3/pkg/strvals"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/serializer/json"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
@@ -729,9 +734,209 @@ func TestPlainManifests(t *testing.T) {
 	if all["PodDisruptionBudget/semroute"] == nil {
 		t.Errorf("the three routers have no PodDisruptionBudget (objects: %v)", keys(all))
 	}
-	if cm, ok := all["ConfigMap/semroute"].(*corev1.ConfigMap); !ok {
-		t.Error("no semroute ConfigMap")
-	} else if _, err := configs.LoadBytes(configs.NewViper(), []byte(cm.Data["router.yaml"])); err != nil {
-		t.Errorf("the manifests' router.yaml is refused: %v", err)
+	cm, ok := all["ConfigMap/semroute"].(*corev1.ConfigMap)
+	if !ok {
+		t.Fatal("no semroute ConfigMap")
+	}
+	cfg, err := configs.LoadBytes(configs.NewViper(), []byte(cm.Data["router.yaml"]))
+	if err != nil {
+		t.Fatalf("the manifests' router.yaml is refused: %v", err)
+	}
+	if err := cfg.CheckServable(); err != nil {
+		t.Errorf("the manifests' router.yaml cannot serve: %v", err)
+	}
+	router, engine := all["Deployment/semroute"].(*appsv1.Deployment), all["Deployment/vllm"].(*appsv1.Deployment)
+	c, err := loader.Load("helm/semroute")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if img, want := router.Spec.Template.Spec.Containers[0].Image, c.Values["image"].(map[string]any)["repository"].(string)+":"+c.Metadata.AppVersion; img != want {
+		t.Errorf("the manifests run %s, the chart %s", img, want)
+	}
+	if v := volume(router.Spec.Template.Spec, "decisions"); v == nil || v.EmptyDir == nil || v.EmptyDir.SizeLimit == nil ||
+		v.EmptyDir.SizeLimit.Value() < int64(cfg.DecisionLog.MaxFiles+1)*cfg.DecisionLog.MaxBytes {
+		t.Errorf("the decision log's volume cannot hold %d files of %d bytes: %+v", cfg.DecisionLog.MaxFiles+1, cfg.DecisionLog.MaxBytes, v)
+	}
+	pub, replay := engineEvents(t, engine.Spec.Template.Spec.Containers[0], cfg)
+	if svc := all["Service/vllm"].(*corev1.Service); len(svc.Spec.Ports) != 1 || svc.Spec.Ports[0].Name != "http" {
+		t.Errorf("the vLLM Service's ports %+v: discovery through its EndpointSlices takes the first, which must be http", svc.Spec.Ports)
+	}
+	var policies []*networkingv1.NetworkPolicy
+	for _, o := range all {
+		if p, ok := o.(*networkingv1.NetworkPolicy); ok {
+			policies = append(policies, p)
+		}
+	}
+	for _, port := range []int32{8000, pub, replay} {
+		if !reachable(policies, router.Spec.Template.Labels, engine.Spec.Template.Labels, port) {
+			t.Errorf("a NetworkPolicy keeps the routers from the engines' port %d", port)
+		}
+	}
+}
+
+// vllmKVEventsFields are the fields of vLLM's KVEventsConfig
+// (vllm/config/kv_events.py).
+var vllmKVEventsFields = map[string]bool{"enable_kv_cache_events": true, "publisher": true, "endpoint": true, "replay_endpoint": true,
+	"buffer_steps": true, "hwm": true, "max_queue_size": true, "topic": true}
+
+// engineEvents checks that the engine publishes its KV events where the
+// router's config dials them: vLLM's --kv-events-config names only its
+// fields, binds (a wildcard endpoint) a PUB and a replay port the
+// container declares, under a topic the router subscribes to, in the
+// blocks the router cuts; the router runs a tokenizer mode that uses
+// them. It returns the two ports.
+func engineEvents(t *testing.T, c corev1.Container, cfg *configs.Config) (pub, replay int32) {
+	t.Helper()
+	var raw string
+	blockSize := "16" // vLLM's default
+	for i, a := range c.Args {
+		switch {
+		case a == "--kv-events-config" && i+1 < len(c.Args):
+			raw = c.Args[i+1]
+		case strings.HasPrefix(a, "--kv-events-config="):
+			raw = strings.TrimPrefix(a, "--kv-events-config=")
+		case strings.HasPrefix(a, "--block-size="):
+			blockSize = strings.TrimPrefix(a, "--block-size=")
+		}
+	}
+	var ev map[string]any
+	if err := stdjson.Unmarshal([]byte(raw), &ev); err != nil {
+		t.Fatalf("vLLM's --kv-events-config %q: %v", raw, err)
+	}
+	for k := range ev {
+		if !vllmKVEventsFields[k] {
+			t.Errorf("--kv-events-config: vLLM has no field %q", k)
+		}
+	}
+	if ev["enable_kv_cache_events"] != true || ev["publisher"] != "zmq" {
+		t.Errorf("--kv-events-config %v publishes nothing", ev)
+	}
+	port := func(field string) int32 {
+		addr, _ := ev[field].(string)
+		rest, ok := strings.CutPrefix(addr, "tcp://*:")
+		n, err := strconv.Atoi(rest)
+		if !ok || err != nil {
+			t.Fatalf("--kv-events-config %s %q: not a port bound on every address (tcp://*:port), which the routers dial", field, addr)
+		}
+		return int32(n)
+	}
+	pub, replay = port("endpoint"), port("replay_endpoint")
+	declared := map[int32]bool{}
+	for _, p := range c.Ports {
+		declared[p.ContainerPort] = true
+	}
+	if !declared[pub] || !declared[replay] {
+		t.Errorf("the engine's container does not declare its KV events ports %d and %d: %+v", pub, replay, c.Ports)
+	}
+	d := cfg.Discovery
+	if d.KVEvents != (configs.KVEventsConfig{Endpoint: fmt.Sprintf("tcp://{host}:%d", pub), ReplayEndpoint: fmt.Sprintf("tcp://{host}:%d", replay)}) {
+		t.Errorf("the routers' discovery.kv_events %+v does not dial the engines' ports %d and %d", d.KVEvents, pub, replay)
+	}
+	if topic, _ := ev["topic"].(string); !strings.HasPrefix(topic, d.KVEvents.Topic) {
+		t.Errorf("the engine publishes under %q, the routers subscribe to %q", topic, d.KVEvents.Topic)
+	}
+	if cfg.Tokenizer.Mode == "estimate" || strconv.Itoa(cfg.Tokenizer.BlockTokens) != blockSize {
+		t.Errorf("tokenizer %+v: events need a precise mode and vLLM's --block-size %s", cfg.Tokenizer, blockSize)
+	}
+	r := replica.Ranks([]replica.Spec{{Name: "e", URL: "http://10.1.2.3:8000", KVEvents: replica.KVEvents(d.KVEvents)}})
+	if r[0].KVEvents.Endpoint != fmt.Sprintf("tcp://10.1.2.3:%d", pub) {
+		t.Errorf("an engine at 10.1.2.3 is dialed at %q", r[0].KVEvents.Endpoint)
+	}
+	return pub, replay
+}
+
+// reachable reports whether the NetworkPolicies of one namespace let pods
+// labelled from reach pods labelled to on TCP port: to's ingress and
+// from's egress, each allowed when no policy of that type selects the pod
+// or a rule of one that does allows the port and the peer.
+func reachable(policies []*networkingv1.NetworkPolicy, from, to map[string]string, port int32) bool {
+	allows := func(subject, peer map[string]string, typ networkingv1.PolicyType) bool {
+		isolated := false
+		for _, p := range policies {
+			types := p.Spec.PolicyTypes
+			if len(types) == 0 {
+				types = []networkingv1.PolicyType{networkingv1.PolicyTypeIngress}
+				if len(p.Spec.Egress) > 0 {
+					types = append(types, networkingv1.PolicyTypeEgress)
+				}
+			}
+			if !slices.Contains(types, typ) || !selects(&p.Spec.PodSelector, subject) {
+				continue
+			}
+			isolated = true
+			type rule struct {
+				ports []networkingv1.NetworkPolicyPort
+				peers []networkingv1.NetworkPolicyPeer
+			}
+			var rules []rule
+			if typ == networkingv1.PolicyTypeIngress {
+				for _, r := range p.Spec.Ingress {
+					rules = append(rules, rule{r.Ports, r.From})
+				}
+			} else {
+				for _, r := range p.Spec.Egress {
+					rules = append(rules, rule{r.Ports, r.To})
+				}
+			}
+			for _, r := range rules {
+				portOK := len(r.ports) == 0
+				for _, pp := range r.ports {
+					if (pp.Protocol == nil || *pp.Protocol == corev1.ProtocolTCP) && (pp.Port == nil ||
+						pp.Port.IntVal == port || pp.EndPort != nil && pp.Port.IntVal <= port && port <= *pp.EndPort) {
+						portOK = true
+					}
+				}
+				peerOK := len(r.peers) == 0
+				for _, pe := range r.peers {
+					if pe.IPBlock == nil && (pe.PodSelector == nil || selects(pe.PodSelector, peer)) {
+						peerOK = true
+					}
+				}
+				if portOK && peerOK {
+					return true
+				}
+			}
+		}
+		return !isolated
+	}
+	return allows(to, from, networkingv1.PolicyTypeIngress) && allows(from, to, networkingv1.PolicyTypeEgress)
+}
+
+// selects reports whether sel selects pods labelled l.
+func selects(sel *metav1.LabelSelector, l map[string]string) bool {
+	s, err := metav1.LabelSelectorAsSelector(sel)
+	return err == nil && s.Matches(labels.Set(l))
+}
+
+// reachable, which TestPlainManifests relies on to find a NetworkPolicy
+// keeping the routers from the engines' KV events, finds one.
+func TestManifestReachable(t *testing.T) {
+	router, engine := map[string]string{"app": "semroute"}, map[string]string{"app": "vllm"}
+	pol := func(y string) *networkingv1.NetworkPolicy {
+		var p networkingv1.NetworkPolicy
+		if err := utilyaml.Unmarshal([]byte(y), &p); err != nil {
+			t.Fatal(err)
+		}
+		return &p
+	}
+	httpOnly := pol(`{spec: {podSelector: {matchLabels: {app: vllm}}, policyTypes: [Ingress], ingress: [{ports: [{port: 8000}], from: [{podSelector: {matchLabels: {app: semroute}}}]}]}}`)
+	withEvents := pol(`{spec: {podSelector: {matchLabels: {app: vllm}}, ingress: [{ports: [{port: 8000}, {port: 5557, endPort: 5558}], from: [{podSelector: {matchLabels: {app: semroute}}}]}]}}`)
+	egressDNS := pol(`{spec: {podSelector: {matchLabels: {app: semroute}}, policyTypes: [Egress], egress: [{ports: [{port: 53, protocol: UDP}]}]}}`)
+	other := pol(`{spec: {podSelector: {matchLabels: {app: nats}}, policyTypes: [Ingress, Egress]}}`)
+	for _, c := range []struct {
+		policies []*networkingv1.NetworkPolicy
+		port     int32
+		want     bool
+	}{
+		{nil, 5557, true},
+		{[]*networkingv1.NetworkPolicy{other}, 5557, true},
+		{[]*networkingv1.NetworkPolicy{httpOnly}, 8000, true},
+		{[]*networkingv1.NetworkPolicy{httpOnly}, 5557, false},
+		{[]*networkingv1.NetworkPolicy{httpOnly, withEvents}, 5558, true},
+		{[]*networkingv1.NetworkPolicy{withEvents, egressDNS}, 5557, false},
+	} {
+		if got := reachable(c.policies, router, engine, c.port); got != c.want {
+			t.Errorf("%d policies, port %d: reachable %v, want %v", len(c.policies), c.port, got, c.want)
+		}
 	}
 }
