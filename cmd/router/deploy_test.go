@@ -1,8 +1,13 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
 	"os"
+	"strings"
 	"testing"
 
 	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
@@ -19,6 +24,8 @@ import (
 
 	extprocfilterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 
+	"github.com/semroute/semroute/configs"
+	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/router"
 )
 
@@ -134,5 +141,66 @@ func TestEveryAlertHasAUnitTest(t *testing.T) {
 	}
 	if n < 10 {
 		t.Fatalf("only %d alerts read", n)
+	}
+}
+
+// staticSource names fixed replicas, as a discovery source would.
+type staticSource []replica.Spec
+
+func (s staticSource) Name() string { return "static" }
+func (s staticSource) Specs(context.Context) ([]replica.Spec, error) {
+	return append([]replica.Spec(nil), s...), nil
+}
+
+// The plain manifests' routers follow every engine's KV events: the
+// discovery the router runs (discoveredOf, then replica.Ranks, as the pool
+// takes them) turns deploy/k8s/semroute.yaml's discovery.kv_events into
+// each discovered pod's own addresses, IPv4 and IPv6, at the ports
+// deploy/k8s/vllm.yaml's --kv-events-config binds.
+func TestDeployManifestEventsReachEngines(t *testing.T) {
+	raw, err := os.ReadFile("../../deploy/k8s/semroute.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var routerYAML string
+	dec := yaml.NewDecoder(strings.NewReader(string(raw)))
+	for {
+		var doc struct {
+			Kind string            `yaml:"kind"`
+			Data map[string]string `yaml:"data"`
+		}
+		if err := dec.Decode(&doc); errors.Is(err, io.EOF) {
+			break
+		} else if err != nil {
+			t.Fatal(err)
+		}
+		if doc.Kind == "ConfigMap" && doc.Data["router.yaml"] != "" {
+			routerYAML = doc.Data["router.yaml"]
+		}
+	}
+	cfg, err := configs.LoadBytes(configs.NewViper(), []byte(routerYAML))
+	if err != nil {
+		t.Fatal(err)
+	}
+	engines, err := os.ReadFile("../../deploy/k8s/vllm.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	src := discoveredOf(staticSource{{Name: "a", URL: "http://10.1.2.3:8000"}, {Name: "b", URL: "http://[fd00::7]:8000"}}, cfg.Discovery)
+	specs, err := src.Specs(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	specs = replica.Ranks(specs)
+	for i, host := range []string{"10.1.2.3", "[fd00::7]"} {
+		ev := specs[i].KVEvents
+		pub, replay := strings.TrimPrefix(ev.Endpoint, "tcp://"+host+":"), strings.TrimPrefix(ev.ReplayEndpoint, "tcp://"+host+":")
+		if pub == ev.Endpoint || replay == ev.ReplayEndpoint || pub == "" || replay == "" {
+			t.Fatalf("engine %s is followed at %+v, not at its own address", host, ev)
+		}
+		want := fmt.Sprintf(`"endpoint":"tcp://*:%s","replay_endpoint":"tcp://*:%s"`, pub, replay)
+		if !strings.Contains(string(engines), want) {
+			t.Errorf("vllm.yaml's --kv-events-config does not bind %s", want)
+		}
 	}
 }
