@@ -50,7 +50,7 @@ func TestDiscoveryEventsAndRanks(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if d := c.Discovery; d.DataParallelSize != 2 || d.KVEvents.Endpoint != "tcp://{host}:5557" || d.KVEvents.ReplayEndpoint != "tcp://{host}:5558" {
+	if d := c.Discovery; d.DataParallelSize != 2 || d.KVEvents.Endpoint != "tcp://{host}:5557" || d.KVEvents.ReplayEndpoint != "tcp://{host}:5600" {
 		t.Errorf("discovery: %+v", d)
 	}
 	if s := c.Replicas[0].Spec(); s.DataParallel.Size != 4 || s.KVEvents.Listen != "tcp://0.0.0.0:6000" {
@@ -91,7 +91,7 @@ func TestBadConfigs(t *testing.T) {
 		"hostile.bad.yaml": {"grpc.token:", "grpc.tls_cert_file:", "grpc.max_unreleased_decisions:", "grpc.ext_proc_max_buffered_bytes:", "limits.max_json_depth:",
 			"cache.default_budget_tokens:", "replicas[0].name:", "replicas[0].url:", "replicas[1].weight:", "replicas[2].reuse:"},
 		"bad-duration.bad.yaml":              {"load_half_life"},
-		"discovery-events.bad.yaml":          {"discovery.kv_events.topic: must be empty with kv_events.listen", "discovery.data_parallel_size: 300 is not in [0, 256]", "replicas[0].data_parallel_size: -2"},
+		"discovery-events.bad.yaml":          {"discovery.kv_events.topic: must be empty with kv_events.listen", "discovery.data_parallel_size: 300 is not in [0, 256]", "replicas[0].data_parallel_size: -2", "replicas[1].kv_events.replay_endpoint: port 5558 meets the events ports 5557-5558"},
 		"bad-yaml.bad.yaml":                  {"parse config"},
 		"fleet-without-credentials.bad.yaml": {"cluster:", "no NATS credentials", "insecure: true"},
 		"policy-params.bad.yaml": {`routing.policy: policy dynamo: unknown parameter "temprature" (have overlap_weight, temperature)`,

@@ -1,10 +1,12 @@
 package configs
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"net"
 	"net/url"
+	"strconv"
 	"strings"
 	"time"
 
@@ -363,6 +365,7 @@ func (d DiscoveryConfig) validate(p *problems) {
 	if err := replica.CheckDataParallelSize(d.DataParallelSize); err != nil {
 		errs.add("data_parallel_size", err.Error())
 	}
+	d.KVEvents.checkRanks(d.DataParallelSize, &errs)
 	for _, e := range errs {
 		p.bad("discovery."+e.Field, "%s", e.Msg)
 	}
@@ -486,6 +489,26 @@ func (k KVEventsConfig) check(errs *fieldErrors) {
 	}
 }
 
+// checkRanks checks that the KV events ports of n data-parallel ranks do
+// not meet: vLLM offsets a rank's events port and its replay port alike by
+// its rank, so with vLLM's defaults (5557 and 5558) rank 1's events port
+// is rank 0's replay port.
+func (k KVEventsConfig) checkRanks(n int, errs *fieldErrors) {
+	port := func(addr string) int {
+		rest, ok := strings.CutPrefix(addr, "tcp://")
+		if !ok {
+			return 0
+		}
+		p, _ := strconv.Atoi(rest[strings.LastIndex(rest, ":")+1:])
+		return p
+	}
+	ev, rep := port(cmp.Or(k.Endpoint, k.Listen)), port(k.ReplayEndpoint)
+	if n > 1 && ev > 0 && rep > 0 && ev < rep+n && rep < ev+n {
+		errs.add("kv_events.replay_endpoint", fmt.Sprintf("port %d meets the events ports %d-%d of %d data-parallel ranks (each rank's ports are its rank higher, as vLLM offsets them): put the replay port %d or more away",
+			rep, ev, ev+n-1, n, n))
+	}
+}
+
 // checkEngine checks what the replica says of its engine: its reuse past
 // the prefix, its role, how many requests it runs at once and its
 // scheduling policy.
@@ -502,6 +525,7 @@ func (r Replica) checkEngine(errs *fieldErrors) {
 	if err := replica.CheckDataParallelSize(r.DataParallelSize); err != nil {
 		errs.add("data_parallel_size", err.Error())
 	}
+	r.KVEvents.checkRanks(r.DataParallelSize, errs)
 	if r.MaxRunning < 0 || r.MaxRunning > 1<<20 {
 		errs.add("max_running", fmt.Sprintf("%d is not in [0, 1048576] (0: learned from what the replica reports)", r.MaxRunning))
 	}
