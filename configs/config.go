@@ -10,6 +10,7 @@ import (
 	_ "embed"
 	"errors"
 	"fmt"
+	goyaml "github.com/goccy/go-yaml"
 	"maps"
 	"os"
 	"reflect"
@@ -731,7 +732,7 @@ func Load(v *viper.Viper, path string) (*Config, error) {
 			return nil, fmt.Errorf("read config: %w", err)
 		}
 		if err := v.MergeConfig(strings.NewReader(string(b))); err != nil {
-			return nil, fmt.Errorf("parse config %s: %w", path, err)
+			return nil, fmt.Errorf("parse config %s: %w", path, syntaxError(b, err))
 		}
 	}
 	return Decode(v)
@@ -740,9 +741,24 @@ func Load(v *viper.Viper, path string) (*Config, error) {
 // LoadBytes is Load for a YAML document in memory.
 func LoadBytes(v *viper.Viper, yaml []byte) (*Config, error) {
 	if err := v.MergeConfig(strings.NewReader(string(yaml))); err != nil {
-		return nil, fmt.Errorf("parse config: %w", err)
+		return nil, fmt.Errorf("parse config: %w", syntaxError(yaml, err))
 	}
 	return Decode(v)
+}
+
+// syntaxError is the error of a YAML document doc that viper's parser
+// refused with err, told where it is: go-yaml v3 gives the line before
+// the problem's for many errors (the 0-based line of the construct being
+// parsed), so the document is parsed again by goccy/go-yaml, whose error
+// names the line and column (not the text: a config holds secrets, and a
+// reload's error is logged). Where that parser accepts the document, err
+// is returned as it is.
+func syntaxError(doc []byte, err error) error {
+	var v any
+	if perr := goyaml.Unmarshal(doc, &v); perr != nil {
+		return errors.New("yaml: " + goyaml.FormatError(perr, false, false))
+	}
+	return err
 }
 
 // Decode unmarshals v and validates it.

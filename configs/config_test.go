@@ -302,3 +302,18 @@ func TestBadEnvValueNamesItsVariable(t *testing.T) {
 		t.Fatalf("got %v", err)
 	}
 }
+
+// A YAML syntax error names its own line, not the one before it (go-yaml
+// v3's count for many errors), and shows none of the config's text.
+func TestYAMLErrorNamesItsLine(t *testing.T) {
+	for doc, want := range map[string]string{
+		"log:\n  level: info\n  format: \"json\n":                     "[3:11]",
+		"listen: x\nlog:\n  level: [info, secret-ish\nreplicas: []\n": "[4:1]",
+		"listen: x\nlog: 1\n\tlevel: info\n":                          "[3:1]",
+	} {
+		_, err := LoadBytes(NewViper(), []byte(doc))
+		if err == nil || !strings.Contains(err.Error(), want) || strings.Contains(err.Error(), "secret-ish") {
+			t.Errorf("%q: %v, want %s and no text of the config", doc, err, want)
+		}
+	}
+}
