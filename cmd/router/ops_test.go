@@ -180,9 +180,10 @@ func TestDNSDiscoveryFollowsReplicas(t *testing.T) {
 
 var metricName = regexp.MustCompile(`\bsemroute_[a-z_]+`)
 
-// readmeMetrics returns the metric names in the README's metrics table.
-func readmeMetrics(t *testing.T) map[string]bool {
-	b, err := os.ReadFile("../../README.md")
+// docMetrics returns the metric names in the metrics table of
+// docs/metrics.md.
+func docMetrics(t *testing.T) map[string]bool {
+	b, err := os.ReadFile("../../docs/metrics.md")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -193,7 +194,7 @@ func readmeMetrics(t *testing.T) map[string]bool {
 		}
 	}
 	if len(out) < 20 {
-		t.Fatalf("found only %d metrics in the README table", len(out))
+		t.Fatalf("found only %d metrics in the table of docs/metrics.md", len(out))
 	}
 	return out
 }
@@ -209,7 +210,7 @@ var needsTraffic = map[string]bool{
 var onlyWithKeys = map[string]bool{"semroute_tenant_requests_total": true}
 
 func TestMetricsTableIsExportedAndDeployUsesIt(t *testing.T) {
-	table := readmeMetrics(t)
+	table := docMetrics(t)
 	events := fastSim // replica b publishes KV events: their families too
 	events.KVEvents = &kvevents.PublisherOptions{Endpoint: "tcp://127.0.0.1:0", ReplayEndpoint: "tcp://127.0.0.1:0", Topic: "kv-events"}
 	sims := append(startSims(t, 1, fastSim), startSims(t, 1, events)...)
@@ -270,12 +271,12 @@ func TestMetricsTableIsExportedAndDeployUsesIt(t *testing.T) {
 	}
 	for name := range table {
 		if !exported[name] && !onlyWithKeys[name] {
-			t.Errorf("README metric %s not in /metrics after traffic", name)
+			t.Errorf("docs/metrics.md lists %s, not in /metrics after traffic", name)
 		}
 	}
 	for name := range exported {
 		if !table[name] {
-			t.Errorf("exported metric %s missing from the README table", name)
+			t.Errorf("exported metric %s missing from the table of docs/metrics.md", name)
 		}
 	}
 	for _, f := range []string{"../../deploy/grafana/semroute-dashboard.json", "../../deploy/prometheus/alerts.yaml"} {
@@ -296,11 +297,11 @@ func TestMetricsTableIsExportedAndDeployUsesIt(t *testing.T) {
 	}
 }
 
-// Every family the router's own collectors describe is in the README's
-// table, whether or not this machine's traffic would make it appear (the
+// Every family the router's own collectors describe is in the table of
+// docs/metrics.md, whether or not this machine's traffic would make it appear (the
 // KV events' families need an engine that publishes them).
-func TestEveryDescribedFamilyIsInTheReadme(t *testing.T) {
-	table := readmeMetrics(t)
+func TestEveryDescribedFamilyIsInTheMetricsTable(t *testing.T) {
+	table := docMetrics(t)
 	ch := make(chan *prometheus.Desc, 256)
 	for _, c := range []prometheus.Collector{&followers{}, agreementMetrics{}, fleetMetrics{}, replicaCollector{}, queueCollector{}} {
 		c.Describe(ch)
@@ -315,7 +316,7 @@ func TestEveryDescribedFamilyIsInTheReadme(t *testing.T) {
 		}
 		n++
 		if !table[m[1]] {
-			t.Errorf("%s is described but not in the README's metrics table", m[1])
+			t.Errorf("%s is described but not in the metrics table of docs/metrics.md", m[1])
 		}
 	}
 	if n < 30 {

@@ -68,7 +68,7 @@ func pdGain(tables []replayTable) string {
 var blendRE = regexp.MustCompile(`after any persona\): \*\*([0-9.]+)×\*\* in replay`)
 
 // blendGain returns the semantic policy's prefill tokens saved over the
-// best exact-prefix routing's in the README's blend table, as "1.61".
+// best exact-prefix routing's in the blend table (docs/engines.md), as "1.61".
 func blendGain(tables []replayTable) string {
 	saved := map[string]float64{}
 	for _, tb := range tables {
@@ -127,97 +127,142 @@ func replayTables(text string) []replayTable {
 	return out
 }
 
+// docFiles are the files whose replay tables and claims are checked: the
+// README and every page of docs/, so that a table moved from one to
+// another is still checked.
+func docFiles(t *testing.T) []string {
+	t.Helper()
+	pages, err := filepath.Glob("../../docs/*.md")
+	if err != nil || len(pages) == 0 {
+		t.Fatalf("no docs/*.md: %v", err)
+	}
+	return append([]string{"../../README.md"}, pages...)
+}
+
+// docName is a file of docFiles as the repository names it.
+func docName(f string) string { return strings.TrimPrefix(f, "../../") }
+
 // TestReadmeReplayTablesAreWhatTheirCommandsPrint runs the command above
-// each replay table of the README and checks the table is what it prints,
-// row for row, so that the README cannot drift from the code. After a
-// change meant to move them, SEMROUTE_README_UPDATE=1 rewrites them for
-// review (the prose around them is the author's to check).
+// each replay table of the README and of every docs/*.md page and checks
+// the table is what it prints, row for row, so that the documentation
+// cannot drift from the code. After a change meant to move them,
+// SEMROUTE_README_UPDATE=1 rewrites them for review (the prose around them
+// is the author's to check).
 func TestReadmeReplayTablesAreWhatTheirCommandsPrint(t *testing.T) {
-	b, err := os.ReadFile("../../README.md")
-	if err != nil {
-		t.Fatal(err)
-	}
-	text := string(b)
-	tables := replayTables(text)
-	if len(tables) < 3 {
-		t.Fatalf("found %d replay tables in the README, want at least 3", len(tables))
-	}
-	for _, tb := range tables {
-		if raceOn && !strings.Contains(strings.Join(tb.args, " "), "synthetic_trace") {
-			continue // ten times slower under -race; go test without it checks them all
+	files := docFiles(t)
+	texts := map[string]string{}
+	var all []replayTable
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
 		}
-		dir := t.TempDir()
-		local := func(args []string) []string {
-			out := make([]string, len(args))
-			for i, a := range args {
-				switch {
-				case i > 0 && args[i-1] == "--out":
-					a = filepath.Join(dir, a)
-				case i > 0 && args[i-1] == "--trace" && !strings.HasPrefix(a, "testdata/"):
-					a = filepath.Join(dir, a)
-				case strings.HasPrefix(a, "testdata/"):
-					a = filepath.Join("..", "..", a)
+		text := string(b)
+		for _, tb := range replayTables(text) {
+			if raceOn && !strings.Contains(strings.Join(tb.args, " "), "synthetic_trace") {
+				continue // ten times slower under -race; go test without it checks them all
+			}
+			dir := t.TempDir()
+			local := func(args []string) []string {
+				out := make([]string, len(args))
+				for i, a := range args {
+					switch {
+					case i > 0 && args[i-1] == "--out":
+						a = filepath.Join(dir, a)
+					case i > 0 && args[i-1] == "--trace" && !strings.HasPrefix(a, "testdata/"):
+						a = filepath.Join(dir, a)
+					case strings.HasPrefix(a, "testdata/"):
+						a = filepath.Join("..", "..", a)
+					}
+					out[i] = a
 				}
-				out[i] = a
+				return out
 			}
-			return out
-		}
-		if tb.gen != nil {
-			runCLI(t, local(tb.gen)...)
-		}
-		got := runCLI(t, local(tb.args)...)
-		var printed []string
-		for _, l := range strings.Split(got, "\n") {
-			if strings.HasPrefix(l, "|") {
-				printed = append(printed, l)
+			if tb.gen != nil {
+				runCLI(t, local(tb.gen)...)
+			}
+			got := runCLI(t, local(tb.args)...)
+			var printed []string
+			for _, l := range strings.Split(got, "\n") {
+				if strings.HasPrefix(l, "|") {
+					printed = append(printed, l)
+				}
+			}
+			if strings.Join(printed, "\n") != strings.Join(tb.rows, "\n") {
+				if os.Getenv("SEMROUTE_README_UPDATE") != "" {
+					text = strings.Replace(text, strings.Join(tb.rows, "\n"), strings.Join(printed, "\n"), 1)
+					continue
+				}
+				t.Errorf("%s line %d: the table is not what `go run ./cmd/router %s` prints; it prints:\n%s\n(SEMROUTE_README_UPDATE=1 rewrites the tables of the README and docs/)",
+					docName(f), tb.line, strings.Join(tb.args, " "), strings.Join(printed, "\n"))
 			}
 		}
-		if strings.Join(printed, "\n") != strings.Join(tb.rows, "\n") {
-			if os.Getenv("SEMROUTE_README_UPDATE") != "" {
-				text = strings.Replace(text, strings.Join(tb.rows, "\n"), strings.Join(printed, "\n"), 1)
-				continue
-			}
-			t.Errorf("README line %d: the table is not what `go run ./cmd/router %s` prints; it prints:\n%s\n(SEMROUTE_README_UPDATE=1 rewrites the README's tables)",
-				tb.line, strings.Join(tb.args, " "), strings.Join(printed, "\n"))
-		}
+		texts[f] = text
+		all = append(all, replayTables(text)...) // as updated, if they were
 	}
-	tables = replayTables(text) // as updated, if they were
+	if len(all) < 3 {
+		t.Fatalf("found %d replay tables in the README and docs/, want at least 3", len(all))
+	}
+	// Each claim below is checked wherever it is made (the README's
+	// headline figures and the page that holds the table), against the
+	// tables of every file.
+	claims := func(re *regexp.Regexp) (out [][]string, where []string) {
+		for _, f := range files {
+			for _, m := range re.FindAllStringSubmatch(texts[f], -1) {
+				out = append(out, m)
+				where = append(where, docName(f))
+			}
+		}
+		return out, where
+	}
 	// The blend headline: the gain over exact-prefix routing, as the blend
 	// table says.
-	if m := blendRE.FindStringSubmatch(text); m == nil {
-		t.Error("the README's blend headline is gone")
-	} else if g := blendGain(tables); g != m[1] {
-		t.Errorf("the README's blend headline says %s× in replay; its table says %s×", m[1], g)
+	ms, where := claims(blendRE)
+	if ms == nil {
+		t.Error("the blend headline (docs/engines.md) is gone")
+	}
+	for i, m := range ms {
+		if g := blendGain(all); g != m[1] {
+			t.Errorf("%s: the blend headline says %s× in replay; its table says %s×", where[i], m[1], g)
+		}
 	}
 	// The disaggregated replay: the prefill pool's cached tokens, cache-aware
 	// over round robin, as its table says.
-	if m := pdRE.FindStringSubmatch(text); m == nil {
-		t.Error("the README's disaggregated replay's claim is gone")
-	} else if g := pdGain(tables); g != m[1] {
-		t.Errorf("the README says the cache-aware prefill choice finds %s× round robin's cached tokens; its table says %s×", m[1], g)
+	ms, where = claims(pdRE)
+	if ms == nil {
+		t.Error("the disaggregated replay's claim (docs/prefill-decode.md) is gone")
+	}
+	for i, m := range ms {
+		if g := pdGain(all); g != m[1] {
+			t.Errorf("%s says the cache-aware prefill choice finds %s× round robin's cached tokens; its table says %s×", where[i], m[1], g)
+		}
 	}
 	// The headline: the default's share of the pooled hit rate and its
 	// imbalance on the two public traces, as their tables say.
-	m := headlineRE.FindStringSubmatch(text)
-	if m == nil {
-		t.Fatal("the README's headline on the public traces is gone")
+	ms, where = claims(headlineRE)
+	if ms == nil {
+		t.Fatal("the headline on the public traces (docs/replay.md) is gone")
 	}
-	for i, trace := range []string{"conversation", "synthetic"} {
-		if raceOn && trace != "synthetic" {
-			continue
-		}
-		row := semanticRow(tables, trace)
-		if row == nil {
-			t.Fatalf("no replay table of the %s trace", trace)
-		}
-		if row[3] != m[1+i] || row[9] != m[3+i] {
-			t.Errorf("the README's headline says %s of pooled and imbalance %s on the %s trace; its table says %s and %s",
-				m[1+i], m[3+i], trace, row[3], row[9])
+	for j, m := range ms {
+		for i, trace := range []string{"conversation", "synthetic"} {
+			if raceOn && trace != "synthetic" {
+				continue
+			}
+			row := semanticRow(all, trace)
+			if row == nil {
+				t.Fatalf("no replay table of the %s trace", trace)
+			}
+			if row[3] != m[1+i] || row[9] != m[3+i] {
+				t.Errorf("%s: the headline says %s of pooled and imbalance %s on the %s trace; its table says %s and %s",
+					where[j], m[1+i], m[3+i], trace, row[3], row[9])
+			}
 		}
 	}
 	if os.Getenv("SEMROUTE_README_UPDATE") != "" {
-		if err := os.WriteFile("../../README.md", []byte(text), 0o644); err != nil {
-			t.Fatal(err)
+		for _, f := range files {
+			if err := os.WriteFile(f, []byte(texts[f]), 0o644); err != nil {
+				t.Fatal(err)
+			}
 		}
 	}
 }
