@@ -549,7 +549,7 @@ type Replica struct {
 	// Role is the replica's part in prefill/decode disaggregation:
 	// prefill, decode or both (the default: a whole engine). With any
 	// prefill replica, the requests of the models it serves are
-	// disaggregated (see the README).
+	// disaggregated (see docs/prefill-decode.md).
 	Role string `mapstructure:"role" json:"role,omitempty"`
 	// DataParallelSize is how many data-parallel ranks the replica's
 	// engine runs behind its URL (vLLM's --data-parallel-size, SGLang's

@@ -40,7 +40,7 @@ func TestBlendEnginesAndEngineAwareCredit(t *testing.T) {
 	}
 }
 
-// TestBlendCreditOnLongTailRAG pins the README's replay figures for
+// TestBlendCreditOnLongTailRAG pins docs/engines.md's replay figures for
 // issue 18's target: RAG sessions over a long-tail corpus
 // (`router gentrace --workload blend --seed 7 --sessions 600 --docs 120
 // --zipf-v 20 --agent-share 0`), 4 blending engines of 10,000 tokens: the
@@ -116,7 +116,7 @@ func blendTrace(t *testing.T, o GenOptions) []Request {
 	return reqs
 }
 
-// TestDonorCreditOnTopicRAG pins the README's replay figures for donor
+// TestDonorCreditOnTopicRAG pins docs/engines.md's replay figures for donor
 // engines: RAG sessions that retrieve by topic (`router gentrace
 // --workload blend --seed 7 --sessions 600 --docs 120 --zipf-v 20
 // --agent-share 0 --topics 40`), 4 engines of 10,000 tokens that reuse a

@@ -79,7 +79,7 @@ func TestSpreadTies(t *testing.T) {
 }
 
 // fleetRuns replays reqs with one router, then with 4 routers without sync
-// and sharing after delay, on 8 replicas of the README's model.
+// and sharing after delay, on 8 replicas of docs/replay.md's model.
 func fleetRuns(t *testing.T, reqs []Request, spread, delay time.Duration) (one, none, shared *Result) {
 	t.Helper()
 	r := fleetReplay(t, reqs, spread, "one", "none", "shared:"+delay.String())

@@ -74,7 +74,7 @@ func TestGoldenReports(t *testing.T) {
 	}{
 		{
 			// The first 1,500 requests of the conversation trace on the
-			// README's model (8 replicas of 1,000,000 tokens, vLLM's
+			// model of docs/replay.md (8 replicas of 1,000,000 tokens, vLLM's
 			// eviction order).
 			name: "conversation", trace: "testdata/conversation_head1500.jsonl", format: "mooncake",
 			reqs: func(t *testing.T) []Request { return goldenMooncake(t, "testdata/conversation_head1500.jsonl") },

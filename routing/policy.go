@@ -269,8 +269,8 @@ func nonNegative(names []string, vals ...float64) error {
 // that finished recently (see replica.Load). LoadWeight below 1 values a matched
 // token above a queued one: sending a request away from its prefix also
 // costs a duplicate copy of that prefix in the fleet's cache, which later
-// requests miss (the replay of the public traces measures this; see the
-// README). A miss everywhere goes to the least-loaded replica. A hot prefix
+// requests miss (the replay of the public traces measures this; see
+// docs/replay.md). A miss everywhere goes to the least-loaded replica. A hot prefix
 // (View.Hot: more traffic than one replica's share) counts as held by every
 // replica, since it soon will be: load decides where requests sharing a
 // global system prompt go, and the prefix is replicated wherever they land. A replica whose queued work is above

@@ -74,7 +74,7 @@ var blendSim = simreplica.Options{Overhead: time.Millisecond, PrefillPerToken: 5
 const blendStoreTokens = 420 * 16
 
 // blendGen is the live runs' workload: RAG sessions only over a long-tail
-// corpus (see the README's table for the same in replay).
+// corpus (see docs/replay.md's table for the same in replay).
 var blendGen = replay.GenOptions{Docs: 120, ZipfV: 20, AgentShare: -1}
 
 type blendRun struct {
