@@ -5,6 +5,7 @@ import (
 	"crypto/subtle"
 	"encoding/json"
 	"errors"
+	"github.com/semroute/semroute/replica"
 	"strconv"
 	"time"
 
@@ -273,6 +274,9 @@ func (g *GRPCService) Route(ctx context.Context, in *pb.RouteRequest) (*pb.Route
 	out := &pb.RouteResponse{
 		DecisionId: rt.ID, Replica: c.Replica.Name, Url: c.Replica.PublicURL(), Arm: rt.Arm.Name, Policy: rt.Policy,
 		PredictedMatchedTokens: int64(c.Predicted()), TotalTokens: int64(rt.Tokens),
+	}
+	if dp := c.Replica.DataParallel; dp.On() {
+		out.Headers = map[string]string{replica.HeaderDataParallelRank: strconv.Itoa(dp.Rank)}
 	}
 	for _, cand := range rt.Candidates {
 		out.Candidates = append(out.Candidates, &pb.Candidate{

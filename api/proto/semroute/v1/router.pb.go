@@ -613,8 +613,13 @@ type RouteResponse struct {
 	PredictedMatchedTokens int64        `protobuf:"varint,6,opt,name=predicted_matched_tokens,json=predictedMatchedTokens,proto3" json:"predicted_matched_tokens,omitempty"`
 	TotalTokens            int64        `protobuf:"varint,7,opt,name=total_tokens,json=totalTokens,proto3" json:"total_tokens,omitempty"`
 	Candidates             []*Candidate `protobuf:"bytes,8,rep,name=candidates,proto3" json:"candidates,omitempty"`
-	unknownFields          protoimpl.UnknownFields
-	sizeCache              protoimpl.SizeCache
+	// headers are what the request must carry to the replica beside its
+	// body: X-data-parallel-rank when the replica is one rank of an engine's
+	// data-parallel ranks behind url (vLLM's --data-parallel-size), so that
+	// the engine runs it on the rank the router chose. Empty: none.
+	Headers       map[string]string `protobuf:"bytes,9,rep,name=headers,proto3" json:"headers,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RouteResponse) Reset() {
@@ -699,6 +704,13 @@ func (x *RouteResponse) GetTotalTokens() int64 {
 func (x *RouteResponse) GetCandidates() []*Candidate {
 	if x != nil {
 		return x.Candidates
+	}
+	return nil
+}
+
+func (x *RouteResponse) GetHeaders() map[string]string {
+	if x != nil {
+		return x.Headers
 	}
 	return nil
 }
@@ -1062,7 +1074,7 @@ const file_api_proto_semroute_v1_router_proto_rawDesc = "" +
 	"\x0epending_tokens\x18\x05 \x01(\x01R\rpendingTokens\x12#\n" +
 	"\rrecent_tokens\x18\x06 \x01(\x01R\frecentTokens\x12\x16\n" +
 	"\x06reason\x18\a \x01(\tR\x06reason\x12\x16\n" +
-	"\x06chosen\x18\b \x01(\bR\x06chosen\"\x9b\x02\n" +
+	"\x06chosen\x18\b \x01(\bR\x06chosen\"\x9a\x03\n" +
 	"\rRouteResponse\x12\x1f\n" +
 	"\vdecision_id\x18\x01 \x01(\tR\n" +
 	"decisionId\x12\x18\n" +
@@ -1074,7 +1086,11 @@ const file_api_proto_semroute_v1_router_proto_rawDesc = "" +
 	"\ftotal_tokens\x18\a \x01(\x03R\vtotalTokens\x126\n" +
 	"\n" +
 	"candidates\x18\b \x03(\v2\x16.semroute.v1.CandidateR\n" +
-	"candidates\"\xf2\x01\n" +
+	"candidates\x12A\n" +
+	"\aheaders\x18\t \x03(\v2'.semroute.v1.RouteResponse.HeadersEntryR\aheaders\x1a:\n" +
+	"\fHeadersEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xf2\x01\n" +
 	"\x0eReleaseRequest\x12\x1f\n" +
 	"\vdecision_id\x18\x01 \x01(\tR\n" +
 	"decisionId\x12\x16\n" +
@@ -1121,7 +1137,7 @@ func file_api_proto_semroute_v1_router_proto_rawDescGZIP() []byte {
 }
 
 var file_api_proto_semroute_v1_router_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_api_proto_semroute_v1_router_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
+var file_api_proto_semroute_v1_router_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
 var file_api_proto_semroute_v1_router_proto_goTypes = []any{
 	(Endpoint)(0),                // 0: semroute.v1.Endpoint
 	(*ChatMessage)(nil),          // 1: semroute.v1.ChatMessage
@@ -1137,6 +1153,7 @@ var file_api_proto_semroute_v1_router_proto_goTypes = []any{
 	(*ListReplicasRequest)(nil),  // 11: semroute.v1.ListReplicasRequest
 	(*Replica)(nil),              // 12: semroute.v1.Replica
 	(*ListReplicasResponse)(nil), // 13: semroute.v1.ListReplicasResponse
+	nil,                          // 14: semroute.v1.RouteResponse.HeadersEntry
 }
 var file_api_proto_semroute_v1_router_proto_depIdxs = []int32{
 	1,  // 0: semroute.v1.ChatMessages.messages:type_name -> semroute.v1.ChatMessage
@@ -1146,18 +1163,19 @@ var file_api_proto_semroute_v1_router_proto_depIdxs = []int32{
 	5,  // 4: semroute.v1.RouteRequest.token_ids:type_name -> semroute.v1.TokenIds
 	0,  // 5: semroute.v1.RouteRequest.endpoint:type_name -> semroute.v1.Endpoint
 	7,  // 6: semroute.v1.RouteResponse.candidates:type_name -> semroute.v1.Candidate
-	12, // 7: semroute.v1.ListReplicasResponse.replicas:type_name -> semroute.v1.Replica
-	6,  // 8: semroute.v1.Router.Route:input_type -> semroute.v1.RouteRequest
-	9,  // 9: semroute.v1.Router.Release:input_type -> semroute.v1.ReleaseRequest
-	11, // 10: semroute.v1.Router.ListReplicas:input_type -> semroute.v1.ListReplicasRequest
-	8,  // 11: semroute.v1.Router.Route:output_type -> semroute.v1.RouteResponse
-	10, // 12: semroute.v1.Router.Release:output_type -> semroute.v1.ReleaseResponse
-	13, // 13: semroute.v1.Router.ListReplicas:output_type -> semroute.v1.ListReplicasResponse
-	11, // [11:14] is the sub-list for method output_type
-	8,  // [8:11] is the sub-list for method input_type
-	8,  // [8:8] is the sub-list for extension type_name
-	8,  // [8:8] is the sub-list for extension extendee
-	0,  // [0:8] is the sub-list for field type_name
+	14, // 7: semroute.v1.RouteResponse.headers:type_name -> semroute.v1.RouteResponse.HeadersEntry
+	12, // 8: semroute.v1.ListReplicasResponse.replicas:type_name -> semroute.v1.Replica
+	6,  // 9: semroute.v1.Router.Route:input_type -> semroute.v1.RouteRequest
+	9,  // 10: semroute.v1.Router.Release:input_type -> semroute.v1.ReleaseRequest
+	11, // 11: semroute.v1.Router.ListReplicas:input_type -> semroute.v1.ListReplicasRequest
+	8,  // 12: semroute.v1.Router.Route:output_type -> semroute.v1.RouteResponse
+	10, // 13: semroute.v1.Router.Release:output_type -> semroute.v1.ReleaseResponse
+	13, // 14: semroute.v1.Router.ListReplicas:output_type -> semroute.v1.ListReplicasResponse
+	12, // [12:15] is the sub-list for method output_type
+	9,  // [9:12] is the sub-list for method input_type
+	9,  // [9:9] is the sub-list for extension type_name
+	9,  // [9:9] is the sub-list for extension extendee
+	0,  // [0:9] is the sub-list for field type_name
 }
 
 func init() { file_api_proto_semroute_v1_router_proto_init() }
@@ -1178,7 +1196,7 @@ func file_api_proto_semroute_v1_router_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_api_proto_semroute_v1_router_proto_rawDesc), len(file_api_proto_semroute_v1_router_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   13,
+			NumMessages:   14,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
