@@ -75,3 +75,42 @@ discovery:
 		t.Fatalf("predicted ÷ reported cached tokens %.4f, want within 2%%", ratio)
 	}
 }
+
+// TestThirdPartyDataParallelRanks: llm-d's simulator serves
+// --data-parallel-size 4 as vLLM with external load balancing does: rank k
+// on HTTP port P+k, its KV events dialled to the router's port L+k, its
+// batches carrying data_parallel_rank k. Each rank is a replica of its own
+// (kv_events.data_parallel_rank k); every rank's events are followed, and
+// predictions agree with what the ranks report.
+func TestThirdPartyDataParallelRanks(t *testing.T) {
+	const ranks = 4
+	reps := startThirdParty(t, tpOptions{n: 1, events: true, args: []string{"--data-parallel-size", fmt.Sprint(ranks)}})
+	lp, rp := port(t, reps[0].listen), port(t, reps[0].replay)
+	for k := 1; k < ranks; k++ {
+		(&tpReplica{url: fmt.Sprintf("http://127.0.0.1:%d", reps[0].port+k), log: reps[0].log}).waitUp(t)
+	}
+	var b strings.Builder
+	b.WriteString("log: {level: warn}\nreplicas:\n")
+	for k := range ranks {
+		fmt.Fprintf(&b, "  - name: rank-%d\n    url: http://127.0.0.1:%d\n    kv_events: {listen: \"tcp://127.0.0.1:%d\", replay_endpoint: \"tcp://127.0.0.1:%d\", data_parallel_rank: %d}\n",
+			k, reps[0].port+k, lp+k, rp+k, k)
+	}
+	r := startRouterYAML(t, b.String())
+	waitBudgets(t, r, ranks, 768*16)
+	run := sendTruth(r.url, tpWork(160), 8, nil)
+	ratio := float64(run.predicted) / float64(max(run.cached, 1))
+	t.Logf("hit ratio %.3f, predicted ÷ reported %.4f, errors %d; events %+v", run.hitRatio(), ratio, run.errors, r.app.events.stats())
+	if run.errors > 0 {
+		t.Fatalf("%d requests failed: %s", run.errors, run.firstErr)
+	}
+	for k := range ranks {
+		t.Logf("rank %d: stored %v orphans %v batches %v", k, metric(t, r.url, "semroute_kv_events_blocks_total", fmt.Sprintf(`event="stored",replica="rank-%d"`, k)),
+			metric(t, r.url, "semroute_kv_events_blocks_total", fmt.Sprintf(`event="orphan",replica="rank-%d"`, k)), metric(t, r.url, "semroute_kv_events_batches_total", fmt.Sprintf(`replica="rank-%d"`, k)))
+		if m := metric(t, r.url, "semroute_kv_events_blocks_total", fmt.Sprintf(`event="stored",replica="rank-%d"`, k)); m <= 0 {
+			t.Errorf("rank %d: %v blocks stored from its events", k, m)
+		}
+	}
+	if ratio < 0.95 || ratio > 1.05 {
+		t.Fatalf("predicted ÷ reported cached tokens %.4f, want within 5%%", ratio)
+	}
+}
