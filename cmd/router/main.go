@@ -30,7 +30,9 @@ import (
 )
 
 // version and commitFlag are set at build time with -ldflags
-// "-X main.version=v1.2.3 -X main.commitFlag=abc123" (make build does).
+// "-X main.version=v1.2.3 -X main.commitFlag=abc123" (make build and make
+// image do); where they are not (go install ...@v1.2.3), buildInfo reports
+// what the Go toolchain recorded instead (see stamp).
 var (
 	version    = "dev"
 	commitFlag = ""

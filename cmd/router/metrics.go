@@ -1,6 +1,7 @@
 package main
 
 import (
+	"regexp"
 	"runtime"
 	"runtime/debug"
 	"strconv"
@@ -89,18 +90,57 @@ func (c replicaCollector) Collect(ch chan<- prometheus.Metric) {
 
 // buildInfo returns the version, the VCS commit and the Go version.
 func buildInfo() (ver, commit, goVersion string) {
-	commit = "unknown"
-	if bi, ok := debug.ReadBuildInfo(); ok {
-		for _, s := range bi.Settings {
-			if s.Key == "vcs.revision" {
-				commit = s.Value
+	bi, _ := debug.ReadBuildInfo()
+	ver, commit = stamp(version, commitFlag, bi)
+	return ver, commit, runtime.Version()
+}
+
+// stamp picks the version and commit to report. What -ldflags set (make
+// build, make image, the Dockerfile) wins; without it, what the Go toolchain
+// recorded in bi: the main module's version (`go install
+// github.com/semroute/semroute/cmd/router@v1.2.3` records v1.2.3, a build in
+// a checkout its tag or pseudo-version; "(devel)" is no version) and the
+// commit from vcs.revision (a build in a checkout), else from the
+// pseudo-version (`go install ...@<commit>` records no vcs.* settings).
+// bi may be nil (a binary built without module support).
+func stamp(ldVersion, ldCommit string, bi *debug.BuildInfo) (ver, commit string) {
+	ver, commit = ldVersion, ldCommit
+	if bi != nil {
+		if (ver == "" || ver == "dev") && bi.Main.Version != "" && bi.Main.Version != "(devel)" {
+			ver = bi.Main.Version
+		}
+		if commit == "" {
+			for _, s := range bi.Settings {
+				if s.Key == "vcs.revision" {
+					commit = s.Value
+				}
 			}
 		}
+		if commit == "" {
+			commit = pseudoRevision(bi.Main.Version)
+		}
 	}
-	if commitFlag != "" {
-		commit = commitFlag
+	if ver == "" {
+		ver = "dev"
 	}
-	return version, commit, runtime.Version()
+	if commit == "" {
+		commit = "unknown"
+	}
+	return ver, commit
+}
+
+// pseudoRev matches a pseudo-version's tail: the commit's UTC time
+// (yyyymmddhhmmss) and its 12-hex-digit revision prefix, before any
+// +incompatible or +dirty.
+var pseudoRev = regexp.MustCompile(`[-.][0-9]{14}-([0-9a-f]{12})(\+.*)?$`)
+
+// pseudoRevision returns the revision prefix in a pseudo-version
+// (v0.0.0-20260102150405-abcdef123456), or "" for a release version.
+func pseudoRevision(v string) string {
+	if m := pseudoRev.FindStringSubmatch(v); m != nil {
+		return m[1]
+	}
+	return ""
 }
 
 // registerOps registers the process-level metrics: replicas, the decision
