@@ -2,13 +2,11 @@ package router
 
 import (
 	"context"
-	"net"
 	"strings"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 
 	pb "github.com/semroute/semroute/api/proto/semroute/v1"
 	"github.com/semroute/semroute/replica"
@@ -34,19 +32,7 @@ func startRanksPicker(t *testing.T) *grpc.ClientConn {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := NewGRPCServer(core, GRPCOptions{})
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go func() { _ = s.Serve(ln) }()
-	t.Cleanup(s.Stop)
-	conn, err := grpc.NewClient(ln.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Close() })
-	return conn
+	return serveGRPC(t, core, GRPCOptions{})
 }
 
 // A rank of a data-parallel engine is told to whoever forwards: Route

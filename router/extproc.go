@@ -25,6 +25,7 @@ import (
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/limits"
 	"github.com/semroute/semroute/replica"
+	"github.com/semroute/semroute/routing"
 )
 
 // The endpoint picker's names, as the Gateway API Inference Extension's
@@ -615,6 +616,26 @@ func (st *epStream) upstream(req *blockhash.Request) ([]byte, *apiError) {
 	return fwd, nil
 }
 
+// destinations is the destination header's value for ranked, the first
+// and its fallbacks, those of them same allows, each endpoint once, and the
+// first's data-parallel rank. The rank is named in a header the proxy
+// sends to every destination, so a first choice that is a rank has as
+// fallbacks only other engines' same rank.
+func destinations(ranked []routing.Candidate, same func(*replica.Replica) bool) (string, replica.DataParallel) {
+	var dp replica.DataParallel
+	if len(ranked) > 0 {
+		dp = ranked[0].Replica.DataParallel
+	}
+	dest := make([]string, 0, len(ranked))
+	for i := range ranked {
+		r := ranked[i].Replica
+		if ep := Endpoint(r); same(r) && r.DataParallel.On() == dp.On() && r.DataParallel.Rank == dp.Rank && !slices.Contains(dest, ep) {
+			dest = append(dest, ep)
+		}
+	}
+	return strings.Join(dest, ","), dp
+}
+
 // destine sends the proxy rt's destination (and its fallbacks), with fwd
 // where the body changed or, in full-duplex mode, the body itself; noBody
 // says the headers ended the request.
@@ -637,20 +658,7 @@ func (st *epStream) destine(rt *Routed, fwd []byte, noBody bool, extra ...*corev
 			fwd = withPriority(fwd, p).b
 		}
 	}
-	// A data-parallel rank is named in a header the proxy sends to every
-	// destination: the fallbacks are then other engines' same rank.
-	var dp replica.DataParallel
-	if len(rt.Ranked) > 0 {
-		dp = rt.Ranked[0].Replica.DataParallel
-	}
-	dest := make([]string, 0, n)
-	for i := range rt.Ranked[:n] {
-		r := rt.Ranked[i].Replica
-		if ep := Endpoint(r); same(r) && r.DataParallel.On() == dp.On() && r.DataParallel.Rank == dp.Rank && !slices.Contains(dest, ep) {
-			dest = append(dest, ep)
-		}
-	}
-	value := strings.Join(dest, ",")
+	value, dp := destinations(rt.Ranked[:n], same)
 	mut := &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
 		setHeader(HeaderDestination, value), setHeader(HeaderArm, rt.Arm.Name)},
 		RemoveHeaders: []string{strings.ToLower(replica.HeaderDataParallelRank)}}

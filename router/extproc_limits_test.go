@@ -48,7 +48,15 @@ func startPicker(t *testing.T, maxBody int64, o ExtProcOptions) *picker {
 		o.Budget = NewBodyBudget(0)
 	}
 	lim := limits.Request{MaxBodyBytes: maxBody}.WithDefaults()
-	s := NewGRPCServer(core, GRPCOptions{Limits: func() limits.Request { return lim }, ExtProc: o})
+	conn := serveGRPC(t, core, GRPCOptions{Limits: func() limits.Request { return lim }, ExtProc: o})
+	return &picker{core: core, budget: o.Budget, reg: reg, conn: conn}
+}
+
+// serveGRPC serves core's gRPC API (NewGRPCServer) on 127.0.0.1 until the
+// test ends and returns a client connection to it.
+func serveGRPC(t *testing.T, core *Core, o GRPCOptions) *grpc.ClientConn {
+	t.Helper()
+	s := NewGRPCServer(core, o)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -60,7 +68,7 @@ func startPicker(t *testing.T, maxBody int64, o ExtProcOptions) *picker {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
-	return &picker{core: core, budget: o.Budget, reg: reg, conn: conn}
+	return conn
 }
 
 // refused reads semroute_ext_proc_refused_total{reason}.

@@ -152,7 +152,8 @@ replicas:
 // discovery.data_parallel_size: two engines of two ranks, each engine on
 // an address of its own as pods are, publishing its rank k's KV events on
 // port P+k of its address, are four replicas, each following its own
-// rank's events from the one "{host}" template, and hit where routed.
+// rank's events from the one "{host}" template: every rank a request went
+// to hears its blocks stored, and the requests hit.
 func TestDiscoveredDataParallelEngines(t *testing.T) {
 	sim := simreplica.Options{Overhead: time.Millisecond, PrefillPerToken: 50 * time.Microsecond, InterToken: 100 * time.Microsecond, OutputTokens: 4}
 	var (
@@ -197,6 +198,7 @@ discovery:
 		}
 	}
 	waitBudgets(t, r, 4, 16384*16)
+	served := map[string]bool{}
 	for c := range 8 {
 		msgs := []map[string]any{{"role": "system", "content": fmt.Sprintf("You are agent %d. ", c) + text(fmt.Sprint("conv", c), 300)},
 			{"role": "user", "content": "hello " + text(fmt.Sprint("q", c), 10)}}
@@ -211,15 +213,25 @@ discovery:
 			if resp.StatusCode != 200 {
 				t.Fatalf("%d from %s", resp.StatusCode, resp.Header.Get("X-Semroute-Replica"))
 			}
+			served[resp.Header.Get("X-Semroute-Replica")] = true
 		}
 	}
+	ranks := map[string]bool{}
 	for _, target := range targets {
 		for k := range 2 {
-			name := fmt.Sprintf("%s-dp%d", target, k)
-			if m := metric(t, r.url, "semroute_kv_events_blocks_total", `event="stored",replica="`+name+`"`); m <= 0 {
-				t.Errorf("%s: %v blocks stored from its events", name, m)
-			}
+			ranks[fmt.Sprintf("%s-dp%d", target, k)] = true
 		}
+	}
+	if len(served) < 2 {
+		t.Errorf("8 conversations all went to %v", served)
+	}
+	for name := range served {
+		if !ranks[name] {
+			t.Fatalf("served by %s, not one of the ranks %v", name, ranks)
+		}
+		testwait.Until(t, name+"'s stored blocks heard from its events", func() bool {
+			return metric(t, r.url, "semroute_kv_events_blocks_total", `event="stored",replica="`+name+`"`) > 0
+		})
 	}
 	var cached int64
 	for _, e := range engines {

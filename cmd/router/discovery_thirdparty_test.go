@@ -4,30 +4,12 @@ import (
 	"fmt"
 	"strings"
 	"testing"
-	"time"
-
-	"github.com/semroute/semroute/configs"
 )
 
 // startRouterResolving is startRouterYAML with DNS answered by res.
 func startRouterResolving(t testing.TB, yaml string, res *srvResolver) *tpRouter {
 	t.Helper()
-	cfg, err := configs.LoadBytes(configs.NewViper(), []byte("listen: 127.0.0.1:0\n"+yaml))
-	if err != nil {
-		t.Fatalf("config: %v\n%s", err, yaml)
-	}
-	lb := &syncBuffer{}
-	a, err := build(cfg, newLogger(cfg.Log, lb))
-	if err != nil {
-		t.Fatal(err)
-	}
-	a.resolver = res
-	r, err := a.start()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = r.stop(time.Second) })
-	return &tpRouter{app: a, run: r, url: r.http.URL(), log: lb}
+	return startRouterWith(t, yaml, func(a *app) { a.resolver = res })
 }
 
 // TestThirdPartyDiscoveredEvents: replicas found in DNS (SRV records) keep

@@ -240,7 +240,11 @@ type tpRouter struct {
 
 // startRouterYAML builds and starts a router from the YAML of a config
 // whose listen address it sets itself.
-func startRouterYAML(t testing.TB, yaml string) *tpRouter {
+func startRouterYAML(t testing.TB, yaml string) *tpRouter { return startRouterWith(t, yaml, nil) }
+
+// startRouterWith is startRouterYAML with prepare, when set, called on the
+// app before it starts.
+func startRouterWith(t testing.TB, yaml string, prepare func(*app)) *tpRouter {
 	t.Helper()
 	cfg, err := configs.LoadBytes(configs.NewViper(), []byte("listen: 127.0.0.1:0\n"+yaml))
 	if err != nil {
@@ -250,6 +254,9 @@ func startRouterYAML(t testing.TB, yaml string) *tpRouter {
 	a, err := build(cfg, newLogger(cfg.Log, lb))
 	if err != nil {
 		t.Fatal(err)
+	}
+	if prepare != nil {
+		prepare(a)
 	}
 	r, err := a.start()
 	if err != nil {
