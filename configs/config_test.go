@@ -317,3 +317,17 @@ func TestYAMLErrorNamesItsLine(t *testing.T) {
 		}
 	}
 }
+
+// A replica URL without its scheme says what to write (url.Parse says
+// "first path segment in URL cannot contain colon"), and the precise
+// tokenizer mode's old name runs, and is named, as the docs name it.
+func TestRoughEdgesOperatorsMet(t *testing.T) {
+	_, err := LoadBytes(NewViper(), []byte("replicas:\n  - {name: a, url: \"10.0.0.5:8000\"}\n"))
+	if err == nil || !strings.Contains(err.Error(), "replicas[0].url: no scheme: write it as http://host:port") || strings.Contains(err.Error(), "first path segment") {
+		t.Errorf("a URL without a scheme: %v", err)
+	}
+	c, err := LoadBytes(NewViper(), []byte("tokenizer: {mode: replica}\n"))
+	if err != nil || c.Tokenizer.Mode != "auto" {
+		t.Errorf("tokenizer.mode replica: %v, mode %q", err, c.Tokenizer.Mode)
+	}
+}
