@@ -66,11 +66,8 @@ discovery:
 // predictions agree with what the ranks report.
 func TestThirdPartyDataParallelRanks(t *testing.T) {
 	const ranks = 4
-	reps := startThirdParty(t, tpOptions{n: 1, events: true, args: []string{"--data-parallel-size", fmt.Sprint(ranks)}})
+	reps := startThirdParty(t, tpOptions{n: 1, events: true, ranks: ranks})
 	lp, rp := port(t, reps[0].listen), port(t, reps[0].replay)
-	for k := 1; k < ranks; k++ {
-		(&tpReplica{url: fmt.Sprintf("http://127.0.0.1:%d", reps[0].port+k), log: reps[0].log}).waitUp(t)
-	}
 	var b strings.Builder
 	b.WriteString("log: {level: warn}\nreplicas:\n")
 	for k := range ranks {

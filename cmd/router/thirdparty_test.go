@@ -59,6 +59,10 @@ type tpOptions struct {
 	// whose replicas differ); blocksFor its --kv-cache-size.
 	argsFor   func(i int) []string
 	blocksFor func(i int) int
+	// ranks, over 1, is the simulator's --data-parallel-size: its rank k
+	// serves HTTP on port+k and offsets its events and replay ports by k,
+	// so each of those ports is the first of ranks free ones.
+	ranks int
 	// ownHosts gives replica i an address of its own, 127.0.0.<10+i>, as
 	// pods have theirs: its URL and llm-d topic name it, and every
 	// replica binds its replay socket on the same port of its own host.
@@ -86,6 +90,7 @@ type tpReplica struct {
 	url, listen, replay string
 	proxied             string // a test's proxy in front of it, if any
 	port                int
+	ranks               int // its data-parallel ranks (tpOptions.ranks), on port+k
 	cmd                 *exec.Cmd
 	log                 *syncBuffer
 }
@@ -134,7 +139,8 @@ func startThirdParty(t testing.TB, o tpOptions) []*tpReplica {
 	replayPort := freePort(t) // with ownHosts, every host's
 	var out []*tpReplica
 	start := func(i int) *tpReplica {
-		r := &tpReplica{port: freePort(t), log: &syncBuffer{}}
+		span := max(o.ranks, 1)
+		r := &tpReplica{port: freePorts(t, span), ranks: span, log: &syncBuffer{}}
 		r.url = fmt.Sprintf("http://%s:%d", o.host(i), r.port)
 		args := []string{"--model", tpModel, "--force-dummy-tokenizer", "--port", fmt.Sprint(r.port),
 			"--enable-kvcache", "--kv-cache-size", fmt.Sprint(o.kvBlocks(i)),
@@ -145,9 +151,9 @@ func startThirdParty(t testing.TB, o tpOptions) []*tpReplica {
 		if o.events {
 			r.listen = shared
 			if r.listen == "" {
-				r.listen = fmt.Sprintf("tcp://127.0.0.1:%d", freePort(t))
+				r.listen = fmt.Sprintf("tcp://127.0.0.1:%d", freePorts(t, span))
 			}
-			r.replay = fmt.Sprintf("tcp://127.0.0.1:%d", freePort(t))
+			r.replay = fmt.Sprintf("tcp://127.0.0.1:%d", freePorts(t, span))
 			if o.ownHosts {
 				r.replay = fmt.Sprintf("tcp://%s:%d", o.host(i), replayPort)
 			}
@@ -157,6 +163,9 @@ func startThirdParty(t testing.TB, o tpOptions) []*tpReplica {
 			}
 		} else {
 			args = append(args, "--zmq-endpoint", "")
+		}
+		if o.ranks > 1 {
+			args = append(args, "--data-parallel-size", fmt.Sprint(o.ranks))
 		}
 		args = append(args, o.args...)
 		if o.argsFor != nil {
@@ -206,13 +215,39 @@ func (r *tpReplica) waitUp(t testing.TB) {
 // caller decides what a simulator that does not means).
 func (r *tpReplica) up(wait time.Duration) bool {
 	return testwait.Within(wait, func() bool {
-		resp, err := http.Get(r.url + "/v1/models")
-		if err != nil {
-			return false
+		for k := range max(r.ranks, 1) {
+			resp, err := http.Get(fmt.Sprintf("%s:%d/v1/models", r.url[:strings.LastIndex(r.url, ":")], r.port+k))
+			if err != nil {
+				return false
+			}
+			resp.Body.Close()
+			if resp.StatusCode != 200 {
+				return false
+			}
 		}
-		resp.Body.Close()
-		return resp.StatusCode == 200
+		return true
 	})
+}
+
+// freePorts returns the first of n ports free on 127.0.0.1 one after the
+// other.
+func freePorts(t testing.TB, n int) int {
+	t.Helper()
+	for range 100 {
+		p := freePort(t)
+		free := true
+		for q := p + 1; q < p+n && free; q++ {
+			ln, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", q))
+			if free = err == nil; free {
+				ln.Close()
+			}
+		}
+		if free {
+			return p
+		}
+	}
+	t.Fatalf("no %d free ports in a row", n)
+	return 0
 }
 
 // restart kills the simulator and starts it again on the same ports: its
