@@ -23,7 +23,7 @@ func startRouterResolving(t testing.TB, yaml string, res *srvResolver) *tpRouter
 func TestThirdPartyDiscoveredEvents(t *testing.T) {
 	// Each engine on an address of its own, as pods are: its replay socket
 	// on the same port of every host, which one template names.
-	reps := startThirdParty(t, tpOptions{n: 4, events: true, sharedPort: true, ownHosts: true})
+	reps := startThirdParty(t, tpOptions{n: 4, events: true, sharedPort: true, ownHosts: true, deferred: true})
 	res := &srvResolver{}
 	names := make([]string, len(reps))
 	for i, rep := range reps {
@@ -37,6 +37,7 @@ discovery:
   interval: 100ms
   kv_events: {listen: %q, replay_endpoint: "tcp://{host}:%s"}
 `, reps[0].listen, reps[0].replay[strings.LastIndex(reps[0].replay, ":")+1:]), res)
+	launchThirdParty(t, reps)
 	waitBudgets(t, r, len(reps), 768*16)
 	run := sendTruth(r.url, tpWork(160), 8, nil)
 	ev := r.app.events.stats()
@@ -66,7 +67,7 @@ discovery:
 // predictions agree with what the ranks report.
 func TestThirdPartyDataParallelRanks(t *testing.T) {
 	const ranks = 4
-	reps := startThirdParty(t, tpOptions{n: 1, events: true, ranks: ranks})
+	reps := startThirdParty(t, tpOptions{n: 1, events: true, ranks: ranks, deferred: true})
 	lp, rp := port(t, reps[0].listen), port(t, reps[0].replay)
 	var b strings.Builder
 	b.WriteString("log: {level: warn}\nreplicas:\n")
@@ -75,6 +76,7 @@ func TestThirdPartyDataParallelRanks(t *testing.T) {
 			k, reps[0].port+k, lp+k, rp+k, k)
 	}
 	r := startRouterYAML(t, b.String())
+	launchThirdParty(t, reps)
 	waitBudgets(t, r, ranks, 768*16)
 	run := sendTruth(r.url, tpWork(160), 8, nil)
 	ratio := float64(run.predicted) / float64(max(run.cached, 1))

@@ -63,6 +63,12 @@ type tpOptions struct {
 	// serves HTTP on port+k and offsets its events and replay ports by k,
 	// so each of those ports is the first of ranks free ones.
 	ranks int
+	// deferred leaves the simulators unstarted, their ports chosen, for
+	// launchThirdParty to start once the router listens: a simulator's
+	// PUB dials the router's events address 10 times, 250 ms apart, as it
+	// starts (go-zeromq's defaults), and under load a router started after
+	// it may bind later than that.
+	deferred bool
 	// ownHosts gives replica i an address of its own, 127.0.0.<10+i>, as
 	// pods have theirs: its URL and llm-d topic name it, and every
 	// replica binds its replay socket on the same port of its own host.
@@ -174,14 +180,16 @@ func startThirdParty(t testing.TB, o tpOptions) []*tpReplica {
 		r.cmd = exec.Command(bin, args...)
 		r.cmd.Env = append(os.Environ(), "POD_IP="+o.host(i))
 		r.cmd.Stdout, r.cmd.Stderr = r.log, r.log
-		if err := r.cmd.Start(); err != nil {
-			t.Fatal(err)
+		if !o.deferred {
+			r.launch(t)
 		}
-		t.Cleanup(r.stop)
 		return r
 	}
 	for i := 0; i < o.n; i++ {
 		out = append(out, start(i))
+	}
+	if o.deferred {
+		return out
 	}
 	for i, r := range out {
 		if !r.up(20 * time.Second) {
@@ -195,6 +203,27 @@ func startThirdParty(t testing.TB, o tpOptions) []*tpReplica {
 		}
 	}
 	return out
+}
+
+// launch starts the simulator.
+func (r *tpReplica) launch(t testing.TB) {
+	t.Helper()
+	if err := r.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(r.stop)
+}
+
+// launchThirdParty starts the simulators of a deferred startThirdParty
+// and waits until each answers.
+func launchThirdParty(t testing.TB, reps []*tpReplica) {
+	t.Helper()
+	for _, r := range reps {
+		r.launch(t)
+	}
+	for _, r := range reps {
+		r.waitUp(t)
+	}
 }
 
 func (r *tpReplica) stop() {
@@ -497,7 +526,7 @@ func TestThirdPartyPreciseOutOfTheBox(t *testing.T) {
 // events is kept (its predictions agree with what it reports), and no
 // request fails.
 func TestThirdPartyBrokenTokenizeAndRestart(t *testing.T) {
-	reps := startThirdParty(t, tpOptions{n: 4, events: true})
+	reps := startThirdParty(t, tpOptions{n: 4, events: true, deferred: true})
 	target := reps[0].url
 	broken := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 		if req.URL.Path == "/tokenize" {
@@ -513,6 +542,7 @@ func TestThirdPartyBrokenTokenizeAndRestart(t *testing.T) {
 	// The broken replica's events come with its own topic (its real port).
 	yaml = strings.Replace(yaml, "      listen: "+reps[0].listen+"\n", "      listen: "+reps[0].listen+fmt.Sprintf("\n      topic: kv@127.0.0.1:%d@\n", reps[0].port), 1)
 	r := startRouterYAML(t, yaml)
+	launchThirdParty(t, reps)
 	waitBudgets(t, r, 4, 768*16)
 	waitEventsConnected(t, r, reps)
 	work := tpWork(200)
