@@ -6,13 +6,13 @@ import (
 	"fmt"
 	"net"
 	"net/url"
-	"strconv"
 	"strings"
 	"time"
 
 	"github.com/semroute/semroute/blockhash"
 	"github.com/semroute/semroute/cachemodel"
 	"github.com/semroute/semroute/eviction"
+	"github.com/semroute/semroute/kvevents"
 	"github.com/semroute/semroute/replica"
 	"github.com/semroute/semroute/routing"
 )
@@ -494,15 +494,8 @@ func (k KVEventsConfig) check(errs *fieldErrors) {
 // its rank, so with vLLM's defaults (5557 and 5558) rank 1's events port
 // is rank 0's replay port.
 func (k KVEventsConfig) checkRanks(n int, errs *fieldErrors) {
-	port := func(addr string) int {
-		rest, ok := strings.CutPrefix(addr, "tcp://")
-		if !ok {
-			return 0
-		}
-		p, _ := strconv.Atoi(rest[strings.LastIndex(rest, ":")+1:])
-		return p
-	}
-	ev, rep := port(cmp.Or(k.Endpoint, k.Listen)), port(k.ReplayEndpoint)
+	_, ev, _ := kvevents.TCPPort(cmp.Or(k.Endpoint, k.Listen))
+	_, rep, _ := kvevents.TCPPort(k.ReplayEndpoint)
 	if n > 1 && ev > 0 && rep > 0 && ev < rep+n && rep < ev+n {
 		errs.add("kv_events.replay_endpoint", fmt.Sprintf("port %d meets the events ports %d-%d of %d data-parallel ranks (each rank's ports are its rank higher, as vLLM offsets them): put the replay port %d or more away",
 			rep, ev, ev+n-1, n, n))

@@ -2,9 +2,10 @@ package replica
 
 import (
 	"fmt"
-	"net"
 	"strconv"
 	"strings"
+
+	"github.com/semroute/semroute/kvevents"
 )
 
 // HeaderDataParallelRank is the header vLLM's OpenAI server reads to send
@@ -90,26 +91,9 @@ func (k KVEvents) resolve(rawURL string) KVEvents {
 // ofRank is the events of rank k of an engine whose rank 0 publishes at
 // k's addresses: each port offset by k, only rank k's batches followed.
 func (k KVEvents) ofRank(rank int) KVEvents {
-	k.Endpoint = offsetPort(k.Endpoint, rank)
-	k.ReplayEndpoint = offsetPort(k.ReplayEndpoint, rank)
-	k.Listen = offsetPort(k.Listen, rank)
+	k.Endpoint = kvevents.RankEndpoint(k.Endpoint, rank)
+	k.ReplayEndpoint = kvevents.RankEndpoint(k.ReplayEndpoint, rank)
+	k.Listen = kvevents.RankEndpoint(k.Listen, rank)
 	k.DataParallelRank = rank
 	return k
-}
-
-// offsetPort adds k to the port of a tcp:// ZeroMQ address, and appends
-// "_dp<k>" to an ipc:// one, as vLLM does for data-parallel ranks; "" and
-// rank 0 are left alone.
-func offsetPort(addr string, k int) string {
-	if addr == "" || k == 0 {
-		return addr
-	}
-	if rest, ok := strings.CutPrefix(addr, "tcp://"); ok {
-		host, port, err := net.SplitHostPort(rest)
-		if p, perr := strconv.Atoi(port); err == nil && perr == nil {
-			return "tcp://" + net.JoinHostPort(host, strconv.Itoa(p+k))
-		}
-		return addr // left to the subscriber to refuse
-	}
-	return addr + "_dp" + strconv.Itoa(k)
 }

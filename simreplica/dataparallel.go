@@ -12,6 +12,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/semroute/semroute/kvevents"
 )
 
 // HeaderDataParallelRank names the rank a request goes to, as vLLM's
@@ -47,7 +49,7 @@ func NewDataParallel(o Options, size int) (*DataParallel, error) {
 		ro.DataParallelRank, ro.DataParallelSize = k, size
 		if o.KVEvents != nil {
 			ev := *o.KVEvents
-			ev.Endpoint, ev.Connect, ev.ReplayEndpoint = offsetPort(ev.Endpoint, k), offsetPort(ev.Connect, k), offsetPort(ev.ReplayEndpoint, k)
+			ev.Endpoint, ev.Connect, ev.ReplayEndpoint = kvevents.RankEndpoint(ev.Endpoint, k), kvevents.RankEndpoint(ev.Connect, k), kvevents.RankEndpoint(ev.ReplayEndpoint, k)
 			ro.KVEvents = &ev
 		}
 		s, err := New(ro)
@@ -112,24 +114,6 @@ func (d *DataParallel) Close() error {
 		errs = append(errs, s.Close())
 	}
 	return errors.Join(errs...)
-}
-
-// offsetPort is a ZeroMQ address of rank k: a tcp:// port k higher (0,
-// a free port, stays 0), an ipc:// path with "_dp<k>" appended, as vLLM's
-// ZmqEventPublisher.offset_endpoint_port makes it.
-func offsetPort(addr string, k int) string {
-	if addr == "" || k == 0 {
-		return addr
-	}
-	if rest, ok := strings.CutPrefix(addr, "tcp://"); ok {
-		host, port, err := net.SplitHostPort(rest)
-		p, perr := strconv.Atoi(port)
-		if err != nil || perr != nil || p == 0 {
-			return addr
-		}
-		return "tcp://" + net.JoinHostPort(host, strconv.Itoa(p+k))
-	}
-	return addr + "_dp" + strconv.Itoa(k)
 }
 
 // RunningDataParallel is a data-parallel engine serving on a socket.

@@ -198,12 +198,7 @@ func newSim() *cobra.Command {
 			if pub, rep := r.KVEventsEndpoints(); pub != "" {
 				fmt.Fprintf(cmd.OutOrStdout(), "KV events published at %s (replay %s)\n", pub, rep)
 			}
-			ctx, stop := signalContext()
-			defer stop()
-			<-ctx.Done()
-			sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			defer cancel()
-			return errors.Join(r.Shutdown(sctx), r.Server.Close())
+			return serveUntilSignal(r.Shutdown, r.Server.Close)
 		},
 	}
 	f := cmd.Flags()
@@ -240,12 +235,18 @@ func runSimRanks(cmd *cobra.Command, o simreplica.Options, size int, listen stri
 			fmt.Fprintf(cmd.OutOrStdout(), "rank %d: KV events published at %s (replay %s)\n", k, pub, rep)
 		}
 	}
+	return serveUntilSignal(r.Shutdown, r.Close)
+}
+
+// serveUntilSignal waits for a signal, then stops a simulated replica:
+// shutdown given 10 s to finish what is in flight, then closeKV.
+func serveUntilSignal(shutdown func(context.Context) error, closeKV func() error) error {
 	ctx, stop := signalContext()
 	defer stop()
 	<-ctx.Done()
 	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	return errors.Join(r.Shutdown(sctx), r.Close())
+	return errors.Join(shutdown(sctx), closeKV())
 }
 
 func newVersion() *cobra.Command {

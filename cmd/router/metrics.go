@@ -1,13 +1,13 @@
 package main
 
 import (
-	"regexp"
 	"runtime"
 	"runtime/debug"
 	"strconv"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/mod/module"
 
 	"github.com/semroute/semroute/decisionlog"
 	"github.com/semroute/semroute/monitor"
@@ -116,8 +116,8 @@ func stamp(ldVersion, ldCommit string, bi *debug.BuildInfo) (ver, commit string)
 				}
 			}
 		}
-		if commit == "" {
-			commit = pseudoRevision(bi.Main.Version)
+		if commit == "" && module.IsPseudoVersion(bi.Main.Version) {
+			commit, _ = module.PseudoVersionRev(bi.Main.Version)
 		}
 	}
 	if ver == "" {
@@ -127,20 +127,6 @@ func stamp(ldVersion, ldCommit string, bi *debug.BuildInfo) (ver, commit string)
 		commit = "unknown"
 	}
 	return ver, commit
-}
-
-// pseudoRev matches a pseudo-version's tail: the commit's UTC time
-// (yyyymmddhhmmss) and its 12-hex-digit revision prefix, before any
-// +incompatible or +dirty.
-var pseudoRev = regexp.MustCompile(`[-.][0-9]{14}-([0-9a-f]{12})(\+.*)?$`)
-
-// pseudoRevision returns the revision prefix in a pseudo-version
-// (v0.0.0-20260102150405-abcdef123456), or "" for a release version.
-func pseudoRevision(v string) string {
-	if m := pseudoRev.FindStringSubmatch(v); m != nil {
-		return m[1]
-	}
-	return ""
 }
 
 // registerOps registers the process-level metrics: replicas, the decision

@@ -66,25 +66,22 @@ func (m meta) labels() map[string]string {
 	return l
 }
 
-type platform struct{ os, arch, variant string }
-
-func (p platform) String() string { return p.os + "/" + p.arch }
-
-func parsePlatform(s string) (platform, error) {
+// parsePlatform reads "os/arch", one of the platforms built.
+func parsePlatform(s string) (v1.Platform, error) {
 	goos, arch, ok := strings.Cut(s, "/")
 	if !ok || goos != "linux" || (arch != "amd64" && arch != "arm64") {
-		return platform{}, fmt.Errorf("platform %q: linux/amd64 and linux/arm64 are built", s)
+		return v1.Platform{}, fmt.Errorf("platform %q: linux/amd64 and linux/arm64 are built", s)
 	}
-	p := platform{os: goos, arch: arch}
+	p := v1.Platform{OS: goos, Architecture: arch}
 	if arch == "arm64" {
-		p.variant = "v8" // as Docker and the distroless images label arm64
+		p.Variant = "v8" // as Docker and the distroless images label arm64
 	}
 	return p, nil
 }
 
 // binary is the router built for one platform.
 type binary struct {
-	platform platform
+	platform v1.Platform
 	data     []byte
 }
 
@@ -102,8 +99,7 @@ func buildIndex(m meta, bins []binary) (v1.ImageIndex, error) {
 			return nil, fmt.Errorf("%s: %w", b.platform, err)
 		}
 		p := b.platform
-		idx = mutate.AppendManifests(idx, mutate.IndexAddendum{Add: img, Descriptor: v1.Descriptor{
-			Platform: &v1.Platform{OS: p.os, Architecture: p.arch, Variant: p.variant}}})
+		idx = mutate.AppendManifests(idx, mutate.IndexAddendum{Add: img, Descriptor: v1.Descriptor{Platform: &p}})
 	}
 	return mutate.Annotations(idx, m.labels()).(v1.ImageIndex), nil
 }
@@ -121,7 +117,7 @@ func buildImage(m meta, base v1.Layer, b binary) (v1.Image, error) {
 		mutate.Addendum{Layer: base, History: v1.History{Created: created,
 			CreatedBy: "ociimage: /etc/passwd and /etc/group (nonroot 65532), /tmp"}},
 		mutate.Addendum{Layer: app, History: v1.History{Created: created,
-			CreatedBy: fmt.Sprintf("CGO_ENABLED=0 GOOS=%s GOARCH=%s go build -trimpath -buildvcs=false -ldflags '%s' -o /router", b.platform.os, b.platform.arch, ldflags(m))}})
+			CreatedBy: fmt.Sprintf("CGO_ENABLED=0 GOOS=%s GOARCH=%s go build -trimpath -buildvcs=false -ldflags '%s' -o /router", b.platform.OS, b.platform.Architecture, ldflags(m))}})
 	if err != nil {
 		return nil, err
 	}
@@ -130,7 +126,7 @@ func buildImage(m meta, base v1.Layer, b binary) (v1.Image, error) {
 		return nil, err
 	}
 	cf = cf.DeepCopy()
-	cf.OS, cf.Architecture, cf.Variant = b.platform.os, b.platform.arch, b.platform.variant
+	cf.OS, cf.Architecture, cf.Variant = b.platform.OS, b.platform.Architecture, b.platform.Variant
 	cf.Created = created
 	exposed := map[string]struct{}{}
 	for _, p := range ports {

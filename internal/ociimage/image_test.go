@@ -205,8 +205,8 @@ func TestBuildEnvOverridesTheCallers(t *testing.T) {
 	if !slices.Equal(env, want) {
 		t.Fatalf("env %q, want %q", env, want)
 	}
-	if p.variant != "v8" {
-		t.Fatalf("arm64 variant %q", p.variant)
+	if p.Variant != "v8" {
+		t.Fatalf("arm64 variant %q", p.Variant)
 	}
 	for _, bad := range []string{"linux", "windows/amd64", "linux/riscv64", ""} {
 		if _, err := parsePlatform(bad); err == nil {

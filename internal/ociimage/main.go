@@ -15,6 +15,7 @@ package main
 import (
 	"flag"
 	"fmt"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"io"
 	"os"
 	"os/exec"
@@ -50,7 +51,7 @@ func main() {
 type options struct {
 	out, binDir, pkg string
 	meta             meta
-	platforms        []platform
+	platforms        []v1.Platform
 }
 
 // A token safe inside -ldflags and a label: no spaces or quotes.
@@ -81,7 +82,7 @@ func (o *options) parse(platforms, epoch string) error {
 func run(o options, w io.Writer) error {
 	var bins []binary
 	for _, p := range o.platforms {
-		path := filepath.Join(o.binDir, "router-"+p.os+"-"+p.arch)
+		path := filepath.Join(o.binDir, "router-"+p.OS+"-"+p.Architecture)
 		fmt.Fprintf(w, "go build %s for %s\n", o.pkg, p)
 		if err := goBuild(o.pkg, path, p, o.meta); err != nil {
 			return err
@@ -112,7 +113,7 @@ func ldflags(m meta) string {
 // the caller's would change the binary); -buildvcs=false leaves out the
 // checkout's state (untracked files would mark it modified), the commit
 // being given by -ldflags instead.
-func goBuild(pkg, out string, p platform, m meta) error {
+func goBuild(pkg, out string, p v1.Platform, m meta) error {
 	cmd := exec.Command("go", "build", "-trimpath", "-buildvcs=false", "-ldflags", ldflags(m), "-o", out, pkg)
 	cmd.Env = buildEnv(os.Environ(), p)
 	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
@@ -122,8 +123,8 @@ func goBuild(pkg, out string, p platform, m meta) error {
 	return nil
 }
 
-func buildEnv(env []string, p platform) []string {
-	set := map[string]string{"CGO_ENABLED": "0", "GOOS": p.os, "GOARCH": p.arch,
+func buildEnv(env []string, p v1.Platform) []string {
+	set := map[string]string{"CGO_ENABLED": "0", "GOOS": p.OS, "GOARCH": p.Architecture,
 		"GOAMD64": "v1", "GOARM64": "v8.0", "GOFLAGS": "-mod=readonly"}
 	out := make([]string, 0, len(env)+len(set))
 	for _, kv := range env {
